@@ -1,0 +1,262 @@
+"""Model and engine configuration.
+
+1. `ModelConfig.from_hf(config_dict)` reads a Hugging Face `config.json` dict (GGUF metadata is first
+   turned into the same kind of dict by `checkpoints.gguf`), checks every field that changes the
+   math against the families we support, and returns a frozen, hashable dataclass of architecture
+   numbers only, so it can be a static argument of `jax.jit`.
+2. Fields that would change the numerics but that we do not implement raise `UnsupportedConfigError`
+   naming the field; nothing is silently ignored.
+3. `EngineConfig` holds the runtime knobs (page size, number of pages, batching budgets, dtype).
+   The mesh is never part of `ModelConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+# NOTE: model_type -> family defaults. Every family here runs through `jaxinfer.models.llama`.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_tanh": "gelu_tanh",
+    "gelu": "gelu",
+}
+
+
+class UnsupportedConfigError(ValueError):
+    """A checkpoint's config asks for an architecture or feature jaxinfer does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters. `scaling` is a sorted tuple of (key, value) pairs."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    scaling: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return dict(self.scaling).get(key, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture numbers of a decoder-only transformer (hashable; usable as a jit static arg)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    activation: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" / "gelu" (GeGLU)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
+    norm_offset: float = 0.0  # Gemma: RMSNorm scales by (1 + w)
+    embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(hidden_size)
+    sandwich_norm: bool = False  # Gemma 2: extra norms after attention and after the MLP
+    query_pre_attn_scalar: float | None = None  # Gemma 2: sm_scale = scalar ** -0.5
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # Per layer: the sliding window (number of keys a query may see, itself included) or None.
+    layer_windows: tuple[int | None, ...] = ()
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def sm_scale(self) -> float:
+        if self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar) ** -0.5
+        return self.head_dim**-0.5
+
+    def num_params(self) -> int:
+        """Number of weights (embedding counted once when tied)."""
+        e, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.qkv_bias:
+            attn += d * (self.num_heads + 2 * self.num_kv_heads)
+        norms = e * (4 if self.sandwich_norm else 2) + (2 * d if self.qk_norm else 0)
+        layer = attn + 3 * e * f + norms
+        head = 0 if self.tie_word_embeddings else self.vocab_size * e
+        return self.vocab_size * e + self.num_layers * layer + e + head
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Builds a ModelConfig from a Hugging Face config.json dict; raises on anything unsupported."""
+        return _from_hf(hf)
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> ModelConfig:
+        with open(path) as f:
+            return cls.from_hf(json.load(f))
+
+
+def _require(hf: dict[str, Any], key: str) -> Any:
+    if key not in hf or hf[key] is None:
+        raise UnsupportedConfigError(f"config is missing required field {key!r}")
+    return hf[key]
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters` (theta inside); older configs write `rope_theta` and
+    # `rope_scaling`. Accept both.
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling")
+    if legacy:
+        params = {**dict(legacy), **params}
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedConfigError(
+            f"rope scaling type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+        )
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedConfigError("partial_rotary_factor != 1.0 is not supported")
+    params.pop("partial_rotary_factor", None)
+    if rope_type == "default":
+        params = {}
+    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                 "original_max_position_embeddings"),
+              "yarn": ("factor",)}.get(rope_type, ())
+    for key in needed:
+        if key not in params:
+            raise UnsupportedConfigError(f"rope scaling {rope_type!r} needs field {key!r}")
+    scaling = tuple(sorted((k, v) for k, v in params.items() if v is not None))
+    return RopeConfig(theta=theta, rope_type=rope_type, scaling=scaling)
+
+
+def _layer_windows(hf: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
+        return (None,) * num_layers
+    if model_type in ("llama", "gemma", "qwen3") and layer_types is None:
+        if model_type == "qwen3" and hf.get("use_sliding_window", False):
+            raise UnsupportedConfigError("qwen3 use_sliding_window=True is not supported")
+        return (None,) * num_layers
+    if layer_types is None:
+        if model_type == "gemma2":
+            # Gemma 2 alternates: even layers sliding, odd layers global.
+            layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                           for i in range(num_layers)]
+        else:
+            layer_types = ["sliding_attention" if window else "full_attention"] * num_layers
+    if len(layer_types) != num_layers:
+        raise UnsupportedConfigError(
+            f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    windows = []
+    for i, kind in enumerate(layer_types):
+        if kind == "full_attention":
+            windows.append(None)
+        elif kind == "sliding_attention":
+            if not window:
+                raise UnsupportedConfigError(f"layer {i} is sliding_attention but sliding_window is unset")
+            windows.append(int(window))
+        else:
+            raise UnsupportedConfigError(f"layer_types[{i}] = {kind!r} is not supported")
+    return tuple(windows)
+
+
+def _from_hf(hf: dict[str, Any]) -> ModelConfig:
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        archs = hf.get("architectures")
+        raise UnsupportedConfigError(
+            f"unsupported architecture model_type={model_type!r} (architectures={archs}); "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    hidden = int(_require(hf, "hidden_size"))
+    heads = int(_require(hf, "num_attention_heads"))
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise UnsupportedConfigError(
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    num_layers = int(_require(hf, "num_hidden_layers"))
+    gemma = model_type in ("gemma", "gemma2")
+
+    act_name = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if gemma and act_name == "gelu":
+        act_name = "gelu_pytorch_tanh"  # HF Gemma uses the tanh approximation whatever config says
+    if act_name not in SUPPORTED_ACTIVATIONS:
+        raise UnsupportedConfigError(f"hidden_act {act_name!r} is not supported")
+    if hf.get("mlp_bias"):
+        raise UnsupportedConfigError("mlp_bias=True is not supported")
+    if model_type in ("llama", "mistral", "qwen3") and hf.get("pretraining_tp", 1) not in (1, None):
+        raise UnsupportedConfigError("pretraining_tp != 1 is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise UnsupportedConfigError("use_bidirectional_attention=True is not supported")
+
+    attention_bias = bool(hf.get("attention_bias", False))
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=int(_require(hf, "vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(_require(hf, "intermediate_size")),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_hf(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+        activation=SUPPORTED_ACTIVATIONS[act_name],
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        o_bias=attention_bias and model_type not in ("qwen2",),
+        qk_norm=model_type == "qwen3",
+        norm_offset=1.0 if gemma else 0.0,
+        embed_scale=gemma,
+        sandwich_norm=model_type == "gemma2",
+        query_pre_attn_scalar=(float(hf["query_pre_attn_scalar"])
+                               if model_type == "gemma2" and hf.get("query_pre_attn_scalar")
+                               else None),
+        attn_logit_softcap=(float(hf["attn_logit_softcapping"])
+                            if hf.get("attn_logit_softcapping") else None),
+        final_logit_softcap=(float(hf["final_logit_softcapping"])
+                             if hf.get("final_logit_softcapping") else None),
+        layer_windows=_layer_windows(hf, model_type, num_layers),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Runtime knobs: memory layout and batching budgets (not architecture)."""
+
+    dtype: str = "float32"
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_memory: int | None = None  # bytes; used when num_pages is None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return math.ceil(num_tokens / page_size)

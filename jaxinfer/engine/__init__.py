@@ -1,0 +1,1 @@
+"""The engine: host-side request/page/scheduling policy (no JAX) and the device-side runner."""

@@ -1,0 +1,116 @@
+"""`Request`: one generation's host-side state, owned by the scheduler (no JAX).
+
+1. The engine builds a `Request` (status WAITING) from a prompt and its `SamplingParams` and hands
+   it to `Scheduler.add_request`.
+2. The scheduler moves it between WAITING and RUNNING and advances `num_computed_tokens` (tokens
+   whose K/V are in the cache) towards `num_tokens` (prompt + outputs). There is no prefill or
+   decode phase: a request whose computed tokens lag far behind is "prefilling", one that lags by
+   exactly one token (the last sampled one) is "decoding".
+3. Each sampled token is appended to `output_token_ids`; when a stop condition fires the status
+   becomes one of the FINISHED_* values, `finish_reason` is set and the pages are released.
+
+NOTE: `prompt_token_ids` and `output_token_ids` only ever grow at the end (outputs), so any hash
+of a leading page of `all_token_ids` stays valid for the request's lifetime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxinfer.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+)
+
+# finish_reason (the OpenAI word) -> terminal status
+FINISH_REASONS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A prompt, how to sample it, and how far it has got.
+
+    `priority`: lower values are served first, then earlier `arrival_time`.
+    `num_cached_tokens`: prompt tokens served from the prefix cache when first admitted.
+    `page_ids`: the page table; page i holds the K/V of tokens [i*page_size, (i+1)*page_size).
+    `page_hashes`: prefix-cache chain state of the current page table (see `PageAllocator`); it
+    is cleared whenever the page table is released.
+    `stop_reason`: the stop token id or stop string that finished it (None for EOS or length).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    priority: int = 0
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    page_ids: list[int] = dataclasses.field(default_factory=list)
+    page_hashes: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"Request.request_id must be a non-empty str, got {self.request_id!r}")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.eos_token_ids = tuple(self.eos_token_ids)
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(
+                f"Request {self.request_id!r}: sampling must be SamplingParams, "
+                f"got {type(self.sampling).__name__}"
+            )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs (a new list on every call)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """`all_token_ids[start:stop]` without concatenating the whole sequence."""
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

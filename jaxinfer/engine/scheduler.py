@@ -1,0 +1,348 @@
+"""`Scheduler`: continuous batching on the host (vLLM v1 style; no JAX).
+
+Each engine step is `out = scheduler.schedule()` -> `runner.execute(out)` -> `scheduler.update(out,
+runner_output)`. There are no prefill/decode phases: every request has `num_computed_tokens`
+catching up to `num_tokens`, and one loop decides how many of its tokens to compute this step.
+
+1. Budgets: at most `max_num_batched_tokens` tokens and `max_num_seqs` running requests per step.
+2. Running requests first, in (priority, arrival) order: each gets min(tokens left to compute,
+   token budget) tokens (capped by `long_prefill_token_threshold`), i.e. 1 for a decode and the
+   next chunk for a request still mid-prefill. Pages are allocated to cover them; if there are
+   too few, the last running request (lowest priority, newest) is preempted - pages freed,
+   `num_computed_tokens` reset to 0, outputs kept, put at the front of the waiting queue - and
+   the allocation retried. If the request itself is the last one, it is preempted and the loop
+   stops. A resumed request recomputes prompt + outputs as one long prefill, then continues.
+3. Then, if nothing was preempted, waiting requests (preempted ones first, then by (priority,
+   arrival)) are admitted while budgets and pages allow: a prefix-cache match skips the cached
+   leading pages (not for `prompt_logprobs` requests, which need every position computed), the
+   rest is chunked to the token budget, pages are allocated. The first request that does not
+   fit stops admission (strict order, no preemption to admit).
+4. `scheduled` lists decodes first, then prefill chunks.
+5. `update` advances `num_computed_tokens`, registers newly full pages in the prefix cache,
+   appends sampled tokens and applies the stop rules (stop_token_ids / EOS, then max_tokens,
+   then max_model_len). Finished requests free their pages at once and are reported in the next
+   `SchedulerOutput.finished`.
+
+NOTE: `add_request` rejects a request whose K/V could never fit in the whole cache, so the
+oldest running request can always make progress and preemption cannot livelock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import itertools
+from typing import Any
+
+from jaxinfer.engine.page_allocator import PageAllocator
+from jaxinfer.engine.request import FINISH_REASONS, Request, RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    request: Request
+    token_ids: list[int]  # all_token_ids[start_pos : start_pos + len(token_ids)]
+    start_pos: int  # num_computed_tokens before this step
+    page_ids: list[int]  # the whole page table (a copy), covering start_pos + len(token_ids)
+    sample: bool  # the chunk reaches the end of the known tokens: sample one new token
+
+    @property
+    def is_decode(self) -> bool:
+        return (
+            self.sample
+            and len(self.token_ids) == 1
+            and self.start_pos >= self.request.num_prompt_tokens
+        )
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    # NOTE: decodes (1 token, sample=True, past the prompt) first, then prefill chunks.
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted: list[str]  # request ids preempted this step: drop their per-request state
+    finished: list[str]  # request ids finished or aborted since the last schedule()
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if s.is_decode)
+
+
+@dataclasses.dataclass
+class RunnerOutput:
+    sampled_token_ids: dict[str, int]  # every scheduled request with sample=True
+    logprobs: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed through
+    prompt_logprobs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class RequestUpdate:
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        long_prefill_token_threshold: int | None = None,
+    ):
+        for name, v in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_model_len", max_model_len),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if long_prefill_token_threshold is not None and long_prefill_token_threshold < 1:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 1 or None, got {long_prefill_token_threshold}"
+            )
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._order: dict[str, tuple[int, float, int]] = {}  # id -> (priority, arrival, seq)
+        self._seq = itertools.count()
+        self._running: list[Request] = []  # sorted by _order
+        self._waiting: list[Request] = []  # sorted by _order
+        self._preempted: collections.deque[Request] = collections.deque()  # resume first
+        self._finished_ids: list[str] = []
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + len(self._preempted)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._requests.get(request_id)
+
+    def add_request(self, req: Request) -> None:
+        rid = req.request_id
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} is already scheduled")
+        if req.status is not RequestStatus.WAITING or req.output_token_ids or req.page_ids:
+            raise ValueError(f"request {rid!r} is not a fresh WAITING request")
+        if not req.prompt_token_ids:
+            raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
+        if any(not isinstance(t, int) or t < 0 for t in req.prompt_token_ids):
+            raise ValueError(f"request {rid!r}: prompt_token_ids must be non-negative ints")
+        total = req.num_prompt_tokens + req.sampling.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt length {req.num_prompt_tokens} + max_tokens "
+                f"{req.sampling.max_tokens} = {total} exceeds max_model_len {self.max_model_len}"
+            )
+        # The last sampled token is never computed, so at most total - 1 tokens hold K/V.
+        pages = _cdiv(total - 1, self.allocator.page_size)
+        if pages > self.allocator.num_usable_pages:
+            raise ValueError(
+                f"request {rid!r}: prompt length {req.num_prompt_tokens} + max_tokens "
+                f"{req.sampling.max_tokens} needs {pages} KV-cache pages, the cache has "
+                f"{self.allocator.num_usable_pages}"
+            )
+        self._requests[rid] = req
+        self._order[rid] = (req.priority, req.arrival_time, next(self._seq))
+        bisect.insort(self._waiting, req, key=self._key)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort an unfinished request, freeing its pages at once. False if unknown/finished."""
+        if request_id not in self._requests:
+            return False
+        self._finish(self._requests[request_id], "abort")
+        return True
+
+    def finish(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> bool:
+        """Finish a request from outside (a stop string matched: reason "stop"), freeing its pages.
+
+        Returns False, changing nothing, for an unknown or already finished request.
+        NOTE: a request can finish in `update` (e.g. by length) on the very token that completes
+        a stop string; the engine then relabels the `Request` itself - it is a plain object.
+        """
+        if reason not in FINISH_REASONS:
+            raise ValueError(
+                f"finish reason must be one of {sorted(FINISH_REASONS)}, got {reason!r}"
+            )
+        if request_id not in self._requests:
+            return False
+        self._finish(self._requests[request_id], reason, stop_reason)
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        page_size = self.allocator.page_size
+
+        i = 0
+        while i < len(self._running) and token_budget > 0:
+            req = self._running[i]
+            n = self._num_new_tokens(req, token_budget)
+            need = _cdiv(req.num_computed_tokens + n, page_size) - len(req.page_ids)
+            while need > self.allocator.num_free_pages:
+                victim = self._running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            self._schedule_tokens(req, n, need, scheduled)
+            token_budget -= n
+            i += 1
+
+        while not preempted and token_budget > 0 and len(self._running) < self.max_num_seqs:
+            if not (self._preempted or self._waiting):
+                break
+            req = self._preempted[0] if self._preempted else self._waiting[0]
+            cached: list[int] = []
+            if self.allocator.enable_prefix_caching and req.sampling.prompt_logprobs is None:
+                cached = self.allocator.match_prefix(req.all_token_ids, req.page_hashes)
+            start = len(cached) * page_size
+            n = min(req.num_tokens - start, token_budget)
+            if self.long_prefill_token_threshold is not None:
+                n = min(n, self.long_prefill_token_threshold)
+            need = _cdiv(start + n, page_size) - len(cached)
+            if need > self.allocator.num_free_pages:
+                self.allocator.free(cached)
+                req.page_hashes.clear()
+                break
+            if req.num_preemptions:
+                self._preempted.popleft()
+            else:
+                self._waiting.pop(0)
+                req.num_cached_tokens = start
+            req.page_ids = cached
+            req.num_computed_tokens = start
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self._running, req, key=self._key)
+            self._schedule_tokens(req, n, need, scheduled)
+            token_budget -= n
+
+        scheduled.sort(key=lambda s: not s.is_decode)  # stable: decodes first
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.max_num_batched_tokens - token_budget,
+            preempted=preempted,
+            finished=finished,
+        )
+
+    def update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestUpdate]:
+        """Apply one step's runner output. Requests aborted/finished since `schedule` are skipped."""
+        updates: list[RequestUpdate] = []
+        for s in sched.scheduled:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            if req.num_computed_tokens != s.start_pos:
+                raise RuntimeError(
+                    f"request {req.request_id!r}: update for start_pos {s.start_pos} but "
+                    f"{req.num_computed_tokens} tokens are computed (update applied twice?)"
+                )
+            req.num_computed_tokens += len(s.token_ids)
+            self._register_pages(req)
+            if not s.sample:
+                continue
+            try:
+                token = out.sampled_token_ids[req.request_id]
+            except KeyError:
+                raise KeyError(f"runner returned no sampled token for {req.request_id!r}") from None
+            req.output_token_ids.append(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self._finish(req, *reason)
+            updates.append(RequestUpdate(req, [token], req.is_finished))
+        return updates
+
+    def _key(self, req: Request) -> tuple[int, float, int]:
+        return self._order[req.request_id]
+
+    def _num_new_tokens(self, req: Request, token_budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, token_budget)
+        if self.long_prefill_token_threshold is not None:
+            n = min(n, self.long_prefill_token_threshold)
+        if n < 1:
+            raise RuntimeError(f"running request {req.request_id!r} has nothing to compute")
+        return n
+
+    def _schedule_tokens(
+        self, req: Request, n: int, need: int, scheduled: list[ScheduledRequest]
+    ) -> None:
+        if need > 0:
+            req.page_ids.extend(self.allocator.allocate(need))
+        start = req.num_computed_tokens
+        scheduled.append(
+            ScheduledRequest(
+                request=req,
+                token_ids=req.token_slice(start, start + n),
+                start_pos=start,
+                page_ids=list(req.page_ids),
+                sample=start + n == req.num_tokens,
+            )
+        )
+
+    def _register_pages(self, req: Request) -> None:
+        alloc = self.allocator
+        if alloc.enable_prefix_caching and req.num_computed_tokens // alloc.page_size > len(
+            req.page_hashes
+        ):
+            alloc.register_full_pages(
+                req.all_token_ids, req.page_ids, req.num_computed_tokens, req.page_hashes
+            )
+
+    def _release_pages(self, req: Request) -> None:
+        self.allocator.free(req.page_ids)
+        req.page_ids = []
+        req.page_hashes.clear()
+        req.num_computed_tokens = 0
+
+    def _preempt(self, req: Request) -> None:
+        self._running.remove(req)
+        self._release_pages(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self._preempted.appendleft(req)
+
+    def _finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self._running.remove(req)
+        elif req in self._preempted:
+            self._preempted.remove(req)
+        else:
+            self._waiting.remove(req)
+        self._release_pages(req)
+        req.status, req.finish_reason, req.stop_reason = FINISH_REASONS[reason], reason, stop_reason
+        del self._requests[req.request_id]
+        del self._order[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    def _stop_reason(self, req: Request, token: int) -> tuple[str, int | None] | None:
+        sp = req.sampling
+        if req.num_output_tokens >= sp.min_tokens:
+            if sp.stop_token_ids and token in sp.stop_token_ids:
+                return "stop", token
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return "stop", None
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length", None
+        return None

@@ -1,0 +1,294 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, SmolLM2.
+
+One decoder, switched by `ModelConfig` fields (QKV bias, QK-norm, (1+w) norms, embedding scale,
+GeGLU, sandwich norms, soft-caps, per-layer sliding windows).
+
+1. `param_specs(cfg, dtype)` declares every weight once (shape, dtype, logical axes). Linear
+   weights are stored `[in, out]` (split per head where heads matter) so no weight is transposed
+   inside the jitted step (see ARCHITECTURE.md §6).
+2. `params_from_hf(cfg, names, get_tensor, dtype)` maps Hugging Face tensor names onto that tree,
+   raising on missing, unexpected or mis-shaped tensors.
+3. `forward(params, cfg, step, kv_caches)` runs the ragged step: embed → layers (attention over the
+   paged cache, gated MLP) → final norm → logits only at `step.logits_indices`.
+
+Einsum legend: t = token, e = embed, h = query head, k = KV head, d = head_dim, v = vocab.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxinfer import layers
+from jaxinfer.attention import attention
+from jaxinfer.config import ModelConfig
+from jaxinfer.params import ParamSpec, checked_array, map_specs
+from jaxinfer.step import StepInputs
+
+
+@struct.dataclass
+class AttentionParams:
+    q: Any  # [E, Hq, D]
+    k: Any  # [E, Hkv, D]
+    v: Any  # [E, Hkv, D]
+    o: Any  # [Hq, D, E]
+    q_bias: Any = None  # [Hq, D]
+    k_bias: Any = None  # [Hkv, D]
+    v_bias: Any = None  # [Hkv, D]
+    o_bias: Any = None  # [E]
+    q_norm: Any = None  # [D]
+    k_norm: Any = None  # [D]
+
+
+@struct.dataclass
+class MLPParams:
+    gate: Any  # [E, F]
+    up: Any  # [E, F]
+    down: Any  # [F, E]
+
+
+@struct.dataclass
+class LayerParams:
+    attn_norm: Any  # [E]
+    attn: AttentionParams
+    mlp_norm: Any  # [E]
+    mlp: MLPParams
+    post_attn_norm: Any = None  # [E] Gemma 2
+    post_mlp_norm: Any = None  # [E] Gemma 2
+
+
+@struct.dataclass
+class Params:
+    embed: Any  # [V, E]
+    layers: tuple[LayerParams, ...]
+    final_norm: Any  # [E]
+    lm_head: Any = None  # [E, V]; None when tied to the embedding
+
+
+def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
+    """Every weight declared once: shape, dtype, logical axes, init."""
+    e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    hq, hkv, v = cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
+    # Gemma's norms multiply by (1 + w): a neutral init is zeros there, ones elsewhere.
+    norm_init = "zeros" if cfg.norm_offset else "ones"
+
+    def w(shape, axes, scale=0.02):
+        return ParamSpec(tuple(shape), dtype, tuple(axes), "normal", scale)
+
+    def norm(size, axis="norm"):
+        return ParamSpec((size,), dtype, (axis,), norm_init)
+
+    def layer() -> LayerParams:
+        attn = AttentionParams(
+            q=w((e, hq, d), ("embed", "q_heads", "head_dim")),
+            k=w((e, hkv, d), ("embed", "kv_heads", "head_dim")),
+            v=w((e, hkv, d), ("embed", "kv_heads", "head_dim")),
+            o=w((hq, d, e), ("q_heads", "head_dim", "embed")),
+            q_bias=w((hq, d), ("q_heads", "head_dim")) if cfg.qkv_bias else None,
+            k_bias=w((hkv, d), ("kv_heads", "head_dim")) if cfg.qkv_bias else None,
+            v_bias=w((hkv, d), ("kv_heads", "head_dim")) if cfg.qkv_bias else None,
+            o_bias=w((e,), ("embed",)) if cfg.o_bias else None,
+            q_norm=norm(d, "head_dim") if cfg.qk_norm else None,
+            k_norm=norm(d, "head_dim") if cfg.qk_norm else None,
+        )
+        mlp = MLPParams(gate=w((e, f), ("embed", "mlp")), up=w((e, f), ("embed", "mlp")),
+                        down=w((f, e), ("mlp", "embed")))
+        return LayerParams(
+            attn_norm=norm(e), attn=attn, mlp_norm=norm(e), mlp=mlp,
+            post_attn_norm=norm(e) if cfg.sandwich_norm else None,
+            post_mlp_norm=norm(e) if cfg.sandwich_norm else None,
+        )
+
+    return Params(
+        embed=w((v, e), ("vocab", "embed")),
+        layers=tuple(layer() for _ in range(cfg.num_layers)),
+        final_norm=norm(e),
+        lm_head=None if cfg.tie_word_embeddings else w((e, v), ("embed", "vocab")),
+    )
+
+
+def _hf_name_map(cfg: ModelConfig) -> dict[str, tuple[tuple, Callable[[np.ndarray], np.ndarray]]]:
+    """HF tensor name -> (path into Params, transform from the HF layout to ours)."""
+    e, d = cfg.hidden_size, cfg.head_dim
+    hq, hkv = cfg.num_heads, cfg.num_kv_heads
+
+    def heads_in(h):  # HF [h*d, e] -> ours [e, h, d]
+        return lambda x: x.T.reshape(e, h, d)
+
+    def heads_bias(h):
+        return lambda x: x.reshape(h, d)
+
+    def ident(x):
+        return x
+
+    out = {
+        "model.embed_tokens.weight": (("embed",), ident),
+        "model.norm.weight": (("final_norm",), ident),
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (("lm_head",), lambda x: x.T)
+    # Gemma 2 names its pre-MLP norm pre_feedforward_layernorm; the others call it post_attention_layernorm.
+    mlp_norm_name = "pre_feedforward_layernorm" if cfg.sandwich_norm else "post_attention_layernorm"
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        L = ("layers", i)
+        out.update({
+            p + "input_layernorm.weight": (L + ("attn_norm",), ident),
+            p + mlp_norm_name + ".weight": (L + ("mlp_norm",), ident),
+            p + "self_attn.q_proj.weight": (L + ("attn", "q"), heads_in(hq)),
+            p + "self_attn.k_proj.weight": (L + ("attn", "k"), heads_in(hkv)),
+            p + "self_attn.v_proj.weight": (L + ("attn", "v"), heads_in(hkv)),
+            p + "self_attn.o_proj.weight": (L + ("attn", "o"), lambda x: x.T.reshape(hq, d, e)),
+            p + "mlp.gate_proj.weight": (L + ("mlp", "gate"), lambda x: x.T),
+            p + "mlp.up_proj.weight": (L + ("mlp", "up"), lambda x: x.T),
+            p + "mlp.down_proj.weight": (L + ("mlp", "down"), lambda x: x.T),
+        })
+        if cfg.qkv_bias:
+            out[p + "self_attn.q_proj.bias"] = (L + ("attn", "q_bias"), heads_bias(hq))
+            out[p + "self_attn.k_proj.bias"] = (L + ("attn", "k_bias"), heads_bias(hkv))
+            out[p + "self_attn.v_proj.bias"] = (L + ("attn", "v_bias"), heads_bias(hkv))
+        if cfg.o_bias:
+            out[p + "self_attn.o_proj.bias"] = (L + ("attn", "o_bias"), ident)
+        if cfg.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (L + ("attn", "q_norm"), ident)
+            out[p + "self_attn.k_norm.weight"] = (L + ("attn", "k_norm"), ident)
+        if cfg.sandwich_norm:
+            out[p + "post_attention_layernorm.weight"] = (L + ("post_attn_norm",), ident)
+            out[p + "post_feedforward_layernorm.weight"] = (L + ("post_mlp_norm",), ident)
+    return out
+
+
+# Tensors some checkpoints carry that hold no weights of ours.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def _get_path(tree: Any, path: tuple) -> Any:
+    for key in path:
+        tree = tree[key] if isinstance(key, int) else getattr(tree, key)
+    return tree
+
+
+def _set_path(tree: Any, path: tuple, value: Any) -> Any:
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if isinstance(key, int):
+        items = list(tree)
+        items[key] = _set_path(items[key], rest, value)
+        return tuple(items)
+    return tree.replace(**{key: _set_path(getattr(tree, key), rest, value)})
+
+
+def params_from_hf(
+    cfg: ModelConfig,
+    names: Iterable[str],
+    get_tensor: Callable[[str], np.ndarray],
+    dtype: Any = jnp.float32,
+    put: Callable[[np.ndarray, ParamSpec], Any] | None = None,
+) -> Params:
+    """Fills the params tree from HF-named tensors; every mismatch raises naming the tensor.
+
+    `put(host_array, spec)` places each weight (e.g. `jax.device_put` onto its sharding).
+    """
+    put = put or (lambda x, spec: jnp.asarray(x))
+    specs = param_specs(cfg, dtype)
+    name_map = _hf_name_map(cfg)
+    names = list(names)
+    unexpected = [n for n in names if n not in name_map and not _IGNORED.match(n)
+                  and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    if unexpected:
+        raise ValueError(f"unexpected tensors in checkpoint for {cfg.model_type}: {unexpected[:8]}"
+                         + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
+    missing = [n for n in name_map if n not in set(names)]
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {missing[:8]}"
+                         + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    params = map_specs(lambda s: None, specs)
+    for name, (path, transform) in name_map.items():
+        spec = _get_path(specs, path)
+        raw = np.asarray(get_tensor(name))
+        try:
+            value = transform(raw)
+        except ValueError:
+            raise ValueError(f"tensor {name!r} has shape {raw.shape}, which does not fit {spec.shape}") from None
+        params = _set_path(params, path, put(checked_array(name, value, spec), spec))
+    return params
+
+
+def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x: jax.Array,
+                     step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array):
+    with jax.named_scope("qkv_proj"):
+        q = jnp.einsum("te,ehd->thd", x, p.q)
+        k = jnp.einsum("te,ehd->thd", x, p.k)
+        v = jnp.einsum("te,ehd->thd", x, p.v)
+        if cfg.qkv_bias:
+            q, k, v = q + p.q_bias, k + p.k_bias, v + p.v_bias
+    if cfg.qk_norm:
+        with jax.named_scope("qk_norm"):
+            q = layers.rms_norm(q, p.q_norm, cfg.rms_norm_eps, cfg.norm_offset)
+            k = layers.rms_norm(k, p.k_norm, cfg.rms_norm_eps, cfg.norm_offset)
+    with jax.named_scope("rope"):
+        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+    out, kv_cache = attention(q, k, v, kv_cache, step, sm_scale=cfg.sm_scale,
+                              sliding_window=window, soft_cap=cfg.attn_logit_softcap)
+    with jax.named_scope("o_proj"):
+        out = jnp.einsum("thd,hde->te", out, p.o)
+        if cfg.o_bias:
+            out = out + p.o_bias
+    return out, kv_cache
+
+
+def _decoder_layer(p: LayerParams, cfg: ModelConfig, window: int | None, h: jax.Array,
+                   step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array):
+    eps, off = cfg.rms_norm_eps, cfg.norm_offset
+    with jax.named_scope("attention"):
+        x = layers.rms_norm(h, p.attn_norm, eps, off)
+        x, kv_cache = _attention_block(p.attn, cfg, window, x, step, cos, sin, kv_cache)
+        if cfg.sandwich_norm:
+            x = layers.rms_norm(x, p.post_attn_norm, eps, off)
+        h = h + x
+    with jax.named_scope("mlp"):
+        x = layers.rms_norm(h, p.mlp_norm, eps, off)
+        x = layers.gated_mlp(x, p.mlp.gate, p.mlp.up, p.mlp.down, cfg.activation)
+        if cfg.sandwich_norm:
+            x = layers.rms_norm(x, p.post_mlp_norm, eps, off)
+        h = h + x
+    return h, kv_cache
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    step: StepInputs,
+    kv_caches: tuple[jax.Array, ...],  # per layer [P, page_size, 2*Hkv, D]
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Returns (logits f32[N, V] at step.logits_indices, updated kv_caches)."""
+    with jax.named_scope("embed"):
+        h = jnp.take(params.embed, step.token_ids, axis=0)
+        if cfg.embed_scale:
+            h = h * jnp.asarray(cfg.hidden_size**0.5, h.dtype)
+    with jax.named_scope("rope_tables"):
+        cos, sin = layers.rope_cos_sin(cfg, step.positions)
+    new_caches = []
+    for i, layer in enumerate(params.layers):
+        with jax.named_scope(f"layer_{i}"):
+            h, cache = _decoder_layer(layer, cfg, cfg.layer_windows[i], h, step, cos, sin, kv_caches[i])
+        new_caches.append(cache)
+    with jax.named_scope("logits"):
+        h = jnp.take(h, step.logits_indices, axis=0)
+        h = layers.rms_norm(h, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
+        if params.lm_head is None:
+            logits = jnp.einsum("te,ve->tv", h, params.embed)
+        else:
+            logits = jnp.einsum("te,ev->tv", h, params.lm_head)
+        logits = layers.soft_cap(logits.astype(jnp.float32), cfg.final_logit_softcap)
+    return logits, tuple(new_caches)
+
+
+forward_jit = jax.jit(forward, static_argnames=("cfg",), donate_argnames=("kv_caches",))

@@ -1,0 +1,84 @@
+"""Parameters declared once.
+
+1. A model describes every weight with a `ParamSpec` (shape, dtype, logical axis names, init) in a
+   pytree whose structure is the params tree itself (dataclasses of specs).
+2. From that one declaration we derive: the abstract tree (`abstract`), the sharding tree for a
+   mesh (`shardings`), random weights for tests (`init_random`), and checkpoint restore targets
+   (abstract + shardings).
+3. Loaders fill the same tree with arrays (`checked_array` verifies each against its spec).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import sharding as shd
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    dtype: Any
+    logical_axes: tuple[str | None, ...]
+    init: str = "normal"  # "normal" (std = scale) | "ones" | "zeros"
+    scale: float = 0.02
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != len(self.logical_axes):
+            raise ValueError(f"shape {self.shape} and logical axes {self.logical_axes} differ in rank")
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def map_specs(fn: Callable[[ParamSpec], Any], specs: Any) -> Any:
+    return jax.tree.map(fn, specs, is_leaf=is_spec)
+
+
+def abstract(specs: Any, mesh: jax.sharding.Mesh | None = None) -> Any:
+    """ShapeDtypeStruct tree (with shardings when a mesh is given): restore targets, eval_shape."""
+    if mesh is None:
+        return map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), specs)
+    return map_specs(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shd.named_sharding(mesh, s.logical_axes)),
+        specs,
+    )
+
+
+def shardings(specs: Any, mesh: jax.sharding.Mesh) -> Any:
+    return map_specs(lambda s: shd.named_sharding(mesh, s.logical_axes), specs)
+
+
+def init_random(specs: Any, key: jax.Array) -> Any:
+    """Random weights for tests: each leaf gets its own key folded from its path."""
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    out = []
+    for i, s in enumerate(leaves):
+        if s.init == "ones":
+            out.append(jnp.ones(s.shape, s.dtype))
+        elif s.init == "zeros":
+            out.append(jnp.zeros(s.shape, s.dtype))
+        else:
+            k = jax.random.fold_in(key, i)
+            out.append((s.scale * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def checked_array(name: str, value: np.ndarray, spec: ParamSpec) -> np.ndarray:
+    """Casts a loaded host array to the spec's dtype after checking its shape; names the tensor."""
+    if tuple(value.shape) != tuple(spec.shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {spec.shape}")
+    return np.asarray(value).astype(spec.dtype, copy=False)
+
+
+def num_bytes(tree: Any) -> int:
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))

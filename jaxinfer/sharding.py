@@ -1,0 +1,86 @@
+"""Mesh axes and the logical -> mesh sharding rules.
+
+1. Mesh axes are named constants (`DATA`, `PIPELINE`, `EXPERT`, `TENSOR`); size-1 axes are free.
+2. Model code names only logical axes (`vocab`, `embed`, `q_heads`, ...). `RULES` maps each
+   logical axis to at most one mesh axis; `logical_to_spec` turns an array's logical axes into a
+   `PartitionSpec`, refusing a spec that would use one mesh axis twice (a collision).
+3. `make_mesh("tensor=4,pipeline=2")` parses the one mesh string used everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+DATA, PIPELINE, EXPERT, TENSOR = "data", "pipeline", "expert", "tensor"
+MESH_AXES = (DATA, PIPELINE, EXPERT, TENSOR)
+
+# logical axis -> mesh axis (None: replicated).
+RULES: dict[str, str | None] = {
+    "vocab": TENSOR,
+    "embed": None,
+    "q_heads": TENSOR,
+    "kv_heads": TENSOR,
+    "head_dim": None,
+    "mlp": TENSOR,
+    "norm": None,
+    "layers": PIPELINE,
+    "experts": EXPERT,
+    "batch": DATA,
+    "pages": DATA,
+    "page_slots": None,
+}
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: dict[str, str | None] = RULES) -> PartitionSpec:
+    mesh_axes = []
+    for ax in axes:
+        if ax is not None and ax not in rules:
+            raise ValueError(f"logical axis {ax!r} has no sharding rule (known: {sorted(rules)})")
+        m = rules.get(ax) if ax is not None else None
+        if m is not None and m in mesh_axes:
+            raise ValueError(f"logical axes {tuple(axes)} map mesh axis {m!r} twice")
+        mesh_axes.append(m)
+    return PartitionSpec(*mesh_axes)
+
+
+def named_sharding(mesh: Mesh, axes: Sequence[str | None]) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(axes))
+
+
+def parse_mesh(spec: str | dict[str, int] | None) -> dict[str, int]:
+    """'tensor=4,pipeline=2' -> {'data': 1, 'pipeline': 2, 'expert': 1, 'tensor': 4}."""
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    if not spec:
+        return sizes
+    items = spec.items() if isinstance(spec, dict) else (
+        part.split("=", 1) if "=" in part else (part, "") for part in spec.split(",") if part.strip())
+    for name, size in items:
+        name = str(name).strip()
+        if name not in sizes:
+            raise ValueError(f"unknown mesh axis {name!r} in mesh {spec!r}; axes are {MESH_AXES}")
+        try:
+            sizes[name] = int(size)
+        except ValueError:
+            raise ValueError(f"mesh axis {name!r} needs an integer size, e.g. '{name}=2'") from None
+        if sizes[name] < 1:
+            raise ValueError(f"mesh axis {name!r} must be >= 1")
+    return sizes
+
+
+def make_mesh(spec: str | dict[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    sizes = parse_mesh(spec)
+    devices = list(devices if devices is not None else jax.devices())
+    total = math.prod(sizes.values())
+    if spec is None or not spec:
+        devices = devices[:1]
+    elif total != len(devices):
+        raise ValueError(
+            f"mesh {spec!r} has {total} devices but {len(devices)} are available; "
+            f"make the product of the axis sizes equal {len(devices)}")
+    arr = np.array(devices[:total]).reshape([sizes[a] for a in MESH_AXES])
+    return Mesh(arr, MESH_AXES)

@@ -1,0 +1,160 @@
+"""Pure-JAX ragged paged attention: the oracle every kernel backend is tested against.
+
+Inputs follow the vLLM / Pallas vocabulary. One token axis `T` holds the ragged concatenation of
+every sequence's new query tokens (decodes first, then prefill chunks); sequence `s` owns tokens
+`cu_q_lens[s] : cu_q_lens[s+1]` and has `kv_lens[s]` tokens in the cache *after* this step's write,
+so its query tokens sit at positions `kv_lens[s] - q_len_s ... kv_lens[s] - 1`.
+
+KV cache layout: `[num_pages, page_size, 2 * num_kv_heads, head_dim]`, K of head h at index 2h and
+V at 2h + 1 (interleaved on the heads axis).
+
+Flow of `ragged_paged_attention`:
+  1. Map each query token to its sequence and absolute position (tokens past the last sequence are
+     padding and produce zeros).
+  2. Walk the KV axis in blocks of whole pages (a `fori_loop` whose trip count is the longest
+     sequence's page count, so unused page-table columns are never read). Each step gathers, for
+     every token, the block's pages of that token's own sequence through the page table.
+  3. Scores by einsum with query heads grouped under their KV head (GQA by broadcasting), optional
+     logit soft-cap, causal + length + sliding-window mask, then an online-softmax update. Masked
+     keys and values are replaced before use, so NaN-filled unused pages cannot leak.
+  4. Attention sinks, when given, start the running max/denominator as one extra virtual key.
+
+Einsum legend: t = query token, k = KV head, g = query head within its KV group, d = head_dim,
+b = key position within the current KV block.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    return (num_pages, page_size, 2 * num_kv_heads, head_dim)
+
+
+def update_kv_cache(
+    kv_cache: jax.Array,  # [P, page_size, 2*Hkv, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    slot_mapping: jax.Array,  # i32[T] flat slot page*page_size + offset; < 0 for padding tokens
+) -> jax.Array:
+    """Writes the step's new K/V into their slots (padding tokens are dropped)."""
+    num_pages, page_size, h2, d = kv_cache.shape
+    num_slots = num_pages * page_size
+    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], h2, d).astype(kv_cache.dtype)
+    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
+    flat = kv_cache.reshape(num_slots, h2, d).at[slots].set(kv, mode="drop")
+    return flat.reshape(kv_cache.shape)
+
+
+def check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
+    """Trace-time shape and dtype checks shared by every backend."""
+    if q.ndim != 3 or kv_cache.ndim != 4:
+        raise ValueError(f"q must be [T, Hq, D] and kv_cache [P, page, 2*Hkv, D]; got {q.shape}, {kv_cache.shape}")
+    t, hq, d = q.shape
+    _, _, h2, dk = kv_cache.shape
+    if dk != d:
+        raise ValueError(f"head_dim differs: q has {d}, kv_cache has {dk}")
+    if h2 % 2 or hq % (h2 // 2):
+        raise ValueError(f"{hq} query heads are not a multiple of {h2 // 2} KV heads")
+    if page_indices.ndim != 2:
+        raise ValueError(f"page_indices must be [num_seqs, pages_per_seq], got {page_indices.shape}")
+    s = page_indices.shape[0]
+    if kv_lens.shape != (s,) or cu_q_lens.shape != (s + 1,) or num_seqs.shape != (1,):
+        raise ValueError(
+            f"kv_lens {kv_lens.shape}, cu_q_lens {cu_q_lens.shape}, num_seqs {num_seqs.shape} do not "
+            f"match {s} sequences (want ({s},), ({s + 1},), (1,))")
+    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
+                    ("num_seqs", num_seqs)):
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {x.dtype}")
+
+
+def _kv_block_pages(num_tokens: int, page_size: int, pages_per_seq: int) -> int:
+    """Pages per KV block: bounded so one block's gathered K/V stays ~64k (token, key) pairs."""
+    budget = max(page_size, 65536 // max(num_tokens, 1))
+    return max(1, min(pages_per_seq, budget // page_size))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret"))
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    kv_cache: jax.Array,  # [P, page_size, 2*Hkv, D]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[Hq]
+    interpret: bool = False,  # accepted for signature parity with the kernels
+) -> jax.Array:  # [T, Hq, D]
+    del interpret
+    check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+    t_len, hq, d = q.shape
+    _, page_size, h2, _ = kv_cache.shape
+    hkv = h2 // 2
+    g = hq // hkv
+    s_max, pages_per_seq = page_indices.shape
+
+    with jax.named_scope("rpa_positions"):
+        tok = jnp.arange(t_len, dtype=jnp.int32)
+        seq = jnp.searchsorted(cu_q_lens[1:], tok, side="right").astype(jnp.int32)
+        valid = (seq < num_seqs[0]) & (tok < cu_q_lens[jnp.minimum(num_seqs[0], s_max)])
+        seq = jnp.minimum(seq, s_max - 1)
+        q_start = cu_q_lens[seq]
+        q_len = cu_q_lens[seq + 1] - q_start
+        kv_len = kv_lens[seq]
+        q_pos = kv_len - q_len + (tok - q_start)  # i32[T]
+
+    block_pages = _kv_block_pages(t_len, page_size, pages_per_seq)
+    block = block_pages * page_size
+    num_blocks_static = -(-pages_per_seq // block_pages)
+    pad_cols = num_blocks_static * block_pages - pages_per_seq
+    pages = jnp.pad(page_indices, ((0, 0), (0, pad_cols)))[seq]  # i32[T, blocks*block_pages]
+    live_len = jnp.max(jnp.where(jnp.arange(s_max) < num_seqs[0], kv_lens, 0))
+    num_blocks = jnp.minimum((live_len + block - 1) // block, num_blocks_static)
+
+    qg = q.astype(jnp.float32).reshape(t_len, hkv, g, d) * sm_scale
+    if sinks is None:
+        m0 = jnp.full((t_len, hkv, g), -jnp.inf, jnp.float32)
+        l0 = jnp.zeros((t_len, hkv, g), jnp.float32)
+    else:
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, g), (t_len, hkv, g))
+        l0 = jnp.ones((t_len, hkv, g), jnp.float32)
+    acc0 = jnp.zeros((t_len, hkv, g, d), jnp.float32)
+
+    def body(b, carry):
+        m, l, acc = carry
+        with jax.named_scope("rpa_gather"):
+            ids = jax.lax.dynamic_slice_in_dim(pages, b * block_pages, block_pages, axis=1)
+            kv = jnp.take(kv_cache, ids, axis=0, mode="clip")  # [T, bp, page, 2Hkv, D]
+            kv = kv.reshape(t_len, block, hkv, 2, d).astype(jnp.float32)
+        k_pos = b * block + jnp.arange(block, dtype=jnp.int32)
+        mask = valid[:, None] & (k_pos[None, :] < kv_len[:, None]) & (k_pos[None, :] <= q_pos[:, None])
+        if sliding_window is not None:
+            mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
+        k = jnp.where(mask[:, :, None, None], kv[:, :, :, 0], 0.0)
+        v = jnp.where(mask[:, :, None, None], kv[:, :, :, 1], 0.0)
+        with jax.named_scope("rpa_softmax"):
+            s = jnp.einsum("tkgd,tbkd->tkgb", qg, k)
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.exp(s - m_safe[..., None])
+            alpha = jnp.exp(m - m_safe)
+            l = alpha * l + p.sum(axis=-1)
+            acc = alpha[..., None] * acc + jnp.einsum("tkgb,tbkd->tkgd", p, v)
+        return m_new, l, acc
+
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, l0, acc0))
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(t_len, hq, d).astype(q.dtype)

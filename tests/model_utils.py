@@ -1,0 +1,123 @@
+"""Test helpers: tiny HF configs per family, HF -> jaxinfer params, and a minimal paged stepper."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import llama
+from jaxinfer.step import StepInputs, build_step_arrays
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+            rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+# family name -> HF config kwargs (beyond BASE)
+FAMILIES: dict[str, dict] = {
+    "llama": dict(model_type="llama", rope_theta=10000.0),
+    "llama3_rope": dict(model_type="llama", rope_theta=500000.0, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32)),
+    "llama_linear_rope": dict(model_type="llama", rope_scaling=dict(rope_type="linear", factor=4.0)),
+    "llama_yarn_rope": dict(model_type="llama", rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
+    "smollm2": dict(model_type="llama", tie_word_embeddings=True, num_key_value_heads=1),
+    "mistral": dict(model_type="mistral", sliding_window=8),
+    "qwen2": dict(model_type="qwen2", num_key_value_heads=1),
+    "qwen3": dict(model_type="qwen3", head_dim=32),
+    "gemma": dict(model_type="gemma", tie_word_embeddings=True, num_key_value_heads=1,
+                  hidden_activation="gelu_pytorch_tanh"),
+    "gemma2": dict(model_type="gemma2", num_hidden_layers=4, tie_word_embeddings=True,
+                   sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh"),
+}
+
+
+def hf_config_dict(family: str) -> dict:
+    return {**BASE, **FAMILIES[family]}
+
+
+def make_hf_model(family: str, seed: int = 0):
+    """A tiny random HF model in f32 with weights scaled so the logits are far from flat."""
+    import torch
+    import transformers
+
+    cfg_dict = hf_config_dict(family)
+    model_type = cfg_dict.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **cfg_dict)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = model.to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    gemma = model_type.startswith("gemma")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                base = 0.0 if gemma else 1.0
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    return model, config
+
+
+def params_from_torch(model, cfg: ModelConfig, dtype=jnp.float32):
+    sd = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    return llama.params_from_hf(cfg, sd.keys(), sd.__getitem__, dtype)
+
+
+def hf_logits(model, token_ids: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids]))
+    return out.logits[0].float().numpy()
+
+
+class PagedStepper:
+    """Runs ragged steps over a NaN-poisoned paged cache; pages handed out in shuffled order."""
+
+    def __init__(self, params, cfg: ModelConfig, *, page_size: int = 4, num_pages: int = 64,
+                 seed: int = 0, dtype=jnp.float32):
+        self.params, self.cfg, self.page_size = params, cfg, page_size
+        shape = (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+        self.caches = tuple(jnp.full(shape, jnp.nan, dtype) for _ in range(cfg.num_layers))
+        self.free = list(np.random.default_rng(seed).permutation(num_pages))
+        self.pages: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def step(self, chunks: list[tuple[int, list[int]]], pad_tokens: int = 0,
+             pad_seqs: int = 0) -> list[np.ndarray]:
+        """chunks: (seq_id, new tokens). Returns the logits of every new token, per chunk."""
+        seqs = []
+        for sid, toks in chunks:
+            start = self.lens.get(sid, 0)
+            pages = self.pages.setdefault(sid, [])
+            while len(pages) * self.page_size < start + len(toks):
+                pages.append(int(self.free.pop()))
+            seqs.append((list(toks), start, list(pages)))
+            self.lens[sid] = start + len(toks)
+        n = sum(len(t) for t, _, _ in seqs)
+        arrays = build_step_arrays(seqs, self.page_size, num_tokens=n + pad_tokens,
+                                   num_seqs=len(seqs) + pad_seqs,
+                                   pages_per_seq=max(len(p) for _, _, p in seqs) + 1,
+                                   logits_rows=list(range(n)))
+        step = StepInputs(**{k: jnp.asarray(v) for k, v in arrays.items()})
+        logits, self.caches = llama.forward_jit(self.params, self.cfg, step, self.caches)
+        logits = np.asarray(logits)
+        out, t = [], 0
+        for toks, _, _ in seqs:
+            out.append(logits[t:t + len(toks)])
+            t += len(toks)
+        return out
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    """Max abs error relative to the logit scale (max |ref|)."""
+    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+def jax_devices_count() -> int:
+    return len(jax.devices())
