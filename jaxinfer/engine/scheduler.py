@@ -14,9 +14,10 @@ catching up to `num_tokens`, and one loop decides how many of its tokens to comp
    stops. A resumed request recomputes prompt + outputs as one long prefill, then continues.
 3. Then, if nothing was preempted, waiting requests (preempted ones first, then by (priority,
    arrival)) are admitted while budgets and pages allow: a prefix-cache match skips the cached
-   leading pages (not for `prompt_logprobs` requests, which need every position computed), the
-   rest is chunked to the token budget, pages are allocated. The first request that does not
-   fit stops admission (strict order, no preemption to admit).
+   leading pages (resumes included; `num_cached_tokens` records the first admission's hit; not
+   for `prompt_logprobs` requests, which need every position computed), the rest is chunked to
+   the token budget, pages are allocated. The first request that does not fit stops admission
+   (strict order, no preemption to admit).
 4. `scheduled` lists decodes first, then prefill chunks.
 5. `update` advances `num_computed_tokens`, registers newly full pages in the prefix cache,
    appends sampled tokens and applies the stop rules (stop_token_ids / EOS, then max_tokens,
@@ -97,22 +98,21 @@ class Scheduler:
         max_model_len: int,
         long_prefill_token_threshold: int | None = None,
     ):
+        threshold = long_prefill_token_threshold
         for name, v in (
             ("max_num_seqs", max_num_seqs),
-            ("max_model_len", max_model_len),
             ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+            ("long_prefill_token_threshold", 1 if threshold is None else threshold),
         ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if long_prefill_token_threshold is not None and long_prefill_token_threshold < 1:
-            raise ValueError(
-                f"long_prefill_token_threshold must be >= 1 or None, got {long_prefill_token_threshold}"
-            )
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.long_prefill_token_threshold = threshold
+        self._max_chunk = threshold or max_num_batched_tokens
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._order: dict[str, tuple[int, float, int]] = {}  # id -> (priority, arrival, seq)
         self._seq = itertools.count()
@@ -196,7 +196,7 @@ class Scheduler:
         i = 0
         while i < len(self._running) and token_budget > 0:
             req = self._running[i]
-            n = self._num_new_tokens(req, token_budget)
+            n = min(req.num_tokens - req.num_computed_tokens, token_budget, self._max_chunk)
             need = _cdiv(req.num_computed_tokens + n, page_size) - len(req.page_ids)
             while need > self.allocator.num_free_pages:
                 victim = self._running[-1]
@@ -218,9 +218,7 @@ class Scheduler:
             if self.allocator.enable_prefix_caching and req.sampling.prompt_logprobs is None:
                 cached = self.allocator.match_prefix(req.all_token_ids, req.page_hashes)
             start = len(cached) * page_size
-            n = min(req.num_tokens - start, token_budget)
-            if self.long_prefill_token_threshold is not None:
-                n = min(n, self.long_prefill_token_threshold)
+            n = min(req.num_tokens - start, token_budget, self._max_chunk)
             need = _cdiv(start + n, page_size) - len(cached)
             if need > self.allocator.num_free_pages:
                 self.allocator.free(cached)
@@ -250,6 +248,7 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestUpdate]:
         """Apply one step's runner output. Requests aborted/finished since `schedule` are skipped."""
         updates: list[RequestUpdate] = []
+        alloc = self.allocator
         for s in sched.scheduled:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
@@ -260,7 +259,13 @@ class Scheduler:
                     f"{req.num_computed_tokens} tokens are computed (update applied twice?)"
                 )
             req.num_computed_tokens += len(s.token_ids)
-            self._register_pages(req)
+            if (
+                alloc.enable_prefix_caching
+                and req.num_computed_tokens >= (len(req.page_hashes) + 1) * alloc.page_size
+            ):  # a page became full: offer it to the prefix cache
+                alloc.register_full_pages(
+                    req.all_token_ids, req.page_ids, req.num_computed_tokens, req.page_hashes
+                )
             if not s.sample:
                 continue
             try:
@@ -277,38 +282,17 @@ class Scheduler:
     def _key(self, req: Request) -> tuple[int, float, int]:
         return self._order[req.request_id]
 
-    def _num_new_tokens(self, req: Request, token_budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, token_budget)
-        if self.long_prefill_token_threshold is not None:
-            n = min(n, self.long_prefill_token_threshold)
-        if n < 1:
-            raise RuntimeError(f"running request {req.request_id!r} has nothing to compute")
-        return n
-
     def _schedule_tokens(
         self, req: Request, n: int, need: int, scheduled: list[ScheduledRequest]
     ) -> None:
+        if n < 1:
+            raise RuntimeError(f"request {req.request_id!r} has no token to compute")
         if need > 0:
             req.page_ids.extend(self.allocator.allocate(need))
         start = req.num_computed_tokens
-        scheduled.append(
-            ScheduledRequest(
-                request=req,
-                token_ids=req.token_slice(start, start + n),
-                start_pos=start,
-                page_ids=list(req.page_ids),
-                sample=start + n == req.num_tokens,
-            )
-        )
-
-    def _register_pages(self, req: Request) -> None:
-        alloc = self.allocator
-        if alloc.enable_prefix_caching and req.num_computed_tokens // alloc.page_size > len(
-            req.page_hashes
-        ):
-            alloc.register_full_pages(
-                req.all_token_ids, req.page_ids, req.num_computed_tokens, req.page_hashes
-            )
+        tokens = req.token_slice(start, start + n)
+        sample = start + n == req.num_tokens
+        scheduled.append(ScheduledRequest(req, tokens, start, list(req.page_ids), sample))
 
     def _release_pages(self, req: Request) -> None:
         self.allocator.free(req.page_ids)

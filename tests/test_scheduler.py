@@ -1,0 +1,450 @@
+"""Scheduler policy driven by fabricated runner outputs (pure Python, no JAX).
+
+The fake runner keeps a fake KV cache that stores token ids instead of K/V: every scheduled chunk
+writes its tokens into its page table's slots and then checks that every position before the
+chunk's end reads back the right token. That catches wrong page tables, pages shared when they
+should not be, and prefix-cache hits on the wrong content. Sampled tokens depend only on
+(request id, position), so a run with preemption must produce the same tokens as one without.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+from jaxinfer.engine.page_allocator import PageAllocator
+from jaxinfer.engine.request import Request, RequestStatus
+from jaxinfer.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from jaxinfer.sampling_params import SamplingParams
+
+VOCAB = 40
+EOS = 0
+_arrival = itertools.count()
+
+
+def token_at(request_id: str, position: int) -> int:
+    return zlib.crc32(f"{request_id}/{position}".encode()) % VOCAB
+
+
+def make_request(
+    rid: str, prompt: list[int], eos: tuple[int, ...] = (EOS,), priority: int = 0, **sampling
+) -> Request:
+    return Request(
+        rid,
+        list(prompt),
+        SamplingParams(**sampling),
+        eos_token_ids=eos,
+        arrival_time=float(next(_arrival)),
+        priority=priority,
+    )
+
+
+def make_scheduler(
+    num_pages: int = 64,
+    page_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    max_model_len: int = 256,
+    prefix_caching: bool = True,
+    threshold: int | None = None,
+) -> Scheduler:
+    alloc = PageAllocator(num_pages, page_size, enable_prefix_caching=prefix_caching)
+    return Scheduler(
+        alloc,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=threshold,
+    )
+
+
+class FakeRunner:
+    def __init__(self, sched: Scheduler, script: dict[str, list[int]] | None = None):
+        self.sched = sched
+        self.ps = sched.allocator.page_size
+        self.cache: list[list[int | None]] = [
+            [None] * self.ps for _ in range(sched.allocator.num_pages)
+        ]
+        self.script = script or {}  # request id -> output tokens, instead of token_at
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        sched, ps = self.sched, self.ps
+        assert out.num_batched_tokens == sum(len(s.token_ids) for s in out.scheduled)
+        assert 0 < out.num_batched_tokens <= sched.max_num_batched_tokens or not out.scheduled
+        assert len(out.scheduled) <= sched.max_num_seqs
+        ids = [s.request.request_id for s in out.scheduled]
+        assert len(set(ids)) == len(ids)
+        kinds = [s.is_decode for s in out.scheduled]
+        assert kinds == sorted(kinds, reverse=True), "decodes must come before prefills"
+        for s in out.scheduled:
+            end = s.start_pos + len(s.token_ids)
+            assert s.token_ids == s.request.all_token_ids[s.start_pos : end]
+            assert s.sample == (end == s.request.num_tokens)
+            assert len(s.page_ids) == -(-end // ps) and 0 not in s.page_ids
+            for pos in range(s.start_pos, end):
+                self.cache[s.page_ids[pos // ps]][pos % ps] = s.request.all_token_ids[pos]
+        sampled = {}
+        for s in out.scheduled:
+            end = s.start_pos + len(s.token_ids)
+            seen = [self.cache[s.page_ids[p // ps]][p % ps] for p in range(end)]
+            assert seen == s.request.all_token_ids[:end], s.request.request_id
+            if s.sample:
+                rid = s.request.request_id
+                if rid in self.script:
+                    sampled[rid] = self.script[rid][s.request.num_output_tokens]
+                else:
+                    sampled[rid] = token_at(rid, end)
+        return RunnerOutput(sampled_token_ids=sampled)
+
+
+def check_pages(sched: Scheduler) -> None:
+    alloc = sched.allocator
+    alloc.check_invariants()
+    refs = [0] * alloc.num_pages
+    for r in sched._running:
+        assert len(r.page_ids) * alloc.page_size >= r.num_computed_tokens
+        for p in r.page_ids:
+            refs[p] += 1
+    assert refs == [alloc.refcount(p) for p in range(alloc.num_pages)]
+
+
+def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list]:
+    out = sched.schedule()
+    updates = sched.update(out, runner.execute(out))
+    check_pages(sched)
+    return out, updates
+
+
+def run_to_end(
+    sched: Scheduler, runner: FakeRunner, max_steps: int = 2000
+) -> list[SchedulerOutput]:
+    outs = []
+    while sched.has_unfinished():
+        outs.append(step(sched, runner)[0])
+        assert len(outs) < max_steps, "no progress"
+    assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
+    return outs
+
+
+def reference_outputs(req: Request, max_model_len: int) -> list[int]:
+    """What `req` must generate with the fake runner: the stop rules applied by hand."""
+    sp, out = req.sampling, []
+    while True:
+        tok = token_at(req.request_id, req.num_prompt_tokens + len(out))
+        out.append(tok)
+        if len(out) >= sp.min_tokens and (
+            tok in (sp.stop_token_ids or ()) or (not sp.ignore_eos and tok in req.eos_token_ids)
+        ):
+            return out
+        if len(out) >= sp.max_tokens or req.num_prompt_tokens + len(out) >= max_model_len:
+            return out
+
+
+def test_chunked_prefill_exact_slices_and_page_tables() -> None:
+    sched = make_scheduler(page_size=4, max_num_batched_tokens=8)
+    prompt = list(range(1, 22))  # 21 tokens
+    req = make_request("a", prompt, eos=(), max_tokens=3)
+    sched.add_request(req)
+    runner = FakeRunner(sched)
+    outs = run_to_end(sched, runner)
+    got = [(s.start_pos, s.token_ids, len(s.page_ids), s.sample) for o in outs for s in o.scheduled]
+    out_ids = req.output_token_ids
+    assert got == [
+        (0, prompt[0:8], 2, False),
+        (8, prompt[8:16], 4, False),
+        (16, prompt[16:21], 6, True),
+        (21, out_ids[0:1], 6, True),
+        (22, out_ids[1:2], 6, True),
+    ]
+    tables = [s.page_ids for o in outs for s in o.scheduled]
+    assert all(t[: len(tables[0])] == tables[0] for t in tables)
+    assert req.finish_reason == "length" and req.status is RequestStatus.FINISHED_LENGTH
+    assert outs[-1].finished == [] and sched.schedule().finished == ["a"]
+
+
+def test_long_prefill_threshold_caps_chunks() -> None:
+    sched = make_scheduler(max_num_batched_tokens=32, threshold=5)
+    sched.add_request(make_request("a", list(range(1, 13)), eos=(), max_tokens=2))
+    outs = run_to_end(sched, FakeRunner(sched))
+    assert [o.num_batched_tokens for o in outs] == [5, 5, 2, 1]
+
+
+def test_decodes_come_before_prefills() -> None:
+    sched = make_scheduler(max_num_batched_tokens=8, threshold=4)
+    long_req = make_request("long", list(range(1, 21)), eos=(), max_tokens=2)
+    short_req = make_request("short", [1, 2], eos=(), max_tokens=4)
+    sched.add_request(long_req)
+    sched.add_request(short_req)
+    runner = FakeRunner(sched)
+    first, _ = step(sched, runner)
+    assert [s.request.request_id for s in first.scheduled] == ["long", "short"]
+    second, _ = step(sched, runner)
+    assert [(s.request.request_id, s.is_decode) for s in second.scheduled] == [
+        ("short", True),
+        ("long", False),
+    ]
+    assert second.num_decodes == 1
+
+
+def test_budgets_respected() -> None:
+    sched = make_scheduler(max_num_seqs=3, max_num_batched_tokens=10)
+    for i in range(6):
+        sched.add_request(make_request(f"r{i}", [1 + i] * 7, eos=(), max_tokens=5))
+    outs = run_to_end(sched, FakeRunner(sched))
+    assert max(len(o.scheduled) for o in outs) == 3
+    assert max(o.num_batched_tokens for o in outs) == 10
+
+
+def test_prefix_hit_skips_cached_tokens() -> None:
+    sched = make_scheduler(page_size=4, max_num_batched_tokens=64)
+    runner = FakeRunner(sched)
+    prompt = list(range(1, 11))  # 10 tokens: 2 full pages
+    first = make_request("first", prompt, eos=(), max_tokens=1)
+    sched.add_request(first)
+    out, _ = step(sched, runner)
+    assert out.num_batched_tokens == 10 and first.num_cached_tokens == 0
+    # same prefix, different tail, both admitted together: they share the 2 cached pages
+    a = make_request("a", prompt + [30, 31], eos=(), max_tokens=3)
+    b = make_request("b", prompt, eos=(), max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    out, _ = step(sched, runner)
+    assert [(s.start_pos, s.token_ids) for s in out.scheduled] == [
+        (8, [9, 10, 30, 31]),
+        (8, [9, 10]),
+    ]
+    assert out.num_batched_tokens == 6
+    assert a.num_cached_tokens == b.num_cached_tokens == 8
+    assert a.page_ids[:2] == b.page_ids[:2]
+    assert all(sched.allocator.refcount(p) == 2 for p in a.page_ids[:2])
+    run_to_end(sched, runner)
+    # a prompt of exactly 2 full pages keeps its last page to compute
+    c = make_request("c", prompt[:8], eos=(), max_tokens=1)
+    sched.add_request(c)
+    out, _ = step(sched, runner)
+    assert (out.scheduled[0].start_pos, c.num_cached_tokens) == (4, 4)
+    # prompt_logprobs needs every position: no prefix cache
+    d = make_request("d", prompt, eos=(), max_tokens=1, prompt_logprobs=1)
+    sched.add_request(d)
+    out, _ = step(sched, runner)
+    assert (out.scheduled[0].start_pos, d.num_cached_tokens, out.num_batched_tokens) == (0, 0, 10)
+
+
+def test_preemption_recomputes_and_keeps_outputs() -> None:
+    # 6 usable pages of 2 tokens; each request needs up to 5 pages: one must be preempted
+    sched = make_scheduler(num_pages=7, page_size=2, prefix_caching=False)
+    reqs = [make_request(rid, [3, 4, 5, 6], eos=(), max_tokens=6) for rid in ("old", "new")]
+    for r in reqs:
+        sched.add_request(r)
+    runner = FakeRunner(sched)
+    outs = run_to_end(sched, runner)
+    preempted = [(i, rid) for i, o in enumerate(outs) for rid in o.preempted]
+    assert preempted and all(rid == "new" for _, rid in preempted)
+    assert reqs[0].num_preemptions == 0 and reqs[1].num_preemptions == len(preempted)
+    i, _ = preempted[0]
+    resumed = next(s for o in outs[i + 1 :] for s in o.scheduled if s.request is reqs[1])
+    assert resumed.start_pos == 0 and len(resumed.token_ids) > 4  # prompt + kept outputs
+    for r in reqs:
+        assert r.output_token_ids == reference_outputs(r, sched.max_model_len)
+        assert r.finish_reason == "length" and len(r.output_token_ids) == 6
+
+
+def test_request_that_is_newest_preempts_itself_and_stops_the_step() -> None:
+    sched = make_scheduler(num_pages=4, page_size=2, max_num_batched_tokens=8)  # 3 usable pages
+    a = make_request("a", [1, 2, 3], eos=(), max_tokens=2)
+    b = make_request("b", [4, 5], eos=(), max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    runner = FakeRunner(sched)
+    step(sched, runner)  # a: 3 tokens on 2 pages, b: 2 tokens on 1 page; none left
+    out, _ = step(sched, runner)  # a's decode fits its pages, b's needs a new one
+    assert out.preempted == ["b"] and [s.request.request_id for s in out.scheduled] == ["a"]
+    assert b.status is RequestStatus.WAITING and b.num_output_tokens == 1 and not b.page_ids
+    run_to_end(sched, runner)
+    assert a.output_token_ids == reference_outputs(a, sched.max_model_len)
+    assert b.output_token_ids == reference_outputs(b, sched.max_model_len)
+
+
+def test_stop_conditions() -> None:
+    sched = make_scheduler(max_model_len=12)
+    script = {
+        "eos": [5, EOS, 7],
+        "min_tokens": [EOS, 7, EOS, EOS],
+        "ignore_eos": [EOS] * 4,
+        "stop_id": [EOS, 9, 1],
+        "other_eos": [6, 3],
+        "model_len": [1] * 10,
+    }
+    reqs = {
+        "eos": make_request("eos", [1], max_tokens=5),
+        "min_tokens": make_request("min_tokens", [1], max_tokens=5, min_tokens=3),
+        "ignore_eos": make_request("ignore_eos", [1], max_tokens=4, ignore_eos=True),
+        "stop_id": make_request("stop_id", [1], max_tokens=5, ignore_eos=True, stop_token_ids=[9]),
+        "other_eos": make_request("other_eos", [1], eos=(EOS, 3), max_tokens=5),
+        "model_len": make_request("model_len", [1] * 6, max_tokens=6),
+    }
+    for r in reqs.values():
+        sched.add_request(r)
+    run_to_end(sched, FakeRunner(sched, script))
+    got = {k: (r.output_token_ids, r.finish_reason, r.stop_reason) for k, r in reqs.items()}
+    assert got == {
+        "eos": ([5, EOS], "stop", None),
+        "min_tokens": ([EOS, 7, EOS], "stop", None),
+        "ignore_eos": ([EOS] * 4, "length", None),
+        "stop_id": ([EOS, 9], "stop", 9),
+        "other_eos": ([6, 3], "stop", None),
+        "model_len": ([1] * 6, "length", None),
+    }
+    assert reqs["model_len"].num_tokens == sched.max_model_len
+
+
+def test_bad_inputs() -> None:
+    sched = make_scheduler(num_pages=5, page_size=4, max_model_len=20)
+    with pytest.raises(ValueError, match="'e'.*prompt_token_ids is empty"):
+        sched.add_request(make_request("e", []))
+    with pytest.raises(
+        ValueError, match=r"'l'.*prompt length 15 \+ max_tokens 6 .* max_model_len 20"
+    ):
+        sched.add_request(make_request("l", [1] * 15, max_tokens=6))
+    with pytest.raises(ValueError, match="'p'.*needs 5 KV-cache pages, the cache has 4"):
+        sched.add_request(make_request("p", [1] * 15, max_tokens=5))
+    with pytest.raises(ValueError, match="prompt_token_ids must be non-negative"):
+        sched.add_request(make_request("n", [1, -2]))
+    sched.add_request(make_request("d", [1]))
+    with pytest.raises(ValueError, match="'d' is already scheduled"):
+        sched.add_request(make_request("d", [1]))
+    for field in (
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "max_model_len",
+        "long_prefill_token_threshold",
+    ):
+        kwargs = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 1, field: 0}
+        with pytest.raises(ValueError, match=field):
+            Scheduler(PageAllocator(4, 4), **kwargs)
+    with pytest.raises(ValueError, match="finish reason"):
+        sched.finish("d", "done")
+
+
+def test_abort_and_finish() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    runner = FakeRunner(sched)
+    run, wait = make_request("run", [1] * 9, eos=()), make_request("wait", [2] * 3, eos=())
+    sched.add_request(run)
+    sched.add_request(wait)
+    out = sched.schedule()
+    assert run.page_ids and sched.num_running == 1 and sched.num_waiting == 1
+    assert sched.abort("wait") and not sched.abort("wait") and not sched.abort("nope")
+    assert sched.abort("run")  # between schedule() and update(): pages freed at once
+    assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
+    assert sched.update(out, runner.execute(out)) == []
+    assert (run.status, run.finish_reason, run.page_ids) == (
+        RequestStatus.FINISHED_ABORTED,
+        "abort",
+        [],
+    )
+    assert sched.schedule().finished == ["wait", "run"] and not sched.has_unfinished()
+    s = make_request("s", [1, 2, 3], eos=(), max_tokens=10)
+    sched.add_request(s)
+    step(sched, runner)
+    assert sched.finish("s", "stop", "</s>") and not sched.finish("s", "stop")
+    assert (s.status, s.stop_reason, sched.get_request("s")) == (
+        RequestStatus.FINISHED_STOPPED,
+        "</s>",
+        None,
+    )
+    check_pages(sched)
+    assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
+
+
+def test_priority_then_arrival_order() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    for rid, prio in (("late-low", 1), ("a", 0), ("urgent", -1), ("b", 0)):
+        sched.add_request(make_request(rid, [1, 2], eos=(), priority=prio, max_tokens=1))
+    runner = FakeRunner(sched)
+    order = [step(sched, runner)[0].scheduled[0].request.request_id for _ in range(4)]
+    assert order == ["urgent", "a", "b", "late-low"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mix_frees_everything_and_matches_unpreempted_outputs(seed: int) -> None:
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, VOCAB) for _ in range(12)]
+    specs = []
+    for i in range(24):
+        prompt = shared[: rng.randrange(13)] + [
+            rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 14))
+        ]
+        max_tokens = rng.randint(1, 12)
+        sampling = dict(
+            max_tokens=max_tokens,
+            min_tokens=rng.randint(0, max_tokens),
+            ignore_eos=rng.random() < 0.2,
+            stop_token_ids=rng.sample(range(VOCAB), 2) if rng.random() < 0.5 else None,
+            prompt_logprobs=1 if rng.random() < 0.1 else None,
+        )
+        eos = tuple(rng.sample(range(VOCAB), 3))
+        specs.append((f"s{seed}r{i}", prompt, eos, rng.randint(0, 1), sampling))
+    aborts = {rid: rng.randint(0, 30) for rid, *_ in rng.sample(specs, 4)}
+    stop_strings = {rid: rng.randint(0, 30) for rid, *_ in rng.sample(specs, 3)}
+
+    def run(num_pages: int, max_num_seqs: int, budget: int, threshold: int | None) -> dict:
+        sched = make_scheduler(
+            num_pages=num_pages,
+            page_size=3,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=40,
+            threshold=threshold,
+        )
+        runner = FakeRunner(sched)
+        reqs = {rid: make_request(rid, p, eos, prio, **sp) for rid, p, eos, prio, sp in specs}
+        pending = list(reqs.values())
+        steps = preemptions = 0
+        while pending or sched.has_unfinished():
+            for _ in range(rng.randint(0, 3)):
+                if pending:
+                    sched.add_request(pending.pop(0))
+            out = sched.schedule()
+            preemptions += len(out.preempted)
+            result = runner.execute(out)
+            for rid, at in aborts.items():
+                if at == steps:
+                    sched.abort(rid)
+            sched.update(out, result)
+            for rid, at in stop_strings.items():
+                if at == steps:
+                    sched.finish(rid, "stop", "STOP")
+            check_pages(sched)
+            steps += 1
+            assert steps < 3000
+        assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
+        sched.allocator.check_invariants()
+        return {"reqs": reqs, "preemptions": preemptions}
+
+    roomy = run(num_pages=200, max_num_seqs=16, budget=64, threshold=None)
+    tight = run(num_pages=16, max_num_seqs=6, budget=7, threshold=4)
+    assert roomy["preemptions"] == 0 and tight["preemptions"] > 0
+    for rid, r in roomy["reqs"].items():
+        ref = reference_outputs(r, 40)
+        for res in (roomy, tight):
+            t = res["reqs"][rid]
+            assert t.is_finished
+            if t.finish_reason in ("abort",) or t.stop_reason == "STOP":
+                assert t.output_token_ids == ref[: t.num_output_tokens]
+            else:
+                assert t.output_token_ids == ref, (rid, t.num_preemptions)
+
+
+def test_host_modules_import_no_jax() -> None:
+    code = (
+        "import sys; import jaxinfer.engine.scheduler, jaxinfer.engine.page_allocator, "
+        "jaxinfer.engine.request; assert 'jax' not in sys.modules, 'jax was imported'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
