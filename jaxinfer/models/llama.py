@@ -11,7 +11,7 @@ GeGLU, sandwich norms, soft-caps, per-layer sliding windows).
 3. `forward(params, cfg, step, kv_caches)` runs the ragged step: embed → layers (attention over the
    paged cache, gated MLP) → final norm → logits only at `step.logits_indices`.
 
-Einsum legend: t = token, e = embed, h = query head, k = KV head, d = head_dim, v = vocab.
+Einsum legend: t = token, e = embed, f = heads*head_dim or MLP hidden, v = vocab.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from jaxinfer.step import StepInputs
 
 @struct.dataclass
 class AttentionParams:
-    q: Any  # [E, Hq, D]
-    k: Any  # [E, Hkv, D]
-    v: Any  # [E, Hkv, D]
-    o: Any  # [Hq, D, E]
-    q_bias: Any = None  # [Hq, D]
-    k_bias: Any = None  # [Hkv, D]
-    v_bias: Any = None  # [Hkv, D]
+    q: Any  # [E, Hq*D]  (heads-major: column block h holds head h)
+    k: Any  # [E, Hkv*D]
+    v: Any  # [E, Hkv*D]
+    o: Any  # [Hq*D, E]
+    q_bias: Any = None  # [Hq*D]
+    k_bias: Any = None  # [Hkv*D]
+    v_bias: Any = None  # [Hkv*D]
     o_bias: Any = None  # [E]
     q_norm: Any = None  # [D]
     k_norm: Any = None  # [D]
@@ -86,13 +86,13 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
 
     def layer() -> LayerParams:
         attn = AttentionParams(
-            q=w((e, hq, d), ("embed", "q_heads", "head_dim")),
-            k=w((e, hkv, d), ("embed", "kv_heads", "head_dim")),
-            v=w((e, hkv, d), ("embed", "kv_heads", "head_dim")),
-            o=w((hq, d, e), ("q_heads", "head_dim", "embed")),
-            q_bias=w((hq, d), ("q_heads", "head_dim")) if cfg.qkv_bias else None,
-            k_bias=w((hkv, d), ("kv_heads", "head_dim")) if cfg.qkv_bias else None,
-            v_bias=w((hkv, d), ("kv_heads", "head_dim")) if cfg.qkv_bias else None,
+            q=w((e, hq * d), ("embed", "q_heads")),
+            k=w((e, hkv * d), ("embed", "kv_heads")),
+            v=w((e, hkv * d), ("embed", "kv_heads")),
+            o=w((hq * d, e), ("q_heads", "embed")),
+            q_bias=w((hq * d,), ("q_heads",)) if cfg.qkv_bias else None,
+            k_bias=w((hkv * d,), ("kv_heads",)) if cfg.qkv_bias else None,
+            v_bias=w((hkv * d,), ("kv_heads",)) if cfg.qkv_bias else None,
             o_bias=w((e,), ("embed",)) if cfg.o_bias else None,
             q_norm=norm(d, "head_dim") if cfg.qk_norm else None,
             k_norm=norm(d, "head_dim") if cfg.qk_norm else None,
@@ -115,24 +115,18 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
 
 def _hf_name_map(cfg: ModelConfig) -> dict[str, tuple[tuple, Callable[[np.ndarray], np.ndarray]]]:
     """HF tensor name -> (path into Params, transform from the HF layout to ours)."""
-    e, d = cfg.hidden_size, cfg.head_dim
-    hq, hkv = cfg.num_heads, cfg.num_kv_heads
-
-    def heads_in(h):  # HF [h*d, e] -> ours [e, h, d]
-        return lambda x: x.T.reshape(e, h, d)
-
-    def heads_bias(h):
-        return lambda x: x.reshape(h, d)
-
     def ident(x):
         return x
+
+    def transpose(x):  # HF linear [out, in] -> ours [in, out]
+        return x.T
 
     out = {
         "model.embed_tokens.weight": (("embed",), ident),
         "model.norm.weight": (("final_norm",), ident),
     }
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (("lm_head",), lambda x: x.T)
+        out["lm_head.weight"] = (("lm_head",), transpose)
     # Gemma 2 names its pre-MLP norm pre_feedforward_layernorm; the others call it post_attention_layernorm.
     mlp_norm_name = "pre_feedforward_layernorm" if cfg.sandwich_norm else "post_attention_layernorm"
     for i in range(cfg.num_layers):
@@ -141,18 +135,18 @@ def _hf_name_map(cfg: ModelConfig) -> dict[str, tuple[tuple, Callable[[np.ndarra
         out.update({
             p + "input_layernorm.weight": (L + ("attn_norm",), ident),
             p + mlp_norm_name + ".weight": (L + ("mlp_norm",), ident),
-            p + "self_attn.q_proj.weight": (L + ("attn", "q"), heads_in(hq)),
-            p + "self_attn.k_proj.weight": (L + ("attn", "k"), heads_in(hkv)),
-            p + "self_attn.v_proj.weight": (L + ("attn", "v"), heads_in(hkv)),
-            p + "self_attn.o_proj.weight": (L + ("attn", "o"), lambda x: x.T.reshape(hq, d, e)),
-            p + "mlp.gate_proj.weight": (L + ("mlp", "gate"), lambda x: x.T),
-            p + "mlp.up_proj.weight": (L + ("mlp", "up"), lambda x: x.T),
-            p + "mlp.down_proj.weight": (L + ("mlp", "down"), lambda x: x.T),
+            p + "self_attn.q_proj.weight": (L + ("attn", "q"), transpose),
+            p + "self_attn.k_proj.weight": (L + ("attn", "k"), transpose),
+            p + "self_attn.v_proj.weight": (L + ("attn", "v"), transpose),
+            p + "self_attn.o_proj.weight": (L + ("attn", "o"), transpose),
+            p + "mlp.gate_proj.weight": (L + ("mlp", "gate"), transpose),
+            p + "mlp.up_proj.weight": (L + ("mlp", "up"), transpose),
+            p + "mlp.down_proj.weight": (L + ("mlp", "down"), transpose),
         })
         if cfg.qkv_bias:
-            out[p + "self_attn.q_proj.bias"] = (L + ("attn", "q_bias"), heads_bias(hq))
-            out[p + "self_attn.k_proj.bias"] = (L + ("attn", "k_bias"), heads_bias(hkv))
-            out[p + "self_attn.v_proj.bias"] = (L + ("attn", "v_bias"), heads_bias(hkv))
+            out[p + "self_attn.q_proj.bias"] = (L + ("attn", "q_bias"), ident)
+            out[p + "self_attn.k_proj.bias"] = (L + ("attn", "k_bias"), ident)
+            out[p + "self_attn.v_proj.bias"] = (L + ("attn", "v_bias"), ident)
         if cfg.o_bias:
             out[p + "self_attn.o_proj.bias"] = (L + ("attn", "o_bias"), ident)
         if cfg.qk_norm:
@@ -223,12 +217,16 @@ def params_from_hf(
 
 def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x: jax.Array,
                      step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array):
+    t, d = x.shape[0], cfg.head_dim
     with jax.named_scope("qkv_proj"):
-        q = jnp.einsum("te,ehd->thd", x, p.q)
-        k = jnp.einsum("te,ehd->thd", x, p.k)
-        v = jnp.einsum("te,ehd->thd", x, p.v)
+        # NOTE: 2-D weights with heads folded into the output dim: a single plain contraction is
+        # ~10x faster on XLA:CPU than contracting over (heads, head_dim) at once.
+        q, k, v = (jnp.einsum("te,ef->tf", x, w) for w in (p.q, p.k, p.v))
         if cfg.qkv_bias:
             q, k, v = q + p.q_bias, k + p.k_bias, v + p.v_bias
+        q = q.reshape(t, cfg.num_heads, d)
+        k = k.reshape(t, cfg.num_kv_heads, d)
+        v = v.reshape(t, cfg.num_kv_heads, d)
     if cfg.qk_norm:
         with jax.named_scope("qk_norm"):
             q = layers.rms_norm(q, p.q_norm, cfg.rms_norm_eps, cfg.norm_offset)
@@ -238,7 +236,7 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
     out, kv_cache = attention(q, k, v, kv_cache, step, sm_scale=cfg.sm_scale,
                               sliding_window=window, soft_cap=cfg.attn_logit_softcap)
     with jax.named_scope("o_proj"):
-        out = jnp.einsum("thd,hde->te", out, p.o)
+        out = jnp.einsum("tf,fe->te", out.reshape(t, -1), p.o)
         if cfg.o_bias:
             out = out + p.o_bias
     return out, kv_cache
