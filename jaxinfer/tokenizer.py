@@ -2,8 +2,8 @@
 
 1. `Tokenizer.from_path` looks at what it is given: a `.gguf` file (its `tokenizer.*` metadata is
    read with `gguf.GGUFReader` and handed to step 2), or a directory (or the file itself) holding
-   `tokenizer.json` (Hugging Face `tokenizers`) or `tokenizer.model` (`sentencepiece`). Side files
-   in the same directory -- `tokenizer_config.json`, `special_tokens_map.json`,
+   `tokenizer.json` (Hugging Face `tokenizers`; preferred) or `tokenizer.model` (`sentencepiece`).
+   Side files in the same directory -- `tokenizer_config.json`, `special_tokens_map.json`,
    `generation_config.json`, `chat_template.jinja` / `chat_template.json` -- supply the special
    tokens, the BOS/EOS rule, the end-of-generation ids and the chat template.
 2. `Tokenizer.from_gguf_metadata` rebuilds the tokenizer a GGUF describes. A "gpt2" vocabulary
@@ -372,7 +372,9 @@ class Tokenizer:
             return _load_tokenizer_json(p / "tokenizer.json", p)
         if (p / "tokenizer.model").is_file():
             return _load_sentencepiece(p / "tokenizer.model", p)
-        raise TokenizerError(f"directory {p} has no tokenizer.json or tokenizer.model")
+        ggufs = sorted(q.name for q in p.glob("*.gguf"))
+        hint = f" (to use a GGUF vocabulary, pass the file: {', '.join(ggufs)})" if ggufs else ""
+        raise TokenizerError(f"directory {p} has no tokenizer.json or tokenizer.model{hint}")
 
     @classmethod
     def from_gguf_metadata(
@@ -602,10 +604,10 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         context = list(prompt_ids)[-_DETOKENIZER_PROMPT_CONTEXT:] if len(prompt_ids) else []
+        # The decode window: ids[:read] are already released (they give context), the rest wait.
         self._ids: list[int] = tokenizer._check_ids(context)
-        self._prefix = 0  # start of the decode window
-        self._read = len(self._ids)  # ids before this are already released as text
-        self._prefix_text = self._decode(self._ids)
+        self._read = len(self._ids)
+        self._released_text = self._decode(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
@@ -620,13 +622,14 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        text = self._decode(self._ids[self._prefix :])
-        if len(text) <= len(self._prefix_text) or (not final and text.endswith("\ufffd")):
+        text = self._decode(self._ids)
+        if len(text) <= len(self._released_text) or (not final and text.endswith("\ufffd")):
             return ""
-        delta = text[len(self._prefix_text) :]
+        delta = text[len(self._released_text) :]
+        # Slide the window: the ids just released become the context for the next ones.
         del self._ids[: self._read]
-        self._prefix, self._read = 0, len(self._ids)
-        self._prefix_text = self._decode(self._ids)
+        self._read = len(self._ids)
+        self._released_text = self._decode(self._ids)
         return delta
 
 
