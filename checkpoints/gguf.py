@@ -1,0 +1,754 @@
+"""GGUF checkpoints (llama.cpp's single-file format) read as Hugging Face names, layouts and config.
+
+Flow:
+1. `read_gguf(path)` checks the file exists and starts with the `GGUF` magic, then parses the
+   container with `gguf.GGUFReader`. The reader memory-maps the file, so no tensor bytes are read
+   yet; a bounded subclass checks every header read and every tensor's byte range against the file
+   size first, so a truncated file fails naming the tensor instead of deep inside numpy.
+2. The key/value metadata becomes plain Python values (arrays become lists, tokenizer arrays too).
+3. Every GGUF tensor name is mapped once, up front, to its HF name for the file's architecture
+   (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`); an unknown name, an
+   unsupported architecture or an unsupported quantization type fails here, naming it.
+4. `GGUFCheckpoint.tensor(hf_name)` dequantizes that one tensor from the memory map with our own
+   numpy kernels (`dequantize`) into float32, then undoes what llama.cpp's converter changed:
+   the rotary row permutation of Q/K for the `llama` architecture, and the `+1` it folds into
+   Gemma's RMSNorm weights. The result equals the HF checkpoint's tensor (up to quantization).
+5. `GGUFCheckpoint.hf_config()` derives a HF `config.json`-style dict from the metadata.
+
+Layout: GGUF lists dimensions fastest first (`ne[0]` is the contiguous one), so the numpy shape is
+the reversed GGUF shape, which for a linear layer is HF's `[out, in]`. Quantized types pack each
+row of `ne[0]` values into blocks of 32 or 256 values (`gguf.GGML_QUANT_SIZES` gives the block
+size and its byte count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+
+from checkpoints.errors import CheckpointError
+
+GGMLType = gguf.GGMLQuantizationType
+_GGUF_MAGIC = b"GGUF"
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file that cannot be read as a supported checkpoint: the message names the problem.
+
+    A `CheckpointError`, hence a `ValueError`.
+    """
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:  # u8[n_blocks, block_bytes]
+    """The little-endian float16 at byte `start` of every block, as f32[n_blocks, 1]."""
+    return np.ascontiguousarray(blocks[:, start : start + 2]).view("<f2").astype(np.float32)
+
+
+def _low_high_nibbles(qs: np.ndarray) -> np.ndarray:  # u8[..., n]
+    """u8[..., 2, n]: the low nibbles of `qs`, then the high nibbles."""
+    return np.stack([qs & 0x0F, qs >> 4], axis=-2)
+
+
+def _bits_per_plane(bytes_: np.ndarray) -> np.ndarray:  # u8[n_blocks, n]
+    """u8[n_blocks, 8, n]: bit `b` of byte `l` lands at `[:, b, l]`."""
+    bits = np.unpackbits(bytes_, axis=-1, bitorder="little")  # u8[n_blocks, 8 * n]
+    return bits.reshape(bytes_.shape[0], bytes_.shape[1], 8).transpose(0, 2, 1)
+
+
+def _two_bit_planes(qs: np.ndarray) -> np.ndarray:  # u8[n_blocks, 64]
+    """The 2-bit values of Q2_K / Q3_K as u8[n_blocks, 16, 16], grouped by 16-value sub-block.
+
+    Each 128-value half `n` uses 32 bytes; shift `2j` of byte `l` holds value `n*128 + j*32 + l`.
+    """
+    n_blocks = qs.shape[0]
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    planes = (qs.reshape(n_blocks, 2, 1, 32) >> shifts) & 0x03  # [n_blocks, half, j, l]
+    return planes.reshape(n_blocks, 16, 16)
+
+
+def _k4_scales_and_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # u8[n_blocks, 12]
+    """Q4_K / Q5_K: eight 6-bit scales and eight 6-bit mins packed in 12 bytes, each u8[n_blocks, 8].
+
+    Sub-blocks 0-3 use the low 6 bits of bytes 0-3 (scale) and 4-7 (min); sub-blocks 4-7 take their
+    low 4 bits from the nibbles of bytes 8-11 and their top 2 bits from the spare top bits of 0-7.
+    """
+    lo, mid, hi = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 6) << 4)], axis=1)
+    mn = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
+    return sc, mn
+
+
+def _dq_q4_0(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 18]
+    d = _f16(blocks, 0)
+    q = _low_high_nibbles(blocks[:, 2:18]).reshape(-1, 32).astype(np.int8) - 8
+    return d * q.astype(np.float32)
+
+
+def _dq_q4_1(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 20]
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    q = _low_high_nibbles(blocks[:, 4:20]).reshape(-1, 32)
+    return d * q.astype(np.float32) + m
+
+
+def _dq_q5_0(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 22]
+    d = _f16(blocks, 0)
+    high = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")  # bit i of the u32 -> value i
+    q = (_low_high_nibbles(blocks[:, 6:22]).reshape(-1, 32) | (high << 4)).astype(np.int8) - 16
+    return d * q.astype(np.float32)
+
+
+def _dq_q5_1(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 24]
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    high = np.unpackbits(blocks[:, 4:8], axis=1, bitorder="little")
+    q = _low_high_nibbles(blocks[:, 8:24]).reshape(-1, 32) | (high << 4)
+    return d * q.astype(np.float32) + m
+
+
+def _dq_q8_0(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 34]
+    d = _f16(blocks, 0)
+    return d * np.ascontiguousarray(blocks[:, 2:34]).view(np.int8).astype(np.float32)
+
+
+def _dq_q2_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 84]
+    n_blocks = blocks.shape[0]
+    scales = blocks[:, 0:16].reshape(n_blocks, 16, 1)  # low nibble scale, high nibble min
+    d, dmin = _f16(blocks, 80)[:, :, None], _f16(blocks, 82)[:, :, None]
+    q = _two_bit_planes(blocks[:, 16:80]).astype(np.float32)
+    y = (d * (scales & 0x0F).astype(np.float32)) * q - dmin * (scales >> 4).astype(np.float32)
+    return y.reshape(n_blocks, 256)
+
+
+def _dq_q3_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 110]
+    n_blocks = blocks.shape[0]
+    low = _two_bit_planes(blocks[:, 32:96]).astype(np.int8)
+    # Bit (n*4 + j) of hmask byte l is the third bit of value n*128 + j*32 + l; a clear bit means -4.
+    high = _bits_per_plane(blocks[:, 0:32]).reshape(n_blocks, 16, 16).astype(np.int8)
+    q = low - 4 * (1 - high)
+    # Sixteen 6-bit scales: low 4 bits from the nibbles of bytes 0-7 (low nibbles first), top 2
+    # bits from bytes 8-11, scale i using bits 2*(i // 4) of byte 8 + i % 4.
+    packed = blocks[:, 96:108]
+    low4 = np.concatenate([packed[:, 0:8] & 0x0F, packed[:, 0:8] >> 4], axis=1)
+    shifts = np.repeat(np.array([0, 2, 4, 6], dtype=np.uint8), 4)
+    top2 = (np.tile(packed[:, 8:12], 4) >> shifts) & 0x03
+    scales = ((low4 | (top2 << 4)).astype(np.int8) - 32).astype(np.float32)
+    d = _f16(blocks, 108)
+    return ((d * scales)[:, :, None] * q.astype(np.float32)).reshape(n_blocks, 256)
+
+
+def _dq_q4_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 144]
+    n_blocks = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _k4_scales_and_mins(blocks[:, 4:16])
+    # 64-value chunk j uses bytes 32j..32j+31: low nibbles are sub-block 2j, high ones 2j+1.
+    q = _low_high_nibbles(blocks[:, 16:144].reshape(n_blocks, 4, 32)).reshape(n_blocks, 8, 32)
+    y = (d * sc.astype(np.float32))[:, :, None] * q.astype(np.float32)
+    return (y - (dmin * mn.astype(np.float32))[:, :, None]).reshape(n_blocks, 256)
+
+
+def _dq_q5_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 176]
+    n_blocks = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _k4_scales_and_mins(blocks[:, 4:16])
+    low = _low_high_nibbles(blocks[:, 48:176].reshape(n_blocks, 4, 32)).reshape(n_blocks, 8, 32)
+    high = _bits_per_plane(blocks[:, 16:48])  # bit s of qh byte l: fifth bit of sub-block s
+    q = (low | (high << 4)).astype(np.float32)
+    y = (d * sc.astype(np.float32))[:, :, None] * q
+    return (y - (dmin * mn.astype(np.float32))[:, :, None]).reshape(n_blocks, 256)
+
+
+def _dq_q6_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 210]
+    n_blocks = blocks.shape[0]
+    # Per 128-value half n: 64 ql bytes and 32 qh bytes. Group g (32 values) takes nibble g // 2 of
+    # ql bytes 32 * (g % 2) + l, and bits 2g..2g+1 of qh byte l.
+    ql = _low_high_nibbles(blocks[:, 0:128].reshape(n_blocks, 2, 2, 32))  # [n, half, g%2, g//2, l]
+    ql = ql.swapaxes(2, 3)  # [n, half, g//2, g%2, l]
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    qh = (blocks[:, 128:192].reshape(n_blocks, 2, 1, 32) >> shifts) & 0x03  # [n, half, g, l]
+    q = (ql.reshape(n_blocks, 2, 4, 32) | (qh << 4)).astype(np.int8) - 32
+    scales = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+    d = _f16(blocks, 208)
+    y = (d * scales)[:, :, None] * q.reshape(n_blocks, 16, 16).astype(np.float32)
+    return y.reshape(n_blocks, 256)
+
+
+def _dq_q8_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 292]
+    d = np.ascontiguousarray(blocks[:, 0:4]).view("<f4")
+    return d * np.ascontiguousarray(blocks[:, 4:260]).view(np.int8).astype(np.float32)
+
+
+def _float_kernel(dtype: str) -> Callable[[np.ndarray], np.ndarray]:
+    def kernel(blocks: np.ndarray) -> np.ndarray:  # u8[n, itemsize]
+        return np.ascontiguousarray(blocks).view(dtype).astype(np.float32)
+
+    return kernel
+
+
+def _dq_bf16(blocks: np.ndarray) -> np.ndarray:  # u8[n, 2]
+    # bfloat16 is the top half of a float32.
+    return (np.ascontiguousarray(blocks).view("<u2").astype(np.uint32) << 16).view(np.float32)
+
+
+_KERNELS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
+    GGMLType.F32: _float_kernel("<f4"),
+    GGMLType.F16: _float_kernel("<f2"),
+    GGMLType.F64: _float_kernel("<f8"),
+    GGMLType.BF16: _dq_bf16,
+    GGMLType.Q4_0: _dq_q4_0,
+    GGMLType.Q4_1: _dq_q4_1,
+    GGMLType.Q5_0: _dq_q5_0,
+    GGMLType.Q5_1: _dq_q5_1,
+    GGMLType.Q8_0: _dq_q8_0,
+    GGMLType.Q2_K: _dq_q2_k,
+    GGMLType.Q3_K: _dq_q3_k,
+    GGMLType.Q4_K: _dq_q4_k,
+    GGMLType.Q5_K: _dq_q5_k,
+    GGMLType.Q6_K: _dq_q6_k,
+    GGMLType.Q8_K: _dq_q8_k,
+}
+SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(_KERNELS)
+
+
+def _type_name(ggml_type: int | GGMLType) -> str:
+    try:
+        return GGMLType(int(ggml_type)).name
+    except ValueError:
+        return f"unknown GGML type id {int(ggml_type)}"
+
+
+def dequantize(raw: np.ndarray, ggml_type: int | GGMLType, shape: tuple[int, ...]) -> np.ndarray:
+    """Dequantize one tensor's bytes to float32.
+
+    Args:
+        raw: the tensor's data exactly as stored (any dtype and shape; its bytes are what count),
+            e.g. `gguf.GGUFReader(...).tensors[i].data`.
+        ggml_type: the GGML type of `raw`.
+        shape: the numpy shape (slowest dimension first, i.e. the reversed GGUF shape).
+
+    Returns:
+        A new f32 array of `shape`.
+    """
+    try:
+        qtype = GGMLType(int(ggml_type))
+    except ValueError:
+        raise GGUFError(f"cannot dequantize {_type_name(ggml_type)}") from None
+    kernel = _KERNELS.get(qtype)
+    if kernel is None:
+        supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+        raise GGUFError(f"cannot dequantize GGML type {qtype.name} (supported: {supported})")
+    shape = tuple(int(s) for s in shape)
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    if shape and shape[-1] % block_size:
+        raise GGUFError(
+            f"{qtype.name} tensor of shape {shape}: the last dimension is not a multiple of the "
+            f"block size {block_size}"
+        )
+    n_blocks = math.prod(shape) // block_size
+    data = np.ascontiguousarray(np.asarray(raw)).reshape(-1).view(np.uint8)
+    if data.size != n_blocks * block_bytes:
+        raise GGUFError(
+            f"{qtype.name} tensor of shape {shape} needs {n_blocks * block_bytes} bytes, got {data.size}"
+        )
+    return kernel(data.reshape(n_blocks, block_bytes)).reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arch:
+    """How one GGUF `general.architecture` maps onto its HF model."""
+
+    hf_class: str
+    layer_names: dict[str, str]  # GGUF per-layer part -> HF name under model.layers.N.
+    biases: frozenset[str]  # GGUF parts that may carry a .bias
+    permute_qk: bool  # llama.cpp interleaved the rotary halves of Q/K rows
+    norm_offset: float  # llama.cpp stored RMSNorm weights as (w + norm_offset)
+    hidden_act: str
+
+
+_CORE_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_ATTN_BIASES = frozenset({"attn_q", "attn_k", "attn_v", "attn_output"})
+_ARCHS: dict[str, _Arch] = {
+    # Mistral checkpoints are stored by llama.cpp as `llama` too.
+    "llama": _Arch(
+        hf_class="LlamaForCausalLM",
+        layer_names={**_CORE_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"},
+        biases=_ATTN_BIASES | {"ffn_gate", "ffn_up", "ffn_down"},
+        permute_qk=True,
+        norm_offset=0.0,
+        hidden_act="silu",
+    ),
+    "qwen2": _Arch(
+        hf_class="Qwen2ForCausalLM",
+        layer_names={**_CORE_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"},
+        biases=frozenset({"attn_q", "attn_k", "attn_v"}),
+        permute_qk=False,
+        norm_offset=0.0,
+        hidden_act="silu",
+    ),
+    "qwen3": _Arch(
+        hf_class="Qwen3ForCausalLM",
+        layer_names={
+            **_CORE_LAYER_NAMES,
+            "ffn_norm": "post_attention_layernorm",
+            "attn_q_norm": "self_attn.q_norm",
+            "attn_k_norm": "self_attn.k_norm",
+        },
+        biases=_ATTN_BIASES,
+        permute_qk=False,
+        norm_offset=0.0,
+        hidden_act="silu",
+    ),
+    "gemma": _Arch(
+        hf_class="GemmaForCausalLM",
+        layer_names={**_CORE_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"},
+        biases=_ATTN_BIASES,
+        permute_qk=False,
+        norm_offset=1.0,
+        hidden_act="gelu_pytorch_tanh",
+    ),
+    "gemma2": _Arch(
+        hf_class="Gemma2ForCausalLM",
+        layer_names={
+            **_CORE_LAYER_NAMES,
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        },
+        biases=_ATTN_BIASES,
+        permute_qk=False,
+        norm_offset=1.0,
+        hidden_act="gelu_pytorch_tanh",
+    ),
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
+# llama.cpp's per-dimension rotary frequency divisors for Llama 3.x rope scaling: not an HF
+# parameter, it becomes `rope_scaling` in hf_config().
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One tensor of the file, ready to be read on demand."""
+
+    gguf_name: str
+    index: int  # position in GGUFReader.tensors
+    qtype: GGMLType
+    shape: tuple[int, ...]  # numpy order = HF order
+    unpermute_heads: int | None  # undo llama.cpp's Q/K row permutation with this many heads
+    norm_offset: float
+
+
+class _Problem(Exception):
+    """Raised inside the reader; read_gguf() turns it into a GGUFError naming the file."""
+
+
+class _BoundedReader(gguf.GGUFReader):
+    """gguf.GGUFReader that checks sizes before it slices the memory map.
+
+    NOTE: `_get` and `_build_tensors` are internals of gguf-py (0.19); if they change, failures
+    still surface as GGUFError through read_gguf's catch-all, only with a vaguer message.
+    """
+
+    def _get(
+        self, offset: int, dtype: npt.DTypeLike, count: int = 1, override_order: Any = None
+    ) -> np.ndarray:
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise _Problem(
+                f"truncated: the header needs bytes up to {end} but the file has {len(self.data)}"
+            )
+        return super()._get(offset, dtype, count, override_order)
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        for field in fields:
+            dims, raw_type, rel_offset = field.parts[3], field.parts[4], field.parts[5]
+            try:
+                qtype = GGMLType(int(raw_type[0]))
+            except ValueError:
+                raise _Problem(f"tensor {field.name!r} has {_type_name(raw_type[0])}") from None
+            block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            ne = [int(x) for x in dims]
+            if ne and ne[0] % block_size:
+                raise _Problem(
+                    f"tensor {field.name!r} ({qtype.name}, ne={ne}) has rows that are not a "
+                    f"multiple of the block size {block_size}"
+                )
+            start = int(start_offs) + int(rel_offset[0])
+            end = start + math.prod(ne) // block_size * block_bytes
+            if end > len(self.data):
+                raise _Problem(
+                    f"truncated: tensor {field.name!r} ({qtype.name}, ne={ne}) occupies bytes "
+                    f"[{start}, {end}) but the file has {len(self.data)}"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
+def _field_value(field: Any) -> Any:
+    """A ReaderField as a plain Python value; strings that are not UTF-8 keep their bytes as
+    surrogate escapes (`s.encode("utf-8", "surrogateescape")` recovers them)."""
+    kind = field.types[0] if field.types else None
+    if kind == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[-1]).decode("utf-8", "surrogateescape")
+    if kind == gguf.GGUFValueType.ARRAY:
+        if len(field.types) == 1:
+            return []
+        if len(field.types) > 2:  # arrays of arrays: gguf-py flattens them
+            return field.contents()
+        if field.types[1] == gguf.GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
+        return np.concatenate([field.parts[i] for i in field.data]).tolist()
+    value = field.parts[-1][0]
+    if kind == gguf.GGUFValueType.FLOAT32:
+        # The shortest decimal that round-trips through float32: 1e-05, not 9.999999747378752e-06.
+        return float(str(np.float32(value)))
+    return value.item()
+
+
+def _undo_rotary_permutation(
+    w: np.ndarray, n_heads: int, what: str
+) -> np.ndarray:  # f32[rows, ...]
+    """Inverse of llama.cpp's Q/K permutation for `llama` checkpoints.
+
+    HF rotates the two halves of each head (`rotate_half`); llama.cpp rotates adjacent pairs, so its
+    converter reorders each head's rows from `[2, head_dim/2]` to `[head_dim/2, 2]`. Reading each
+    head's rows as `[head_dim/2, 2]` and transposing puts them back.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise GGUFError(f"{what}: {rows} rows do not split into {n_heads} heads of even size")
+    pairs = w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+    return pairs.swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_factors(
+    factor: float, low: float, high: float, original_ctx: int, theta: float, dim: int
+) -> np.ndarray:
+    """f64[dim/2]: the frequency divisors that Llama 3 rope scaling applies per rotary pair."""
+    wavelen = 2 * math.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    smooth = (original_ctx / wavelen - low) / (high - low)
+    blended = 1.0 / ((1.0 - smooth) / factor + smooth)
+    out = np.where(wavelen < original_ctx / high, 1.0, blended)
+    return np.where(wavelen > original_ctx / low, factor, out)
+
+
+@dataclasses.dataclass
+class GGUFCheckpoint:
+    """An opened GGUF file: metadata in memory, tensors read one at a time from a memory map."""
+
+    path: str
+    metadata: dict[str, Any]
+    _reader: gguf.GGUFReader = dataclasses.field(repr=False, compare=False)
+    _entries: dict[str, _Entry] = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata["general.architecture"]
+
+    def tensor_names(self) -> list[str]:
+        """HF names of every tensor, in file order."""
+        return list(self._entries)
+
+    def tensor(self, hf_name: str) -> np.ndarray:
+        """One tensor, dequantized to float32 in HF layout (a new array, not a view of the file)."""
+        entry = self._entries.get(hf_name)
+        if entry is None:
+            raise GGUFError(f"{self.path}: no tensor named {hf_name!r}")
+        what = f"{self.path}: tensor {entry.gguf_name!r} ({entry.qtype.name}, shape {entry.shape})"
+        try:
+            w = dequantize(self._reader.tensors[entry.index].data, entry.qtype, entry.shape)
+        except GGUFError as e:
+            raise GGUFError(f"{what}: {e}") from None
+        if entry.unpermute_heads is not None:
+            w = _undo_rotary_permutation(w, entry.unpermute_heads, what)
+        if entry.norm_offset:
+            w -= np.float32(entry.norm_offset)
+        return w
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(HF name, float32 array) for every tensor, reading one at a time."""
+        for name in self._entries:
+            yield name, self.tensor(name)
+
+    def _key(self, suffix: str, default: Any = ...) -> Any:
+        key = f"{self.architecture}.{suffix}"
+        if key in self.metadata:
+            return self.metadata[key]
+        if default is ...:
+            raise GGUFError(f"{self.path}: missing metadata key {key!r}")
+        return default
+
+    def _uniform_key(self, suffix: str, default: Any = ...) -> Any:
+        """A per-model number that some files store per layer: every layer must agree."""
+        value = self._key(suffix, default)
+        if isinstance(value, list):
+            if not value or any(v != value[0] for v in value):
+                key = f"{self.architecture}.{suffix}"
+                raise GGUFError(f"{self.path}: per-layer {key!r} = {value} is not supported")
+            value = value[0]
+        return value
+
+    def hf_config(self) -> dict[str, Any]:
+        """A HF `config.json`-style dict for this checkpoint."""
+        arch = self.architecture
+        rules = _ARCHS[arch]
+        hidden = self._key("embedding_length")
+        n_heads = self._uniform_key("attention.head_count")
+        n_kv_heads = self._uniform_key("attention.head_count_kv", n_heads)
+        rope_dim = self._key("rope.dimension_count", None)
+        head_dim = self._key("attention.key_length", rope_dim or hidden // n_heads)
+        value_dim = self._key("attention.value_length", head_dim)
+        if value_dim != head_dim:
+            raise GGUFError(f"{self.path}: value head size {value_dim} != key head size {head_dim}")
+        if rope_dim is not None and rope_dim != head_dim:
+            raise GGUFError(
+                f"{self.path}: partial rotary ({arch}.rope.dimension_count={rope_dim} with "
+                f"head_dim={head_dim}) is not supported"
+            )
+        cfg: dict[str, Any] = {
+            "architectures": [rules.hf_class],
+            "model_type": arch,
+            "hidden_size": hidden,
+            "intermediate_size": self._uniform_key("feed_forward_length"),
+            "num_hidden_layers": self._key("block_count"),
+            "num_attention_heads": n_heads,
+            "num_key_value_heads": n_kv_heads,
+            "head_dim": head_dim,
+            "rms_norm_eps": self._key("attention.layer_norm_rms_epsilon"),
+            "rope_theta": self._key("rope.freq_base", 10000.0),
+            "max_position_embeddings": self._key("context_length"),
+            "vocab_size": self._vocab_size(),
+            "tie_word_embeddings": "lm_head.weight" not in self._entries,
+            "hidden_act": rules.hidden_act,
+            "attention_bias": any(
+                e.gguf_name.endswith((".attn_q.bias", ".attn_k.bias", ".attn_v.bias"))
+                for e in self._entries.values()
+            ),
+        }
+        if arch == "llama":
+            cfg["mlp_bias"] = any(
+                e.gguf_name.startswith("blk.")
+                and ".ffn_" in e.gguf_name
+                and e.gguf_name.endswith(".bias")
+                for e in self._entries.values()
+            )
+        if arch.startswith("gemma"):
+            cfg["hidden_activation"] = rules.hidden_act
+        for hf_key, gguf_key in (
+            ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+            ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+            ("pad_token_id", "tokenizer.ggml.padding_token_id"),
+        ):
+            if gguf_key in self.metadata:
+                cfg[hf_key] = self.metadata[gguf_key]
+        sliding_window = self._key("attention.sliding_window", None)
+        if sliding_window is not None:
+            cfg["sliding_window"] = sliding_window
+        if arch == "gemma2":
+            for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+                cfg[name] = self._key(name, None)
+            # NOTE: GGUF has no key for Gemma 2's query scale. llama.cpp uses hidden/heads for the
+            # 46-layer (27B) model and head_dim otherwise, matching the HF configs; so do we.
+            layers = cfg["num_hidden_layers"]
+            cfg["query_pre_attn_scalar"] = hidden // n_heads if layers == 46 else head_dim
+        cfg["rope_scaling"] = self._rope_scaling(head_dim, cfg["rope_theta"])
+        return cfg
+
+    def _vocab_size(self) -> int:
+        rows = self._entries["model.embed_tokens.weight"].shape[0]
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        declared = self._key("vocab_size", len(tokens) if tokens is not None else rows)
+        if declared != rows:
+            raise GGUFError(
+                f"{self.path}: vocabulary of {declared} tokens but token_embd.weight has {rows} rows"
+            )
+        return rows
+
+    def _rope_scaling(self, head_dim: int, theta: float) -> dict[str, Any] | None:
+        prefix = f"{self.architecture}.rope.scaling."
+        keys = {k[len(prefix) :]: v for k, v in self.metadata.items() if k.startswith(prefix)}
+        kind = keys.pop("type", "none")
+        keys.pop("finetuned", None)
+        if self._has_rope_freqs:
+            if kind != "none" or keys:
+                raise GGUFError(f"{self.path}: both {_ROPE_FREQS} and rope.scaling.* keys present")
+            return self._llama3_rope_scaling(head_dim, theta)
+        if kind == "none":
+            if keys:
+                raise GGUFError(f"{self.path}: rope scaling keys {sorted(keys)} without a type")
+            return None
+        if kind not in ("linear", "yarn"):
+            raise GGUFError(f"{self.path}: unsupported rope scaling type {kind!r}")
+        out: dict[str, Any] = {"rope_type": kind}
+        renames = {
+            "factor": "factor",
+            "original_context_length": "original_max_position_embeddings",
+            "yarn_beta_fast": "beta_fast",
+            "yarn_beta_slow": "beta_slow",
+        }
+        for key, value in keys.items():
+            if key not in renames:
+                raise GGUFError(f"{self.path}: unsupported rope scaling key {prefix + key!r}")
+            out[renames[key]] = value
+        if "factor" not in out:
+            raise GGUFError(f"{self.path}: rope scaling {kind!r} without {prefix}factor")
+        return out
+
+    @property
+    def _has_rope_freqs(self) -> bool:
+        return any(t.name == _ROPE_FREQS for t in self._reader.tensors)
+
+    def _llama3_rope_scaling(self, head_dim: int, theta: float) -> dict[str, Any]:
+        """Recover Llama 3 `rope_scaling` from llama.cpp's `rope_freqs.weight` divisors.
+
+        The divisors do not pin the parameters down uniquely, so we take the largest divisor as the
+        factor, assume the values every Llama 3.x release uses for the rest, and check that these
+        reproduce the stored divisors.
+        """
+        tensor = next(t for t in self._reader.tensors if t.name == _ROPE_FREQS)
+        shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
+        stored = dequantize(tensor.data, tensor.tensor_type, shape).reshape(-1)
+        if stored.size != head_dim // 2:
+            raise GGUFError(
+                f"{self.path}: {_ROPE_FREQS} has {stored.size} values, not {head_dim // 2}"
+            )
+        params = {
+            "rope_type": "llama3",
+            "factor": float(str(stored.max())),
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+        expected = _llama3_rope_factors(params["factor"], 1.0, 4.0, 8192, theta=theta, dim=head_dim)
+        if not np.allclose(stored, expected, rtol=1e-5, atol=0):
+            raise GGUFError(
+                f"{self.path}: {_ROPE_FREQS} does not match Llama 3 rope scaling with "
+                f"factor={params['factor']}, low/high_freq_factor=1/4, original context 8192"
+            )
+        return params
+
+
+def _map_tensor_name(gguf_name: str, rules: _Arch) -> str | None:
+    """The HF name of a GGUF tensor, or None when the architecture has no such tensor."""
+    if m := _LAYER_TENSOR.fullmatch(gguf_name):
+        layer, part, kind = m.groups()
+        hf_part = rules.layer_names.get(part)
+        if hf_part is None or (kind == "bias" and part not in rules.biases):
+            return None
+        return f"model.layers.{int(layer)}.{hf_part}.{kind}"
+    if m := _GLOBAL_TENSOR.fullmatch(gguf_name):
+        part, kind = m.groups()
+        if part in _GLOBAL_NAMES and kind == "weight":
+            return f"{_GLOBAL_NAMES[part]}.{kind}"
+    return None
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
+    """Open a GGUF checkpoint; tensors stay in the file until asked for.
+
+    Args:
+        path: the `.gguf` file.
+
+    Returns:
+        A GGUFCheckpoint with the metadata read and every tensor name mapped to HF's.
+
+    Raises:
+        GGUFError: missing or unreadable file, bad magic, truncation, unsupported architecture,
+            unknown tensor name or unsupported quantization type.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise GGUFError(
+            f"{path}: no such file" if not os.path.exists(path) else f"{path}: not a file"
+        )
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != _GGUF_MAGIC:
+        raise GGUFError(
+            f"{path}: not a GGUF file (starts with {magic!r}, expected {_GGUF_MAGIC!r})"
+        )
+    try:
+        reader = _BoundedReader(path)
+    except _Problem as e:
+        raise GGUFError(f"{path}: {e}") from None
+    except Exception as e:  # gguf-py raises ValueError, KeyError, IndexError, ... on bad files
+        raise GGUFError(f"{path}: unreadable GGUF file ({type(e).__name__}: {e})") from e
+    if reader.byte_order != "I":
+        raise GGUFError(f"{path}: big-endian GGUF files are not supported")
+
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):  # the reader's pseudo-fields: version and counts
+            continue
+        try:
+            metadata[key] = _field_value(field)
+        except Exception as e:
+            raise GGUFError(f"{path}: metadata key {key!r} is unreadable ({e})") from e
+
+    arch = metadata.get("general.architecture")
+    if arch not in _ARCHS:
+        raise GGUFError(
+            f"{path}: unsupported architecture {arch!r} (supported: {', '.join(sorted(_ARCHS))})"
+        )
+    rules = _ARCHS[arch]
+    n_layers = metadata.get(f"{arch}.block_count")
+    n_heads = metadata.get(f"{arch}.attention.head_count")
+    n_kv_heads = metadata.get(f"{arch}.attention.head_count_kv", n_heads)
+    if rules.permute_qk and not (isinstance(n_heads, int) and isinstance(n_kv_heads, int)):
+        raise GGUFError(
+            f"{path}: {arch}.attention.head_count / head_count_kv must be single integers to "
+            f"undo the Q/K permutation (got {n_heads!r} / {n_kv_heads!r})"
+        )
+
+    entries: dict[str, _Entry] = {}
+    for index, t in enumerate(reader.tensors):
+        if t.name == _ROPE_FREQS and arch == "llama":
+            continue
+        hf_name = _map_tensor_name(t.name, rules)
+        if hf_name is None:
+            raise GGUFError(f"{path}: unknown tensor {t.name!r} for architecture {arch!r}")
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise GGUFError(
+                f"{path}: tensor {t.name!r} has unsupported type {t.tensor_type.name} "
+                f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})"
+            )
+        if hf_name.startswith("model.layers.") and isinstance(n_layers, int):
+            layer = int(hf_name.split(".")[2])
+            if layer >= n_layers:
+                raise GGUFError(f"{path}: tensor {t.name!r} is past {arch}.block_count={n_layers}")
+        part = t.name.split(".")[-2]
+        unpermute = None
+        if rules.permute_qk and part in ("attn_q", "attn_k"):
+            unpermute = n_heads if part == "attn_q" else n_kv_heads
+        is_norm = t.name.endswith("norm.weight")
+        entries[hf_name] = _Entry(
+            gguf_name=t.name,
+            index=index,
+            qtype=t.tensor_type,
+            shape=tuple(int(x) for x in reversed(t.shape.tolist())),
+            unpermute_heads=unpermute,
+            norm_offset=rules.norm_offset if is_norm else 0.0,
+        )
+    if "model.embed_tokens.weight" not in entries:
+        raise GGUFError(f"{path}: no token_embd.weight tensor")
+    return GGUFCheckpoint(path=path, metadata=metadata, _reader=reader, _entries=entries)
