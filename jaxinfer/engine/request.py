@@ -86,6 +86,14 @@ class Request:
             )
 
     @property
+    def may_use_prefix_cache(self) -> bool:
+        """False when every token must be computed: prompt logprobs, or penalties (the runner
+        counts tokens as it computes them)."""
+        sp = self.sampling
+        return (sp.prompt_logprobs is None and sp.repetition_penalty == 1.0
+                and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0)
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -15,7 +15,8 @@ catching up to `num_tokens`, and one loop decides how many of its tokens to comp
 3. Then, if nothing was preempted, waiting requests (preempted ones first, then by (priority,
    arrival)) are admitted while budgets and pages allow: a prefix-cache match skips the cached
    leading pages (resumes included; `num_cached_tokens` records the first admission's hit; not
-   for `prompt_logprobs` requests, which need every position computed), the rest is chunked to
+   for requests that must see every token computed: `prompt_logprobs`, and
+   penalties, whose token counts the runner builds from the tokens it computes), the rest is chunked to
    the token budget, pages are allocated. The first request that does not fit stops admission
    (strict order, no preemption to admit).
 4. `scheduled` lists decodes first, then prefill chunks.
@@ -215,7 +216,7 @@ class Scheduler:
                 break
             req = self._preempted[0] if self._preempted else self._waiting[0]
             cached: list[int] = []
-            if self.allocator.enable_prefix_caching and req.sampling.prompt_logprobs is None:
+            if self.allocator.enable_prefix_caching and req.may_use_prefix_cache:
                 cached = self.allocator.match_prefix(req.all_token_ids, req.page_hashes)
             start = len(cached) * page_size
             n = min(req.num_tokens - start, token_budget, self._max_chunk)

@@ -1,0 +1,279 @@
+"""LLMEngine: the glue between the host scheduler, the device runner and the tokenizer.
+
+1. `add_request` validates and tokenizes on the caller's thread, then queues the request(s)
+   (n > 1 samples become n child requests that share the prompt's cached pages).
+2. `step()` drains queued adds/aborts, then does schedule → execute → update.
+3. The step's updates become `RequestDelta`s: new token ids, new text from each request's
+   incremental detokenizer (stop strings matched on that text, held back until they can no longer
+   start a match), logprobs, and on the last delta the finish reason and usage.
+
+`add_request` and `abort` may be called from other threads (the gRPC server does); everything
+else runs on the thread that calls `step()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import queue
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine.page_allocator import PageAllocator
+from jaxinfer.engine.request import Request
+from jaxinfer.engine.runner import ModelRunner, TokenLogprobs
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.loader import LoadedModel
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclasses.dataclass
+class RequestDelta:
+    """What one step added to one sample of one request."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first delta, when asked
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    usage: Usage | None = None
+
+
+@dataclasses.dataclass
+class _Sample:
+    """Engine-side state of one child request (one sample)."""
+
+    parent: str
+    index: int
+    request: Request
+    detok: IncrementalDetokenizer
+    stop: list[str]
+    text: str = ""  # emitted so far
+    pending: str = ""  # detokenized but held back (could be the start of a stop string)
+    prompt_lps: dict[int, TokenLogprobs] = dataclasses.field(default_factory=dict)
+    sent_prompt_lps: bool = False
+
+
+def _default_kv_cache_memory() -> int:
+    """Bytes for the KV cache when the user gives neither num_pages nor kv_cache_memory."""
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(0.85 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    try:  # CPU: a quarter of the available host memory, at most 4 GiB
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 4 << 30
+    return min(avail // 4, 4 << 30)
+
+
+class LLMEngine:
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *,
+                 attention_backend: str = "reference") -> None:
+        self.model, self.tokenizer, self.cfg = model, model.tokenizer, model.cfg
+        config = config or EngineConfig(dtype=model.dtype)
+        max_model_len = config.max_model_len or self.cfg.max_position_embeddings
+        if max_model_len > self.cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={self.cfg.max_position_embeddings}")
+        page_bytes = (config.page_size * 2 * self.cfg.num_kv_heads * self.cfg.head_dim
+                      * self.cfg.num_layers * (4 if config.dtype == "float32" else 2))
+        pages_for_all = config.max_num_seqs * -(-max_model_len // config.page_size) + 1
+        num_pages = config.num_pages
+        if num_pages is None:
+            budget = config.kv_cache_memory or _default_kv_cache_memory()
+            num_pages = min(budget // page_bytes, pages_for_all)
+            if num_pages < 2:
+                raise ValueError(f"kv_cache_memory={budget} bytes holds fewer than 2 pages of "
+                                 f"{page_bytes} bytes; give more memory or a smaller page_size")
+        self.config = dataclasses.replace(config, num_pages=int(num_pages), max_model_len=max_model_len)
+        self.max_model_len = max_model_len
+        self.allocator = PageAllocator(self.config.num_pages, config.page_size,
+                                       config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.allocator, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=max_model_len)
+        self.runner = ModelRunner(self.cfg, model.params, page_size=config.page_size,
+                                  num_pages=self.config.num_pages, max_model_len=max_model_len,
+                                  max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  dtype=config.dtype, attention_backend=attention_backend)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._samples: dict[str, _Sample] = {}  # child request id -> state
+        self._children: dict[str, list[str]] = {}  # parent id -> child ids
+        self._aborted: list[str] = []
+        self._ids = itertools.count()
+        usable = self.allocator.num_usable_pages
+        logger.info(
+            "KV cache: %d pages x %d tokens = %d tokens (%.1f MiB); max_model_len %d -> up to %.1f "
+            "concurrent full-length requests; max_num_seqs %d, max_num_batched_tokens %d",
+            usable, config.page_size, usable * config.page_size, self.runner.kv_cache_bytes / 2**20,
+            max_model_len, usable * config.page_size / max_model_len, config.max_num_seqs,
+            config.max_num_batched_tokens)
+
+    def capacity(self) -> dict[str, int]:
+        usable = self.allocator.num_usable_pages
+        return {"num_pages": usable, "page_size": self.config.page_size,
+                "max_tokens": usable * self.config.page_size, "max_model_len": self.max_model_len}
+
+    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Validates, tokenizes and queues a request; returns its id. Bad input raises ValueError."""
+        sampling = sampling or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        self.validate_prompt(ids, sampling)
+        children = []
+        for i in range(sampling.n):
+            child_sp = sampling
+            if sampling.n > 1 and sampling.seed is not None:
+                child_sp = dataclasses.replace(sampling, seed=(sampling.seed + 7919 * i) % 2**63)
+            cid = request_id if sampling.n == 1 else f"{request_id}#{i}"
+            req = Request(cid, list(ids), child_sp, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+                          priority=priority)
+            children.append(_Sample(request_id, i, req, self.tokenizer.detokenizer(ids),
+                                    list(sampling.stop or [])))
+        self._inbox.put(("add", request_id, children))
+        return request_id
+
+    def validate_prompt(self, ids: list[int], sampling: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
+        if len(ids) + sampling.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens + max_tokens={sampling.max_tokens} exceeds "
+                f"max_model_len={self.max_model_len}")
+
+    def abort(self, request_id: str) -> None:
+        """Aborts every sample of a request (thread-safe; takes effect at the next step)."""
+        self._inbox.put(("abort", request_id, None))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._samples) or not self._inbox.empty() or bool(self._aborted)
+
+    def step(self) -> list[RequestDelta]:
+        self._drain_inbox()
+        sched = self.scheduler.schedule()
+        out = self.runner.execute(sched)
+        updates = self.scheduler.update(sched, out)
+        return self._deltas(updates, out)
+
+    def stream(self) -> Iterator[RequestDelta]:
+        """Steps until every request has finished, yielding deltas as they come."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def _drain_inbox(self) -> None:
+        while not self._inbox.empty():
+            kind, rid, children = self._inbox.get()
+            if kind == "add":
+                self._children[rid] = [c.request.request_id for c in children]
+                for child in children:
+                    self._samples[child.request.request_id] = child
+                    self.scheduler.add_request(child.request)
+            else:
+                for cid in self._children.get(rid, []):
+                    if cid in self._samples and self.scheduler.abort(cid):
+                        self._aborted.append(cid)
+
+    def _deltas(self, updates: list[Any], out: Any) -> list[RequestDelta]:
+        deltas = []
+        for cid in self._aborted:
+            deltas.append(self._final(self._samples[cid], [], "", None, "abort"))
+        self._aborted = []
+        for upd in updates:
+            req = upd.request
+            s = self._samples.get(req.request_id)
+            if s is None:
+                continue
+            if req.request_id in out.prompt_logprobs:
+                s.prompt_lps.update(out.prompt_logprobs[req.request_id])
+            lp = out.logprobs.get(req.request_id)
+            new_text, stopped = self._detokenize(s, upd.new_token_ids, upd.finished)
+            if stopped and not upd.finished:
+                self.scheduler.finish(req.request_id, "stop", stopped)
+            finished = upd.finished or stopped is not None
+            reason = "stop" if stopped is not None else req.finish_reason
+            delta = self._final(s, upd.new_token_ids, new_text, lp, reason) if finished else \
+                RequestDelta(s.parent, s.index, list(upd.new_token_ids), new_text)
+            if lp is not None:
+                delta.logprobs = [lp]
+            if req.sampling.prompt_logprobs is not None and not s.sent_prompt_lps and upd.new_token_ids:
+                delta.prompt_logprobs = [None] + [s.prompt_lps.get(p) for p in range(1, req.num_prompt_tokens)]
+                s.sent_prompt_lps = True
+            deltas.append(delta)
+        return deltas
+
+    def _final(self, s: _Sample, new_ids: list[int], new_text: str, lp: Any, reason: str) -> RequestDelta:
+        req = s.request
+        del self._samples[req.request_id]
+        siblings = self._children.get(s.parent, [])
+        if not any(c in self._samples for c in siblings):
+            self._children.pop(s.parent, None)
+        usage = Usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens)
+        return RequestDelta(s.parent, s.index, list(new_ids), new_text, finished=True,
+                            finish_reason=reason, usage=usage)
+
+    def _detokenize(self, s: _Sample, new_ids: list[int], finishing: bool) -> tuple[str, str | None]:
+        """Returns (text to emit now, the stop string that matched or None)."""
+        for tok in new_ids:
+            s.pending += s.detok.add(tok)
+        if finishing:
+            s.pending += s.detok.flush()
+        if s.stop:
+            combined = s.text + s.pending
+            start = max(0, len(s.text) - max(len(x) for x in s.stop) + 1)
+            hits = [(combined.find(x, start), x) for x in s.stop]
+            hits = [(i, x) for i, x in hits if i >= 0]
+            if hits:
+                i, stop = min(hits)
+                new = combined[len(s.text):i]
+                s.text, s.pending = combined[:i], ""
+                return new, stop
+            if not finishing:
+                hold = max(len(x) for x in s.stop) - 1
+                cut = max(len(combined) - hold, len(s.text))
+                new = combined[len(s.text):cut]
+                s.text, s.pending = combined[:cut], combined[cut:]
+                return new, None
+        new, s.pending = s.pending, ""
+        s.text += new
+        return new, None
+
+
+def wait_all(engine: LLMEngine, timeout: float | None = None) -> list[RequestDelta]:
+    """Runs the engine until idle, collecting every delta (a convenience for scripts and tests)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    deltas = []
+    while engine.has_unfinished():
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError("engine did not finish in time")
+        deltas.extend(engine.step())
+    return deltas

@@ -1,0 +1,133 @@
+"""The offline Python API: `LLM(model).generate(prompts, sampling)` and `LLM.chat(messages)`.
+
+1. `LLM(...)` loads the model (default: the embedded SmolLM2-135M-Instruct) and builds an
+   `LLMEngine` from the engine options.
+2. `generate` queues every prompt, steps the engine until all are done, and folds the per-step
+   deltas into one `RequestOutput` per prompt, in the order given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from typing import Any
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine.engine import LLMEngine, Usage
+from jaxinfer.engine.runner import TokenLogprobs
+from jaxinfer.loader import load_model
+from jaxinfer.sampling_params import SamplingParams
+
+_ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype"}
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[dict[int, float]] | None = None  # per token: top-k ids plus the chosen id
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One prompt's result; the top-level fields are the first sample's (`outputs[0]`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    usage: Usage | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs
+
+
+def _as_dict(lp: TokenLogprobs | None) -> dict[int, float] | None:
+    if lp is None:
+        return None
+    return {**lp.top, lp.token_id: lp.logprob}
+
+
+class LLM:
+    """Offline generation over the continuous-batching engine.
+
+    Args:
+      model: a GGUF file, a Hugging Face model dir, or an orbax checkpoint dir written by
+        `scripts/convert.py`; None is the embedded SmolLM2-135M-Instruct.
+      dtype: "float32" or "bfloat16"; default float32 on CPU, bfloat16 on accelerators.
+      **engine_options: `EngineConfig` fields (page_size, num_pages, kv_cache_memory,
+        max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching) and
+        `attention_backend`.
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
+                 **engine_options: Any) -> None:
+        backend = engine_options.pop("attention_backend", "reference")
+        unknown = set(engine_options) - _ENGINE_OPTIONS
+        if unknown:
+            raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(_ENGINE_OPTIONS)}")
+        self.model = load_model(model, dtype=dtype)
+        config = EngineConfig(dtype=self.model.dtype, **engine_options)
+        self.engine = LLMEngine(self.model, config, attention_backend=backend)
+        self.tokenizer = self.model.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt, text or token ids
+        if not isinstance(sampling, list):
+            sampling = [sampling or SamplingParams()] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"{len(sampling)} SamplingParams for {len(prompts)} prompts")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        try:
+            for prompt, sp in zip(prompts, sampling):
+                rid = f"gen-{next(self._ids)}"
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                self.engine.add_request(ids, sp, request_id=rid)
+                order.append(rid)
+                results[rid] = RequestOutput(rid, ids, [CompletionOutput(i) for i in range(sp.n)])
+        except Exception:
+            for rid in order:
+                self.engine.abort(rid)
+            while self.engine.has_unfinished():
+                self.engine.step()
+            raise
+        for delta in self.engine.stream():
+            res = results[delta.request_id]
+            out = res.outputs[delta.index]
+            out.token_ids.extend(delta.new_token_ids)
+            out.text += delta.new_text
+            if delta.logprobs:
+                out.logprobs = (out.logprobs or []) + [_as_dict(lp) for lp in delta.logprobs]
+            if delta.prompt_logprobs is not None:
+                res.prompt_logprobs = [_as_dict(lp) for lp in delta.prompt_logprobs]
+            if delta.finished:
+                out.finish_reason = delta.finish_reason
+                if delta.index == 0:
+                    res.usage = delta.usage
+        return [results[rid] for rid in order]
+
+    def chat(self, messages: list[dict[str, str]],
+             sampling: SamplingParams | None = None) -> RequestOutput:
+        """Renders the checkpoint's chat template (with the generation prompt) and generates."""
+        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return self.generate([ids], sampling)[0]

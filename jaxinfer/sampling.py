@@ -1,0 +1,381 @@
+"""Sampler: one jitted program turns a batch of logits into tokens, whatever mix of per-row params.
+
+Every per-request knob is a row of an array in `SamplingMetadata`, so a single compiled program
+serves any mix of greedy, top-k, top-p, min-p and penalised rows. Flow of `sample`:
+  1. Penalties (repetition on prompt-or-output tokens, then frequency and presence on output
+     counts), skipped by a `lax.cond` when no row uses any.
+  2. Suppressed ids (EOS/stop ids while a request is under `min_tokens`) become -inf.
+  3. Greedy rows (`temperature < GREEDY_EPS`) take the first index of the row maximum.
+  4. If any row samples: divide by temperature; top-k threshold (the k-th largest scaled logit,
+     ties kept) from an exact blocked top-k over `TOP_K_CANDIDATES` candidates, or by bisection
+     when some row asks for more; then min-p and top-k become zero weights
+     `w = exp(x - max) in [0, 1]`.
+  5. Top-p without sorting, by rejection: draw a token from the weights above a pivot (inverse CDF
+     over block sums, one uniform per round from the row's own key); the draw `j` belongs to the
+     nucleus iff the mass strictly above it is < top_p * (top-k mass). A rejected draw raises the
+     pivot to its logit, so the next draw comes from strictly higher logits and the accepted token
+     follows the exact renormalised nucleus distribution. The pass that draws the next candidate
+     also measures the mass above the current one, so each round is one pass over `[S, V]`.
+  6. Logprobs of the chosen token and the top-`num_logprobs` under the raw model distribution.
+
+Randomness: row `s` uses `fold_in(fold_in(key(seed[s]), step[s]), round)`, so its token depends only
+on its own logits, parameters, seed and step, never on the rest of the batch or its position.
+
+NOTE: XLA:CPU sorts a [64, 49152] f32 array in ~0.8 s and `argmax` there costs ~13 ms, so nothing
+here sorts a full row and the row max/argmax/top-k go through 128-wide vocabulary blocks.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
+
+BLOCK = 128  # vocabulary block for blocked max / top-k / inverse-CDF
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
+TOP_K_CANDIDATES = 64  # top_k up to this uses one blocked lax.top_k; larger k bisects
+MAX_ROUNDS = 64  # rejection rounds before a row falls back to its top token (never seen in practice)
+SUPPRESS_WIDTH = 8  # default static width of `suppress_ids`
+
+
+@flax.struct.dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters, one row per sampled sequence; padding rows are greedy."""
+
+    temperature: jax.Array  # f32[S] (< GREEDY_EPS = greedy)
+    top_k: jax.Array  # i32[S] (0 = off)
+    top_p: jax.Array  # f32[S] (1 = off)
+    min_p: jax.Array  # f32[S] (0 = off)
+    repetition_penalty: jax.Array  # f32[S] (1 = off)
+    frequency_penalty: jax.Array  # f32[S] (0 = off)
+    presence_penalty: jax.Array  # f32[S] (0 = off)
+    seed: jax.Array  # u32[S, 2] threefry key data (hi, lo) of the row's 64-bit seed
+    step: jax.Array  # i32[S] tokens this request has generated so far
+    suppress_ids: jax.Array  # i32[S, E] ids forbidden this step, -1 padded
+
+    @staticmethod
+    def from_params(
+        params: list[SamplingParams],
+        seeds: list[int],
+        steps: list[int],
+        suppress: list[list[int]],
+        pad_to: int,
+        *,
+        suppress_width: int = SUPPRESS_WIDTH,
+    ) -> SamplingMetadata:
+        """Builds the metadata on the host (numpy fields; `jax.device_put` it once per step).
+
+        Args:
+          params: one `SamplingParams` per sampled row.
+          seeds: each row's seed in [0, 2**64) (the caller draws one for requests without a seed).
+          steps: tokens each row's request has generated so far.
+          suppress: ids each row must not sample this step.
+          pad_to: number of rows; rows past `len(params)` are greedy and harmless.
+          suppress_width: static width E of `suppress_ids`.
+
+        NOTE: a row suppressing more than `suppress_width` ids widens E to the next power-of-two
+        multiple, which compiles one more program; size `suppress_width` for the usual stop lists.
+        """
+        n = len(params)
+        if not len(seeds) == len(steps) == len(suppress) == n:
+            raise ValueError(
+                f"params, seeds, steps and suppress need one entry per row; got "
+                f"{n}, {len(seeds)}, {len(steps)}, {len(suppress)}")
+        if pad_to < n:
+            raise ValueError(f"pad_to={pad_to} is smaller than the number of rows {n}")
+        if any(not 0 <= s < 2**64 for s in seeds):
+            raise ValueError(f"seeds must be integers in [0, 2**64), got {seeds}")
+        if any(i < 0 for ids in suppress for i in ids):
+            raise ValueError(f"suppress ids must be non-negative, got {suppress}")
+        width = suppress_width
+        while width < max((len(ids) for ids in suppress), default=0):
+            width *= 2
+
+        def column(value: float, dtype: type, get) -> np.ndarray:
+            out = np.full(pad_to, value, dtype)
+            out[:n] = [get(p) for p in params]
+            return out
+
+        seed = np.zeros((pad_to, 2), np.uint32)
+        seed[:n, 0] = [s >> 32 for s in seeds]
+        seed[:n, 1] = [s & 0xFFFFFFFF for s in seeds]
+        step = np.zeros(pad_to, np.int32)
+        step[:n] = steps
+        suppress_ids = np.full((pad_to, width), -1, np.int32)
+        for row, ids in enumerate(suppress):
+            suppress_ids[row, : len(ids)] = ids
+        return SamplingMetadata(
+            temperature=column(0.0, np.float32, lambda p: p.temperature),
+            top_k=column(0, np.int32, lambda p: p.top_k),
+            top_p=column(1.0, np.float32, lambda p: p.top_p),
+            min_p=column(0.0, np.float32, lambda p: p.min_p),
+            repetition_penalty=column(1.0, np.float32, lambda p: p.repetition_penalty),
+            frequency_penalty=column(0.0, np.float32, lambda p: p.frequency_penalty),
+            presence_penalty=column(0.0, np.float32, lambda p: p.presence_penalty),
+            seed=seed,
+            step=step,
+            suppress_ids=suppress_ids,
+        )
+
+
+@flax.struct.dataclass
+class SamplerOutput:
+    token_ids: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S] chosen token under the raw model distribution
+    topk_ids: jax.Array  # i32[S, num_logprobs]
+    topk_logprobs: jax.Array  # f32[S, num_logprobs] raw log_softmax, descending
+
+
+def _pad_vocab(x: jax.Array) -> jax.Array:  # f32[S, V] -> f32[S, Vp], Vp a multiple of BLOCK
+    pad = -x.shape[1] % BLOCK
+    return x if pad == 0 else jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+
+
+def _blocks(x: jax.Array) -> jax.Array:  # [S, Vp] -> [S, Vp // BLOCK, BLOCK]
+    return x.reshape(x.shape[0], -1, BLOCK)
+
+
+def _argmax(x: jax.Array, block_max: jax.Array) -> jax.Array:
+    """First index of each row's maximum (lowest id on ties), without XLA:CPU's slow argmax."""
+    # x f32[S, Vp]; block_max f32[S, NB]
+    row_max = block_max.max(axis=1, keepdims=True)
+    nb = block_max.shape[1]
+    block = jnp.min(jnp.where(block_max == row_max, lax.iota(jnp.int32, nb), nb), axis=1)
+    values = jnp.take_along_axis(_blocks(x), block[:, None, None], axis=1)[:, 0]  # f32[S, BLOCK]
+    offset = jnp.min(jnp.where(values == row_max, lax.iota(jnp.int32, BLOCK), BLOCK), axis=1)
+    return block * BLOCK + offset
+
+
+def _top_k(x: jax.Array, k: int, block_max: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Exactly `lax.top_k(x, k)` (descending, lowest id first on ties), searching only k blocks.
+
+    The k largest elements lie in the k blocks with the largest maxima (ties to the lower block),
+    so one small top-k over block maxima and one over the k gathered blocks suffice.
+    """
+    # x f32[S, Vp]; block_max f32[S, NB]
+    s, nb = block_max.shape
+    if k >= nb:
+        return lax.top_k(x, k)
+    _, blocks = lax.top_k(block_max, k)
+    blocks = jnp.sort(blocks, axis=1)  # keep vocabulary order so ties resolve to the lower id
+    cand = jnp.take_along_axis(_blocks(x), blocks[:, :, None], axis=1).reshape(s, k * BLOCK)
+    values, pos = lax.top_k(cand, k)
+    ids = jnp.take_along_axis(blocks, pos // BLOCK, axis=1) * BLOCK + pos % BLOCK
+    return values, ids
+
+
+def compute_logprobs(
+    logits: jax.Array,  # f32[T, V] raw model logits
+    token_ids: jax.Array,  # i32[T]
+    k: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Raw log_softmax of `token_ids` and the top-k (also used for prompt logprobs).
+
+    Returns:
+      chosen f32[T], topk_ids i32[T, k], topk_logprobs f32[T, k] (descending, lowest id on ties).
+    """
+    vocab = logits.shape[1]
+    if not 0 <= k <= vocab:
+        raise ValueError(f"k={k} logprobs must be in [0, vocab size {vocab}]")
+    with jax.named_scope("logprobs"):
+        x = _pad_vocab(logits.astype(jnp.float32))
+        block_max = _blocks(x).max(axis=2)  # f32[T, NB]
+        row_max = block_max.max(axis=1, keepdims=True)
+        lse = row_max + jnp.log(jnp.sum(jnp.exp(x - row_max), axis=1, keepdims=True))  # f32[T, 1]
+        ids = jnp.clip(token_ids, 0, vocab - 1)
+        chosen = jnp.take_along_axis(x, ids[:, None], axis=1)[:, 0] - lse[:, 0]
+        if k == 0:
+            return chosen, jnp.zeros((x.shape[0], 0), jnp.int32), jnp.zeros((x.shape[0], 0), jnp.float32)
+        values, topk_ids = _top_k(x, k, block_max)
+        return chosen, topk_ids, values - lse
+
+
+def apply_penalties(
+    logits: jax.Array,  # f32[S, V]
+    meta: SamplingMetadata,
+    prompt_mask: jax.Array,  # bool[S, V] token appears in the prompt
+    output_counts: jax.Array,  # i32[S, V] occurrences in the output so far
+) -> jax.Array:
+    """Repetition (HF/vLLM), then frequency and presence (OpenAI) penalties; f32[S, V]."""
+    with jax.named_scope("penalties"):
+        in_output = output_counts > 0
+        rep = meta.repetition_penalty[:, None]
+        penalised = jnp.where(logits > 0, logits / rep, logits * rep)
+        x = jnp.where(prompt_mask | in_output, penalised, logits)
+        x = x - meta.frequency_penalty[:, None] * output_counts.astype(jnp.float32)
+        return x - meta.presence_penalty[:, None] * in_output.astype(jnp.float32)
+
+
+def _sortable_key(x: jax.Array) -> jax.Array:  # f32[...] -> u32[...] with the same order
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _from_sortable_key(key: jax.Array) -> jax.Array:  # u32[...] -> f32[...]
+    bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
+    """Each row's k-th largest value by bisection over the f32 order (32 counting passes)."""
+    # x f32[S, Vp]; k i32[S] in [1, Vp]
+    key = _sortable_key(x)  # u32[S, Vp]
+
+    def halve(_, bounds):  # invariant: count(key >= lo) >= k, answer <= hi
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2 + (hi - lo) % 2
+        ok = jnp.sum(key >= mid[:, None], axis=1) >= k
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo, _ = lax.fori_loop(0, 32, halve, (key.min(axis=1), key.max(axis=1)))
+    return _from_sortable_key(lo)
+
+
+def _top_k_threshold(x: jax.Array, k: jax.Array) -> jax.Array:
+    """f32[S] k-th largest of each row of x f32[S, Vp] for k i32[S] > 0; -inf where k == 0."""
+    with jax.named_scope("top_k"):
+        width = min(TOP_K_CANDIDATES, x.shape[1])
+        values, _ = _top_k(x, width, _blocks(x).max(axis=2))  # f32[S, width]
+        kth = jnp.take_along_axis(values, jnp.clip(k - 1, 0, width - 1)[:, None], axis=1)[:, 0]
+        threshold = jnp.where(k == 0, -jnp.inf, kth)
+        large = k > width
+        return lax.cond(
+            jnp.any(large),
+            lambda: jnp.where(large, _kth_largest(x, jnp.maximum(k, 1)), threshold),
+            lambda: threshold,
+        )
+
+
+def _first_above(
+    cum: jax.Array,  # f32[S, N] inclusive cumulative mass
+    mass: jax.Array,  # f32[S, N]
+    target: jax.Array,  # f32[S] in [0, cum[:, -1])
+) -> jax.Array:
+    """i32[S] first index whose cumulative mass exceeds target; rounding never picks a massless one."""
+    last = jnp.max(jnp.where(mass > 0, lax.iota(jnp.int32, cum.shape[1]), 0), axis=1)
+    return jnp.minimum(jnp.sum(cum <= target[:, None], axis=1), last)
+
+
+def _draw(
+    x: jax.Array,  # f32[S, Vp] scaled logits
+    w: jax.Array,  # f32[S, Vp] weights, 0 outside the top-k / min-p sets
+    pivot: jax.Array,  # f32[S] draw only among x > pivot
+    u: jax.Array,  # f32[S] uniform in [0, 1)
+) -> tuple[jax.Array, jax.Array]:
+    """Inverse-CDF draw from w restricted to x > pivot; returns (token i32[S], mass above f32[S])."""
+    above = _blocks(x) > pivot[:, None, None]
+    block_mass = jnp.sum(jnp.where(above, _blocks(w), 0.0), axis=2)  # f32[S, NB]
+    cum = jnp.cumsum(block_mass, axis=1)
+    total = cum[:, -1]
+    target = u * total
+    block = _first_above(cum, block_mass, target)
+    target = target - jnp.take_along_axis(cum - block_mass, block[:, None], axis=1)[:, 0]
+    xb = jnp.take_along_axis(_blocks(x), block[:, None, None], axis=1)[:, 0]  # f32[S, BLOCK]
+    wb = jnp.take_along_axis(_blocks(w), block[:, None, None], axis=1)[:, 0]
+    mass = jnp.where(xb > pivot[:, None], wb, 0.0)
+    offset = _first_above(jnp.cumsum(mass, axis=1), mass, target)
+    return block * BLOCK + offset, total
+
+
+def _sample_rows(
+    x: jax.Array,  # f32[S, Vp] penalised, suppressed, padded logits
+    meta: SamplingMetadata,
+    active: jax.Array,  # bool[S] rows that sample (non-greedy)
+    fallback: jax.Array,  # i32[S] token for a row that runs out of rounds (its top token)
+) -> jax.Array:
+    """Temperature, top-k, top-p, min-p and the draw for `active` rows; i32[S] (garbage elsewhere)."""
+    vocab = x.shape[1]
+    with jax.named_scope("filters"):
+        x = x / jnp.where(active, meta.temperature, 1.0)[:, None]
+        top_k = jnp.where(active & (meta.top_k < vocab), meta.top_k, 0)
+        t_k = lax.cond(
+            jnp.any(top_k > 0),
+            lambda: _top_k_threshold(x, top_k),
+            lambda: jnp.full(x.shape[:1], -jnp.inf),
+        )
+        row_max = x.max(axis=1, keepdims=True)
+        e = jnp.exp(x - row_max)  # f32[S, Vp] probabilities relative to the top token
+        in_top_k = x >= t_k[:, None]
+        z_k = jnp.sum(jnp.where(in_top_k, e, 0.0), axis=1)  # top-p's normaliser
+        w = jnp.where(in_top_k & (e >= meta.min_p[:, None]), e, 0.0)
+        top_p_mass = jnp.where(active, meta.top_p, 1.0) * z_k
+        needs_top_p = active & (meta.top_p < 1.0)
+
+    keys = jax.vmap(
+        lambda seed, step: jax.random.fold_in(
+            jax.random.wrap_key_data(seed, impl="threefry2x32"), step)
+    )(meta.seed, meta.step)
+
+    def round_(state):
+        r, pivot, cand, token, done = state
+        u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, r)))(keys)
+        draw, mass_above = _draw(x, w, pivot, u)
+        # Judge last round's candidate: pivot == x[cand], so mass_above is the mass strictly above it.
+        judged = ~done & (r > 0) & (mass_above < top_p_mass)
+        token = jnp.where(judged, cand, token)
+        done = done | judged
+        accept = ~done & ~needs_top_p  # no nucleus to check: the first draw is final
+        token = jnp.where(accept, draw, token)
+        done = done | accept
+        pivot = jnp.where(done, pivot, jnp.take_along_axis(x, draw[:, None], axis=1)[:, 0])
+        return r + 1, pivot, draw, token, done
+
+    with jax.named_scope("draw"):
+        s = x.shape[0]
+        init = (jnp.int32(0), jnp.full((s,), -jnp.inf), jnp.zeros((s,), jnp.int32),
+                jnp.zeros((s,), jnp.int32), ~active)
+        _, _, _, token, done = lax.while_loop(
+            lambda state: (state[0] < MAX_ROUNDS) & ~jnp.all(state[4]), round_, init)
+        return jnp.where(done, token, fallback)
+
+
+def sample(
+    logits: jax.Array,  # f32[S, V] raw model logits
+    meta: SamplingMetadata,
+    prompt_mask: jax.Array,  # bool[S, V] token appears in the prompt
+    output_counts: jax.Array,  # i32[S, V] occurrences in the output so far
+    *,
+    num_logprobs: int = MAX_LOGPROBS,
+) -> SamplerOutput:
+    """Samples one token per row; jit with `num_logprobs` static, everything else traced.
+
+    Args:
+      logits: raw model logits of each row's last position.
+      meta: per-row parameters (`SamplingMetadata.from_params`).
+      prompt_mask: which tokens the row's prompt contains (repetition penalty).
+      output_counts: how often each token occurs in the row's output (all three penalties).
+      num_logprobs: width of the returned top-k logprobs (static).
+
+    Returns:
+      `SamplerOutput`; logprobs are under the raw model distribution, whatever the filters.
+    """
+    logits = logits.astype(jnp.float32)
+    s, vocab = logits.shape
+    uses_penalties = jnp.any(
+        (meta.repetition_penalty != 1.0)
+        | (meta.frequency_penalty != 0.0)
+        | (meta.presence_penalty != 0.0))
+    x = lax.cond(
+        uses_penalties,
+        lambda: apply_penalties(logits, meta, prompt_mask, output_counts),
+        lambda: logits,
+    )
+    with jax.named_scope("suppress"):
+        ids = meta.suppress_ids
+        ids = jnp.where((ids >= 0) & (ids < vocab), ids, vocab)  # padding -> out of range -> dropped
+        x = x.at[jnp.arange(s)[:, None], ids].set(-jnp.inf, mode="drop")
+        x = _pad_vocab(x)
+    with jax.named_scope("greedy"):
+        greedy_ids = _argmax(x, _blocks(x).max(axis=2))
+    greedy = meta.temperature < GREEDY_EPS
+    token_ids = lax.cond(
+        jnp.all(greedy),
+        lambda: greedy_ids,
+        lambda: jnp.where(greedy, greedy_ids, _sample_rows(x, meta, ~greedy, greedy_ids)),
+    )
+    chosen, topk_ids, topk_logprobs = compute_logprobs(logits, token_ids, num_logprobs)
+    return SamplerOutput(token_ids, chosen, topk_ids, topk_logprobs)
