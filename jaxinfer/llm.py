@@ -101,6 +101,8 @@ class LLM:
         try:
             for prompt, sp in zip(prompts, sampling):
                 rid = f"gen-{next(self._ids)}"
+                if isinstance(prompt, str) and not prompt:
+                    raise ValueError("prompt is empty")
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 self.engine.add_request(ids, sp, request_id=rid)
                 order.append(rid)

@@ -3,10 +3,13 @@
 1. `resolve_model_path(None)` is the embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF).
 2. `open_source(path)` recognises the source: a GGUF file, an orbax checkpoint dir written by
    `scripts/convert.py`, or a Hugging Face dir (`config.json` + `*.safetensors`); anything else
-   raises naming the path.
-3. `load_model` builds the `ModelConfig` from the source's HF-style config, then fills the params
+   raises naming the path. A HF dir's config is checked before any weight file is opened, so an
+   unsupported architecture is reported as such.
+3. `load_from_source` (what `load_model` calls after step 2; `checkpoints.convert` calls it with
+   the handle it already holds) builds the `ModelConfig` from the source's HF-style config and the
+   tokenizer (before any weight is read, so a missing tokenizer fails fast), then fills the params
    tree tensor by tensor (HF and GGUF sources) or restores it from orbax straight into the target
-   shardings, and builds the tokenizer from the same source.
+   shardings.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import jax
 from checkpoints.errors import CheckpointError
 from checkpoints.gguf import read_gguf
 from checkpoints.hf import HFCheckpoint, load_hf_config
-from checkpoints.orbax_io import is_orbax_checkpoint, restore_params
+from checkpoints.orbax_io import PARAMS_DIR, is_orbax_checkpoint, restore_params
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
@@ -67,9 +70,18 @@ def open_source(path: str) -> tuple[str, Any]:
         if magic == b"GGUF" or path.endswith(".gguf"):
             return "gguf", read_gguf(path)
         raise CheckpointError(f"{path!r} is a file but not a GGUF model (no GGUF magic)")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path!r} is neither a file nor a directory")
     if is_orbax_checkpoint(path):
         return "orbax", path
+    has_safetensors = any(name.endswith(".safetensors") for name in os.listdir(path))
+    params_dir = os.path.join(path, PARAMS_DIR)
+    if os.path.isdir(params_dir) and not has_safetensors:
+        raise CheckpointError(
+            f"{params_dir!r} is not a finished orbax checkpoint (no _CHECKPOINT_METADATA / "
+            f"_METADATA): its conversion was interrupted; run scripts/convert.py again")
     if os.path.isfile(os.path.join(path, "config.json")):
+        ModelConfig.from_hf(load_hf_config(path))
         return "hf", HFCheckpoint(path)
     raise CheckpointError(
         f"{path!r} holds no model: expected config.json + *.safetensors, or an orbax checkpoint "
@@ -78,27 +90,56 @@ def open_source(path: str) -> tuple[str, Any]:
 
 def load_tokenizer(kind: str, handle: Any, path: str) -> Tokenizer:
     if kind == "gguf":
-        return Tokenizer.from_gguf_metadata(handle.metadata)
+        return Tokenizer.from_gguf_metadata(handle.metadata, source=path)
     gguf_tok = os.path.join(path, GGUF_TOKENIZER_FILE)
     if os.path.isfile(gguf_tok):
-        with open(gguf_tok) as f:
-            return Tokenizer.from_gguf_metadata(json.load(f))
+        try:
+            with open(gguf_tok, encoding="utf-8") as f:
+                metadata = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"cannot read GGUF tokenizer metadata {gguf_tok!r}: {e}") from e
+        if not isinstance(metadata, dict):
+            raise CheckpointError(f"{gguf_tok!r} must hold a JSON object of tokenizer.* keys")
+        return Tokenizer.from_gguf_metadata(metadata, source=gguf_tok)
     return Tokenizer.from_path(path)
+
+
+def _resolve_dtype(dtype: str | None) -> str:
+    dtype = dtype or default_dtype()
+    if dtype not in params_lib.DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(params_lib.DTYPES)}, got {dtype!r}")
+    return dtype
 
 
 def load_model(model: str | os.PathLike | None = None, *, dtype: str | None = None,
                mesh: jax.sharding.Mesh | None = None) -> LoadedModel:
+    """Loads a GGUF file, a HF dir or an orbax checkpoint dir (None: the embedded default model).
+
+    Args:
+      model: the source path, or None for the embedded SmolLM2-135M-Instruct.
+      dtype: "float32" or "bfloat16"; None is `default_dtype()`.
+      mesh: where the params go; None is a one-device mesh.
+
+    Returns:
+      The config, params (on `mesh`) and tokenizer.
+    """
     path = resolve_model_path(model)
-    dtype = dtype or default_dtype()
-    if dtype not in params_lib.DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(params_lib.DTYPES)}, got {dtype!r}")
-    jdtype = params_lib.DTYPES[dtype]
+    dtype = _resolve_dtype(dtype)
     kind, handle = open_source(path)
+    return load_from_source(path, kind, handle, dtype=dtype, mesh=mesh)
+
+
+def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = None,
+                     mesh: jax.sharding.Mesh | None = None) -> LoadedModel:
+    """Step 3 of the module docstring, for a source `open_source(path)` has opened."""
+    dtype = _resolve_dtype(dtype)
+    jdtype = params_lib.DTYPES[dtype]
     if kind == "orbax":
         hf_config = load_hf_config(path)
     else:
         hf_config = handle.hf_config() if kind == "gguf" else handle.config
     cfg = ModelConfig.from_hf(hf_config)
+    tokenizer = load_tokenizer(kind, handle, path)
     specs = llama.param_specs(cfg, jdtype)
     if mesh is None:
         mesh = shd.make_mesh(None)
@@ -109,9 +150,15 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | None = No
         def put(x, spec):
             return jax.device_put(x, shd.named_sharding(mesh, spec.logical_axes))
 
-        params = llama.params_from_hf(cfg, handle.tensor_names(), handle.tensor, jdtype, put)
-    tokenizer = load_tokenizer(kind, handle, path)
+        try:
+            params = llama.params_from_hf(cfg, handle.tensor_names(), handle.tensor, jdtype, put)
+        except CheckpointError:
+            raise
+        except ValueError as e:  # missing, unexpected or mis-shaped tensors: name the checkpoint
+            raise CheckpointError(f"{path!r}: {e}") from e
+        finally:
+            if kind == "hf":
+                handle.close()
     name = os.path.basename(os.path.normpath(path))
     return LoadedModel(name=name, path=path, source=kind, cfg=cfg, hf_config=hf_config,
                        params=params, tokenizer=tokenizer, dtype=dtype)
-

@@ -87,6 +87,7 @@ class PagedStepper:
         self.free = list(np.random.default_rng(seed).permutation(num_pages))
         self.pages: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
+        self.pages_per_seq = -(-64 // page_size)
 
     def step(self, chunks: list[tuple[int, list[int]]], pad_tokens: int = 0,
              pad_seqs: int = 0) -> list[np.ndarray]:
@@ -100,10 +101,12 @@ class PagedStepper:
             seqs.append((list(toks), start, list(pages)))
             self.lens[sid] = start + len(toks)
         n = sum(len(t) for t, _, _ in seqs)
-        arrays = build_step_arrays(seqs, self.page_size, num_tokens=n + pad_tokens,
-                                   num_seqs=len(seqs) + pad_seqs,
-                                   pages_per_seq=max(len(p) for _, _, p in seqs) + 1,
-                                   logits_rows=list(range(n)))
+        # Pad to a few fixed buckets so a test compiles a handful of programs, not one per step.
+        t_bucket = max(8, 1 << (n + pad_tokens - 1).bit_length())
+        arrays = build_step_arrays(seqs, self.page_size, num_tokens=t_bucket,
+                                   num_seqs=max(4, len(seqs) + pad_seqs),
+                                   pages_per_seq=max(self.pages_per_seq, max(len(p) for _, _, p in seqs)),
+                                   logits_rows=list(range(n)), num_logits=t_bucket)
         step = StepInputs(**{k: jnp.asarray(v) for k, v in arrays.items()})
         logits, self.caches = llama.forward_jit(self.params, self.cfg, step, self.caches)
         logits = np.asarray(logits)

@@ -1,0 +1,8 @@
+"""Lets `python scripts/<name>.py` import the repo's packages without installing them."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)

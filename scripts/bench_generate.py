@@ -1,0 +1,110 @@
+"""Single-stream prefill and decode speed of the default model, with HF transformers as the peer.
+
+    python scripts/bench_generate.py [--model PATH] [--prompt-len 128] [--decode-tokens 64] [--runs 5]
+
+1. jaxinfer: an `LLM` with one sequence slot; a warm-up request compiles the programs first.
+   Prefill = time of the first engine step (whole prompt, one token sampled); decode = median
+   per-token time of the following steps. Each run is one request; medians over runs.
+2. HF transformers (when installed), same weights (the GGUF dequantized to f32), same prompt:
+   one forward over the prompt, then greedy steps with its KV cache, torch threads = cores.
+Prints a table (tokens/s) and one JSON line for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import _path  # noqa: F401
+import numpy as np
+
+from jaxinfer import LLM, SamplingParams
+
+
+def bench_jaxinfer(args, prompt_ids):
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.decode_tokens + 16,
+              max_num_seqs=1, max_num_batched_tokens=max(args.prompt_len, 16))
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
+    prefill, decode = [], []
+    for run in range(args.runs + 1):  # run 0 compiles
+        eng.add_request(prompt_ids, sp, request_id=f"bench-{run}")
+        times = []
+        while eng.has_unfinished():
+            t = time.perf_counter()
+            eng.step()
+            times.append(time.perf_counter() - t)
+        if run:
+            prefill.append(times[0])
+            decode.append(statistics.median(times[1:]))
+    return args.prompt_len / statistics.median(prefill), 1 / statistics.median(decode)
+
+
+def bench_hf(args, prompt_ids, path):
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return None
+    from checkpoints.gguf import read_gguf
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    ck = read_gguf(path)
+    hf = ck.hf_config()
+    model = LlamaForCausalLM(LlamaConfig(**hf)).float().eval()
+    state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in ck.tensors()}
+    if hf.get("tie_word_embeddings"):
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state)
+    ids = torch.tensor([prompt_ids])
+    prefill, decode = [], []
+    with torch.inference_mode():
+        for run in range(args.runs + 1):
+            t = time.perf_counter()
+            out = model(ids, use_cache=True)
+            t_prefill = time.perf_counter() - t
+            past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            steps = []
+            for _ in range(args.decode_tokens - 1):
+                t = time.perf_counter()
+                out = model(tok, past_key_values=past, use_cache=True)
+                steps.append(time.perf_counter() - t)
+                past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            if run:
+                prefill.append(t_prefill)
+                decode.append(statistics.median(steps))
+    return args.prompt_len / statistics.median(prefill), 1 / statistics.median(decode)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--no-hf", action="store_true")
+    args = p.parse_args()
+    from jaxinfer.default_model import default_model_path
+
+    path = args.model or default_model_path()
+    prompt_ids = [int(x) for x in np.random.default_rng(0).integers(100, 40000, args.prompt_len)]
+    ours = bench_jaxinfer(args, prompt_ids)
+    hf = None if args.no_hf or (args.model and not args.model.endswith(".gguf")) else bench_hf(args, prompt_ids, path)
+    print(f"{'':12s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
+    print(f"{'jaxinfer':12s} {ours[0]:14.1f} {ours[1]:13.1f}")
+    if hf:
+        print(f"{'hf-transformers':12s} {hf[0]:14.1f} {hf[1]:13.1f}")
+    print(json.dumps({"bench": "generate", "machine": platform.machine(), "cpus": os.cpu_count(),
+                      "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
+                      "runs": args.runs, "jaxinfer": {"prefill_tok_s": round(ours[0], 1),
+                                                      "decode_tok_s": round(ours[1], 1)},
+                      "hf": hf and {"prefill_tok_s": round(hf[0], 1), "decode_tok_s": round(hf[1], 1)}}))
+
+
+if __name__ == "__main__":
+    main()
