@@ -10,7 +10,14 @@ pytest.importorskip("transformers")
 
 from jaxinfer.config import ModelConfig  # noqa: E402
 from tests.model_utils import (  # noqa: E402
-    FAMILIES, PagedStepper, hf_config_dict, hf_logits, make_hf_model, params_from_torch, rel_err)
+    FAMILIES,
+    PagedStepper,
+    hf_config_dict,
+    hf_logits,
+    make_hf_model,
+    params_from_torch,
+    rel_err,
+)
 
 TOL = 1e-4  # of the logit scale, f32
 

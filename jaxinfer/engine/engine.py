@@ -208,13 +208,16 @@ class LLMEngine:
         for cid in self._aborted:
             deltas.append(self._final(self._samples[cid], [], "", None, "abort"))
         self._aborted = []
+        # NOTE: every prefill chunk brings prompt logprobs, but only the last one samples (and
+        # so has an update): gather them from the runner output, not from the updates.
+        for cid, entries in out.prompt_logprobs.items():
+            if cid in self._samples:
+                self._samples[cid].prompt_lps.update(entries)
         for upd in updates:
             req = upd.request
             s = self._samples.get(req.request_id)
             if s is None:
                 continue
-            if req.request_id in out.prompt_logprobs:
-                s.prompt_lps.update(out.prompt_logprobs[req.request_id])
             lp = out.logprobs.get(req.request_id)
             new_text, stopped = self._detokenize(s, upd.new_token_ids, upd.finished)
             if stopped and not upd.finished:
