@@ -41,13 +41,18 @@ def update_kv_cache(
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # i32[T] flat slot page*page_size + offset; < 0 for padding tokens
 ) -> jax.Array:
-    """Writes the step's new K/V into their slots (padding tokens are dropped)."""
+    """Writes the step's new K/V into their slots (padding tokens are dropped).
+
+    NOTE: scatter on the 4-D cache with (page, offset) indices. Scattering into a flattened
+    [slots, ...] view made XLA:CPU duplicate the update and copy the whole cache every step.
+    """
     num_pages, page_size, h2, d = kv_cache.shape
-    num_slots = num_pages * page_size
     kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], h2, d).astype(kv_cache.dtype)
-    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
-    flat = kv_cache.reshape(num_slots, h2, d).at[slots].set(kv, mode="drop")
-    return flat.reshape(kv_cache.shape)
+    page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)  # padding -> dropped
+    new_cache = kv_cache.at[page, slot_mapping % page_size].set(kv, mode="drop")
+    # NOTE: the barrier keeps XLA from fusing (duplicating) this update into the attention's page
+    # gather, which forced a copy of the whole cache every step.
+    return jax.lax.optimization_barrier(new_cache)
 
 
 def check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
@@ -74,8 +79,12 @@ def check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> Non
 
 
 def _kv_block_pages(num_tokens: int, page_size: int, pages_per_seq: int) -> int:
-    """Pages per KV block: bounded so one block's gathered K/V stays ~64k (token, key) pairs."""
-    budget = max(page_size, 65536 // max(num_tokens, 1))
+    """Pages per KV block: at most 512 keys, and ~64k (token, key) pairs gathered per block.
+
+    The block loop runs only as many blocks as the longest live sequence needs, so a small block
+    keeps decode from gathering the whole (mostly unused) page table.
+    """
+    budget = max(page_size, min(512, 65536 // max(num_tokens, 1)))
     return max(1, min(pages_per_seq, budget // page_size))
 
 
