@@ -104,10 +104,10 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=False)
 
 
-def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, act: str) -> jax.Array:
-    """x [T, E]; gate, up [E, F]; down [F, E] -> [T, E]."""
-    h = activation(act, jnp.einsum("te,ef->tf", x, gate)) * jnp.einsum("te,ef->tf", x, up)
-    return jnp.einsum("tf,fe->te", h, down)
+def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, act: str) -> jax.Array:
+    """x [T, E]; gate_up [E, 2, F] (gate at 0, up at 1); down [F, E] -> [T, E]."""
+    gu = jnp.einsum("te,ecf->tcf", x, gate_up)
+    return jnp.einsum("tf,fe->te", activation(act, gu[:, 0]) * gu[:, 1], down)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:

@@ -16,6 +16,7 @@ Einsum legend: t = token, e = embed, f = heads*head_dim or MLP hidden, v = vocab
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -35,12 +36,10 @@ from jaxinfer.step import StepInputs
 @struct.dataclass
 class AttentionParams:
     q: Any  # [E, Hq*D]  (heads-major: column block h holds head h)
-    k: Any  # [E, Hkv*D]
-    v: Any  # [E, Hkv*D]
+    kv: Any  # [E, 2, Hkv*D]  K and V projections fused: one weight read, one dot
     o: Any  # [Hq*D, E]
     q_bias: Any = None  # [Hq*D]
-    k_bias: Any = None  # [Hkv*D]
-    v_bias: Any = None  # [Hkv*D]
+    kv_bias: Any = None  # [2, Hkv*D]
     o_bias: Any = None  # [E]
     q_norm: Any = None  # [D]
     k_norm: Any = None  # [D]
@@ -48,8 +47,7 @@ class AttentionParams:
 
 @struct.dataclass
 class MLPParams:
-    gate: Any  # [E, F]
-    up: Any  # [E, F]
+    gate_up: Any  # [E, 2, F]  gate and up projections fused
     down: Any  # [F, E]
 
 
@@ -87,18 +85,15 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
     def layer() -> LayerParams:
         attn = AttentionParams(
             q=w((e, hq * d), ("embed", "q_heads")),
-            k=w((e, hkv * d), ("embed", "kv_heads")),
-            v=w((e, hkv * d), ("embed", "kv_heads")),
+            kv=w((e, 2, hkv * d), ("embed", None, "kv_heads")),
             o=w((hq * d, e), ("q_heads", "embed")),
             q_bias=w((hq * d,), ("q_heads",)) if cfg.qkv_bias else None,
-            k_bias=w((hkv * d,), ("kv_heads",)) if cfg.qkv_bias else None,
-            v_bias=w((hkv * d,), ("kv_heads",)) if cfg.qkv_bias else None,
+            kv_bias=w((2, hkv * d), (None, "kv_heads")) if cfg.qkv_bias else None,
             o_bias=w((e,), ("embed",)) if cfg.o_bias else None,
             q_norm=norm(d, "head_dim") if cfg.qk_norm else None,
             k_norm=norm(d, "head_dim") if cfg.qk_norm else None,
         )
-        mlp = MLPParams(gate=w((e, f), ("embed", "mlp")), up=w((e, f), ("embed", "mlp")),
-                        down=w((f, e), ("mlp", "embed")))
+        mlp = MLPParams(gate_up=w((e, 2, f), ("embed", None, "mlp")), down=w((f, e), ("mlp", "embed")))
         return LayerParams(
             attn_norm=norm(e), attn=attn, mlp_norm=norm(e), mlp=mlp,
             post_attn_norm=norm(e) if cfg.sandwich_norm else None,
@@ -113,8 +108,11 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
     )
 
 
-def _hf_name_map(cfg: ModelConfig) -> dict[str, tuple[tuple, Callable[[np.ndarray], np.ndarray]]]:
-    """HF tensor name -> (path into Params, transform from the HF layout to ours)."""
+def _hf_name_map(cfg: ModelConfig) -> dict[str, tuple]:
+    """HF tensor name -> (path into Params, transform from the HF layout to ours[, slot]).
+
+    A `slot` places the tensor at index `slot` of the leaf's second-to-last axis (fused leaves).
+    """
     def ident(x):
         return x
 
@@ -136,17 +134,17 @@ def _hf_name_map(cfg: ModelConfig) -> dict[str, tuple[tuple, Callable[[np.ndarra
             p + "input_layernorm.weight": (L + ("attn_norm",), ident),
             p + mlp_norm_name + ".weight": (L + ("mlp_norm",), ident),
             p + "self_attn.q_proj.weight": (L + ("attn", "q"), transpose),
-            p + "self_attn.k_proj.weight": (L + ("attn", "k"), transpose),
-            p + "self_attn.v_proj.weight": (L + ("attn", "v"), transpose),
+            p + "self_attn.k_proj.weight": (L + ("attn", "kv"), transpose, 0),
+            p + "self_attn.v_proj.weight": (L + ("attn", "kv"), transpose, 1),
             p + "self_attn.o_proj.weight": (L + ("attn", "o"), transpose),
-            p + "mlp.gate_proj.weight": (L + ("mlp", "gate"), transpose),
-            p + "mlp.up_proj.weight": (L + ("mlp", "up"), transpose),
+            p + "mlp.gate_proj.weight": (L + ("mlp", "gate_up"), transpose, 0),
+            p + "mlp.up_proj.weight": (L + ("mlp", "gate_up"), transpose, 1),
             p + "mlp.down_proj.weight": (L + ("mlp", "down"), transpose),
         })
         if cfg.qkv_bias:
             out[p + "self_attn.q_proj.bias"] = (L + ("attn", "q_bias"), ident)
-            out[p + "self_attn.k_proj.bias"] = (L + ("attn", "k_bias"), ident)
-            out[p + "self_attn.v_proj.bias"] = (L + ("attn", "v_bias"), ident)
+            out[p + "self_attn.k_proj.bias"] = (L + ("attn", "kv_bias"), ident, 0)
+            out[p + "self_attn.v_proj.bias"] = (L + ("attn", "kv_bias"), ident, 1)
         if cfg.o_bias:
             out[p + "self_attn.o_proj.bias"] = (L + ("attn", "o_bias"), ident)
         if cfg.qk_norm:
@@ -204,14 +202,23 @@ def params_from_hf(
         raise ValueError(f"checkpoint is missing tensors: {missing[:8]}"
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
     params = map_specs(lambda s: None, specs)
-    for name, (path, transform) in name_map.items():
+    fused: dict[tuple, np.ndarray] = {}  # path -> host buffer being filled slot by slot
+    for name, (path, transform, *slot) in name_map.items():
         spec = _get_path(specs, path)
         raw = np.asarray(get_tensor(name))
         try:
             value = transform(raw)
         except ValueError:
             raise ValueError(f"tensor {name!r} has shape {raw.shape}, which does not fit {spec.shape}") from None
-        params = _set_path(params, path, put(checked_array(name, value, spec), spec))
+        if not slot:
+            params = _set_path(params, path, put(checked_array(name, value, spec), spec))
+            continue
+        part = dataclasses.replace(spec, shape=spec.shape[:-2] + spec.shape[-1:],
+                                   logical_axes=spec.logical_axes[:-2] + spec.logical_axes[-1:])
+        buf = fused.setdefault(path, np.empty(spec.shape, spec.dtype))
+        buf[..., slot[0], :] = checked_array(name, value, part)
+        if slot[0] == spec.shape[-2] - 1:  # NOTE: the name map lists every slot in order
+            params = _set_path(params, path, put(fused.pop(path), spec))
     return params
 
 
@@ -221,9 +228,11 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
     with jax.named_scope("qkv_proj"):
         # NOTE: 2-D weights with heads folded into the output dim: a single plain contraction is
         # ~10x faster on XLA:CPU than contracting over (heads, head_dim) at once.
-        q, k, v = (jnp.einsum("te,ef->tf", x, w) for w in (p.q, p.k, p.v))
+        q = jnp.einsum("te,ef->tf", x, p.q)
+        kv = jnp.einsum("te,ecf->tcf", x, p.kv)
         if cfg.qkv_bias:
-            q, k, v = q + p.q_bias, k + p.k_bias, v + p.v_bias
+            q, kv = q + p.q_bias, kv + p.kv_bias
+        k, v = kv[:, 0], kv[:, 1]
         q = q.reshape(t, cfg.num_heads, d)
         k = k.reshape(t, cfg.num_kv_heads, d)
         v = v.reshape(t, cfg.num_kv_heads, d)
@@ -253,7 +262,7 @@ def _decoder_layer(p: LayerParams, cfg: ModelConfig, window: int | None, h: jax.
         h = h + x
     with jax.named_scope("mlp"):
         x = layers.rms_norm(h, p.mlp_norm, eps, off)
-        x = layers.gated_mlp(x, p.mlp.gate, p.mlp.up, p.mlp.down, cfg.activation)
+        x = layers.gated_mlp(x, p.mlp.gate_up, p.mlp.down, cfg.activation)
         if cfg.sandwich_norm:
             x = layers.rms_norm(x, p.post_mlp_norm, eps, off)
         h = h + x
