@@ -142,7 +142,9 @@ def ragged_paged_attention(
         m, l, acc = carry
         with jax.named_scope("rpa_gather"):
             ids = jax.lax.dynamic_slice_in_dim(pages, b * block_pages, block_pages, axis=1)
-            kv = jnp.take(kv_cache, ids, axis=0, mode="clip")  # [T, bp, page, 2Hkv, D]
+            # NOTE: mode="fill" (out-of-range page ids read zeros, masked anyway); with "clip" XLA:CPU
+            # copied the whole cache before the in-place write (tests/test_compiled_step.py).
+            kv = jnp.take(kv_cache, ids, axis=0, mode="fill", fill_value=0)  # [T, bp, page, 2Hkv, D]
             kv = kv.reshape(t_len, block, hkv, 2, d).astype(jnp.float32)
         k_pos = b * block + jnp.arange(block, dtype=jnp.int32)
         mask = valid[:, None] & (k_pos[None, :] < kv_len[:, None]) & (k_pos[None, :] <= q_pos[:, None])

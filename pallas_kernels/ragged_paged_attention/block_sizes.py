@@ -1,0 +1,195 @@
+"""How the ragged paged attention kernels block their work: tuned sizes as data, and the work table.
+
+Both kernels (`gpu.py`, `tpu.py`) share this plumbing; only the kernel bodies differ.
+
+1. `get_block_sizes(backend, head_dim=, page_size=, dtype=, group=)` looks up `TUNED[(backend,
+   head_dim, page_size, dtype)]`; a missing key falls back to `DEFAULTS[backend]`. The table stores
+   query *rows* (tokens x padded query-head group, the matmul M dimension) because the group size
+   G = Hq / Hkv varies per model; the lookup turns rows into tokens: `block_q = rows // G_pad`.
+2. `query_classes` splits sequences by query length into at most two classes, each run as its own
+   `pallas_call`: *decode* (q_len <= `decode_block_q`, rows = G_pad x a few tokens, so a decode does
+   not waste most of a tall block) and *prefill* (the rest, `block_q` tokens per block). Each class
+   has a static bound on its number of query blocks, so the grid is static.
+3. `work_table` maps grid index w -> (sequence, query block within the sequence) for one class:
+   per-sequence block counts, a cumulative sum, and a search. Items past the live blocks get
+   sequence -1 and exit at once. The kernels receive the table as scalars (SMEM on TPU).
+4. `gather_query_blocks` lays q out as `[W, Hkv, block_q * G_pad, D]` (one contiguous block per
+   work item and KV head: the G query heads of a KV head are rows next to each other), and
+   `scatter_query_blocks` gathers each token's rows back out of the kernel's output blocks.
+
+Legend: T = query tokens, S = sequences, W = work items (query blocks), R = rows of a query block,
+Hkv = KV heads, G = query heads per KV head (G_pad: padded to a power of two on GPU), D = head_dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """One tuned entry. Rows count query tokens x padded group; keys come in whole pages."""
+
+    q_rows: int  # rows of a prefill query block (matmul M)
+    decode_q_rows: int  # rows of a decode-class block (0: no separate decode class)
+    pages_per_block: int  # pages per KV block (block_k = pages_per_block * page_size)
+    num_warps: int = 4  # GPU only
+    num_stages: int = 2  # GPU only
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBlocks:
+    """Block sizes resolved for one call (hashable: a static argument of the kernels' jit)."""
+
+    block_q: int  # query tokens per prefill-class block
+    decode_block_q: int  # query tokens per decode-class block; sequences with q_len <= it
+    pages_per_block: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# NOTE: not yet measured on hardware (no GPU/TPU in the session that wrote this); the values follow
+# the usual flash-attention shapes: 64-row query tiles and 64-128-key tiles on GPU (Triton needs
+# M >= 16 and powers of two), 128 rows and 512 keys on TPU (MXU-sized tiles, deep DMAs). Re-tune
+# with `scripts/bench_attention.py` and record the results in BENCHMARKS.md.
+TUNED: dict[tuple[str, int, int, str], BlockSizes] = {
+    ("gpu", 64, 16, "bfloat16"): BlockSizes(64, 16, 8, num_warps=4, num_stages=2),
+    ("gpu", 128, 16, "bfloat16"): BlockSizes(64, 16, 4, num_warps=4, num_stages=2),
+    ("gpu", 128, 32, "bfloat16"): BlockSizes(64, 16, 2, num_warps=4, num_stages=2),
+    ("gpu", 64, 16, "float32"): BlockSizes(64, 16, 4, num_warps=4, num_stages=2),
+    ("gpu", 128, 16, "float32"): BlockSizes(32, 16, 2, num_warps=4, num_stages=2),
+    ("tpu", 128, 16, "bfloat16"): BlockSizes(128, 8, 32),
+    ("tpu", 128, 32, "bfloat16"): BlockSizes(128, 8, 16),
+    ("tpu", 64, 16, "bfloat16"): BlockSizes(128, 8, 32),
+    ("tpu", 128, 16, "float32"): BlockSizes(128, 8, 16),
+}
+
+# The documented default when a key is missing: 64 query rows, a 16-row decode class and 64 keys
+# (GPU); 128 rows, an 8-row decode class and 512 keys (TPU).
+DEFAULT_KEYS = {"gpu": 64, "tpu": 512}
+DEFAULTS = {"gpu": BlockSizes(64, 16, 0), "tpu": BlockSizes(128, 8, 0)}
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def get_block_sizes(backend: str, *, head_dim: int, page_size: int, dtype, group: int,
+                    pad_group: bool) -> KernelBlocks:
+    """Resolves the table entry for one call.
+
+    Args:
+      backend: "gpu" or "tpu".
+      group: query heads per KV head (G); `pad_group` rounds it up to a power of two (GPU).
+    Returns:
+      KernelBlocks with token counts: block_q = max(1, q_rows // G_pad), the same for decode.
+    """
+    if backend not in DEFAULTS:
+        raise ValueError(f"no block sizes for backend {backend!r}")
+    key = (backend, int(head_dim), int(page_size), jnp.dtype(dtype).name)
+    entry = TUNED.get(key)
+    if entry is None:
+        entry = dataclasses.replace(
+            DEFAULTS[backend], pages_per_block=max(1, DEFAULT_KEYS[backend] // page_size))
+    g = next_pow2(group) if pad_group else group
+    block_q = max(1, entry.q_rows // g)
+    decode_block_q = max(1, entry.decode_q_rows // g) if entry.decode_q_rows else 0
+    if pad_group:
+        block_q, decode_block_q = next_pow2(block_q), next_pow2(decode_block_q) if decode_block_q else 0
+    return KernelBlocks(block_q, decode_block_q, max(1, entry.pages_per_block),
+                        entry.num_warps, entry.num_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryClass:
+    """Sequences with min_q_len <= q_len <= max_q_len, in blocks of block_q tokens."""
+
+    block_q: int
+    min_q_len: int
+    max_q_len: int
+    num_work: int  # static bound on the class's number of query blocks (the grid size)
+
+
+def query_classes(num_tokens: int, max_seqs: int, blocks: KernelBlocks) -> tuple[QueryClass, ...]:
+    """At most two classes (decode, prefill) with static bounds on their query-block counts.
+
+    NOTE: a class of n sequences holding at most T tokens needs sum(ceil(q_s / bq)) <=
+    (T + n * (bq - 1)) // bq blocks; prefill-class sequences hold > decode_block_q tokens each, so
+    at most T // (decode_block_q + 1) of them fit.
+    """
+    t, big = num_tokens, 2**31 - 1
+    bd, bq = blocks.decode_block_q, blocks.block_q
+    if not bd or bd >= bq:
+        n = min(max_seqs, t)
+        return (QueryClass(bq, 1, big, (t + n * (bq - 1)) // bq),)
+    classes = [QueryClass(bd, 1, bd, min(max_seqs, t))]
+    n = min(max_seqs, t // (bd + 1))
+    if n:
+        classes.append(QueryClass(bq, bd + 1, big, (t + n * (bq - 1)) // bq))
+    return tuple(classes)
+
+
+def _seq_of_tokens(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
+    tok = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_q_lens[1:], tok, side="right").astype(jnp.int32)
+    return jnp.minimum(seq, cu_q_lens.shape[0] - 2)  # i32[T]
+
+
+def _class_blocks(cu_q_lens, num_seqs, cls: QueryClass):
+    """Per-sequence block counts of one class and their exclusive cumulative sum."""
+    s = cu_q_lens.shape[0] - 1
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[S]
+    member = (jnp.arange(s) < num_seqs[0]) & (q_lens >= cls.min_q_len) & (q_lens <= cls.max_q_len)
+    nblk = jnp.where(member, (q_lens + cls.block_q - 1) // cls.block_q, 0)
+    ends = jnp.cumsum(nblk).astype(jnp.int32)
+    return member, ends - nblk, ends  # bool[S], i32[S], i32[S]
+
+
+def work_table(cu_q_lens: jax.Array, num_seqs: jax.Array, cls: QueryClass) -> tuple[jax.Array, jax.Array]:
+    """Returns (seq i32[W], qblk i32[W]); seq is -1 for the items past the class's live blocks."""
+    _, starts, ends = _class_blocks(cu_q_lens, num_seqs, cls)
+    w = jnp.arange(cls.num_work, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), ends.shape[0] - 1).astype(jnp.int32)
+    live = w < ends[-1]
+    return jnp.where(live, seq, -1), jnp.where(live, w - starts[seq], 0)
+
+
+def gather_query_blocks(
+    q: jax.Array,  # [T, Hkv, Gp, D]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    seq: jax.Array,  # i32[W]
+    qblk: jax.Array,  # i32[W]
+    block_q: int,
+) -> jax.Array:  # [W, Hkv, block_q * Gp, D]
+    t, hkv, gp, d = q.shape
+    safe = jnp.maximum(seq, 0)
+    q_start = cu_q_lens[safe]
+    q_len = cu_q_lens[safe + 1] - q_start
+    local = qblk[:, None] * block_q + jnp.arange(block_q, dtype=jnp.int32)[None, :]  # i32[W, bq]
+    ok = (seq[:, None] >= 0) & (local < q_len[:, None])
+    tok = jnp.where(ok, q_start[:, None] + local, t)  # row t is the zero pad row
+    qp = jnp.concatenate([q, jnp.zeros((1, hkv, gp, d), q.dtype)], axis=0)
+    blocks = qp[tok]  # [W, bq, Hkv, Gp, D]
+    return blocks.transpose(0, 2, 1, 3, 4).reshape(seq.shape[0], hkv, block_q * gp, d)
+
+
+def scatter_query_blocks(
+    out_blocks: jax.Array,  # [W, Hkv, block_q * Gp, D]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    num_seqs: jax.Array,  # i32[1]
+    cls: QueryClass,
+    num_tokens: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Returns (out [T, Hkv, Gp, D], bool[T] tokens of this class) from the class's blocks."""
+    w_max, hkv, r, d = out_blocks.shape
+    gp = r // cls.block_q
+    member, starts, _ = _class_blocks(cu_q_lens, num_seqs, cls)
+    seq = _seq_of_tokens(cu_q_lens, num_tokens)
+    local = jnp.arange(num_tokens, dtype=jnp.int32) - cu_q_lens[seq]
+    mine = member[seq] & (jnp.arange(num_tokens) < cu_q_lens[num_seqs[0]])
+    w = jnp.clip(starts[seq] + local // cls.block_q, 0, w_max - 1)
+    blocks = out_blocks.reshape(w_max, hkv, cls.block_q, gp, d)
+    return blocks[w, :, local % cls.block_q], mine

@@ -1,0 +1,220 @@
+"""Ragged paged attention as a Pallas GPU kernel (Triton lowering); the reference's signature.
+
+Flow of `ragged_paged_attention`:
+  1. Trace-time checks (`reference.check_inputs`, plus the Triton constraints: power-of-two
+     head_dim and page_size). Block sizes come from `block_sizes.get_block_sizes`.
+  2. Query heads are grouped under their KV head (GQA by grouping, never by copying KV): q becomes
+     `[T, Hkv, G_pad, D]`, G padded to a power of two with zero heads.
+  3. Sequences split into a decode class and a prefill class (`block_sizes.query_classes`); for
+     each class a work table maps grid index w -> (sequence, query block), and q is gathered into
+     `[W, Hkv, R, D]` blocks, R = block_q * G_pad rows (a decode block holds G_pad rows per token,
+     so q_len 1 fills G_pad of them instead of one).
+  4. One `pallas_call` per class, grid `(W, Hkv)`. A program reads its sequence's lengths, works
+     out the key range its rows can see (causal end, sliding-window start rounded down to a page),
+     and walks it in blocks of `pages_per_block` pages: the page ids come from scalar-indexed loads
+     of the page table, keys and values are row gathers `kv[page * page_size + offset, 2h(+1), :]`.
+     Scores get the soft-cap, then the causal / length / window mask, then an online-softmax
+     update (f32 statistics and accumulator; sinks seed the running max and denominator).
+  5. The output blocks are gathered back to token order; padding tokens get zeros.
+
+NOTE: work items past a class's live blocks exit at once, and their output blocks are never read.
+NOTE: masked values are zeroed and masked probabilities are exactly 0, so NaN-filled unused pages
+and slots never reach the output; page ids are clamped into range before they address memory.
+
+Legend: R = query rows of a block (token-major, then query head within the group), K = keys of a
+KV block (`pages_per_block * page_size`), D = head_dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.ragged_paged_attention import block_sizes as bs
+from pallas_kernels.ragged_paged_attention.reference import (
+    check_inputs,
+    kv_cache_shape,
+    update_kv_cache,
+)
+
+__all__ = ["kv_cache_shape", "ragged_paged_attention", "update_kv_cache"]
+
+MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
+
+
+def _kernel(
+    work_seq_ref,  # i32[W]
+    work_qblk_ref,  # i32[W]
+    kv_lens_ref,  # i32[S]
+    cu_q_lens_ref,  # i32[S+1]
+    pages_ref,  # i32[S * pages_per_row] (page table flattened, padded by one KV block of columns)
+    q_ref,  # [R, D] this work item's rows for this KV head
+    sinks_ref,  # f32[R] or None
+    kv_ref,  # [P * page_size, 2*Hkv, D] the cache, one row per slot
+    o_ref,  # [R, D]
+    *,
+    block_q: int,
+    group: int,
+    page_size: int,
+    pages_per_block: int,
+    pages_per_row: int,
+    num_pages: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    w, h = pl.program_id(0), pl.program_id(1)
+    s = work_seq_ref[w]
+
+    @pl.when(s >= 0)
+    def _():
+        rows, d = q_ref.shape
+        block_k = pages_per_block * page_size
+        q_start = cu_q_lens_ref[s]
+        q_len = cu_q_lens_ref[s + 1] - q_start
+        kv_len = kv_lens_ref[s]
+        first = work_qblk_ref[w] * block_q  # first query token of the block, within the sequence
+        n_valid = jnp.minimum(q_len - first, block_q)
+        first_pos = kv_len - q_len + first
+        key_end = first_pos + n_valid  # exclusive: no row sees a key past the block's last token
+        page_lo = 0
+        if sliding_window is not None:
+            page_lo = jnp.maximum(first_pos - sliding_window + 1, 0) // page_size
+        num_blocks = pl.cdiv(key_end - page_lo * page_size, block_k)
+
+        q_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group  # i32[R]
+        q = q_ref[...]
+        if sinks_ref is None:
+            m0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
+            l0 = jnp.zeros((rows,), jnp.float32)
+        else:
+            m0 = sinks_ref[...].astype(jnp.float32)
+            l0 = jnp.ones((rows,), jnp.float32)
+        acc0 = jnp.zeros((rows, d), jnp.float32)
+        offs = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # i32[K]
+
+        def body(b, carry):
+            m, l, acc = carry
+            page0 = page_lo + b * pages_per_block
+            k_pos = page0 * page_size + offs  # i32[K]
+            page = pages_ref[s * pages_per_row + page0 + offs // page_size]
+            slot = jnp.clip(page, 0, num_pages - 1) * page_size + offs % page_size
+            k = kv_ref[slot, 2 * h, :]  # [K, D]
+            v = kv_ref[slot, 2 * h + 1, :]
+            v = jnp.where((k_pos < kv_len)[:, None], v, jnp.zeros_like(v))
+            sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32) * sm_scale  # [R, K]
+            if soft_cap is not None:
+                sc = soft_cap * jnp.tanh(sc / soft_cap)
+            mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_len)
+            if sliding_window is not None:
+                mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
+            sc = jnp.where(mask, sc, MASK_VALUE)
+            m_new = jnp.maximum(m, sc.max(axis=1))
+            p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            l = alpha * l + p.sum(axis=1)
+            pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)  # [R, D]
+            return m_new, l, alpha[:, None] * acc + pv
+
+        _, l, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, l0, acc0))
+        o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def _run_class(q, kv_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows, cls, *,
+               blocks, group, page_size, pages_per_row, num_pages, sm_scale, sliding_window,
+               soft_cap, interpret):
+    """One pallas_call over one query class; returns (out [T, Hkv, Gp, D], bool[T] membership)."""
+    t, hkv, gp, d = q.shape
+    rows = cls.block_q * gp
+    with jax.named_scope("rpa_work_table"):
+        seq, qblk = bs.work_table(cu_q_lens, num_seqs, cls)
+        q_blocks = bs.gather_query_blocks(q, cu_q_lens, seq, qblk, cls.block_q)  # [W, Hkv, R, D]
+    kernel = functools.partial(
+        _kernel, block_q=cls.block_q, group=gp, page_size=page_size,
+        pages_per_block=blocks.pages_per_block, pages_per_row=pages_per_row, num_pages=num_pages,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    whole = pl.BlockSpec()
+    q_spec = pl.BlockSpec((None, None, rows, d), lambda w, h: (w, h, 0, 0))
+    sinks_spec = None if sinks_rows is None else pl.BlockSpec((None, rows), lambda w, h: (h, 0))
+    out_blocks = pl.pallas_call(
+        kernel,
+        grid=(cls.num_work, hkv),
+        in_specs=[whole, whole, whole, whole, whole, q_spec, sinks_spec, whole],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct((cls.num_work, hkv, rows, d), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                             num_stages=blocks.num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_attention_bq{cls.block_q}",
+    )(seq, qblk, kv_lens, cu_q_lens, pages_flat, q_blocks, sinks_rows, kv_rows)
+    with jax.named_scope("rpa_unblock"):
+        return bs.scatter_query_blocks(out_blocks, cu_q_lens, num_seqs, cls, t)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret",
+                                             "blocks"))
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    kv_cache: jax.Array,  # [P, page_size, 2*Hkv, D]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[Hq]
+    interpret: bool = False,
+    blocks: bs.KernelBlocks | None = None,
+) -> jax.Array:  # [T, Hq, D]
+    """Ragged paged attention on GPU; the same contract as `reference.ragged_paged_attention`.
+
+    Args:
+      interpret: run the kernel in Pallas interpret mode (CPU).
+      blocks: block sizes overriding the `block_sizes` table (tests, tuning).
+    Returns:
+      [T, Hq, D] in q's dtype; zeros for padding tokens.
+    """
+    check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+    t, hq, d = q.shape
+    num_pages, page_size, h2, _ = kv_cache.shape
+    hkv = h2 // 2
+    g = hq // hkv
+    for name, n in (("head_dim", d), ("page_size", page_size)):
+        if n & (n - 1):
+            raise ValueError(f"the GPU kernel needs a power-of-two {name}, got {n}")
+    if sinks is not None and sinks.shape != (hq,):
+        raise ValueError(f"sinks must be f32[{hq}], got {sinks.shape}")
+    if blocks is None:
+        blocks = bs.get_block_sizes("gpu", head_dim=d, page_size=page_size, dtype=kv_cache.dtype,
+                                    group=g, pad_group=True)
+    gp = bs.next_pow2(g)
+    s_max, pages_per_seq = page_indices.shape
+
+    with jax.named_scope("rpa_layout"):
+        qg = q.reshape(t, hkv, g, d)
+        if gp != g:
+            qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+        kv_rows = kv_cache.reshape(num_pages * page_size, h2, d)  # free: one row per slot
+        pages_per_row = pages_per_seq + blocks.pages_per_block
+        pages_flat = jnp.pad(page_indices, ((0, 0), (0, blocks.pages_per_block))).reshape(-1)
+    out = jnp.zeros((t, hkv, gp, d), q.dtype)
+    for cls in bs.query_classes(t, s_max, blocks):
+        sinks_rows = None
+        if sinks is not None:
+            sg = jnp.pad(sinks.astype(jnp.float32).reshape(hkv, g), ((0, 0), (0, gp - g)))
+            sinks_rows = jnp.tile(sg, (1, cls.block_q))  # f32[Hkv, R]
+        out_c, mine = _run_class(
+            qg, kv_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows, cls, blocks=blocks,
+            group=gp, page_size=page_size, pages_per_row=pages_per_row, num_pages=num_pages,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            interpret=interpret)
+        out = jnp.where(mine[:, None, None, None], out_c, out)
+    return out[:, :, :g].reshape(t, hq, d)

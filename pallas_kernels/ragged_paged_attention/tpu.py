@@ -1,0 +1,250 @@
+"""Ragged paged attention as a Pallas TPU (Mosaic) kernel; the reference's signature.
+
+Flow of `ragged_paged_attention`:
+  1. Trace-time checks (`reference.check_inputs`); block sizes from `block_sizes.get_block_sizes`.
+  2. Query heads are grouped under their KV head: q becomes `[T, Hkv, G, D]`.
+  3. Sequences split into a decode and a prefill class (`block_sizes.query_classes`); per class a
+     work table maps grid index w -> (sequence, query block) and q is gathered into
+     `[W, Hkv, R, D]` blocks (R = block_q * G rows, token-major), which BlockSpecs bring into VMEM.
+  4. One `pallas_call` per class, grid `(W, Hkv)`, with the work table, lengths and the flattened
+     page table scalar-prefetched into SMEM (`PrefetchScalarGridSpec`). The cache stays in HBM
+     (`memory_space=pl.ANY`); a program DMAs the pages it needs, one `[page_size, 2, D]` (K, V of
+     its KV head) copy per page, into a two-slot VMEM buffer: while block b is computed, block b+1
+     is in flight (one DMA semaphore per slot). Only pages that hold keys the block's rows can see
+     are copied (causal end; sliding-window start rounded down to a page).
+  5. Per KV block: K and V are the two halves of the slot's `[pages, page_size, 2, D]`, scores get the
+     soft-cap and the causal / length / window mask, then an online-softmax update (f32; sinks
+     seed the running max and denominator). The output blocks are gathered back to token order.
+
+NOTE: the last KV block may cover pages past the sequence's end: those are not copied, so their
+buffer rows hold stale (or, in interpret mode, NaN) data; masked values are zeroed and masked
+probabilities are exactly 0, so it never reaches the output.
+NOTE: on real TPUs `page_size` should be a multiple of 8 (f32) / 16 (bf16) so each page copy lands
+on whole sublane tiles; the K / V loads pick one index of a size-2 second-minor dimension (a
+sublane-strided load). Both are untested on hardware (validated in interpret mode only).
+
+Legend: R = query rows of a block, K = keys of a KV block (`pages_per_block * page_size`),
+D = head_dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.ragged_paged_attention import block_sizes as bs
+from pallas_kernels.ragged_paged_attention.reference import (
+    check_inputs,
+    kv_cache_shape,
+    update_kv_cache,
+)
+
+__all__ = ["kv_cache_shape", "ragged_paged_attention", "update_kv_cache"]
+
+MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
+
+
+def _kernel(
+    work_seq_ref,  # SMEM i32[W]
+    work_qblk_ref,  # SMEM i32[W]
+    kv_lens_ref,  # SMEM i32[S]
+    cu_q_lens_ref,  # SMEM i32[S+1]
+    pages_ref,  # SMEM i32[S * pages_per_row] (page table flattened, padded by one KV block)
+    q_ref,  # VMEM [R, D]
+    *rest,  # (sinks VMEM f32[R, 1]?), kv HBM [P, page_size, 2*Hkv, D], o VMEM [R, D], scratch
+    block_q: int,
+    group: int,
+    page_size: int,
+    pages_per_block: int,
+    pages_per_row: int,
+    num_pages: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    has_sinks: bool,
+):
+    sinks_ref = rest[0] if has_sinks else None
+    kv_hbm, o_ref, kv_buf, sems = rest[1:] if has_sinks else rest
+    # kv_buf: VMEM [2 slots, pages_per_block, page_size, 2, D]; sems: DMA semaphores (2,)
+    w, h = pl.program_id(0), pl.program_id(1)
+    s = work_seq_ref[w]
+
+    @pl.when(s >= 0)
+    def _():
+        rows, d = q_ref.shape
+        block_k = pages_per_block * page_size
+        q_start = cu_q_lens_ref[s]
+        q_len = cu_q_lens_ref[s + 1] - q_start
+        kv_len = kv_lens_ref[s]
+        first = work_qblk_ref[w] * block_q
+        n_valid = jnp.minimum(q_len - first, block_q)
+        first_pos = kv_len - q_len + first
+        key_end = first_pos + n_valid  # exclusive
+        page_lo = 0
+        if sliding_window is not None:
+            page_lo = jnp.maximum(first_pos - sliding_window + 1, 0) // page_size
+        page_end = pl.cdiv(key_end, page_size)  # pages [page_lo, page_end) are needed
+        num_blocks = pl.cdiv(page_end - page_lo, pages_per_block)
+
+        def page_copies(b, slot):
+            """(needed?, descriptor) for each page of KV block b, landing in buffer `slot`."""
+            copies = []
+            for j in range(pages_per_block):
+                col = page_lo + b * pages_per_block + j
+                page = jnp.clip(pages_ref[s * pages_per_row + col], 0, num_pages - 1)
+                src = kv_hbm.at[:, :, pl.ds(2 * h, 2), :].at[page]  # [page_size, 2, D]
+                copies.append((col < page_end,
+                               pltpu.make_async_copy(src, kv_buf.at[slot, j], sems.at[slot])))
+            return copies
+
+        def start(b, slot):
+            for needed, copy in page_copies(b, slot):
+                pl.when(needed)(copy.start)
+
+        def wait(b, slot):
+            for needed, copy in page_copies(b, slot):
+                pl.when(needed)(copy.wait)
+
+        q = q_ref[...]
+        q_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) // group
+        offs = jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+        offs_col = jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+        if sinks_ref is None:
+            m0 = jnp.full((rows, 1), MASK_VALUE, jnp.float32)
+            l0 = jnp.zeros((rows, 1), jnp.float32)
+        else:
+            m0 = sinks_ref[...].astype(jnp.float32)
+            l0 = jnp.ones((rows, 1), jnp.float32)
+        acc0 = jnp.zeros((rows, d), jnp.float32)
+
+        start(0, 0)
+
+        def body(b, carry):
+            m, l, acc = carry
+            slot = b % 2
+
+            @pl.when(b + 1 < num_blocks)
+            def _():
+                start(b + 1, 1 - slot)
+
+            wait(b, slot)
+            k = kv_buf[slot, :, :, 0, :].reshape(block_k, d)  # [K, D]
+            v = kv_buf[slot, :, :, 1, :].reshape(block_k, d)
+            key0 = (page_lo + b * pages_per_block) * page_size
+            k_pos = key0 + offs  # i32[R, K]
+            key_ok = k_pos < kv_len
+            v = jnp.where(key0 + offs_col < kv_len, v, jnp.zeros_like(v))
+            sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32) * sm_scale  # [R, K]
+            if soft_cap is not None:
+                sc = soft_cap * jnp.tanh(sc / soft_cap)
+            mask = key_ok & (k_pos <= q_pos)
+            if sliding_window is not None:
+                mask &= q_pos - k_pos < sliding_window
+            sc = jnp.where(mask, sc, MASK_VALUE)
+            m_new = jnp.maximum(m, sc.max(axis=1, keepdims=True))
+            p = jnp.where(mask, jnp.exp(sc - m_new), 0.0)
+            alpha = jnp.exp(m - m_new)
+            l = alpha * l + p.sum(axis=1, keepdims=True)
+            pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)  # [R, D]
+            return m_new, l, alpha * acc + pv
+
+        _, l, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, l0, acc0))
+        o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+
+
+def _run_class(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows, cls, *,
+               blocks, pages_per_row, sm_scale, sliding_window, soft_cap, interpret):
+    """One pallas_call over one query class; returns (out [T, Hkv, G, D], bool[T] membership)."""
+    t, hkv, g, d = q.shape
+    num_pages, page_size, _, _ = kv_cache.shape
+    rows = cls.block_q * g
+    with jax.named_scope("rpa_work_table"):
+        seq, qblk = bs.work_table(cu_q_lens, num_seqs, cls)
+        q_blocks = bs.gather_query_blocks(q, cu_q_lens, seq, qblk, cls.block_q)  # [W, Hkv, R, D]
+    kernel = functools.partial(
+        _kernel, block_q=cls.block_q, group=g, page_size=page_size,
+        pages_per_block=blocks.pages_per_block, pages_per_row=pages_per_row, num_pages=num_pages,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        has_sinks=sinks_rows is not None)
+    q_spec = pl.BlockSpec((None, None, rows, d), lambda w, h, *_: (w, h, 0, 0))
+    in_specs = [q_spec]
+    operands = [q_blocks]
+    if sinks_rows is not None:
+        in_specs.append(pl.BlockSpec((None, rows, 1), lambda w, h, *_: (h, 0, 0)))
+        operands.append(sinks_rows)
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    operands.append(kv_cache)
+    scratch = [pltpu.VMEM((2, blocks.pages_per_block, page_size, 2, d), kv_cache.dtype),
+               pltpu.SemaphoreType.DMA((2,))]
+    out_blocks = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5, grid=(cls.num_work, hkv), in_specs=in_specs,
+            out_specs=q_spec, scratch_shapes=scratch),
+        out_shape=jax.ShapeDtypeStruct((cls.num_work, hkv, rows, d), q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+        name=f"ragged_paged_attention_bq{cls.block_q}",
+    )(seq, qblk, kv_lens, cu_q_lens, pages_flat, *operands)
+    with jax.named_scope("rpa_unblock"):
+        return bs.scatter_query_blocks(out_blocks, cu_q_lens, num_seqs, cls, t)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret",
+                                             "blocks"))
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    kv_cache: jax.Array,  # [P, page_size, 2*Hkv, D]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[Hq]
+    interpret=False,  # bool or pltpu.InterpretParams
+    blocks: bs.KernelBlocks | None = None,
+) -> jax.Array:  # [T, Hq, D]
+    """Ragged paged attention on TPU; the same contract as `reference.ragged_paged_attention`.
+
+    Args:
+      interpret: False on TPU; `pltpu.InterpretParams(...)` (or True) to interpret on CPU.
+      blocks: block sizes overriding the `block_sizes` table (tests, tuning).
+    Returns:
+      [T, Hq, D] in q's dtype; zeros for padding tokens.
+    """
+    check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+    t, hq, d = q.shape
+    _, page_size, h2, _ = kv_cache.shape
+    hkv = h2 // 2
+    g = hq // hkv
+    if sinks is not None and sinks.shape != (hq,):
+        raise ValueError(f"sinks must be f32[{hq}], got {sinks.shape}")
+    if blocks is None:
+        blocks = bs.get_block_sizes("tpu", head_dim=d, page_size=page_size, dtype=kv_cache.dtype,
+                                    group=g, pad_group=False)
+    s_max, pages_per_seq = page_indices.shape
+    with jax.named_scope("rpa_layout"):
+        qg = q.reshape(t, hkv, g, d)
+        pages_per_row = pages_per_seq + blocks.pages_per_block
+        pages_flat = jnp.pad(page_indices, ((0, 0), (0, blocks.pages_per_block))).reshape(-1)
+    out = jnp.zeros((t, hkv, g, d), q.dtype)
+    for cls in bs.query_classes(t, s_max, blocks):
+        sinks_rows = None
+        if sinks is not None:
+            sinks_rows = jnp.tile(sinks.astype(jnp.float32).reshape(hkv, g), (1, cls.block_q))
+            sinks_rows = sinks_rows[:, :, None]  # f32[Hkv, R, 1]
+        out_c, mine = _run_class(
+            qg, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows, cls, blocks=blocks,
+            pages_per_row=pages_per_row, sm_scale=sm_scale, sliding_window=sliding_window,
+            soft_cap=soft_cap, interpret=interpret)
+        out = jnp.where(mine[:, None, None, None], out_c, out)
+    return out.reshape(t, hq, d)

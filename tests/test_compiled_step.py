@@ -1,0 +1,38 @@
+"""Guards on the compiled step's HLO: the donated KV cache is updated in place, never copied.
+
+A whole-cache copy per step is invisible in the outputs but costs O(cache size) per token (it
+happened once: scattering through a flattened cache view let XLA:CPU duplicate the update).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import llama
+from jaxinfer.params import abstract
+from jaxinfer.step import StepInputs, build_step_arrays
+from tests.model_utils import hf_config_dict
+
+NUM_PAGES, PAGE_SIZE = 1024, 16
+
+
+def _cache_copies(num_tokens: int, num_seqs: int) -> int:
+    hf = {**hf_config_dict("llama"), "num_hidden_layers": 4}
+    cfg = ModelConfig.from_hf(hf)
+    shape = (NUM_PAGES, PAGE_SIZE, 2 * cfg.num_kv_heads, cfg.head_dim)
+    caches = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for _ in range(cfg.num_layers))
+    arrays = build_step_arrays([(list(range(num_tokens)), 3, list(range(1, 9)))], PAGE_SIZE,
+                               num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=16)
+    step = StepInputs(**{k: jnp.asarray(v) for k, v in arrays.items()})
+    hlo = llama.forward_jit.lower(abstract(llama.param_specs(cfg)), cfg, step, caches).compile().as_text()
+    entry = hlo[hlo.find("ENTRY"):]
+    dims = ",".join(map(str, shape))
+    return sum(1 for line in entry.splitlines() if " copy(" in line and f"[{dims}]" in line)
+
+
+@pytest.mark.parametrize("num_tokens,num_seqs", [(1, 1), (1, 2), (8, 8), (32, 4)])
+def test_step_updates_cache_in_place(num_tokens, num_seqs):
+    assert _cache_copies(num_tokens, num_seqs) == 0
