@@ -36,3 +36,20 @@ def _cache_copies(num_tokens: int, num_seqs: int) -> int:
 @pytest.mark.parametrize("num_tokens,num_seqs", [(1, 1), (1, 2), (8, 8), (32, 4)])
 def test_step_updates_cache_in_place(num_tokens, num_seqs):
     assert _cache_copies(num_tokens, num_seqs) == 0
+
+
+@pytest.mark.parametrize("t_bucket,all_logits", [(1, False), (8, False), (8, True)])
+def test_runner_step_updates_donated_state_in_place(t_bucket, all_logits):
+    """The whole runner program (forward + penalty bookkeeping + sampler) copies no big buffer."""
+    from jaxinfer.engine.runner import ModelRunner
+    from jaxinfer.params import init_random
+
+    cfg = ModelConfig.from_hf({**hf_config_dict("llama"), "num_hidden_layers": 2})
+    params = init_random(llama.param_specs(cfg), jax.random.PRNGKey(0))
+    runner = ModelRunner(cfg, params, page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_model_len=256,
+                         max_num_seqs=8, max_num_batched_tokens=8)
+    hlo = runner.lower(t_bucket, all_logits).compile().as_text()
+    entry = hlo[hlo.find("ENTRY"):]
+    big = [f"[{NUM_PAGES},{PAGE_SIZE},", f"[9,{cfg.vocab_size}]"]  # KV cache, penalty rows
+    copies = [line for line in entry.splitlines() if " copy(" in line and any(b in line for b in big)]
+    assert not copies, copies[:2]

@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 class BatchExtras:
     """Per-step inputs beyond the model's: penalty bookkeeping and prompt-logprob targets."""
 
-    token_rows: jax.Array  # i32[T] penalty-state row of each token (padding -> the spare row)
+    token_seq: jax.Array  # i32[T] index of each token's sequence in this step (padding -> S, dropped)
     token_is_output: jax.Array  # bool[T] token sits past its request's prompt
     seq_rows: jax.Array  # i32[S] penalty-state row of each sequence (padding -> the spare row)
     reset_rows: jax.Array  # bool[S] clear this sequence's row before counting (new owner)
@@ -72,22 +72,22 @@ def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, step: StepIn
           extras: BatchExtras, meta: SamplingMetadata, *, all_logits: bool):
     """forward + penalty bookkeeping + sampling, as one program."""
     with jax.named_scope("penalty_state"):
-        spare = state.prompt_mask.shape[0] - 1
-        clear = jnp.where(extras.reset_rows, extras.seq_rows, spare)
-        prompt_mask = state.prompt_mask.at[clear].set(False)
-        output_counts = state.output_counts.at[clear].set(0)
-        prompt_mask = prompt_mask.at[extras.token_rows, step.token_ids].max(~extras.token_is_output)
-        output_counts = output_counts.at[extras.token_rows, step.token_ids].add(
-            extras.token_is_output.astype(jnp.int32))
-        prompt_mask = prompt_mask.at[spare].set(False)
-        output_counts = output_counts.at[spare].set(0)
+        # One gather of this step's rows, small scatters on them, one write back.
+        fresh = extras.reset_rows[:, None]
+        prompt_mask = jnp.where(fresh, False, state.prompt_mask[extras.seq_rows])  # bool[S, V]
+        output_counts = jnp.where(fresh, 0, state.output_counts[extras.seq_rows])  # i32[S, V]
+        prompt_mask = prompt_mask.at[extras.token_seq, step.token_ids].max(
+            ~extras.token_is_output, mode="drop")
+        output_counts = output_counts.at[extras.token_seq, step.token_ids].add(
+            extras.token_is_output.astype(jnp.int32), mode="drop")
+        state = PenaltyState(state.prompt_mask.at[extras.seq_rows].set(prompt_mask),
+                             state.output_counts.at[extras.seq_rows].set(output_counts))
     logits, kv_caches = llama.forward(params, cfg, step, kv_caches)
     with jax.named_scope("sampler"):
         row_logits = jnp.take(logits, extras.sample_rows, axis=0) if all_logits else logits
-        out = sample(row_logits, meta, prompt_mask[extras.seq_rows], output_counts[extras.seq_rows],
-                     num_logprobs=MAX_LOGPROBS)
+        out = sample(row_logits, meta, prompt_mask, output_counts, num_logprobs=MAX_LOGPROBS)
     prompt = compute_logprobs(logits, extras.target_ids, MAX_LOGPROBS) if all_logits else None
-    return (out, prompt), kv_caches, PenaltyState(prompt_mask, output_counts)
+    return (out, prompt), kv_caches, state
 
 
 def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
@@ -195,7 +195,7 @@ class ModelRunner:
             num_logits=t_bucket if all_logits else s_bucket)
 
         spare = self.max_num_seqs
-        token_rows = np.full(t_bucket, spare, np.int32)
+        token_seq = np.full(t_bucket, s_bucket, np.int32)
         token_is_output = np.zeros(t_bucket, bool)
         seq_rows = np.full(s_bucket, spare, np.int32)
         reset_rows = np.zeros(s_bucket, bool)
@@ -207,7 +207,7 @@ class ModelRunner:
             row, fresh = self._row_of(req.request_id)
             seq_rows[i], reset_rows[i] = row, fresh or s.start_pos == 0
             lo, hi = cu[i], cu[i + 1]
-            token_rows[lo:hi] = row
+            token_seq[lo:hi] = i
             token_is_output[lo:hi] = np.arange(s.start_pos, s.start_pos + (hi - lo)) >= req.num_prompt_tokens
             sample_rows[i] = hi - 1
             if all_logits:
@@ -224,7 +224,7 @@ class ModelRunner:
                 blocked = list(sp.stop_token_ids or []) + ([] if sp.ignore_eos else list(req.eos_token_ids))
             suppress.append(blocked)
         meta = SamplingMetadata.from_params(params, seeds, steps, suppress, pad_to=s_bucket)
-        extras = BatchExtras(token_rows=token_rows, token_is_output=token_is_output, seq_rows=seq_rows,
+        extras = BatchExtras(token_seq=token_seq, token_is_output=token_is_output, seq_rows=seq_rows,
                              reset_rows=reset_rows, sample_rows=sample_rows, target_ids=target_ids)
         inputs = {"step": StepInputs(**arrays), "extras": extras, "meta": meta}
         return inputs, all_logits, t_bucket
@@ -256,24 +256,34 @@ class ModelRunner:
                 prompt_lps[rid] = entries
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps)
 
+    def _idle_inputs(self, t_bucket: int, all_logits: bool) -> dict:
+        """Inputs of a step that computes nothing (no sequences): used to compile a bucket."""
+        s_bucket = self.seq_bucket(t_bucket)
+        spare = self.max_num_seqs
+        arrays = build_step_arrays([([0], 0, [0])], self.page_size, num_tokens=t_bucket,
+                                   num_seqs=s_bucket, pages_per_seq=self.pages_per_seq,
+                                   num_logits=t_bucket if all_logits else s_bucket)
+        arrays["slot_mapping"][:] = -1  # write nothing
+        arrays["num_seqs"][:] = 0
+        extras = BatchExtras(
+            token_seq=np.full(t_bucket, s_bucket, np.int32), token_is_output=np.zeros(t_bucket, bool),
+            seq_rows=np.full(s_bucket, spare, np.int32), reset_rows=np.zeros(s_bucket, bool),
+            sample_rows=np.zeros(s_bucket, np.int32), target_ids=np.zeros(t_bucket, np.int32))
+        meta = SamplingMetadata.from_params([], [], [], [], pad_to=s_bucket)
+        return {"step": StepInputs(**arrays), "extras": extras, "meta": meta}
+
+    def lower(self, t_bucket: int, all_logits: bool = False) -> Any:
+        """The bucket's step program, lowered (for HLO inspection and tests)."""
+        dev = jax.device_put(self._idle_inputs(t_bucket, all_logits))
+        return self._jit.lower(self.params, self.cfg, self.kv_caches, self.state, dev["step"],
+                               dev["extras"], dev["meta"], all_logits=all_logits)
+
     def warmup(self) -> int:
         """Compiles every (token bucket, logits variant) program; returns how many were built."""
         start = time.perf_counter()
-        spare = self.max_num_seqs
         for t_bucket in self.token_buckets:
-            s_bucket = self.seq_bucket(t_bucket)
             for all_logits in (False, True):
-                arrays = build_step_arrays([([0], 0, [0])], self.page_size, num_tokens=t_bucket,
-                                           num_seqs=s_bucket, pages_per_seq=self.pages_per_seq,
-                                           num_logits=t_bucket if all_logits else s_bucket)
-                arrays["slot_mapping"][:] = -1  # write nothing
-                arrays["num_seqs"][:] = 0
-                extras = BatchExtras(
-                    token_rows=np.full(t_bucket, spare, np.int32), token_is_output=np.zeros(t_bucket, bool),
-                    seq_rows=np.full(s_bucket, spare, np.int32), reset_rows=np.zeros(s_bucket, bool),
-                    sample_rows=np.zeros(s_bucket, np.int32), target_ids=np.zeros(t_bucket, np.int32))
-                meta = SamplingMetadata.from_params([], [], [], [], pad_to=s_bucket)
-                dev = jax.device_put({"step": StepInputs(**arrays), "extras": extras, "meta": meta})
+                dev = jax.device_put(self._idle_inputs(t_bucket, all_logits))
                 (out, _), self.kv_caches, self.state = self._jit(
                     self.params, self.cfg, self.kv_caches, self.state, dev["step"], dev["extras"],
                     dev["meta"], all_logits=all_logits)
