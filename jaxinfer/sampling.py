@@ -23,6 +23,8 @@ this" skip the costly stages for batches that do not. Flow of `sample`:
 
 Randomness: row `s` draws round `r` from `fold_in(fold_in(key(seed[s]), step[s]), r)`, so its token
 depends only on its own logits, parameters, seed and step, never on the rest of the batch.
+NOTE: programs compiled for different batch sizes may sum a row in a different order, so a draw
+landing within float rounding of a boundary between two tokens can differ between them.
 
 NOTE: on XLA:CPU (jaxlib 0.10.2) sorting a [64, 49152] f32 array takes ~0.8 s, `argmax` ~13 ms and
 a full-row reduction about twice a two-stage one, so nothing here sorts a row and every row max,
@@ -30,6 +32,8 @@ sum, argmax and top-k goes through `BLOCK`-wide vocabulary blocks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -81,8 +85,8 @@ class SamplingMetadata:
           pad_to: number of rows; rows past `len(params)` are greedy and harmless.
           suppress_width: static width E of `suppress_ids`.
 
-        NOTE: a row suppressing more than `suppress_width` ids widens E to the next power-of-two
-        multiple, which compiles one more program; size `suppress_width` for the usual stop lists.
+        NOTE: a row suppressing more distinct ids than `suppress_width` doubles E until they fit,
+        which compiles one more program; size `suppress_width` for the usual stop lists.
         """
         n = len(params)
         if not len(seeds) == len(steps) == len(suppress) == n:
@@ -96,11 +100,12 @@ class SamplingMetadata:
             raise ValueError(f"seeds must be integers in [0, 2**64), got {seeds}")
         if any(i < 0 for ids in suppress for i in ids):
             raise ValueError(f"suppress ids must be non-negative, got {suppress}")
+        suppress = [sorted(set(ids)) for ids in suppress]
         width = suppress_width
         while width < max((len(ids) for ids in suppress), default=0):
             width *= 2
 
-        def column(value: float, dtype: type, get) -> np.ndarray:
+        def column(value: float, dtype: type, get: Callable[[SamplingParams], float]) -> np.ndarray:
             out = np.full(pad_to, value, dtype)
             out[:n] = [get(p) for p in params]
             return out
@@ -129,6 +134,8 @@ class SamplingMetadata:
 
 @flax.struct.dataclass
 class SamplerOutput:
+    """One sampled token per row and its logprobs under the raw model distribution."""
+
     token_ids: jax.Array  # i32[S]
     logprobs: jax.Array  # f32[S] chosen token under the raw model distribution
     topk_ids: jax.Array  # i32[S, num_logprobs]
@@ -234,20 +241,24 @@ def _from_sortable_key(key: jax.Array) -> jax.Array:  # u32[...] -> f32[...]
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _top_k_bisect(
-    x: jax.Array,  # f32[S, Vp]
-    k: jax.Array,  # i32[S] in [1, Vp]
-    upper: jax.Array,  # f32[S] at least each row's k-th largest value
+def _bisect_top_k(
+    key: jax.Array,  # u32[S, N] sortable keys
+    k: jax.Array,  # i32[S] in [1, N]
+    lo: jax.Array,  # u32[S] with count(key >= lo) >= k
+    hi: jax.Array,  # u32[S] at least the k-th largest key
 ) -> jax.Array:
-    """f32[S] threshold t with `{x >= t}` = the top-k set (ties kept), by bisection over the f32 order.
+    """u32[S] t with `{key >= t}` = the k largest keys (ties kept), by bisection over the keys.
 
-    Stops once every row's interval is one value or holds exactly k elements above its low end;
-    at most 33 counting passes over `[S, Vp]`.
+    Stops once every row's interval is one key or holds exactly k keys above its low end: at most
+    33 counting passes over `[S, N]`, far fewer when the bounds are tight.
     """
-    key = _sortable_key(x)  # u32[S, Vp]
+    blocked = key.shape[1] % BLOCK == 0
 
-    def count(t: jax.Array) -> jax.Array:  # u32[S] -> i32[S] elements >= t
-        return _blocks(key >= t[:, None]).sum(axis=2, dtype=jnp.int32).sum(axis=1)
+    def count(t: jax.Array) -> jax.Array:  # u32[S] -> i32[S] keys >= t
+        above = key >= t[:, None]
+        if blocked:
+            return _blocks(above).sum(axis=2, dtype=jnp.int32).sum(axis=1)
+        return above.sum(axis=1, dtype=jnp.int32)
 
     def halve(state):  # invariant: count(lo) >= k and the k-th largest <= hi
         lo, hi, n_lo = state
@@ -256,10 +267,12 @@ def _top_k_bisect(
         ok = n >= k
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1), jnp.where(ok, n, n_lo)
 
-    lo = _blocks(key).min(axis=2).min(axis=1)
-    init = (lo, _sortable_key(upper), jnp.full_like(k, x.shape[1]))
-    lo, _, _ = lax.while_loop(lambda st: jnp.any((st[0] < st[1]) & (st[2] != k)), halve, init)
-    return _from_sortable_key(lo)
+    def unresolved(state) -> jax.Array:
+        lo, hi, n_lo = state
+        return jnp.any((lo < hi) & (n_lo != k))
+
+    lo, _, _ = lax.while_loop(unresolved, halve, (lo, hi, count(lo)))
+    return lo
 
 
 def _top_k_threshold(
@@ -267,20 +280,27 @@ def _top_k_threshold(
     k: jax.Array,  # i32[S] 0 = off
     block_max: jax.Array,  # f32[S, NB]
 ) -> jax.Array:
-    """f32[S] k-th largest of each row (ties count separately); -inf where k == 0."""
+    """f32[S] t with `{x >= t}` = each row's top-k set (ties kept); -inf where k == 0."""
     with jax.named_scope("top_k"):
         width = min(TOP_K_CANDIDATES, x.shape[1])
         values, _ = _top_k(x, width, block_max)  # f32[S, width]
         kth = jnp.take_along_axis(values, jnp.clip(k - 1, 0, width - 1)[:, None], axis=1)[:, 0]
         threshold = jnp.where(k == 0, -jnp.inf, kth)
         large = k > width
-        return lax.cond(
-            jnp.any(large),
-            lambda: jnp.where(
-                large, _top_k_bisect(x, jnp.where(large, k, x.shape[1]), values[:, -1]), threshold
-            ),
-            lambda: threshold,
-        )
+
+        def bisect() -> jax.Array:
+            # Rows with k > width bisect between the k-th largest block maximum (k blocks reach it,
+            # so at least k values do) and the width-th largest value; other rows stop at once.
+            nb = block_max.shape[1]
+            kk = jnp.where(large, k, 1)
+            bm_key = _sortable_key(block_max)
+            bm_lo, bm_hi = bm_key.min(axis=1), bm_key.max(axis=1)
+            lo = jnp.where(kk <= nb, _bisect_top_k(bm_key, jnp.minimum(kk, nb), bm_lo, bm_hi), 0)
+            hi = jnp.where(large, _sortable_key(values[:, -1]), lo)
+            t = _from_sortable_key(_bisect_top_k(_sortable_key(x), kk, lo, hi))
+            return jnp.where(large, t, threshold)
+
+        return lax.cond(jnp.any(large), bisect, lambda: threshold)
 
 
 def _first_above(

@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -122,6 +123,9 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}  # parent id -> child ids
         self._aborted: list[str] = []
         self._ids = itertools.count()
+        # Parent and child ids of every request added and not yet finished (caller threads add).
+        self._live_ids: set[str] = set()
+        self._live_ids_lock = threading.Lock()
         usable = self.allocator.num_usable_pages
         logger.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.1f MiB); max_model_len %d -> up to %.1f "
@@ -157,6 +161,11 @@ class LLMEngine:
                           priority=priority)
             children.append(_Sample(request_id, i, req, self.tokenizer.detokenizer(ids),
                                     list(sampling.stop or [])))
+        keys = {request_id, *(c.request.request_id for c in children)}
+        with self._live_ids_lock:
+            if keys & self._live_ids:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._live_ids |= keys
         self._inbox.put(("add", request_id, children))
         return request_id
 
@@ -170,6 +179,12 @@ class LLMEngine:
             raise ValueError(
                 f"prompt of {len(ids)} tokens + max_tokens={sampling.max_tokens} exceeds "
                 f"max_model_len={self.max_model_len}")
+        # The last sampled token is never computed: at most len + max_tokens - 1 tokens hold K/V.
+        pages = -(-(len(ids) + sampling.max_tokens - 1) // self.config.page_size)
+        if pages > self.allocator.num_usable_pages:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens + max_tokens={sampling.max_tokens} needs {pages} "
+                f"KV-cache pages, the cache has {self.allocator.num_usable_pages}")
 
     def abort(self, request_id: str) -> None:
         """Aborts every sample of a request (thread-safe; takes effect at the next step)."""
@@ -240,6 +255,8 @@ class LLMEngine:
         siblings = self._children.get(s.parent, [])
         if not any(c in self._samples for c in siblings):
             self._children.pop(s.parent, None)
+            with self._live_ids_lock:
+                self._live_ids.difference_update([s.parent, *siblings])
         usage = Usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens)
         return RequestDelta(s.parent, s.index, list(new_ids), new_text, finished=True,
                             finish_reason=reason, usage=usage)
