@@ -29,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -79,12 +80,12 @@ def check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> Non
 
 
 def _kv_block_pages(num_tokens: int, page_size: int, pages_per_seq: int) -> int:
-    """Pages per KV block: at most 512 keys, and ~64k (token, key) pairs gathered per block.
+    """Pages per KV block: at most 128 keys, and ~64k (token, key) pairs gathered per block.
 
     The block loop runs only as many blocks as the longest live sequence needs, so a small block
     keeps decode from gathering the whole (mostly unused) page table.
     """
-    budget = max(page_size, min(512, 65536 // max(num_tokens, 1)))
+    budget = max(page_size, min(128, 65536 // max(num_tokens, 1)))
     return max(1, min(pages_per_seq, budget // page_size))
 
 
@@ -169,3 +170,31 @@ def ragged_paged_attention(
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(t_len, hq, d).astype(q.dtype)
+
+
+def check_values(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
+    """Host-side value checks of one step's attention metadata (numpy; raises ValueError).
+
+    `q` and `kv_cache` are only read for their shapes (arrays or `jax.ShapeDtypeStruct`s). Checks:
+    0 <= num_seqs <= S; cu_q_lens starts at 0, never decreases and ends within the T query tokens;
+    every live sequence has q_len <= kv_len <= pages_per_seq * page_size; and the page ids of the
+    pages a live sequence uses are in [0, num_pages). Padded page-table entries are not checked.
+    """
+    t = q.shape[0]
+    num_pages, page_size = kv_cache.shape[:2]
+    kv_lens, page_indices = np.asarray(kv_lens), np.asarray(page_indices)
+    cu, n = np.asarray(cu_q_lens), int(np.asarray(num_seqs)[0])
+    s_max, pages_per_seq = page_indices.shape
+    if not 0 <= n <= s_max:
+        raise ValueError(f"num_seqs={n} is outside [0, {s_max}]")
+    if cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] > t:
+        raise ValueError(f"cu_q_lens must start at 0, never decrease and end <= {t}: {cu.tolist()}")
+    q_lens = np.diff(cu)[:n]
+    for s in range(n):
+        if not q_lens[s] <= kv_lens[s] <= pages_per_seq * page_size:
+            raise ValueError(f"sequence {s}: need q_len ({q_lens[s]}) <= kv_len ({kv_lens[s]}) <= "
+                             f"pages_per_seq * page_size ({pages_per_seq * page_size})")
+        num_used = -(-int(kv_lens[s]) // page_size)
+        used = page_indices[s, :num_used]
+        if np.any((used < 0) | (used >= num_pages)):
+            raise ValueError(f"sequence {s}: page ids {used.tolist()} not all in [0, {num_pages})")
