@@ -11,16 +11,17 @@ V at 2h + 1 (interleaved on the heads axis).
 Flow of `ragged_paged_attention`:
   1. Map each query token to its sequence and absolute position (tokens past the last sequence are
      padding and produce zeros).
-  2. Walk the KV axis in blocks of whole pages (a `fori_loop` whose trip count is the longest
-     sequence's page count, so unused page-table columns are never read). Each step gathers, for
-     every token, the block's pages of that token's own sequence through the page table.
+  2. Walk the real tokens in blocks of `QUERY_BLOCK`. A block whose tokens all belong to one
+     sequence (the body of a prefill chunk) gathers that sequence's pages once per KV block; a
+     block spanning several sequences (a run of decodes) gathers, per token, its own pages.
+     Either way the KV loop runs only as many blocks as the block's longest sequence needs.
   3. Scores by einsum with query heads grouped under their KV head (GQA by broadcasting), optional
      logit soft-cap, causal + length + sliding-window mask, then an online-softmax update. Masked
-     keys and values are replaced before use, so NaN-filled unused pages cannot leak.
+     values are replaced before use, so NaN-filled unused pages cannot leak.
   4. Attention sinks, when given, start the running max/denominator as one extra virtual key.
 
-Einsum legend: t = query token, k = KV head, g = query head within its KV group, d = head_dim,
-b = key position within the current KV block.
+Einsum legend: q = query token of the block, k = KV head, g = query head within its KV group,
+d = head_dim, b = key position within the current KV block.
 """
 
 from __future__ import annotations
@@ -79,14 +80,24 @@ def check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> Non
             raise ValueError(f"{name} must be int32, got {x.dtype}")
 
 
-def _kv_block_pages(num_tokens: int, page_size: int, pages_per_seq: int) -> int:
-    """Pages per KV block: at most 128 keys, and ~64k (token, key) pairs gathered per block.
+QUERY_BLOCK = 16  # query tokens per block
+DENSE_KV_BLOCK = 512  # keys per step when a query block belongs to one sequence
+TOKEN_KV_BLOCK = 128  # keys per step when it spans several (each token gathers its own)
 
-    The block loop runs only as many blocks as the longest live sequence needs, so a small block
-    keeps decode from gathering the whole (mostly unused) page table.
-    """
-    budget = max(page_size, min(128, 65536 // max(num_tokens, 1)))
-    return max(1, min(pages_per_seq, budget // page_size))
+
+def _pages_per_block(keys: int, page_size: int, pages_per_seq: int) -> int:
+    return max(1, min(pages_per_seq, keys // page_size))
+
+
+def _online_softmax_step(m, l, acc, s, mask, pv):
+    """One online-softmax update. s: f32[Q, Hkv, G, B] scores; mask: bool[Q, B];
+    pv(p) -> f32[Q, Hkv, G, D] multiplies the probabilities by the block's values."""
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv(p)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret"))
@@ -111,65 +122,101 @@ def ragged_paged_attention(
     hkv = h2 // 2
     g = hq // hkv
     s_max, pages_per_seq = page_indices.shape
+    bq = min(QUERY_BLOCK, t_len)
+    t_pad = -(-t_len // bq) * bq
 
     with jax.named_scope("rpa_positions"):
-        tok = jnp.arange(t_len, dtype=jnp.int32)
+        tok = jnp.arange(t_pad, dtype=jnp.int32)
+        n_real = cu_q_lens[jnp.minimum(num_seqs[0], s_max)]
         seq = jnp.searchsorted(cu_q_lens[1:], tok, side="right").astype(jnp.int32)
-        valid = (seq < num_seqs[0]) & (tok < cu_q_lens[jnp.minimum(num_seqs[0], s_max)])
+        valid = (seq < num_seqs[0]) & (tok < n_real)
         seq = jnp.minimum(seq, s_max - 1)
         q_start = cu_q_lens[seq]
-        q_len = cu_q_lens[seq + 1] - q_start
-        kv_len = kv_lens[seq]
-        q_pos = kv_len - q_len + (tok - q_start)  # i32[T]
-
-    block_pages = _kv_block_pages(t_len, page_size, pages_per_seq)
-    block = block_pages * page_size
-    num_blocks_static = -(-pages_per_seq // block_pages)
-    pad_cols = num_blocks_static * block_pages - pages_per_seq
-    pages = jnp.pad(page_indices, ((0, 0), (0, pad_cols)))[seq]  # i32[T, blocks*block_pages]
-    live_len = jnp.max(jnp.where(jnp.arange(s_max) < num_seqs[0], kv_lens, 0))
-    num_blocks = jnp.minimum((live_len + block - 1) // block, num_blocks_static)
+        kv_len = jnp.where(valid, kv_lens[seq], 0)
+        q_pos = kv_len - (cu_q_lens[seq + 1] - q_start) + (tok - q_start)  # i32[T_pad]
 
     qg = q.astype(jnp.float32).reshape(t_len, hkv, g, d) * sm_scale
+    qg = jnp.pad(qg, ((0, t_pad - t_len), (0, 0), (0, 0), (0, 0)))
     if sinks is None:
-        m0 = jnp.full((t_len, hkv, g), -jnp.inf, jnp.float32)
-        l0 = jnp.zeros((t_len, hkv, g), jnp.float32)
+        m0 = jnp.full((bq, hkv, g), -jnp.inf, jnp.float32)
+        l0 = jnp.zeros((bq, hkv, g), jnp.float32)
     else:
-        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, g), (t_len, hkv, g))
-        l0 = jnp.ones((t_len, hkv, g), jnp.float32)
-    acc0 = jnp.zeros((t_len, hkv, g, d), jnp.float32)
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, g), (bq, hkv, g))
+        l0 = jnp.ones((bq, hkv, g), jnp.float32)
+    acc0 = jnp.zeros((bq, hkv, g, d), jnp.float32)
 
-    def body(b, carry):
-        m, l, acc = carry
-        with jax.named_scope("rpa_gather"):
-            ids = jax.lax.dynamic_slice_in_dim(pages, b * block_pages, block_pages, axis=1)
-            # NOTE: mode="fill" (out-of-range page ids read zeros, masked anyway); with "clip" XLA:CPU
-            # copied the whole cache before the in-place write (tests/test_compiled_step.py).
-            kv = jnp.take(kv_cache, ids, axis=0, mode="fill", fill_value=0)  # [T, bp, page, 2Hkv, D]
-            kv = kv.reshape(t_len, block, hkv, 2, d).astype(jnp.float32)
-        k_pos = b * block + jnp.arange(block, dtype=jnp.int32)
-        mask = valid[:, None] & (k_pos[None, :] < kv_len[:, None]) & (k_pos[None, :] <= q_pos[:, None])
+    def key_mask(k_pos, vb, lb, pb):  # bool[Q, B]: in the sequence, causal, inside the window
+        mask = vb[:, None] & (k_pos[None, :] < lb[:, None]) & (k_pos[None, :] <= pb[:, None])
         if sliding_window is not None:
-            mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
-        k = jnp.where(mask[:, :, None, None], kv[:, :, :, 0], 0.0)
-        v = jnp.where(mask[:, :, None, None], kv[:, :, :, 1], 0.0)
-        with jax.named_scope("rpa_softmax"):
-            s = jnp.einsum("tkgd,tbkd->tkgb", qg, k)
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
-            s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-            p = jnp.exp(s - m_safe[..., None])
-            alpha = jnp.exp(m - m_safe)
-            l = alpha * l + p.sum(axis=-1)
-            acc = alpha[..., None] * acc + jnp.einsum("tkgb,tbkd->tkgd", p, v)
-        return m_new, l, acc
+            mask &= pb[:, None] - k_pos[None, :] < sliding_window
+        return mask
 
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, l0, acc0))
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    out = jnp.where(valid[:, None, None, None], out, 0.0)
-    return out.reshape(t_len, hq, d).astype(q.dtype)
+    def scores(x):
+        return x if soft_cap is None else soft_cap * jnp.tanh(x / soft_cap)
+
+    def gather(ids, keys):  # ids i32[..., pages] -> K, V f32[..., keys, Hkv, D]
+        # NOTE: mode="fill" (out-of-range page ids read zeros, masked anyway); with "clip" XLA:CPU
+        # copied the whole cache before the in-place write (tests/test_compiled_step.py).
+        kv = jnp.take(kv_cache, ids, axis=0, mode="fill", fill_value=0)
+        kv = kv.reshape(*ids.shape[:-1], keys, hkv, 2, d).astype(jnp.float32)
+        return kv[..., 0, :], kv[..., 1, :]
+
+    def dense_block(qb, sb, vb, pb, lb):
+        """All valid tokens of the block belong to sequence sb[0]: gather its pages once."""
+        # A lone decode token reads few keys; a prefill block amortises each gather over bq rows.
+        bp = _pages_per_block(TOKEN_KV_BLOCK if bq == 1 else DENSE_KV_BLOCK, page_size, pages_per_seq)
+        keys = bp * page_size
+        pages = jnp.pad(page_indices[sb[0]], (0, -pages_per_seq % bp))
+
+        def body(b, carry):
+            with jax.named_scope("rpa_dense_block"):
+                k, v = gather(jax.lax.dynamic_slice_in_dim(pages, b * bp, bp), keys)  # [B, Hkv, D]
+                k_pos = b * keys + jnp.arange(keys, dtype=jnp.int32)
+                v = jnp.where((k_pos < lb.max())[:, None, None], v, 0.0)  # unused slots may be NaN
+                s = scores(jnp.einsum("qkgd,bkd->qkgb", qb, k))
+                return _online_softmax_step(*carry, s, key_mask(k_pos, vb, lb, pb),
+                                            lambda p: jnp.einsum("qkgb,bkd->qkgd", p, v))
+
+        return jax.lax.fori_loop(0, -(-lb.max() // keys), body, (m0, l0, acc0))
+
+    def token_block(qb, sb, vb, pb, lb):
+        """Tokens of several sequences (e.g. a run of decodes): each gathers its own pages."""
+        bp = _pages_per_block(TOKEN_KV_BLOCK, page_size, pages_per_seq)
+        keys = bp * page_size
+        pages = jnp.pad(page_indices, ((0, 0), (0, -pages_per_seq % bp)))[sb]  # i32[Q, cols]
+
+        def body(b, carry):
+            with jax.named_scope("rpa_token_block"):
+                ids = jax.lax.dynamic_slice_in_dim(pages, b * bp, bp, axis=1)
+                k, v = gather(ids, keys)  # [Q, B, Hkv, D]
+                k_pos = b * keys + jnp.arange(keys, dtype=jnp.int32)
+                mask = key_mask(k_pos, vb, lb, pb)
+                v = jnp.where(mask[:, :, None, None], v, 0.0)
+                s = scores(jnp.einsum("qkgd,qbkd->qkgb", qb, k))
+                return _online_softmax_step(*carry, s, mask,
+                                            lambda p: jnp.einsum("qkgb,qbkd->qkgd", p, v))
+
+        return jax.lax.fori_loop(0, -(-lb.max() // keys), body, (m0, l0, acc0))
+
+    def q_block(j, out):
+        t0 = j * bq
+        qb, sb, vb, pb, lb = (jax.lax.dynamic_slice_in_dim(x, t0, bq)
+                              for x in (qg, seq, valid, q_pos, kv_len))
+        if bq == 1:  # a single token is always one sequence
+            _, l, acc = dense_block(qb, sb, vb, pb, lb)
+        else:
+            one_seq = jnp.all(jnp.where(vb, sb == sb[0], True))
+            _, l, acc = jax.lax.cond(one_seq, dense_block, token_block, qb, sb, vb, pb, lb)
+        res = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        res = jnp.where(vb[:, None, None, None], res, 0.0)
+        return jax.lax.dynamic_update_slice_in_dim(out, res, t0, axis=0)
+
+    out = jnp.zeros((t_pad, hkv, g, d), jnp.float32)
+    if t_pad == bq:  # one query block: no loop around it
+        out = q_block(0, out)
+    else:
+        out = jax.lax.fori_loop(0, -(-n_real // bq), q_block, out)
+    return out[:t_len].reshape(t_len, hq, d).astype(q.dtype)
 
 
 def check_values(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
