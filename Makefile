@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: setup generate test lint bench clean
+.PHONY: setup generate test lint bench serve clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_generate.py
+
+# The gRPC server (port 50051, metrics on 8000); SERVE_ARGS passes flags, e.g. SERVE_ARGS="--port 0".
+serve: $(STAMP)
+	$(PY) scripts/serve.py $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -51,18 +51,28 @@ def run_jaxinfer(args, model, workload, prompts):
         engine.add_request(ids, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True),
                            request_id=str(i))
     out_tokens = 0
+    decode_steps = []  # (seconds, tokens) of steps that only decoded, at full concurrency
     while engine.has_unfinished():
-        for d in engine.step():
+        t = time.perf_counter()
+        deltas = engine.step()
+        step_s = time.perf_counter() - t
+        n = sum(len(d.new_token_ids) for d in deltas)
+        if n >= args.max_num_seqs and engine.scheduler.num_waiting == 0 and len(deltas) == n:
+            decode_steps.append((step_s, n))
+        for d in deltas:
             out_tokens += len(d.new_token_ids)
             if d.new_token_ids and d.request_id not in first:
                 first[d.request_id] = time.perf_counter() - start
     elapsed = time.perf_counter() - start
+    full_decode = (sum(n for _, n in decode_steps) / sum(s for s, _ in decode_steps)
+                   if decode_steps else None)
     ttft = np.array(list(first.values()))
     total = out_tokens + sum(p for p, _ in workload)
     return {"requests_s": len(workload) / elapsed, "output_tok_s": out_tokens / elapsed,
             "total_tok_s": total / elapsed, "ttft_mean_s": float(ttft.mean()),
             "ttft_p99_s": float(np.percentile(ttft, 99)), "elapsed_s": elapsed,
-            "warmup_s": warmup_s, "programs": programs}
+            "warmup_s": warmup_s, "programs": programs,
+            "decode_tok_s_at_max_concurrency": full_decode, "decode_steps_measured": len(decode_steps)}
 
 
 def run_hf(model_path, workload, prompts, batch):
@@ -110,15 +120,23 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len", type=int, default=None, help="fixed prompt length (decode study)")
+    p.add_argument("--output-len", type=int, default=None, help="fixed output length (decode study)")
     args = p.parse_args()
     model = load_model(args.model)
     workload = sharegpt_like(args.num_requests, args.seed, args.max_model_len)
+    if args.prompt_len or args.output_len:
+        workload = [(args.prompt_len or p, args.output_len or o) for p, o in workload]
     rng = np.random.default_rng(args.seed + 1)
     prompts = [rng.integers(100, min(40000, model.cfg.vocab_size), n).tolist() for n, _ in workload]
     ours = run_jaxinfer(args, model, workload, prompts)
     print(f"jaxinfer: {ours['requests_s']:.2f} req/s, {ours['output_tok_s']:.1f} output tok/s, "
           f"{ours['total_tok_s']:.1f} total tok/s, TTFT mean {ours['ttft_mean_s']:.2f}s "
           f"p99 {ours['ttft_p99_s']:.2f}s ({ours['programs']} programs, warmup {ours['warmup_s']:.0f}s)")
+    if ours["decode_tok_s_at_max_concurrency"]:
+        print(f"  decode at {args.max_num_seqs} concurrent sequences: "
+              f"{ours['decode_tok_s_at_max_concurrency']:.1f} output tok/s "
+              f"({ours['decode_steps_measured']} pure-decode steps)")
     hf = {}
     if args.hf_requests and model.source == "gguf":
         for batch in (8, 32):

@@ -1,0 +1,214 @@
+"""Online serving benchmark: a ShareGPT-like workload sent to a running server over gRPC.
+
+    python scripts/bench_serving.py --port 50051 --num-requests 200 --request-rate 4
+    python scripts/bench_serving.py --spawn --num-requests 64 --request-rate inf
+    python scripts/bench_serving.py --spawn --spawn-args="--fake-runner" --num-requests 512
+
+In the spirit of vLLM's `benchmark_serving.py` and JetStream's `benchmark_serving.py`:
+1. Workload: `bench_offline.sharegpt_like` prompt/output lengths (fixed seed, clipped to the
+   server's max_model_len); prompts are random token ids, and each request generates exactly its
+   output length (`ignore_eos`, greedy), so runs are comparable.
+2. Arrivals: a Poisson process at `--request-rate` requests/s (exponential gaps, seeded), or all
+   at t=0 with `inf`; `--max-concurrency` caps requests in flight on the client side.
+3. Each request is one streamed `Generate`; the client stamps every message. Reported: request
+   throughput, output and total tok/s, TTFT, inter-token latency (gaps between tokens after the
+   first, each token of a multi-token message getting its share), TPOT ((e2e - TTFT) / (output
+   - 1) per request) and end-to-end latency as mean / p50 / p99, and goodput: requests/s that met
+   the SLO (TTFT <= --slo-ttft and TPOT <= --slo-tpot).
+4. `--spawn` starts `scripts/serve.py` (port 0, plus `--spawn-args`) as a subprocess, waits for
+   health SERVING, runs the benchmark, then stops it with SIGTERM.
+Prints a table and one JSON line for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import _path  # noqa: F401
+import grpc
+import numpy as np
+from bench_offline import sharegpt_like
+
+from serving.client import GenerateClient, build_request
+from serving.protos.jaxinfer.v1 import generate_pb2_grpc as pb_grpc
+
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclasses.dataclass
+class Result:
+    prompt_len: int
+    output_len: int = 0
+    ttft: float | None = None
+    e2e: float = 0.0
+    itl: list[float] = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_len < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_len - 1)
+
+
+async def one_request(stub, prompt: list[int], max_tokens: int, timeout: float | None) -> Result:
+    res = Result(len(prompt))
+    req = build_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = last = time.perf_counter()
+    try:
+        async for msg in stub.Generate(req, timeout=timeout):
+            now = time.perf_counter()
+            k = len(msg.token_ids)
+            if k:
+                if res.ttft is None:
+                    res.ttft = now - start
+                else:
+                    res.itl += [(now - last) / k] * k
+                last = now
+                res.output_len += k
+    except grpc.aio.AioRpcError as e:
+        res.error = f"{e.code().name}: {e.details()}"
+    res.e2e = time.perf_counter() - start
+    return res
+
+
+async def run(address: str, workload: list[tuple[int, int]], prompts: list[list[int]],
+              rate: float, max_concurrency: int | None, seed: int,
+              timeout: float | None) -> tuple[list[Result], float]:
+    rng = np.random.default_rng(seed + 2)
+    gaps = rng.exponential(1.0 / rate, len(workload)) if np.isfinite(rate) else np.zeros(len(workload))
+    limit = asyncio.Semaphore(max_concurrency or len(workload))
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+
+        async def limited(prompt, out_len):
+            async with limit:
+                return await one_request(stub, prompt, out_len, timeout)
+
+        start = time.perf_counter()
+        tasks = []
+        for gap, prompt, (_, out_len) in zip(gaps, prompts, workload):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(limited(prompt, out_len)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
+    a = np.asarray(values)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+            "p99": float(np.percentile(a, 99))}
+
+
+def report(results: list[Result], elapsed: float, slo_ttft: float, slo_tpot: float) -> dict:
+    ok = [r for r in results if r.error is None]
+    out_tokens = sum(r.output_len for r in ok)
+    good = [r for r in ok if r.ttft is not None and r.ttft <= slo_ttft
+            and (r.tpot is None or r.tpot <= slo_tpot)]
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": elapsed,
+        "request_throughput": len(ok) / elapsed, "output_tok_s": out_tokens / elapsed,
+        "total_tok_s": (out_tokens + sum(r.prompt_len for r in ok)) / elapsed,
+        "ttft_s": _stats([r.ttft for r in ok if r.ttft is not None]),
+        "itl_s": _stats([x for r in ok for x in r.itl]),
+        "tpot_s": _stats([r.tpot for r in ok if r.tpot is not None]),
+        "e2e_s": _stats([r.e2e for r in ok]),
+        "goodput_req_s": len(good) / elapsed, "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot},
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
+
+
+def spawn_server(extra: str, timeout: float) -> tuple[subprocess.Popen, str]:
+    """Starts scripts/serve.py on a free port; returns (process, address) once it listens."""
+    cmd = [sys.executable, os.path.join(SCRIPTS, "serve.py"), "--port", "0", "--metrics-port", "0",
+           "--host", "127.0.0.1", *shlex.split(extra)]
+    print("spawning:", " ".join(cmd), file=sys.stderr)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        sys.stderr.write("  | " + line)
+        m = re.search(r"listening on [^ ]*:(\d+)", line)
+        if m:
+            address = f"127.0.0.1:{m.group(1)}"
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError("the spawned server did not start listening in time")
+    else:
+        raise RuntimeError(f"the spawned server exited with {proc.wait()}")
+    # Keep draining its log so the pipe never fills up.
+    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    return proc, address
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="localhost")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--spawn", action="store_true", help="start scripts/serve.py for this run")
+    p.add_argument("--spawn-args", default="",
+                   help="extra serve.py flags for --spawn (write --spawn-args=\"--flag ...\")")
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrival rate in requests/s (inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="clip lengths to this (default: the server's max_model_len, at most 1024)")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.2, help="goodput SLO on TPOT, seconds")
+    p.add_argument("--timeout", type=float, default=None, help="per-request deadline, seconds")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    proc = None
+    address = f"{args.host}:{args.port}"
+    if args.spawn:
+        proc, address = spawn_server(args.spawn_args, timeout=600)
+    try:
+        with GenerateClient(address) as client:
+            client.wait_ready(timeout=900)
+            info = client.model_info()
+        max_len = args.max_model_len or min(info.max_model_len, 1024)
+        workload = sharegpt_like(args.num_requests, args.seed, max_len)
+        rng = np.random.default_rng(args.seed + 1)
+        prompts = [rng.integers(100, min(40000, info.vocab_size), n).tolist() for n, _ in workload]
+        results, elapsed = asyncio.run(run(address, workload, prompts, args.request_rate,
+                                           args.max_concurrency, args.seed, args.timeout))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    r = report(results, elapsed, args.slo_ttft, args.slo_tpot)
+    print(f"model {info.name} ({info.dtype}), {args.num_requests} requests at "
+          f"{args.request_rate} req/s, {r['completed']} ok, {r['failed']} failed, {elapsed:.1f}s")
+    print(f"  request throughput {r['request_throughput']:.2f} req/s, output {r['output_tok_s']:.1f} "
+          f"tok/s, total {r['total_tok_s']:.1f} tok/s, goodput {r['goodput_req_s']:.2f} req/s")
+    for key, name in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
+        s = r[key]
+        print(f"  {name:5s} mean {s['mean'] * 1e3:9.1f} ms  p50 {s['p50'] * 1e3:9.1f} ms  "
+              f"p99 {s['p99'] * 1e3:9.1f} ms")
+    for err in r["errors"]:
+        print("  error:", err)
+    print(json.dumps({"bench": "serving", "machine": platform.machine(), "cpus": os.cpu_count(),
+                      "model": info.name, "num_requests": args.num_requests,
+                      "request_rate": str(args.request_rate), "max_len": max_len, **r}))
+
+
+if __name__ == "__main__":
+    main()

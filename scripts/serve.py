@@ -1,0 +1,215 @@
+"""Serve a model over gRPC (`jaxinfer.v1.GenerateService`, health, reflection, Prometheus metrics).
+
+    python scripts/serve.py                                  # the embedded SmolLM2, port 50051
+    python scripts/serve.py --model path/to/model.gguf --port 50051 --metrics-port 8000
+    python scripts/serve.py --trace-dir /tmp/trace --trace-steps 20   # profile 20 busy steps
+    python scripts/serve.py --profile-port 9999              # live capture from TensorBoard
+
+1. Parse the mesh (`--mesh tensor=8` style; single device only for now), load the weights and
+   build the engine (`EngineConfig` from the flags).
+2. Start the server: health NOT_SERVING while the engine thread compiles every program, then
+   SERVING; print a start-up summary and one load line per second while busy.
+3. SIGTERM / SIGINT: health NOT_SERVING, new requests UNAVAILABLE, in-flight streams finish
+   within `--grace-period`, then exit 0 (a second signal aborts what is left at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import math
+import os
+import re
+import sys
+import time
+
+import _path  # noqa: F401
+
+logger = logging.getLogger("serve")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512M', '1000000' -> bytes (K/M/G/T are powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512M, 1000000)")
+    scale = 1024 ** " kmgt".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * scale)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="GGUF file, HF dir or orbax dir (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0: a free one)")
+    p.add_argument("--metrics-port", type=int, default=8000,
+                   help="Prometheus /metrics HTTP port (0: a free one)")
+    p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="default: float32 on CPU, bfloat16 on accelerators")
+    e = p.add_argument_group("engine")
+    e.add_argument("--page-size", type=int, default=16)
+    e.add_argument("--max-num-seqs", type=int, default=64)
+    e.add_argument("--max-num-batched-tokens", type=int, default=512)
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="default: 2048 on CPU, the model's context elsewhere")
+    e.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="bytes for the KV cache, e.g. 2GiB (default: most of free device memory)")
+    e.add_argument("--num-pages", type=int, default=None, help="KV-cache pages (overrides memory)")
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--mesh", default="", help="mesh axis sizes, e.g. 'tensor=8' (single device for now)")
+    e.add_argument("--attention-backend", default="reference")
+    s = p.add_argument_group("server")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="sequences admitted beyond --max-num-seqs before RESOURCE_EXHAUSTED")
+    s.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds in-flight streams get to finish on SIGTERM/SIGINT")
+    s.add_argument("--no-warmup", action="store_true",
+                   help="serve at once and compile programs on first use")
+    s.add_argument("--log-interval", type=float, default=1.0,
+                   help="seconds between load log lines while busy")
+    s.add_argument("--fake-runner", action="store_true",
+                   help="no model compute: tokens are a function of prompt and position "
+                        "(tests, and measuring the server's own overhead)")
+    s.add_argument("--fake-step-delay", type=float, default=0.0,
+                   help="seconds each --fake-runner step sleeps")
+    prof = p.add_argument_group("profiling")
+    prof.add_argument("--profile-port", type=int, default=None,
+                      help="start jax.profiler's server, for live capture from TensorBoard")
+    prof.add_argument("--trace-dir", default=None,
+                      help="write a jax profiler trace of --trace-steps busy engine steps here")
+    prof.add_argument("--trace-steps", type=int, default=10)
+    return p
+
+
+def _mesh(spec: str):
+    """The single-device mesh `spec` names; multi-device meshes are refused (for now)."""
+    import jax
+
+    from jaxinfer import sharding
+
+    sizes = sharding.parse_mesh(spec)
+    total = math.prod(sizes.values())
+    if total != 1:
+        raise ValueError(
+            f"--mesh {spec!r} spans {total} devices; the server runs on a single device for now "
+            f"(omit --mesh, or give every axis size 1)")
+    return sharding.make_mesh(spec or None, devices=jax.devices()[:1]), sizes
+
+
+def build_engine(args: argparse.Namespace):
+    """Loads the model (or only its tokenizer, with --fake-runner) and builds the engine."""
+    import jax
+
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine.engine import LLMEngine
+
+    mesh, sizes = _mesh(args.mesh)
+    max_model_len = args.max_model_len
+    if max_model_len is None and jax.default_backend() == "cpu":
+        max_model_len = 2048
+    options = dict(page_size=args.page_size, num_pages=args.num_pages,
+                   kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   enable_prefix_caching=not args.no_prefix_caching)
+    if args.fake_runner:
+        from jaxinfer.loader import load_tokenizer, open_source, resolve_model_path
+        from serving.testing import FakeRunner, fake_engine
+
+        path = resolve_model_path(args.model)
+        kind, handle = open_source(path)
+        tokenizer = load_tokenizer(kind, handle, path)
+        options["num_pages"] = options["num_pages"] or 4097
+        runner = FakeRunner(step_delay=args.fake_step_delay)
+        return fake_engine(tokenizer, runner, name=f"fake:{os.path.basename(path)}",
+                           max_model_len=max_model_len or 2048, **options), sizes
+    from jaxinfer.loader import load_model
+
+    model = load_model(args.model, dtype=args.dtype, mesh=mesh)
+    config = EngineConfig(dtype=model.dtype, max_model_len=max_model_len, **options)
+    if args.max_model_len is None and max_model_len:  # our CPU default, not the user's: cap it
+        config = dataclasses.replace(
+            config, max_model_len=min(max_model_len, model.cfg.max_position_embeddings))
+    return LLMEngine(model, config, attention_backend=args.attention_backend), sizes
+
+
+def summary(server, engine, args, load_s: float, ready_s: float) -> str:
+    import jax
+
+    info = server.model_info
+    cfg = engine.cfg
+    cap = info.capacity
+    devices = jax.devices()
+    mesh = ",".join(f"{k}={v}" for k, v in sorted(info.mesh_shape.items())) or "-"
+    lines = [
+        f"jaxinfer server ready in {ready_s:.1f}s (load {load_s:.1f}s, warmup "
+        f"{ready_s - load_s:.1f}s, {server.engine_loop.compiled_programs} programs)",
+        f"  model     {info.name} ({info.architecture}, {cfg.num_params() / 1e6:.1f}M params, "
+        f"{info.dtype}{', FAKE RUNNER' if args.fake_runner else ''})",
+        f"  devices   {devices[0].platform} x{len(devices)} ({devices[0].device_kind}); mesh {mesh}; "
+        f"attention {info.attention_backend}",
+        f"  kv cache  {cap.num_pages} pages x {info.page_size} tokens = {cap.max_tokens} tokens; "
+        f"max_model_len {info.max_model_len}",
+        f"  batching  max_num_seqs {cap.max_num_seqs}, max_num_batched_tokens "
+        f"{cap.max_num_batched_tokens}, max_queue {cap.max_queue}",
+        f"  grpc      {args.host}:{server.port} (jaxinfer.v1.GenerateService, health, reflection)",
+        f"  metrics   {f'http://{args.host}:{server.metrics_port}/metrics' if server.metrics_port else 'off'}",
+    ]
+    if args.profile_port is not None:
+        lines.append(f"  profiler  port {args.profile_port} (TensorBoard > Profile > Capture)")
+    if args.trace_dir:
+        lines.append(f"  trace     first {args.trace_steps} busy steps -> {args.trace_dir}")
+    return "\n".join(lines)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from serving.server import GenerateServer
+
+    t0 = time.perf_counter()
+    engine, mesh_shape = await asyncio.to_thread(build_engine, args)
+    load_s = time.perf_counter() - t0
+    if args.profile_port is not None:
+        import jax
+
+        jax.profiler.start_server(args.profile_port)
+    server = GenerateServer(
+        engine, host=args.host, port=args.port,
+        metrics_port=None if args.no_metrics else args.metrics_port, max_queue=args.max_queue,
+        warmup=not args.no_warmup, grace_period=args.grace_period, trace_dir=args.trace_dir,
+        trace_steps=args.trace_steps if args.trace_dir else 0, mesh_shape=mesh_shape,
+        attention_backend=args.attention_backend, log_interval=args.log_interval)
+    await server.start()
+    server.install_signal_handlers()
+    ready = asyncio.create_task(server.wait_ready())
+    stopped = asyncio.create_task(server.wait_for_termination())
+    await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():  # a signal arrived during warmup
+        ready.cancel()
+    elif ready.exception() is not None:
+        logger.error("%s", ready.exception())
+        await server.shutdown(0)
+        return 1
+    else:
+        logger.info("%s", summary(server, engine, args, load_s, time.perf_counter() - t0))
+    await stopped
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    try:
+        return asyncio.run(serve(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

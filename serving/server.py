@@ -1,0 +1,371 @@
+"""`GenerateServer`: the `jaxinfer.v1.GenerateService` gRPC server (grpc.aio) over one `LLMEngine`.
+
+A thin translation layer (see `engine_loop.py` for the engine thread and `protocol.py` for the
+proto <-> engine mapping):
+
+1. `start()` binds the port with health NOT_SERVING, starts serving health checks, reflection,
+   `Tokenize` and `GetModelInfo` at once, and starts the engine thread, which compiles every
+   program (`runner.warmup()`); then health turns SERVING and `Generate` is admitted.
+2. `Generate` parses the raw request bytes, validates them, tokenizes off the event loop, submits
+   to the engine loop and streams one `GenerateResponse` per delta from the request's queue.
+   `GenerateOnce` folds the same deltas into one message.
+3. Client cancellation or an expired deadline cancels the handler; its `finally` aborts the
+   request in the engine, which frees its pages at the next step.
+4. `shutdown(grace)` (SIGTERM / SIGINT in `scripts/serve.py`): health NOT_SERVING, new requests
+   UNAVAILABLE, in-flight streams finish for up to `grace` seconds; whatever is left is aborted
+   (streams end with finish_reason ABORTED), then the server and the engine thread stop.
+
+Status codes: INVALID_ARGUMENT (message names the field), RESOURCE_EXHAUSTED (queue full),
+UNAVAILABLE (warming up, shutting down, engine broken), INTERNAL (this request failed; others
+carry on), CANCELLED / DEADLINE_EXCEEDED (set by gRPC itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import jax
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxinfer.engine.engine import LLMEngine
+from serving import protocol
+from serving.engine_loop import EngineLoop, EngineUnavailable, Failure, QueueFull, Stream
+from serving.metrics import ServerMetrics
+from serving.protos.jaxinfer.v1 import generate_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name  # jaxinfer.v1.GenerateService
+RPC_SLACK = 128  # concurrent RPCs allowed beyond the sequences admitted
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _mesh_shape(params: Any) -> dict[str, int]:
+    for leaf in jax.tree.leaves(params):
+        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if mesh is not None:
+            return {str(k): int(v) for k, v in mesh.shape.items()}
+    return {}
+
+
+class GenerateServer:
+    """The gRPC front end of one engine.
+
+    Args:
+      engine: the engine; its runner is warmed up on the engine thread when `warmup`.
+      host, port: where to listen (`port=0` picks a free port; `start()` returns it).
+      metrics_port: Prometheus `/metrics` HTTP port (0: a free one; None: no metrics server).
+      max_queue: sequences admitted beyond `max_num_seqs` before RESOURCE_EXHAUSTED.
+      grace_period: seconds `shutdown()` lets in-flight streams finish.
+      trace_dir, trace_steps: write a JAX profiler trace of the first `trace_steps` busy steps.
+      mesh_shape, attention_backend: reported by GetModelInfo.
+      log_interval: seconds between load log lines (only while there is load).
+    """
+
+    def __init__(self, engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 0,
+                 metrics_port: int | None = None, max_queue: int = 256, warmup: bool = True,
+                 grace_period: float = 30.0, trace_dir: str | None = None, trace_steps: int = 0,
+                 mesh_shape: dict[str, int] | None = None, attention_backend: str = "reference",
+                 log_interval: float = 1.0) -> None:
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self.host, self.port, self.metrics_port = host, port, metrics_port
+        self.grace_period, self.log_interval = grace_period, log_interval
+        self.metrics = ServerMetrics()
+        self.engine_loop = EngineLoop(engine, self.metrics, max_queue=max_queue, warmup=warmup,
+                                      trace_dir=trace_dir, trace_steps=trace_steps)
+        self.vocab_size = min(engine.cfg.vocab_size, self.tokenizer.vocab_size)
+        self.model_info = self._model_info(mesh_shape, attention_backend, max_queue)
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Event | None = None
+        self._draining = False
+        self._shutdown_task: asyncio.Task | None = None
+        self._stopped: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    def _model_info(self, mesh_shape: dict[str, int] | None, backend: str, max_queue: int) -> pb.ModelInfo:
+        e, cfg = self.engine, self.engine.cfg
+        arch = cfg.model_type
+        archs = (e.model.hf_config or {}).get("architectures") or []
+        if archs:
+            arch = f"{arch} ({archs[0]})"
+        cap = e.capacity()
+        return pb.ModelInfo(
+            name=e.model.name, architecture=arch, dtype=e.config.dtype,
+            max_model_len=e.max_model_len, vocab_size=cfg.vocab_size,
+            mesh_shape=mesh_shape if mesh_shape is not None else _mesh_shape(e.model.params),
+            page_size=e.config.page_size,
+            capacity=pb.Capacity(num_pages=cap["num_pages"], max_tokens=cap["max_tokens"],
+                                 max_num_seqs=e.config.max_num_seqs,
+                                 max_num_batched_tokens=e.config.max_num_batched_tokens,
+                                 max_queue=max_queue),
+            eos_token_ids=list(self.tokenizer.eos_token_ids),
+            has_chat_template=self.tokenizer.chat_template is not None,
+            attention_backend=backend)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine_loop.running and not self._draining
+
+    async def start(self) -> int:
+        """Listens and starts the engine thread (warmup runs there); returns the bound port."""
+        self._loop = asyncio.get_running_loop()
+        self._ready, self._stopped = asyncio.Event(), asyncio.Event()
+        # NOTE: SO_REUSEPORT off, so a second server on a busy port fails instead of sharing it.
+        # NOTE: gRPC itself bounds concurrent RPCs (RESOURCE_EXHAUSTED beyond), so requests still
+        # being parsed and tokenized cannot pile up either; the slack covers health checks,
+        # Tokenize and GetModelInfo.
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0)],
+            maximum_concurrent_rpcs=self.engine_loop.max_in_flight + RPC_SLACK)
+        server.add_generic_rpc_handlers((self._handlers(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, _NOT_SERVING)
+        self.port = server.add_insecure_port(f"{self.host}:{self.port}")
+        await server.start()
+        self._server = server
+        if self.metrics_port is not None:
+            self.metrics_port = self.metrics.start_http(self.metrics_port)
+        self.engine_loop.on_ready = self._on_ready
+        self.engine_loop.on_broken = self._on_broken
+        self.engine_loop.start(self._loop)
+        self._tasks.append(self._loop.create_task(self._log_load()))
+        logger.info("gRPC %s listening on %s:%d%s", SERVICE_NAME, self.host, self.port,
+                    f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "")
+        return self.port
+
+    def _on_ready(self, programs: int) -> None:
+        assert self._loop is not None and self._ready is not None
+        self.metrics.ready.set(1)
+
+        async def serving() -> None:
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, _SERVING)  # ignored once shutting down
+            self._ready.set()
+
+        self._tasks.append(self._loop.create_task(serving()))
+
+    def _on_broken(self, why: str) -> None:
+        assert self._loop is not None
+        self.metrics.ready.set(0)
+
+        async def not_serving() -> None:
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, _NOT_SERVING)
+
+        self._tasks.append(self._loop.create_task(not_serving()))
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Waits until warmup is done and health is SERVING (raises RuntimeError if it failed)."""
+        assert self._ready is not None, "call start() first"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready.is_set():
+            if self.engine_loop.broken is not None:
+                raise RuntimeError(f"the engine did not start: {self.engine_loop.broken}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("the server did not become ready in time")
+            await asyncio.sleep(0.05)
+
+    def request_shutdown(self, grace: float | None = None) -> asyncio.Task:
+        """Starts `shutdown` once (later calls return the same task); call on the event loop."""
+        assert self._loop is not None
+        if self._shutdown_task is None:
+            self._shutdown_task = self._loop.create_task(self._shutdown(grace))
+        return self._shutdown_task
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM / SIGINT: graceful shutdown; a second signal aborts what is still running."""
+        assert self._loop is not None
+
+        def on_signal(sig: signal.Signals) -> None:
+            if self._shutdown_task is None:
+                logger.info("%s: shutting down (grace period %.0fs)", sig.name, self.grace_period)
+                self.request_shutdown()
+            else:
+                logger.warning("%s again: aborting in-flight requests now", sig.name)
+                self.engine_loop.abort_all()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, on_signal, sig)
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Stops admitting, lets in-flight streams finish for `grace` s, aborts the rest, stops.
+
+        Idempotent: a second call waits for the first shutdown to complete.
+        """
+        await self.request_shutdown(grace)
+
+    async def _shutdown(self, grace: float | None) -> None:
+        grace = self.grace_period if grace is None else grace
+        self._draining = True
+        await self.health.enter_graceful_shutdown()
+        self.metrics.ready.set(0)
+        left = self.engine_loop.in_flight
+        if left:
+            logger.info("draining %d in-flight sequences (up to %.0fs)", left, grace)
+        if not await self.engine_loop.wait_idle(grace):
+            logger.warning("grace period over: aborting %d sequences", self.engine_loop.in_flight)
+            self.engine_loop.abort_all()
+            await self.engine_loop.wait_idle(5.0)
+        if self._server is not None:
+            await self._server.stop(1.0)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.to_thread(self.engine_loop.stop)
+        self.metrics.stop_http()
+        logger.info("server stopped")
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def wait_for_termination(self) -> None:
+        assert self._stopped is not None, "call start() first"
+        await self._stopped.wait()
+
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        # NOTE: no request deserializer: handlers parse the bytes themselves (see protocol.parse).
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self._generate, response_serializer=pb.GenerateResponse.SerializeToString),
+            "GenerateOnce": grpc.unary_unary_rpc_method_handler(
+                self._generate_once, response_serializer=pb.GenerateResponse.SerializeToString),
+            "Tokenize": grpc.unary_unary_rpc_method_handler(
+                self._tokenize, response_serializer=pb.TokenizeResponse.SerializeToString),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                self._get_model_info, response_serializer=pb.ModelInfo.SerializeToString),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode,
+                      message: str) -> None:
+        self.metrics.rejected.labels(code.name).inc()
+        await context.abort(code, message)
+
+    async def _admit(self, data: bytes, context: grpc.aio.ServicerContext, *,
+                     once: bool) -> tuple[pb.GenerateRequest, Stream]:
+        """Parses, validates, tokenizes and submits a request; aborts the RPC when it cannot."""
+        if self._draining:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if not self.engine_loop.running:
+            why = self.engine_loop.broken or "the server is warming up (compiling); retry shortly"
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, why)
+        if self.engine_loop.in_flight >= self.engine_loop.max_in_flight:  # before any parsing
+            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the server is full ({self.engine_loop.in_flight} sequences in "
+                               f"flight, at most {self.engine_loop.max_in_flight}); retry later")
+        code, message = grpc.StatusCode.INVALID_ARGUMENT, ""
+        try:
+            req = protocol.parse(pb.GenerateRequest, data)
+            if len(req.request_id) > protocol.MAX_REQUEST_ID_LEN:
+                raise protocol.InvalidArgument(
+                    f"request_id is longer than {protocol.MAX_REQUEST_ID_LEN} characters")
+            sp = protocol.sampling_params(req.sampling)
+            if once and sp.n != 1:
+                raise protocol.InvalidArgument(
+                    f"sampling.n must be 1 for GenerateOnce (got {sp.n}); stream with Generate")
+            ids = await asyncio.to_thread(protocol.encode_input, self.tokenizer, req)
+            protocol.check_prompt(ids, protocol.prompt_field(req), sp, vocab_size=self.vocab_size,
+                                  max_model_len=self.engine.max_model_len,
+                                  page_size=self.engine.config.page_size,
+                                  num_pages=self.engine.allocator.num_usable_pages)
+            if self._draining:
+                raise EngineUnavailable("the server is shutting down")
+            return req, self.engine_loop.submit(ids, sp, req.priority)
+        except ValueError as e:  # InvalidArgument, and the engine's own checks
+            message = str(e)
+        except QueueFull as e:
+            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+        except EngineUnavailable as e:
+            code, message = grpc.StatusCode.UNAVAILABLE, str(e)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("admitting a request failed")
+            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+        await self._reject(context, code, message)
+        raise AssertionError("unreachable: context.abort raises")
+
+    async def _responses(self, req: pb.GenerateRequest, stream: Stream,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's responses until every sample has finished; aborts it if left early."""
+        unfinished = stream.n
+        try:
+            while unfinished:
+                item = await stream.queue.get()
+                if isinstance(item, Failure):
+                    await context.abort(item.code, item.message)
+                try:
+                    msg = protocol.response(item, req.request_id)
+                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                    logger.exception("building a response for %s failed", stream.engine_id)
+                    why = f"internal error: {type(e).__name__}: {e}"
+                    self.engine_loop.fail_request(stream, why)
+                    await context.abort(grpc.StatusCode.INTERNAL, why)
+                unfinished -= bool(item.finished)
+                yield msg
+        finally:
+            if unfinished:  # cancelled, deadline, failure, or the server stopping
+                self.engine_loop.cancel(stream)
+
+    async def _generate(self, data: bytes,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        req, stream = await self._admit(data, context, once=False)
+        async with contextlib.aclosing(self._responses(req, stream, context)) as responses:
+            async for msg in responses:
+                yield msg
+
+    async def _generate_once(self, data: bytes,
+                             context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        req, stream = await self._admit(data, context, once=True)
+        total = pb.GenerateResponse(request_id=req.request_id)
+        async with contextlib.aclosing(self._responses(req, stream, context)) as responses:
+            async for msg in responses:
+                protocol.merge(total, msg)
+        return total
+
+    async def _tokenize(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            req = protocol.parse(pb.TokenizeRequest, data)
+            add = req.add_special_tokens if req.HasField("add_special_tokens") else True
+            ids = await asyncio.to_thread(protocol.encode_input, self.tokenizer, req,
+                                          add_special_tokens=add)
+            pieces = [self.tokenizer.id_to_piece(i) for i in ids]
+        except ValueError as e:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.TokenizeResponse(token_ids=ids, tokens=pieces)
+
+    async def _get_model_info(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        return self.model_info
+
+    async def _log_load(self) -> None:
+        """One line per `log_interval` while there is load; keeps the throughput gauge current."""
+        window: collections.deque[tuple[float, int]] = collections.deque(maxlen=6)
+        usable = self.engine.allocator.num_usable_pages
+        while True:
+            await asyncio.sleep(self.log_interval)
+            snap = self.engine_loop.snapshot()
+            now = time.perf_counter()
+            window.append((now, snap["generated"]))
+            (t0, g0), (t1, g1) = window[0], window[-1]
+            rate = (g1 - g0) / (t1 - t0) if t1 > t0 else 0.0
+            self.metrics.throughput.set(rate)
+            recent = g1 - (window[-2][1] if len(window) > 1 else g1)
+            if snap["in_flight"] or snap["running"] or snap["waiting"] or recent:
+                hit = self.metrics.hit_rate
+                logger.info("running %d, waiting %d, in flight %d/%d | %.1f tok/s | KV %d/%d pages "
+                            "(%.0f%%) | prefix hit %.0f%%", snap["running"], snap["waiting"],
+                            snap["in_flight"], self.engine_loop.max_in_flight, rate,
+                            snap["pages_used"], usable, 100 * snap["pages_used"] / max(usable, 1),
+                            100 * hit)
+
