@@ -21,6 +21,7 @@ import time
 
 import _path  # noqa: F401
 import numpy as np
+from _hf_peer import hf_model_from_gguf
 
 from jaxinfer import LLM, SamplingParams
 
@@ -45,21 +46,12 @@ def bench_jaxinfer(args, prompt_ids):
 
 
 def bench_hf(args, prompt_ids, path):
-    try:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError:
+    loaded = hf_model_from_gguf(path)
+    if loaded is None:
         return None
-    from checkpoints.gguf import read_gguf
+    import torch
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    ck = read_gguf(path)
-    hf = ck.hf_config()
-    model = LlamaForCausalLM(LlamaConfig(**hf)).float().eval()
-    state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in ck.tensors()}
-    if hf.get("tie_word_embeddings"):
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state)
+    model, _ = loaded
     ids = torch.tensor([prompt_ids])
     prefill, decode = [], []
     with torch.inference_mode():

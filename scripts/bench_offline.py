@@ -24,6 +24,7 @@ import time
 
 import _path  # noqa: F401
 import numpy as np
+from _hf_peer import hf_model_from_gguf
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
@@ -76,21 +77,12 @@ def run_jaxinfer(args, model, workload, prompts):
 
 
 def run_hf(model_path, workload, prompts, batch):
-    try:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError:
+    loaded = hf_model_from_gguf(model_path)
+    if loaded is None:
         return None
-    from checkpoints.gguf import read_gguf
+    import torch
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    ck = read_gguf(model_path)
-    hf = ck.hf_config()
-    model = LlamaForCausalLM(LlamaConfig(**hf)).float().eval()
-    state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in ck.tensors()}
-    if hf.get("tie_word_embeddings"):
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state)
+    model, hf = loaded
     pad = hf.get("pad_token_id") or 0
     start = time.perf_counter()
     useful = 0
