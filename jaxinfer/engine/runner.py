@@ -18,6 +18,7 @@ rebuilds its counts exactly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import random
@@ -69,7 +70,7 @@ class TokenLogprobs:
 
 
 def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, step: StepInputs,
-          extras: BatchExtras, meta: SamplingMetadata, *, all_logits: bool):
+          extras: BatchExtras, meta: SamplingMetadata, *, all_logits: bool, attention_backend: str):
     """forward + penalty bookkeeping + sampling, as one program."""
     with jax.named_scope("penalty_state"):
         # One gather of this step's rows, small scatters on them, one write back.
@@ -82,7 +83,8 @@ def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, step: StepIn
             extras.token_is_output.astype(jnp.int32), mode="drop")
         state = PenaltyState(state.prompt_mask.at[extras.seq_rows].set(prompt_mask),
                              state.output_counts.at[extras.seq_rows].set(output_counts))
-    logits, kv_caches = llama.forward(params, cfg, step, kv_caches)
+    logits, kv_caches = llama.forward(params, cfg, step, kv_caches,
+                                      attention_backend=attention_backend)
     with jax.named_scope("sampler"):
         row_logits = jnp.take(logits, extras.sample_rows, axis=0) if all_logits else logits
         out = sample(row_logits, meta, prompt_mask, output_counts, num_logprobs=MAX_LOGPROBS)
@@ -121,7 +123,9 @@ class ModelRunner:
         self._rows: dict[str, int] = {}
         self._seeds: dict[str, int] = {}
         self._rng = random.Random()
-        self._jit = jax.jit(_step, static_argnames=("cfg", "all_logits"),
+        self.attention_backend = attention_backend
+        self._jit = jax.jit(functools.partial(_step, attention_backend=attention_backend),
+                            static_argnames=("cfg", "all_logits"),
                             donate_argnames=("kv_caches", "state"))
         self.num_compiled = 0
         self._compiled: set[tuple[int, int, bool]] = set()

@@ -223,7 +223,8 @@ def params_from_hf(
 
 
 def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x: jax.Array,
-                     step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array):
+                     step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array,
+                     backend: str):
     t, d = x.shape[0], cfg.head_dim
     with jax.named_scope("qkv_proj"):
         # NOTE: 2-D weights with heads folded into the output dim: a single plain contraction is
@@ -243,7 +244,7 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
     with jax.named_scope("rope"):
         q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
     out, kv_cache = attention(q, k, v, kv_cache, step, sm_scale=cfg.sm_scale,
-                              sliding_window=window, soft_cap=cfg.attn_logit_softcap)
+                              sliding_window=window, soft_cap=cfg.attn_logit_softcap, backend=backend)
     with jax.named_scope("o_proj"):
         out = jnp.einsum("tf,fe->te", out.reshape(t, -1), p.o)
         if cfg.o_bias:
@@ -252,11 +253,12 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
 
 
 def _decoder_layer(p: LayerParams, cfg: ModelConfig, window: int | None, h: jax.Array,
-                   step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array):
+                   step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array,
+                   backend: str):
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     with jax.named_scope("attention"):
         x = layers.rms_norm(h, p.attn_norm, eps, off)
-        x, kv_cache = _attention_block(p.attn, cfg, window, x, step, cos, sin, kv_cache)
+        x, kv_cache = _attention_block(p.attn, cfg, window, x, step, cos, sin, kv_cache, backend)
         if cfg.sandwich_norm:
             x = layers.rms_norm(x, p.post_attn_norm, eps, off)
         h = h + x
@@ -274,8 +276,13 @@ def forward(
     cfg: ModelConfig,
     step: StepInputs,
     kv_caches: tuple[jax.Array, ...],  # per layer [P, page_size, 2*Hkv, D]
+    *,
+    attention_backend: str = "reference",
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Returns (logits f32[N, V] at step.logits_indices, updated kv_caches)."""
+    """Returns (logits f32[N, V] at step.logits_indices, updated kv_caches).
+
+    `attention_backend` ("auto" | "reference" | "gpu" | "tpu") is static: see `jaxinfer.attention`.
+    """
     with jax.named_scope("embed"):
         h = jnp.take(params.embed, step.token_ids, axis=0)
         if cfg.embed_scale:
@@ -285,7 +292,8 @@ def forward(
     new_caches = []
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
-            h, cache = _decoder_layer(layer, cfg, cfg.layer_windows[i], h, step, cos, sin, kv_caches[i])
+            h, cache = _decoder_layer(layer, cfg, cfg.layer_windows[i], h, step, cos, sin,
+                                      kv_caches[i], attention_backend)
         new_caches.append(cache)
     with jax.named_scope("logits"):
         h = jnp.take(h, step.logits_indices, axis=0)
@@ -298,4 +306,5 @@ def forward(
     return logits, tuple(new_caches)
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg",), donate_argnames=("kv_caches",))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_backend"),
+                      donate_argnames=("kv_caches",))
