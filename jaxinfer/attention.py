@@ -1,28 +1,50 @@
 """The one attention op: write the step's new K/V into the paged cache, then attend.
 
-1. `update_kv_cache` scatters this step's K/V into their slots (`slot_mapping`).
-2. The chosen backend's `ragged_paged_attention` attends every query token to its own sequence's
+1. `resolve_backend` turns `attention_backend` ("auto" | "reference" | "gpu" | "tpu") into a
+   kernel: "auto" picks by platform (gpu -> "gpu", tpu -> "tpu", anything else -> "reference").
+   On a CPU platform the "gpu" and "tpu" kernels run in Pallas interpret mode.
+2. `update_kv_cache` scatters this step's K/V into their slots (`slot_mapping`); every backend
+   shares it and the cache layout (`kv_cache_shape`).
+3. The chosen backend's `ragged_paged_attention` attends every query token to its own sequence's
    pages. The pure-JAX reference is the oracle (and the CPU path).
 """
 
 from __future__ import annotations
 
 import jax
+from jax.experimental.pallas import tpu as pltpu
 
 from jaxinfer.step import StepInputs
-from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.ragged_paged_attention import KERNELS, reference
 
-BACKENDS = ("reference",)
-
-
-def kv_cache_shape(backend: str, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    check_backend(backend)
-    return reference.kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim)
+BACKENDS = ("auto", "reference", "gpu", "tpu")
+_AUTO = {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
 
 
 def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend {backend!r} is not one of {BACKENDS}")
+
+
+def resolve_backend(backend: str, platform: str | None = None) -> str:
+    """The concrete backend for `backend` on `platform` (default: JAX's default platform)."""
+    check_backend(backend)
+    if backend != "auto":
+        return backend
+    return _AUTO.get(platform or jax.default_backend(), "reference")
+
+
+def kv_cache_shape(backend: str, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """NOTE: every backend shares the reference layout [P, page_size, 2*Hkv, D] (K even, V odd)."""
+    resolve_backend(backend)
+    return reference.kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim)
+
+
+def _interpret(backend: str):
+    """Interpret mode for a kernel backend whose hardware is not the current platform."""
+    if backend == "reference" or jax.default_backend() == backend:
+        return False
+    return pltpu.InterpretParams() if backend == "tpu" else True
 
 
 def attention(
@@ -35,14 +57,16 @@ def attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[Hq]
     backend: str = "reference",
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (out [T, Hq, D], updated kv_cache)."""
-    check_backend(backend)
+    backend = resolve_backend(backend)
     with jax.named_scope("kv_write"):
         kv_cache = reference.update_kv_cache(kv_cache, k, v, step.slot_mapping)
     with jax.named_scope("paged_attention"):
-        out = reference.ragged_paged_attention(
+        out = KERNELS[backend](
             q, kv_cache, step.kv_lens, step.page_indices, step.cu_q_lens, step.num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+            interpret=_interpret(backend))
     return out, kv_cache

@@ -68,8 +68,10 @@ TUNED: dict[tuple[str, int, int, str], BlockSizes] = {
 }
 
 # The documented default when a key is missing: 64 query rows, a 16-row decode class and 64 keys
-# (GPU); 128 rows, an 8-row decode class and 512 keys (TPU).
+# (GPU); 128 rows, an 8-row decode class and 512 keys but at most 32 pages (TPU: one DMA per page).
 DEFAULT_KEYS = {"gpu": 64, "tpu": 512}
+MAX_DEFAULT_PAGES = {"gpu": 64, "tpu": 32}
+MIN_KEYS = {"gpu": 16, "tpu": 1}  # Triton's dot needs every dimension >= 16
 DEFAULTS = {"gpu": BlockSizes(64, 16, 0), "tpu": BlockSizes(128, 8, 0)}
 
 
@@ -78,12 +80,14 @@ def next_pow2(n: int) -> int:
 
 
 def get_block_sizes(backend: str, *, head_dim: int, page_size: int, dtype, group: int,
-                    pad_group: bool) -> KernelBlocks:
+                    pages_per_seq: int, pow2: bool) -> KernelBlocks:
     """Resolves the table entry for one call.
 
     Args:
       backend: "gpu" or "tpu".
-      group: query heads per KV head (G); `pad_group` rounds it up to a power of two (GPU).
+      group: query heads per KV head (G).
+      pages_per_seq: page-table width; no KV block needs more pages than a sequence can hold.
+      pow2: round G, the query blocks and the pages per block to powers of two (Triton).
     Returns:
       KernelBlocks with token counts: block_q = max(1, q_rows // G_pad), the same for decode.
     """
@@ -92,15 +96,16 @@ def get_block_sizes(backend: str, *, head_dim: int, page_size: int, dtype, group
     key = (backend, int(head_dim), int(page_size), jnp.dtype(dtype).name)
     entry = TUNED.get(key)
     if entry is None:
-        entry = dataclasses.replace(
-            DEFAULTS[backend], pages_per_block=max(1, DEFAULT_KEYS[backend] // page_size))
-    g = next_pow2(group) if pad_group else group
+        pages = min(MAX_DEFAULT_PAGES[backend], max(1, DEFAULT_KEYS[backend] // page_size))
+        entry = dataclasses.replace(DEFAULTS[backend], pages_per_block=pages)
+    g = next_pow2(group) if pow2 else group
     block_q = max(1, entry.q_rows // g)
     decode_block_q = max(1, entry.decode_q_rows // g) if entry.decode_q_rows else 0
-    if pad_group:
+    if pow2:
         block_q, decode_block_q = next_pow2(block_q), next_pow2(decode_block_q) if decode_block_q else 0
-    return KernelBlocks(block_q, decode_block_q, max(1, entry.pages_per_block),
-                        entry.num_warps, entry.num_stages)
+    cap = next_pow2(pages_per_seq) if pow2 else pages_per_seq
+    pages = max(1, min(entry.pages_per_block, cap), -(-MIN_KEYS[backend] // page_size))
+    return KernelBlocks(block_q, decode_block_q, pages, entry.num_warps, entry.num_stages)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,12 +105,12 @@ def _kernel(
             slot = jnp.clip(page, 0, num_pages - 1) * page_size + offs % page_size
             k = kv_ref[slot, 2 * h, :]  # [K, D]
             v = kv_ref[slot, 2 * h + 1, :]
-            v = jnp.where((k_pos < kv_len)[:, None], v, jnp.zeros_like(v))
+            v = jnp.where((k_pos < key_end)[:, None], v, jnp.zeros_like(v))
             sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32) * sm_scale  # [R, K]
             if soft_cap is not None:
                 sc = soft_cap * jnp.tanh(sc / soft_cap)
-            mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_len)
+            mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < key_end)
             if sliding_window is not None:
                 mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
             sc = jnp.where(mask, sc, MASK_VALUE)
@@ -194,7 +194,7 @@ def ragged_paged_attention(
         raise ValueError(f"sinks must be f32[{hq}], got {sinks.shape}")
     if blocks is None:
         blocks = bs.get_block_sizes("gpu", head_dim=d, page_size=page_size, dtype=kv_cache.dtype,
-                                    group=g, pad_group=True)
+                                    group=g, pages_per_seq=page_indices.shape[1], pow2=True)
     gp = bs.next_pow2(g)
     s_max, pages_per_seq = page_indices.shape
 

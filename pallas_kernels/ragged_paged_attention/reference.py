@@ -80,9 +80,9 @@ def check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> Non
             raise ValueError(f"{name} must be int32, got {x.dtype}")
 
 
-QUERY_BLOCK = 16  # query tokens per block
-DENSE_KV_BLOCK = 512  # keys per step when a query block belongs to one sequence
-TOKEN_KV_BLOCK = 128  # keys per step when it spans several (each token gathers its own)
+QUERY_BLOCK = 32  # query tokens per block
+DENSE_KV_BLOCK = 256  # keys per step when a query block belongs to one sequence
+TOKEN_KV_BLOCK = 64  # keys per step when it spans several (each token gathers its own)
 
 
 def _pages_per_block(keys: int, page_size: int, pages_per_seq: int) -> int:

@@ -48,6 +48,11 @@ __all__ = ["kv_cache_shape", "ragged_paged_attention", "update_kv_cache"]
 MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
 
 
+def _div(x, n: int):
+    """x // n for x >= 0: a plain truncating division (jnp's floor division adds sign fix-ups)."""
+    return jax.lax.div(x, jnp.int32(n))
+
+
 def _kernel(
     work_seq_ref,  # SMEM i32[W]
     work_qblk_ref,  # SMEM i32[W]
@@ -86,9 +91,9 @@ def _kernel(
         key_end = first_pos + n_valid  # exclusive
         page_lo = 0
         if sliding_window is not None:
-            page_lo = jnp.maximum(first_pos - sliding_window + 1, 0) // page_size
-        page_end = pl.cdiv(key_end, page_size)  # pages [page_lo, page_end) are needed
-        num_blocks = pl.cdiv(page_end - page_lo, pages_per_block)
+            page_lo = _div(jnp.maximum(first_pos - sliding_window + 1, 0), page_size)
+        page_end = _div(key_end + page_size - 1, page_size)  # pages [page_lo, page_end) needed
+        num_blocks = _div(page_end - page_lo + pages_per_block - 1, pages_per_block)
 
         def page_copies(b, slot):
             """(needed?, descriptor) for each page of KV block b, landing in buffer `slot`."""
@@ -110,7 +115,7 @@ def _kernel(
                 pl.when(needed)(copy.wait)
 
         q = q_ref[...]
-        q_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) // group
+        q_pos = first_pos + _div(jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 0), group)
         offs = jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         offs_col = jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
         if sinks_ref is None:
@@ -125,7 +130,7 @@ def _kernel(
 
         def body(b, carry):
             m, l, acc = carry
-            slot = b % 2
+            slot = jax.lax.rem(b, 2)
 
             @pl.when(b + 1 < num_blocks)
             def _():
@@ -136,8 +141,8 @@ def _kernel(
             v = kv_buf[slot, :, :, 1, :].reshape(block_k, d)
             key0 = (page_lo + b * pages_per_block) * page_size
             k_pos = key0 + offs  # i32[R, K]
-            key_ok = k_pos < kv_len
-            v = jnp.where(key0 + offs_col < kv_len, v, jnp.zeros_like(v))
+            key_ok = k_pos < key_end  # every key the block's rows can see was copied
+            v = jnp.where(key0 + offs_col < key_end, v, jnp.zeros_like(v))
             sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32) * sm_scale  # [R, K]
             if soft_cap is not None:
@@ -230,7 +235,7 @@ def ragged_paged_attention(
         raise ValueError(f"sinks must be f32[{hq}], got {sinks.shape}")
     if blocks is None:
         blocks = bs.get_block_sizes("tpu", head_dim=d, page_size=page_size, dtype=kv_cache.dtype,
-                                    group=g, pad_group=False)
+                                    group=g, pages_per_seq=page_indices.shape[1], pow2=False)
     s_max, pages_per_seq = page_indices.shape
     with jax.named_scope("rpa_layout"):
         qg = q.reshape(t, hkv, g, d)

@@ -1,0 +1,195 @@
+"""Ragged paged attention speed per backend, against the machine's own copy and matmul rates.
+
+    python scripts/bench_attention.py [--small] [--backends reference,gpu,tpu] [--runs 10]
+
+1. Roofline probes: memory bandwidth from a large on-device elementwise copy (bytes read +
+   written / time) and the matmul rate of a large square matmul in the benchmark dtype.
+2. Three batches over one paged cache (pages handed out in shuffled order): decode-heavy (every
+   sequence decodes one token at `--context`), prefill-heavy (whole `--context`-token prompts) and
+   mixed (decodes plus a few 512-token chunked-prefill chunks). Defaults: 64 sequences x 2k
+   context, 32 query / 8 KV heads, head_dim 128, page 16, bf16; `--small` shrinks it for CPU.
+3. Each backend's jitted `ragged_paged_attention` is timed (median of `--runs` after a warm-up):
+   achieved KV bytes/s (each sequence's visible K and V read once) vs the copy rate, and FLOP/s
+   (4 * D per visible (query head, key) pair) vs the matmul rate. Of `--backends` (default
+   reference,gpu,tpu) the reference and the platform's own kernel are timed (on GPU also
+   `pallas.ops.gpu.paged_attention` as the peer on the decode batch); the others get a tiny
+   interpret-mode sanity run (max error vs the reference; interpret timings mean nothing).
+Prints a table and one JSON line for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import platform
+import statistics
+import time
+
+import _path  # noqa: F401
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.attention import resolve_backend
+from pallas_kernels.ragged_paged_attention import KERNELS
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    name: str
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+
+
+def _median_time(fn, runs: int) -> float:
+    jax.block_until_ready(fn())  # compile + warm up
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_roofline(dtype, small: bool, runs: int) -> tuple[float, float]:
+    """(copy bytes/s, matmul FLOP/s) of the default device."""
+    n = (1 << 24) if small else (1 << 28)  # f32/bf16 elements
+    x = jnp.ones((n,), dtype)
+    copy = jax.jit(lambda a: a + jnp.asarray(1, a.dtype))
+    bw = 2 * x.nbytes / _median_time(lambda: copy(x), runs)
+    m = 1024 if small else 8192
+    a = jnp.ones((m, m), dtype)
+    mm = jax.jit(lambda u, v: jnp.dot(u, v, preferred_element_type=jnp.float32))
+    flops = 2 * m**3 / _median_time(lambda: mm(a, a), runs)
+    return bw, flops
+
+
+def make_inputs(batch: Batch, *, heads: int, kv_heads: int, head_dim: int, page_size: int,
+                pages_per_seq: int, dtype, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    n = len(batch.q_lens)
+    need = [-(-k // page_size) for k in batch.kv_lens]
+    num_pages = sum(need) + 1
+    perm = rng.permutation(num_pages)
+    table = np.zeros((n, pages_per_seq), np.int32)
+    i = 0
+    for s, k in enumerate(need):
+        table[s, :k] = perm[i:i + k]
+        i += k
+    t = sum(batch.q_lens)
+    key = jax.random.PRNGKey(seed)
+    kq, kc = jax.random.split(key)
+    q = jax.random.normal(kq, (t, heads, head_dim), dtype)
+    cache = jax.random.normal(kc, (num_pages, page_size, 2 * kv_heads, head_dim), dtype)
+    cu = np.concatenate([[0], np.cumsum(batch.q_lens)]).astype(np.int32)
+    return (q, cache, jnp.asarray(batch.kv_lens, jnp.int32), jnp.asarray(table), jnp.asarray(cu),
+            jnp.asarray([n], jnp.int32))
+
+
+def work(batch: Batch, *, heads: int, kv_heads: int, head_dim: int, itemsize: int) -> tuple[int, int]:
+    """(KV bytes read once, attention FLOPs) of a batch under the causal mask."""
+    kv_bytes = sum(batch.kv_lens) * kv_heads * 2 * head_dim * itemsize
+    pairs = sum(q * (k - q) + q * (q + 1) // 2 for q, k in zip(batch.q_lens, batch.kv_lens))
+    return kv_bytes, 4 * head_dim * heads * pairs
+
+
+def batches(seqs: int, context: int, prefill_tokens: int, chunk: int) -> list[Batch]:
+    n_prefill = max(1, prefill_tokens // context)
+    n_chunks = min(4, seqs // 2)
+    return [
+        Batch("decode", (1,) * seqs, (context,) * seqs),
+        Batch("prefill", (context,) * n_prefill, (context,) * n_prefill),
+        Batch("mixed", (1,) * (seqs - n_chunks) + (chunk,) * n_chunks, (context,) * seqs),
+    ]
+
+
+def peer_paged_attention(inputs):
+    """`jax.experimental.pallas.ops.gpu.paged_attention` on a decode batch (its own layout)."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+    q, cache, kv_lens, table, _, _ = inputs
+    k_pages = jnp.moveaxis(cache[:, :, 0::2], 2, 0)  # [Hkv, P, page, D], made outside the timing
+    v_pages = jnp.moveaxis(cache[:, :, 1::2], 2, 0)
+    fn = jax.jit(functools.partial(jax_paged.paged_attention, pages_per_compute_block=8))
+    return lambda: fn(q, k_pages, v_pages, table, kv_lens)
+
+
+def sanity_interpret(kernel_backends, dtype) -> dict[str, float]:
+    """Tiny interpret-mode runs of the kernels on CPU: max |kernel - reference| / max |reference|."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    batch = Batch("sanity", (1, 1, 5), (9, 30, 12))
+    inputs = make_inputs(batch, heads=4, kv_heads=2, head_dim=64, page_size=8, pages_per_seq=4,
+                         dtype=dtype)
+    ref = np.asarray(KERNELS["reference"](*inputs, sm_scale=0.125), np.float32)
+    errs = {}
+    for b in kernel_backends:
+        interpret = pltpu.InterpretParams() if b == "tpu" else True
+        out = np.asarray(KERNELS[b](*inputs, sm_scale=0.125, interpret=interpret), np.float32)
+        errs[b] = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+    return errs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true", help="CPU-sized problem (8 x 256, 8/2 heads, d=64)")
+    p.add_argument("--backends", default=None, help="comma list; default by platform")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default bfloat16 (float32 with --small: bf16 is the slow path on CPU)")
+    p.add_argument("--runs", type=int, default=10)
+    args = p.parse_args()
+    plat = jax.default_backend()
+    dtype = jnp.dtype(args.dtype or ("float32" if args.small else "bfloat16"))
+    if args.small:
+        seqs, context, heads, kv_heads, head_dim, page_size, prefill_tokens, chunk = 8, 256, 8, 2, 64, 16, 512, 64
+    else:
+        seqs, context, heads, kv_heads, head_dim, page_size, prefill_tokens, chunk = 64, 2048, 32, 8, 128, 16, 8192, 512
+    native = resolve_backend("auto")
+    backends = args.backends.split(",") if args.backends else ["reference", "gpu", "tpu"]
+    on_device = [b for b in backends if b in ("reference", native)]
+    interpreted = [b for b in backends if b not in on_device]
+
+    bw, mm = measure_roofline(dtype, args.small, args.runs)
+    print(f"device {jax.devices()[0].device_kind} ({plat}), {dtype.name}: copy {bw / 1e9:.1f} GB/s, "
+          f"matmul {mm / 1e12:.2f} TFLOP/s")
+    dims = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    pages_per_seq = -(-context // page_size)
+    rows = []
+    print(f"{'batch':8s} {'backend':10s} {'tokens':>6s} {'ms':>9s} {'KV GB/s':>8s} {'%copy':>6s} "
+          f"{'TFLOP/s':>8s} {'%mm':>6s}")
+    for batch in batches(seqs, context, prefill_tokens, chunk):
+        inputs = make_inputs(batch, page_size=page_size, pages_per_seq=pages_per_seq, dtype=dtype, **dims)
+        kv_bytes, flops = work(batch, itemsize=dtype.itemsize, **dims)
+        runs = {b: functools.partial(jax.jit(functools.partial(KERNELS[b], sm_scale=head_dim**-0.5)),
+                                     *inputs) for b in on_device}
+        if batch.name == "decode" and plat == "gpu" and "gpu" in on_device:
+            runs["jax-paged"] = peer_paged_attention(inputs)
+        for name, fn in runs.items():
+            try:
+                sec = _median_time(fn, args.runs)
+            except Exception as e:  # e.g. the peer's shape constraints
+                print(f"{batch.name:8s} {name:10s} failed: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            row = dict(batch=batch.name, backend=name, tokens=sum(batch.q_lens), ms=sec * 1e3,
+                       kv_gbs=kv_bytes / sec / 1e9, pct_copy=100 * kv_bytes / sec / bw,
+                       tflops=flops / sec / 1e12, pct_mm=100 * flops / sec / mm)
+            rows.append(row)
+            print(f"{row['batch']:8s} {name:10s} {row['tokens']:6d} {row['ms']:9.3f} "
+                  f"{row['kv_gbs']:8.2f} {row['pct_copy']:6.1f} {row['tflops']:8.4f} {row['pct_mm']:6.1f}")
+    sanity = sanity_interpret(interpreted, dtype) if interpreted else {}
+    for b, err in sanity.items():
+        print(f"interpret-mode sanity {b}: max error / max |ref| = {err:.2e}")
+    print(json.dumps({"bench": "attention", "device": jax.devices()[0].device_kind, "platform": plat,
+                      "machine": platform.machine(), "dtype": dtype.name, "small": args.small,
+                      "seqs": seqs, "context": context, "heads": heads, "kv_heads": kv_heads,
+                      "head_dim": head_dim, "page_size": page_size, "copy_gbs": round(bw / 1e9, 2),
+                      "matmul_tflops": round(mm / 1e12, 3),
+                      "rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+                               for r in rows],
+                      "interpret_sanity": sanity}))
+
+
+if __name__ == "__main__":
+    main()
