@@ -5,14 +5,20 @@
    logical axis to at most one mesh axis; `logical_to_spec` turns an array's logical axes into a
    `PartitionSpec`, refusing a spec that would use one mesh axis twice (a collision).
 3. `make_mesh("tensor=4,pipeline=2")` parses the one mesh string used everywhere.
+4. `Parallel` is what model code sees when it runs inside `shard_map` over the mesh (manual SPMD):
+   the axis sizes, a `psum` over the named axes that are split, and this device's index on an
+   axis. With every size 1 (the default) both are no-ops, so one model code path serves a single
+   device and any mesh.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -84,3 +90,40 @@ def make_mesh(spec: str | dict[str, int] | None = None, devices: Sequence[jax.De
             f"make the product of the axis sizes equal {len(devices)}")
     arr = np.array(devices[:total]).reshape([sizes[a] for a in MESH_AXES])
     return Mesh(arr, MESH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """Mesh axis sizes as seen from inside `shard_map` (static, hashable).
+
+    Model code holds local shards (e.g. `num_heads // tensor` heads) and calls `psum` where a
+    Megatron-style split leaves partial sums.
+    """
+
+    data: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    tensor: int = 1
+
+    @classmethod
+    def from_mesh(cls, mesh: Mesh | None) -> Parallel:
+        if mesh is None:
+            return cls()
+        shape = dict(mesh.shape)
+        return cls(**{a: int(shape.get(a, 1)) for a in MESH_AXES})
+
+    def size(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    @property
+    def is_single(self) -> bool:
+        return all(getattr(self, a) == 1 for a in MESH_AXES)
+
+    def psum(self, x: jax.Array, *axes: str) -> jax.Array:
+        """Sums `x` over those of `axes` that are split (size > 1); identity otherwise."""
+        split = tuple(a for a in axes if self.size(a) > 1)
+        return jax.lax.psum(x, split) if split else x
+
+    def index(self, axis: str) -> jax.Array | int:
+        """This device's position on `axis` (0 when the axis is not split)."""
+        return jax.lax.axis_index(axis) if self.size(axis) > 1 else jnp.int32(0)
