@@ -1,0 +1,237 @@
+"""Pipeline parallelism: decoder layers split into contiguous stages over the `pipeline` axis.
+
+1. Stage layout. With `S` stages, `num_layers % S == 0` and stage `s` owns layers
+   `s*Lps .. (s+1)*Lps - 1` (`Lps = num_layers // S`). `check_stages` says which sizes work.
+2. Stacked-by-stage params. The canonical (checkpoint) layout keeps `layers` a flat tuple of `L`
+   per-layer dataclasses. On a pipeline mesh `layers` becomes a tuple of `Lps` dataclasses whose
+   leaves carry a leading stage dim `[S, ...]` with logical axis `layers` (-> `pipeline` in
+   `RULES`): position `j` of stage `s` is canonical layer `s*Lps + j`, and inside `shard_map` each
+   device sees only its own stage's layers. `stack_stages` converts specs (shapes + logical axes)
+   or host arrays; `place_stacked_layers` builds the stacked device arrays from canonical
+   per-layer arrays shard by shard (each device receives only the slices it holds, never a full
+   host copy of the model); `unstack_stages` goes back to the canonical layout.
+3. KV caches follow the layers: per stage position `j` one cache `[S, P, page, 2*Hkv, D]` sharded
+   on `pipeline` (`stage_kv_caches`), so each layer's cache lives on its stage's devices only.
+4. `schedule(M, S)` is the tick table: at tick `t` stage `s` works on micro-batch `t - s`, so
+   `M + S - 1` ticks run `M` micro-batches through `S` stages and stages overlap.
+5. `run_pipeline` (inside `shard_map`) runs that schedule: every tick each stage applies its layers
+   to the micro-batch it holds, then hands the activations to the next stage with `ppermute`. The
+   last stage's outputs (after `output_fn`, e.g. only the logits rows) are broadcast over
+   `pipeline` with one masked `psum` at the end, so the LM head sees them on every device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxinfer import sharding as shd
+from jaxinfer.params import ParamSpec, is_spec
+
+LAYERS_AXIS = "layers"  # logical axis of the stage dim (RULES maps it to `pipeline`)
+
+
+def check_stages(num_layers: int, num_stages: int) -> int:
+    """Layers per stage; raises naming the pipeline sizes that divide `num_layers`."""
+    if num_stages < 1 or num_layers % num_stages:
+        ok = [s for s in range(1, num_layers + 1) if num_layers % s == 0]
+        raise ValueError(f"pipeline={num_stages} does not divide the model's {num_layers} layers "
+                         f"into equal stages; use pipeline in {ok}")
+    return num_layers // num_stages
+
+
+def stage_of_layer(layer: int, num_layers: int, num_stages: int) -> tuple[int, int]:
+    """Canonical layer index -> (stage, position within the stage)."""
+    lps = check_stages(num_layers, num_stages)
+    return layer // lps, layer % lps
+
+
+def _layers_of(tree: Any) -> tuple:
+    return tree if isinstance(tree, tuple) else tree.layers
+
+
+def _with_layers(tree: Any, layers: tuple) -> Any:
+    return layers if isinstance(tree, tuple) else tree.replace(layers=layers)
+
+
+def _stack_leaves(*leaves: Any) -> Any:
+    first = leaves[0]
+    if is_spec(first):
+        for other in leaves[1:]:
+            if other != first:
+                raise ValueError(f"layers of one stage position differ: {first} vs {other}")
+        return ParamSpec((len(leaves),) + tuple(first.shape), first.dtype,
+                         (LAYERS_AXIS,) + tuple(first.logical_axes), first.init, first.scale)
+    if isinstance(first, np.ndarray):
+        return np.stack(leaves)
+    return jnp.stack(leaves)
+
+
+def stack_stages(tree: Any, num_stages: int) -> Any:
+    """Canonical `layers` (flat tuple of L) -> stacked-by-stage (tuple of L/S with [S, ...] leaves).
+
+    `tree` is a params tree (anything with `.layers`) or the layers tuple itself, holding
+    `ParamSpec`s, host arrays or (single-device) jax arrays. Other fields are left as they are.
+    For device arrays on a mesh use `place_stacked_layers`, which avoids gathering to one place.
+    """
+    layers = _layers_of(tree)
+    lps = check_stages(len(layers), num_stages)
+    stacked = tuple(
+        jax.tree.map(_stack_leaves, *[layers[s * lps + j] for s in range(num_stages)], is_leaf=is_spec)
+        for j in range(lps))
+    return _with_layers(tree, stacked)
+
+
+def unstack_stages(tree: Any) -> Any:
+    """Stacked-by-stage `layers` -> the canonical flat tuple (layer s*Lps + j = stage s, slot j)."""
+    stacked = _layers_of(tree)
+    if not stacked:
+        return tree
+    num_stages = jax.tree.leaves(stacked[0], is_leaf=is_spec)[0].shape[0]
+
+    def pick(leaf, s):
+        if is_spec(leaf):
+            if leaf.logical_axes[:1] != (LAYERS_AXIS,):
+                raise ValueError(f"{leaf} has no leading {LAYERS_AXIS!r} axis: not stacked by stage")
+            return ParamSpec(leaf.shape[1:], leaf.dtype, leaf.logical_axes[1:], leaf.init, leaf.scale)
+        return leaf[s]
+
+    layers = tuple(jax.tree.map(lambda x, s=s: pick(x, s), stacked[j], is_leaf=is_spec)
+                   for s in range(num_stages) for j in range(len(stacked)))
+    return _with_layers(tree, layers)
+
+
+def _assemble(sources: Sequence[Any], sharding: NamedSharding, dtype: Any) -> jax.Array:
+    """One stacked [S, ...] array from per-stage sources, built shard by shard on its devices.
+
+    NOTE: each device receives only the slice of its own stage (and its own tensor shard): a
+    host numpy source is sliced on the host, a jax array source is sliced where it lives and the
+    slice moved. No device ever holds another stage's layer, and no full copy is made on the host.
+    """
+    src0 = sources[0]
+    shape = (len(sources),) + tuple(src0.shape)
+    arrays = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        stages = range(len(sources))[index[0]]
+        rest = tuple(index[1:])
+        parts = [sources[s][rest] for s in stages]
+        if isinstance(src0, np.ndarray):
+            piece = np.stack([np.asarray(p, dtype) for p in parts])
+        else:
+            piece = jnp.stack([jax.device_put(p, device).astype(dtype) for p in parts])
+        arrays.append(jax.device_put(piece, device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def place_stacked_layers(canonical_layers: Sequence[Any], stacked_specs: Any, mesh: Mesh) -> tuple:
+    """Per-layer arrays (host numpy or jax arrays) -> stacked-by-stage arrays on `mesh`.
+
+    `stacked_specs` is `stack_stages(param_specs(...), S)` (or its `.layers`); each leaf lands on
+    the sharding its logical axes ask for, stage dim on `pipeline`.
+    """
+    specs = _layers_of(stacked_specs)
+    num_stages = jax.tree.leaves(specs[0], is_leaf=is_spec)[0].shape[0]
+    lps = check_stages(len(canonical_layers), num_stages)
+    out = []
+    for j, spec_j in enumerate(specs):
+        sources = [canonical_layers[s * lps + j] for s in range(num_stages)]
+        out.append(jax.tree.map(
+            lambda spec, *src: _assemble(src, shd.named_sharding(mesh, spec.logical_axes), spec.dtype),
+            spec_j, *sources, is_leaf=is_spec))
+    return tuple(out)
+
+
+def stage_kv_caches(num_layers: int, num_stages: int, shape: Sequence[int], dtype: Any, mesh: Mesh,
+                    inner_spec: PartitionSpec = PartitionSpec(), fill: float = 0.0) -> tuple[jax.Array, ...]:
+    """Per stage position one cache `[S, *shape]`, stage dim on `pipeline`, created in place.
+
+    `inner_spec` shards the per-layer dims (e.g. pages on `data`, KV heads on `tensor`).
+    """
+    lps = check_stages(num_layers, num_stages)
+    sharding = NamedSharding(mesh, PartitionSpec(shd.PIPELINE, *inner_spec))
+    full = (num_stages,) + tuple(shape)
+    make = jax.jit(lambda: jnp.full(full, fill, dtype), out_shardings=sharding)
+    return tuple(make() for _ in range(lps))
+
+
+def stack_kv_caches(caches: Sequence[Any], num_stages: int) -> tuple:
+    """Canonical per-layer caches -> per stage position `[S, ...]` (layer s*Lps + j at [s])."""
+    lps = check_stages(len(caches), num_stages)
+    return tuple(jnp.stack([caches[s * lps + j] for s in range(num_stages)]) for j in range(lps))
+
+
+def unstack_kv_caches(caches: Sequence[Any]) -> tuple:
+    """Per stage position `[S, ...]` caches -> canonical per-layer caches."""
+    num_stages = caches[0].shape[0]
+    return tuple(caches[j][s] for s in range(num_stages) for j in range(len(caches)))
+
+
+def schedule(num_microbatches: int, num_stages: int) -> list[list[tuple[int, int]]]:
+    """Per tick, the (stage, micro-batch) pairs at work: stage s holds micro-batch t - s."""
+    return [[(s, t - s) for s in range(num_stages) if 0 <= t - s < num_microbatches]
+            for t in range(num_microbatches + num_stages - 1)]
+
+
+def run_pipeline(
+    stage_fn: Callable[[Any, Any, jax.Array, Any, jax.Array], tuple[jax.Array, Any]],
+    stage_params: Any,
+    stage_caches: Any,
+    microbatch_inputs: Any,
+    first_inputs: jax.Array,  # [M, ...] activations entering stage 0, per micro-batch
+    *,
+    num_stages: int,
+    axis: str = shd.PIPELINE,
+    output_fn: Callable[[jax.Array, Any], jax.Array] | None = None,
+) -> tuple[jax.Array, Any]:
+    """Runs M micro-batches through the stages; call inside `shard_map` over `axis`.
+
+    Args:
+      stage_fn: `(params, caches, h, inputs, active) -> (h, caches)` applies this device's stage
+        to one micro-batch. `active` (bool scalar) is False on bubble ticks: the stage must then
+        leave its state unchanged (e.g. write no KV: slot_mapping -> -1); its `h` is discarded.
+      stage_params, stage_caches: this device's local blocks of the stacked trees (leading stage
+        dim of size 1, as `shard_map` hands them over).
+      microbatch_inputs: pytree with a leading [M] dim (same on every stage).
+      output_fn: `(h, inputs) -> y` applied to the last stage's activations (default identity).
+    Returns:
+      (`[M, ...]` last-stage outputs, replicated over `axis`; updated caches, stage dim kept).
+    """
+    num_mb = first_inputs.shape[0]
+    output_fn = output_fn or (lambda h, _: h)
+    stage = jax.lax.axis_index(axis) if num_stages > 1 else jnp.int32(0)
+    params = jax.tree.map(lambda a: a[0], stage_params)
+    caches = jax.tree.map(lambda a: a[0], stage_caches)
+    forward_perm = [(s, s + 1) for s in range(num_stages - 1)]
+    received = jnp.zeros_like(first_inputs[0])
+    outputs = []
+    # NOTE: a Python loop over the M + S - 1 ticks (unrolled): the micro-batch index is dynamic
+    # (it depends on the stage), but every shape is static and XLA:CPU runs unrolled layers faster
+    # than a scan. Bubble ticks still compute (SPMD), masked so they change no state.
+    for tick in range(num_mb + num_stages - 1):
+        mb = tick - stage
+        active = (mb >= 0) & (mb < num_mb)
+        idx = jnp.clip(mb, 0, num_mb - 1)
+        inputs = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, keepdims=False),
+                              microbatch_inputs)
+        h = received
+        if num_stages == 1:
+            h = first_inputs[tick]
+        else:
+            h = jnp.where(stage == 0, jax.lax.dynamic_index_in_dim(first_inputs, idx, keepdims=False), h)
+        with jax.named_scope(f"pipeline_tick_{tick}"):
+            h, caches = stage_fn(params, caches, h, inputs, active)
+        if tick >= num_stages - 1:  # the last stage finished micro-batch tick - (S - 1)
+            last_inputs = jax.tree.map(lambda a, m=tick - num_stages + 1: a[m], microbatch_inputs)
+            outputs.append(output_fn(h, last_inputs))
+        if num_stages > 1 and tick < num_mb + num_stages - 2:
+            received = jax.lax.ppermute(h, axis, forward_perm)
+    out = jnp.stack(outputs)
+    if num_stages > 1:
+        with jax.named_scope("pipeline_broadcast"):
+            out = jax.lax.psum(jnp.where(stage == num_stages - 1, out, jnp.zeros_like(out)), axis)
+    return out, jax.tree.map(lambda a: a[None], caches)

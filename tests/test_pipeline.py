@@ -1,0 +1,154 @@
+"""Pipeline parallelism: stage layout, stacked params, tick schedule, pipelined execution."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer import pipeline
+from jaxinfer import sharding as shd
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import llama
+from jaxinfer.params import init_random, is_spec
+
+
+def _mesh(spec: str):
+    sizes = shd.parse_mesh(spec)
+    n = int(np.prod(list(sizes.values())))
+    return shd.make_mesh(spec, jax.devices()[:n])
+
+
+def test_check_stages_names_the_sizes_that_work():
+    assert pipeline.check_stages(8, 4) == 2
+    with pytest.raises(ValueError, match=r"pipeline=3 .* 8 layers.*\[1, 2, 4, 8\]"):
+        pipeline.check_stages(8, 3)
+
+
+def test_schedule_overlaps_stages():
+    ticks = pipeline.schedule(num_microbatches=3, num_stages=2)
+    assert ticks == [[(0, 0)], [(0, 1), (1, 0)], [(0, 2), (1, 1)], [(1, 2)]]
+    ticks = pipeline.schedule(4, 4)
+    assert len(ticks) == 4 + 4 - 1
+    assert max(len(t) for t in ticks) == 4  # all stages busy at once in the steady state
+    seen = [pair for t in ticks for pair in t]
+    assert sorted(seen) == [(s, m) for s in range(4) for m in range(4)]  # each pair exactly once
+    when = {pair: i for i, t in enumerate(ticks) for pair in t}
+    for s in range(3):
+        for m in range(4):
+            assert when[(s + 1, m)] == when[(s, m)] + 1  # next stage, next tick
+
+
+@pytest.mark.parametrize("num_stages,num_mb", [(4, 4), (2, 3), (4, 1)])
+def test_run_pipeline_toy_matches_sequential(num_stages, num_mb):
+    """Per-stage matmul + a per-stage state that accumulates what the stage saw."""
+    mesh = _mesh(f"pipeline={num_stages}")
+    e, t = 8, 5
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(num_stages, e, e)).astype(np.float32) / np.sqrt(e)
+    x = rng.normal(size=(num_mb, t, e)).astype(np.float32)
+    scale = rng.normal(size=(num_mb,)).astype(np.float32)
+    state0 = np.zeros((num_stages, e), np.float32)
+
+    def stage_fn(p, state, h, inp, active):
+        h = jnp.tanh(h @ p) * inp
+        return h, state + jnp.where(active, h.sum(0), 0.0)
+
+    def body(w, state, scale, x):
+        return pipeline.run_pipeline(stage_fn, w, state, scale, x, num_stages=num_stages,
+                                     output_fn=lambda h, inp: h[:2])
+
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("pipeline"), P("pipeline"), P(), P()),
+                                out_specs=(P(), P("pipeline"))))
+    out, state = run(w, state0, scale, x)
+
+    ref_out, ref_state = [], state0.copy()
+    for m in range(num_mb):
+        h = x[m]
+        for s in range(num_stages):
+            h = np.tanh(h @ w[s]) * scale[m]
+            ref_state[s] += h.sum(0)
+        ref_out.append(h[:2])
+    np.testing.assert_allclose(np.asarray(out), np.stack(ref_out), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(state), ref_state, rtol=1e-5, atol=1e-5)
+    assert state.sharding.spec == P("pipeline")
+
+
+def _cfg(num_layers=8):
+    return ModelConfig.from_hf(dict(
+        model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False))
+
+
+def test_stack_stages_specs_and_arrays_roundtrip():
+    cfg = _cfg(8)
+    specs = llama.param_specs(cfg)
+    stacked = pipeline.stack_stages(specs, 4)
+    assert len(stacked.layers) == 2
+    q = stacked.layers[1].attn.q
+    assert q.shape == (4, 64, 64) and q.logical_axes == ("layers", "embed", "q_heads")
+    assert shd.logical_to_spec(q.logical_axes) == P("pipeline", None, "tensor")
+    assert stacked.embed == specs.embed
+    assert pipeline.unstack_stages(stacked) == specs
+
+    params = init_random(specs, jax.random.key(0))
+    host = jax.tree.map(np.asarray, params)
+    back = pipeline.unstack_stages(pipeline.stack_stages(host, 4))
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(host)):
+        np.testing.assert_array_equal(a, b)
+    # stage 2, slot 1 is canonical layer 5
+    np.testing.assert_array_equal(pipeline.stack_stages(host, 4).layers[1].mlp.down[2],
+                                  host.layers[5].mlp.down)
+    with pytest.raises(ValueError, match="pipeline=3"):
+        pipeline.stack_stages(specs, 3)
+
+
+@pytest.mark.parametrize("mesh_spec", ["pipeline=4", "pipeline=2,tensor=2"])
+@pytest.mark.parametrize("source", ["host", "device"])
+def test_place_stacked_layers_each_layer_on_its_stage_only(mesh_spec, source):
+    cfg = _cfg(8)
+    mesh = _mesh(mesh_spec)
+    num_stages = mesh.shape["pipeline"]
+    specs = llama.param_specs(cfg)
+    stacked_specs = pipeline.stack_stages(specs, num_stages)
+    params = jax.tree.map(np.asarray, init_random(specs, jax.random.key(1)))
+    layers = params.layers if source == "host" else jax.device_put(params.layers, jax.devices()[0])
+    placed = pipeline.place_stacked_layers(layers, stacked_specs, mesh)
+    lps = 8 // num_stages
+    stage_devices = [set(mesh.devices[0, s].flat) for s in range(num_stages)]
+    for j, layer in enumerate(placed):
+        leaves = jax.tree.leaves(layer)
+        spec_leaves = jax.tree.leaves(stacked_specs.layers[j], is_leaf=is_spec)
+        for arr, spec in zip(leaves, spec_leaves):
+            assert arr.sharding.spec == shd.logical_to_spec(spec.logical_axes)
+            for shard in arr.addressable_shards:
+                s = shard.index[0].start
+                assert shard.data.shape[0] == 1 and shard.device in stage_devices[s]
+        for s in range(num_stages):
+            ref = params.layers[s * lps + j]
+            for arr, want in zip(leaves, jax.tree.leaves(ref)):
+                np.testing.assert_array_equal(np.asarray(arr[s]), want)
+    # per-device bytes of the layer weights = total / (pipeline * tensor) for split leaves
+    total = sum(x.nbytes for x in jax.tree.leaves(params.layers))
+    dev0 = jax.devices()[0]
+    local = sum(sh.data.nbytes for x in jax.tree.leaves(placed) for sh in x.addressable_shards
+                if sh.device == dev0)
+    assert total / num_stages / mesh.shape["tensor"] <= local <= total / num_stages * 1.05
+
+
+def test_stage_kv_caches_live_on_their_stage():
+    mesh = _mesh("pipeline=4")
+    caches = pipeline.stage_kv_caches(8, 4, (16, 4, 4, 16), jnp.float32, mesh)
+    assert len(caches) == 2
+    for c in caches:
+        assert c.shape == (4, 16, 4, 4, 16)
+        for shard in c.addressable_shards:
+            assert shard.data.shape[0] == 1
+            assert shard.device == mesh.devices[0, shard.index[0].start, 0, 0]
+    canon = [jnp.full((2, 3), i, jnp.float32) for i in range(8)]
+    stacked = pipeline.stack_kv_caches(canon, 4)
+    assert float(stacked[1][2, 0, 0]) == 5.0
+    assert [float(c[0, 0]) for c in pipeline.unstack_kv_caches(stacked)] == list(range(8))
