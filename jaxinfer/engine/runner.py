@@ -61,6 +61,15 @@ class PenaltyState:
 
 
 @dataclasses.dataclass
+class Prepared:
+    """A step's host inputs (`ModelRunner.prepare`): numpy pytrees plus the program's static key."""
+
+    inputs: dict  # {"step": StepInputs, "extras": BatchExtras, "meta": SamplingMetadata} of numpy
+    all_logits: bool  # the prompt-logprob variant of the program
+    bucket: int  # token bucket
+
+
+@dataclasses.dataclass
 class TokenLogprobs:
     """Logprob of one chosen token plus the top-k alternatives (token id -> logprob)."""
 
@@ -160,18 +169,33 @@ class ModelRunner:
         return row, True
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        prepared = self.prepare(sched)
+        if prepared is None:
+            return RunnerOutput(sampled_token_ids={})
+        out, prompt = self.run(prepared)
+        return self._unpack(sched.scheduled, out, prompt, prepared.inputs)
+
+    def prepare(self, sched: SchedulerOutput) -> Prepared | None:
+        """Host half of a step: row bookkeeping and every input as numpy (None: nothing to run).
+
+        NOTE: the result is plain numpy plus two Python scalars, so a multi-host driver can build
+        it on one process and broadcast it; `run` on every process then does the device half.
+        """
         self._release(sched.finished, finished=True)
         self._release(sched.preempted, finished=False)
         if not sched.scheduled:
-            return RunnerOutput(sampled_token_ids={})
+            return None
         inputs, all_logits, bucket = self._prepare(sched.scheduled)
-        dev = jax.device_put(inputs)
+        return Prepared(inputs, all_logits, bucket)
+
+    def run(self, prepared: Prepared) -> tuple[Any, Any]:
+        """Device half: one transfer in, the jitted step, one transfer out (numpy results)."""
+        dev = jax.device_put(prepared.inputs)
         (out, prompt), self.kv_caches, self.state = self._jit(
             self.params, self.cfg, self.kv_caches, self.state, dev["step"], dev["extras"],
-            dev["meta"], all_logits=all_logits)
-        self._note_compiled(bucket, all_logits)
-        out, prompt = jax.device_get((out, prompt))
-        return self._unpack(sched.scheduled, out, prompt, inputs)
+            dev["meta"], all_logits=prepared.all_logits)
+        self._note_compiled(prepared.bucket, prepared.all_logits)
+        return jax.device_get((out, prompt))
 
     def _note_compiled(self, bucket: int, all_logits: bool) -> None:
         key = (bucket, self.seq_bucket(bucket), all_logits)
