@@ -18,6 +18,10 @@
    to the micro-batch it holds, then hands the activations to the next stage with `ppermute`. The
    last stage's outputs (after `output_fn`, e.g. only the logits rows) are broadcast over
    `pipeline` with one masked `psum` at the end, so the LM head sees them on every device.
+6. `pipelined_decoder` is what the model's forward calls on a pipeline mesh: the step holds M
+   ragged micro-batches of whole sequences stacked on a leading [M] dim (a sequence never spans
+   two micro-batches, so no micro-batch reads KV another one writes in the same step); it runs
+   the decoder layers through `run_pipeline` and returns the hidden rows at `logits_indices`.
 """
 
 from __future__ import annotations
@@ -147,13 +151,13 @@ def place_stacked_layers(canonical_layers: Sequence[Any], stacked_specs: Any, me
 
 
 def stage_kv_caches(num_layers: int, num_stages: int, shape: Sequence[int], dtype: Any, mesh: Mesh,
-                    inner_spec: PartitionSpec = PartitionSpec(), fill: float = 0.0) -> tuple[jax.Array, ...]:
+                    inner_spec: PartitionSpec | None = None, fill: float = 0.0) -> tuple[jax.Array, ...]:
     """Per stage position one cache `[S, *shape]`, stage dim on `pipeline`, created in place.
 
     `inner_spec` shards the per-layer dims (e.g. pages on `data`, KV heads on `tensor`).
     """
     lps = check_stages(num_layers, num_stages)
-    sharding = NamedSharding(mesh, PartitionSpec(shd.PIPELINE, *inner_spec))
+    sharding = NamedSharding(mesh, PartitionSpec(shd.PIPELINE, *(inner_spec or ())))
     full = (num_stages,) + tuple(shape)
     make = jax.jit(lambda: jnp.full(full, fill, dtype), out_shardings=sharding)
     return tuple(make() for _ in range(lps))
@@ -216,7 +220,7 @@ def run_pipeline(
         mb = tick - stage
         active = (mb >= 0) & (mb < num_mb)
         idx = jnp.clip(mb, 0, num_mb - 1)
-        inputs = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, keepdims=False),
+        inputs = jax.tree.map(lambda a, i=idx: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
                               microbatch_inputs)
         h = received
         if num_stages == 1:
@@ -235,3 +239,57 @@ def run_pipeline(
         with jax.named_scope("pipeline_broadcast"):
             out = jax.lax.psum(jnp.where(stage == num_stages - 1, out, jnp.zeros_like(out)), axis)
     return out, jax.tree.map(lambda a: a[None], caches)
+
+
+def stage_windows(layer_windows: Sequence[int | None], num_stages: int) -> tuple[int | None, ...]:
+    """Sliding window per stage position; every stage must agree (the window is static)."""
+    lps = check_stages(len(layer_windows), num_stages)
+    out = []
+    for j in range(lps):
+        ws = {layer_windows[s * lps + j] for s in range(num_stages)}
+        if len(ws) > 1:
+            ok = [n for n in range(1, len(layer_windows) + 1) if len(layer_windows) % n == 0
+                  and all(len({layer_windows[s * (len(layer_windows) // n) + i] for s in range(n)}) == 1
+                          for i in range(len(layer_windows) // n))]
+            raise ValueError(f"pipeline={num_stages} puts layers with different sliding windows "
+                             f"{sorted(ws, key=str)} at stage position {j}; use pipeline in {ok}")
+        out.append(ws.pop())
+    return tuple(out)
+
+
+def pipelined_decoder(
+    layer_fn: Callable[..., tuple[jax.Array, jax.Array]],
+    stage_layers: tuple,
+    stage_caches: tuple[jax.Array, ...],  # per stage position, local block [1, P, page, 2*Hkv, D]
+    h: jax.Array,  # [M, T, E] embedded tokens per micro-batch
+    step: Any,  # StepInputs with a leading [M] dim on every field
+    cos: jax.Array,  # [M, T, ...] rope tables per micro-batch
+    sin: jax.Array,
+    *,
+    windows: Sequence[int | None],
+    num_stages: int,
+    axis: str = shd.PIPELINE,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """The decoder layers of a pipeline mesh; call inside `shard_map`.
+
+    `layer_fn(layer_params, window, h, step, cos, sin, kv_cache) -> (h, kv_cache)` is one decoder
+    layer. Returns (`[M, N, E]` hidden rows at each micro-batch's `logits_indices`, replicated over
+    `axis`; updated caches).
+    """
+
+    def stage_fn(layers, caches, x, inputs, active):
+        mb_step, mb_cos, mb_sin = inputs
+        # NOTE: a bubble tick runs on some other micro-batch's metadata; -1 slots write no KV.
+        mb_step = mb_step.replace(slot_mapping=jnp.where(active, mb_step.slot_mapping, -1))
+        new = []
+        for j, layer in enumerate(layers):
+            with jax.named_scope(f"stage_layer_{j}"):
+                x, cache = layer_fn(layer, windows[j], x, mb_step, mb_cos, mb_sin, caches[j])
+            new.append(cache)
+        return x, tuple(new)
+
+    def rows(x, inputs):
+        return jnp.take(x, inputs[0].logits_indices, axis=0)
+
+    return run_pipeline(stage_fn, stage_layers, tuple(stage_caches), (step, cos, sin), h,
+                        num_stages=num_stages, axis=axis, output_fn=rows)
