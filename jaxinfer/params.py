@@ -44,18 +44,24 @@ def map_specs(fn: Callable[[ParamSpec], Any], specs: Any) -> Any:
     return jax.tree.map(fn, specs, is_leaf=is_spec)
 
 
-def abstract(specs: Any, mesh: jax.sharding.Mesh | None = None) -> Any:
+def abstract(specs: Any, mesh: jax.sharding.Mesh | None = None, rules: dict | None = None) -> Any:
     """ShapeDtypeStruct tree (with shardings when a mesh is given): restore targets, eval_shape."""
     if mesh is None:
         return map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), specs)
     return map_specs(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shd.named_sharding(mesh, s.logical_axes)),
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                       sharding=shd.named_sharding(mesh, s.logical_axes, rules)),
         specs,
     )
 
 
-def shardings(specs: Any, mesh: jax.sharding.Mesh) -> Any:
-    return map_specs(lambda s: shd.named_sharding(mesh, s.logical_axes), specs)
+def shardings(specs: Any, mesh: jax.sharding.Mesh, rules: dict | None = None) -> Any:
+    return map_specs(lambda s: shd.named_sharding(mesh, s.logical_axes, rules), specs)
+
+
+def partition_specs(specs: Any, rules: dict | None = None) -> Any:
+    """PartitionSpec tree (the `shard_map` in/out specs of a params tree)."""
+    return map_specs(lambda s: shd.logical_to_spec(s.logical_axes, rules), specs)
 
 
 def init_random(specs: Any, key: jax.Array) -> Any:

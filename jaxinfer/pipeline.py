@@ -9,7 +9,10 @@
    device sees only its own stage's layers. `stack_stages` converts specs (shapes + logical axes)
    or host arrays; `place_stacked_layers` builds the stacked device arrays from canonical
    per-layer arrays shard by shard (each device receives only the slices it holds, never a full
-   host copy of the model); `unstack_stages` goes back to the canonical layout.
+   host copy of the model); `unstack_stages` goes back to the canonical layout. Loading: orbax
+   restores the canonical checkpoint into `canonical_targets` (layer i on its stage's devices)
+   and `to_stacked` assembles the stacked arrays from those very shards; converting once and
+   restoring on any mesh therefore works.
 3. KV caches follow the layers: per stage position `j` one cache `[S, P, page, 2*Hkv, D]` sharded
    on `pipeline` (`stage_kv_caches`), so each layer's cache lives on its stage's devices only.
 4. `schedule(M, S)` is the tick table: at tick `t` stage `s` works on micro-batch `t - s`, so
@@ -110,33 +113,60 @@ def unstack_stages(tree: Any) -> Any:
     return _with_layers(tree, layers)
 
 
-def _assemble(sources: Sequence[Any], sharding: NamedSharding, dtype: Any) -> jax.Array:
+def _norm_index(index: tuple, shape: Sequence[int]) -> tuple:
+    return tuple((sl.indices(n)[:2] if isinstance(sl, slice) else (sl, sl + 1))
+                 for sl, n in zip(index, shape))
+
+
+def _local_piece(src: Any, rest: tuple, device: jax.Device, dtype: Any) -> Any:
+    """`src[rest]` on `device`: the source's own shard when it already sits there (no copy)."""
+    if isinstance(src, np.ndarray):
+        return np.asarray(src[rest], dtype)
+    want = _norm_index(rest, src.shape)
+    for shard in src.addressable_shards:
+        if shard.device == device and _norm_index(shard.index, src.shape) == want:
+            return shard.data.astype(dtype)
+    return jax.device_put(src[rest], device).astype(dtype)
+
+
+def _assemble(sources: Sequence[Any], sharding: NamedSharding, dtype: Any,
+              delete_sources: bool = False) -> jax.Array:
     """One stacked [S, ...] array from per-stage sources, built shard by shard on its devices.
 
     NOTE: each device receives only the slice of its own stage (and its own tensor shard): a
-    host numpy source is sliced on the host, a jax array source is sliced where it lives and the
-    slice moved. No device ever holds another stage's layer, and no full copy is made on the host.
+    host numpy source is sliced on the host, a jax array source already on its stage's devices
+    (`canonical_targets`, e.g. restored from orbax) gives its own shard (one copy on the same
+    device for the [1, ...] reshape, no transfer), any other jax array is sliced where it lives
+    and the slice moved. No device ever holds another stage's layer, and no full copy is made on
+    the host.
     """
-    src0 = sources[0]
-    shape = (len(sources),) + tuple(src0.shape)
+    shape = (len(sources),) + tuple(sources[0].shape)
     arrays = []
     for device, index in sharding.addressable_devices_indices_map(shape).items():
-        stages = range(len(sources))[index[0]]
-        rest = tuple(index[1:])
-        parts = [sources[s][rest] for s in stages]
-        if isinstance(src0, np.ndarray):
-            piece = np.stack([np.asarray(p, dtype) for p in parts])
+        parts = [_local_piece(sources[s], tuple(index[1:]), device, dtype)
+                 for s in range(len(sources))[index[0]]]
+        if len(parts) == 1:
+            piece = jax.device_put(parts[0][None], device)
         else:
-            piece = jnp.stack([jax.device_put(p, device).astype(dtype) for p in parts])
-        arrays.append(jax.device_put(piece, device))
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+            piece = jax.device_put(np.stack(parts) if isinstance(parts[0], np.ndarray)
+                                   else jnp.stack([jax.device_put(p, device) for p in parts]), device)
+        arrays.append(piece)
+    out = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    if delete_sources:
+        jax.block_until_ready(out)
+        for src in sources:
+            if isinstance(src, jax.Array):
+                src.delete()
+    return out
 
 
-def place_stacked_layers(canonical_layers: Sequence[Any], stacked_specs: Any, mesh: Mesh) -> tuple:
+def place_stacked_layers(canonical_layers: Sequence[Any], stacked_specs: Any, mesh: Mesh, *,
+                         delete_sources: bool = False) -> tuple:
     """Per-layer arrays (host numpy or jax arrays) -> stacked-by-stage arrays on `mesh`.
 
     `stacked_specs` is `stack_stages(param_specs(...), S)` (or its `.layers`); each leaf lands on
-    the sharding its logical axes ask for, stage dim on `pipeline`.
+    the sharding its logical axes ask for, stage dim on `pipeline`. `delete_sources` frees each
+    jax source leaf once its stacked array exists, so a device's peak is its share plus one leaf.
     """
     specs = _layers_of(stacked_specs)
     num_stages = jax.tree.leaves(specs[0], is_leaf=is_spec)[0].shape[0]
@@ -145,9 +175,53 @@ def place_stacked_layers(canonical_layers: Sequence[Any], stacked_specs: Any, me
     for j, spec_j in enumerate(specs):
         sources = [canonical_layers[s * lps + j] for s in range(num_stages)]
         out.append(jax.tree.map(
-            lambda spec, *src: _assemble(src, shd.named_sharding(mesh, spec.logical_axes), spec.dtype),
+            lambda spec, *src: _assemble(src, shd.named_sharding(mesh, spec.logical_axes), spec.dtype,
+                                         delete_sources),
             spec_j, *sources, is_leaf=is_spec))
     return tuple(out)
+
+
+def stage_mesh(mesh: Mesh, stage: int) -> Mesh:
+    """The devices of one pipeline stage, as a mesh with the same axis names (pipeline size 1)."""
+    ax = mesh.axis_names.index(shd.PIPELINE)
+    return Mesh(np.take(mesh.devices, [stage], axis=ax), mesh.axis_names)
+
+
+def canonical_targets(specs: Any, mesh: Mesh) -> Any:
+    """Restore target (sharded ShapeDtypeStructs) of the canonical layout on a pipeline mesh.
+
+    Layer `i` goes to stage `i // Lps`'s devices only (split there by its other logical axes);
+    everything else to the whole mesh. `to_stacked` then assembles the stacked layout from those
+    shards without moving any data.
+    """
+    num_stages = mesh.shape[shd.PIPELINE]
+    layers = specs.layers
+    lps = check_stages(len(layers), num_stages)
+
+    def target(spec, m):
+        return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=shd.named_sharding(m, spec.logical_axes))
+
+    whole = jax.tree.map(lambda sp: target(sp, mesh), specs.replace(layers=()), is_leaf=is_spec)
+    stage_meshes = [stage_mesh(mesh, s) for s in range(num_stages)]
+    return whole.replace(layers=tuple(
+        jax.tree.map(lambda sp, m=stage_meshes[i // lps]: target(sp, m), layer, is_leaf=is_spec)
+        for i, layer in enumerate(layers)))
+
+
+def to_stacked(params: Any, specs: Any, mesh: Mesh, *, delete_sources: bool = False) -> Any:
+    """Canonical params (host or device arrays) -> stacked-by-stage params placed on `mesh`.
+
+    `specs` is the canonical spec tree (`param_specs(cfg)`). Non-layer leaves are placed by their
+    logical axes; layers by `place_stacked_layers` (`delete_sources` frees the canonical layer
+    arrays as it goes).
+    """
+    num_stages = mesh.shape[shd.PIPELINE]
+    stacked_specs = stack_stages(specs, num_stages)
+    rest = jax.tree.map(
+        lambda sp, x: jax.device_put(x, shd.named_sharding(mesh, sp.logical_axes)),
+        specs.replace(layers=()), params.replace(layers=()), is_leaf=is_spec)
+    return rest.replace(layers=place_stacked_layers(params.layers, stacked_specs, mesh,
+                                                    delete_sources=delete_sources))
 
 
 def stage_kv_caches(num_layers: int, num_stages: int, shape: Sequence[int], dtype: Any, mesh: Mesh,

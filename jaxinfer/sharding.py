@@ -5,7 +5,10 @@
    logical axis to at most one mesh axis; `logical_to_spec` turns an array's logical axes into a
    `PartitionSpec`, refusing a spec that would use one mesh axis twice (a collision).
 3. `make_mesh("tensor=4,pipeline=2")` parses the one mesh string used everywhere.
-4. `Parallel` is what model code sees when it runs inside `shard_map` over the mesh (manual SPMD):
+4. `check_mesh(cfg, sizes, ...)` rejects a mesh the model or the engine cannot be split over, with
+   a message that says what to change; `model_rules(cfg, tensor)` is `RULES` adjusted for the
+   model (K/V projections replicated when the KV heads do not split over `tensor`).
+5. `Parallel` is what model code sees when it runs inside `shard_map` over the mesh (manual SPMD):
    the axis sizes, a `psum` over the named axes that are split, and this device's index on an
    axis. With every size 1 (the default) both are no-ops, so one model code path serves a single
    device and any mesh.
@@ -42,7 +45,8 @@ RULES: dict[str, str | None] = {
 }
 
 
-def logical_to_spec(axes: Sequence[str | None], rules: dict[str, str | None] = RULES) -> PartitionSpec:
+def logical_to_spec(axes: Sequence[str | None], rules: dict[str, str | None] | None = None) -> PartitionSpec:
+    rules = RULES if rules is None else rules
     mesh_axes = []
     for ax in axes:
         if ax is not None and ax not in rules:
@@ -54,8 +58,79 @@ def logical_to_spec(axes: Sequence[str | None], rules: dict[str, str | None] = R
     return PartitionSpec(*mesh_axes)
 
 
-def named_sharding(mesh: Mesh, axes: Sequence[str | None]) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(axes))
+def named_sharding(mesh: Mesh, axes: Sequence[str | None],
+                   rules: dict[str, str | None] | None = None) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(axes, rules))
+
+
+def kv_heads_split(num_kv_heads: int, tensor: int) -> bool:
+    """True when the KV heads split over `tensor`; False when every shard keeps a replica of the
+    one KV head its query heads need (`tensor` a multiple of `num_kv_heads`)."""
+    return num_kv_heads % tensor == 0
+
+
+def kv_cache_heads(num_kv_heads: int, tensor: int) -> int:
+    """KV heads in the global cache: `num_kv_heads`, or `tensor` (one per shard) when replicated.
+
+    NOTE: with replicated KV, shard j holds KV head j // (tensor // num_kv_heads); shards sharing a
+    head each keep (and write) their own copy, so attention never needs KV from another shard.
+    """
+    return num_kv_heads if kv_heads_split(num_kv_heads, tensor) else tensor
+
+
+def model_rules(cfg, tensor: int) -> dict[str, str | None]:
+    """`RULES` for this model on a mesh with this `tensor` size: K/V projection weights are
+    replicated when the KV heads do not split (each shard then slices out its own head)."""
+    if kv_heads_split(cfg.num_kv_heads, tensor):
+        return RULES
+    return {**RULES, "kv_heads": None}
+
+
+def check_mesh(cfg, spec: str | dict[str, int] | None, *, num_devices: int | None = None,
+               max_num_seqs: int | None = None, num_pages: int | None = None) -> dict[str, int]:
+    """Mesh axis sizes for `spec`; raises ValueError saying what to change when `cfg` (a
+    `ModelConfig`) or the engine budgets cannot be split over it."""
+    sizes = parse_mesh(spec)
+    total = math.prod(sizes.values())
+    if num_devices is not None and spec and total != num_devices:
+        raise ValueError(f"mesh {spec!r} spans {total} devices but {num_devices} are available; make "
+                         f"the product of the axis sizes equal {num_devices}")
+    errors = []
+    t = sizes[TENSOR]
+
+    def divides(what: str, n: int, axis: str) -> None:
+        if n % sizes[axis]:
+            ok = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
+            errors.append(f"{what}={n} is not divisible by {axis}={sizes[axis]}; use {axis} in {ok}")
+
+    if t > 1:
+        divides("num_heads", cfg.num_heads, TENSOR)
+        divides("vocab_size", cfg.vocab_size, TENSOR)
+        divides("intermediate_size", cfg.intermediate_size, TENSOR)
+        if getattr(cfg, "num_experts", 0):
+            divides("moe_intermediate_size", cfg.moe_intermediate_size, TENSOR)
+        if cfg.num_kv_heads % t and t % cfg.num_kv_heads:
+            errors.append(f"num_kv_heads={cfg.num_kv_heads} and tensor={t}: one must divide the other "
+                          f"(KV heads split over tensor, or each replicated tensor/num_kv_heads times)")
+    if sizes[PIPELINE] > 1:
+        divides("num_layers", cfg.num_layers, PIPELINE)
+    if sizes[EXPERT] > 1:
+        if not getattr(cfg, "num_experts", 0):
+            errors.append(f"expert={sizes[EXPERT]} needs a mixture-of-experts model; this "
+                          f"{cfg.model_type} model is dense (use expert=1)")
+        else:
+            divides("num_experts", cfg.num_experts, EXPERT)
+    d = sizes[DATA]
+    if d > 1:
+        if max_num_seqs is not None and max_num_seqs % d:
+            errors.append(f"max_num_seqs={max_num_seqs} is not divisible by data={d}; each replica "
+                          f"runs max_num_seqs/data sequences")
+        if num_pages is not None and (num_pages % d or num_pages // d < 2):
+            errors.append(f"num_pages={num_pages} does not split into data={d} pools of >= 2 pages; "
+                          f"give a multiple of {d} of at least {2 * d}")
+    if errors:
+        raise ValueError(f"mesh {spec!r} does not fit: " + "; ".join(errors))
+    return sizes
 
 
 def parse_mesh(spec: str | dict[str, int] | None) -> dict[str, int]:

@@ -230,3 +230,32 @@ def test_pipelined_decoder_matches_single_device(num_stages):
         np.testing.assert_allclose(np.asarray(got)[1:17], np.asarray(want)[1:17], rtol=1e-5, atol=1e-5)
     for c in caches:
         assert c.sharding.spec == P("pipeline")
+
+
+@pytest.mark.parametrize("mesh_spec", ["pipeline=4", "pipeline=2,tensor=2"])
+def test_orbax_restore_onto_stages_then_stacked(tmp_path, mesh_spec):
+    """Convert once (canonical layout), restore on a pipeline mesh: each layer lands on its stage."""
+    from checkpoints.orbax_io import restore_params, save_params
+
+    cfg = _cfg(8)
+    mesh = _mesh(mesh_spec)
+    num_stages = mesh.shape["pipeline"]
+    specs = llama.param_specs(cfg)
+    params = jax.tree.map(np.asarray, init_random(specs, jax.random.key(3)))
+    save_params(tmp_path / "ckpt", params)
+    restored = restore_params(tmp_path / "ckpt", pipeline.canonical_targets(specs, mesh))
+    lps = 8 // num_stages
+    for i, layer in enumerate(restored.layers):
+        stage_devs = set(pipeline.stage_mesh(mesh, i // lps).devices.flat)
+        for x in jax.tree.leaves(layer):
+            assert set(x.sharding.device_set) == stage_devs
+    stacked = pipeline.to_stacked(restored, specs, mesh, delete_sources=True)
+    assert all(x.is_deleted() for x in jax.tree.leaves(restored.layers))
+    assert stacked.embed.sharding.spec == P("tensor", None)
+    q = stacked.layers[1].attn.q
+    assert q.sharding.spec == P("pipeline", None, "tensor")
+    for s in range(num_stages):
+        np.testing.assert_array_equal(np.asarray(q[s]), params.layers[s * lps + 1].attn.q)
+    np.testing.assert_array_equal(
+        np.asarray(pipeline.unstack_stages(jax.tree.map(np.asarray, stacked)).layers[5].mlp.down),
+        params.layers[5].mlp.down)

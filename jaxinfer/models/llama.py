@@ -25,11 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxinfer import layers
 from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
-from jaxinfer.params import ParamSpec, checked_array, map_specs
+from jaxinfer.params import ParamSpec, checked_array, map_specs, partition_specs
+from jaxinfer.sharding import DATA, TENSOR, Parallel, kv_heads_split, model_rules
 from jaxinfer.step import StepInputs
 
 
@@ -224,8 +226,11 @@ def params_from_hf(
 
 def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x: jax.Array,
                      step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array,
-                     backend: str):
+                     backend: str, par: Parallel = Parallel()):
+    """x [T, E] -> [T, E]. Under tensor parallelism p.q/p.kv hold this shard's heads (columns),
+    p.o its rows: the o_proj output is a partial sum, all-reduced here (bias added once, after)."""
     t, d = x.shape[0], cfg.head_dim
+    hq = cfg.num_heads // par.tensor
     with jax.named_scope("qkv_proj"):
         # NOTE: 2-D weights with heads folded into the output dim: a single plain contraction is
         # ~10x faster on XLA:CPU than contracting over (heads, head_dim) at once.
@@ -233,10 +238,17 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
         kv = jnp.einsum("te,ecf->tcf", x, p.kv)
         if cfg.qkv_bias:
             q, kv = q + p.q_bias, kv + p.kv_bias
+        if kv_heads_split(cfg.num_kv_heads, par.tensor):
+            hkv = cfg.num_kv_heads // par.tensor
+        else:
+            # NOTE: replicated KV: p.kv holds every KV head; keep the one this shard's queries use.
+            hkv = 1
+            head = par.index(TENSOR) // (par.tensor // cfg.num_kv_heads)
+            kv = jax.lax.dynamic_slice_in_dim(kv, head * d, d, axis=2)
         k, v = kv[:, 0], kv[:, 1]
-        q = q.reshape(t, cfg.num_heads, d)
-        k = k.reshape(t, cfg.num_kv_heads, d)
-        v = v.reshape(t, cfg.num_kv_heads, d)
+        q = q.reshape(t, hq, d)
+        k = k.reshape(t, hkv, d)
+        v = v.reshape(t, hkv, d)
     if cfg.qk_norm:
         with jax.named_scope("qk_norm"):
             q = layers.rms_norm(q, p.q_norm, cfg.rms_norm_eps, cfg.norm_offset)
@@ -247,6 +259,7 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
                               sliding_window=window, soft_cap=cfg.attn_logit_softcap, backend=backend)
     with jax.named_scope("o_proj"):
         out = jnp.einsum("tf,fe->te", out.reshape(t, -1), p.o)
+        out = par.psum(out, TENSOR)
         if cfg.o_bias:
             out = out + p.o_bias
     return out, kv_cache
@@ -254,21 +267,73 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
 
 def _decoder_layer(p: LayerParams, cfg: ModelConfig, window: int | None, h: jax.Array,
                    step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array,
-                   backend: str):
+                   backend: str, par: Parallel = Parallel()):
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     with jax.named_scope("attention"):
         x = layers.rms_norm(h, p.attn_norm, eps, off)
-        x, kv_cache = _attention_block(p.attn, cfg, window, x, step, cos, sin, kv_cache, backend)
+        x, kv_cache = _attention_block(p.attn, cfg, window, x, step, cos, sin, kv_cache, backend, par)
         if cfg.sandwich_norm:
             x = layers.rms_norm(x, p.post_attn_norm, eps, off)
         h = h + x
     with jax.named_scope("mlp"):
         x = layers.rms_norm(h, p.mlp_norm, eps, off)
         x = layers.gated_mlp(x, p.mlp.gate_up, p.mlp.down, cfg.activation)
+        x = par.psum(x, TENSOR)  # down was row-split: partial sums
         if cfg.sandwich_norm:
             x = layers.rms_norm(x, p.post_mlp_norm, eps, off)
         h = h + x
     return h, kv_cache
+
+
+def embed_tokens(embed: jax.Array, cfg: ModelConfig, token_ids: jax.Array,
+                 par: Parallel = Parallel()) -> jax.Array:
+    """Rows of `embed` [V/tensor, E] for token_ids i32[T] -> [T, E] (vocab-parallel on a mesh:
+    each shard looks up the ids in its vocab range, zeros elsewhere, one all-reduce)."""
+    if par.tensor == 1:
+        h = jnp.take(embed, token_ids, axis=0)
+    else:
+        rows = embed.shape[0]
+        local = token_ids - par.index(TENSOR) * rows
+        mine = (local >= 0) & (local < rows)
+        h = jnp.take(embed, jnp.where(mine, local, 0), axis=0)
+        h = par.psum(jnp.where(mine[:, None], h, jnp.zeros((), h.dtype)), TENSOR)
+    if cfg.embed_scale:
+        h = h * jnp.asarray(cfg.hidden_size**0.5, h.dtype)
+    return h
+
+
+def final_logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """h [N, E] (the rows to sample) -> f32[N, V/tensor]: this shard's vocab columns only."""
+    h = layers.rms_norm(h, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
+    if params.lm_head is None:
+        logits = jnp.einsum("te,ve->tv", h, params.embed)
+    else:
+        logits = jnp.einsum("te,ev->tv", h, params.lm_head)
+    return layers.soft_cap(logits.astype(jnp.float32), cfg.final_logit_softcap)
+
+
+def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
+                   kv_caches: tuple[jax.Array, ...], backend: str, par: Parallel):
+    """The model on local shards (the whole model when `par` is all ones)."""
+    with jax.named_scope("embed"):
+        h = embed_tokens(params.embed, cfg, step.token_ids, par)
+    with jax.named_scope("rope_tables"):
+        cos, sin = layers.rope_cos_sin(cfg, step.positions)
+    new_caches = []
+    for i, layer in enumerate(params.layers):
+        with jax.named_scope(f"layer_{i}"):
+            h, cache = _decoder_layer(layer, cfg, cfg.layer_windows[i], h, step, cos, sin,
+                                      kv_caches[i], backend, par)
+        new_caches.append(cache)
+    with jax.named_scope("logits"):
+        logits = final_logits(params, cfg, jnp.take(h, step.logits_indices, axis=0))
+    return logits, tuple(new_caches)
+
+
+def kv_cache_spec(par: Parallel) -> PartitionSpec:
+    """A layer's cache [data*P, page, 2*Hkv', D] on the mesh: pages per data replica, KV heads
+    (K/V interleaved, so each shard keeps whole (K, V) pairs) over tensor."""
+    return PartitionSpec(DATA, None, TENSOR, None)
 
 
 def forward(
@@ -278,33 +343,38 @@ def forward(
     kv_caches: tuple[jax.Array, ...],  # per layer [P, page_size, 2*Hkv, D]
     *,
     attention_backend: str = "reference",
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Returns (logits f32[N, V] at step.logits_indices, updated kv_caches).
 
     `attention_backend` ("auto" | "reference" | "gpu" | "tpu") is static: see `jaxinfer.attention`.
+    With a `mesh` (static) the whole model runs inside one `shard_map` over it (manual SPMD, see
+    `sharding.Parallel`). Then, when the mesh has `data` > 1, every `step` field carries a leading
+    `[data]` dim (one ragged step per replica, same buckets), each layer's cache holds `data`
+    page pools back to back (`[data*P, ...]`, page ids local to the replica) and the logits come
+    back `[data, N, V]`. Logits leave sharded on vocab over `tensor` (never gathered here).
     """
-    with jax.named_scope("embed"):
-        h = jnp.take(params.embed, step.token_ids, axis=0)
-        if cfg.embed_scale:
-            h = h * jnp.asarray(cfg.hidden_size**0.5, h.dtype)
-    with jax.named_scope("rope_tables"):
-        cos, sin = layers.rope_cos_sin(cfg, step.positions)
-    new_caches = []
-    for i, layer in enumerate(params.layers):
-        with jax.named_scope(f"layer_{i}"):
-            h, cache = _decoder_layer(layer, cfg, cfg.layer_windows[i], h, step, cos, sin,
-                                      kv_caches[i], attention_backend)
-        new_caches.append(cache)
-    with jax.named_scope("logits"):
-        h = jnp.take(h, step.logits_indices, axis=0)
-        h = layers.rms_norm(h, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
-        if params.lm_head is None:
-            logits = jnp.einsum("te,ve->tv", h, params.embed)
-        else:
-            logits = jnp.einsum("te,ev->tv", h, params.lm_head)
-        logits = layers.soft_cap(logits.astype(jnp.float32), cfg.final_logit_softcap)
-    return logits, tuple(new_caches)
+    par = Parallel.from_mesh(mesh)
+    if par.is_single:
+        return _forward_local(params, cfg, step, kv_caches, attention_backend, Parallel())
+    rules = model_rules(cfg, par.tensor)
+    param_specs_ = partition_specs(param_specs(cfg), rules)
+    stacked = par.data > 1
+    step_spec = PartitionSpec(DATA) if stacked else PartitionSpec()
+    cache_specs = tuple(kv_cache_spec(par) for _ in kv_caches)
+    logits_spec = PartitionSpec(DATA, None, TENSOR) if stacked else PartitionSpec(None, TENSOR)
+
+    def body(params, step, kv_caches):
+        if stacked:
+            step = jax.tree.map(lambda x: x[0], step)
+        logits, caches = _forward_local(params, cfg, step, kv_caches, attention_backend, par)
+        return (logits[None] if stacked else logits), caches
+
+    # NOTE: check_vma off: the Pallas kernels inside carry no varying-axis annotations.
+    run = jax.shard_map(body, mesh=mesh, in_specs=(param_specs_, step_spec, cache_specs),
+                        out_specs=(logits_spec, cache_specs), check_vma=False)
+    return run(params, step, tuple(kv_caches))
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_backend"),
+forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_backend", "mesh"),
                       donate_argnames=("kv_caches",))
