@@ -160,39 +160,15 @@ def test_stage_windows_must_agree_across_stages():
         pipeline.stage_windows([8, None, 8, None], 4)
 
 
-def _pipelined_forward(cfg, mesh, stacked_specs):
-    """A pipeline-only mesh forward built from pipelined_decoder and llama's decoder layer."""
-    from jaxinfer import layers as L
-
-    num_stages = mesh.shape["pipeline"]
-    windows = pipeline.stage_windows(cfg.layer_windows, num_stages)
-
-    def body(params, caches, step):
-        h = jnp.take(params.embed, step.token_ids, axis=0)
-        cos, sin = jax.vmap(lambda pos: L.rope_cos_sin(cfg, pos))(step.positions)
-
-        def layer_fn(p, window, x, st, c, s, kv):
-            return llama._decoder_layer(p, cfg, window, x, st, c, s, kv, "reference")
-
-        hid, caches = pipeline.pipelined_decoder(layer_fn, params.layers, caches, h, step, cos, sin,
-                                                 windows=windows, num_stages=num_stages)
-        hid = L.rms_norm(hid, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
-        return jnp.einsum("mte,ev->mtv", hid, params.lm_head), caches
-
-    param_specs = jax.tree.map(lambda s: shd.logical_to_spec(s.logical_axes), stacked_specs,
-                               is_leaf=is_spec)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P("pipeline"), P()),
-                                 out_specs=(P(), P("pipeline")), check_vma=False),
-                   donate_argnums=1)
-
-
-@pytest.mark.parametrize("num_stages", [4, 2])
-def test_pipelined_decoder_matches_single_device(num_stages):
-    """Two micro-batches of two sequences each; prefill then two decode steps."""
+@pytest.mark.parametrize("mesh_spec", ["pipeline=4", "pipeline=2", "pipeline=2,tensor=2"])
+def test_pipelined_forward_matches_single_device(mesh_spec):
+    """llama.forward on a pipeline mesh: two micro-batches of two sequences each; prefill then
+    two decode steps; logits and every layer's KV cache == single device."""
     from jaxinfer.step import StepInputs, build_step_arrays
 
     cfg, page, num_pages = _cfg(8), 4, 32
-    mesh = _mesh(f"pipeline={num_stages}")
+    mesh = _mesh(mesh_spec)
+    num_stages = mesh.shape["pipeline"]
     specs = llama.param_specs(cfg)
     params = init_random(specs, jax.random.key(2))
     params = jax.tree.map(lambda x: x * 5 if x.ndim == 2 else x, params)  # logits far from flat
@@ -201,9 +177,12 @@ def test_pipelined_decoder_matches_single_device(num_stages):
         layers=pipeline.place_stacked_layers(params.layers, stacked_specs, mesh))
     placed = placed.replace(embed=jax.device_put(params.embed, shd.named_sharding(mesh, ("vocab", "embed"))))
     shape = (num_pages, page, 2 * cfg.num_kv_heads, cfg.head_dim)
-    caches = pipeline.stage_kv_caches(8, num_stages, shape, jnp.float32, mesh, fill=float("nan"))
+    caches = pipeline.stage_kv_caches(8, num_stages, shape, jnp.float32, mesh,
+                                      inner_spec=P("data", None, "tensor", None), fill=float("nan"))
     ref_caches = tuple(jnp.full(shape, jnp.nan) for _ in range(8))
-    run = _pipelined_forward(cfg, mesh, stacked_specs)
+
+    def run(params, caches, step):
+        return llama.forward_jit(params, cfg, step, caches, mesh=mesh)
 
     rng = np.random.default_rng(0)
     lens = [7, 3, 5, 9]  # sequences 0,1 in micro-batch 0; 2,3 in micro-batch 1
@@ -220,6 +199,7 @@ def test_pipelined_decoder_matches_single_device(num_stages):
                                  pages_per_seq=4) for m in range(2)]
         stacked = StepInputs(**{k: jnp.asarray(np.stack([mb[k] for mb in mbs])) for k in mbs[0]})
         logits, caches = run(placed, caches, stacked)
+        logits = np.asarray(logits).reshape(2, -1, cfg.vocab_size)
         for m in range(2):
             ref, ref_caches = llama.forward_jit(params, cfg, StepInputs(**mbs[m]), ref_caches)
             ref = np.asarray(ref)
@@ -229,7 +209,10 @@ def test_pipelined_decoder_matches_single_device(num_stages):
     for got, want in zip(pipeline.unstack_kv_caches(caches), ref_caches):
         np.testing.assert_allclose(np.asarray(got)[1:17], np.asarray(want)[1:17], rtol=1e-5, atol=1e-5)
     for c in caches:
-        assert c.sharding.spec == P("pipeline")
+        assert c.sharding.spec[0] == "pipeline"
+        for shard in c.addressable_shards:  # each layer's cache on its own stage only
+            assert shard.data.shape[0] == 1
+            assert shard.device in set(pipeline.stage_mesh(mesh, shard.index[0].start).devices.flat)
 
 
 @pytest.mark.parametrize("mesh_spec", ["pipeline=4", "pipeline=2,tensor=2"])

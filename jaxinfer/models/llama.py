@@ -28,10 +28,11 @@ from flax import struct
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxinfer import layers
+from jaxinfer import pipeline as pipeline_lib
 from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.params import ParamSpec, checked_array, map_specs, partition_specs
-from jaxinfer.sharding import DATA, TENSOR, Parallel, kv_heads_split, model_rules
+from jaxinfer.sharding import DATA, PIPELINE, TENSOR, Parallel, kv_heads_split, model_rules
 from jaxinfer.step import StepInputs
 
 
@@ -315,6 +316,8 @@ def final_logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
                    kv_caches: tuple[jax.Array, ...], backend: str, par: Parallel):
     """The model on local shards (the whole model when `par` is all ones)."""
+    if par.pipeline > 1:
+        return _forward_pipelined(params, cfg, step, kv_caches, backend, par)
     with jax.named_scope("embed"):
         h = embed_tokens(params.embed, cfg, step.token_ids, par)
     with jax.named_scope("rope_tables"):
@@ -328,6 +331,28 @@ def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
     with jax.named_scope("logits"):
         logits = final_logits(params, cfg, jnp.take(h, step.logits_indices, axis=0))
     return logits, tuple(new_caches)
+
+
+def _forward_pipelined(params: Params, cfg: ModelConfig, step: StepInputs,
+                       kv_caches: tuple[jax.Array, ...], backend: str, par: Parallel):
+    """Pipeline mesh (see `jaxinfer.pipeline`): every `step` field has a leading [M] micro-batch
+    dim, `params.layers` and `kv_caches` are this device's stage blocks; logits [M*N, V/tensor]."""
+    m, t = step.token_ids.shape
+    with jax.named_scope("embed"):
+        h = embed_tokens(params.embed, cfg, step.token_ids.reshape(-1), par).reshape(m, t, -1)
+    with jax.named_scope("rope_tables"):
+        cos, sin = (x.reshape(m, t, *x.shape[1:])
+                    for x in layers.rope_cos_sin(cfg, step.positions.reshape(-1)))
+
+    def layer_fn(p, window, x, mb_step, mb_cos, mb_sin, kv_cache):
+        return _decoder_layer(p, cfg, window, x, mb_step, mb_cos, mb_sin, kv_cache, backend, par)
+
+    h, caches = pipeline_lib.pipelined_decoder(
+        layer_fn, params.layers, kv_caches, h, step, cos, sin,
+        windows=pipeline_lib.stage_windows(cfg.layer_windows, par.pipeline), num_stages=par.pipeline)
+    with jax.named_scope("logits"):
+        logits = final_logits(params, cfg, h.reshape(-1, h.shape[-1]))
+    return logits, caches
 
 
 def kv_cache_spec(par: Parallel) -> PartitionSpec:
@@ -358,10 +383,16 @@ def forward(
     if par.is_single:
         return _forward_local(params, cfg, step, kv_caches, attention_backend, Parallel())
     rules = model_rules(cfg, par.tensor)
-    param_specs_ = partition_specs(param_specs(cfg), rules)
+    specs = param_specs(cfg)
+    if par.pipeline > 1:  # layers stacked by stage, caches per stage position [S, data*P, ...]
+        specs = pipeline_lib.stack_stages(specs, par.pipeline)
+    param_specs_ = partition_specs(specs, rules)
     stacked = par.data > 1
     step_spec = PartitionSpec(DATA) if stacked else PartitionSpec()
-    cache_specs = tuple(kv_cache_spec(par) for _ in kv_caches)
+    cache_spec = kv_cache_spec(par)
+    if par.pipeline > 1:
+        cache_spec = PartitionSpec(PIPELINE, *cache_spec)
+    cache_specs = tuple(cache_spec for _ in kv_caches)
     logits_spec = PartitionSpec(DATA, None, TENSOR) if stacked else PartitionSpec(None, TENSOR)
 
     def body(params, step, kv_caches):
