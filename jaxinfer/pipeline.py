@@ -161,7 +161,7 @@ def _assemble(sources: Sequence[Any], sharding: NamedSharding, dtype: Any,
 
 
 def place_stacked_layers(canonical_layers: Sequence[Any], stacked_specs: Any, mesh: Mesh, *,
-                         delete_sources: bool = False) -> tuple:
+                         delete_sources: bool = False, rules: dict | None = None) -> tuple:
     """Per-layer arrays (host numpy or jax arrays) -> stacked-by-stage arrays on `mesh`.
 
     `stacked_specs` is `stack_stages(param_specs(...), S)` (or its `.layers`); each leaf lands on
@@ -175,10 +175,13 @@ def place_stacked_layers(canonical_layers: Sequence[Any], stacked_specs: Any, me
     for j, spec_j in enumerate(specs):
         sources = [canonical_layers[s * lps + j] for s in range(num_stages)]
         out.append(jax.tree.map(
-            lambda spec, *src: _assemble(src, shd.named_sharding(mesh, spec.logical_axes), spec.dtype,
-                                         delete_sources),
+            lambda spec, *src: _assemble(src, _sharding(mesh, spec, rules), spec.dtype, delete_sources),
             spec_j, *sources, is_leaf=is_spec))
     return tuple(out)
+
+
+def _sharding(mesh: Mesh, spec: ParamSpec, rules: dict | None) -> NamedSharding:
+    return NamedSharding(mesh, shd.logical_to_spec(spec.logical_axes, rules or shd.RULES))
 
 
 def stage_mesh(mesh: Mesh, stage: int) -> Mesh:
@@ -187,7 +190,7 @@ def stage_mesh(mesh: Mesh, stage: int) -> Mesh:
     return Mesh(np.take(mesh.devices, [stage], axis=ax), mesh.axis_names)
 
 
-def canonical_targets(specs: Any, mesh: Mesh) -> Any:
+def canonical_targets(specs: Any, mesh: Mesh, rules: dict | None = None) -> Any:
     """Restore target (sharded ShapeDtypeStructs) of the canonical layout on a pipeline mesh.
 
     Layer `i` goes to stage `i // Lps`'s devices only (split there by its other logical axes);
@@ -199,7 +202,7 @@ def canonical_targets(specs: Any, mesh: Mesh) -> Any:
     lps = check_stages(len(layers), num_stages)
 
     def target(spec, m):
-        return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=shd.named_sharding(m, spec.logical_axes))
+        return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=_sharding(m, spec, rules))
 
     whole = jax.tree.map(lambda sp: target(sp, mesh), specs.replace(layers=()), is_leaf=is_spec)
     stage_meshes = [stage_mesh(mesh, s) for s in range(num_stages)]
@@ -208,7 +211,8 @@ def canonical_targets(specs: Any, mesh: Mesh) -> Any:
         for i, layer in enumerate(layers)))
 
 
-def to_stacked(params: Any, specs: Any, mesh: Mesh, *, delete_sources: bool = False) -> Any:
+def to_stacked(params: Any, specs: Any, mesh: Mesh, *, delete_sources: bool = False,
+               rules: dict | None = None) -> Any:
     """Canonical params (host or device arrays) -> stacked-by-stage params placed on `mesh`.
 
     `specs` is the canonical spec tree (`param_specs(cfg)`). Non-layer leaves are placed by their
@@ -218,10 +222,10 @@ def to_stacked(params: Any, specs: Any, mesh: Mesh, *, delete_sources: bool = Fa
     num_stages = mesh.shape[shd.PIPELINE]
     stacked_specs = stack_stages(specs, num_stages)
     rest = jax.tree.map(
-        lambda sp, x: jax.device_put(x, shd.named_sharding(mesh, sp.logical_axes)),
+        lambda sp, x: jax.device_put(x, _sharding(mesh, sp, rules)),
         specs.replace(layers=()), params.replace(layers=()), is_leaf=is_spec)
     return rest.replace(layers=place_stacked_layers(params.layers, stacked_specs, mesh,
-                                                    delete_sources=delete_sources))
+                                                    delete_sources=delete_sources, rules=rules))
 
 
 def stage_kv_caches(num_layers: int, num_stages: int, shape: Sequence[int], dtype: Any, mesh: Mesh,
@@ -247,6 +251,24 @@ def unstack_kv_caches(caches: Sequence[Any]) -> tuple:
     """Per stage position `[S, ...]` caches -> canonical per-layer caches."""
     num_stages = caches[0].shape[0]
     return tuple(caches[j][s] for s in range(num_stages) for j in range(len(caches)))
+
+
+def split_microbatches(token_counts: Sequence[int], num_microbatches: int) -> list[list[int]]:
+    """Sequence indices per micro-batch: contiguous runs of whole sequences, balanced by tokens.
+
+    NOTE: contiguous keeps the decodes-first order inside every micro-batch, and whole sequences
+    mean no micro-batch ever attends to KV that a later micro-batch of the same step writes. A
+    micro-batch may be empty (fewer sequences than micro-batches).
+    """
+    total = sum(token_counts)
+    groups: list[list[int]] = [[] for _ in range(num_microbatches)]
+    start = 0
+    for i, n in enumerate(token_counts):
+        # the micro-batch whose share of the token axis holds this sequence's midpoint
+        g = min(num_microbatches - 1, int((start + n / 2) * num_microbatches / max(total, 1)))
+        groups[g].append(i)
+        start += n
+    return groups
 
 
 def schedule(num_microbatches: int, num_stages: int) -> list[list[tuple[int, int]]]:

@@ -41,6 +41,20 @@ def test_schedule_overlaps_stages():
             assert when[(s + 1, m)] == when[(s, m)] + 1  # next stage, next tick
 
 
+def test_split_microbatches_whole_sequences_balanced():
+    assert pipeline.split_microbatches([1, 1, 1, 1, 8, 4], 2) == [[0, 1, 2, 3], [4, 5]]
+    assert pipeline.split_microbatches([1, 1, 1, 1], 4) == [[0], [1], [2], [3]]
+    assert pipeline.split_microbatches([5], 3) == [[], [0], []]
+    assert pipeline.split_microbatches([], 2) == [[], []]
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        counts = list(rng.integers(1, 20, rng.integers(1, 12)))
+        groups = pipeline.split_microbatches(counts, 4)
+        assert [i for g in groups for i in g] == list(range(len(counts)))  # contiguous, in order
+        loads = [sum(counts[i] for i in g) for g in groups]
+        assert max(loads) <= sum(counts) / 4 + max(counts)  # never worse than one sequence over
+
+
 @pytest.mark.parametrize("num_stages,num_mb", [(4, 4), (2, 3), (4, 1)])
 def test_run_pipeline_toy_matches_sequential(num_stages, num_mb):
     """Per-stage matmul + a per-stage state that accumulates what the stage saw."""
