@@ -9,7 +9,9 @@
    the handle it already holds) builds the `ModelConfig` from the source's HF-style config and the
    tokenizer (before any weight is read, so a missing tokenizer fails fast), then fills the params
    tree tensor by tensor (HF and GGUF sources) or restores it from orbax straight into the target
-   shardings.
+   shardings. On a pipeline mesh the params come back stacked by stage (`jaxinfer.pipeline`):
+   orbax restores each layer onto its stage's devices, HF/GGUF tensors are read to the host and
+   each device receives only its slices.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from checkpoints.gguf import read_gguf
 from checkpoints.hf import HFCheckpoint, load_hf_config
 from checkpoints.orbax_io import PARAMS_DIR, is_orbax_checkpoint, restore_params
 from jaxinfer import params as params_lib
+from jaxinfer import pipeline
 from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
 from jaxinfer.default_model import default_model_path
@@ -144,10 +147,17 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
     if mesh is None:
         mesh = shd.make_mesh(None)
 
-    if kind == "orbax":
+    stages = dict(mesh.shape).get(shd.PIPELINE, 1)
+    rules = shd.model_rules(cfg, dict(mesh.shape).get(shd.TENSOR, 1))
+
+    if kind == "orbax" and stages > 1:  # each layer restored onto its own stage's devices
+        params = restore_params(path, pipeline.canonical_targets(specs, mesh, rules))
+    elif kind == "orbax":
         params = restore_params(path, params_lib.abstract(specs, mesh))
     else:
         def put(x, spec):
+            if stages > 1:  # NOTE: host arrays; `to_stacked` sends each device only its slices
+                return x
             return jax.device_put(x, shd.named_sharding(mesh, spec.logical_axes))
 
         try:
@@ -159,6 +169,8 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
         finally:
             if kind == "hf":
                 handle.close()
+    if stages > 1:  # the canonical layout -> layers stacked by pipeline stage
+        params = pipeline.to_stacked(params, specs, mesh, delete_sources=True, rules=rules)
     name = os.path.basename(os.path.normpath(path))
     return LoadedModel(name=name, path=path, source=kind, cfg=cfg, hf_config=hf_config,
                        params=params, tokenizer=tokenizer, dtype=dtype)

@@ -256,3 +256,30 @@ def test_orbax_restore_onto_stages_then_stacked(tmp_path, mesh_spec):
     np.testing.assert_array_equal(
         np.asarray(pipeline.unstack_stages(jax.tree.map(np.asarray, stacked)).layers[5].mlp.down),
         params.layers[5].mlp.down)
+
+
+def test_load_model_on_pipeline_mesh_hf_and_orbax(tmp_path):
+    """HF dir and its orbax conversion both load stacked by stage; unstacked == the weights."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from checkpoints.convert import convert
+    from jaxinfer.loader import load_model
+    from tests.model_utils import hf_config_dict, make_hf_model, params_from_torch
+    from tests.test_convert import _write_tokenizer
+
+    model, _ = make_hf_model("llama")  # 2 layers
+    src = tmp_path / "hf"
+    model.save_pretrained(str(src), safe_serialization=True)
+    _write_tokenizer(src)
+    convert(src, tmp_path / "orbax", dtype="float32")
+    want = jax.tree.map(np.asarray, params_from_torch(model, ModelConfig.from_hf(hf_config_dict("llama"))))
+    mesh = _mesh("pipeline=2,tensor=2")
+    for path in (src, tmp_path / "orbax"):
+        got = load_model(path, dtype="float32", mesh=mesh).params
+        assert len(got.layers) == 1 and got.layers[0].attn.q.shape[0] == 2
+        assert got.layers[0].mlp.down.sharding.spec == P("pipeline", "tensor", None)
+        for shard in got.layers[0].mlp.down.addressable_shards:
+            assert shard.device in set(pipeline.stage_mesh(mesh, shard.index[0].start).devices.flat)
+        back = pipeline.unstack_stages(jax.tree.map(np.asarray, got))
+        for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)
