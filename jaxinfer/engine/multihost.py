@@ -1,0 +1,234 @@
+"""Multi-host (multi-process) serving: one leader drives every process's device step.
+
+Every process runs the same compiled programs on one global mesh (each program is a collective
+over all processes' devices), so every process must call the same jitted step with the same
+inputs in the same order. Only process 0 (the leader) runs the scheduler and the gRPC server.
+
+1. `initialize(coordinator, num_processes, process_id)` starts `jax.distributed` before anything
+   touches a device (on CPU with the gloo collectives, so cross-process psums work there too).
+2. `StepChannel` carries (control word, payload) from the leader to every process. Each message
+   is one broadcast of a fixed-size frame: a header (magic, control, sequence number, payload
+   length) followed by the pickled payload when it fits; a larger payload follows in a second
+   broadcast whose size (a power of two) every process reads from the header first. So shapes are
+   known everywhere before data moves, and the broadcast programs compile once per size class.
+3. On the leader, `attach_leader(runner, channel)` makes the runner broadcast before it runs:
+   `warmup()` sends WARMUP, every `run(prepared)` sends RUN with the prepared host inputs (a
+   pytree of numpy arrays, `ModelRunner.prepare`'s output). The leader's engine is otherwise the
+   single-process engine; steps with nothing scheduled never reach the runner, so idle costs no
+   traffic.
+4. On the others, `follow(runner, channel)` loops: receive → `runner.warmup()` / `runner.run(...)`
+   → repeat, until SHUTDOWN, which the leader sends once on exit (`channel.shutdown()`).
+5. `broadcast_config(value)` sends any picklable value once (e.g. the leader's resolved server
+   flags), so that every process builds the same engine; `device_put_global` places host data
+   on a multi-process sharding without `jax.device_put`'s cross-process equality check.
+
+NOTE: results are read on the leader only; the step's outputs must be fully replicated (or at
+least addressable on process 0) for that.
+NOTE: payloads are pickled: they only ever come from process 0 of the same job, over the JAX
+collectives, never from clients.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+RUN, WARMUP, DATA, SHUTDOWN = 1, 2, 3, 4
+CONTROL_NAMES = {RUN: "run", WARMUP: "warmup", DATA: "data", SHUTDOWN: "shutdown"}
+
+_MAGIC = 0x6A61_7869_6E66  # "jaxinf"
+_HEADER_WORDS = 4  # magic, control, sequence number, payload bytes
+_HEADER_BYTES = _HEADER_WORDS * 8
+FRAME_BYTES = 16 << 10  # NOTE: a typical step's inputs pickle to a few KiB: one broadcast per step
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """Starts `jax.distributed`; call it before anything else touches a device.
+
+    Args:
+      coordinator_address: "host:port" of process 0's coordination service (every process gives
+        the same address; process 0 listens on its port).
+      num_processes: how many processes form the job.
+      process_id: this process's rank, 0 .. num_processes - 1 (0 is the leader).
+    """
+    if num_processes < 1:
+        raise ValueError(f"--num-processes must be >= 1, got {num_processes}")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"--process-id must be in [0, {num_processes}), got {process_id}")
+    if ":" not in coordinator_address:
+        raise ValueError(f"--coordinator-address must be host:port, got {coordinator_address!r}")
+    # NOTE: XLA:CPU needs a cross-process collectives implementation; gloo is the default in
+    # jax 0.10 but is named explicitly so a changed default cannot turn psums into errors.
+    if "jax_cpu_collectives_implementation" in jax.config.values:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
+    logger.info("process %d of %d: %d local devices of %d (%s)", jax.process_index(),
+                jax.process_count(), jax.local_device_count(), jax.device_count(),
+                jax.devices()[0].platform)
+
+
+def is_leader() -> bool:
+    return jax.process_index() == 0
+
+
+def device_put_global(tree: Any, shardings: Any) -> Any:
+    """`jax.device_put(tree, shardings)` for host data that every process holds in full.
+
+    With several processes `jax.device_put` first checks, with a collective per leaf, that every
+    process passed equal data; here each process slices its own copy instead (the channel already
+    made the copies equal).
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+
+    def put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(put, tree, shardings)
+
+
+def _broadcast(buf: np.ndarray) -> np.ndarray:
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(buf))
+
+
+def _size_class(nbytes: int) -> int:
+    """Power of two >= nbytes (and >= 2 frames): few shapes, so few broadcast programs."""
+    return max(2 * FRAME_BYTES, 1 << max(0, nbytes - 1).bit_length())
+
+
+class ChannelError(RuntimeError):
+    """The processes disagree about the message stream (a bug, or mismatched binaries)."""
+
+
+class StepChannel:
+    """Leader -> every process messages: (control word, picklable payload)."""
+
+    def __init__(self) -> None:
+        self.seq = 0  # messages so far; every process counts, and the header must agree
+        self.closed = False
+        self.bytes_sent = 0
+        self.broadcasts = 0
+        self.seconds = 0.0
+
+    def send(self, control: int, payload: Any = None) -> None:
+        """Leader only: broadcasts one message (every other process must be in `recv`)."""
+        if not is_leader():
+            raise ChannelError("only process 0 sends on the step channel")
+        if self.closed:
+            raise ChannelError("the step channel was shut down")
+        start = time.perf_counter()
+        body = b"" if payload is None else pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        frame = np.zeros(FRAME_BYTES, np.uint8)
+        frame[:_HEADER_BYTES] = np.array([_MAGIC, control, self.seq, len(body)], np.int64).view(np.uint8)
+        inline = len(body) <= FRAME_BYTES - _HEADER_BYTES
+        if inline:
+            frame[_HEADER_BYTES:_HEADER_BYTES + len(body)] = np.frombuffer(body, np.uint8)
+        self._transfer(frame)
+        if not inline:
+            big = np.zeros(_size_class(len(body)), np.uint8)
+            big[:len(body)] = np.frombuffer(body, np.uint8)
+            self._transfer(big)
+        self.seq += 1
+        self.bytes_sent += len(body)
+        self.seconds += time.perf_counter() - start
+        if control == SHUTDOWN:
+            self.closed = True
+
+    def recv(self) -> tuple[int, Any]:
+        """Every process but the leader: blocks until the leader's next message."""
+        if is_leader():
+            raise ChannelError("process 0 sends on the step channel; it never receives")
+        frame = self._transfer(np.zeros(FRAME_BYTES, np.uint8))
+        magic, control, seq, nbytes = (int(v) for v in frame[:_HEADER_BYTES].view(np.int64))
+        if magic != _MAGIC or control not in CONTROL_NAMES:
+            raise ChannelError(f"corrupt step-channel header {[magic, control, seq, nbytes]}")
+        if seq != self.seq:
+            raise ChannelError(f"message {seq} arrived while message {self.seq} was expected: "
+                               f"the processes fell out of step")
+        if nbytes <= FRAME_BYTES - _HEADER_BYTES:
+            body = frame[_HEADER_BYTES:_HEADER_BYTES + nbytes]
+        else:
+            body = self._transfer(np.zeros(_size_class(nbytes), np.uint8))[:nbytes]
+        self.seq += 1
+        if control == SHUTDOWN:
+            self.closed = True
+        return control, (pickle.loads(body.tobytes()) if nbytes else None)
+
+    def _transfer(self, buf: np.ndarray) -> np.ndarray:
+        self.broadcasts += 1
+        return _broadcast(buf)
+
+    def shutdown(self) -> None:
+        """Leader: tells the followers to exit their loop (idempotent)."""
+        if not self.closed:
+            self.send(SHUTDOWN)
+
+
+def broadcast_config(channel: StepChannel, value: Any = None) -> Any:
+    """The leader's `value` on every process (followers pass nothing)."""
+    if is_leader():
+        channel.send(DATA, value)
+        return value
+    control, payload = channel.recv()
+    if control != DATA:
+        raise ChannelError(f"expected a data message, got {CONTROL_NAMES[control]!r}")
+    return payload
+
+
+def attach_leader(runner: Any, channel: StepChannel) -> Any:
+    """Makes `runner` (a `ModelRunner`) broadcast WARMUP / RUN before doing either itself.
+
+    NOTE: wraps the instance's `warmup` and `run`, not `execute`, so the runner's own
+    prepare → run → unpack sequence stays the one source of truth.
+    """
+    run, warmup = runner.run, runner.warmup
+
+    def broadcasting_run(prepared: Any) -> Any:
+        channel.send(RUN, prepared)
+        return run(prepared)
+
+    def broadcasting_warmup() -> int:
+        channel.send(WARMUP)
+        return warmup()
+
+    runner.run, runner.warmup = broadcasting_run, broadcasting_warmup
+    runner.channel = channel
+    return runner
+
+
+def follow(runner: Any, channel: StepChannel, *, on_step: Any = None) -> int:
+    """A follower's whole life: run what the leader sends until SHUTDOWN; returns steps run.
+
+    Args:
+      runner: this process's `ModelRunner`, built exactly like the leader's.
+      channel: the step channel.
+      on_step: optional callback(prepared, results) after each step (tests record tokens).
+    """
+    steps = 0
+    while True:
+        control, payload = channel.recv()
+        if control == RUN:
+            results = runner.run(payload)
+            steps += 1
+            if on_step is not None:
+                on_step(payload, results)
+        elif control == WARMUP:
+            runner.warmup()
+        elif control == SHUTDOWN:
+            logger.info("follower %d: shutdown after %d steps", jax.process_index(), steps)
+            return steps
+        else:
+            raise ChannelError(f"a follower cannot handle a {CONTROL_NAMES[control]!r} message here")
