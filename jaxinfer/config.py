@@ -19,7 +19,11 @@ import os
 from typing import Any
 
 # NOTE: model_type -> family defaults. Every family here runs through `jaxinfer.models.llama`.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+# NOTE: MoE config fields that only matter when training (load-balancing loss, router noise); they
+# are accepted and ignored. Every other MoE field either changes the math we run or raises.
+MOE_TRAINING_ONLY_FIELDS = ("router_aux_loss_coef", "output_router_logits", "router_jitter_noise")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SUPPORTED_ACTIVATIONS = {
     "silu": "silu",
@@ -74,6 +78,15 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     # Per layer: the sliding window (number of keys a query may see, itself included) or None.
     layer_windows: tuple[int | None, ...] = ()
+    # Mixture of experts (Mixtral, Qwen3-MoE): 0 experts = dense everywhere.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # F of each expert (dense layers keep intermediate_size)
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    moe_layers: tuple[bool, ...] = ()  # per layer: sparse MoE block (True) or dense gated MLP
+
+    def is_moe_layer(self, i: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[i]
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -92,9 +105,11 @@ class ModelConfig:
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
         norms = e * (4 if self.sandwich_norm else 2) + (2 * d if self.qk_norm else 0)
-        layer = attn + 3 * e * f + norms
+        dense = 3 * e * f
+        sparse = self.num_experts * (e + 3 * e * self.moe_intermediate_size)  # router + experts
+        mlps = sum(sparse if self.is_moe_layer(i) else dense for i in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else self.vocab_size * e
-        return self.vocab_size * e + self.num_layers * layer + e + head
+        return self.vocab_size * e + self.num_layers * (attn + norms) + mlps + e + head
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -144,6 +159,8 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
 def _layer_windows(hf: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
     window = hf.get("sliding_window")
     layer_types = hf.get("layer_types")
+    if model_type == "qwen3_moe" and not hf.get("use_sliding_window", False):
+        window = None  # HF Qwen3-MoE drops sliding_window unless use_sliding_window; then every layer slides
     if model_type == "qwen2" and not hf.get("use_sliding_window", False):
         return (None,) * num_layers
     if model_type in ("llama", "gemma", "qwen3") and layer_types is None:
@@ -204,6 +221,7 @@ def _from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise UnsupportedConfigError("use_bidirectional_attention=True is not supported")
 
     attention_bias = bool(hf.get("attention_bias", False))
+    moe = _moe_from_hf(hf, model_type, num_layers)
     return ModelConfig(
         model_type=model_type,
         vocab_size=int(_require(hf, "vocab_size")),
@@ -220,7 +238,7 @@ def _from_hf(hf: dict[str, Any]) -> ModelConfig:
         activation=SUPPORTED_ACTIVATIONS[act_name],
         qkv_bias=model_type == "qwen2" or attention_bias,
         o_bias=attention_bias and model_type not in ("qwen2",),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         norm_offset=1.0 if gemma else 0.0,
         embed_scale=gemma,
         sandwich_norm=model_type == "gemma2",
@@ -232,7 +250,52 @@ def _from_hf(hf: dict[str, Any]) -> ModelConfig:
         final_logit_softcap=(float(hf["final_logit_softcapping"])
                              if hf.get("final_logit_softcapping") else None),
         layer_windows=_layer_windows(hf, model_type, num_layers),
+        **moe,
     )
+
+
+def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """The MoE fields of ModelConfig: Mixtral (softmax → top-k → renormalise, every layer sparse)
+    and Qwen3-MoE (`norm_topk_prob`, dense layers from `mlp_only_layers`/`decoder_sparse_step`)."""
+    if model_type not in MOE_MODEL_TYPES:
+        for key in ("num_local_experts", "num_experts", "moe_intermediate_size"):
+            if hf.get(key):
+                raise UnsupportedConfigError(f"{key}={hf[key]} on model_type={model_type!r}: "
+                                             f"mixture of experts is supported for {MOE_MODEL_TYPES}")
+        return {}
+    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
+                "routed_scaling_factor", "topk_group", "n_group", "router_bias"):
+        if hf.get(key):
+            raise UnsupportedConfigError(f"{model_type}: {key}={hf[key]} is not supported")
+    # NOTE: transformers aliases num_experts and num_local_experts in both families (hub Mixtral
+    # configs write the latter, hub Qwen3-MoE the former, transformers 5 writes num_local_experts).
+    counts = {k: int(hf[k]) for k in ("num_local_experts", "num_experts") if hf.get(k) is not None}
+    if not counts:
+        raise UnsupportedConfigError(f"{model_type} config is missing required field 'num_experts' "
+                                     f"(or 'num_local_experts')")
+    if len(set(counts.values())) > 1:
+        raise UnsupportedConfigError(f"{model_type}: num_local_experts and num_experts differ: {counts}")
+    num_experts = next(iter(counts.values()))
+    if model_type == "mixtral":
+        ffn = int(_require(hf, "intermediate_size"))
+        norm_topk, moe_layers = True, (True,) * num_layers
+    else:
+        ffn = int(_require(hf, "moe_intermediate_size"))
+        norm_topk = bool(hf.get("norm_topk_prob", False))
+        step = int(1 if hf.get("decoder_sparse_step") is None else hf["decoder_sparse_step"])
+        if step < 1:
+            raise UnsupportedConfigError(f"decoder_sparse_step must be >= 1, got {step}")
+        dense = set(hf.get("mlp_only_layers") or ())
+        if bad := sorted(i for i in dense if not 0 <= int(i) < num_layers):
+            raise UnsupportedConfigError(f"mlp_only_layers {bad} are outside 0..{num_layers - 1}")
+        moe_layers = tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0
+                           for i in range(num_layers))
+    top_k = int(_require(hf, "num_experts_per_tok"))
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise UnsupportedConfigError(
+            f"{model_type}: num_experts_per_tok={top_k} must be in 1..number of experts ({num_experts})")
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=ffn,
+                norm_topk_prob=norm_topk, moe_layers=moe_layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +310,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
+    # The device mesh, e.g. "tensor=4" or "data=2,tensor=4" (see `sharding.parse_mesh`); "" is
+    # one device. With data=N, num_pages and max_num_seqs are totals split evenly over the N
+    # replicas and max_num_batched_tokens is each replica's per-step budget.
+    mesh: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -256,6 +323,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
+        from jaxinfer.sharding import parse_mesh  # NOTE: lazy: config imports no JAX
+
+        parse_mesh(self.mesh)  # unknown axes and bad sizes fail here, naming the axis
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:

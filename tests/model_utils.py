@@ -35,16 +35,30 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+# MoE families (tests/test_moe.py); kept apart so test_model_parity's dense sweep stays as it is.
+MOE_FAMILIES: dict[str, dict] = {
+    "mixtral": dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2,
+                    intermediate_size=64, sliding_window=None, rope_theta=1e6),
+    # layer 1 dense (mlp_only_layers), top-3 without renormalisation
+    "qwen3_moe": dict(model_type="qwen3_moe", num_hidden_layers=3, num_experts=8,
+                      num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False,
+                      mlp_only_layers=[1]),
+    # decoder_sparse_step=2: layer 0 dense, layer 1 sparse; renormalised top-2
+    "qwen3_moe_step2": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2),
+}
+
+
 def hf_config_dict(family: str) -> dict:
-    return {**BASE, **FAMILIES[family]}
+    return {**BASE, **(FAMILIES.get(family) or MOE_FAMILIES[family])}
 
 
-def make_hf_model(family: str, seed: int = 0):
+def make_hf_model(family: str, seed: int = 0, **overrides):
     """A tiny random HF model in f32 with weights scaled so the logits are far from flat."""
     import torch
     import transformers
 
-    cfg_dict = hf_config_dict(family)
+    cfg_dict = {**hf_config_dict(family), **overrides}
     model_type = cfg_dict.pop("model_type")
     config = transformers.AutoConfig.for_model(model_type, **cfg_dict)
     config._attn_implementation = "eager"

@@ -27,12 +27,13 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxinfer import layers
+from jaxinfer import layers, moe
 from jaxinfer import pipeline as pipeline_lib
 from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
+from jaxinfer.moe import MoEParams
 from jaxinfer.params import ParamSpec, checked_array, map_specs, partition_specs
-from jaxinfer.sharding import DATA, PIPELINE, TENSOR, Parallel, kv_heads_split, model_rules
+from jaxinfer.sharding import (DATA, EXPERT, PIPELINE, TENSOR, Parallel, kv_heads_split, model_rules)
 from jaxinfer.step import StepInputs
 
 
@@ -59,7 +60,7 @@ class LayerParams:
     attn_norm: Any  # [E]
     attn: AttentionParams
     mlp_norm: Any  # [E]
-    mlp: MLPParams
+    mlp: MLPParams | MoEParams  # MoEParams on the sparse layers of Mixtral / Qwen3-MoE
     post_attn_norm: Any = None  # [E] Gemma 2
     post_mlp_norm: Any = None  # [E] Gemma 2
 
@@ -85,7 +86,13 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
     def norm(size, axis="norm"):
         return ParamSpec((size,), dtype, (axis,), norm_init)
 
-    def layer() -> LayerParams:
+    def sparse_mlp() -> MoEParams:
+        x, fm = cfg.num_experts, cfg.moe_intermediate_size
+        return MoEParams(router=w((e, x), ("embed", None)),
+                         gate_up=w((x, e, 2, fm), ("experts", "embed", None, "mlp")),
+                         down=w((x, fm, e), ("experts", "mlp", "embed")))
+
+    def layer(i: int) -> LayerParams:
         attn = AttentionParams(
             q=w((e, hq * d), ("embed", "q_heads")),
             kv=w((e, 2, hkv * d), ("embed", None, "kv_heads")),
@@ -96,7 +103,8 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
             q_norm=norm(d, "head_dim") if cfg.qk_norm else None,
             k_norm=norm(d, "head_dim") if cfg.qk_norm else None,
         )
-        mlp = MLPParams(gate_up=w((e, 2, f), ("embed", None, "mlp")), down=w((f, e), ("mlp", "embed")))
+        mlp = (sparse_mlp() if cfg.is_moe_layer(i) else
+               MLPParams(gate_up=w((e, 2, f), ("embed", None, "mlp")), down=w((f, e), ("mlp", "embed"))))
         return LayerParams(
             attn_norm=norm(e), attn=attn, mlp_norm=norm(e), mlp=mlp,
             post_attn_norm=norm(e) if cfg.sandwich_norm else None,
@@ -105,16 +113,18 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
 
     return Params(
         embed=w((v, e), ("vocab", "embed")),
-        layers=tuple(layer() for _ in range(cfg.num_layers)),
+        layers=tuple(layer(i) for i in range(cfg.num_layers)),
         final_norm=norm(e),
         lm_head=None if cfg.tie_word_embeddings else w((e, v), ("embed", "vocab")),
     )
 
 
-def _hf_name_map(cfg: ModelConfig) -> dict[str, tuple]:
+def _hf_name_map(cfg: ModelConfig, names: Iterable[str] = ()) -> dict[str, tuple]:
     """HF tensor name -> (path into Params, transform from the HF layout to ours[, slot]).
 
-    A `slot` places the tensor at index `slot` of the leaf's second-to-last axis (fused leaves).
+    A `slot` places the tensor at index `slot` of the leaf's second-to-last axis (fused leaves), or,
+    when it is a tuple, at that index of the leaf (one expert of a stacked expert leaf). `names` (the
+    checkpoint's) picks between the per-expert and the fused expert layouts of MoE checkpoints.
     """
     def ident(x):
         return x
@@ -140,10 +150,15 @@ def _hf_name_map(cfg: ModelConfig) -> dict[str, tuple]:
             p + "self_attn.k_proj.weight": (L + ("attn", "kv"), transpose, 0),
             p + "self_attn.v_proj.weight": (L + ("attn", "kv"), transpose, 1),
             p + "self_attn.o_proj.weight": (L + ("attn", "o"), transpose),
-            p + "mlp.gate_proj.weight": (L + ("mlp", "gate_up"), transpose, 0),
-            p + "mlp.up_proj.weight": (L + ("mlp", "gate_up"), transpose, 1),
-            p + "mlp.down_proj.weight": (L + ("mlp", "down"), transpose),
         })
+        if cfg.is_moe_layer(i):
+            out.update(_hf_moe_names(cfg, i, names))
+        else:
+            out.update({
+                p + "mlp.gate_proj.weight": (L + ("mlp", "gate_up"), transpose, 0),
+                p + "mlp.up_proj.weight": (L + ("mlp", "gate_up"), transpose, 1),
+                p + "mlp.down_proj.weight": (L + ("mlp", "down"), transpose),
+            })
         if cfg.qkv_bias:
             out[p + "self_attn.q_proj.bias"] = (L + ("attn", "q_bias"), ident)
             out[p + "self_attn.k_proj.bias"] = (L + ("attn", "kv_bias"), ident, 0)
@@ -156,6 +171,38 @@ def _hf_name_map(cfg: ModelConfig) -> dict[str, tuple]:
         if cfg.sandwich_norm:
             out[p + "post_attention_layernorm.weight"] = (L + ("post_attn_norm",), ident)
             out[p + "post_feedforward_layernorm.weight"] = (L + ("post_mlp_norm",), ident)
+    return out
+
+
+def _hf_moe_names(cfg: ModelConfig, i: int, names: Iterable[str]) -> dict[str, tuple]:
+    """Expert tensors of sparse layer `i`, in the layout the checkpoint uses.
+
+    Hub checkpoints (and transformers 5's `save_pretrained`) store one tensor per expert: Mixtral
+    `block_sparse_moe.gate` + `experts.{j}.w1/w3/w2` (gate/up/down), Qwen3-MoE `mlp.gate` +
+    `mlp.experts.{j}.gate_proj/up_proj/down_proj`. transformers 5 models hold them fused in memory
+    (`mlp.experts.gate_up_proj [X, 2F, E]`, `mlp.experts.down_proj [X, E, F]`, router `mlp.gate`);
+    a state dict taken from such a model uses that form.
+    """
+    x, e, fm = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    L = ("layers", i, "mlp")
+    fused = f"model.layers.{i}.mlp.experts.gate_up_proj"
+    if fused in set(names):
+        p = f"model.layers.{i}.mlp."
+        return {
+            p + "gate.weight": (L + ("router",), lambda t: t.T),
+            fused: (L + ("gate_up",), lambda t: t.reshape(x, 2, fm, e).transpose(0, 3, 1, 2)),
+            p + "experts.down_proj": (L + ("down",), lambda t: t.transpose(0, 2, 1)),
+        }
+    if cfg.model_type == "mixtral":
+        p, parts = f"model.layers.{i}.block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        p, parts = f"model.layers.{i}.mlp.", ("gate_proj", "up_proj", "down_proj")
+    out = {p + "gate.weight": (L + ("router",), lambda t: t.T)}
+    for j in range(x):
+        q = f"{p}experts.{j}."
+        out[q + parts[0] + ".weight"] = (L + ("gate_up",), lambda t: t.T, (j, slice(None), 0))
+        out[q + parts[1] + ".weight"] = (L + ("gate_up",), lambda t: t.T, (j, slice(None), 1))
+        out[q + parts[2] + ".weight"] = (L + ("down",), lambda t: t.T, (j,))
     return out
 
 
@@ -193,8 +240,8 @@ def params_from_hf(
     """
     put = put or (lambda x, spec: jnp.asarray(x))
     specs = param_specs(cfg, dtype)
-    name_map = _hf_name_map(cfg)
     names = list(names)
+    name_map = _hf_name_map(cfg, names)
     unexpected = [n for n in names if n not in name_map and not _IGNORED.match(n)
                   and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
     if unexpected:
@@ -206,6 +253,10 @@ def params_from_hf(
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
     params = map_specs(lambda s: None, specs)
     fused: dict[tuple, np.ndarray] = {}  # path -> host buffer being filled slot by slot
+    parts_left: dict[tuple, int] = {}  # path -> slots not yet filled
+    for path, _, *slot in name_map.values():
+        if slot:
+            parts_left[path] = parts_left.get(path, 0) + 1
     for name, (path, transform, *slot) in name_map.items():
         spec = _get_path(specs, path)
         raw = np.asarray(get_tensor(name))
@@ -216,11 +267,13 @@ def params_from_hf(
         if not slot:
             params = _set_path(params, path, put(checked_array(name, value, spec), spec))
             continue
-        part = dataclasses.replace(spec, shape=spec.shape[:-2] + spec.shape[-1:],
-                                   logical_axes=spec.logical_axes[:-2] + spec.logical_axes[-1:])
+        index = slot[0] if isinstance(slot[0], tuple) else (..., slot[0], slice(None))
+        part_shape = np.broadcast_to(np.empty((), np.int8), spec.shape)[index].shape
+        part = dataclasses.replace(spec, shape=part_shape, logical_axes=(None,) * len(part_shape))
         buf = fused.setdefault(path, np.empty(spec.shape, spec.dtype))
-        buf[..., slot[0], :] = checked_array(name, value, part)
-        if slot[0] == spec.shape[-2] - 1:  # NOTE: the name map lists every slot in order
+        buf[index] = checked_array(name, value, part)
+        parts_left[path] -= 1
+        if not parts_left[path]:  # NOTE: slots never overlap; a leaf is placed once all are in
             params = _set_path(params, path, put(fused.pop(path), spec))
     return params
 
@@ -278,8 +331,12 @@ def _decoder_layer(p: LayerParams, cfg: ModelConfig, window: int | None, h: jax.
         h = h + x
     with jax.named_scope("mlp"):
         x = layers.rms_norm(h, p.mlp_norm, eps, off)
-        x = layers.gated_mlp(x, p.mlp.gate_up, p.mlp.down, cfg.activation)
-        x = par.psum(x, TENSOR)  # down was row-split: partial sums
+        if isinstance(p.mlp, MoEParams):
+            x = moe.moe_mlp(x, p.mlp, cfg, par, step.slot_mapping >= 0)
+            x = par.psum(x, EXPERT, TENSOR)
+        else:
+            x = layers.gated_mlp(x, p.mlp.gate_up, p.mlp.down, cfg.activation)
+            x = par.psum(x, TENSOR)  # down was row-split: partial sums
         if cfg.sandwich_norm:
             x = layers.rms_norm(x, p.post_mlp_norm, eps, off)
         h = h + x

@@ -1,0 +1,241 @@
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE) with expert parallelism.
+
+Runs per device inside the model's `shard_map` (manual SPMD) on local shards: experts split on the
+`expert` mesh axis, each expert's F split on `tensor`, the router replicated. With every axis of
+`par` at 1 it is the plain single-device block, with no collectives.
+
+1. Route (`route`): router logits in f32 over all X experts, softmax, `jax.lax.top_k`, optional
+   renormalisation of the k weights. Padding tokens (`valid` False) get the sentinel expert id X
+   and weight 0, so they never reach an expert.
+2. Dispatch, one of (`moe_mlp(..., dispatch=)`, rule in `choose_dispatch`):
+   a. "replicated": every device holds all T tokens; it keeps the assignments of its own
+      X_local experts (ids `par.index(EXPERT) * X_local + [0, X_local)`), the rest are unrouted.
+   b. "all_to_all": device i of the expert axis routes only tokens [i*T/ep, (i+1)*T/ep) and sends
+      each assignment's row to the device owning its expert, then gets the results back. With
+      `ragged=True` (GPU/TPU) that is `jax.lax.ragged_all_to_all` (only real rows travel); otherwise a
+      capacity-padded `jax.lax.all_to_all` that runs everywhere, drop-free by construction.
+3. Experts (`_grouped_ffn`): rows sorted by local expert, group sizes counted (unrouted rows fall
+   past the last group), `jax.lax.ragged_dot` for gate/up and down, rows put back in order.
+4. Combine: each assignment's output times its router weight, summed per token.
+
+Returns a PARTIAL [T, E]: the sum over this device's experts and F slice (and, for all_to_all, only
+this device's token rows). The caller completes it with `par.psum(out, EXPERT, TENSOR)`, the same
+call for both dispatches.
+
+Einsum legend: t = token, e = embed, x = expert, f = expert MLP hidden, k = expert slot of a token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer import layers
+from jaxinfer.config import ModelConfig
+from jaxinfer.sharding import EXPERT, Parallel
+
+# NOTE: below this many tokens per step the replicated dispatch is used even when all_to_all is
+# possible: decode steps and small prefills are latency-bound, and the replicated path needs no
+# collective besides the caller's psum. Above it, each device gathering and sorting all T*k
+# assignment rows (replicated) costs more than two all-to-alls of T*k/ep rows.
+A2A_MIN_TOKENS = 1024
+
+DISPATCHES = ("auto", "replicated", "all_to_all")
+
+
+@struct.dataclass
+class MoEParams:
+    router: Any  # [E, X]  replicated
+    gate_up: Any  # [X, E, 2, F]  gate and up projections of every expert fused
+    down: Any  # [X, F, E]
+
+
+@struct.dataclass
+class Routing:
+    weights: jax.Array  # f32[T, k]  0 for padding tokens
+    experts: jax.Array  # i32[T, k]  global expert ids; X (no expert) for padding tokens
+
+
+def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, valid: jax.Array) -> Routing:
+    """Top-k routing of `x` [T, E] over all experts (f32), padding tokens unrouted."""
+    with jax.named_scope("router"):
+        logits = jnp.einsum("te,ex->tx", x.astype(jnp.float32), router.astype(jnp.float32))
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+        if cfg.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        valid = valid[:, None]
+        return Routing(weights=jnp.where(valid, weights, 0.0),
+                       experts=jnp.where(valid, experts, cfg.num_experts).astype(jnp.int32))
+
+
+def group_sizes(local_ids: jax.Array, num_local: int) -> jax.Array:
+    """i32[num_local] rows per local expert; ids outside [0, num_local) are not counted."""
+    # NOTE: negative ids are masked explicitly: JAX index updates wrap negative indices.
+    inside = (local_ids >= 0) & (local_ids < num_local)
+    return jnp.zeros((num_local,), jnp.int32).at[jnp.where(inside, local_ids, num_local)].add(
+        1, mode="drop")
+
+
+def choose_dispatch(num_tokens: int, par: Parallel, dispatch: str = "auto") -> str:
+    """The documented rule: all_to_all for large steps whose tokens split evenly over `expert`."""
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+    can_a2a = par.expert > 1 and num_tokens % par.expert == 0
+    if dispatch == "all_to_all" and not can_a2a:
+        raise ValueError(f"all_to_all dispatch needs an expert axis > 1 that divides the {num_tokens} "
+                         f"tokens (expert={par.expert}); use dispatch='replicated'")
+    if dispatch == "auto":
+        return "all_to_all" if can_a2a and num_tokens >= A2A_MIN_TOKENS else "replicated"
+    return dispatch
+
+
+def default_ragged() -> bool:
+    """ragged_all_to_all is implemented by XLA on GPU and TPU, not on CPU."""
+    return jax.default_backend() in ("gpu", "tpu")
+
+
+def moe_mlp(x: jax.Array, p: MoEParams, cfg: ModelConfig, par: Parallel, valid: jax.Array, *,
+            dispatch: str = "auto", ragged: bool | None = None) -> jax.Array:
+    """Sparse MoE block on local shards; returns the partial sum the caller psums.
+
+    Args:
+      x: [T, E] tokens, the same on every device of the `expert` and `tensor` axes.
+      p: local shards: router [E, X], gate_up [X_local, E, 2, F_local], down [X_local, F_local, E].
+      par: static mesh axis sizes (all 1 on a single device).
+      valid: bool[T], False for padding tokens (the model passes `step.slot_mapping >= 0`).
+      dispatch: "auto" (see `choose_dispatch`), "replicated" or "all_to_all".
+      ragged: all_to_all via `ragged_all_to_all` (default: on GPU/TPU) or capacity-padded.
+    Returns:
+      [T, E] partial output; `par.psum(out, EXPERT, TENSOR)` gives the block's output.
+    """
+    num_local = p.gate_up.shape[0]
+    if num_local * par.expert != cfg.num_experts:
+        raise ValueError(f"{cfg.num_experts} experts do not split into {par.expert} expert shards of "
+                         f"{num_local}; make num_experts divisible by the expert axis")
+    mode = choose_dispatch(x.shape[0], par, dispatch)
+    with jax.named_scope("moe"):
+        if mode == "replicated":
+            return _replicated(x, p, cfg, par, valid)
+        if ragged is None:
+            ragged = default_ragged()
+        return (_ragged_a2a if ragged else _padded_a2a)(x, p, cfg, par, valid)
+
+
+def _grouped_ffn(rows: jax.Array, local_ids: jax.Array, p: MoEParams, act: str) -> jax.Array:
+    """rows [N, E] through expert `local_ids[i]` each ([N]; out of range -> zero row)."""
+    num_local, e, _, f = p.gate_up.shape
+    with jax.named_scope("experts"):
+        key = jnp.where((local_ids >= 0) & (local_ids < num_local), local_ids, num_local)
+        order = jnp.argsort(key, stable=True)
+        sizes = group_sizes(key, num_local)
+        xs = jnp.take(rows, order, axis=0)
+        # NOTE: rows past sum(sizes) (the unrouted ones, sorted last) belong to no group:
+        # ragged_dot leaves them zero and the where below makes sure of it.
+        gu = jax.lax.ragged_dot(xs, p.gate_up.reshape(num_local, e, 2 * f), sizes)
+        h = layers.activation(act, gu[:, :f]) * gu[:, f:]
+        ys = jax.lax.ragged_dot(h, p.down, sizes)
+        ys = jnp.where((jnp.arange(ys.shape[0]) < jnp.sum(sizes))[:, None], ys, 0)
+        return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
+
+
+def _replicated(x, p, cfg, par, valid):
+    t, k = x.shape[0], cfg.num_experts_per_tok
+    num_local = p.gate_up.shape[0]
+    r = route(x, p.router, cfg, valid)
+    local = (r.experts - par.index(EXPERT) * num_local).reshape(t * k)  # assignment (t, j) at row t*k + j
+    ys = _grouped_ffn(jnp.repeat(x, k, axis=0), local, p, cfg.activation)
+    with jax.named_scope("combine"):
+        return jnp.einsum("tke,tk->te", ys.reshape(t, k, -1), r.weights.astype(ys.dtype))
+
+
+def _local_tokens(x, valid, par):
+    """This device's contiguous 1/ep of the tokens (the all_to_all dispatches' token shard)."""
+    t_local = x.shape[0] // par.expert
+    start = par.index(EXPERT) * t_local
+    return (jax.lax.dynamic_slice_in_dim(x, start, t_local),
+            jax.lax.dynamic_slice_in_dim(valid, start, t_local), start)
+
+
+def _place_local(out_local, t, start):
+    """Local token rows into a zero [T, E] (the caller's psum over `expert` fills the rest)."""
+    out = jnp.zeros((t,) + out_local.shape[1:], out_local.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(out, out_local, start, axis=0)
+
+
+def _padded_a2a(x, p, cfg, par, valid):
+    """Capacity-padded all_to_all: a [ep, C, E] send buffer, C = T_local * min(k, X_local).
+
+    NOTE: drop-free by construction: a token sends at most min(k, X_local) rows to one device (its
+    k experts are distinct), so no destination can receive more than C rows from one source.
+    """
+    t, k, ep = x.shape[0], cfg.num_experts_per_tok, par.expert
+    num_local = p.gate_up.shape[0]
+    x_l, valid_l, start = _local_tokens(x, valid, par)
+    t_l = x_l.shape[0]
+    cap = t_l * min(k, num_local)
+    r = route(x_l, p.router, cfg, valid_l)
+    with jax.named_scope("dispatch"):
+        eid = r.experts.reshape(t_l * k)
+        dest = jnp.where(eid < cfg.num_experts, eid // num_local, ep)  # ep: unrouted
+        # Slot of each assignment within its destination: its rank among same-destination rows.
+        onehot = (dest[:, None] == jnp.arange(ep)[None, :]).astype(jnp.int32)  # [A, ep]
+        slot = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
+        rows = jnp.repeat(x_l, k, axis=0)
+        send_x = jnp.zeros((ep, cap, x.shape[1]), x.dtype).at[dest, slot].set(rows, mode="drop")
+        send_e = jnp.full((ep, cap), num_local, jnp.int32).at[dest, slot].set(
+            eid % num_local, mode="drop")
+        recv_x = jax.lax.all_to_all(send_x, EXPERT, 0, 0)
+        recv_e = jax.lax.all_to_all(send_e, EXPERT, 0, 0)
+    ys = _grouped_ffn(recv_x.reshape(ep * cap, -1), recv_e.reshape(ep * cap), p, cfg.activation)
+    with jax.named_scope("combine"):
+        back = jax.lax.all_to_all(ys.reshape(ep, cap, -1), EXPERT, 0, 0)
+        got = back.at[dest, slot].get(mode="fill", fill_value=0)  # [A, E]; unrouted -> 0
+        out_l = jnp.einsum("tke,tk->te", got.reshape(t_l, k, -1), r.weights.astype(got.dtype))
+        return _place_local(out_l, t, start)
+
+
+def _ragged_a2a(x, p, cfg, par, valid):
+    """ragged_all_to_all: assignments sorted by expert (so by destination) travel as one ragged
+    array per destination; the receive buffer holds T*k rows, the most any device can get."""
+    t, k, ep = x.shape[0], cfg.num_experts_per_tok, par.expert
+    num_local = p.gate_up.shape[0]
+    x_l, valid_l, start = _local_tokens(x, valid, par)
+    t_l = x_l.shape[0]
+    a = t_l * k
+    r = route(x_l, p.router, cfg, valid_l)
+    with jax.named_scope("dispatch"):
+        eid = r.experts.reshape(a)
+        order = jnp.argsort(eid, stable=True)  # unrouted (id X) last
+        send_sizes = group_sizes(jnp.where(eid < cfg.num_experts, eid // num_local, ep), ep)
+        in_offsets = jnp.cumsum(send_sizes) - send_sizes
+        # recv_sizes[s]: rows source s sends me. My rows land on device d after those of the
+        # sources before me: out_offsets = (exclusive cumsum over sources on d), sent back to me.
+        recv_sizes = jax.lax.all_to_all(send_sizes, EXPERT, 0, 0, tiled=True)
+        recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
+        out_offsets = jax.lax.all_to_all(recv_offsets, EXPERT, 0, 0, tiled=True)
+        rows = jnp.take(jnp.repeat(x_l, k, axis=0), order, axis=0)
+        ids = jnp.take(eid % num_local, order)
+        buf = ep * a
+        recv_x = ragged_all_to_all(rows, jnp.zeros((buf, x.shape[1]), x.dtype), in_offsets,
+                                   send_sizes, out_offsets, recv_sizes, axis_name=EXPERT)
+        recv_e = ragged_all_to_all(ids, jnp.full((buf,), num_local, jnp.int32), in_offsets,
+                                   send_sizes, out_offsets, recv_sizes, axis_name=EXPERT)
+    ys = _grouped_ffn(recv_x, recv_e, p, cfg.activation)
+    with jax.named_scope("combine"):
+        # The way back: I send each source its rows (at recv_offsets) to where it took them from.
+        src_offsets = jax.lax.all_to_all(in_offsets, EXPERT, 0, 0, tiled=True)
+        back = ragged_all_to_all(ys, jnp.zeros((a, ys.shape[1]), ys.dtype), recv_offsets,
+                                 recv_sizes, src_offsets, send_sizes, axis_name=EXPERT)
+        got = jnp.zeros_like(back).at[order].set(back, unique_indices=True)
+        got = jnp.where((eid < cfg.num_experts)[:, None], got, 0)
+        out_l = jnp.einsum("tke,tk->te", got.reshape(t_l, k, -1), r.weights.astype(got.dtype))
+        return _place_local(out_l, t, start)
+
+
+def ragged_all_to_all(*args, **kwargs):
+    """`jax.lax.ragged_all_to_all` (a module-level hook so CPU tests can emulate it)."""
+    return jax.lax.ragged_all_to_all(*args, **kwargs)

@@ -1,0 +1,293 @@
+"""Mixture of experts: config, HF parity (Mixtral, Qwen3-MoE), expert-parallel dispatch on meshes.
+
+1. `ModelConfig.from_hf` reads the MoE fields of both families and rejects what we do not run.
+2. Logit parity with transformers on tiny random models (f32, ≤ 1e-4 of the logit scale; prefill
+   and paged decode), including dense layers from `mlp_only_layers` / `decoder_sparse_step`, and
+   loading the per-expert tensors `save_pretrained` writes.
+3. `moe.moe_mlp` inside our own `jax.shard_map` on the 8 virtual CPU devices: replicated dispatch
+   on `expert=4` and `expert=2,tensor=2`, capacity-padded all_to_all on `expert=4` and `expert=8`,
+   the ragged_all_to_all variant with an emulated collective (XLA:CPU lacks the op) == the
+   single-device output; padding tokens are never routed.
+4. The engine's greedy tokens on a tiny Mixtral == transformers' greedy `generate`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer import moe, sharding
+from jaxinfer.config import ModelConfig, UnsupportedConfigError
+from jaxinfer.models import llama
+from jaxinfer.params import init_random, map_specs
+from jaxinfer.sharding import EXPERT, TENSOR, Parallel
+from tests.model_utils import BASE, MOE_FAMILIES, hf_config_dict
+
+TOL = 1e-4  # of the logit scale, f32
+
+
+def _cfg(family: str, **overrides) -> ModelConfig:
+    return ModelConfig.from_hf({**hf_config_dict(family), **overrides})
+
+
+def test_config_mixtral_and_qwen3_moe():
+    mix = _cfg("mixtral", router_aux_loss_coef=0.02, router_jitter_noise=0.1, output_router_logits=True)
+    assert (mix.num_experts, mix.num_experts_per_tok, mix.moe_intermediate_size) == (8, 2, 64)
+    assert mix.norm_topk_prob and mix.moe_layers == (True, True) and not mix.qk_norm
+    assert mix.layer_windows == (None, None)
+    assert _cfg("mixtral", sliding_window=8).layer_windows == (8, 8)
+    q = _cfg("qwen3_moe")
+    assert q.moe_layers == (True, False, True) and not q.norm_topk_prob and q.qk_norm
+    assert (q.intermediate_size, q.moe_intermediate_size) == (128, 32)
+    assert q.layer_windows == (None,) * 3  # sliding_window ignored unless use_sliding_window
+    assert _cfg("qwen3_moe", sliding_window=8, use_sliding_window=True).layer_windows == (8,) * 3
+    assert _cfg("qwen3_moe_step2").moe_layers == (False, True)
+    assert _cfg("qwen3_moe", decoder_sparse_step=3, mlp_only_layers=[]).moe_layers == (False, False, True)
+    # params: 8 experts * (router column + gate/up/down) on MoE layers, the dense MLP elsewhere
+    n = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(
+        llama.param_specs(q), is_leaf=lambda s: hasattr(s, "logical_axes")))
+    assert n == q.num_params()
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(num_experts_per_tok=9), "num_experts_per_tok=9"),
+    (dict(mlp_only_layers=[5]), "mlp_only_layers"),
+    (dict(decoder_sparse_step=0), "decoder_sparse_step"),
+    (dict(shared_expert_intermediate_size=64), "shared_expert_intermediate_size"),
+    (dict(num_experts=None), "missing required field 'num_experts'"),
+    (dict(num_local_experts=4), "differ"),
+])
+def test_config_rejects_unsupported_moe(overrides, match):
+    with pytest.raises(UnsupportedConfigError, match=match):
+        _cfg("qwen3_moe", **overrides)
+
+
+def test_config_rejects_experts_on_a_dense_family():
+    with pytest.raises(UnsupportedConfigError, match="num_local_experts"):
+        ModelConfig.from_hf({**BASE, "model_type": "llama", "num_local_experts": 8})
+
+
+# ---------------------------------------------------------------- HF parity
+
+
+def _tokens(n, seed):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 256, n)]
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_FAMILIES))
+def family(request):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.model_utils import make_hf_model, params_from_torch
+
+    model, _ = make_hf_model(request.param)
+    cfg = _cfg(request.param)
+    return request.param, model, cfg, params_from_torch(model, cfg)
+
+
+def test_hf_parity_prefill(family):
+    from tests.model_utils import PagedStepper, hf_logits, rel_err
+
+    name, model, cfg, params = family
+    toks = _tokens(21, 1)
+    (ours,) = PagedStepper(params, cfg).step([(0, toks)], pad_tokens=5)  # padded tokens too
+    err = rel_err(ours, hf_logits(model, toks))
+    print(f"{name}: prefill parity error {err:.2e}")
+    assert err <= TOL
+
+
+def test_hf_parity_prefill_then_paged_decode(family):
+    from tests.model_utils import PagedStepper, hf_logits, rel_err
+
+    name, model, cfg, params = family
+    toks = _tokens(22, 2)
+    ref = hf_logits(model, toks)
+    stepper = PagedStepper(params, cfg, page_size=4)
+    (first,) = stepper.step([(0, toks[:14])])
+    got = [first]
+    for i in range(14, 22):
+        got.extend(stepper.step([(0, [toks[i]])]))
+    err = rel_err(np.concatenate(got), ref)
+    print(f"{name}: prefill + decode parity error {err:.2e}")
+    assert err <= TOL
+
+
+def test_save_pretrained_per_expert_checkpoint_loads(tmp_path):
+    """transformers 5 writes one tensor per expert (w1/w3/w2, gate_proj/...); both layouts load."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from checkpoints.hf import HFCheckpoint, load_hf_config
+    from tests.model_utils import make_hf_model, params_from_torch
+
+    for name in ("mixtral", "qwen3_moe"):
+        model, _ = make_hf_model(name)
+        model.save_pretrained(tmp_path / name)
+        cfg = ModelConfig.from_hf(load_hf_config(tmp_path / name))
+        assert cfg == _cfg(name)
+        with HFCheckpoint(tmp_path / name) as ckpt:
+            names = ckpt.tensor_names()
+            expert_name = ("model.layers.0.block_sparse_moe.experts.7.w3.weight" if name == "mixtral"
+                           else "model.layers.0.mlp.experts.7.up_proj.weight")
+            assert expert_name in names
+            loaded = llama.params_from_hf(cfg, names, ckpt.tensor)
+        fused = params_from_torch(model, cfg)  # the in-memory (fused experts) state dict
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(fused), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---------------------------------------------------------------- expert parallelism
+
+T = 64  # tokens; the last PAD of them are padding
+
+
+def _moe_setup(num_experts=8, top_k=2, pad=9, seed=0):
+    cfg = ModelConfig.from_hf({**BASE, "model_type": "qwen3_moe", "num_experts": num_experts,
+                               "num_experts_per_tok": top_k, "moe_intermediate_size": 32,
+                               "norm_topk_prob": True, "num_hidden_layers": 1})
+    specs = llama.param_specs(cfg).layers[0].mlp
+    p = init_random(specs, jax.random.key(seed))
+    # NOTE: large router weights keep the top-k decisions far from ties, so float noise between
+    # differently shaped programs cannot flip an expert choice.
+    p = p.replace(router=p.router * 50, gate_up=p.gate_up * 10, down=p.down * 10)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, cfg.hidden_size)).astype(np.float32)
+    valid = np.arange(T) < T - pad
+    x[~valid] = np.nan  # padding rows must never reach an expert (NaN would leak into outputs)
+    return cfg, specs, p, jnp.asarray(x), jnp.asarray(valid)
+
+
+def _mesh(spec: str):
+    import math
+    n = math.prod(sharding.parse_mesh(spec).values())
+    return sharding.make_mesh(spec, jax.devices()[:n])
+
+
+def _sharded(mesh_spec, cfg, specs, p, x, valid, **kw):
+    mesh = _mesh(mesh_spec)
+    par = Parallel.from_mesh(mesh)
+    p_specs = map_specs(lambda s: sharding.logical_to_spec(s.logical_axes), specs)
+
+    def body(x, p, valid):
+        return par.psum(moe.moe_mlp(x, p, cfg, par, valid, **kw), EXPERT, TENSOR)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), p_specs, P()), out_specs=P(),
+                       check_vma=False)
+    return np.asarray(jax.jit(fn)(x, p, valid))
+
+
+@pytest.fixture(scope="module")
+def single():
+    cfg, specs, p, x, valid = _moe_setup()
+    out = np.asarray(jax.jit(lambda x, p, v: moe.moe_mlp(x, p, cfg, Parallel(), v))(x, p, valid))
+    return cfg, specs, p, x, valid, out
+
+
+def _dense_reference(cfg, p, x, valid):
+    """Every expert on every token in numpy, weighted by the top-k router probabilities."""
+    x, valid = np.asarray(x, np.float64), np.asarray(valid)
+    router, gate_up, down = (np.asarray(a, np.float64) for a in (p.router, p.gate_up, p.down))
+    out = np.zeros_like(x)
+    for t in np.flatnonzero(valid):
+        logits = x[t] @ router
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        top = np.argsort(-probs)[:cfg.num_experts_per_tok]
+        w = probs[top] / probs[top].sum()
+        for j, e in zip(top, w):
+            g, u = x[t] @ gate_up[j, :, 0], x[t] @ gate_up[j, :, 1]
+            out[t] += e * ((g / (1 + np.exp(-g)) * u) @ down[j])
+    return out
+
+
+def test_single_device_matches_dense_reference_and_skips_padding(single):
+    cfg, _, p, x, valid, out = single
+    assert np.all(np.isfinite(out))
+    assert np.all(out[~np.asarray(valid)] == 0)  # padding rows: no expert touched them
+    ref = _dense_reference(cfg, p, x, valid)
+    assert np.max(np.abs(out - ref)) <= 1e-5 * np.max(np.abs(ref))
+
+
+def test_padding_tokens_are_never_routed(single):
+    cfg, _, p, x, valid, _ = single
+    r = moe.route(x, p.router, cfg, valid)
+    pad = ~np.asarray(valid)
+    assert np.all(np.asarray(r.experts)[pad] == cfg.num_experts)
+    assert np.all(np.asarray(r.weights)[pad] == 0)
+    sizes = np.asarray(moe.group_sizes(r.experts.reshape(-1), cfg.num_experts))
+    assert sizes.sum() == np.sum(~pad) * cfg.num_experts_per_tok  # only real tokens in any group
+    np.testing.assert_array_equal(
+        sizes, np.bincount(np.asarray(r.experts)[~pad].ravel(), minlength=cfg.num_experts))
+    # local groups on the last of 4 expert shards (experts 6, 7) count only their own assignments
+    local = np.asarray(moe.group_sizes(r.experts.reshape(-1) - 6, 2))
+    np.testing.assert_array_equal(local, sizes[6:])
+
+
+@pytest.mark.parametrize("mesh_spec, dispatch", [
+    ("expert=4", "replicated"),
+    ("expert=2,tensor=2", "replicated"),
+    ("expert=8", "replicated"),
+    ("expert=4", "all_to_all"),
+    ("expert=8", "all_to_all"),
+    ("expert=4,tensor=2", "all_to_all"),
+])
+def test_expert_parallel_equals_single_device(single, mesh_spec, dispatch):
+    cfg, specs, p, x, valid, want = single
+    got = _sharded(mesh_spec, cfg, specs, p, x, valid, dispatch=dispatch, ragged=False)
+    assert np.all(got[~np.asarray(valid)] == 0)
+    err = np.max(np.abs(got - want)) / np.max(np.abs(want))
+    assert err <= 1e-5, f"{mesh_spec} {dispatch}: relative error {err:.2e}"
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                recv_sizes, *, axis_name):
+    """ragged_all_to_all's documented semantics from all_gathers (XLA:CPU has no such op)."""
+    ep = jax.lax.psum(1, axis_name)
+    me = jax.lax.axis_index(axis_name)
+    ops, in_off, sizes, out_off = (jax.lax.all_gather(a, axis_name)
+                                   for a in (operand, input_offsets, send_sizes, output_offsets))
+    j = jnp.arange(output.shape[0])
+    expand = (slice(None),) + (None,) * (output.ndim - 1)
+    for s in range(ep):
+        lo, n = out_off[s, me], sizes[s, me]
+        src = jnp.clip(in_off[s, me] + j - lo, 0, operand.shape[0] - 1)
+        output = jnp.where(((j >= lo) & (j < lo + n))[expand], jnp.take(ops[s], src, axis=0), output)
+    np.testing.assert_equal(recv_sizes.shape, send_sizes.shape)
+    return output
+
+
+@pytest.mark.parametrize("mesh_spec", ["expert=4", "expert=2,tensor=2"])
+def test_ragged_all_to_all_dispatch_with_emulated_collective(single, monkeypatch, mesh_spec):
+    cfg, specs, p, x, valid, want = single
+    monkeypatch.setattr(moe, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    got = _sharded(mesh_spec, cfg, specs, p, x, valid, dispatch="all_to_all", ragged=True)
+    err = np.max(np.abs(got - want)) / np.max(np.abs(want))
+    assert err <= 1e-5, f"{mesh_spec}: relative error {err:.2e}"
+
+
+def test_ragged_dispatch_lowers_to_ragged_all_to_all(single):
+    cfg, specs, p, x, valid, _ = single
+    mesh = _mesh("expert=4")
+    par = Parallel.from_mesh(mesh)
+    p_specs = map_specs(lambda s: sharding.logical_to_spec(s.logical_axes), specs)
+    fn = jax.shard_map(lambda x, p, v: moe.moe_mlp(x, p, cfg, par, v, dispatch="all_to_all",
+                                                   ragged=True),
+                       mesh=mesh, in_specs=(P(), p_specs, P()), out_specs=P(EXPERT),
+                       check_vma=False)
+    text = jax.jit(fn).lower(x, p, valid).as_text()
+    assert text.count("ragged_all_to_all") >= 3  # rows and expert ids out, results back
+
+
+def test_dispatch_rule():
+    par = Parallel(expert=4)
+    assert moe.choose_dispatch(8, par) == "replicated"  # decode-sized
+    assert moe.choose_dispatch(moe.A2A_MIN_TOKENS, par) == "all_to_all"
+    assert moe.choose_dispatch(moe.A2A_MIN_TOKENS + 2, par) == "replicated"  # not divisible
+    assert moe.choose_dispatch(4096, Parallel()) == "replicated"  # no expert axis
+    with pytest.raises(ValueError, match="dispatch='replicated'"):
+        moe.choose_dispatch(10, par, "all_to_all")
+    cfg, _, p, x, valid = _moe_setup()
+    with pytest.raises(ValueError, match="divisible by the expert axis"):  # unsharded experts
+        moe.moe_mlp(x, p, cfg, par, valid)
