@@ -283,3 +283,29 @@ def test_load_model_on_pipeline_mesh_hf_and_orbax(tmp_path):
         back = pipeline.unstack_stages(jax.tree.map(np.asarray, got))
         for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_compiled_pipeline_forward_collectives():
+    """pipeline=4, M=4: one activation hand-off [T, E] per tick boundary (M + S - 2 of them) and
+    one all-reduce of the last stage's [M, N, E] logits rows; no other collective."""
+    import re
+
+    from jaxinfer.step import StepInputs, build_step_arrays
+
+    cfg, num_stages, num_mb, t = _cfg(8), 4, 4, 8
+    mesh = _mesh("pipeline=4")
+    specs = llama.param_specs(cfg)
+    placed = pipeline.to_stacked(init_random(specs, jax.random.key(0)), specs, mesh)
+    caches = pipeline.stage_kv_caches(8, num_stages, (16, 4, 4, 16), jnp.float32, mesh,
+                                      inner_spec=P("data", None, "tensor", None))
+    mbs = [build_step_arrays([([1, 2, 3], 0, [1])], 4, num_tokens=t, num_seqs=2, pages_per_seq=2)
+           for _ in range(num_mb)]
+    step = StepInputs(**{k: jnp.asarray(np.stack([m[k] for m in mbs])) for k in mbs[0]})
+    hlo = llama.forward_jit.lower(placed, cfg, step, caches, mesh=mesh).compile().as_text()
+
+    def ops(name):
+        return re.findall(r"= (\S+) " + name + r"(?:-start)?\(", hlo)
+
+    assert ops("collective-permute") == [f"f32[{t},64]{{1,0}}"] * (num_mb + num_stages - 2)
+    assert ops("all-reduce") == ["f32[4,1,64]{2,1,0}"]
+    assert ops("all-gather") == [] and ops("all-to-all") == []
