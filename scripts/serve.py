@@ -11,6 +11,11 @@
    SERVING; print a start-up summary and one load line per second while busy.
 3. SIGTERM / SIGINT: health NOT_SERVING, new requests UNAVAILABLE, in-flight streams finish
    within `--grace-period`, then exit 0 (a second signal aborts what is left at once).
+4. Multi-host (`--coordinator-address host:port --num-processes N --process-id i`, one process
+   per host): `jax.distributed` starts before anything touches a device; every process adopts
+   process 0's engine flags and builds the same engine on the global mesh; process 0 serves gRPC
+   and broadcasts each step to the others, which only follow (`jaxinfer/engine/multihost.py`)
+   and exit 0 when process 0 shuts down.
 """
 
 from __future__ import annotations
@@ -78,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(tests, and measuring the server's own overhead)")
     s.add_argument("--fake-step-delay", type=float, default=0.0,
                    help="seconds each --fake-runner step sleeps")
+    m = p.add_argument_group("multi-host (one process per host; process 0 serves gRPC)")
+    m.add_argument("--coordinator-address", default=None,
+                   help="host:port of process 0's jax.distributed coordinator (same on every process)")
+    m.add_argument("--num-processes", type=int, default=1)
+    m.add_argument("--process-id", type=int, default=0)
     prof = p.add_argument_group("profiling")
     prof.add_argument("--profile-port", type=int, default=None,
                       help="start jax.profiler's server, for live capture from TensorBoard")
@@ -167,12 +177,72 @@ def summary(server, engine, args, load_s: float, ready_s: float) -> str:
     return "\n".join(lines)
 
 
-async def serve(args: argparse.Namespace) -> int:
-    from serving.server import GenerateServer
+# Flags that shape the engine: in multi-host mode every process uses process 0's values.
+ENGINE_FLAGS = ("model", "dtype", "page_size", "max_num_seqs", "max_num_batched_tokens",
+                "max_model_len", "kv_cache_memory", "num_pages", "no_prefix_caching", "mesh",
+                "attention_backend", "no_warmup")
 
+
+def start_multihost(args: argparse.Namespace):
+    """Starts jax.distributed; returns the step channel with every process on process 0's flags."""
+    from jaxinfer.engine import multihost
+
+    if args.coordinator_address is None:
+        raise ValueError("--num-processes > 1 needs --coordinator-address host:port (process 0's)")
+    if args.fake_runner:
+        raise ValueError("--fake-runner serves from one process; drop --num-processes")
+    multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    channel = multihost.StepChannel()
+    flags = None
+    if multihost.is_leader():
+        if args.num_pages is None and args.kv_cache_memory is None:
+            from jaxinfer.engine.engine import _default_kv_cache_memory
+
+            # NOTE: free memory differs per host; the KV cache must not, so process 0 decides.
+            args.kv_cache_memory = _default_kv_cache_memory()
+        flags = {k: getattr(args, k) for k in ENGINE_FLAGS}
+    flags = multihost.broadcast_config(channel, flags)
+    for k, v in flags.items():
+        if getattr(args, k) != v and not multihost.is_leader():
+            logger.info("--%s: using process 0's %r (not %r)", k.replace("_", "-"), v, getattr(args, k))
+        setattr(args, k, v)
+    if not args.mesh:
+        import jax
+
+        raise ValueError(f"multi-host serving needs a --mesh over all {jax.device_count()} devices "
+                         f"of the {args.num_processes} processes, e.g. --mesh tensor={jax.device_count()}")
+    return channel
+
+
+def follow(args: argparse.Namespace, channel) -> int:
+    """Processes other than 0: build the same engine, run what process 0 sends, exit 0."""
+    from jaxinfer.engine import multihost
+
+    engine, _ = build_engine(args)
+    logger.info("process %d follows process 0", args.process_id)
+    steps = multihost.follow(engine.runner, channel)
+    logger.info("process %d: process 0 shut down after %d steps; exiting", args.process_id, steps)
+    return 0
+
+
+async def serve(args: argparse.Namespace, channel=None) -> int:
     t0 = time.perf_counter()
     engine, mesh_shape = await asyncio.to_thread(build_engine, args)
     load_s = time.perf_counter() - t0
+    if channel is not None:
+        from jaxinfer.engine import multihost
+
+        multihost.attach_leader(engine.runner, channel)
+    try:
+        return await _serve(args, engine, mesh_shape, t0, load_s)
+    finally:
+        if channel is not None:
+            channel.shutdown()  # the engine thread has stopped: no step can interleave
+
+
+async def _serve(args: argparse.Namespace, engine, mesh_shape, t0: float, load_s: float) -> int:
+    from serving.server import GenerateServer
+
     if args.profile_port is not None:
         import jax
 
@@ -205,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     try:
-        return asyncio.run(serve(args))
+        channel = start_multihost(args) if args.num_processes > 1 else None
+        if channel is not None and args.process_id != 0:
+            return follow(args, channel)
+        return asyncio.run(serve(args, channel))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -52,7 +52,7 @@ def save_tiny_model(root: Path) -> Path:
     model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             scale, base = (0.1, 1.0) if p.ndim == 1 else (0.15, 0.0)
             p.copy_(base + scale * torch.randn(p.shape, generator=gen))
     model.save_pretrained(str(root), safe_serialization=True)
@@ -95,7 +95,7 @@ def run_two_processes(model: Path, out: Path, mesh: str = "", timeout: float = 4
     for pid in (0, 1):
         cmd = [sys.executable, str(WORKER), "--port", str(port), "--process-id", str(pid),
                "--model", str(model), "--out", str(out)] + (["--mesh", mesh] if mesh else [])
-        log = open(out / f"process_{pid}.log", "w")
+        log = open(out / f"process_{pid}.log", "w")  # noqa: SIM115 - closed in the finally below
         procs.append((subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))
     try:
