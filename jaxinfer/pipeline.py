@@ -66,12 +66,31 @@ def _with_layers(tree: Any, layers: tuple) -> Any:
     return layers if isinstance(tree, tuple) else tree.replace(layers=layers)
 
 
+def _layer_kind(layer: Any) -> tuple:
+    """Tree structure + leaf shapes/dtypes: layers stacked together must agree on it."""
+    leaves, treedef = jax.tree.flatten(layer, is_leaf=is_spec)
+    return treedef, tuple((tuple(x.shape), str(jnp.dtype(x.dtype))) for x in leaves)
+
+
+def _check_uniform(layers: Sequence[Any], num_stages: int) -> int:
+    """Layers per stage; raises when a stage position would stack layers of different kinds."""
+    lps = check_stages(len(layers), num_stages)
+    kinds = [_layer_kind(layer) for layer in layers]
+
+    def uniform(n: int) -> bool:
+        per = len(layers) // n
+        return all(kinds[s * per + j] == kinds[j] for s in range(n) for j in range(per))
+
+    if not uniform(num_stages):
+        ok = [n for n in range(1, len(layers) + 1) if len(layers) % n == 0 and uniform(n)]
+        raise ValueError(f"pipeline={num_stages} would stack layers of different kinds (e.g. dense "
+                         f"and MoE MLPs) at the same stage position; use pipeline in {ok}")
+    return lps
+
+
 def _stack_leaves(*leaves: Any) -> Any:
     first = leaves[0]
     if is_spec(first):
-        for other in leaves[1:]:
-            if other != first:
-                raise ValueError(f"layers of one stage position differ: {first} vs {other}")
         return ParamSpec((len(leaves),) + tuple(first.shape), first.dtype,
                          (LAYERS_AXIS,) + tuple(first.logical_axes), first.init, first.scale)
     if isinstance(first, np.ndarray):
@@ -87,7 +106,7 @@ def stack_stages(tree: Any, num_stages: int) -> Any:
     For device arrays on a mesh use `place_stacked_layers`, which avoids gathering to one place.
     """
     layers = _layers_of(tree)
-    lps = check_stages(len(layers), num_stages)
+    lps = _check_uniform(layers, num_stages)
     stacked = tuple(
         jax.tree.map(_stack_leaves, *[layers[s * lps + j] for s in range(num_stages)], is_leaf=is_spec)
         for j in range(lps))

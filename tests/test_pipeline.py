@@ -120,6 +120,17 @@ def test_stack_stages_specs_and_arrays_roundtrip():
         pipeline.stack_stages(specs, 3)
 
 
+def test_stack_stages_rejects_mixed_layer_kinds():
+    from tests.model_utils import hf_config_dict
+
+    # Qwen3-MoE with decoder_sparse_step=2 over 4 layers: dense, MoE, dense, MoE
+    cfg = ModelConfig.from_hf({**hf_config_dict("qwen3_moe_step2"), "num_hidden_layers": 4})
+    specs = llama.param_specs(cfg)
+    assert len(pipeline.stack_stages(specs, 2).layers) == 2  # stage positions: dense, MoE
+    with pytest.raises(ValueError, match=r"pipeline=4 would stack layers of different kinds.*\[1, 2\]"):
+        pipeline.stack_stages(specs, 4)
+
+
 @pytest.mark.parametrize("mesh_spec", ["pipeline=4", "pipeline=2,tensor=2"])
 @pytest.mark.parametrize("source", ["host", "device"])
 def test_place_stacked_layers_each_layer_on_its_stage_only(mesh_spec, source):
@@ -174,26 +185,33 @@ def test_stage_windows_must_agree_across_stages():
         pipeline.stage_windows([8, None, 8, None], 4)
 
 
-@pytest.mark.parametrize("mesh_spec", ["pipeline=4", "pipeline=2", "pipeline=2,tensor=2"])
-def test_pipelined_forward_matches_single_device(mesh_spec):
+def _moe_cfg(num_layers=4):
+    from tests.model_utils import hf_config_dict
+
+    return ModelConfig.from_hf({**hf_config_dict("mixtral"), "num_hidden_layers": num_layers})
+
+
+@pytest.mark.parametrize("mesh_spec,moe", [("pipeline=4", False), ("pipeline=2", False),
+                                           ("pipeline=2,tensor=2", False),
+                                           ("tensor=2,pipeline=2,expert=2", True)])
+def test_pipelined_forward_matches_single_device(mesh_spec, moe):
     """llama.forward on a pipeline mesh: two micro-batches of two sequences each; prefill then
-    two decode steps; logits and every layer's KV cache == single device."""
+    two decode steps; logits and every layer's KV cache == single device (dense 8 layers; a
+    4-layer Mixtral with 8 experts on the 3-axis mesh)."""
     from jaxinfer.step import StepInputs, build_step_arrays
 
-    cfg, page, num_pages = _cfg(8), 4, 32
+    cfg, page, num_pages = (_moe_cfg(4) if moe else _cfg(8)), 4, 32
+    num_layers = cfg.num_layers
     mesh = _mesh(mesh_spec)
     num_stages = mesh.shape["pipeline"]
     specs = llama.param_specs(cfg)
     params = init_random(specs, jax.random.key(2))
-    params = jax.tree.map(lambda x: x * 5 if x.ndim == 2 else x, params)  # logits far from flat
-    stacked_specs = pipeline.stack_stages(specs, num_stages)
-    placed = pipeline.stack_stages(params, num_stages).replace(
-        layers=pipeline.place_stacked_layers(params.layers, stacked_specs, mesh))
-    placed = placed.replace(embed=jax.device_put(params.embed, shd.named_sharding(mesh, ("vocab", "embed"))))
+    params = jax.tree.map(lambda x: x * 5 if x.ndim >= 2 else x, params)  # logits far from flat
+    placed = pipeline.to_stacked(params, specs, mesh)
     shape = (num_pages, page, 2 * cfg.num_kv_heads, cfg.head_dim)
-    caches = pipeline.stage_kv_caches(8, num_stages, shape, jnp.float32, mesh,
+    caches = pipeline.stage_kv_caches(num_layers, num_stages, shape, jnp.float32, mesh,
                                       inner_spec=P("data", None, "tensor", None), fill=float("nan"))
-    ref_caches = tuple(jnp.full(shape, jnp.nan) for _ in range(8))
+    ref_caches = tuple(jnp.full(shape, jnp.nan) for _ in range(num_layers))
 
     def run(params, caches, step):
         return llama.forward_jit(params, cfg, step, caches, mesh=mesh)
