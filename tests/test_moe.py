@@ -291,3 +291,80 @@ def test_dispatch_rule():
     cfg, _, p, x, valid = _moe_setup()
     with pytest.raises(ValueError, match="divisible by the expert axis"):  # unsharded experts
         moe.moe_mlp(x, p, cfg, par, valid)
+
+
+# ---------------------------------------------------------------- whole model on a mesh
+
+
+def _mixtral_random(seed=3):
+    cfg = _cfg("mixtral")
+    params = init_random(llama.param_specs(cfg), jax.random.key(seed))
+    # logits and router decisions far from ties: scale every matrix (router most)
+    params = jax.tree.map(lambda x: x * 5 if x.ndim >= 2 else x, params)
+    layers = tuple(lay.replace(mlp=lay.mlp.replace(router=lay.mlp.router * 4)) for lay in params.layers)
+    return cfg, params.replace(layers=layers)
+
+
+def _steps(cfg, rng, page=4):
+    """Two sequences: a prefill step (with padding tokens), then two decode steps."""
+    from jaxinfer.step import build_step_arrays
+
+    toks = [list(rng.integers(0, 256, n)) for n in (7, 5)]
+    pages = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    done = [0, 0]
+    for new in ((7, 5), (1, 1), (1, 1)):
+        seqs = []
+        for i, n in enumerate(new):
+            if done[i] + n > len(toks[i]):
+                toks[i].append(int(rng.integers(0, 256)))
+            seqs.append((toks[i][done[i]:done[i] + n], done[i], pages[i]))
+            done[i] += n
+        yield build_step_arrays(seqs, page, num_tokens=16, num_seqs=2, pages_per_seq=4)
+
+
+@pytest.mark.parametrize("mesh_spec, a2a", [("expert=4", False), ("expert=2,tensor=2", False),
+                                           ("expert=8", False), ("expert=4", True)])
+def test_mixtral_forward_on_expert_mesh_equals_single_device(mesh_spec, a2a, monkeypatch):
+    from jaxinfer.step import StepInputs
+
+    if a2a:  # every step (16 tokens) takes the all_to_all dispatch; traced afresh for that
+        monkeypatch.setattr(moe, "A2A_MIN_TOKENS", 16)
+        jax.clear_caches()
+    cfg, params = _mixtral_random()
+    mesh = _mesh(mesh_spec)
+    shape = (16, 4, 2 * cfg.num_kv_heads, cfg.head_dim)
+    caches = tuple(jnp.full(shape, jnp.nan) for _ in range(cfg.num_layers))
+    ref_caches = tuple(jnp.full(shape, jnp.nan) for _ in range(cfg.num_layers))  # both donated
+    for arrays in _steps(cfg, np.random.default_rng(0)):
+        step = StepInputs(**{k: jnp.asarray(v) for k, v in arrays.items()})
+        got, caches = llama.forward_jit(params, cfg, step, caches, mesh=mesh)
+        want, ref_caches = llama.forward_jit(params, cfg, step, ref_caches)
+        got, want = np.asarray(got), np.asarray(want)
+        err = np.max(np.abs(got - want)) / np.max(np.abs(want))
+        assert err <= TOL, f"{mesh_spec}: {err:.2e}"
+    if a2a:
+        jax.clear_caches()  # no later test may reuse a program traced with the patched threshold
+
+
+def test_mixtral_forward_on_tensor_pipeline_expert_mesh_equals_single_device():
+    from jaxinfer import pipeline
+    from jaxinfer.step import StepInputs
+
+    cfg, params = _mixtral_random()
+    mesh = _mesh("tensor=2,pipeline=2,expert=2")
+    specs = llama.param_specs(cfg)
+    stacked_specs = pipeline.stack_stages(specs, 2)
+    placed = pipeline.stack_stages(params, 2).replace(
+        layers=pipeline.place_stacked_layers(params.layers, stacked_specs, mesh))
+    shape = (16, 4, 2 * cfg.num_kv_heads, cfg.head_dim)
+    caches = pipeline.stage_kv_caches(cfg.num_layers, 2, shape, jnp.float32, mesh,
+                                      inner_spec=P("data", None, "tensor", None), fill=float("nan"))
+    ref_caches = tuple(jnp.full(shape, jnp.nan) for _ in range(cfg.num_layers))
+    for arrays in _steps(cfg, np.random.default_rng(1)):
+        step = StepInputs(**{k: jnp.asarray(v) for k, v in arrays.items()})
+        one_mb = StepInputs(**{k: jnp.asarray(v)[None] for k, v in arrays.items()})
+        got, caches = llama.forward_jit(placed, cfg, one_mb, caches, mesh=mesh)
+        want, ref_caches = llama.forward_jit(params, cfg, step, ref_caches)
+        got, want = np.asarray(got).reshape(want.shape), np.asarray(want)
+        err = np.max(np.abs(got - want)) / np.max(np.abs(want))
+        assert err <= TOL, f"{err:.2e}"
