@@ -706,6 +706,11 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
             raise GGUFError(f"{path}: metadata key {key!r} is unreadable ({e})") from e
 
     arch = metadata.get("general.architecture")
+    experts = metadata.get(f"{arch}.expert_count")
+    if experts or (isinstance(arch, str) and arch.endswith("moe")):
+        raise GGUFError(
+            f"{path}: mixture-of-experts GGUF checkpoints are not supported (architecture {arch!r}, "
+            f"{arch}.expert_count={experts}); load the model's HF safetensors directory instead")
     if arch not in _ARCHS:
         raise GGUFError(
             f"{path}: unsupported architecture {arch!r} (supported: {', '.join(sorted(_ARCHS))})"

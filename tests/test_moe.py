@@ -398,3 +398,21 @@ def test_engine_greedy_tiny_mixtral_matches_transformers():
     assert len(set(want)) > 3, "greedy reference is degenerate"
     got = generate(make_engine(loaded), prompt, greedy(12, ignore_eos=True)).token_ids
     assert got == want
+
+
+@pytest.mark.parametrize("arch, kv", [("llama", {"llama.expert_count": 8}),  # Mixtral in llama.cpp
+                                      ("qwen3moe", {"qwen3moe.expert_count": 8})])
+def test_gguf_moe_is_rejected_clearly(tmp_path, arch, kv):
+    gguf = pytest.importorskip("gguf")
+    from checkpoints.gguf import GGUFError, read_gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), arch)
+    for key, value in kv.items():
+        writer.add_uint32(key, value)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 16), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match="mixture-of-experts GGUF checkpoints are not supported.*HF"):
+        read_gguf(tmp_path / "moe.gguf")
