@@ -416,3 +416,36 @@ def test_gguf_moe_is_rejected_clearly(tmp_path, arch, kv):
     writer.close()
     with pytest.raises(GGUFError, match="mixture-of-experts GGUF checkpoints are not supported.*HF"):
         read_gguf(tmp_path / "moe.gguf")
+
+
+@pytest.mark.parametrize("mesh_spec", ["expert=4", "expert=4,tensor=2"])
+def test_expert_weights_sharding_and_bytes_per_device(mesh_spec):
+    """Golden specs of the MoE leaves; experts split 1/expert per device (F also 1/tensor)."""
+    from jaxinfer.params import shardings
+
+    cfg = ModelConfig.from_hf({**hf_config_dict("mixtral"), "num_hidden_layers": 8,
+                               "hidden_size": 128, "intermediate_size": 256})
+    mesh = _mesh(mesh_spec)
+    specs = llama.param_specs(cfg)
+    params = jax.device_put(init_random(specs, jax.random.key(0)), shardings(specs, mesh))
+    mlp = params.layers[3].mlp
+    assert mlp.router.sharding.spec == P(None, None)
+    assert mlp.gate_up.sharding.spec == P("expert", None, None, "tensor")
+    assert mlp.down.sharding.spec == P("expert", "tensor", None)
+    t = mesh.shape["tensor"]
+    per_device: dict = {}
+    for leaf in jax.tree.leaves(params):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    experts = sum(lay.mlp.gate_up.nbytes + lay.mlp.down.nbytes for lay in params.layers)
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+
+    def split(leaf):  # how many ways the leaf's spec splits it
+        return int(np.prod([mesh.shape[a] for a in leaf.sharding.spec if a is not None]))
+
+    others = sum(leaf.nbytes // split(leaf) for leaf in jax.tree.leaves(params)) - experts // (4 * t)
+    assert len(per_device) == mesh.size
+    assert set(per_device.values()) == {experts // (4 * t) + others}
+    print(f"{mesh_spec}: per-device {max(per_device.values()) / 2**20:.2f} MiB, total "
+          f"{total / 2**20:.2f} MiB, expert share {experts / total:.1%}, "
+          f"per-device / (total / {4 * t}) = {max(per_device.values()) / (total / (4 * t)):.3f}")
