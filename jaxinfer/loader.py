@@ -32,6 +32,7 @@ from jaxinfer import pipeline
 from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
 from jaxinfer.default_model import default_model_path
+from jaxinfer.engine import multihost
 from jaxinfer.models import llama
 from jaxinfer.tokenizer import Tokenizer
 
@@ -158,7 +159,9 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
         def put(x, spec):
             if stages > 1:  # NOTE: host arrays; `to_stacked` sends each device only its slices
                 return x
-            return jax.device_put(x, shd.named_sharding(mesh, spec.logical_axes))
+            # NOTE: not jax.device_put: with several processes it all-gathers every weight to
+            # check that the processes agree; here each process slices its own copy.
+            return multihost.device_put_global(x, shd.named_sharding(mesh, spec.logical_axes))
 
         try:
             params = llama.params_from_hf(cfg, handle.tensor_names(), handle.tensor, jdtype, put)
