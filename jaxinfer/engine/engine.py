@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 
+from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request
@@ -96,28 +97,37 @@ class LLMEngine:
         if max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={self.cfg.max_position_embeddings}")
-        page_bytes = (config.page_size * 2 * self.cfg.num_kv_heads * self.cfg.head_dim
+        sizes = shd.check_mesh(self.cfg, config.mesh, num_devices=len(jax.devices()),
+                               max_num_seqs=config.max_num_seqs, num_pages=config.num_pages)
+        self.mesh = shd.make_mesh(config.mesh or None)
+        data, tensor = sizes[shd.DATA], sizes[shd.TENSOR]
+        # Bytes one page takes on one device (its share of the KV heads).
+        kv_heads = shd.kv_cache_heads(self.cfg.num_kv_heads, tensor) // tensor
+        page_bytes = (config.page_size * 2 * kv_heads * self.cfg.head_dim
                       * self.cfg.num_layers * (4 if config.dtype == "float32" else 2))
-        pages_for_all = config.max_num_seqs * -(-max_model_len // config.page_size) + 1
+        pages_for_all = (config.max_num_seqs // data) * -(-max_model_len // config.page_size) + 1
         num_pages = config.num_pages
-        if num_pages is None:
+        if num_pages is None:  # per device = per replica, then the total over replicas
             budget = config.kv_cache_memory or _default_kv_cache_memory()
             num_pages = min(budget // page_bytes, pages_for_all)
             if num_pages < 2:
                 raise ValueError(f"kv_cache_memory={budget} bytes holds fewer than 2 pages of "
                                  f"{page_bytes} bytes; give more memory or a smaller page_size")
+            num_pages *= data
         self.config = dataclasses.replace(config, num_pages=int(num_pages), max_model_len=max_model_len)
         self.max_model_len = max_model_len
-        self.allocator = PageAllocator(self.config.num_pages, config.page_size,
-                                       config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.allocator, max_num_seqs=config.max_num_seqs,
+        self.allocators = [PageAllocator(self.config.num_pages // data, config.page_size,
+                                         config.enable_prefix_caching) for _ in range(data)]
+        self.allocator = self.allocators[0]
+        self.scheduler = Scheduler(self.allocators, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=max_model_len)
         self.runner = ModelRunner(self.cfg, model.params, page_size=config.page_size,
                                   num_pages=self.config.num_pages, max_model_len=max_model_len,
                                   max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                  dtype=config.dtype, attention_backend=attention_backend)
+                                  dtype=config.dtype, attention_backend=attention_backend,
+                                  mesh=self.mesh)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._samples: dict[str, _Sample] = {}  # child request id -> state
         self._children: dict[str, list[str]] = {}  # parent id -> child ids
@@ -126,16 +136,22 @@ class LLMEngine:
         # Parent and child ids of every request added and not yet finished (caller threads add).
         self._live_ids: set[str] = set()
         self._live_ids_lock = threading.Lock()
-        usable = self.allocator.num_usable_pages
+        usable = sum(a.num_usable_pages for a in self.allocators)
+        held = self.runner.bytes_per_device()
+        replicated = "" if shd.kv_heads_split(self.cfg.num_kv_heads, tensor) else (
+            f"; KV replicated: {self.cfg.num_kv_heads} KV heads < tensor={tensor}, each shard keeps "
+            f"a copy of the one its query heads need")
         logger.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.1f MiB); max_model_len %d -> up to %.1f "
-            "concurrent full-length requests; max_num_seqs %d, max_num_batched_tokens %d",
+            "concurrent full-length requests; max_num_seqs %d, max_num_batched_tokens %d; mesh %s: "
+            "%d data replica(s) of %d pages, per device %.1f MiB params + %.1f MiB KV%s",
             usable, config.page_size, usable * config.page_size, self.runner.kv_cache_bytes / 2**20,
             max_model_len, usable * config.page_size / max_model_len, config.max_num_seqs,
-            config.max_num_batched_tokens)
+            config.max_num_batched_tokens, config.mesh or "single device", data,
+            self.allocator.num_pages, held["params"] / 2**20, held["kv_cache"] / 2**20, replicated)
 
     def capacity(self) -> dict[str, int]:
-        usable = self.allocator.num_usable_pages
+        usable = sum(a.num_usable_pages for a in self.allocators)
         return {"num_pages": usable, "page_size": self.config.page_size,
                 "max_tokens": usable * self.config.page_size, "max_model_len": self.max_model_len}
 

@@ -9,6 +9,13 @@ Flow of `execute(SchedulerOutput) -> RunnerOutput`:
      + logprobs, KV cache and state donated), one `jax.device_get` of the results.
   4. Unpack into plain Python: sampled ids, logprobs, prompt logprobs per request.
 
+On a mesh (`mesh=`, see `llama.forward`) params and KV cache are placed by the sharding rules;
+with `data` > 1 step 2 builds one ragged `StepInputs` per data replica (its own page pool, page
+ids local to it), all padded to the same token/sequence buckets, stacked on a leading `[data]`
+dim; sampling metadata, penalty rows and results are flat over `data * seq_bucket` rows.
+The sampler sees only the rows being sampled, vocab-sharded; XLA gathers those rows (never the
+logits of every token, which the model does not compute outside prompt-logprob programs).
+
 Penalty state lives on the device: `prompt_mask bool[R, V]` and `output_counts i32[R, V]`, one row
 per running request. It is updated inside the step from the tokens being computed (a token at a
 position past the prompt is an output token), so a preempted request that recomputes everything
@@ -29,14 +36,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer import attention
+from jaxinfer import params as params_lib
+from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from jaxinfer.models import llama
 from jaxinfer.params import DTYPES
 from jaxinfer.sampling import SamplingMetadata, compute_logprobs, sample
-from jaxinfer.sampling_params import MAX_LOGPROBS
+from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxinfer.step import StepInputs, build_step_arrays
 
 logger = logging.getLogger(__name__)
@@ -67,6 +77,7 @@ class Prepared:
     inputs: dict  # {"step": StepInputs, "extras": BatchExtras, "meta": SamplingMetadata} of numpy
     all_logits: bool  # the prompt-logprob variant of the program
     bucket: int  # token bucket
+    places: list[tuple[int, int, int]]  # per scheduled request: (result row, token rows lo, hi)
 
 
 @dataclasses.dataclass
@@ -79,21 +90,26 @@ class TokenLogprobs:
 
 
 def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, step: StepInputs,
-          extras: BatchExtras, meta: SamplingMetadata, *, all_logits: bool, attention_backend: str):
+          extras: BatchExtras, meta: SamplingMetadata, *, all_logits: bool, attention_backend: str,
+          mesh: Any = None):
     """forward + penalty bookkeeping + sampling, as one program."""
+    stacked = step.token_ids.ndim == 2  # [data, T]: one ragged step per data replica
+    token_ids = step.token_ids.reshape(-1)
     with jax.named_scope("penalty_state"):
         # One gather of this step's rows, small scatters on them, one write back.
         fresh = extras.reset_rows[:, None]
         prompt_mask = jnp.where(fresh, False, state.prompt_mask[extras.seq_rows])  # bool[S, V]
         output_counts = jnp.where(fresh, 0, state.output_counts[extras.seq_rows])  # i32[S, V]
-        prompt_mask = prompt_mask.at[extras.token_seq, step.token_ids].max(
+        prompt_mask = prompt_mask.at[extras.token_seq, token_ids].max(
             ~extras.token_is_output, mode="drop")
-        output_counts = output_counts.at[extras.token_seq, step.token_ids].add(
+        output_counts = output_counts.at[extras.token_seq, token_ids].add(
             extras.token_is_output.astype(jnp.int32), mode="drop")
         state = PenaltyState(state.prompt_mask.at[extras.seq_rows].set(prompt_mask),
                              state.output_counts.at[extras.seq_rows].set(output_counts))
     logits, kv_caches = llama.forward(params, cfg, step, kv_caches,
-                                      attention_backend=attention_backend)
+                                      attention_backend=attention_backend, mesh=mesh)
+    if stacked:
+        logits = logits.reshape(-1, logits.shape[-1])  # [data * rows, V]
     with jax.named_scope("sampler"):
         row_logits = jnp.take(logits, extras.sample_rows, axis=0) if all_logits else logits
         out = sample(row_logits, meta, prompt_mask, output_counts, num_logprobs=MAX_LOGPROBS)
@@ -113,8 +129,12 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Any, *, page_size: int, num_pages: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  dtype: str = "float32", attention_backend: str = "reference",
-                 token_buckets: tuple[int, ...] | None = None) -> None:
-        self.cfg, self.params = cfg, params
+                 token_buckets: tuple[int, ...] | None = None, mesh: Any = None) -> None:
+        """`num_pages` and `max_num_seqs` are totals over the data replicas (each gets 1/data)."""
+        par = shd.Parallel.from_mesh(mesh)
+        self.mesh = None if par.is_single else mesh  # NOTE: one device keeps the plain program
+        self.data = par.data
+        self.cfg = cfg
         self.page_size, self.num_pages = page_size, num_pages
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.pages_per_seq = math.ceil(max_model_len / page_size)
@@ -122,18 +142,40 @@ class ModelRunner:
         if self.token_buckets[-1] < max_num_batched_tokens:
             raise ValueError(f"largest token bucket {self.token_buckets[-1]} is below "
                              f"max_num_batched_tokens={max_num_batched_tokens}")
-        shape = attention.kv_cache_shape(attention_backend, num_pages, page_size, cfg.num_kv_heads,
+        if self.data > 1 and (num_pages % self.data or max_num_seqs % self.data):
+            raise ValueError(f"num_pages={num_pages} and max_num_seqs={max_num_seqs} must be "
+                             f"multiples of data={self.data} (each replica gets an equal share)")
+        self.seqs_per_replica = max_num_seqs // self.data
+        kv_heads = shd.kv_cache_heads(cfg.num_kv_heads, par.tensor)
+        shape = attention.kv_cache_shape(attention_backend, num_pages, page_size, kv_heads,
                                          cfg.head_dim)
-        self.kv_caches = tuple(jnp.zeros(shape, DTYPES[dtype]) for _ in range(cfg.num_layers))
         rows = max_num_seqs + 1  # the last row is a spare that padding writes into
-        self.state = PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
-                                  jnp.zeros((rows, cfg.vocab_size), jnp.int32))
+        if self.mesh is None:
+            self.params = params
+            self.kv_caches = tuple(jnp.zeros(shape, DTYPES[dtype]) for _ in range(cfg.num_layers))
+            self.state = PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
+                                      jnp.zeros((rows, cfg.vocab_size), jnp.int32))
+        else:
+            rules = shd.model_rules(cfg, par.tensor)
+            self.params = jax.device_put(  # a no-op for params the loader already placed
+                params, params_lib.shardings(llama.param_specs(cfg), mesh, rules))
+            cache_sharding = NamedSharding(mesh, llama.kv_cache_spec(par))
+            self._replicated = NamedSharding(mesh, PartitionSpec())
+            self._step_sharding = (NamedSharding(mesh, PartitionSpec(shd.DATA)) if self.data > 1
+                                   else self._replicated)
+            zeros = jax.jit(lambda: tuple(jnp.zeros(shape, DTYPES[dtype]) for _ in range(cfg.num_layers)),
+                            out_shardings=(cache_sharding,) * cfg.num_layers)
+            self.kv_caches = zeros()
+            self.state = jax.jit(lambda: PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
+                                                      jnp.zeros((rows, cfg.vocab_size), jnp.int32)),
+                                 out_shardings=self._replicated)()
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._rows: dict[str, int] = {}
         self._seeds: dict[str, int] = {}
         self._rng = random.Random()
         self.attention_backend = attention_backend
-        self._jit = jax.jit(functools.partial(_step, attention_backend=attention_backend),
+        self._jit = jax.jit(functools.partial(_step, attention_backend=attention_backend,
+                                              mesh=self.mesh),
                             static_argnames=("cfg", "all_logits"),
                             donate_argnames=("kv_caches", "state"))
         self.num_compiled = 0
@@ -143,8 +185,18 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(c.size * c.dtype.itemsize for c in self.kv_caches)
 
+    def bytes_per_device(self) -> dict[str, int]:
+        """Parameter and KV-cache bytes held by the first device."""
+        dev = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
+
+        def held(tree: Any) -> int:
+            return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+                       if s.device == dev)
+
+        return {"params": held(self.params), "kv_cache": held(self.kv_caches)}
+
     def seq_bucket(self, num_tokens: int) -> int:
-        return min(num_tokens, self.max_num_seqs)
+        return min(num_tokens, self.seqs_per_replica)
 
     def token_bucket(self, n: int) -> int:
         for b in self.token_buckets:
@@ -173,7 +225,7 @@ class ModelRunner:
         if prepared is None:
             return RunnerOutput(sampled_token_ids={})
         out, prompt = self.run(prepared)
-        return self._unpack(sched.scheduled, out, prompt, prepared.inputs)
+        return self._unpack(sched.scheduled, out, prompt, prepared.places)
 
     def prepare(self, sched: SchedulerOutput) -> Prepared | None:
         """Host half of a step: row bookkeeping and every input as numpy (None: nothing to run).
@@ -185,12 +237,11 @@ class ModelRunner:
         self._release(sched.preempted, finished=False)
         if not sched.scheduled:
             return None
-        inputs, all_logits, bucket = self._prepare(sched.scheduled)
-        return Prepared(inputs, all_logits, bucket)
+        return self._prepare(sched.scheduled)
 
     def run(self, prepared: Prepared) -> tuple[Any, Any]:
         """Device half: one transfer in, the jitted step, one transfer out (numpy results)."""
-        dev = jax.device_put(prepared.inputs)
+        dev = self._put(prepared.inputs)
         (out, prompt), self.kv_caches, self.state = self._jit(
             self.params, self.cfg, self.kv_caches, self.state, dev["step"], dev["extras"],
             dev["meta"], all_logits=prepared.all_logits)
@@ -207,61 +258,95 @@ class ModelRunner:
         """Programs in the step function's own jit cache (a recompile would grow it)."""
         return self._jit._cache_size()
 
-    def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[dict, bool, int]:
-        n_tok = sum(len(s.token_ids) for s in scheduled)
+    def _put(self, inputs: dict) -> dict:
+        if self.mesh is None:
+            return jax.device_put(inputs)
+        shardings = jax.tree.map(lambda _: self._replicated, inputs)
+        shardings["step"] = jax.tree.map(lambda _: self._step_sharding, inputs["step"])
+        return jax.device_put(inputs, shardings)
+
+    def _prepare(self, scheduled: list[ScheduledRequest]) -> Prepared:
+        data = self.data
+        groups: list[list[int]] = [[] for _ in range(data)]
+        for i, s in enumerate(scheduled):
+            groups[s.replica].append(i)
+        n_tok = max(sum(len(scheduled[i].token_ids) for i in g) for g in groups)
         t_bucket = self.token_bucket(n_tok)
         s_bucket = self.seq_bucket(t_bucket)
         all_logits = any(s.request.sampling.prompt_logprobs is not None
                          and s.start_pos < s.request.num_prompt_tokens for s in scheduled)
-        seqs = [(s.token_ids, s.start_pos, s.page_ids) for s in scheduled]
-        cu = np.cumsum([0] + [len(s.token_ids) for s in scheduled])
-        last_rows = list(cu[1:] - 1)
-        arrays = build_step_arrays(
-            seqs, self.page_size, num_tokens=t_bucket, num_seqs=s_bucket,
-            pages_per_seq=self.pages_per_seq,
-            logits_rows=list(range(n_tok)) if all_logits else last_rows,
-            num_logits=t_bucket if all_logits else s_bucket)
+        n_rows = t_bucket if all_logits else s_bucket  # logits rows per replica
 
         spare = self.max_num_seqs
-        token_seq = np.full(t_bucket, s_bucket, np.int32)
-        token_is_output = np.zeros(t_bucket, bool)
-        seq_rows = np.full(s_bucket, spare, np.int32)
-        reset_rows = np.zeros(s_bucket, bool)
-        sample_rows = np.zeros(s_bucket, np.int32)
-        target_ids = np.zeros(t_bucket, np.int32)
-        params, seeds, steps, suppress = [], [], [], []
-        for i, s in enumerate(scheduled):
-            req = s.request
-            row, fresh = self._row_of(req.request_id)
-            seq_rows[i], reset_rows[i] = row, fresh or s.start_pos == 0
-            lo, hi = cu[i], cu[i + 1]
-            token_seq[lo:hi] = i
-            token_is_output[lo:hi] = np.arange(s.start_pos, s.start_pos + (hi - lo)) >= req.num_prompt_tokens
-            sample_rows[i] = hi - 1
-            if all_logits:
-                nxt = req.token_slice(s.start_pos + 1, s.start_pos + 1 + (hi - lo))
-                target_ids[lo:lo + len(nxt)] = nxt
-            sp = req.sampling
-            if req.request_id not in self._seeds:
-                self._seeds[req.request_id] = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
-            params.append(sp)
-            seeds.append(self._seeds[req.request_id])
-            steps.append(req.num_output_tokens)
-            blocked = []
-            if req.num_output_tokens < sp.min_tokens:
-                blocked = list(sp.stop_token_ids or []) + ([] if sp.ignore_eos else list(req.eos_token_ids))
-            suppress.append(blocked)
-        meta = SamplingMetadata.from_params(params, seeds, steps, suppress, pad_to=s_bucket)
+        token_seq = np.full(data * t_bucket, data * s_bucket, np.int32)
+        token_is_output = np.zeros(data * t_bucket, bool)
+        seq_rows = np.full(data * s_bucket, spare, np.int32)
+        reset_rows = np.zeros(data * s_bucket, bool)
+        sample_rows = np.zeros(data * s_bucket, np.int32)
+        target_ids = np.zeros(data * t_bucket, np.int32)
+        # NOTE: sampling rows are flat over replicas (row r*s_bucket + j); gaps are padding rows.
+        params = [SamplingParams(temperature=0.0)] * (data * s_bucket)
+        seeds, steps = [0] * (data * s_bucket), [0] * (data * s_bucket)
+        suppress: list[list[int]] = [[] for _ in range(data * s_bucket)]
+        places: list[tuple[int, int, int]] = [(0, 0, 0)] * len(scheduled)
+        per_replica = []
+        for r, group in enumerate(groups):
+            reqs = [scheduled[i] for i in group]
+            cu = np.cumsum([0] + [len(s.token_ids) for s in reqs])
+            if reqs:
+                arrays = build_step_arrays(
+                    [(s.token_ids, s.start_pos, s.page_ids) for s in reqs], self.page_size,
+                    num_tokens=t_bucket, num_seqs=s_bucket, pages_per_seq=self.pages_per_seq,
+                    logits_rows=list(range(int(cu[-1]))) if all_logits else list(cu[1:] - 1),
+                    num_logits=n_rows)
+            else:
+                arrays = self._idle_arrays(t_bucket, n_rows)
+            per_replica.append(arrays)
+            for j, (i, s) in enumerate(zip(group, reqs)):
+                req = s.request
+                g = r * s_bucket + j
+                lo, hi = r * t_bucket + cu[j], r * t_bucket + cu[j + 1]
+                places[i] = (g, int(lo), int(hi))
+                row, fresh = self._row_of(req.request_id)
+                seq_rows[g], reset_rows[g] = row, fresh or s.start_pos == 0
+                token_seq[lo:hi] = g
+                token_is_output[lo:hi] = np.arange(s.start_pos, s.start_pos + (hi - lo)) >= req.num_prompt_tokens
+                sample_rows[g] = hi - 1
+                if all_logits:
+                    nxt = req.token_slice(s.start_pos + 1, s.start_pos + 1 + (hi - lo))
+                    target_ids[lo:lo + len(nxt)] = nxt
+                sp = req.sampling
+                if req.request_id not in self._seeds:
+                    self._seeds[req.request_id] = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+                params[g], seeds[g], steps[g] = sp, self._seeds[req.request_id], req.num_output_tokens
+                if req.num_output_tokens < sp.min_tokens:
+                    suppress[g] = list(sp.stop_token_ids or []) + ([] if sp.ignore_eos else list(req.eos_token_ids))
+        last = max((g for g, _, _ in places), default=-1) + 1
+        meta = SamplingMetadata.from_params(params[:last], seeds[:last], steps[:last], suppress[:last],
+                                            pad_to=data * s_bucket)
         extras = BatchExtras(token_seq=token_seq, token_is_output=token_is_output, seq_rows=seq_rows,
                              reset_rows=reset_rows, sample_rows=sample_rows, target_ids=target_ids)
-        inputs = {"step": StepInputs(**arrays), "extras": extras, "meta": meta}
-        return inputs, all_logits, t_bucket
+        step = StepInputs(**self._stack(per_replica))
+        return Prepared({"step": step, "extras": extras, "meta": meta}, all_logits, t_bucket, places)
+
+    def _stack(self, per_replica: list[dict]) -> dict:
+        if self.data == 1:
+            return per_replica[0]
+        return {k: np.stack([a[k] for a in per_replica]) for k in per_replica[0]}
+
+    def _idle_arrays(self, t_bucket: int, n_rows: int) -> dict:
+        """One replica's step arrays that compute nothing (no sequences, no cache writes)."""
+        arrays = build_step_arrays([([0], 0, [0])], self.page_size, num_tokens=t_bucket,
+                                   num_seqs=self.seq_bucket(t_bucket),
+                                   pages_per_seq=self.pages_per_seq, num_logits=n_rows)
+        arrays["slot_mapping"][:] = -1  # write nothing
+        arrays["num_seqs"][:] = 0
+        return arrays
 
     def _unpack(self, scheduled: list[ScheduledRequest], out: Any, prompt: Any,
-                inputs: dict) -> RunnerOutput:
+                places: list[tuple[int, int, int]]) -> RunnerOutput:
         sampled, logprobs, prompt_lps = {}, {}, {}
-        cu = np.asarray(inputs["step"].cu_q_lens)
-        for i, s in enumerate(scheduled):
+        for s, (i, lo, hi) in zip(scheduled, places):
             req, sp = s.request, s.request.sampling
             rid = req.request_id
             if s.sample:
@@ -275,8 +360,8 @@ class ModelRunner:
                 chosen, top_ids, top_lps = prompt
                 k = sp.prompt_logprobs
                 entries = {}
-                for t in range(cu[i], cu[i + 1]):
-                    pos = s.start_pos + (t - cu[i]) + 1  # the prompt position this row predicts
+                for t in range(lo, hi):
+                    pos = s.start_pos + (t - lo) + 1  # the prompt position this row predicts
                     if pos >= req.num_prompt_tokens:
                         break
                     entries[pos] = TokenLogprobs(req.prompt_token_ids[pos], float(chosen[t]), dict(
@@ -286,23 +371,21 @@ class ModelRunner:
 
     def _idle_inputs(self, t_bucket: int, all_logits: bool) -> dict:
         """Inputs of a step that computes nothing (no sequences): used to compile a bucket."""
-        s_bucket = self.seq_bucket(t_bucket)
-        spare = self.max_num_seqs
-        arrays = build_step_arrays([([0], 0, [0])], self.page_size, num_tokens=t_bucket,
-                                   num_seqs=s_bucket, pages_per_seq=self.pages_per_seq,
-                                   num_logits=t_bucket if all_logits else s_bucket)
-        arrays["slot_mapping"][:] = -1  # write nothing
-        arrays["num_seqs"][:] = 0
+        s_bucket, data = self.seq_bucket(t_bucket), self.data
+        n_rows = t_bucket if all_logits else s_bucket
+        arrays = self._stack([self._idle_arrays(t_bucket, n_rows) for _ in range(data)])
         extras = BatchExtras(
-            token_seq=np.full(t_bucket, s_bucket, np.int32), token_is_output=np.zeros(t_bucket, bool),
-            seq_rows=np.full(s_bucket, spare, np.int32), reset_rows=np.zeros(s_bucket, bool),
-            sample_rows=np.zeros(s_bucket, np.int32), target_ids=np.zeros(t_bucket, np.int32))
-        meta = SamplingMetadata.from_params([], [], [], [], pad_to=s_bucket)
+            token_seq=np.full(data * t_bucket, data * s_bucket, np.int32),
+            token_is_output=np.zeros(data * t_bucket, bool),
+            seq_rows=np.full(data * s_bucket, self.max_num_seqs, np.int32),
+            reset_rows=np.zeros(data * s_bucket, bool), sample_rows=np.zeros(data * s_bucket, np.int32),
+            target_ids=np.zeros(data * t_bucket, np.int32))
+        meta = SamplingMetadata.from_params([], [], [], [], pad_to=data * s_bucket)
         return {"step": StepInputs(**arrays), "extras": extras, "meta": meta}
 
     def lower(self, t_bucket: int, all_logits: bool = False) -> Any:
         """The bucket's step program, lowered (for HLO inspection and tests)."""
-        dev = jax.device_put(self._idle_inputs(t_bucket, all_logits))
+        dev = self._put(self._idle_inputs(t_bucket, all_logits))
         return self._jit.lower(self.params, self.cfg, self.kv_caches, self.state, dev["step"],
                                dev["extras"], dev["meta"], all_logits=all_logits)
 
@@ -311,7 +394,7 @@ class ModelRunner:
         start = time.perf_counter()
         for t_bucket in self.token_buckets:
             for all_logits in (False, True):
-                dev = jax.device_put(self._idle_inputs(t_bucket, all_logits))
+                dev = self._put(self._idle_inputs(t_bucket, all_logits))
                 (out, _), self.kv_caches, self.state = self._jit(
                     self.params, self.cfg, self.kv_caches, self.state, dev["step"], dev["extras"],
                     dev["meta"], all_logits=all_logits)

@@ -20,6 +20,12 @@ catching up to `num_tokens`, and one loop decides how many of its tokens to comp
    the token budget, pages are allocated. The first request that does not fit stops admission
    (strict order, no preemption to admit).
 4. `scheduled` lists decodes first, then prefill chunks.
+6. Data parallelism: with one `PageAllocator` per data replica, every replica has its own page
+   pool and its own budgets (`max_num_seqs / replicas` sequences, `max_num_batched_tokens`
+   tokens: the runner pads every replica's step to the same bucket). A request is admitted to
+   the least-loaded replica (fewest running sequences, then most free pages) and stays there
+   until it finishes or is preempted; prefix-cache hits come only from that replica's pool, and
+   preemption picks its victim within the replica.
 5. `update` advances `num_computed_tokens`, registers newly full pages in the prefix cache,
    appends sampled tokens and applies the stop rules (stop_token_ids / EOS, then max_tokens,
    then max_model_len). Finished requests free their pages at once and are reported in the next
@@ -48,6 +54,7 @@ class ScheduledRequest:
     start_pos: int  # num_computed_tokens before this step
     page_ids: list[int]  # the whole page table (a copy), covering start_pos + len(token_ids)
     sample: bool  # the chunk reaches the end of the known tokens: sample one new token
+    replica: int = 0  # data replica whose pages (ids local to its pool) hold the request
 
     @property
     def is_decode(self) -> bool:
@@ -92,7 +99,7 @@ def _cdiv(a: int, b: int) -> int:
 class Scheduler:
     def __init__(
         self,
-        allocator: PageAllocator,
+        allocator: PageAllocator | list[PageAllocator],
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -108,7 +115,13 @@ class Scheduler:
         ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        self.allocator = allocator
+        self.allocators = list(allocator) if isinstance(allocator, (list, tuple)) else [allocator]
+        self.allocator = self.allocators[0]
+        if max_num_seqs % len(self.allocators):
+            raise ValueError(f"max_num_seqs={max_num_seqs} is not a multiple of the "
+                             f"{len(self.allocators)} data replicas")
+        self._seqs_per_replica = max_num_seqs // len(self.allocators)
+        self._replica: dict[str, int] = {}  # running request id -> its replica
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -189,40 +202,49 @@ class Scheduler:
         return True
 
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.max_num_batched_tokens
+        budgets = [self.max_num_batched_tokens] * len(self.allocators)  # tokens per replica
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        stopped: set[int] = set()
         page_size = self.allocator.page_size
 
         i = 0
-        while i < len(self._running) and token_budget > 0:
+        while i < len(self._running):
             req = self._running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, token_budget, self._max_chunk)
+            r = self._replica[req.request_id]
+            if budgets[r] <= 0 or r in stopped:
+                i += 1
+                continue
+            alloc = self.allocators[r]
+            n = min(req.num_tokens - req.num_computed_tokens, budgets[r], self._max_chunk)
             need = _cdiv(req.num_computed_tokens + n, page_size) - len(req.page_ids)
-            while need > self.allocator.num_free_pages:
-                victim = self._running[-1]
+            while need > alloc.num_free_pages:
+                victim = [q for q in self._running if self._replica[q.request_id] == r][-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
-                break
+                stopped.add(r)  # it preempted itself: its replica schedules nothing more
+                continue
             self._schedule_tokens(req, n, need, scheduled)
-            token_budget -= n
+            budgets[r] -= n
             i += 1
 
-        while not preempted and token_budget > 0 and len(self._running) < self.max_num_seqs:
-            if not (self._preempted or self._waiting):
+        while not preempted and (self._preempted or self._waiting):
+            r = self._least_loaded(budgets)
+            if r is None:
                 break
+            alloc = self.allocators[r]
             req = self._preempted[0] if self._preempted else self._waiting[0]
             cached: list[int] = []
-            if self.allocator.enable_prefix_caching and req.may_use_prefix_cache:
-                cached = self.allocator.match_prefix(req.all_token_ids, req.page_hashes)
+            if alloc.enable_prefix_caching and req.may_use_prefix_cache:
+                cached = alloc.match_prefix(req.all_token_ids, req.page_hashes)
             start = len(cached) * page_size
-            n = min(req.num_tokens - start, token_budget, self._max_chunk)
+            n = min(req.num_tokens - start, budgets[r], self._max_chunk)
             need = _cdiv(start + n, page_size) - len(cached)
-            if need > self.allocator.num_free_pages:
-                self.allocator.free(cached)
+            if need > alloc.num_free_pages:
+                alloc.free(cached)
                 req.page_hashes.clear()
                 break
             if req.num_preemptions:
@@ -233,27 +255,40 @@ class Scheduler:
             req.page_ids = cached
             req.num_computed_tokens = start
             req.status = RequestStatus.RUNNING
+            self._replica[req.request_id] = r
             bisect.insort(self._running, req, key=self._key)
             self._schedule_tokens(req, n, need, scheduled)
-            token_budget -= n
+            budgets[r] -= n
 
         scheduled.sort(key=lambda s: not s.is_decode)  # stable: decodes first
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             scheduled=scheduled,
-            num_batched_tokens=self.max_num_batched_tokens - token_budget,
+            num_batched_tokens=sum(len(s.token_ids) for s in scheduled),
             preempted=preempted,
             finished=finished,
         )
 
+    def _least_loaded(self, budgets: list[int]) -> int | None:
+        """The replica a new request goes to: token budget and a sequence slot left, then the
+        fewest running sequences, then the most free pages (None: no replica can take one)."""
+        load = [0] * len(self.allocators)
+        for rid in self._replica:
+            load[self._replica[rid]] += 1
+        open_ = [r for r in range(len(self.allocators))
+                 if budgets[r] > 0 and load[r] < self._seqs_per_replica]
+        if not open_:
+            return None
+        return min(open_, key=lambda r: (load[r], -self.allocators[r].num_free_pages, r))
+
     def update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestUpdate]:
         """Apply one step's runner output. Requests aborted/finished since `schedule` are skipped."""
         updates: list[RequestUpdate] = []
-        alloc = self.allocator
         for s in sched.scheduled:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
                 continue
+            alloc = self.allocators[s.replica]
             if req.num_computed_tokens != s.start_pos:
                 raise RuntimeError(
                     f"request {req.request_id!r}: update for start_pos {s.start_pos} but "
@@ -288,15 +323,18 @@ class Scheduler:
     ) -> None:
         if n < 1:
             raise RuntimeError(f"request {req.request_id!r} has no token to compute")
+        r = self._replica[req.request_id]
         if need > 0:
-            req.page_ids.extend(self.allocator.allocate(need))
+            req.page_ids.extend(self.allocators[r].allocate(need))
         start = req.num_computed_tokens
         tokens = req.token_slice(start, start + n)
         sample = start + n == req.num_tokens
-        scheduled.append(ScheduledRequest(req, tokens, start, list(req.page_ids), sample))
+        scheduled.append(ScheduledRequest(req, tokens, start, list(req.page_ids), sample, r))
 
     def _release_pages(self, req: Request) -> None:
-        self.allocator.free(req.page_ids)
+        r = self._replica.pop(req.request_id, None)
+        if r is not None:
+            self.allocators[r].free(req.page_ids)
         req.page_ids = []
         req.page_hashes.clear()
         req.num_computed_tokens = 0
