@@ -373,13 +373,13 @@ def test_mixtral_forward_on_tensor_pipeline_expert_mesh_equals_single_device():
 # ---------------------------------------------------------------- engine
 
 
-def test_engine_greedy_tiny_mixtral_matches_transformers():
-    """The engine (chunked prefill, paged decode, bucketed jitted steps) on a tiny Mixtral with the
-    SmolLM2 vocabulary generates transformers' greedy tokens."""
+@pytest.fixture(scope="module")
+def mixtral_engine_case():
+    """A tiny Mixtral with the SmolLM2 vocabulary, a prompt and transformers' 12 greedy tokens."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from jaxinfer.loader import LoadedModel
-    from tests.engine_utils import generate, greedy, load_vocab, make_engine, random_prompt
+    from tests.engine_utils import load_vocab, random_prompt
     from tests.model_utils import make_hf_model, params_from_torch
 
     tokenizer = load_vocab()
@@ -396,8 +396,26 @@ def test_engine_greedy_tiny_mixtral_matches_transformers():
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     want = ids[len(prompt):]
     assert len(set(want)) > 3, "greedy reference is degenerate"
-    got = generate(make_engine(loaded), prompt, greedy(12, ignore_eos=True)).token_ids
-    assert got == want
+    return loaded, prompt, want
+
+
+def test_engine_greedy_tiny_mixtral_matches_transformers(mixtral_engine_case):
+    """The engine (chunked prefill, paged decode, bucketed jitted steps) generates transformers'
+    greedy tokens on a tiny Mixtral."""
+    from tests.engine_utils import generate, greedy, make_engine
+
+    loaded, prompt, want = mixtral_engine_case
+    assert generate(make_engine(loaded), prompt, greedy(12, ignore_eos=True)).token_ids == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_spec", ["tensor=2,expert=4", "expert=8"])
+def test_engine_greedy_tiny_mixtral_on_expert_mesh(mixtral_engine_case, mesh_spec):
+    from tests.engine_utils import generate, greedy, make_engine
+
+    loaded, prompt, want = mixtral_engine_case
+    engine = make_engine(loaded, mesh=mesh_spec)
+    assert generate(engine, prompt, greedy(12, ignore_eos=True)).token_ids == want
 
 
 @pytest.mark.parametrize("arch, kv", [("llama", {"llama.expert_count": 8}),  # Mixtral in llama.cpp
