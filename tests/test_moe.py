@@ -346,6 +346,34 @@ def test_mixtral_forward_on_expert_mesh_equals_single_device(mesh_spec, a2a, mon
         jax.clear_caches()  # no later test may reuse a program traced with the patched threshold
 
 
+def test_expert_tensor_program_has_one_moe_all_reduce_per_layer():
+    """On expert=2,tensor=2 each layer all-reduces [T, E] twice: after o_proj over tensor (groups of
+    2) and once after the MoE block over expert and tensor together (groups of 4); no all-to-all
+    on a small step (the replicated dispatch)."""
+    import re
+
+    from jaxinfer.step import StepInputs
+
+    cfg, params = _mixtral_random()
+    arrays = next(_steps(cfg, np.random.default_rng(0)))
+    step = StepInputs(**{k: jnp.asarray(v) for k, v in arrays.items()})
+    shape = (16, 4, 2 * cfg.num_kv_heads, cfg.head_dim)
+    caches = tuple(jnp.full(shape, jnp.nan) for _ in range(cfg.num_layers))
+    hlo = llama.forward_jit.lower(params, cfg, step, caches, mesh=_mesh("expert=2,tensor=2")
+                                  ).compile().as_text()
+    assert "all-to-all" not in hlo
+    found = []
+    for line in hlo.splitlines():
+        if re.search(r"= f32\[16,64\]\{[0-9,]*\} all-reduce(-start)?\(", line):
+            scope = re.search(r'op_name="[^"]*shard_map/([^"]*)"', line).group(1)
+            group = re.search(r"replica_groups=\{\{([0-9,]*)\}", line).group(1)
+            found.append((scope, len(group.split(","))))
+    want = [("embed/psum", 2)]
+    for i in range(cfg.num_layers):
+        want += [(f"layer_{i}/attention/o_proj/psum", 2), (f"layer_{i}/mlp/psum", 4)]
+    assert sorted(found) == sorted(want), found
+
+
 def test_mixtral_forward_on_tensor_pipeline_expert_mesh_equals_single_device():
     from jaxinfer import pipeline
     from jaxinfer.step import StepInputs
