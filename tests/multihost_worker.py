@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from jaxinfer.engine import multihost  # noqa: E402
 
-ENGINE = dict(page_size=4, num_pages=33, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=4)
+ENGINE = dict(page_size=4, num_pages=34, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=4)
 PROMPTS = [[5, 17, 33, 101, 7, 9], [200, 3, 42], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
 MAX_TOKENS = 6
 
@@ -83,8 +83,8 @@ def main() -> int:
     steps: list[list[int]] = []
 
     def record(prepared, results) -> None:
-        n = int(np.asarray(prepared.inputs["step"].num_seqs)[0])
-        steps.append(np.asarray(results[0].token_ids)[:n].tolist())
+        rows = [row for row, _, _ in prepared.places]  # each scheduled request's result row
+        steps.append(np.asarray(results[0].token_ids)[rows].tolist())
 
     if multihost.is_leader():
         runner = multihost.attach_leader(engine.runner, channel)

@@ -3,20 +3,27 @@
 1. A tiny random Llama (8 heads, so `tensor=8` divides it) is saved once as a HF dir with a
    WordLevel tokenizer; every process loads it from there, as serve.py would.
 2. `tests/multihost_worker.py` runs as process 0 (leader: engine, scheduler) and process 1
-   (follower) on a free port; both must exit 0, the follower on the leader's SHUTDOWN.
+   (follower) on a free port, with meshes `tensor=8` and `data=2,tensor=4` over both processes'
+   devices; both must exit 0, the follower on the leader's SHUTDOWN.
 3. Checked: a psum over both processes' devices, step-channel round trips (one-frame and
    two-broadcast payloads), the leader's greedy tokens == one single-process engine's, and the
    follower ran exactly the leader's steps with the same inputs (it sampled the same tokens).
-4. Pure-host checks of the channel's framing need no second process.
+4. `scripts/serve.py` twice (process 0 serves gRPC, process 1 follows with different flags, which
+   it must replace by process 0's): a client gets the single-process tokens; SIGTERM to process 0
+   shuts both down with exit 0.
+5. Pure-host checks of the channel's framing need no second process.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -127,11 +134,63 @@ def check_reports(reports: list[dict], expected_tokens: list[list[int]]) -> None
 
 
 @pytest.mark.slow
-def test_two_processes_follow_the_leader_on_local_devices(tiny_dir, single_process_tokens, tmp_path):
-    """No mesh: each process steps its own device; the channel must deliver the leader's steps."""
-    reports = run_two_processes(tiny_dir, tmp_path)
+@pytest.mark.parametrize("mesh", ["tensor=8", "data=2,tensor=4"])
+def test_two_processes_on_a_global_mesh_match_one_process(tiny_dir, single_process_tokens, tmp_path,
+                                                         mesh):
+    """2 x 4 devices on one mesh; with data=2 each process's devices hold one replica's rows."""
+    reports = run_two_processes(tiny_dir, tmp_path, mesh)
     check_reports(reports, single_process_tokens)
     assert reports[0]["compiled"] == 6  # token buckets 1, 2, 4 x (sample only, prompt logprobs)
+
+
+@pytest.mark.slow
+def test_serve_script_two_processes_sigterm_stops_both(tiny_dir, single_process_tokens, tmp_path):
+    """serve.py x 2: process 0 serves gRPC on mesh tensor=8, process 1 follows; SIGTERM to 0 ends both."""
+    from serving.client import GenerateClient
+
+    port = _free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    common = ["--model", str(tiny_dir), "--mesh", "tensor=8", "--host", "127.0.0.1", "--port", "0",
+              "--no-metrics", "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
+              "--page-size", str(worker.ENGINE["page_size"]),
+              "--num-pages", str(worker.ENGINE["num_pages"]),
+              "--max-model-len", str(worker.ENGINE["max_model_len"]),
+              "--max-num-seqs", str(worker.ENGINE["max_num_seqs"]),
+              "--max-num-batched-tokens", str(worker.ENGINE["max_num_batched_tokens"])]
+    logs = [tmp_path / f"serve_{pid}.log" for pid in (0, 1)]
+    procs = []
+    for pid in (0, 1):
+        # The follower's own flags differ on purpose: it must adopt process 0's.
+        extra = ["--max-num-seqs", "2"] if pid else []
+        with open(logs[pid], "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), *common, *extra,
+                 "--process-id", str(pid)], cwd=REPO_ROOT, env=env, stdout=log,
+                stderr=subprocess.STDOUT))
+    try:
+        deadline = time.monotonic() + 400
+        grpc_port = None
+        while grpc_port is None:
+            assert procs[0].poll() is None, logs[0].read_text()[-4000:]
+            assert time.monotonic() < deadline, logs[0].read_text()[-4000:]
+            m = re.search(r"listening on 127\.0\.0\.1:(\d+)", logs[0].read_text())
+            grpc_port = m and m.group(1)
+            time.sleep(0.5)
+        with GenerateClient(f"127.0.0.1:{grpc_port}") as client:
+            client.wait_ready(400)
+            for ids, want in zip(worker.PROMPTS, single_process_tokens, strict=True):
+                got = client.generate_once(ids, max_tokens=worker.MAX_TOKENS, temperature=0.0,
+                                           ignore_eos=True, timeout=120)
+                assert list(got.token_ids) == want
+        procs[0].send_signal(signal.SIGTERM)
+        for pid, proc in enumerate(procs):
+            assert proc.wait(120) == 0, logs[pid].read_text()[-4000:]
+        assert "using process 0's 4 (not 2)" in logs[1].read_text()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_channel_frames_and_size_classes(monkeypatch):

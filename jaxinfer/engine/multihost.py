@@ -19,11 +19,13 @@ inputs in the same order. Only process 0 (the leader) runs the scheduler and the
 4. On the others, `follow(runner, channel)` loops: receive → `runner.warmup()` / `runner.run(...)`
    → repeat, until SHUTDOWN, which the leader sends once on exit (`channel.shutdown()`).
 5. `broadcast_config(value)` sends any picklable value once (e.g. the leader's resolved server
-   flags), so that every process builds the same engine; `device_put_global` places host data
-   on a multi-process sharding without `jax.device_put`'s cross-process equality check.
+   flags), so that every process builds the same engine.
+6. The runner moves data with `device_put_global` (host data every process holds in full onto a
+   multi-process sharding, without `jax.device_put`'s per-leaf cross-process equality check)
+   and `device_get` (results that span other processes' devices).
 
-NOTE: results are read on the leader only; the step's outputs must be fully replicated (or at
-least addressable on process 0) for that.
+NOTE: results are used on the leader only, but every process fetches them (`device_get`): a
+result sharded across processes needs an all-gather, which all of them must join.
 NOTE: payloads are pickled: they only ever come from process 0 of the same job, over the JAX
 collectives, never from clients.
 """
@@ -96,6 +98,27 @@ def device_put_global(tree: Any, shardings: Any) -> Any:
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
     return jax.tree.map(put, tree, shardings)
+
+
+def device_get(tree: Any) -> Any:
+    """`jax.device_get(tree)` that also works on arrays spanning other processes' devices.
+
+    A fully replicated array is read from a local shard; a sharded one (e.g. results split over
+    a `data` axis that spans processes) is all-gathered, which is a collective: every process must
+    call this in step (the runner's `run` does, on the leader and on every follower).
+    """
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    def get(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return jax.device_get(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(get, tree)
 
 
 def _broadcast(buf: np.ndarray) -> np.ndarray:
