@@ -42,6 +42,7 @@ from jaxinfer import attention
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine import multihost
 from jaxinfer.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from jaxinfer.models import llama
 from jaxinfer.params import DTYPES
@@ -246,7 +247,7 @@ class ModelRunner:
             self.params, self.cfg, self.kv_caches, self.state, dev["step"], dev["extras"],
             dev["meta"], all_logits=prepared.all_logits)
         self._note_compiled(prepared.bucket, prepared.all_logits)
-        return jax.device_get((out, prompt))
+        return multihost.device_get((out, prompt))  # NOTE: results may span other processes
 
     def _note_compiled(self, bucket: int, all_logits: bool) -> None:
         key = (bucket, self.seq_bucket(bucket), all_logits)
@@ -263,7 +264,7 @@ class ModelRunner:
             return jax.device_put(inputs)
         shardings = jax.tree.map(lambda _: self._replicated, inputs)
         shardings["step"] = jax.tree.map(lambda _: self._step_sharding, inputs["step"])
-        return jax.device_put(inputs, shardings)
+        return multihost.device_put_global(inputs, shardings)  # jax.device_put on one process
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> Prepared:
         data = self.data
