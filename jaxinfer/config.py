@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Any
 
 # NOTE: model_type -> family defaults. Every family here runs through `jaxinfer.models.llama`.
@@ -254,6 +255,11 @@ def _from_hf(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
+_MOE_FIELD = re.compile(r"expert|router|moe|topk|top_k|sparse|routed|n_group")
+_MOE_FIELDS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
+
+
 def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
     """The MoE fields of ModelConfig: Mixtral (softmax → top-k → renormalise, every layer sparse)
     and Qwen3-MoE (`norm_topk_prob`, dense layers from `mlp_only_layers`/`decoder_sparse_step`)."""
@@ -263,10 +269,12 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[s
                 raise UnsupportedConfigError(f"{key}={hf[key]} on model_type={model_type!r}: "
                                              f"mixture of experts is supported for {MOE_MODEL_TYPES}")
         return {}
-    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
-                "routed_scaling_factor", "topk_group", "n_group", "router_bias"):
-        if hf.get(key):
-            raise UnsupportedConfigError(f"{model_type}: {key}={hf[key]} is not supported")
+    # NOTE: any other expert/router field (shared experts, routed scaling, group-limited top-k,
+    # router bias...) would change the math: refuse it by name rather than ignore it.
+    for key in sorted(hf):
+        if (_MOE_FIELD.search(key) and key not in _MOE_FIELDS and key not in MOE_TRAINING_ONLY_FIELDS
+                and hf[key] not in (None, False, 0, [], {})):
+            raise UnsupportedConfigError(f"{model_type}: {key}={hf[key]!r} is not supported")
     # NOTE: transformers aliases num_experts and num_local_experts in both families (hub Mixtral
     # configs write the latter, hub Qwen3-MoE the former, transformers 5 writes num_local_experts).
     counts = {k: int(hf[k]) for k in ("num_local_experts", "num_experts") if hf.get(k) is not None}

@@ -57,6 +57,8 @@ def test_config_mixtral_and_qwen3_moe():
     (dict(mlp_only_layers=[5]), "mlp_only_layers"),
     (dict(decoder_sparse_step=0), "decoder_sparse_step"),
     (dict(shared_expert_intermediate_size=64), "shared_expert_intermediate_size"),
+    (dict(routed_scaling_factor=2.5), "routed_scaling_factor=2.5"),
+    (dict(moe_layer_freq=2), "moe_layer_freq"),
     (dict(num_experts=None), "missing required field 'num_experts'"),
     (dict(num_local_experts=4), "differ"),
 ])
