@@ -497,3 +497,30 @@ def test_expert_weights_sharding_and_bytes_per_device(mesh_spec):
     print(f"{mesh_spec}: per-device {max(per_device.values()) / 2**20:.2f} MiB, total "
           f"{total / 2**20:.2f} MiB, expert share {experts / total:.1%}, "
           f"per-device / (total / {4 * t}) = {max(per_device.values()) / (total / (4 * t)):.3f}")
+
+
+def test_mixtral_hf_dir_and_orbax_conversion_load_onto_expert_mesh(tmp_path):
+    """Sharded safetensors (experts split across files) → params on expert=4; converted once to
+    orbax, restored straight onto the same mesh: identical weights, experts split over devices."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from checkpoints.convert import convert
+    from jaxinfer.loader import load_model
+    from tests.model_utils import make_hf_model, params_from_torch
+    from tests.test_convert import _write_tokenizer
+
+    model, _ = make_hf_model("mixtral")
+    src = tmp_path / "hf"
+    model.save_pretrained(str(src), max_shard_size="100KB")
+    assert len(list(src.glob("*.safetensors"))) > 3
+    _write_tokenizer(src)
+    want = params_from_torch(model, _cfg("mixtral"))
+    mesh = _mesh("expert=4")
+    dst = convert(str(src), tmp_path / "orbax")
+    for path in (src, dst):
+        got = load_model(str(path), mesh=mesh).params
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        gate_up = got.layers[1].mlp.gate_up
+        assert gate_up.sharding.spec[0] == "expert"
+        assert {s.data.shape[0] for s in gate_up.addressable_shards} == {2}  # 8 experts / 4
