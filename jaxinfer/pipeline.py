@@ -247,6 +247,24 @@ def to_stacked(params: Any, specs: Any, mesh: Mesh, *, delete_sources: bool = Fa
                                                     delete_sources=delete_sources, rules=rules))
 
 
+def place_params(params: Any, specs: Any, mesh: Mesh, rules: dict | None = None) -> Any:
+    """Params for a pipeline mesh, canonical or already stacked (e.g. from the loader).
+
+    A stacked tree is `device_put` onto its shardings (a no-op when already there); a canonical
+    one goes through `to_stacked`.
+    """
+    num_stages = mesh.shape[shd.PIPELINE]
+    if len(params.layers) == len(specs.layers):
+        return to_stacked(params, specs, mesh, rules=rules)
+    stacked_specs = stack_stages(specs, num_stages)
+    if len(params.layers) != len(stacked_specs.layers):
+        raise ValueError(f"params hold {len(params.layers)} layers: neither the model's "
+                         f"{len(specs.layers)} nor {len(stacked_specs.layers)} stacked by "
+                         f"pipeline={num_stages}")
+    return jax.device_put(params, jax.tree.map(lambda sp: _sharding(mesh, sp, rules), stacked_specs,
+                                               is_leaf=is_spec))
+
+
 def stage_kv_caches(num_layers: int, num_stages: int, shape: Sequence[int], dtype: Any, mesh: Mesh,
                     inner_spec: PartitionSpec | None = None, fill: float = 0.0) -> tuple[jax.Array, ...]:
     """Per stage position one cache `[S, *shape]`, stage dim on `pipeline`, created in place.

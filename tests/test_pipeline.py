@@ -327,3 +327,61 @@ def test_compiled_pipeline_forward_collectives():
     assert ops("collective-permute") == [f"f32[{t},64]{{1,0}}"] * (num_mb + num_stages - 2)
     assert ops("all-reduce") == ["f32[4,1,64]{2,1,0}"]
     assert ops("all-gather") == [] and ops("all-to-all") == []
+
+
+def _tiny_loaded(tok, num_layers: int):
+    import dataclasses
+
+    from jaxinfer.loader import LoadedModel
+    from tests.engine_utils import LM_HEAD_SCALE, MATRIX_SCALE, TINY_LLAMA
+
+    hf = {**TINY_LLAMA, "vocab_size": tok.vocab_size, "num_hidden_layers": num_layers}
+    cfg = ModelConfig.from_hf(hf)
+    params = init_random(llama.param_specs(cfg), jax.random.key(0))
+    params = jax.tree.map(lambda x: x * MATRIX_SCALE if x.ndim > 1 else x, params)
+    params = dataclasses.replace(params, lm_head=params.lm_head * LM_HEAD_SCALE)
+    return LoadedModel("tiny", "<memory>", "random", cfg, hf, params, tok, "float32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["pipeline=4,tensor=2", "data=2,pipeline=2,tensor=2"])
+def test_engine_greedy_tokens_on_pipeline_mesh_equal_single_device(spec):
+    """The engine on a pipeline mesh (micro-batches of whole sequences, chunked prefill through a
+    16-token budget) generates the single-device greedy tokens, logprobs within 1e-4; the runner's
+    layer weights and KV caches live on their stages only, per-device layer bytes = total / S / T."""
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine.engine import LLMEngine
+    from tests.engine_utils import greedy, load_vocab, run
+
+    model = _tiny_loaded(load_vocab(), num_layers=4)
+
+    def engine(mesh):
+        return LLMEngine(model, EngineConfig(page_size=4, num_pages=40, max_model_len=64,
+                                             max_num_seqs=4, max_num_batched_tokens=16, mesh=mesh))
+
+    rng = np.random.default_rng(0)
+    reqs = [(f"r{i}", rng.integers(100, 40000, n).tolist(), greedy(8, logprobs=2))
+            for i, n in enumerate([5, 9, 3, 12, 7])]
+    ref = run(engine(""), reqs)
+    eng = engine(spec)
+    ours = run(eng, reqs)
+    for rid, *_ in reqs:
+        assert ours[rid][0].token_ids == ref[rid][0].token_ids, rid
+        a = np.array([lp.logprob for lp in ours[rid][0].logprobs])
+        b = np.array([lp.logprob for lp in ref[rid][0].logprobs])
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+    runner, mesh = eng.runner, eng.mesh
+    num_stages, tensor = mesh.shape["pipeline"], mesh.shape["tensor"]
+    assert len(runner.params.layers) == 4 // num_stages
+    for x in jax.tree.leaves(runner.params.layers) + list(runner.kv_caches):
+        assert x.sharding.spec[0] == "pipeline"
+        for shard in x.addressable_shards:
+            assert shard.device in set(pipeline.stage_mesh(mesh, shard.index[0].start).devices.flat)
+    dev = mesh.devices.flat[0]
+    total = sum(x.nbytes for x in jax.tree.leaves(runner.params.layers))
+    split = sum(x.nbytes for x in jax.tree.leaves(runner.params.layers) if "tensor" in x.sharding.spec)
+    local = sum(s.data.nbytes for x in jax.tree.leaves(runner.params.layers)
+                for s in x.addressable_shards if s.device == dev)
+    assert local == (total - split) / num_stages + split / num_stages / tensor
+    assert local <= 1.05 * total / num_stages / tensor + (total - split) / num_stages

@@ -13,6 +13,9 @@ On a mesh (`mesh=`, see `llama.forward`) params and KV cache are placed by the s
 with `data` > 1 step 2 builds one ragged `StepInputs` per data replica (its own page pool, page
 ids local to it), all padded to the same token/sequence buckets, stacked on a leading `[data]`
 dim; sampling metadata, penalty rows and results are flat over `data * seq_bucket` rows.
+With `pipeline` = S > 1 each replica's sequences are further split into S micro-batches of whole
+sequences (`pipeline.split_microbatches`), each its own ragged step: the step's leading dims are
+`[data?, S]` and the flat rows run replica-major, then micro-batch.
 The sampler sees only the rows being sampled, vocab-sharded; XLA gathers those rows (never the
 logits of every token, which the model does not compute outside prompt-logprob programs).
 
@@ -38,7 +41,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxinfer import attention
+from jaxinfer import attention, pipeline
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
@@ -94,7 +97,7 @@ def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, step: StepIn
           extras: BatchExtras, meta: SamplingMetadata, *, all_logits: bool, attention_backend: str,
           mesh: Any = None):
     """forward + penalty bookkeeping + sampling, as one program."""
-    stacked = step.token_ids.ndim == 2  # [data, T]: one ragged step per data replica
+    stacked = step.token_ids.ndim >= 2  # [data?, M?, T]: per replica / micro-batch
     token_ids = step.token_ids.reshape(-1)
     with jax.named_scope("penalty_state"):
         # One gather of this step's rows, small scatters on them, one write back.
@@ -135,6 +138,7 @@ class ModelRunner:
         par = shd.Parallel.from_mesh(mesh)
         self.mesh = None if par.is_single else mesh  # NOTE: one device keeps the plain program
         self.data = par.data
+        self.microbatches = par.pipeline  # NOTE: M = S micro-batches keep every stage busy
         self.cfg = cfg
         self.page_size, self.num_pages = page_size, num_pages
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
@@ -158,15 +162,19 @@ class ModelRunner:
                                       jnp.zeros((rows, cfg.vocab_size), jnp.int32))
         else:
             rules = shd.model_rules(cfg, par.tensor)
-            self.params = jax.device_put(  # a no-op for params the loader already placed
-                params, params_lib.shardings(llama.param_specs(cfg), mesh, rules))
+            if par.pipeline > 1:  # layers stacked by stage (see jaxinfer.pipeline)
+                self.params = pipeline.place_params(params, llama.param_specs(cfg), mesh, rules)
+            else:
+                self.params = jax.device_put(  # a no-op for params the loader already placed
+                    params, params_lib.shardings(llama.param_specs(cfg), mesh, rules))
             cache_sharding = NamedSharding(mesh, llama.kv_cache_spec(par))
             self._replicated = NamedSharding(mesh, PartitionSpec())
             self._step_sharding = (NamedSharding(mesh, PartitionSpec(shd.DATA)) if self.data > 1
                                    else self._replicated)
             zeros = jax.jit(lambda: tuple(jnp.zeros(shape, DTYPES[dtype]) for _ in range(cfg.num_layers)),
                             out_shardings=(cache_sharding,) * cfg.num_layers)
-            self.kv_caches = zeros()
+            self.kv_caches = zeros() if par.pipeline == 1 else pipeline.stage_kv_caches(
+                cfg.num_layers, par.pipeline, shape, DTYPES[dtype], mesh, llama.kv_cache_spec(par))
             self.state = jax.jit(lambda: PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
                                                       jnp.zeros((rows, cfg.vocab_size), jnp.int32)),
                                  out_shardings=self._replicated)()
@@ -267,10 +275,13 @@ class ModelRunner:
         return multihost.device_put_global(inputs, shardings)  # jax.device_put on one process
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> Prepared:
-        data = self.data
-        groups: list[list[int]] = [[] for _ in range(data)]
+        data = self.data * self.microbatches  # ragged groups: replica-major, then micro-batch
+        groups: list[list[int]] = [[] for _ in range(self.data)]
         for i, s in enumerate(scheduled):
             groups[s.replica].append(i)
+        if self.microbatches > 1:  # whole sequences per micro-batch (see pipeline.split_microbatches)
+            groups = [[g[k] for k in mb] for g in groups for mb in pipeline.split_microbatches(
+                [len(scheduled[i].token_ids) for i in g], self.microbatches)]
         n_tok = max(sum(len(scheduled[i].token_ids) for i in g) for g in groups)
         t_bucket = self.token_bucket(n_tok)
         s_bucket = self.seq_bucket(t_bucket)
@@ -331,9 +342,11 @@ class ModelRunner:
         return Prepared({"step": step, "extras": extras, "meta": meta}, all_logits, t_bucket, places)
 
     def _stack(self, per_replica: list[dict]) -> dict:
-        if self.data == 1:
+        if len(per_replica) == 1:
             return per_replica[0]
-        return {k: np.stack([a[k] for a in per_replica]) for k in per_replica[0]}
+        lead = tuple(n for n in (self.data, self.microbatches) if n > 1)  # [data?, M?, ...]
+        return {k: np.stack([a[k] for a in per_replica]).reshape(lead + per_replica[0][k].shape)
+                for k in per_replica[0]}
 
     def _idle_arrays(self, t_bucket: int, n_rows: int) -> dict:
         """One replica's step arrays that compute nothing (no sequences, no cache writes)."""
@@ -372,7 +385,7 @@ class ModelRunner:
 
     def _idle_inputs(self, t_bucket: int, all_logits: bool) -> dict:
         """Inputs of a step that computes nothing (no sequences): used to compile a bucket."""
-        s_bucket, data = self.seq_bucket(t_bucket), self.data
+        s_bucket, data = self.seq_bucket(t_bucket), self.data * self.microbatches
         n_rows = t_bucket if all_logits else s_bucket
         arrays = self._stack([self._idle_arrays(t_bucket, n_rows) for _ in range(data)])
         extras = BatchExtras(
