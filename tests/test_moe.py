@@ -298,12 +298,13 @@ def test_dispatch_rule():
 # ---------------------------------------------------------------- whole model on a mesh
 
 
-def _mixtral_random(seed=3):
-    cfg = _cfg("mixtral")
+def _mixtral_random(seed=3, family="mixtral"):
+    cfg = _cfg(family)
     params = init_random(llama.param_specs(cfg), jax.random.key(seed))
     # logits and router decisions far from ties: scale every matrix (router most)
     params = jax.tree.map(lambda x: x * 5 if x.ndim >= 2 else x, params)
-    layers = tuple(lay.replace(mlp=lay.mlp.replace(router=lay.mlp.router * 4)) for lay in params.layers)
+    layers = tuple(lay.replace(mlp=lay.mlp.replace(router=lay.mlp.router * 4))
+                   if isinstance(lay.mlp, moe.MoEParams) else lay for lay in params.layers)
     return cfg, params.replace(layers=layers)
 
 
@@ -324,15 +325,18 @@ def _steps(cfg, rng, page=4):
         yield build_step_arrays(seqs, page, num_tokens=16, num_seqs=2, pages_per_seq=4)
 
 
-@pytest.mark.parametrize("mesh_spec, a2a", [("expert=4", False), ("expert=2,tensor=2", False),
-                                           ("expert=8", False), ("expert=4", True)])
-def test_mixtral_forward_on_expert_mesh_equals_single_device(mesh_spec, a2a, monkeypatch):
+@pytest.mark.parametrize("mesh_spec, a2a, family", [
+    ("expert=4", False, "mixtral"), ("expert=2,tensor=2", False, "mixtral"),
+    ("expert=8", False, "mixtral"), ("expert=4", True, "mixtral"),
+    ("expert=2,tensor=2", False, "qwen3_moe"),  # layer 1 dense: replicated over expert
+])
+def test_moe_forward_on_expert_mesh_equals_single_device(mesh_spec, a2a, family, monkeypatch):
     from jaxinfer.step import StepInputs
 
     if a2a:  # every step (16 tokens) takes the all_to_all dispatch; traced afresh for that
         monkeypatch.setattr(moe, "A2A_MIN_TOKENS", 16)
         jax.clear_caches()
-    cfg, params = _mixtral_random()
+    cfg, params = _mixtral_random(family=family)
     mesh = _mesh(mesh_spec)
     shape = (16, 4, 2 * cfg.num_kv_heads, cfg.head_dim)
     caches = tuple(jnp.full(shape, jnp.nan) for _ in range(cfg.num_layers))
