@@ -385,3 +385,17 @@ def test_engine_greedy_tokens_on_pipeline_mesh_equal_single_device(spec):
                 for s in x.addressable_shards if s.device == dev)
     assert local == (total - split) / num_stages + split / num_stages / tensor
     assert local <= 1.05 * total / num_stages / tensor + (total - split) / num_stages
+
+
+def test_place_params_accepts_canonical_or_stacked_and_names_a_mismatch():
+    cfg = _cfg(4)
+    mesh = _mesh("pipeline=2,tensor=2")
+    specs = llama.param_specs(cfg)
+    params = init_random(specs, jax.random.key(4))
+    stacked = pipeline.place_params(params, specs, mesh)
+    again = pipeline.place_params(stacked, specs, mesh)  # the loader's output: already placed
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(stacked), strict=True):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="params hold 3 layers"):
+        pipeline.place_params(params.replace(layers=params.layers[:3]), specs, mesh)
