@@ -407,8 +407,7 @@ def test_mixtral_forward_on_tensor_pipeline_expert_mesh_equals_single_device():
 # ---------------------------------------------------------------- engine
 
 
-@pytest.fixture(scope="module")
-def mixtral_engine_case():
+def _mixtral_engine_case(**overrides):
     """A tiny Mixtral with the SmolLM2 vocabulary, a prompt and transformers' 12 greedy tokens."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
@@ -417,8 +416,9 @@ def mixtral_engine_case():
     from tests.model_utils import make_hf_model, params_from_torch
 
     tokenizer = load_vocab()
-    model, _ = make_hf_model("mixtral", vocab_size=tokenizer.vocab_size)
-    hf = {**hf_config_dict("mixtral"), "vocab_size": tokenizer.vocab_size}
+    overrides = {"vocab_size": tokenizer.vocab_size, **overrides}
+    model, _ = make_hf_model("mixtral", **overrides)
+    hf = {**hf_config_dict("mixtral"), **overrides}
     cfg = ModelConfig.from_hf(hf)
     loaded = LoadedModel(name="tiny-mixtral", path="<memory>", source="random", cfg=cfg,
                          hf_config=hf, params=params_from_torch(model, cfg), tokenizer=tokenizer,
@@ -431,6 +431,18 @@ def mixtral_engine_case():
     want = ids[len(prompt):]
     assert len(set(want)) > 3, "greedy reference is degenerate"
     return loaded, prompt, want
+
+
+@pytest.fixture(scope="module")
+def mixtral_engine_case():
+    return _mixtral_engine_case()
+
+
+@pytest.fixture(scope="module")
+def mixtral8h_engine_case():
+    """8 heads, 8 KV heads, 4 layers: splits on every mesh of the issue's list."""
+    return _mixtral_engine_case(num_attention_heads=8, num_key_value_heads=8, head_dim=8,
+                                num_hidden_layers=4)
 
 
 def test_engine_greedy_tiny_mixtral_matches_transformers(mixtral_engine_case):
@@ -449,6 +461,17 @@ def test_engine_greedy_tiny_mixtral_on_expert_mesh(mixtral_engine_case, mesh_spe
 
     loaded, prompt, want = mixtral_engine_case
     engine = make_engine(loaded, mesh=mesh_spec)
+    assert generate(engine, prompt, greedy(12, ignore_eos=True)).token_ids == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_spec", ["tensor=8", "tensor=2,pipeline=2,expert=2",
+                                       "pipeline=4,expert=2", "data=2,tensor=4"])
+def test_engine_greedy_tiny_mixtral_on_issue_meshes(mixtral8h_engine_case, mesh_spec):
+    from tests.engine_utils import generate, greedy, make_engine
+
+    loaded, prompt, want = mixtral8h_engine_case
+    engine = make_engine(loaded, mesh=mesh_spec, num_pages=26)  # data=2: two pools of 13
     assert generate(engine, prompt, greedy(12, ignore_eos=True)).token_ids == want
 
 
