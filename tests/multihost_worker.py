@@ -45,7 +45,7 @@ def psum_across_processes() -> float:
 def channel_round_trip(channel: multihost.StepChannel) -> dict:
     rng = np.random.default_rng(0)
     small = {"ids": np.arange(10, dtype=np.int32), "flag": True}
-    large = {"page_indices": rng.integers(0, 1000, (64, 128), dtype=np.int32), "bucket": 512}
+    large = {"page_indices": rng.integers(0, 2**31 - 1, (64, 128), dtype=np.int32), "bucket": 512}
     got = [multihost.broadcast_config(channel, v if multihost.is_leader() else None)
            for v in (small, large)]
     ok = (np.array_equal(got[0]["ids"], small["ids"]) and got[0]["flag"] is True

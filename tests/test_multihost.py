@@ -200,13 +200,15 @@ def test_channel_frames_and_size_classes(monkeypatch):
     monkeypatch.setattr(multihost, "is_leader", lambda: True)
     leader = multihost.StepChannel()
     small = {"x": np.arange(3)}
-    large = {"y": np.arange(10_000, dtype=np.int64)}
+    packable = {"z": np.zeros((64, 128), np.int32)}  # 32 KiB raw: compressed into one frame
+    large = {"y": np.random.default_rng(0).integers(0, 2**62, 10_000)}  # incompressible 80 KB
     leader.send(multihost.RUN, small)
+    leader.send(multihost.RUN, packable)
     leader.send(multihost.DATA, large)
     leader.shutdown()
     leader.shutdown()  # idempotent
-    assert [len(b) for b in sent] == [multihost.FRAME_BYTES, multihost.FRAME_BYTES, 1 << 17,
-                                      multihost.FRAME_BYTES]
+    frame = multihost.FRAME_BYTES
+    assert [len(b) for b in sent] == [frame, frame, frame, 1 << 17, frame]
     with pytest.raises(multihost.ChannelError, match="shut down"):
         leader.send(multihost.RUN, small)
 
@@ -216,6 +218,8 @@ def test_channel_frames_and_size_classes(monkeypatch):
     follower = multihost.StepChannel()
     control, got = follower.recv()
     assert control == multihost.RUN and np.array_equal(got["x"], small["x"])
+    control, got = follower.recv()
+    assert control == multihost.RUN and np.array_equal(got["z"], packable["z"])
     control, got = follower.recv()
     assert control == multihost.DATA and np.array_equal(got["y"], large["y"])
     assert follower.recv() == (multihost.SHUTDOWN, None) and follower.closed
