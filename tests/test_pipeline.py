@@ -399,3 +399,22 @@ def test_place_params_accepts_canonical_or_stacked_and_names_a_mismatch():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="params hold 3 layers"):
         pipeline.place_params(params.replace(layers=params.layers[:3]), specs, mesh)
+
+
+def test_pipeline_runner_programs_update_kv_cache_in_place():
+    """No compiled pipeline step copies a KV cache (the donated caches are written in place by
+    every tick), including decode buckets where a micro-batch holds a single token."""
+    import re
+
+    from jaxinfer.engine.runner import ModelRunner
+    from tests.model_utils import hf_config_dict
+
+    cfg = ModelConfig.from_hf({**hf_config_dict("llama"), "num_hidden_layers": 2})
+    runner = ModelRunner(cfg, init_random(llama.param_specs(cfg), jax.random.key(0)), page_size=16,
+                         num_pages=1024, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=4,
+                         mesh=_mesh("pipeline=2"))
+    assert runner.token_buckets == (2, 4)
+    for t_bucket, all_logits in [(2, False), (4, False), (2, True)]:
+        hlo = runner.lower(t_bucket, all_logits).compile().as_text()
+        copies = [line for line in hlo.splitlines() if re.search(r" copy\(", line) and "1024,16," in line]
+        assert not copies, (t_bucket, all_logits, copies[:2])

@@ -147,6 +147,12 @@ class ModelRunner:
         if self.token_buckets[-1] < max_num_batched_tokens:
             raise ValueError(f"largest token bucket {self.token_buckets[-1]} is below "
                              f"max_num_batched_tokens={max_num_batched_tokens}")
+        if par.pipeline > 1:
+            # NOTE: a 1-token micro-batch takes the reference attention's single-token loop, which
+            # reads the cache as a loop operand; the next tick's KV write into that cache then makes
+            # XLA:CPU copy the whole cache. Micro-batches are padded to >= 2 tokens instead
+            # (tests/test_pipeline.py guards the compiled programs).
+            self.token_buckets = tuple(sorted({max(b, 2) for b in self.token_buckets}))
         if self.data > 1 and (num_pages % self.data or max_num_seqs % self.data):
             raise ValueError(f"num_pages={num_pages} and max_num_seqs={max_num_seqs} must be "
                              f"multiples of data={self.data} (each replica gets an equal share)")
