@@ -212,6 +212,22 @@ def test_single_device_matches_dense_reference_and_skips_padding(single):
     assert np.max(np.abs(out - ref)) <= 1e-5 * np.max(np.abs(ref))
 
 
+@pytest.mark.parametrize("mesh_spec", [None, "expert=4", "expert=2,tensor=2"])
+def test_small_step_gathered_experts_match_dense_reference(mesh_spec):
+    """3 tokens (one padding) x top-2 = 6 rows <= GATHER_MAX_ROWS: the XLA:CPU gather path."""
+    assert 3 * 2 <= moe.GATHER_MAX_ROWS
+    cfg, specs, p, x, valid = _moe_setup()
+    x, valid = x[:3], valid[:3].at[2].set(False)
+    x = x.at[2].set(jnp.nan)
+    if mesh_spec is None:
+        got = np.asarray(jax.jit(lambda x, p, v: moe.moe_mlp(x, p, cfg, Parallel(), v))(x, p, valid))
+    else:
+        got = _sharded(mesh_spec, cfg, specs, p, x, valid)
+    want = _dense_reference(cfg, p, x, valid)
+    assert np.all(got[2] == 0)
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
+
+
 def test_padding_tokens_are_never_routed(single):
     cfg, _, p, x, valid, _ = single
     r = moe.route(x, p.router, cfg, valid)
