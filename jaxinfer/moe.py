@@ -77,16 +77,21 @@ def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, valid: jax.Array) -
         if cfg.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         valid = valid[:, None]
-        return Routing(weights=jnp.where(valid, weights, 0.0),
-                       experts=jnp.where(valid, experts, cfg.num_experts).astype(jnp.int32))
+        return Routing(
+            weights=jnp.where(valid, weights, 0.0),
+            experts=jnp.where(valid, experts, cfg.num_experts).astype(jnp.int32),
+        )
 
 
 def group_sizes(local_ids: jax.Array, num_local: int) -> jax.Array:
     """i32[num_local] rows per local expert; ids outside [0, num_local) are not counted."""
     # NOTE: negative ids are masked explicitly: JAX index updates wrap negative indices.
     inside = (local_ids >= 0) & (local_ids < num_local)
-    return jnp.zeros((num_local,), jnp.int32).at[jnp.where(inside, local_ids, num_local)].add(
-        1, mode="drop")
+    return (
+        jnp.zeros((num_local,), jnp.int32)
+        .at[jnp.where(inside, local_ids, num_local)]
+        .add(1, mode="drop")
+    )
 
 
 def choose_dispatch(num_tokens: int, par: Parallel, dispatch: str = "auto") -> str:
@@ -95,8 +100,10 @@ def choose_dispatch(num_tokens: int, par: Parallel, dispatch: str = "auto") -> s
         raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
     can_a2a = par.expert > 1 and num_tokens % par.expert == 0
     if dispatch == "all_to_all" and not can_a2a:
-        raise ValueError(f"all_to_all dispatch needs an expert axis > 1 that divides the {num_tokens} "
-                         f"tokens (expert={par.expert}); use dispatch='replicated'")
+        raise ValueError(
+            f"all_to_all dispatch needs an expert axis > 1 that divides the {num_tokens} "
+            f"tokens (expert={par.expert}); use dispatch='replicated'"
+        )
     if dispatch == "auto":
         return "all_to_all" if can_a2a and num_tokens >= A2A_MIN_TOKENS else "replicated"
     return dispatch
@@ -107,8 +114,16 @@ def default_ragged() -> bool:
     return jax.default_backend() in ("gpu", "tpu")
 
 
-def moe_mlp(x: jax.Array, p: MoEParams, cfg: ModelConfig, par: Parallel, valid: jax.Array, *,
-            dispatch: str = "auto", ragged: bool | None = None) -> jax.Array:
+def moe_mlp(
+    x: jax.Array,
+    p: MoEParams,
+    cfg: ModelConfig,
+    par: Parallel,
+    valid: jax.Array,
+    *,
+    dispatch: str = "auto",
+    ragged: bool | None = None,
+) -> jax.Array:
     """Sparse MoE block on local shards; returns the partial sum the caller psums.
 
     Args:
@@ -123,8 +138,10 @@ def moe_mlp(x: jax.Array, p: MoEParams, cfg: ModelConfig, par: Parallel, valid: 
     """
     num_local = p.gate_up.shape[0]
     if num_local * par.expert != cfg.num_experts:
-        raise ValueError(f"{cfg.num_experts} experts do not split into {par.expert} expert shards of "
-                         f"{num_local}; make num_experts divisible by the expert axis")
+        raise ValueError(
+            f"{cfg.num_experts} experts do not split into {par.expert} expert shards of "
+            f"{num_local}; make num_experts divisible by the expert axis"
+        )
     mode = choose_dispatch(x.shape[0], par, dispatch)
     with jax.named_scope("moe"):
         if mode == "replicated":
@@ -165,7 +182,9 @@ def _replicated(x, p, cfg, par, valid):
     t, k = x.shape[0], cfg.num_experts_per_tok
     num_local = p.gate_up.shape[0]
     r = route(x, p.router, cfg, valid)
-    local = (r.experts - par.index(EXPERT) * num_local).reshape(t * k)  # assignment (t, j) at row t*k + j
+    local = (r.experts - par.index(EXPERT) * num_local).reshape(
+        t * k
+    )  # assignment (t, j) at row t*k + j
     ys = _grouped_ffn(jnp.repeat(x, k, axis=0), local, p, cfg.activation)
     with jax.named_scope("combine"):
         return jnp.einsum("tke,tk->te", ys.reshape(t, k, -1), r.weights.astype(ys.dtype))
@@ -175,8 +194,11 @@ def _local_tokens(x, valid, par):
     """This device's contiguous 1/ep of the tokens (the all_to_all dispatches' token shard)."""
     t_local = x.shape[0] // par.expert
     start = par.index(EXPERT) * t_local
-    return (jax.lax.dynamic_slice_in_dim(x, start, t_local),
-            jax.lax.dynamic_slice_in_dim(valid, start, t_local), start)
+    return (
+        jax.lax.dynamic_slice_in_dim(x, start, t_local),
+        jax.lax.dynamic_slice_in_dim(valid, start, t_local),
+        start,
+    )
 
 
 def _place_local(out_local, t, start):
@@ -205,8 +227,11 @@ def _padded_a2a(x, p, cfg, par, valid):
         slot = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
         rows = jnp.repeat(x_l, k, axis=0)
         send_x = jnp.zeros((ep, cap, x.shape[1]), x.dtype).at[dest, slot].set(rows, mode="drop")
-        send_e = jnp.full((ep, cap), num_local, jnp.int32).at[dest, slot].set(
-            eid % num_local, mode="drop")
+        send_e = (
+            jnp.full((ep, cap), num_local, jnp.int32)
+            .at[dest, slot]
+            .set(eid % num_local, mode="drop")
+        )
         recv_x = jax.lax.all_to_all(send_x, EXPERT, 0, 0)
         recv_e = jax.lax.all_to_all(send_e, EXPERT, 0, 0)
     ys = _grouped_ffn(recv_x.reshape(ep * cap, -1), recv_e.reshape(ep * cap), p, cfg.activation)
@@ -239,16 +264,37 @@ def _ragged_a2a(x, p, cfg, par, valid):
         rows = jnp.take(jnp.repeat(x_l, k, axis=0), order, axis=0)
         ids = jnp.take(eid % num_local, order)
         buf = ep * a
-        recv_x = ragged_all_to_all(rows, jnp.zeros((buf, x.shape[1]), x.dtype), in_offsets,
-                                   send_sizes, out_offsets, recv_sizes, axis_name=EXPERT)
-        recv_e = ragged_all_to_all(ids, jnp.full((buf,), num_local, jnp.int32), in_offsets,
-                                   send_sizes, out_offsets, recv_sizes, axis_name=EXPERT)
+        recv_x = ragged_all_to_all(
+            rows,
+            jnp.zeros((buf, x.shape[1]), x.dtype),
+            in_offsets,
+            send_sizes,
+            out_offsets,
+            recv_sizes,
+            axis_name=EXPERT,
+        )
+        recv_e = ragged_all_to_all(
+            ids,
+            jnp.full((buf,), num_local, jnp.int32),
+            in_offsets,
+            send_sizes,
+            out_offsets,
+            recv_sizes,
+            axis_name=EXPERT,
+        )
     ys = _grouped_ffn(recv_x, recv_e, p, cfg.activation)
     with jax.named_scope("combine"):
         # The way back: I send each source its rows (at recv_offsets) to where it took them from.
         src_offsets = jax.lax.all_to_all(in_offsets, EXPERT, 0, 0, tiled=True)
-        back = ragged_all_to_all(ys, jnp.zeros((a, ys.shape[1]), ys.dtype), recv_offsets,
-                                 recv_sizes, src_offsets, send_sizes, axis_name=EXPERT)
+        back = ragged_all_to_all(
+            ys,
+            jnp.zeros((a, ys.shape[1]), ys.dtype),
+            recv_offsets,
+            recv_sizes,
+            src_offsets,
+            send_sizes,
+            axis_name=EXPERT,
+        )
         got = jnp.zeros_like(back).at[order].set(back, unique_indices=True)
         got = jnp.where((eid < cfg.num_experts)[:, None], got, 0)
         out_l = jnp.einsum("tke,tk->te", got.reshape(t_l, k, -1), r.weights.astype(got.dtype))
