@@ -13,6 +13,7 @@ import itertools
 import os
 from typing import Any
 
+from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine, Usage
 from jaxinfer.engine.runner import TokenLogprobs
@@ -72,8 +73,9 @@ class LLM:
         `scripts/convert.py`; None is the embedded SmolLM2-135M-Instruct.
       dtype: "float32" or "bfloat16"; default float32 on CPU, bfloat16 on accelerators.
       **engine_options: `EngineConfig` fields (page_size, num_pages, kv_cache_memory,
-        max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching) and
-        `attention_backend`.
+        max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, mesh) and
+        `attention_backend`. `mesh="tensor=4"` (the same string as `serve.py --mesh`) loads the
+        weights straight onto the mesh, sharded by the rules; see README "Serving on a mesh".
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
@@ -82,7 +84,8 @@ class LLM:
         unknown = set(engine_options) - _ENGINE_OPTIONS
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(_ENGINE_OPTIONS)}")
-        self.model = load_model(model, dtype=dtype)
+        mesh = shd.make_mesh(engine_options.get("mesh") or None)  # a bad mesh fails before loading
+        self.model = load_model(model, dtype=dtype, mesh=mesh)
         config = EngineConfig(dtype=self.model.dtype, **engine_options)
         self.engine = LLMEngine(self.model, config, attention_backend=backend)
         self.tokenizer = self.model.tokenizer

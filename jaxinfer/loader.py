@@ -154,14 +154,14 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
     if kind == "orbax" and stages > 1:  # each layer restored onto its own stage's devices
         params = restore_params(path, pipeline.canonical_targets(specs, mesh, rules))
     elif kind == "orbax":
-        params = restore_params(path, params_lib.abstract(specs, mesh))
+        params = restore_params(path, params_lib.abstract(specs, mesh, rules))
     else:
         def put(x, spec):
             if stages > 1:  # NOTE: host arrays; `to_stacked` sends each device only its slices
                 return x
             # NOTE: not jax.device_put: with several processes it all-gathers every weight to
             # check that the processes agree; here each process slices its own copy.
-            return multihost.device_put_global(x, shd.named_sharding(mesh, spec.logical_axes))
+            return multihost.device_put_global(x, shd.named_sharding(mesh, spec.logical_axes, rules))
 
         try:
             params = llama.params_from_hf(cfg, handle.tensor_names(), handle.tensor, jdtype, put)

@@ -5,7 +5,7 @@
     python scripts/serve.py --trace-dir /tmp/trace --trace-steps 20   # profile 20 busy steps
     python scripts/serve.py --profile-port 9999              # live capture from TensorBoard
 
-1. Parse the mesh (`--mesh tensor=8` style; single device only for now), load the weights and
+1. Parse the mesh (`--mesh tensor=8` style, over every device), load the weights onto it and
    build the engine (`EngineConfig` from the flags).
 2. Start the server: health NOT_SERVING while the engine thread compiles every program, then
    SERVING; print a start-up summary and one load line per second while busy.
@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import math
 import os
 import re
 import sys
@@ -67,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes for the KV cache, e.g. 2GiB (default: most of free device memory)")
     e.add_argument("--num-pages", type=int, default=None, help="KV-cache pages (overrides memory)")
     e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--mesh", default="", help="mesh axis sizes, e.g. 'tensor=8' (single device for now)")
+    e.add_argument("--mesh", default="", help="mesh axis sizes over all devices, e.g. 'tensor=8' or "
+                   "'data=2,tensor=4' (default: one device)")
     e.add_argument("--attention-backend", default="reference")
     s = p.add_argument_group("server")
     s.add_argument("--max-queue", type=int, default=256,
@@ -98,18 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _mesh(spec: str):
-    """The single-device mesh `spec` names; multi-device meshes are refused (for now)."""
-    import jax
-
+    """The mesh `spec` names over every device (none: one device); raises saying what to change."""
     from jaxinfer import sharding
 
     sizes = sharding.parse_mesh(spec)
-    total = math.prod(sizes.values())
-    if total != 1:
-        raise ValueError(
-            f"--mesh {spec!r} spans {total} devices; the server runs on a single device for now "
-            f"(omit --mesh, or give every axis size 1)")
-    return sharding.make_mesh(spec or None, devices=jax.devices()[:1]), sizes
+    return sharding.make_mesh(spec or None), sizes
 
 
 def build_engine(args: argparse.Namespace):
@@ -141,7 +134,7 @@ def build_engine(args: argparse.Namespace):
     from jaxinfer.loader import load_model
 
     model = load_model(args.model, dtype=args.dtype, mesh=mesh)
-    config = EngineConfig(dtype=model.dtype, max_model_len=max_model_len, **options)
+    config = EngineConfig(dtype=model.dtype, max_model_len=max_model_len, mesh=args.mesh, **options)
     if args.max_model_len is None and max_model_len:  # our CPU default, not the user's: cap it
         config = dataclasses.replace(
             config, max_model_len=min(max_model_len, model.cfg.max_position_embeddings))

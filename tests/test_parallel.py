@@ -15,7 +15,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -246,3 +248,56 @@ def test_engine_rejects_a_mesh_the_devices_do_not_match(vocab):
         _engine(_model(vocab, 2), "tensor=4")
     with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
         EngineConfig(mesh="model=8")
+
+
+def _save_hf_dir(root):
+    """A tiny random Llama HF dir (8 heads, 8 KV heads) with a word-level tokenizer.json."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=8, head_dim=8, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.0 if p.ndim == 1 else 7.0)  # std 0.02 -> 0.14: logits far from ties
+    model.save_pretrained(str(root), safe_serialization=True)
+    words = {f"t{i}": i for i in range(256)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text('{"eos_token": "t2"}')
+    return root
+
+
+@pytest.mark.slow
+def test_llm_and_serve_load_a_checkpoint_onto_the_mesh(tmp_path):
+    """`LLM(path, mesh=...)` and `serve.py --mesh` place the weights sharded and give the
+    single-device tokens."""
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling_params import SamplingParams
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    try:
+        import serve
+    finally:
+        sys.path.pop(0)
+
+    path = str(_save_hf_dir(tmp_path))
+    options = dict(page_size=4, num_pages=32, max_model_len=32, max_num_seqs=2,
+                   max_num_batched_tokens=8)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22]]
+    ref = [o.token_ids for o in LLM(path, **options).generate(prompts, sp)]
+    llm = LLM(path, mesh="data=2,tensor=4", **options)
+    assert _spec(llm.model.params.layers[0].attn.q) == (None, T)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
+
+    args = serve.build_parser().parse_args(
+        ["--model", path, "--mesh", "tensor=8", "--page-size", "4", "--num-pages", "32",
+         "--max-model-len", "32", "--max-num-seqs", "2", "--max-num-batched-tokens", "8"])
+    engine, sizes = serve.build_engine(args)
+    assert sizes[T] == 8 and engine.mesh.shape[T] == 8
+    assert _spec(engine.runner.params.embed) == (T,)

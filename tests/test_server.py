@@ -542,19 +542,21 @@ def test_serve_script_sigterm_drains_and_exits_0(tok):
             proc.kill()
 
 
-def test_serve_script_refuses_multi_device_mesh(monkeypatch):
+def test_serve_script_mesh_spans_every_device_or_says_what_to_change(monkeypatch):
     monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)  # keep the test's logging
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:
         import serve
     finally:
         sys.path.pop(0)
-    with pytest.raises(ValueError, match="single device"):
-        serve._mesh("tensor=8")
-    mesh, sizes = serve._mesh("tensor=1")
+    with pytest.raises(ValueError, match="make the product of the axis sizes equal 8"):
+        serve._mesh("tensor=3")
+    mesh, sizes = serve._mesh("tensor=8")
+    assert mesh.devices.size == 8 and sizes["tensor"] == 8
+    mesh, sizes = serve._mesh("")
     assert mesh.devices.size == 1 and sizes["tensor"] == 1
     assert serve.parse_bytes("2GiB") == 2 << 30 and serve.parse_bytes("512M") == 512 << 20
-    assert serve.main(["--mesh", "tensor=8", "--fake-runner"]) == 2
+    assert serve.main(["--mesh", "tensor=3", "--fake-runner"]) == 2  # bad mesh: exit 2, no server
 
 
 def test_generated_stubs_in_sync(tmp_path):

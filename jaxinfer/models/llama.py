@@ -10,6 +10,11 @@ GeGLU, sandwich norms, soft-caps, per-layer sliding windows).
    raising on missing, unexpected or mis-shaped tensors.
 3. `forward(params, cfg, step, kv_caches)` runs the ragged step: embed → layers (attention over the
    paged cache, gated MLP) → final norm → logits only at `step.logits_indices`.
+4. `forward(..., mesh=)` runs that same code inside one `shard_map` over the mesh (manual SPMD,
+   Megatron style): each device holds its shards (q/kv/gate_up column-split by heads / MLP
+   columns, o/down row-split, embedding and LM head split by vocab) and `Parallel` adds the
+   all-reduces: one after o_proj and one after the MLP down projection per layer (biases after
+   them), one for the vocab-parallel embedding. Logits leave sharded on vocab.
 
 Einsum legend: t = token, e = embed, f = heads*head_dim or MLP hidden, v = vocab.
 """
@@ -33,8 +38,10 @@ from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.moe import MoEParams
 from jaxinfer.params import ParamSpec, checked_array, map_specs, partition_specs
-from jaxinfer.sharding import (DATA, EXPERT, PIPELINE, TENSOR, Parallel, kv_heads_split, model_rules)
+from jaxinfer.sharding import DATA, EXPERT, PIPELINE, TENSOR, Parallel, kv_heads_split, model_rules
 from jaxinfer.step import StepInputs
+
+SINGLE = Parallel()  # one device: every axis size 1
 
 
 @struct.dataclass
@@ -280,7 +287,7 @@ def params_from_hf(
 
 def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x: jax.Array,
                      step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array,
-                     backend: str, par: Parallel = Parallel()):
+                     backend: str, par: Parallel = SINGLE):
     """x [T, E] -> [T, E]. Under tensor parallelism p.q/p.kv hold this shard's heads (columns),
     p.o its rows: the o_proj output is a partial sum, all-reduced here (bias added once, after)."""
     t, d = x.shape[0], cfg.head_dim
@@ -321,7 +328,7 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
 
 def _decoder_layer(p: LayerParams, cfg: ModelConfig, window: int | None, h: jax.Array,
                    step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array,
-                   backend: str, par: Parallel = Parallel()):
+                   backend: str, par: Parallel = SINGLE):
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     with jax.named_scope("attention"):
         x = layers.rms_norm(h, p.attn_norm, eps, off)
@@ -344,7 +351,7 @@ def _decoder_layer(p: LayerParams, cfg: ModelConfig, window: int | None, h: jax.
 
 
 def embed_tokens(embed: jax.Array, cfg: ModelConfig, token_ids: jax.Array,
-                 par: Parallel = Parallel()) -> jax.Array:
+                 par: Parallel = SINGLE) -> jax.Array:
     """Rows of `embed` [V/tensor, E] for token_ids i32[T] -> [T, E] (vocab-parallel on a mesh:
     each shard looks up the ids in its vocab range, zeros elsewhere, one all-reduce)."""
     if par.tensor == 1:
