@@ -301,3 +301,49 @@ def test_llm_and_serve_load_a_checkpoint_onto_the_mesh(tmp_path):
     engine, sizes = serve.build_engine(args)
     assert sizes[T] == 8 and engine.mesh.shape[T] == 8
     assert _spec(engine.runner.params.embed) == (T,)
+
+
+def test_data_parallel_scheduler_spreads_requests_and_keeps_pages_per_replica():
+    """Pure host policy (no JAX): least-loaded admission, per-replica budgets and pages, prefix
+    hits only inside the replica that cached the pages."""
+    from jaxinfer.engine.page_allocator import PageAllocator
+    from jaxinfer.engine.request import Request
+    from jaxinfer.engine.scheduler import RunnerOutput, Scheduler
+    from jaxinfer.sampling_params import SamplingParams
+
+    allocs = [PageAllocator(9, 4) for _ in range(2)]  # 8 usable pages per replica
+    sched = Scheduler(allocs, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    shared = list(range(100, 108))  # two full pages
+    for i, prompt in enumerate([shared + [1], [7] * 6, [8] * 5, [9] * 3, [5] * 2]):
+        sched.add_request(Request(f"r{i}", prompt, sp, arrival_time=float(i)))
+
+    out = sched.schedule()
+    by_replica = {r: [s for s in out.scheduled if s.replica == r] for r in (0, 1)}
+    # 2 sequences per replica at most (max_num_seqs / data), each within its own token budget.
+    assert [len(v) for v in by_replica.values()] == [2, 2]
+    assert all(sum(len(s.token_ids) for s in v) <= 16 for v in by_replica.values())
+    assert sched.num_waiting == 1
+    # Fewest running first, then most free pages: r2 goes where r1's 2 pages left more room.
+    assert {s.request.request_id: s.replica for s in out.scheduled} == {
+        "r0": 0, "r1": 1, "r2": 1, "r3": 0}
+    for s in out.scheduled:  # page ids come from the request's own replica pool
+        assert all(allocs[s.replica].refcount(p) > 0 for p in s.page_ids)
+
+    for _ in range(20):  # run to completion
+        if not sched.has_unfinished():
+            break
+        sched.update(out, RunnerOutput({s.request.request_id: 3 for s in out.scheduled if s.sample}))
+        out = sched.schedule()
+    assert not sched.has_unfinished()
+    for a in allocs:
+        a.check_invariants()
+    # The shared prefix (r0's first two pages) is cached in replica 0 only.
+    cached_in = 0
+    sched.add_request(Request("a", shared + [2], sp, arrival_time=50.0))
+    sched.add_request(Request("b", shared + [3], sp, arrival_time=51.0))
+    out = sched.schedule()
+    hits = {s.request.request_id: (s.replica, s.start_pos) for s in out.scheduled}
+    assert {r for r, _ in hits.values()} == {0, 1}
+    for r, start in hits.values():
+        assert start == (8 if r == cached_in else 0)
