@@ -108,6 +108,13 @@ def main() -> int:
         report["channel_seconds"] = channel.seconds
         report["channel_bytes"] = channel.bytes_sent
     else:
+        warmup = engine.runner.warmup
+
+        def counting_warmup() -> int:
+            report["compiled"] = warmup()
+            return report["compiled"]
+
+        engine.runner.warmup = counting_warmup
         report["followed"] = multihost.follow(engine.runner, channel, on_step=record)
     report["steps"] = steps
     report["messages"] = channel.seq
