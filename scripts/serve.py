@@ -207,11 +207,18 @@ def start_multihost(args: argparse.Namespace):
     return channel
 
 
+def engine_identity(engine) -> tuple[str, tuple]:
+    """What must be equal on every process for them to compile the same programs."""
+    return ("the engine (model config, engine config, token buckets)",
+            (engine.cfg, engine.config, engine.runner.token_buckets))
+
+
 def follow(args: argparse.Namespace, channel) -> int:
     """Processes other than 0: build the same engine, run what process 0 sends, exit 0."""
     from jaxinfer.engine import multihost
 
     engine, _ = build_engine(args)
+    multihost.check_same_everywhere(*engine_identity(engine))
     logger.info("process %d follows process 0", args.process_id)
     steps = multihost.follow(engine.runner, channel)
     logger.info("process %d: process 0 shut down after %d steps; exiting", args.process_id, steps)
@@ -225,6 +232,7 @@ async def serve(args: argparse.Namespace, channel=None) -> int:
     if channel is not None:
         from jaxinfer.engine import multihost
 
+        await asyncio.to_thread(multihost.check_same_everywhere, *engine_identity(engine))
         multihost.attach_leader(engine.runner, channel)
     try:
         return await _serve(args, engine, mesh_shape, t0, load_s)

@@ -4,7 +4,8 @@
 
 1. Give this process 4 virtual CPU devices, then `multihost.initialize` (2 processes, loopback).
 2. Mechanics: a psum over all 8 devices of both processes; a step-channel round trip of a small
-   (one-frame) and a large (two-broadcast) payload; the engine options from the leader.
+   (one-frame) and a large (two-broadcast) payload; the engine options from the leader; a
+   configuration that differs between processes is detected on both, an equal one passes.
 3. Build the same engine on every process: the model from DIR on `--mesh` over the 8 global
    devices (no mesh: each process its own single device, which still exercises the protocol).
    The leader attaches the broadcasting runner, warms up, generates greedily, shuts the channel
@@ -69,6 +70,12 @@ def main() -> int:
     channel = multihost.StepChannel()
     report.update(channel_round_trip(channel))
     options = multihost.broadcast_config(channel, dict(ENGINE) if multihost.is_leader() else None)
+    try:
+        multihost.check_same_everywhere("the engine options", {**options, "me": args.process_id})
+        report["mismatch_detected"] = False
+    except ValueError as e:
+        report["mismatch_detected"] = "differs between processes: process(es) [1]" in str(e)
+    multihost.check_same_everywhere("the engine options", options)
 
     from jaxinfer import sharding
     from jaxinfer.config import EngineConfig

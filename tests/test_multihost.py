@@ -6,8 +6,9 @@
    (follower) on a free port, with meshes `tensor=8`, `data=2,tensor=4` and `pipeline=2,tensor=4`
    over both processes' devices; both must exit 0, the follower on the leader's SHUTDOWN.
 3. Checked: a psum over both processes' devices, step-channel round trips (one-frame and
-   two-broadcast payloads), the leader's greedy tokens == one single-process engine's, and the
-   follower ran exactly the leader's steps with the same inputs (it sampled the same tokens).
+   two-broadcast payloads), a configuration that differs between processes failing on both, the
+   leader's greedy tokens == one single-process engine's, and the follower ran exactly the
+   leader's steps with the same inputs (it sampled the same tokens).
 4. `scripts/serve.py` twice (process 0 serves gRPC, process 1 follows with different flags, which
    it must replace by process 0's): a client gets the single-process tokens; SIGTERM to process 0
    shuts both down with exit 0.
@@ -125,6 +126,7 @@ def check_reports(reports: list[dict], expected_tokens: list[list[int]]) -> None
     assert all(r["device_count"] == 8 and r["local_device_count"] == 4 for r in reports)
     assert all(r["psum"] == 28.0 for r in reports)  # 0 + 1 + ... + 7 over both processes
     assert all(r["round_trip_ok"] for r in reports)
+    assert all(r["mismatch_detected"] for r in reports)
     # The small payload fits one frame, the large one needs a second broadcast.
     assert leader["broadcasts"] == follower["broadcasts"] == 3
     assert leader["tokens"] == expected_tokens

@@ -20,7 +20,8 @@ inputs in the same order. Only process 0 (the leader) runs the scheduler and the
 4. On the others, `follow(runner, channel)` loops: receive → `runner.warmup()` / `runner.run(...)`
    → repeat, until SHUTDOWN, which the leader sends once on exit (`channel.shutdown()`).
 5. `broadcast_config(value)` sends any picklable value once (e.g. the leader's resolved server
-   flags), so that every process builds the same engine.
+   flags), so that every process builds the same engine; `check_same_everywhere` then proves it
+   (all processes compare a digest of their engine's configuration and fail together).
 6. The runner moves data with `device_put_global` (host data every process holds in full onto a
    multi-process sharding, without `jax.device_put`'s per-leaf cross-process equality check)
    and `device_get` (results that span other processes' devices).
@@ -33,6 +34,7 @@ collectives, never from clients.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import pickle
 import time
@@ -125,6 +127,26 @@ def device_get(tree: Any) -> Any:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     return jax.tree.map(get, tree)
+
+
+def check_same_everywhere(what: str, value: Any) -> None:
+    """Raises ValueError on every process unless `repr(value)` is equal on all of them.
+
+    A collective (every process calls it at the same point). Processes that built different
+    engines (another config.json, other flags) would otherwise compile different programs and
+    wait on each other's collectives forever.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    digest = int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:8], "little", signed=True)
+    digests = np.asarray(multihost_utils.process_allgather(np.array([digest], np.int64))).reshape(-1)
+    odd = [i for i, d in enumerate(digests.tolist()) if d != digests[0]]
+    if odd:
+        raise ValueError(f"{what} differs between processes: process(es) {odd} disagree with "
+                         f"process 0 (this process {jax.process_index()}: {value!r}); start every "
+                         f"process with the same checkpoint and flags")
 
 
 def _broadcast(buf: np.ndarray) -> np.ndarray:
