@@ -1,7 +1,8 @@
 """Multi-host serving: 2 processes x 4 virtual CPU devices on loopback (jaxinfer/engine/multihost.py).
 
 1. A tiny random Llama (8 heads, so `tensor=8` divides it) is saved once as a HF dir with a
-   WordLevel tokenizer; every process loads it from there, as serve.py would.
+   WordLevel tokenizer (and converted to orbax); every process loads it from there, as serve.py
+   would.
 2. `tests/multihost_worker.py` runs as process 0 (leader: engine, scheduler) and process 1
    (follower) on a free port, with meshes `tensor=8`, `data=2,tensor=4` and `pipeline=2,tensor=4`
    over both processes' devices; both must exit 0, the follower on the leader's SHUTDOWN.
@@ -78,6 +79,14 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tiny_orbax(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model converted to orbax (each process restores only its devices' shards)."""
+    from checkpoints.convert import convert
+
+    return Path(convert(tiny_dir, tmp_path_factory.mktemp("tiny_orbax") / "tiny"))
+
+
+@pytest.fixture(scope="module")
 def single_process_tokens(tiny_dir: Path) -> list[list[int]]:
     """The greedy tokens of one process, one device: the reference for every multi-host run."""
     from jaxinfer.config import EngineConfig
@@ -137,13 +146,15 @@ def check_reports(reports: list[dict], expected_tokens: list[list[int]]) -> None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["tensor=8", "data=2,tensor=4", "pipeline=2,tensor=4"])
+@pytest.mark.parametrize("mesh,source", [("tensor=8", "hf"), ("data=2,tensor=4", "orbax"),
+                                         ("pipeline=2,tensor=4", "hf")])
 def test_two_processes_on_a_global_mesh_match_one_process(tiny_dir, single_process_tokens, tmp_path,
-                                                         mesh):
+                                                         request, mesh, source):
     """2 x 4 devices on one mesh. The leading mesh axis splits by process: with data=2 each
     process holds one replica (results all-gathered), with pipeline=2 one stage (activations
-    cross processes)."""
-    reports = run_two_processes(tiny_dir, tmp_path, mesh)
+    cross processes). The HF dir and its orbax conversion both load multi-process."""
+    model = tiny_dir if source == "hf" else request.getfixturevalue("tiny_orbax")
+    reports = run_two_processes(model, tmp_path, mesh)
     check_reports(reports, single_process_tokens)
 
 
