@@ -92,7 +92,7 @@ def bench_mesh(cfg, params, spec: str, args: argparse.Namespace) -> dict:
     import numpy as np
 
     from jaxinfer import sharding as shd
-    from jaxinfer.engine.runner import ModelRunner, Prepared
+    from jaxinfer.engine.runner import ModelRunner
 
     spec = "" if spec == "single" else spec
     sizes = shd.check_mesh(cfg, spec, num_devices=len(jax.devices()),
@@ -107,25 +107,28 @@ def bench_mesh(cfg, params, spec: str, args: argparse.Namespace) -> dict:
                          max_num_batched_tokens=max(args.prefill_len, args.batch), dtype=args.dtype,
                          token_buckets=tuple(sorted({args.batch, args.prefill_len})), mesh=mesh)
 
-    def inputs(t_bucket: int, seqs_per_replica: int, tokens_each: int, start: int) -> Prepared:
-        prepared = runner._idle_inputs(t_bucket, False)
-        step = prepared["step"]
-        rng = np.random.default_rng(0)
-        from jaxinfer.step import build_step_arrays
+    from jaxinfer.engine.request import Request
+    from jaxinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from jaxinfer.sampling_params import SamplingParams
 
-        per_replica = []
-        for _ in range(data):
-            seqs = [(rng.integers(0, cfg.vocab_size, tokens_each).tolist(), start,
-                     list(range(1 + j * pages_per_seq, 1 + (j + 1) * pages_per_seq)))
-                    for j in range(seqs_per_replica)]
-            per_replica.append(build_step_arrays(
-                seqs, args.page_size, num_tokens=t_bucket, num_seqs=runner.seq_bucket(t_bucket),
-                pages_per_seq=runner.pages_per_seq, num_logits=runner.seq_bucket(t_bucket)))
-        prepared["step"] = type(step)(**runner._stack(per_replica))
-        return Prepared(prepared, False, t_bucket, [])
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = {(r, j): rng.integers(0, cfg.vocab_size, args.prefill_len + 1).tolist()
+               for r in range(data) for j in range(args.batch)}
 
-    prefill = inputs(args.prefill_len, 1, args.prefill_len, 0)
-    decode = inputs(args.batch, args.batch, 1, args.prefill_len)
+    def inputs(seqs_per_replica: int, tokens_each: int, start: int):
+        """The runner's own host inputs for a fabricated schedule (pages j*pages_per_seq + 1...)."""
+        scheduled = []
+        for (r, j), prompt in prompts.items():
+            if j < seqs_per_replica:
+                req = Request(f"r{r}-{j}", prompt, sp)
+                pages = list(range(1 + j * pages_per_seq, 1 + (j + 1) * pages_per_seq))
+                scheduled.append(ScheduledRequest(req, prompt[start:start + tokens_each], start,
+                                                  pages, True, r))
+        return runner.prepare(SchedulerOutput(scheduled, len(scheduled) * tokens_each, [], []))
+
+    prefill = inputs(1, args.prefill_len, 0)
+    decode = inputs(args.batch, 1, args.prefill_len)
     prefill_ms = _timed(lambda: runner.run(prefill), args.runs)
     decode_ms = _timed(lambda: runner.run(decode), args.runs)
     held = runner.bytes_per_device()
