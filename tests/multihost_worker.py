@@ -19,7 +19,9 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+if __name__ == "__main__":  # NOTE: not on import: pytest imports this module while collecting
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"  # test_multihost.py, and
+    # setting it then would give every other test in that process 4 devices instead of 8.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
