@@ -322,6 +322,9 @@ class EngineConfig:
     # one device. With data=N, num_pages and max_num_seqs are totals split evenly over the N
     # replicas and max_num_batched_tokens is each replica's per-step budget.
     mesh: str = ""
+    # Most prompt tokens one request computes per step (None: up to max_num_batched_tokens).
+    # Smaller values keep a new prompt's prefill from stalling the running decodes (tail ITL).
+    long_prefill_token_threshold: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -329,6 +332,9 @@ class EngineConfig:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
+            raise ValueError("long_prefill_token_threshold must be >= 1 (or None for no cap), "
+                             f"got {self.long_prefill_token_threshold}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
         from jaxinfer.sharding import parse_mesh  # NOTE: lazy: config imports no JAX

@@ -73,9 +73,10 @@ class LLM:
         `scripts/convert.py`; None is the embedded SmolLM2-135M-Instruct.
       dtype: "float32" or "bfloat16"; default float32 on CPU, bfloat16 on accelerators.
       **engine_options: `EngineConfig` fields (page_size, num_pages, kv_cache_memory,
-        max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, mesh) and
-        `attention_backend`. `mesh="tensor=4"` (the same string as `serve.py --mesh`) loads the
-        weights straight onto the mesh, sharded by the rules; see README "Serving on a mesh".
+        max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, mesh,
+        long_prefill_token_threshold) and `attention_backend`. `mesh="tensor=4"` (the same string
+        as `serve.py --mesh`) loads the weights straight onto the mesh, sharded by the rules; see
+        README "Serving on a mesh".
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,

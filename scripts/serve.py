@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes for the KV cache, e.g. 2GiB (default: most of free device memory)")
     e.add_argument("--num-pages", type=int, default=None, help="KV-cache pages (overrides memory)")
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="most prompt tokens one request computes per step; smaller values cut "
+                        "the inter-token latency tail of running streams (default: no cap)")
     e.add_argument("--mesh", default="", help="mesh axis sizes over all devices, e.g. 'tensor=8' or "
                    "'data=2,tensor=4' (default: one device)")
     e.add_argument("--attention-backend", default="reference")
@@ -119,7 +122,8 @@ def build_engine(args: argparse.Namespace):
     options = dict(page_size=args.page_size, num_pages=args.num_pages,
                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
-                   enable_prefix_caching=not args.no_prefix_caching)
+                   enable_prefix_caching=not args.no_prefix_caching,
+                   long_prefill_token_threshold=args.long_prefill_token_threshold)
     if args.fake_runner:
         from jaxinfer.loader import load_tokenizer, open_source, resolve_model_path
         from serving.testing import FakeRunner, fake_engine

@@ -485,3 +485,23 @@ def test_penalties_and_top_k_change_the_output(engine, vocab_size) -> None:
     min_p = generate(engine, prompt, SamplingParams(min_p=0.5, seed=1, max_tokens=8))
     assert 1 <= len(min_p.token_ids) <= 8
     assert_pages_free(engine)
+
+
+def test_long_prefill_threshold_caps_prompt_chunks_and_keeps_tokens(model, reference, vocab_size) -> None:
+    """`long_prefill_token_threshold` (engine option / serve flag) bounds every prefill chunk, so
+    a new prompt never turns a decode step into a long one; the tokens stay those of a solo run."""
+    capped = make_engine(model, long_prefill_token_threshold=5)
+    rng = np.random.default_rng(7)
+    reqs = [(f"c{i}", random_prompt(rng, n, vocab_size), greedy(10, ignore_eos=True))
+            for i, n in enumerate([4, 23, 17])]
+    with ScheduleLog(capped) as log:
+        for rid, prompt, sp in reqs:
+            capped.add_request(prompt, sp, request_id=rid)
+        done = collect(capped.stream())
+    assert max(c.num_tokens for c in log.chunks) == 5
+    assert len([c for c in log.of("c1") if not c.is_decode]) == 5  # 23 prompt tokens, 5 at a time
+    for rid, prompt, sp in reqs:
+        assert done[(rid, 0)].token_ids == generate(reference, prompt, sp).token_ids, rid
+    assert_pages_free(capped)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        make_engine(model, long_prefill_token_threshold=0)

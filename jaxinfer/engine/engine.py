@@ -121,7 +121,8 @@ class LLMEngine:
         self.allocator = self.allocators[0]
         self.scheduler = Scheduler(self.allocators, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=max_model_len)
+                                   max_model_len=max_model_len,
+                                   long_prefill_token_threshold=config.long_prefill_token_threshold)
         self.runner = ModelRunner(self.cfg, model.params, page_size=config.page_size,
                                   num_pages=self.config.num_pages, max_model_len=max_model_len,
                                   max_num_seqs=config.max_num_seqs,
