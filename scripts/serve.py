@@ -177,7 +177,7 @@ def summary(server, engine, args, load_s: float, ready_s: float) -> str:
 # Flags that shape the engine: in multi-host mode every process uses process 0's values.
 ENGINE_FLAGS = ("model", "dtype", "page_size", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "kv_cache_memory", "num_pages", "no_prefix_caching", "mesh",
-                "attention_backend", "no_warmup")
+                "attention_backend", "no_warmup", "long_prefill_token_threshold")
 
 
 def start_multihost(args: argparse.Namespace):
