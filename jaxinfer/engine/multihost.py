@@ -43,6 +43,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 logger = logging.getLogger(__name__)
 
@@ -119,14 +120,26 @@ def device_get(tree: Any) -> Any:
         return jax.device_get(tree)
     from jax.experimental import multihost_utils
 
-    def get(x: Any) -> Any:
-        if not isinstance(x, jax.Array) or x.is_fully_addressable:
-            return jax.device_get(x)
-        if x.is_fully_replicated:
-            return np.asarray(x.addressable_data(0))
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    leaves, treedef = jax.tree.flatten(tree)
+    split = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)
+             and not x.is_fully_addressable and not x.is_fully_replicated]
+    for i in [i for i in split if not isinstance(leaves[i].sharding, NamedSharding)]:
+        leaves[i] = multihost_utils.process_allgather(leaves[i], tiled=True)  # numpy
+        split.remove(i)
+    if split:
+        # NOTE: one program replicates every split leaf (one collective launch per step, not one
+        # per leaf as `multihost_utils.process_allgather` would do).
+        replicated = tuple(NamedSharding(leaves[i].sharding.mesh, PartitionSpec()) for i in split)
+        gathered = jax.jit(_identity, out_shardings=replicated)(*(leaves[i] for i in split))
+        for i, x in zip(split, gathered, strict=True):
+            leaves[i] = x
+    out = [np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array)
+           and not x.is_fully_addressable else jax.device_get(x) for x in leaves]
+    return jax.tree.unflatten(treedef, out)
 
-    return jax.tree.map(get, tree)
+
+def _identity(*xs: Any) -> tuple:
+    return xs
 
 
 def check_same_everywhere(what: str, value: Any) -> None:
