@@ -42,8 +42,17 @@ from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.moe import MoEParams
 from jaxinfer.params import ParamSpec, checked_array, map_specs, partition_specs
-from jaxinfer.sharding import (DATA, EXPERT, PIPELINE, TENSOR, Parallel, dense_axes, is_moe,
-                               kv_heads_split, model_rules)
+from jaxinfer.sharding import (
+    DATA,
+    EXPERT,
+    PIPELINE,
+    TENSOR,
+    Parallel,
+    dense_axes,
+    is_moe,
+    kv_heads_split,
+    model_rules,
+)
 from jaxinfer.step import StepInputs
 
 SINGLE = Parallel()  # one device: every axis size 1
