@@ -14,7 +14,8 @@
    replicated when the KV heads do not split over those shards.
 5. `Parallel` is what model code sees when it runs inside `shard_map` over the mesh (manual SPMD):
    the axis sizes, a `psum` over the named axes that are split, this device's index on an axis,
-   and `dense` / `dense_index()`: the dense weights' shard count (expert * tensor) and position. With every size 1 (the default) both are no-ops, so one model code path serves a single
+   and `dense` / `dense_index()`: the dense weights' shard count (expert * tensor) and position.
+   With every size 1 (the default) these are no-ops, so one model code path serves a single
    device and any mesh.
 """
 
