@@ -149,7 +149,7 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
         mesh = shd.make_mesh(None)
 
     stages = dict(mesh.shape).get(shd.PIPELINE, 1)
-    rules = shd.model_rules(cfg, dict(mesh.shape).get(shd.TENSOR, 1))
+    rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
 
     if kind == "orbax" and stages > 1:  # each layer restored onto its own stage's devices
         params = restore_params(path, pipeline.canonical_targets(specs, mesh, rules))

@@ -2,15 +2,20 @@
 
 1. Mesh axes are named constants (`DATA`, `PIPELINE`, `EXPERT`, `TENSOR`); size-1 axes are free.
 2. Model code names only logical axes (`vocab`, `embed`, `q_heads`, ...). `RULES` maps each
-   logical axis to at most one mesh axis; `logical_to_spec` turns an array's logical axes into a
-   `PartitionSpec`, refusing a spec that would use one mesh axis twice (a collision).
+   logical axis to a mesh axis, a tuple of mesh axes (major first) or None; `logical_to_spec`
+   turns an array's logical axes into a `PartitionSpec`, refusing a spec that would use one mesh
+   axis twice (a collision), also inside tuples.
 3. `make_mesh("tensor=4,pipeline=2")` parses the one mesh string used everywhere.
 4. `check_mesh(cfg, sizes, ...)` rejects a mesh the model or the engine cannot be split over, with
-   a message that says what to change; `model_rules(cfg, tensor)` is `RULES` adjusted for the
-   model (K/V projections replicated when the KV heads do not split over `tensor`).
+   a message that says what to change; `model_rules(cfg, par)` is `RULES` adjusted for the
+   model: the dense (non-expert) weights' split dims (heads, vocab, dense MLP) go over `DENSE` =
+   (`expert`, `tensor`) on MoE models, so the expert axis also works as tensor parallelism there,
+   and over `tensor` alone on dense models (which reject expert > 1); K/V projections are
+   replicated when the KV heads do not split over those shards.
 5. `Parallel` is what model code sees when it runs inside `shard_map` over the mesh (manual SPMD):
-   the axis sizes, a `psum` over the named axes that are split, and this device's index on an
-   axis. With every size 1 (the default) both are no-ops, so one model code path serves a single
+   the axis sizes, a `psum` over the named axes that are split, this device's index on an axis,
+   and `dense` / `dense_index()`: the dense weights' shard count (expert * tensor) and position.
+   With every size 1 (the default) these are no-ops, so one model code path serves a single
    device and any mesh.
 """
 
@@ -28,14 +33,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 DATA, PIPELINE, EXPERT, TENSOR = "data", "pipeline", "expert", "tensor"
 MESH_AXES = (DATA, PIPELINE, EXPERT, TENSOR)
 
-# logical axis -> mesh axis (None: replicated).
-RULES: dict[str, str | None] = {
-    "vocab": TENSOR,
+# The mesh axes the dense (non-expert) weights split over on MoE models, major first: tokens stay
+# replicated over `expert` outside the MoE block, so its devices can share attention, embedding,
+# LM head and dense MLP layers as extra tensor parallelism instead of holding copies.
+DENSE = (EXPERT, TENSOR)
+
+MeshAxes = str | tuple[str, ...] | None
+
+# logical axis -> mesh axis, tuple of mesh axes (major first), or None (replicated).
+RULES: dict[str, MeshAxes] = {
+    "vocab": DENSE,
     "embed": None,
-    "q_heads": TENSOR,
-    "kv_heads": TENSOR,
+    "q_heads": DENSE,
+    "kv_heads": DENSE,
     "head_dim": None,
-    "mlp": TENSOR,
+    "mlp": DENSE,  # a dense MLP's hidden dim
+    "expert_mlp": TENSOR,  # an expert's hidden dim (the experts themselves are on EXPERT)
     "norm": None,
     "layers": PIPELINE,
     "experts": EXPERT,
@@ -45,45 +58,69 @@ RULES: dict[str, str | None] = {
 }
 
 
-def logical_to_spec(axes: Sequence[str | None], rules: dict[str, str | None] | None = None) -> PartitionSpec:
+def _flat(m: MeshAxes) -> tuple[str, ...]:
+    return () if m is None else (m,) if isinstance(m, str) else tuple(m)
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: dict[str, MeshAxes] | None = None) -> PartitionSpec:
     rules = RULES if rules is None else rules
-    mesh_axes = []
+    entries, used = [], []
     for ax in axes:
         if ax is not None and ax not in rules:
             raise ValueError(f"logical axis {ax!r} has no sharding rule (known: {sorted(rules)})")
         m = rules.get(ax) if ax is not None else None
-        if m is not None and m in mesh_axes:
-            raise ValueError(f"logical axes {tuple(axes)} map mesh axis {m!r} twice")
-        mesh_axes.append(m)
-    return PartitionSpec(*mesh_axes)
+        for name in _flat(m):
+            if name in used:
+                raise ValueError(f"logical axes {tuple(axes)} map mesh axis {name!r} twice")
+            used.append(name)
+        entries.append(m)
+    return PartitionSpec(*entries)
 
 
 def named_sharding(mesh: Mesh, axes: Sequence[str | None],
-                   rules: dict[str, str | None] | None = None) -> NamedSharding:
+                   rules: dict[str, MeshAxes] | None = None) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(axes, rules))
 
 
-def kv_heads_split(num_kv_heads: int, tensor: int) -> bool:
-    """True when the KV heads split over `tensor`; False when every shard keeps a replica of the
-    one KV head its query heads need (`tensor` a multiple of `num_kv_heads`)."""
-    return num_kv_heads % tensor == 0
+def kv_heads_split(num_kv_heads: int, shards: int) -> bool:
+    """True when the KV heads split over the `shards` of the attention weights (`Parallel.dense`);
+    False when every shard keeps a replica of the one KV head its query heads need (`shards` a
+    multiple of `num_kv_heads`)."""
+    return num_kv_heads % shards == 0
 
 
-def kv_cache_heads(num_kv_heads: int, tensor: int) -> int:
-    """KV heads in the global cache: `num_kv_heads`, or `tensor` (one per shard) when replicated.
+def kv_cache_heads(num_kv_heads: int, shards: int) -> int:
+    """KV heads in the global cache: `num_kv_heads`, or `shards` (one per shard) when replicated.
 
-    NOTE: with replicated KV, shard j holds KV head j // (tensor // num_kv_heads); shards sharing a
+    NOTE: with replicated KV, shard j holds KV head j // (shards // num_kv_heads); shards sharing a
     head each keep (and write) their own copy, so attention never needs KV from another shard.
     """
-    return num_kv_heads if kv_heads_split(num_kv_heads, tensor) else tensor
+    return num_kv_heads if kv_heads_split(num_kv_heads, shards) else shards
 
 
-def model_rules(cfg, tensor: int) -> dict[str, str | None]:
-    """`RULES` for this model on a mesh with this `tensor` size: K/V projection weights are
-    replicated when the KV heads do not split (each shard then slices out its own head)."""
-    if kv_heads_split(cfg.num_kv_heads, tensor):
-        return RULES
-    return {**RULES, "kv_heads": None}
+def is_moe(cfg) -> bool:
+    return bool(getattr(cfg, "num_experts", 0))
+
+
+def dense_axes(cfg) -> str | tuple[str, ...]:
+    """The spec entry of the dense weights' split dims (heads, vocab, dense MLP), of the KV cache's
+    heads and of the logits' vocab: `DENSE` on MoE models, `TENSOR` on dense ones.
+
+    NOTE: dense models reject expert > 1 (`check_mesh`), so both read the same there; `TENSOR`
+    keeps their specs as they were.
+    """
+    return DENSE if is_moe(cfg) else TENSOR
+
+
+def model_rules(cfg, par: Parallel) -> dict[str, MeshAxes]:
+    """`RULES` for this model on a mesh with `par`'s sizes: `DENSE` narrowed to `dense_axes(cfg)`,
+    and K/V projection weights replicated when the KV heads do not split over `par.dense` shards
+    (each shard then slices out its own head)."""
+    dense = dense_axes(cfg)
+    rules = {k: dense if v == DENSE else v for k, v in RULES.items()}
+    if not kv_heads_split(cfg.num_kv_heads, par.dense):
+        rules["kv_heads"] = None
+    return rules
 
 
 def check_mesh(cfg, spec: str | dict[str, int] | None, *, num_devices: int | None = None,
@@ -97,21 +134,27 @@ def check_mesh(cfg, spec: str | dict[str, int] | None, *, num_devices: int | Non
                          f"the product of the axis sizes equal {num_devices}")
     errors = []
     t = sizes[TENSOR]
+    moe = is_moe(cfg)
+    # The dense weights' shards: expert * tensor on MoE models (see `dense_axes`), else tensor.
+    dense, where = (sizes[EXPERT] * t, "expert*tensor") if moe and sizes[EXPERT] > 1 else (t, TENSOR)
 
-    def divides(what: str, n: int, axis: str) -> None:
-        if n % sizes[axis]:
+    def divides(what: str, n: int, axis: str, size: int | None = None) -> None:
+        size = sizes[axis] if size is None else size
+        if n % size:
             ok = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
-            errors.append(f"{what}={n} is not divisible by {axis}={sizes[axis]}; use {axis} in {ok}")
+            errors.append(f"{what}={n} is not divisible by {axis}={size}; use {axis} in {ok}")
 
-    if t > 1:
-        divides("num_heads", cfg.num_heads, TENSOR)
-        divides("vocab_size", cfg.vocab_size, TENSOR)
-        divides("intermediate_size", cfg.intermediate_size, TENSOR)
-        if getattr(cfg, "num_experts", 0):
-            divides("moe_intermediate_size", cfg.moe_intermediate_size, TENSOR)
-        if cfg.num_kv_heads % t and t % cfg.num_kv_heads:
-            errors.append(f"num_kv_heads={cfg.num_kv_heads} and tensor={t}: one must divide the other "
-                          f"(KV heads split over tensor, or each replicated tensor/num_kv_heads times)")
+    if dense > 1:
+        divides("num_heads", cfg.num_heads, where, dense)
+        divides("vocab_size", cfg.vocab_size, where, dense)
+        if not moe or not all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+            divides("intermediate_size", cfg.intermediate_size, where, dense)
+        if cfg.num_kv_heads % dense and dense % cfg.num_kv_heads:
+            errors.append(f"num_kv_heads={cfg.num_kv_heads} and {where}={dense}: one must divide the "
+                          f"other (KV heads split over {where}, or each replicated "
+                          f"{where}/num_kv_heads times)")
+    if moe and t > 1:
+        divides("moe_intermediate_size", cfg.moe_intermediate_size, TENSOR)
     if sizes[PIPELINE] > 1:
         divides("num_layers", cfg.num_layers, PIPELINE)
     if sizes[EXPERT] > 1:
@@ -202,3 +245,15 @@ class Parallel:
     def index(self, axis: str) -> jax.Array | int:
         """This device's position on `axis` (0 when the axis is not split)."""
         return jax.lax.axis_index(axis) if self.size(axis) > 1 else jnp.int32(0)
+
+    @property
+    def dense(self) -> int:
+        """Shards of the dense weights' split dims (heads, vocab, dense MLP): expert * tensor.
+
+        NOTE: expert is 1 on dense models (`check_mesh`), so this is tensor there.
+        """
+        return self.expert * self.tensor
+
+    def dense_index(self) -> jax.Array | int:
+        """This device's position among the `dense` shards, expert-major as in a `DENSE` spec."""
+        return self.index(EXPERT) * self.tensor + self.index(TENSOR)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
@@ -61,7 +62,7 @@ def mesh_of(spec: str, num_devices: int = 8):
 
 
 def place(cfg: ModelConfig, params, mesh):
-    rules = shd.model_rules(cfg, mesh.shape[shd.TENSOR])
+    rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
     return jax.device_put(params, params_lib.shardings(llama.param_specs(cfg), mesh, rules))
 
 
@@ -92,9 +93,9 @@ def test_forward_on_mesh_equals_single_device(spec, num_devices, kv_heads, moe):
     mesh = mesh_of(spec, num_devices)
     par = shd.Parallel.from_mesh(mesh)
     sharded = place(cfg, params, mesh)
-    cache_heads = shd.kv_cache_heads(cfg.num_kv_heads, par.tensor)
+    cache_heads = shd.kv_cache_heads(cfg.num_kv_heads, par.dense)
     gshape = (par.data * NUM_PAGES, PAGE_SIZE, 2 * cache_heads, cfg.head_dim)
-    sharding = NamedSharding(mesh, llama.kv_cache_spec(par))
+    sharding = NamedSharding(mesh, llama.kv_cache_spec(cfg))
     caches = tuple(jax.device_put(jnp.zeros(gshape), sharding) for _ in range(cfg.num_layers))
     ref_caches = [tuple(jnp.zeros((NUM_PAGES, PAGE_SIZE, 2 * cfg.num_kv_heads, cfg.head_dim))
                         for _ in range(cfg.num_layers)) for _ in range(par.data)]
@@ -107,8 +108,9 @@ def test_forward_on_mesh_equals_single_device(spec, num_devices, kv_heads, moe):
         fields = arrays[0] if par.data == 1 else {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
         step = StepInputs(**{k: jnp.asarray(v) for k, v in fields.items()})
         logits, caches = llama.forward_jit(sharded, cfg, step, caches, mesh=mesh)
-        if par.tensor > 1:
-            assert logits.sharding.spec[-1] == shd.TENSOR  # logits leave sharded on vocab
+        if par.dense > 1:  # logits leave sharded on vocab (over expert x tensor on MoE models)
+            want = NamedSharding(mesh, PartitionSpec(*logits.sharding.spec[:-1], shd.dense_axes(cfg)))
+            assert logits.sharding.is_equivalent_to(want, logits.ndim)
         ours = np.asarray(logits).reshape(par.data, *refs[0].shape)
         for r in range(par.data):
             assert rel_err(ours[r], refs[r]) <= 1e-4, (spec, r, rel_err(ours[r], refs[r]))
@@ -169,36 +171,55 @@ def _spec(x) -> tuple:
 
 
 T = shd.TENSOR
-GOLDEN = {  # mesh -> leaf -> mesh axes per dim (trailing replicated dims dropped)
-    ("tensor=8", 8): {"embed": (T,), "lm_head": (None, T), "final_norm": (),
+ET = (shd.EXPERT, shd.TENSOR)  # MoE models: dense weights split over expert x tensor
+GOLDEN = {  # (mesh, KV heads, moe) -> leaf -> mesh axes per dim (trailing replicated dims dropped)
+    ("tensor=8", 8, False): {"embed": (T,), "lm_head": (None, T), "final_norm": (),
                       "attn_norm": (), "q": (None, T), "kv": (None, None, T), "o": (T,),
                       "gate_up": (None, None, T), "down": (T,)},
     # 2 KV heads over tensor=4: K/V projections replicated, each shard slices its head out.
-    ("data=2,tensor=4", 2): {"embed": (T,), "lm_head": (None, T), "final_norm": (),
-                             "attn_norm": (), "q": (None, T), "kv": (), "o": (T,),
-                             "gate_up": (None, None, T), "down": (T,)},
+    ("data=2,tensor=4", 2, False): {"embed": (T,), "lm_head": (None, T), "final_norm": (),
+                                    "attn_norm": (), "q": (None, T), "kv": (), "o": (T,),
+                                    "gate_up": (None, None, T), "down": (T,)},
+    # MoE: attention, embedding and LM head over expert x tensor; experts on expert, their F on
+    # tensor; only norms and the router replicated.
+    ("expert=4,tensor=2", 8, True): {"embed": (ET,), "lm_head": (None, ET), "final_norm": (),
+                                     "attn_norm": (), "q": (None, ET), "kv": (None, None, ET),
+                                     "o": (ET,), "router": (),
+                                     "gate_up": ("expert", None, None, T), "down": ("expert", T)},
+    ("expert=8", 8, True): {"embed": (ET,), "lm_head": (None, ET), "final_norm": (),
+                            "attn_norm": (), "q": (None, ET), "kv": (None, None, ET), "o": (ET,),
+                            "router": (), "gate_up": ("expert", None, None, T),
+                            "down": ("expert", T)},
+    # 2 KV heads over expert x tensor = 4: K/V projections replicated, like tensor=4 above.
+    ("expert=2,tensor=2", 2, True): {"embed": (ET,), "lm_head": (None, ET), "final_norm": (),
+                                     "attn_norm": (), "q": (None, ET), "kv": (), "o": (ET,),
+                                     "router": (), "gate_up": ("expert", None, None, T),
+                                     "down": ("expert", T)},
 }
 
 
-@pytest.mark.parametrize("spec,kv_heads", list(GOLDEN))
-def test_param_shardings_match_golden_table_and_bytes_split(spec, kv_heads):
-    cfg = tiny_cfg(kv_heads, layers=2)
-    mesh = mesh_of(spec)
+@pytest.mark.parametrize("spec,kv_heads,moe", list(GOLDEN))
+def test_param_shardings_match_golden_table_and_bytes_split(spec, kv_heads, moe):
+    cfg = tiny_cfg(kv_heads, layers=2, moe=moe)
+    mesh = mesh_of(spec, math.prod(shd.parse_mesh(spec).values()))
     p = place(cfg, tiny_params(cfg), mesh)
     layer = p.layers[1]
     actual = {"embed": p.embed, "lm_head": p.lm_head, "final_norm": p.final_norm,
               "attn_norm": layer.attn_norm, "q": layer.attn.q, "kv": layer.attn.kv,
               "o": layer.attn.o, "gate_up": layer.mlp.gate_up, "down": layer.mlp.down}
-    assert {k: _spec(v) for k, v in actual.items()} == GOLDEN[(spec, kv_heads)]
+    if moe:
+        actual["router"] = layer.mlp.router
+    assert {k: _spec(v) for k, v in actual.items()} == GOLDEN[(spec, kv_heads, moe)]
     dev = mesh.devices.flat[0]
     per_device = sum(s.data.nbytes for x in jax.tree.leaves(p) for s in x.addressable_shards
                      if s.device == dev)
     total = params_lib.num_bytes(p)
-    tensor = mesh.shape[T]
+    shards = mesh.size  # every split leaf here is split over all non-data axes
+    shards //= mesh.shape[shd.DATA]
     replicated = sum(x.nbytes for x in jax.tree.leaves(p) if not _spec(x))
-    assert per_device == pytest.approx((total - replicated) / tensor + replicated, rel=1e-6)
-    if shd.kv_heads_split(kv_heads, tensor):  # only norms replicated: the 5% bar
-        assert per_device <= 1.05 * total / tensor
+    assert per_device == pytest.approx((total - replicated) / shards + replicated, rel=1e-6)
+    if shd.kv_heads_split(kv_heads, shards):  # only norms (and routers) replicated: the 5% bar
+        assert per_device <= 1.05 * total / shards
 
 
 def test_tp_decode_program_has_two_hidden_all_reduces_per_layer():
@@ -227,12 +248,14 @@ def test_tp_decode_program_has_two_hidden_all_reduces_per_layer():
     ("tensor=x", {}, "needs an integer size"),
     ("pipeline=8", {}, "num_layers=2 is not divisible by pipeline=8"),
     ("expert=8", {}, "needs a mixture-of-experts model"),
+    ("expert=2,tensor=8", {"moe": True, "num_devices": 16},
+     "num_heads=8 is not divisible by expert*tensor=16"),
     ("data=8", {"max_num_seqs": 4}, "max_num_seqs=4 is not divisible by data=8"),
     ("data=8", {"max_num_seqs": 8, "num_pages": 12}, "num_pages=12 does not split into data=8"),
 ])
 def test_invalid_meshes_are_rejected_saying_what_to_change(spec, kw, message):
-    cfg = tiny_cfg(2)
     kw = {"num_devices": 8, **kw}
+    cfg = tiny_cfg(2, moe=kw.pop("moe", False))
     with pytest.raises(ValueError, match=re.escape(message)):
         shd.check_mesh(cfg, spec, **kw)
 

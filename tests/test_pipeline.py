@@ -104,7 +104,9 @@ def test_stack_stages_specs_and_arrays_roundtrip():
     assert len(stacked.layers) == 2
     q = stacked.layers[1].attn.q
     assert q.shape == (4, 64, 64) and q.logical_axes == ("layers", "embed", "q_heads")
-    assert shd.logical_to_spec(q.logical_axes) == P("pipeline", None, "tensor")
+    assert shd.logical_to_spec(q.logical_axes) == P("pipeline", None, ("expert", "tensor"))
+    assert shd.logical_to_spec(q.logical_axes, shd.model_rules(cfg, shd.Parallel())) == P(
+        "pipeline", None, "tensor")  # dense models: tensor alone
     assert stacked.embed == specs.embed
     assert pipeline.unstack_stages(stacked) == specs
 
@@ -188,7 +190,10 @@ def test_stage_windows_must_agree_across_stages():
 def _moe_cfg(num_layers=4):
     from tests.model_utils import hf_config_dict
 
-    return ModelConfig.from_hf({**hf_config_dict("mixtral"), "num_hidden_layers": num_layers})
+    # NOTE: 4 KV heads so they split over the 4 attention shards of tensor=2,expert=2 (MoE models
+    # split attention over expert x tensor) and the caches compare head for head.
+    return ModelConfig.from_hf({**hf_config_dict("mixtral"), "num_hidden_layers": num_layers,
+                                "num_key_value_heads": 4})
 
 
 @pytest.mark.parametrize("mesh_spec,moe", [("pipeline=4", False), ("pipeline=2", False),
@@ -207,10 +212,11 @@ def test_pipelined_forward_matches_single_device(mesh_spec, moe):
     specs = llama.param_specs(cfg)
     params = init_random(specs, jax.random.key(2))
     params = jax.tree.map(lambda x: x * 5 if x.ndim >= 2 else x, params)  # logits far from flat
-    placed = pipeline.to_stacked(params, specs, mesh)
+    placed = pipeline.to_stacked(params, specs, mesh,
+                                 rules=shd.model_rules(cfg, shd.Parallel.from_mesh(mesh)))
     shape = (num_pages, page, 2 * cfg.num_kv_heads, cfg.head_dim)
     caches = pipeline.stage_kv_caches(num_layers, num_stages, shape, jnp.float32, mesh,
-                                      inner_spec=P("data", None, "tensor", None), fill=float("nan"))
+                                      inner_spec=llama.kv_cache_spec(cfg), fill=float("nan"))
     ref_caches = tuple(jnp.full(shape, jnp.nan) for _ in range(num_layers))
 
     def run(params, caches, step):

@@ -100,9 +100,9 @@ class LLMEngine:
         sizes = shd.check_mesh(self.cfg, config.mesh, num_devices=len(jax.devices()),
                                max_num_seqs=config.max_num_seqs, num_pages=config.num_pages)
         self.mesh = shd.make_mesh(config.mesh or None)
-        data, tensor = sizes[shd.DATA], sizes[shd.TENSOR]
+        data, shards = sizes[shd.DATA], shd.Parallel(**sizes).dense
         # Bytes one page takes on one device (its share of the KV heads).
-        kv_heads = shd.kv_cache_heads(self.cfg.num_kv_heads, tensor) // tensor
+        kv_heads = shd.kv_cache_heads(self.cfg.num_kv_heads, shards) // shards
         page_bytes = (config.page_size * 2 * kv_heads * self.cfg.head_dim
                       * self.cfg.num_layers * (4 if config.dtype == "float32" else 2))
         pages_for_all = (config.max_num_seqs // data) * -(-max_model_len // config.page_size) + 1
@@ -139,9 +139,9 @@ class LLMEngine:
         self._live_ids_lock = threading.Lock()
         usable = sum(a.num_usable_pages for a in self.allocators)
         held = self.runner.bytes_per_device()
-        replicated = "" if shd.kv_heads_split(self.cfg.num_kv_heads, tensor) else (
-            f"; KV replicated: {self.cfg.num_kv_heads} KV heads < tensor={tensor}, each shard keeps "
-            f"a copy of the one its query heads need")
+        replicated = "" if shd.kv_heads_split(self.cfg.num_kv_heads, shards) else (
+            f"; KV replicated: {self.cfg.num_kv_heads} KV heads < {shards} attention shards, each "
+            f"shard keeps a copy of the one its query heads need")
         logger.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.1f MiB); max_model_len %d -> up to %.1f "
             "concurrent full-length requests; max_num_seqs %d, max_num_batched_tokens %d; mesh %s: "

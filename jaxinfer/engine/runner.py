@@ -157,7 +157,7 @@ class ModelRunner:
             raise ValueError(f"num_pages={num_pages} and max_num_seqs={max_num_seqs} must be "
                              f"multiples of data={self.data} (each replica gets an equal share)")
         self.seqs_per_replica = max_num_seqs // self.data
-        kv_heads = shd.kv_cache_heads(cfg.num_kv_heads, par.tensor)
+        kv_heads = shd.kv_cache_heads(cfg.num_kv_heads, par.dense)
         shape = attention.kv_cache_shape(attention_backend, num_pages, page_size, kv_heads,
                                          cfg.head_dim)
         rows = max_num_seqs + 1  # the last row is a spare that padding writes into
@@ -167,20 +167,20 @@ class ModelRunner:
             self.state = PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
                                       jnp.zeros((rows, cfg.vocab_size), jnp.int32))
         else:
-            rules = shd.model_rules(cfg, par.tensor)
+            rules = shd.model_rules(cfg, par)
             if par.pipeline > 1:  # layers stacked by stage (see jaxinfer.pipeline)
                 self.params = pipeline.place_params(params, llama.param_specs(cfg), mesh, rules)
             else:
                 self.params = jax.device_put(  # a no-op for params the loader already placed
                     params, params_lib.shardings(llama.param_specs(cfg), mesh, rules))
-            cache_sharding = NamedSharding(mesh, llama.kv_cache_spec(par))
+            cache_sharding = NamedSharding(mesh, llama.kv_cache_spec(cfg))
             self._replicated = NamedSharding(mesh, PartitionSpec())
             self._step_sharding = (NamedSharding(mesh, PartitionSpec(shd.DATA)) if self.data > 1
                                    else self._replicated)
             zeros = jax.jit(lambda: tuple(jnp.zeros(shape, DTYPES[dtype]) for _ in range(cfg.num_layers)),
                             out_shardings=(cache_sharding,) * cfg.num_layers)
             self.kv_caches = zeros() if par.pipeline == 1 else pipeline.stage_kv_caches(
-                cfg.num_layers, par.pipeline, shape, DTYPES[dtype], mesh, llama.kv_cache_spec(par))
+                cfg.num_layers, par.pipeline, shape, DTYPES[dtype], mesh, llama.kv_cache_spec(cfg))
             self.state = jax.jit(lambda: PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
                                                       jnp.zeros((rows, cfg.vocab_size), jnp.int32)),
                                  out_shardings=self._replicated)()

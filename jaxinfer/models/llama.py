@@ -14,7 +14,11 @@ GeGLU, sandwich norms, soft-caps, per-layer sliding windows).
    Megatron style): each device holds its shards (q/kv/gate_up column-split by heads / MLP
    columns, o/down row-split, embedding and LM head split by vocab) and `Parallel` adds the
    all-reduces: one after o_proj and one after the MLP down projection per layer (biases after
-   them), one for the vocab-parallel embedding. Logits leave sharded on vocab.
+   them), one for the vocab-parallel embedding. Logits leave sharded on vocab. Those splits run
+   over `par.dense` shards: `tensor` on dense models, `expert` x `tensor` on MoE models (the
+   expert axis doubles as tensor parallelism outside the experts, `sharding.dense_axes`), with
+   the all-reduces over both axes; the MoE block keeps its experts on `expert`, their hidden dim
+   on `tensor`.
 
 Einsum legend: t = token, e = embed, f = heads*head_dim or MLP hidden, v = vocab.
 """
@@ -38,7 +42,17 @@ from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.moe import MoEParams
 from jaxinfer.params import ParamSpec, checked_array, map_specs, partition_specs
-from jaxinfer.sharding import DATA, EXPERT, PIPELINE, TENSOR, Parallel, kv_heads_split, model_rules
+from jaxinfer.sharding import (
+    DATA,
+    EXPERT,
+    PIPELINE,
+    TENSOR,
+    Parallel,
+    dense_axes,
+    is_moe,
+    kv_heads_split,
+    model_rules,
+)
 from jaxinfer.step import StepInputs
 
 SINGLE = Parallel()  # one device: every axis size 1
@@ -96,8 +110,8 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
     def sparse_mlp() -> MoEParams:
         x, fm = cfg.num_experts, cfg.moe_intermediate_size
         return MoEParams(router=w((e, x), ("embed", None)),
-                         gate_up=w((x, e, 2, fm), ("experts", "embed", None, "mlp")),
-                         down=w((x, fm, e), ("experts", "mlp", "embed")))
+                         gate_up=w((x, e, 2, fm), ("experts", "embed", None, "expert_mlp")),
+                         down=w((x, fm, e), ("experts", "expert_mlp", "embed")))
 
     def layer(i: int) -> LayerParams:
         attn = AttentionParams(
@@ -288,10 +302,12 @@ def params_from_hf(
 def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x: jax.Array,
                      step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array,
                      backend: str, par: Parallel = SINGLE):
-    """x [T, E] -> [T, E]. Under tensor parallelism p.q/p.kv hold this shard's heads (columns),
-    p.o its rows: the o_proj output is a partial sum, all-reduced here (bias added once, after)."""
+    """x [T, E] -> [T, E]. Under tensor parallelism p.q/p.kv hold this shard's heads (columns; one
+    of `par.dense` shards), p.o its rows: the o_proj output is a partial sum, all-reduced here
+    (bias added once, after)."""
     t, d = x.shape[0], cfg.head_dim
-    hq = cfg.num_heads // par.tensor
+    shards = par.dense
+    hq = cfg.num_heads // shards
     with jax.named_scope("qkv_proj"):
         # NOTE: 2-D weights with heads folded into the output dim: a single plain contraction is
         # ~10x faster on XLA:CPU than contracting over (heads, head_dim) at once.
@@ -299,12 +315,12 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
         kv = jnp.einsum("te,ecf->tcf", x, p.kv)
         if cfg.qkv_bias:
             q, kv = q + p.q_bias, kv + p.kv_bias
-        if kv_heads_split(cfg.num_kv_heads, par.tensor):
-            hkv = cfg.num_kv_heads // par.tensor
+        if kv_heads_split(cfg.num_kv_heads, shards):
+            hkv = cfg.num_kv_heads // shards
         else:
             # NOTE: replicated KV: p.kv holds every KV head; keep the one this shard's queries use.
             hkv = 1
-            head = par.index(TENSOR) // (par.tensor // cfg.num_kv_heads)
+            head = par.dense_index() // (shards // cfg.num_kv_heads)
             kv = jax.lax.dynamic_slice_in_dim(kv, head * d, d, axis=2)
         k, v = kv[:, 0], kv[:, 1]
         q = q.reshape(t, hq, d)
@@ -320,7 +336,7 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
                               sliding_window=window, soft_cap=cfg.attn_logit_softcap, backend=backend)
     with jax.named_scope("o_proj"):
         out = jnp.einsum("tf,fe->te", out.reshape(t, -1), p.o)
-        out = par.psum(out, TENSOR)
+        out = par.psum(out, EXPERT, TENSOR)
         if cfg.o_bias:
             out = out + p.o_bias
     return out, kv_cache
@@ -343,7 +359,7 @@ def _decoder_layer(p: LayerParams, cfg: ModelConfig, window: int | None, h: jax.
             x = par.psum(x, EXPERT, TENSOR)
         else:
             x = layers.gated_mlp(x, p.mlp.gate_up, p.mlp.down, cfg.activation)
-            x = par.psum(x, TENSOR)  # down was row-split: partial sums
+            x = par.psum(x, EXPERT, TENSOR)  # down was row-split: partial sums
         if cfg.sandwich_norm:
             x = layers.rms_norm(x, p.post_mlp_norm, eps, off)
         h = h + x
@@ -352,23 +368,23 @@ def _decoder_layer(p: LayerParams, cfg: ModelConfig, window: int | None, h: jax.
 
 def embed_tokens(embed: jax.Array, cfg: ModelConfig, token_ids: jax.Array,
                  par: Parallel = SINGLE) -> jax.Array:
-    """Rows of `embed` [V/tensor, E] for token_ids i32[T] -> [T, E] (vocab-parallel on a mesh:
+    """Rows of `embed` [V/par.dense, E] for token_ids i32[T] -> [T, E] (vocab-parallel on a mesh:
     each shard looks up the ids in its vocab range, zeros elsewhere, one all-reduce)."""
-    if par.tensor == 1:
+    if par.dense == 1:
         h = jnp.take(embed, token_ids, axis=0)
     else:
         rows = embed.shape[0]
-        local = token_ids - par.index(TENSOR) * rows
+        local = token_ids - par.dense_index() * rows
         mine = (local >= 0) & (local < rows)
         h = jnp.take(embed, jnp.where(mine, local, 0), axis=0)
-        h = par.psum(jnp.where(mine[:, None], h, jnp.zeros((), h.dtype)), TENSOR)
+        h = par.psum(jnp.where(mine[:, None], h, jnp.zeros((), h.dtype)), EXPERT, TENSOR)
     if cfg.embed_scale:
         h = h * jnp.asarray(cfg.hidden_size**0.5, h.dtype)
     return h
 
 
 def final_logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
-    """h [N, E] (the rows to sample) -> f32[N, V/tensor]: this shard's vocab columns only."""
+    """h [N, E] (the rows to sample) -> f32[N, V/par.dense]: this shard's vocab columns only."""
     h = layers.rms_norm(h, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
     if params.lm_head is None:
         logits = jnp.einsum("te,ve->tv", h, params.embed)
@@ -400,7 +416,7 @@ def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
 def _forward_pipelined(params: Params, cfg: ModelConfig, step: StepInputs,
                        kv_caches: tuple[jax.Array, ...], backend: str, par: Parallel):
     """Pipeline mesh (see `jaxinfer.pipeline`): every `step` field has a leading [M] micro-batch
-    dim, `params.layers` and `kv_caches` are this device's stage blocks; logits [M*N, V/tensor]."""
+    dim, `params.layers` and `kv_caches` are this device's stage blocks; logits [M*N, V/dense]."""
     m, t = step.token_ids.shape
     with jax.named_scope("embed"):
         h = embed_tokens(params.embed, cfg, step.token_ids.reshape(-1), par).reshape(m, t, -1)
@@ -419,10 +435,11 @@ def _forward_pipelined(params: Params, cfg: ModelConfig, step: StepInputs,
     return logits, caches
 
 
-def kv_cache_spec(par: Parallel) -> PartitionSpec:
+def kv_cache_spec(cfg: ModelConfig) -> PartitionSpec:
     """A layer's cache [data*P, page, 2*Hkv', D] on the mesh: pages per data replica, KV heads
-    (K/V interleaved, so each shard keeps whole (K, V) pairs) over tensor."""
-    return PartitionSpec(DATA, None, TENSOR, None)
+    (K/V interleaved, so each shard keeps whole (K, V) pairs) over the attention's shards
+    (`dense_axes`: tensor, or expert x tensor on MoE models)."""
+    return PartitionSpec(DATA, None, dense_axes(cfg), None)
 
 
 def forward(
@@ -441,23 +458,28 @@ def forward(
     `sharding.Parallel`). Then, when the mesh has `data` > 1, every `step` field carries a leading
     `[data]` dim (one ragged step per replica, same buckets), each layer's cache holds `data`
     page pools back to back (`[data*P, ...]`, page ids local to the replica) and the logits come
-    back `[data, N, V]`. Logits leave sharded on vocab over `tensor` (never gathered here).
+    back `[data, N, V]`. Logits leave sharded on vocab over `tensor` (`expert` x `tensor` on MoE
+    models; never gathered here).
     """
     par = Parallel.from_mesh(mesh)
     if par.is_single:
         return _forward_local(params, cfg, step, kv_caches, attention_backend, Parallel())
-    rules = model_rules(cfg, par.tensor)
+    if par.expert > 1 and not is_moe(cfg):  # NOTE: par.dense would count expert as a shard
+        raise ValueError(f"mesh expert={par.expert} needs a mixture-of-experts model; this "
+                         f"{cfg.model_type} model is dense (use expert=1)")
+    rules = model_rules(cfg, par)
     specs = param_specs(cfg)
     if par.pipeline > 1:  # layers stacked by stage, caches per stage position [S, data*P, ...]
         specs = pipeline_lib.stack_stages(specs, par.pipeline)
     param_specs_ = partition_specs(specs, rules)
     stacked = par.data > 1
     step_spec = PartitionSpec(DATA) if stacked else PartitionSpec()
-    cache_spec = kv_cache_spec(par)
+    cache_spec = kv_cache_spec(cfg)
     if par.pipeline > 1:
         cache_spec = PartitionSpec(PIPELINE, *cache_spec)
     cache_specs = tuple(cache_spec for _ in kv_caches)
-    logits_spec = PartitionSpec(DATA, None, TENSOR) if stacked else PartitionSpec(None, TENSOR)
+    vocab = dense_axes(cfg)
+    logits_spec = PartitionSpec(DATA, None, vocab) if stacked else PartitionSpec(None, vocab)
 
     def body(params, step, kv_caches):
         if stacked:
