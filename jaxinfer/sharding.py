@@ -102,21 +102,22 @@ def is_moe(cfg) -> bool:
     return bool(getattr(cfg, "num_experts", 0))
 
 
-def dense_axes(cfg) -> str | tuple[str, ...]:
+def dense_axes(cfg, par: Parallel) -> str | tuple[str, ...]:
     """The spec entry of the dense weights' split dims (heads, vocab, dense MLP), of the KV cache's
-    heads and of the logits' vocab: `DENSE` on MoE models, `TENSOR` on dense ones.
+    heads and of the logits' vocab: `DENSE` (expert x tensor) on MoE models and on any mesh with
+    expert > 1, else `TENSOR`.
 
-    NOTE: dense models reject expert > 1 (`check_mesh`), so both read the same there; `TENSOR`
-    keeps their specs as they were.
+    NOTE: on a dense model the expert axis is simply more tensor parallelism (there are no experts
+    to place on it); `TENSOR` otherwise keeps dense models' specs as they were.
     """
-    return DENSE if is_moe(cfg) else TENSOR
+    return DENSE if is_moe(cfg) or par.expert > 1 else TENSOR
 
 
 def model_rules(cfg, par: Parallel) -> dict[str, MeshAxes]:
-    """`RULES` for this model on a mesh with `par`'s sizes: `DENSE` narrowed to `dense_axes(cfg)`,
+    """`RULES` for this model on a mesh with `par`'s sizes: `DENSE` narrowed to `dense_axes(cfg, par)`,
     and K/V projection weights replicated when the KV heads do not split over `par.dense` shards
     (each shard then slices out its own head)."""
-    dense = dense_axes(cfg)
+    dense = dense_axes(cfg, par)
     rules = {k: dense if v == DENSE else v for k, v in RULES.items()}
     if not kv_heads_split(cfg.num_kv_heads, par.dense):
         rules["kv_heads"] = None
@@ -135,8 +136,8 @@ def check_mesh(cfg, spec: str | dict[str, int] | None, *, num_devices: int | Non
     errors = []
     t = sizes[TENSOR]
     moe = is_moe(cfg)
-    # The dense weights' shards: expert * tensor on MoE models (see `dense_axes`), else tensor.
-    dense, where = (sizes[EXPERT] * t, "expert*tensor") if moe and sizes[EXPERT] > 1 else (t, TENSOR)
+    # The dense weights' shards: expert * tensor (see `dense_axes`).
+    dense, where = (sizes[EXPERT] * t, "expert*tensor") if sizes[EXPERT] > 1 else (t, TENSOR)
 
     def divides(what: str, n: int, axis: str, size: int | None = None) -> None:
         size = sizes[axis] if size is None else size
@@ -157,12 +158,8 @@ def check_mesh(cfg, spec: str | dict[str, int] | None, *, num_devices: int | Non
         divides("moe_intermediate_size", cfg.moe_intermediate_size, TENSOR)
     if sizes[PIPELINE] > 1:
         divides("num_layers", cfg.num_layers, PIPELINE)
-    if sizes[EXPERT] > 1:
-        if not getattr(cfg, "num_experts", 0):
-            errors.append(f"expert={sizes[EXPERT]} needs a mixture-of-experts model; this "
-                          f"{cfg.model_type} model is dense (use expert=1)")
-        else:
-            divides("num_experts", cfg.num_experts, EXPERT)
+    if sizes[EXPERT] > 1 and moe:
+        divides("num_experts", cfg.num_experts, EXPERT)
     d = sizes[DATA]
     if d > 1:
         if max_num_seqs is not None and max_num_seqs % d:
@@ -250,7 +247,7 @@ class Parallel:
     def dense(self) -> int:
         """Shards of the dense weights' split dims (heads, vocab, dense MLP): expert * tensor.
 
-        NOTE: expert is 1 on dense models (`check_mesh`), so this is tensor there.
+        NOTE: on a dense model the expert axis splits these like tensor does (`dense_axes`).
         """
         return self.expert * self.tensor
 

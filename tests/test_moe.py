@@ -553,7 +553,7 @@ def test_mixtral_forward_on_tensor_pipeline_expert_mesh_equals_single_device():
         _sharded_caches(cfg, mesh)[0].shape,
         jnp.float32,
         mesh,
-        inner_spec=llama.kv_cache_spec(cfg),
+        inner_spec=llama.kv_cache_spec(cfg, Parallel.from_mesh(mesh)),
         fill=float("nan"),
     )
     ref_caches = tuple(jnp.full(shape, jnp.nan) for _ in range(cfg.num_layers))

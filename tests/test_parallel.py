@@ -67,7 +67,9 @@ def place(cfg: ModelConfig, params, mesh):
 
 
 # (mesh, devices, KV heads): the meshes of the issue with a dense model.
-MESHES = [("tensor=8", 8, 8), ("data=2,tensor=4", 8, 8), ("tensor=4", 4, 2)]
+# On a dense model `expert` is more tensor parallelism (sharding.dense_axes).
+MESHES = [("tensor=8", 8, 8), ("data=2,tensor=4", 8, 8), ("tensor=4", 4, 2), ("expert=4", 4, 8),
+          ("data=2,expert=2,tensor=2", 8, 8)]
 # The MoE meshes (tiny Mixtral); more MoE mesh cases, the engine's tokens included, are in
 # tests/test_moe.py.
 MOE_MESHES = [("expert=4", 4, 8), ("tensor=2,expert=4", 8, 8), ("data=2,tensor=2,expert=2", 8, 8)]
@@ -95,7 +97,7 @@ def test_forward_on_mesh_equals_single_device(spec, num_devices, kv_heads, moe):
     sharded = place(cfg, params, mesh)
     cache_heads = shd.kv_cache_heads(cfg.num_kv_heads, par.dense)
     gshape = (par.data * NUM_PAGES, PAGE_SIZE, 2 * cache_heads, cfg.head_dim)
-    sharding = NamedSharding(mesh, llama.kv_cache_spec(cfg))
+    sharding = NamedSharding(mesh, llama.kv_cache_spec(cfg, shd.Parallel.from_mesh(mesh)))
     caches = tuple(jax.device_put(jnp.zeros(gshape), sharding) for _ in range(cfg.num_layers))
     ref_caches = [tuple(jnp.zeros((NUM_PAGES, PAGE_SIZE, 2 * cfg.num_kv_heads, cfg.head_dim))
                         for _ in range(cfg.num_layers)) for _ in range(par.data)]
@@ -109,7 +111,7 @@ def test_forward_on_mesh_equals_single_device(spec, num_devices, kv_heads, moe):
         step = StepInputs(**{k: jnp.asarray(v) for k, v in fields.items()})
         logits, caches = llama.forward_jit(sharded, cfg, step, caches, mesh=mesh)
         if par.dense > 1:  # logits leave sharded on vocab (over expert x tensor on MoE models)
-            want = NamedSharding(mesh, PartitionSpec(*logits.sharding.spec[:-1], shd.dense_axes(cfg)))
+            want = NamedSharding(mesh, PartitionSpec(*logits.sharding.spec[:-1], shd.dense_axes(cfg, par)))
             assert logits.sharding.is_equivalent_to(want, logits.ndim)
         ours = np.asarray(logits).reshape(par.data, *refs[0].shape)
         for r in range(par.data):
@@ -134,7 +136,7 @@ def _engine(model: LoadedModel, mesh: str) -> LLMEngine:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec,kv_heads", [("tensor=8", 8), ("data=2,tensor=4", 8),
-                                           ("data=2,tensor=4", 2)])
+                                           ("data=2,tensor=4", 2), ("expert=4,tensor=2", 8)])
 def test_engine_greedy_tokens_on_mesh_equal_single_device(vocab, spec, kv_heads):
     model = _model(vocab, kv_heads)
     rng = np.random.default_rng(0)
@@ -247,7 +249,7 @@ def test_tp_decode_program_has_two_hidden_all_reduces_per_layer():
     ("tenser=8", {}, "unknown mesh axis 'tenser'"),
     ("tensor=x", {}, "needs an integer size"),
     ("pipeline=8", {}, "num_layers=2 is not divisible by pipeline=8"),
-    ("expert=8", {}, "needs a mixture-of-experts model"),
+    ("expert=4,tensor=4", {"num_devices": 16}, "num_heads=8 is not divisible by expert*tensor=16"),
     ("expert=2,tensor=8", {"moe": True, "num_devices": 16},
      "num_heads=8 is not divisible by expert*tensor=16"),
     ("data=8", {"max_num_seqs": 4}, "max_num_seqs=4 is not divisible by data=8"),

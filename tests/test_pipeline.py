@@ -90,10 +90,10 @@ def test_run_pipeline_toy_matches_sequential(num_stages, num_mb):
     assert state.sharding.spec == P("pipeline")
 
 
-def _cfg(num_layers=8):
+def _cfg(num_layers=8, kv_heads=2):
     return ModelConfig.from_hf(dict(
         model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16,
         max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False))
 
 
@@ -198,14 +198,18 @@ def _moe_cfg(num_layers=4):
 
 @pytest.mark.parametrize("mesh_spec,moe", [("pipeline=4", False), ("pipeline=2", False),
                                            ("pipeline=2,tensor=2", False),
-                                           ("tensor=2,pipeline=2,expert=2", True)])
+                                           ("tensor=2,pipeline=2,expert=2", True),
+                                           ("tensor=2,pipeline=2,expert=2", False)])
 def test_pipelined_forward_matches_single_device(mesh_spec, moe):
     """llama.forward on a pipeline mesh: two micro-batches of two sequences each; prefill then
     two decode steps; logits and every layer's KV cache == single device (dense 8 layers; a
-    4-layer Mixtral with 8 experts on the 3-axis mesh)."""
+    4-layer Mixtral with 8 experts, and the dense model, on the 3-axis mesh)."""
     from jaxinfer.step import StepInputs, build_step_arrays
 
-    cfg, page, num_pages = (_moe_cfg(4) if moe else _cfg(8)), 4, 32
+    # NOTE: on expert x tensor = 4 attention shards a dense model needs 4 KV heads too, so the
+    # caches compare head for head (the dense model's expert axis is more tensor parallelism).
+    dense = _cfg(8, kv_heads=4 if "expert" in mesh_spec else 2)
+    cfg, page, num_pages = (_moe_cfg(4) if moe else dense), 4, 32
     num_layers = cfg.num_layers
     mesh = _mesh(mesh_spec)
     num_stages = mesh.shape["pipeline"]
@@ -215,8 +219,9 @@ def test_pipelined_forward_matches_single_device(mesh_spec, moe):
     placed = pipeline.to_stacked(params, specs, mesh,
                                  rules=shd.model_rules(cfg, shd.Parallel.from_mesh(mesh)))
     shape = (num_pages, page, 2 * cfg.num_kv_heads, cfg.head_dim)
+    inner = llama.kv_cache_spec(cfg, shd.Parallel.from_mesh(mesh))
     caches = pipeline.stage_kv_caches(num_layers, num_stages, shape, jnp.float32, mesh,
-                                      inner_spec=llama.kv_cache_spec(cfg), fill=float("nan"))
+                                      inner_spec=inner, fill=float("nan"))
     ref_caches = tuple(jnp.full(shape, jnp.nan) for _ in range(num_layers))
 
     def run(params, caches, step):

@@ -173,14 +173,14 @@ class ModelRunner:
             else:
                 self.params = jax.device_put(  # a no-op for params the loader already placed
                     params, params_lib.shardings(llama.param_specs(cfg), mesh, rules))
-            cache_sharding = NamedSharding(mesh, llama.kv_cache_spec(cfg))
+            cache_sharding = NamedSharding(mesh, llama.kv_cache_spec(cfg, par))
             self._replicated = NamedSharding(mesh, PartitionSpec())
             self._step_sharding = (NamedSharding(mesh, PartitionSpec(shd.DATA)) if self.data > 1
                                    else self._replicated)
             zeros = jax.jit(lambda: tuple(jnp.zeros(shape, DTYPES[dtype]) for _ in range(cfg.num_layers)),
                             out_shardings=(cache_sharding,) * cfg.num_layers)
             self.kv_caches = zeros() if par.pipeline == 1 else pipeline.stage_kv_caches(
-                cfg.num_layers, par.pipeline, shape, DTYPES[dtype], mesh, llama.kv_cache_spec(cfg))
+                cfg.num_layers, par.pipeline, shape, DTYPES[dtype], mesh, llama.kv_cache_spec(cfg, par))
             self.state = jax.jit(lambda: PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
                                                       jnp.zeros((rows, cfg.vocab_size), jnp.int32)),
                                  out_shardings=self._replicated)()

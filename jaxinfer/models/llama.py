@@ -49,7 +49,6 @@ from jaxinfer.sharding import (
     TENSOR,
     Parallel,
     dense_axes,
-    is_moe,
     kv_heads_split,
     model_rules,
 )
@@ -435,11 +434,11 @@ def _forward_pipelined(params: Params, cfg: ModelConfig, step: StepInputs,
     return logits, caches
 
 
-def kv_cache_spec(cfg: ModelConfig) -> PartitionSpec:
+def kv_cache_spec(cfg: ModelConfig, par: Parallel) -> PartitionSpec:
     """A layer's cache [data*P, page, 2*Hkv', D] on the mesh: pages per data replica, KV heads
     (K/V interleaved, so each shard keeps whole (K, V) pairs) over the attention's shards
-    (`dense_axes`: tensor, or expert x tensor on MoE models)."""
-    return PartitionSpec(DATA, None, dense_axes(cfg), None)
+    (`dense_axes`: tensor, or expert x tensor)."""
+    return PartitionSpec(DATA, None, dense_axes(cfg, par), None)
 
 
 def forward(
@@ -464,9 +463,6 @@ def forward(
     par = Parallel.from_mesh(mesh)
     if par.is_single:
         return _forward_local(params, cfg, step, kv_caches, attention_backend, Parallel())
-    if par.expert > 1 and not is_moe(cfg):  # NOTE: par.dense would count expert as a shard
-        raise ValueError(f"mesh expert={par.expert} needs a mixture-of-experts model; this "
-                         f"{cfg.model_type} model is dense (use expert=1)")
     rules = model_rules(cfg, par)
     specs = param_specs(cfg)
     if par.pipeline > 1:  # layers stacked by stage, caches per stage position [S, data*P, ...]
@@ -474,11 +470,11 @@ def forward(
     param_specs_ = partition_specs(specs, rules)
     stacked = par.data > 1
     step_spec = PartitionSpec(DATA) if stacked else PartitionSpec()
-    cache_spec = kv_cache_spec(cfg)
+    cache_spec = kv_cache_spec(cfg, par)
     if par.pipeline > 1:
         cache_spec = PartitionSpec(PIPELINE, *cache_spec)
     cache_specs = tuple(cache_spec for _ in kv_caches)
-    vocab = dense_axes(cfg)
+    vocab = dense_axes(cfg, par)
     logits_spec = PartitionSpec(DATA, None, vocab) if stacked else PartitionSpec(None, vocab)
 
     def body(params, step, kv_caches):
