@@ -269,13 +269,14 @@ def test_orbax_restore_onto_stages_then_stacked(tmp_path, mesh_spec):
     specs = llama.param_specs(cfg)
     params = jax.tree.map(np.asarray, init_random(specs, jax.random.key(3)))
     save_params(tmp_path / "ckpt", params)
-    restored = restore_params(tmp_path / "ckpt", pipeline.canonical_targets(specs, mesh))
+    rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))  # as the loader does
+    restored = restore_params(tmp_path / "ckpt", pipeline.canonical_targets(specs, mesh, rules))
     lps = 8 // num_stages
     for i, layer in enumerate(restored.layers):
         stage_devs = set(pipeline.stage_mesh(mesh, i // lps).devices.flat)
         for x in jax.tree.leaves(layer):
             assert set(x.sharding.device_set) == stage_devs
-    stacked = pipeline.to_stacked(restored, specs, mesh, delete_sources=True)
+    stacked = pipeline.to_stacked(restored, specs, mesh, delete_sources=True, rules=rules)
     assert all(x.is_deleted() for x in jax.tree.leaves(restored.layers))
     assert stacked.embed.sharding.spec == P("tensor", None)
     q = stacked.layers[1].attn.q
