@@ -234,3 +234,12 @@ def drain(engine: LLMEngine, max_steps: int = 1000) -> None:
             return
         engine.step()
     raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def assert_same_greedy(ours: dict, ref: dict, request_ids: Iterable[str], atol: float = 1e-4) -> None:
+    """`run` results of two engines agree: identical tokens, logprobs of those tokens within atol."""
+    for rid in request_ids:
+        assert ours[rid][0].token_ids == ref[rid][0].token_ids, rid
+        a = np.array([lp.logprob for lp in ours[rid][0].logprobs])
+        b = np.array([lp.logprob for lp in ref[rid][0].logprobs])
+        np.testing.assert_allclose(a, b, atol=atol)

@@ -34,7 +34,7 @@ from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.loader import LoadedModel
 from jaxinfer.models import llama
 from jaxinfer.step import StepInputs, build_step_arrays
-from tests.engine_utils import greedy, load_vocab, run
+from tests.engine_utils import assert_same_greedy, greedy, load_vocab, run
 from tests.model_utils import rel_err
 
 PAGE_SIZE, NUM_PAGES = 4, 32
@@ -154,11 +154,7 @@ def test_engine_greedy_tokens_on_mesh_equal_single_device(vocab, spec, kv_heads)
 
     engine.scheduler.schedule = schedule
     ours = run(engine, reqs)
-    for rid, *_ in reqs:
-        assert ours[rid][0].token_ids == ref[rid][0].token_ids, rid
-        a = np.array([lp.logprob for lp in ours[rid][0].logprobs])
-        b = np.array([lp.logprob for lp in ref[rid][0].logprobs])
-        np.testing.assert_allclose(a, b, atol=1e-4)
+    assert_same_greedy(ours, ref, [rid for rid, *_ in reqs])
     assert replicas == set(range(engine.mesh.shape[shd.DATA]))
     for alloc in engine.allocators:
         alloc.check_invariants()
