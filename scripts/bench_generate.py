@@ -7,6 +7,9 @@
    per-token time of the following steps. Each run is one request; medians over runs.
 2. HF transformers (when installed), same weights (the GGUF dequantized to f32), same prompt:
    one forward over the prompt, then greedy steps with its KV cache, torch threads = cores.
+3. The weight-read roofline of this machine, measured in the same run: a jitted XLA reduction
+   streams a buffer twice the size of the weights (so no cache holds it) and the decode roofline is
+   that read bandwidth divided by the weights' bytes (every decode step reads every weight once).
 Prints a table (tokens/s) and one JSON line for BENCHMARKS.md.
 """
 
@@ -32,6 +35,7 @@ def bench_jaxinfer(args, prompt_ids):
     eng = llm.engine
     sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
     prefill, decode = [], []
+    args.weight_bytes = weight_bytes(llm)
     for run in range(args.runs + 1):  # run 0 compiles
         eng.add_request(prompt_ids, sp, request_id=f"bench-{run}")
         times = []
@@ -43,6 +47,30 @@ def bench_jaxinfer(args, prompt_ids):
             prefill.append(times[0])
             decode.append(statistics.median(times[1:]))
     return args.prompt_len / statistics.median(prefill), 1 / statistics.median(decode)
+
+
+def read_bandwidth(nbytes: int, runs: int = 9) -> float:
+    """Median bytes/s of a jitted reduction that reads an f32 buffer of `nbytes` once."""
+    import jax
+    import jax.numpy as jnp
+
+    cols = 4096
+    buf = jnp.ones((max(1, nbytes // (4 * cols)), cols), jnp.float32)
+    # Row sums: each thread streams whole rows (a column reduction measured ~3x slower here).
+    reduce = jax.jit(lambda x: x.sum(axis=1))
+    reduce(buf).block_until_ready()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        reduce(buf).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return buf.nbytes / statistics.median(times)
+
+
+def weight_bytes(llm) -> int:
+    import jax
+
+    return sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
 
 
 def bench_hf(args, prompt_ids, path):
@@ -87,15 +115,21 @@ def main() -> None:
     prompt_ids = [int(x) for x in np.random.default_rng(0).integers(100, 40000, args.prompt_len)]
     ours = bench_jaxinfer(args, prompt_ids)
     hf = None if args.no_hf or (args.model and not args.model.endswith(".gguf")) else bench_hf(args, prompt_ids, path)
+    bandwidth = read_bandwidth(2 * args.weight_bytes)
+    roofline = bandwidth / args.weight_bytes
     print(f"{'':12s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
     print(f"{'jaxinfer':12s} {ours[0]:14.1f} {ours[1]:13.1f}")
     if hf:
         print(f"{'hf-transformers':12s} {hf[0]:14.1f} {hf[1]:13.1f}")
+    print(f"{'roofline':12s} {'':14s} {roofline:13.1f}  ({args.weight_bytes / 1e6:.0f} MB of weights "
+          f"at the measured {bandwidth / 1e9:.1f} GB/s read bandwidth)")
     print(json.dumps({"bench": "generate", "machine": platform.machine(), "cpus": os.cpu_count(),
                       "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
                       "runs": args.runs, "jaxinfer": {"prefill_tok_s": round(ours[0], 1),
                                                       "decode_tok_s": round(ours[1], 1)},
-                      "hf": hf and {"prefill_tok_s": round(hf[0], 1), "decode_tok_s": round(hf[1], 1)}}))
+                      "hf": hf and {"prefill_tok_s": round(hf[0], 1), "decode_tok_s": round(hf[1], 1)},
+                      "roofline": {"weight_bytes": args.weight_bytes, "read_gb_s": round(bandwidth / 1e9, 1),
+                                   "decode_tok_s": round(roofline, 1)}}))
 
 
 if __name__ == "__main__":

@@ -19,13 +19,14 @@ from tests.model_utils import hf_config_dict
 NUM_PAGES, PAGE_SIZE = 1024, 16
 
 
-def _cache_copies(num_tokens: int, num_seqs: int) -> int:
+def _cache_copies(num_tokens: int, num_seqs: int, pages_per_seq: int = 16) -> int:
     hf = {**hf_config_dict("llama"), "num_hidden_layers": 4}
     cfg = ModelConfig.from_hf(hf)
     shape = (NUM_PAGES, PAGE_SIZE, 2 * cfg.num_kv_heads, cfg.head_dim)
     caches = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for _ in range(cfg.num_layers))
     arrays = build_step_arrays([(list(range(num_tokens)), 3, list(range(1, 9)))], PAGE_SIZE,
-                               num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=16)
+                               num_tokens=num_tokens, num_seqs=num_seqs,
+                               pages_per_seq=pages_per_seq)
     step = StepInputs(**{k: jnp.asarray(v) for k, v in arrays.items()})
     hlo = llama.forward_jit.lower(abstract(llama.param_specs(cfg)), cfg, step, caches).compile().as_text()
     entry = hlo[hlo.find("ENTRY"):]
@@ -33,9 +34,12 @@ def _cache_copies(num_tokens: int, num_seqs: int) -> int:
     return sum(1 for line in entry.splitlines() if " copy(" in line and f"[{dims}]" in line)
 
 
-@pytest.mark.parametrize("num_tokens,num_seqs", [(1, 1), (1, 2), (8, 8), (32, 4)])
-def test_step_updates_cache_in_place(num_tokens, num_seqs):
-    assert _cache_copies(num_tokens, num_seqs) == 0
+# (1, 1, 8) and (1, 1, 12): a decode whose KV block would span the whole page table (XLA:CPU
+# hoisted that loop-invariant gather and copied the cache).
+@pytest.mark.parametrize("num_tokens,num_seqs,pages_per_seq",
+                         [(1, 1, 16), (1, 2, 16), (8, 8, 16), (32, 4, 16), (1, 1, 8), (1, 1, 12)])
+def test_step_updates_cache_in_place(num_tokens, num_seqs, pages_per_seq):
+    assert _cache_copies(num_tokens, num_seqs, pages_per_seq) == 0
 
 
 @pytest.mark.parametrize("t_bucket,all_logits", [(1, False), (8, False), (8, True)])
