@@ -129,6 +129,10 @@ def _require(hf: dict[str, Any], key: str) -> Any:
     return hf[key]
 
 
+# `rope_theta` when a config.json leaves it out: each family's own HF config class default.
+DEFAULT_ROPE_THETA = {"mixtral": 1e6}
+
+
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters` (theta inside); older configs write `rope_theta` and
     # `rope_scaling`. Accept both.
@@ -136,7 +140,8 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     legacy = hf.get("rope_scaling")
     if legacy:
         params = {**dict(legacy), **params}
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    default_theta = DEFAULT_ROPE_THETA.get(hf.get("model_type"), 10000.0)
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", default_theta)))
     rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedConfigError(

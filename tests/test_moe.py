@@ -126,6 +126,15 @@ HUB_QWEN3_MOE = {
 }
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "llama"])
+def test_missing_rope_theta_takes_the_family_default_of_transformers(family):
+    transformers = pytest.importorskip("transformers")
+    hf = {k: v for k, v in hf_config_dict(family).items() if k not in ("rope_theta", "rope_scaling")}
+    want = transformers.AutoConfig.for_model(family).to_dict()
+    want = (want.get("rope_parameters") or {}).get("rope_theta", want.get("rope_theta"))
+    assert ModelConfig.from_hf(hf).rope.theta == want
+
+
 @pytest.mark.parametrize("hf, billions", [(HUB_MIXTRAL, 46.70), (HUB_QWEN3_MOE, 30.53)])
 def test_hub_configs_parse_and_count_the_published_parameters(hf, billions):
     cfg = ModelConfig.from_hf(hf)
