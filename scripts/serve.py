@@ -193,10 +193,10 @@ def start_multihost(args: argparse.Namespace):
     flags = None
     if multihost.is_leader():
         if args.num_pages is None and args.kv_cache_memory is None:
-            from jaxinfer.engine.engine import _default_kv_cache_memory
+            from jaxinfer.engine.engine import default_kv_cache_memory
 
             # NOTE: free memory differs per host; the KV cache must not, so process 0 decides.
-            args.kv_cache_memory = _default_kv_cache_memory()
+            args.kv_cache_memory = default_kv_cache_memory()
         flags = {k: getattr(args, k) for k in ENGINE_FLAGS}
     flags = multihost.broadcast_config(channel, flags)
     for k, v in flags.items():

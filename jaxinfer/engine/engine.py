@@ -75,7 +75,7 @@ class _Sample:
     sent_prompt_lps: bool = False
 
 
-def _default_kv_cache_memory() -> int:
+def default_kv_cache_memory() -> int:
     """Bytes for the KV cache when the user gives neither num_pages nor kv_cache_memory."""
     dev = jax.devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
@@ -108,7 +108,7 @@ class LLMEngine:
         pages_for_all = (config.max_num_seqs // data) * -(-max_model_len // config.page_size) + 1
         num_pages = config.num_pages
         if num_pages is None:  # per device = per replica, then the total over replicas
-            budget = config.kv_cache_memory or _default_kv_cache_memory()
+            budget = config.kv_cache_memory or default_kv_cache_memory()
             num_pages = min(budget // page_bytes, pages_for_all)
             if num_pages < 2:
                 raise ValueError(f"kv_cache_memory={budget} bytes holds fewer than 2 pages of "
