@@ -180,8 +180,12 @@ def _assemble(sources: Sequence[Any], sharding: NamedSharding, dtype: Any,
 
 
 def place_stacked_layers(canonical_layers: Sequence[Any], stacked_specs: Any, mesh: Mesh, *,
-                         delete_sources: bool = False, rules: dict | None = None) -> tuple:
+                         rules: dict, delete_sources: bool = False) -> tuple:
     """Per-layer arrays (host numpy or jax arrays) -> stacked-by-stage arrays on `mesh`.
+
+    `rules` here and in the functions below is the model's logical-axis table for this mesh,
+    `sharding.model_rules(cfg, Parallel.from_mesh(mesh))` (the raw `RULES` would split dense
+    weights over expert x tensor whatever the model can take).
 
     `stacked_specs` is `stack_stages(param_specs(...), S)` (or its `.layers`); each leaf lands on
     the sharding its logical axes ask for, stage dim on `pipeline`. `delete_sources` frees each
@@ -199,8 +203,8 @@ def place_stacked_layers(canonical_layers: Sequence[Any], stacked_specs: Any, me
     return tuple(out)
 
 
-def _sharding(mesh: Mesh, spec: ParamSpec, rules: dict | None) -> NamedSharding:
-    return NamedSharding(mesh, shd.logical_to_spec(spec.logical_axes, rules or shd.RULES))
+def _sharding(mesh: Mesh, spec: ParamSpec, rules: dict) -> NamedSharding:
+    return NamedSharding(mesh, shd.logical_to_spec(spec.logical_axes, rules))
 
 
 def stage_mesh(mesh: Mesh, stage: int) -> Mesh:
@@ -209,7 +213,7 @@ def stage_mesh(mesh: Mesh, stage: int) -> Mesh:
     return Mesh(np.take(mesh.devices, [stage], axis=ax), mesh.axis_names)
 
 
-def canonical_targets(specs: Any, mesh: Mesh, rules: dict | None = None) -> Any:
+def canonical_targets(specs: Any, mesh: Mesh, rules: dict) -> Any:
     """Restore target (sharded ShapeDtypeStructs) of the canonical layout on a pipeline mesh.
 
     Layer `i` goes to stage `i // Lps`'s devices only (split there by its other logical axes);
@@ -230,8 +234,8 @@ def canonical_targets(specs: Any, mesh: Mesh, rules: dict | None = None) -> Any:
         for i, layer in enumerate(layers)))
 
 
-def to_stacked(params: Any, specs: Any, mesh: Mesh, *, delete_sources: bool = False,
-               rules: dict | None = None) -> Any:
+def to_stacked(params: Any, specs: Any, mesh: Mesh, *, rules: dict,
+               delete_sources: bool = False) -> Any:
     """Canonical params (host or device arrays) -> stacked-by-stage params placed on `mesh`.
 
     `specs` is the canonical spec tree (`param_specs(cfg)`). Non-layer leaves are placed by their
@@ -247,7 +251,7 @@ def to_stacked(params: Any, specs: Any, mesh: Mesh, *, delete_sources: bool = Fa
                                                     delete_sources=delete_sources, rules=rules))
 
 
-def place_params(params: Any, specs: Any, mesh: Mesh, rules: dict | None = None) -> Any:
+def place_params(params: Any, specs: Any, mesh: Mesh, rules: dict) -> Any:
     """Params for a pipeline mesh, canonical or already stacked (e.g. from the loader).
 
     A stacked tree is `device_put` onto its shardings (a no-op when already there); a canonical

@@ -90,6 +90,10 @@ def test_run_pipeline_toy_matches_sequential(num_stages, num_mb):
     assert state.sharding.spec == P("pipeline")
 
 
+def _rules(cfg, mesh):
+    return shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))  # as the loader and runner do
+
+
 def _cfg(num_layers=8, kv_heads=2):
     return ModelConfig.from_hf(dict(
         model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -143,14 +147,15 @@ def test_place_stacked_layers_each_layer_on_its_stage_only(mesh_spec, source):
     stacked_specs = pipeline.stack_stages(specs, num_stages)
     params = jax.tree.map(np.asarray, init_random(specs, jax.random.key(1)))
     layers = params.layers if source == "host" else jax.device_put(params.layers, jax.devices()[0])
-    placed = pipeline.place_stacked_layers(layers, stacked_specs, mesh)
+    rules = _rules(cfg, mesh)
+    placed = pipeline.place_stacked_layers(layers, stacked_specs, mesh, rules=rules)
     lps = 8 // num_stages
     stage_devices = [set(mesh.devices[0, s].flat) for s in range(num_stages)]
     for j, layer in enumerate(placed):
         leaves = jax.tree.leaves(layer)
         spec_leaves = jax.tree.leaves(stacked_specs.layers[j], is_leaf=is_spec)
         for arr, spec in zip(leaves, spec_leaves):
-            assert arr.sharding.spec == shd.logical_to_spec(spec.logical_axes)
+            assert arr.sharding.spec == shd.logical_to_spec(spec.logical_axes, rules)
             for shard in arr.addressable_shards:
                 s = shard.index[0].start
                 assert shard.data.shape[0] == 1 and shard.device in stage_devices[s]
@@ -216,8 +221,7 @@ def test_pipelined_forward_matches_single_device(mesh_spec, moe):
     specs = llama.param_specs(cfg)
     params = init_random(specs, jax.random.key(2))
     params = jax.tree.map(lambda x: x * 5 if x.ndim >= 2 else x, params)  # logits far from flat
-    placed = pipeline.to_stacked(params, specs, mesh,
-                                 rules=shd.model_rules(cfg, shd.Parallel.from_mesh(mesh)))
+    placed = pipeline.to_stacked(params, specs, mesh, rules=_rules(cfg, mesh))
     shape = (num_pages, page, 2 * cfg.num_kv_heads, cfg.head_dim)
     inner = llama.kv_cache_spec(cfg, shd.Parallel.from_mesh(mesh))
     caches = pipeline.stage_kv_caches(num_layers, num_stages, shape, jnp.float32, mesh,
@@ -269,7 +273,7 @@ def test_orbax_restore_onto_stages_then_stacked(tmp_path, mesh_spec):
     specs = llama.param_specs(cfg)
     params = jax.tree.map(np.asarray, init_random(specs, jax.random.key(3)))
     save_params(tmp_path / "ckpt", params)
-    rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))  # as the loader does
+    rules = _rules(cfg, mesh)
     restored = restore_params(tmp_path / "ckpt", pipeline.canonical_targets(specs, mesh, rules))
     lps = 8 // num_stages
     for i, layer in enumerate(restored.layers):
@@ -325,7 +329,8 @@ def test_compiled_pipeline_forward_collectives():
     cfg, num_stages, num_mb, t = _cfg(8), 4, 4, 8
     mesh = _mesh("pipeline=4")
     specs = llama.param_specs(cfg)
-    placed = pipeline.to_stacked(init_random(specs, jax.random.key(0)), specs, mesh)
+    placed = pipeline.to_stacked(init_random(specs, jax.random.key(0)), specs, mesh,
+                                 rules=_rules(cfg, mesh))
     caches = pipeline.stage_kv_caches(8, num_stages, (16, 4, 4, 16), jnp.float32, mesh,
                                       inner_spec=P("data", None, "tensor", None))
     mbs = [build_step_arrays([([1, 2, 3], 0, [1])], 4, num_tokens=t, num_seqs=2, pages_per_seq=2)
@@ -400,13 +405,14 @@ def test_place_params_accepts_canonical_or_stacked_and_names_a_mismatch():
     mesh = _mesh("pipeline=2,tensor=2")
     specs = llama.param_specs(cfg)
     params = init_random(specs, jax.random.key(4))
-    stacked = pipeline.place_params(params, specs, mesh)
-    again = pipeline.place_params(stacked, specs, mesh)  # the loader's output: already placed
+    rules = _rules(cfg, mesh)
+    stacked = pipeline.place_params(params, specs, mesh, rules)
+    again = pipeline.place_params(stacked, specs, mesh, rules)  # the loader's output: already placed
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(stacked), strict=True):
         assert a.sharding == b.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="params hold 3 layers"):
-        pipeline.place_params(params.replace(layers=params.layers[:3]), specs, mesh)
+        pipeline.place_params(params.replace(layers=params.layers[:3]), specs, mesh, rules)
 
 
 def test_pipeline_runner_programs_update_kv_cache_in_place():
