@@ -20,7 +20,8 @@ this" skip the costly stages for batches that do not. Flow of `sample`:
      the mass above the current one, so each round is one pass over `[S, V]`; rows without top-p
      accept their first draw. With top_p = 0.9 a first draw is accepted with probability >= 0.9;
      64-row batches of Zipf-like rows took 3-4 passes in all.
-  5. Logprobs of the chosen token and the top-`num_logprobs` under the raw model distribution.
+  5. Logprobs of the chosen token and the top-`num_logprobs` under the raw model distribution,
+     only when some row asks for them.
 
 Randomness: row `s` draws round `r` from `fold_in(fold_in(key(seed[s]), step[s]), r)`, so its token
 depends only on its own logits, parameters, seed and step, never on the rest of the batch.
@@ -65,6 +66,7 @@ class SamplingMetadata:
     seed: jax.Array  # u32[S, 2] threefry key data (hi, lo) of the row's 64-bit seed
     step: jax.Array  # i32[S] tokens this request has generated so far
     suppress_ids: jax.Array  # i32[S, E] ids forbidden this step, -1 padded
+    wants_logprobs: jax.Array  # bool[S] the row's request asked for `logprobs`
 
     @staticmethod
     def from_params(
@@ -130,6 +132,7 @@ class SamplingMetadata:
             seed=seed,
             step=step,
             suppress_ids=suppress_ids,
+            wants_logprobs=column(False, np.bool_, lambda p: p.logprobs is not None),
         )
 
 
@@ -430,7 +433,10 @@ def sample(
       num_logprobs: width of the returned top-k logprobs (static).
 
     Returns:
-      `SamplerOutput`; logprobs are under the raw model distribution, whatever the filters.
+      `SamplerOutput`; logprobs are under the raw model distribution, whatever the filters. They
+      are computed only when some row `wants_logprobs` (zeros otherwise): the log-sum-exp and top-k
+      over the vocabulary cost about as much as greedy sampling itself (~9 ms of ~17 ms for 64
+      rows of a 49k vocabulary on XLA:CPU).
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[1]
@@ -455,5 +461,11 @@ def sample(
         ),
     )
     token_ids = jnp.minimum(token_ids, vocab - 1)  # NaN logits must not yield an id past the vocab
-    chosen, topk_ids, topk_logprobs = compute_logprobs(logits, token_ids, num_logprobs)
+    s = logits.shape[0]
+    chosen, topk_ids, topk_logprobs = lax.cond(
+        jnp.any(meta.wants_logprobs),
+        lambda: compute_logprobs(logits, token_ids, num_logprobs),
+        lambda: (jnp.zeros((s,), jnp.float32), jnp.zeros((s, num_logprobs), jnp.int32),
+                 jnp.zeros((s, num_logprobs), jnp.float32)),
+    )
     return SamplerOutput(token_ids, chosen, topk_ids, topk_logprobs)

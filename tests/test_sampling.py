@@ -6,6 +6,8 @@ seeds, so one jitted call yields hundreds of independent samples.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -400,9 +402,9 @@ def test_sampler_logprobs_are_under_the_raw_distribution() -> None:
     logits = rng.standard_normal((3, V)).astype(np.float32)
     counts = (rng.random((3, V)) < 0.5).astype(np.int32)
     params = [
-        SamplingParams(temperature=0.0, frequency_penalty=1.0),
-        SamplingParams(temperature=0.3, top_k=3),
-        SamplingParams(temperature=2.0, top_p=0.5, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, frequency_penalty=1.0, logprobs=5),
+        SamplingParams(temperature=0.3, top_k=3),  # in a batch where another row asks: computed
+        SamplingParams(temperature=2.0, top_p=0.5, repetition_penalty=1.5, logprobs=0),
     ]
     out = run(logits, params, output_counts=counts)
     ref = log_softmax(logits)
@@ -414,8 +416,20 @@ def test_sampler_logprobs_are_under_the_raw_distribution() -> None:
     )
 
 
+def test_sampler_skips_logprobs_when_no_row_asks() -> None:
+    logits = np.random.default_rng(7).standard_normal((3, V)).astype(np.float32)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.5, top_k=4, seed=1)]
+    skipped = run(logits[:2], params)
+    assert not np.any(skipped.logprobs) and not np.any(skipped.topk_logprobs)
+    asked = run(logits[:2], [params[0], dataclasses.replace(params[1], logprobs=2)])
+    np.testing.assert_array_equal(skipped.token_ids, asked.token_ids)
+    ref = log_softmax(logits[:2])
+    np.testing.assert_allclose(asked.logprobs, ref[np.arange(2), asked.token_ids], rtol=1e-5,
+                               atol=1e-5)
+
+
 MIXED = [
-    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0, logprobs=3),
     SamplingParams(temperature=0.8, top_k=5),
     SamplingParams(temperature=1.0, top_p=0.7),
     SamplingParams(
@@ -462,6 +476,8 @@ def test_mixed_batch_gives_each_row_what_it_gets_alone() -> None:
             output_counts=counts[row : row + 1],
         )
         np.testing.assert_array_equal(together.token_ids[row], alone.token_ids[0])
+        if MIXED[row].logprobs is None:  # computed for the batch (row 0 asks), not for it alone
+            continue
         np.testing.assert_array_equal(together.topk_ids[row], alone.topk_ids[0])
         # Programs for different batch sizes may sum in different orders: logprobs agree to rounding.
         np.testing.assert_allclose(together.logprobs[row], alone.logprobs[0], rtol=1e-6)
