@@ -35,7 +35,6 @@ def bench_jaxinfer(args, prompt_ids):
     eng = llm.engine
     sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
     prefill, decode = [], []
-    args.weight_bytes = weight_bytes(llm)
     for run in range(args.runs + 1):  # run 0 compiles
         eng.add_request(prompt_ids, sp, request_id=f"bench-{run}")
         times = []
@@ -46,7 +45,8 @@ def bench_jaxinfer(args, prompt_ids):
         if run:
             prefill.append(times[0])
             decode.append(statistics.median(times[1:]))
-    return args.prompt_len / statistics.median(prefill), 1 / statistics.median(decode)
+    return (args.prompt_len / statistics.median(prefill), 1 / statistics.median(decode),
+            weight_bytes(llm))
 
 
 def read_bandwidth(nbytes: int, runs: int = 9) -> float:
@@ -115,20 +115,21 @@ def main() -> None:
     prompt_ids = [int(x) for x in np.random.default_rng(0).integers(100, 40000, args.prompt_len)]
     ours = bench_jaxinfer(args, prompt_ids)
     hf = None if args.no_hf or (args.model and not args.model.endswith(".gguf")) else bench_hf(args, prompt_ids, path)
-    bandwidth = read_bandwidth(2 * args.weight_bytes)
-    roofline = bandwidth / args.weight_bytes
+    nbytes = ours[2]
+    bandwidth = read_bandwidth(2 * nbytes)
+    roofline = bandwidth / nbytes
     print(f"{'':12s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
     print(f"{'jaxinfer':12s} {ours[0]:14.1f} {ours[1]:13.1f}")
     if hf:
         print(f"{'hf-transformers':12s} {hf[0]:14.1f} {hf[1]:13.1f}")
-    print(f"{'roofline':12s} {'':14s} {roofline:13.1f}  ({args.weight_bytes / 1e6:.0f} MB of weights "
+    print(f"{'roofline':12s} {'':14s} {roofline:13.1f}  ({nbytes / 1e6:.0f} MB of weights "
           f"at the measured {bandwidth / 1e9:.1f} GB/s read bandwidth)")
     print(json.dumps({"bench": "generate", "machine": platform.machine(), "cpus": os.cpu_count(),
                       "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
                       "runs": args.runs, "jaxinfer": {"prefill_tok_s": round(ours[0], 1),
                                                       "decode_tok_s": round(ours[1], 1)},
                       "hf": hf and {"prefill_tok_s": round(hf[0], 1), "decode_tok_s": round(hf[1], 1)},
-                      "roofline": {"weight_bytes": args.weight_bytes, "read_gb_s": round(bandwidth / 1e9, 1),
+                      "roofline": {"weight_bytes": nbytes, "read_gb_s": round(bandwidth / 1e9, 1),
                                    "decode_tok_s": round(roofline, 1)}}))
 
 
