@@ -1,8 +1,9 @@
 """The one attention op: write the step's new K/V into the paged cache, then attend.
 
-1. `resolve_backend` turns `attention_backend` ("auto" | "reference" | "gpu" | "tpu") into a
-   kernel: "auto" picks by platform (gpu -> "gpu", tpu -> "tpu", anything else -> "reference").
-   On a CPU platform the "gpu" and "tpu" kernels run in Pallas interpret mode.
+1. `resolve_backend` turns `attention_backend` ("auto" | "reference" | "cpu" | "gpu" | "tpu") into
+   a kernel: "auto" picks by platform (gpu -> "gpu", tpu -> "tpu", cpu -> the compiled "cpu"
+   kernel when it builds on this machine, else "reference", with a warning saying why). On a CPU
+   platform the "gpu" and "tpu" kernels run in Pallas interpret mode; "cpu" runs only there.
 2. `update_kv_cache` scatters this step's K/V into their slots (`slot_mapping`); every backend
    shares it and the cache layout (`kv_cache_shape`).
 3. The chosen backend's `ragged_paged_attention` attends every query token to its own sequence's
@@ -11,14 +12,18 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxinfer.step import StepInputs
-from pallas_kernels.ragged_paged_attention import KERNELS, reference
+from pallas_kernels.ragged_paged_attention import KERNELS, cpu, reference
 
-BACKENDS = ("auto", "reference", "gpu", "tpu")
+BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
 _AUTO = {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
+log = logging.getLogger(__name__)
 
 
 def check_backend(backend: str) -> None:
@@ -29,9 +34,23 @@ def check_backend(backend: str) -> None:
 def resolve_backend(backend: str, platform: str | None = None) -> str:
     """The concrete backend for `backend` on `platform` (default: JAX's default platform)."""
     check_backend(backend)
+    platform = platform or jax.default_backend()
+    if backend == "cpu" and platform != "cpu":
+        raise ValueError(f"attention_backend 'cpu' runs on the CPU platform only, not {platform!r}")
     if backend != "auto":
         return backend
-    return _AUTO.get(platform or jax.default_backend(), "reference")
+    if platform == "cpu":
+        return _cpu_or_reference()
+    return _AUTO.get(platform, "reference")
+
+
+@functools.cache
+def _cpu_or_reference() -> str:
+    reason = cpu.unavailable_reason()
+    if reason is None:
+        return "cpu"
+    log.warning("attention_backend 'auto': the CPU kernel is unavailable, using 'reference' (%s)", reason)
+    return "reference"
 
 
 def kv_cache_shape(backend: str, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -42,7 +61,7 @@ def kv_cache_shape(backend: str, num_pages: int, page_size: int, num_kv_heads: i
 
 def _interpret(backend: str):
     """Interpret mode for a kernel backend whose hardware is not the current platform."""
-    if backend == "reference" or jax.default_backend() == backend:
+    if backend in ("reference", "cpu") or jax.default_backend() == backend:
         return False
     return pltpu.InterpretParams() if backend == "tpu" else True
 

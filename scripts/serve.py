@@ -71,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the inter-token latency tail of running streams (default: no cap)")
     e.add_argument("--mesh", default="", help="mesh axis sizes over all devices, e.g. 'tensor=8' or "
                    "'data=2,tensor=4' (default: one device)")
-    e.add_argument("--attention-backend", default="reference")
+    e.add_argument("--attention-backend", default="auto",
+                   choices=("auto", "reference", "cpu", "gpu", "tpu"),
+                   help="'auto': the platform's kernel (compiled C++ on CPU, Pallas on GPU/TPU)")
     s = p.add_argument_group("server")
     s.add_argument("--max-queue", type=int, default=256,
                    help="sequences admitted beyond --max-num-seqs before RESOURCE_EXHAUSTED")
@@ -257,7 +259,7 @@ async def _serve(args: argparse.Namespace, engine, mesh_shape, t0: float, load_s
         metrics_port=None if args.no_metrics else args.metrics_port, max_queue=args.max_queue,
         warmup=not args.no_warmup, grace_period=args.grace_period, trace_dir=args.trace_dir,
         trace_steps=args.trace_steps if args.trace_dir else 0, mesh_shape=mesh_shape,
-        attention_backend=args.attention_backend, log_interval=args.log_interval)
+        log_interval=args.log_interval)
     await server.start()
     server.install_signal_handlers()
     ready = asyncio.create_task(server.wait_ready())

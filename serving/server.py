@@ -68,14 +68,14 @@ class GenerateServer:
       max_queue: sequences admitted beyond `max_num_seqs` before RESOURCE_EXHAUSTED.
       grace_period: seconds `shutdown()` lets in-flight streams finish.
       trace_dir, trace_steps: write a JAX profiler trace of the first `trace_steps` busy steps.
-      mesh_shape, attention_backend: reported by GetModelInfo.
+      mesh_shape: reported by GetModelInfo (with the runner's resolved attention backend).
       log_interval: seconds between load log lines (only while there is load).
     """
 
     def __init__(self, engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 0,
                  metrics_port: int | None = None, max_queue: int = 256, warmup: bool = True,
                  grace_period: float = 30.0, trace_dir: str | None = None, trace_steps: int = 0,
-                 mesh_shape: dict[str, int] | None = None, attention_backend: str = "reference",
+                 mesh_shape: dict[str, int] | None = None,
                  log_interval: float = 1.0) -> None:
         self.engine, self.tokenizer = engine, engine.tokenizer
         self.host, self.port, self.metrics_port = host, port, metrics_port
@@ -84,7 +84,7 @@ class GenerateServer:
         self.engine_loop = EngineLoop(engine, self.metrics, max_queue=max_queue, warmup=warmup,
                                       trace_dir=trace_dir, trace_steps=trace_steps)
         self.vocab_size = min(engine.cfg.vocab_size, self.tokenizer.vocab_size)
-        self.model_info = self._model_info(mesh_shape, attention_backend, max_queue)
+        self.model_info = self._model_info(mesh_shape, max_queue)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -94,7 +94,7 @@ class GenerateServer:
         self._stopped: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
 
-    def _model_info(self, mesh_shape: dict[str, int] | None, backend: str, max_queue: int) -> pb.ModelInfo:
+    def _model_info(self, mesh_shape: dict[str, int] | None, max_queue: int) -> pb.ModelInfo:
         e, cfg = self.engine, self.engine.cfg
         arch = cfg.model_type
         archs = (e.model.hf_config or {}).get("architectures") or []
@@ -112,7 +112,7 @@ class GenerateServer:
                                  max_queue=max_queue),
             eos_token_ids=list(self.tokenizer.eos_token_ids),
             has_chat_template=self.tokenizer.chat_template is not None,
-            attention_backend=backend)
+            attention_backend=e.runner.attention_backend)
 
     @property
     def ready(self) -> bool:

@@ -64,6 +64,8 @@ def fake_logprob(token: int) -> float:
 class FakeRunner:
     """`ModelRunner`'s interface (`execute`, `warmup`, `num_compiled`) without a model."""
 
+    attention_backend = "none (fake runner)"
+
     def __init__(self, *, step_delay: float = 0.0, warmup_delay: float = 0.0,
                  warmup_gate: threading.Event | None = None, poison_token: int | None = None) -> None:
         self.step_delay, self.warmup_delay = step_delay, warmup_delay

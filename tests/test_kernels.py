@@ -1,4 +1,5 @@
-"""Ragged paged attention kernels (GPU/Triton and TPU/Mosaic, in Pallas interpret mode on CPU).
+"""Ragged paged attention kernels: the compiled CPU kernel (C++ through the XLA FFI, on a CPU
+platform) and GPU/Triton and TPU/Mosaic (in Pallas interpret mode on CPU).
 
 1. Every kernel (compiled instead where its hardware is present) against the reference:
    decode-only, prefill-only, mixed, ragged-edge and empty batches in one padded shape family (so
@@ -38,14 +39,15 @@ from tests.model_utils import PagedStepper, hf_config_dict
 # dtype -> bound on both ||out - ref|| / ||ref|| and max|out - ref| / max|ref|
 TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2}
 
-KERNEL_BACKENDS = ("gpu", "tpu")
+# The CPU kernel runs only on a CPU platform (it is built there on first use).
+KERNEL_BACKENDS = (*(("cpu",) if jax.default_backend() == "cpu" else ()), "gpu", "tpu")
 # Small blocks so the small test shapes still span several query blocks and KV blocks.
 SMALL_BLOCKS = block_sizes.KernelBlocks(block_q=2, decode_block_q=1, pages_per_block=2)
 
 
 def _interpret(backend: str):
     """Compiled on the kernel's own hardware; otherwise Pallas interpret mode."""
-    if jax.default_backend() == backend:
+    if jax.default_backend() == backend or backend == "cpu":
         return False
     return pltpu.InterpretParams() if backend == "tpu" else True
 
@@ -314,6 +316,19 @@ def test_bad_shapes_and_dtypes_raise(backend):
             fn(q, cache, lens, table, cu, n, sinks=jnp.zeros(3))
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernel runs on a CPU platform")
+def test_cpu_kernel_odd_head_dim_and_mixed_dtypes():
+    """head_dim outside the compiled sizes (64/128/256) and an f32 query over a bf16 cache."""
+    q, cache, *meta = make_batch(Shape(head_dim=40), *SCENARIOS["mixed"], seed=9)
+    assert_matches_reference("cpu", (q, cache, *meta), sliding_window=6)
+    q, cache, *meta = make_batch(BASE, *SCENARIOS["mixed"], seed=10)
+    cache = cache.astype(jnp.bfloat16)
+    ref = np.asarray(reference.ragged_paged_attention(q, cache, *meta, sm_scale=0.125))
+    out = KERNELS["cpu"](q, cache, *meta, sm_scale=0.125)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref, rtol=0, atol=TOL[jnp.dtype(jnp.float32)] * np.abs(ref).max())
+
+
 def test_gpu_rejects_non_power_of_two_head_dim():
     shape = Shape(head_dim=48)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
@@ -340,8 +355,10 @@ def test_check_values_rejects_bad_metadata():
 def test_dispatch():
     assert attn.resolve_backend("auto", "gpu") == "gpu"
     assert attn.resolve_backend("auto", "tpu") == "tpu"
-    assert attn.resolve_backend("auto", "cpu") == "reference"
+    assert attn.resolve_backend("auto", "cpu") == "cpu"  # the kernel builds on the CI machine
     assert attn.resolve_backend("tpu", "cpu") == "tpu"
+    with pytest.raises(ValueError, match="CPU platform only"):
+        attn.resolve_backend("cpu", "gpu")
     for bad in ("triton", ""):
         with pytest.raises(ValueError, match="attention_backend"):
             attn.resolve_backend(bad)
@@ -368,8 +385,8 @@ def test_attention_op_with_each_backend():
                       kv_lens=lens, page_indices=table, cu_q_lens=cu, num_seqs=n,
                       logits_indices=jnp.zeros(1, jnp.int32))
     outs = {b: attn.attention(q, k, v, cache, step, sm_scale=0.125, sliding_window=6, backend=b)
-            for b in ("auto", "gpu", "tpu")}
-    ref_out, ref_cache = outs["auto"]
+            for b in ("reference", *KERNEL_BACKENDS)}
+    ref_out, ref_cache = outs["reference"]
     for b, (out, new_cache) in outs.items():
         assert np.asarray(new_cache).tobytes() == np.asarray(ref_cache).tobytes(), b
         np.testing.assert_allclose(out, ref_out, rtol=0, atol=TOL[jnp.dtype(jnp.float32)] * np.abs(ref_out).max())
@@ -401,7 +418,7 @@ def _greedy_tokens(monkeypatch, family: str, backend: str, steps: int) -> list[l
         last = stepper.step(chunks, pad_tokens=14)  # same 16-token bucket: no recompile
     assert len(traced) == cfg.num_layers  # one trace of each layer's attention, on this backend
     if jax.default_backend() == "cpu":
-        assert all(bool(k["interpret"]) == (resolved != "reference") for k in traced)
+        assert all(bool(k["interpret"]) == (resolved in ("gpu", "tpu")) for k in traced)
     return [tokens[sid] for sid in prompts]
 
 

@@ -132,7 +132,7 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: Any, *, page_size: int, num_pages: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 dtype: str = "float32", attention_backend: str = "reference",
+                 dtype: str = "float32", attention_backend: str = "auto",
                  token_buckets: tuple[int, ...] | None = None, mesh: Any = None) -> None:
         """`num_pages` and `max_num_seqs` are totals over the data replicas (each gets 1/data)."""
         par = shd.Parallel.from_mesh(mesh)
@@ -188,7 +188,7 @@ class ModelRunner:
         self._rows: dict[str, int] = {}
         self._seeds: dict[str, int] = {}
         self._rng = random.Random()
-        self.attention_backend = attention_backend
+        self.attention_backend = attention_backend = attention.resolve_backend(attention_backend)
         self._jit = jax.jit(functools.partial(_step, attention_backend=attention_backend,
                                               mesh=self.mesh),
                             static_argnames=("cfg", "all_logits"),

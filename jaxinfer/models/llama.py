@@ -452,7 +452,7 @@ def forward(
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Returns (logits f32[N, V] at step.logits_indices, updated kv_caches).
 
-    `attention_backend` ("auto" | "reference" | "gpu" | "tpu") is static: see `jaxinfer.attention`.
+    `attention_backend` ("auto" | "reference" | "cpu" | "gpu" | "tpu") is static: see `jaxinfer.attention`.
     With a `mesh` (static) the whole model runs inside one `shard_map` over it (manual SPMD, see
     `sharding.Parallel`). Then, when the mesh has `data` > 1, every `step` field carries a leading
     `[data]` dim (one ragged step per replica, same buckets), each layer's cache holds `data`

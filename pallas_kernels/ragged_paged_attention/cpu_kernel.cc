@@ -1,0 +1,353 @@
+// Ragged paged attention for XLA:CPU, called through the XLA FFI (see cpu.py, which compiles this
+// file on first use and registers it as a custom call).
+//
+// Same contract as reference.py: one ragged token axis (sequence s owns tokens
+// cu_q_lens[s]..cu_q_lens[s+1], the last ones of its kv_lens[s] cached tokens), a paged cache
+// [P, page_size, 2*Hkv, D] with K of head h at 2h and V at 2h+1, GQA by grouping query heads under
+// their KV head, optional sliding window / logit soft-cap / sinks. Only keys a token may see are
+// read, so unused (NaN) slots never enter; page ids outside [0, P) read as zeros like the
+// reference's gather with mode="fill". Padding tokens get zeros.
+//
+// Work: one item per (sequence, KV head, tile of up to kTileTokens query tokens). Items are claimed
+// from an atomic counter by the calling thread and by helpers scheduled on XLA's intra-op thread
+// pool; the caller returns once every item is done (a helper that starts late finds none left).
+// Per item, keys go in blocks of kKeyBlock read in place from the cache (bf16 converted to f32
+// scratch first): scores as dot products over head_dim, an online-softmax update with a
+// polynomial exp, then P @ V over head_dim. All arithmetic in f32; q, cache and output may be f32 or bf16.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kTileTokens = 16;
+constexpr int kKeyBlock = 64;
+// Below this many (query row x key) pairs one thread does the whole call: handing work to the pool
+// costs more than it saves.
+constexpr int64_t kParallelMinWork = 16384;
+
+inline float Bf16ToF32(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline uint16_t F32ToBf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+template <typename T>
+inline float Load(const T* p, int64_t i);
+template <>
+inline float Load<float>(const float* p, int64_t i) { return p[i]; }
+template <>
+inline float Load<uint16_t>(const uint16_t* p, int64_t i) { return Bf16ToF32(p[i]); }
+
+template <typename T>
+inline void Store(T* p, int64_t i, float v);
+template <>
+inline void Store<float>(float* p, int64_t i, float v) { p[i] = v; }
+template <>
+inline void Store<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = F32ToBf16(v); }
+
+// exp(x) for x <= 0 (scores minus their running max): 2^n * e^r with |r| <= ln2/2 and a degree-7
+// Taylor polynomial (relative error ~1e-7). Written branch-free so the key loop vectorizes.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Problem {
+  const void* q;
+  const void* cache;
+  void* out;
+  const int32_t* kv_lens;
+  const int32_t* page_indices;
+  const int32_t* cu_q_lens;
+  const float* sinks;  // nullptr when the model has none
+  int64_t num_pages, page_size, num_kv_heads, group, head_dim, pages_per_seq;
+  float sm_scale, soft_cap;  // soft_cap <= 0: none
+  int64_t window;            // <= 0: none
+};
+
+struct Item {
+  int32_t seq, head, t0, t1;  // tokens [t0, t1) of sequence `seq`, KV head `head`
+};
+
+// Per-thread scratch, grown on demand.
+struct Scratch {
+  std::vector<float> q, kv, s, acc, m, l, zeros;
+};
+
+// kD > 0: head_dim known at compile time (the common sizes; loops over it unroll); 0: pb.head_dim.
+template <typename QT, typename CT, int kD>
+void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
+  const int64_t d = kD > 0 ? kD : pb.head_dim;
+  const int64_t g = pb.group, hkv = pb.num_kv_heads, ps = pb.page_size;
+  const int64_t ntok = it.t1 - it.t0, rows = ntok * g;
+  const int64_t q_len = pb.cu_q_lens[it.seq + 1] - pb.cu_q_lens[it.seq];
+  const int64_t kv_len = pb.kv_lens[it.seq];
+  const int64_t first_pos = kv_len - q_len + (it.t0 - pb.cu_q_lens[it.seq]);
+  const int64_t hq = hkv * g;
+  const QT* q = static_cast<const QT*>(pb.q);
+  const CT* cache = static_cast<const CT*>(pb.cache);
+  QT* out = static_cast<QT*>(pb.out);
+
+  sc.q.resize(rows * d);
+  sc.s.resize(rows * kKeyBlock);
+  sc.acc.assign(rows * d, 0.0f);
+  sc.m.resize(rows);
+  sc.l.resize(rows);
+  if (!std::is_same<CT, float>::value) sc.kv.resize(2 * kKeyBlock * d);
+  sc.zeros.assign(d, 0.0f);
+  float* qs = sc.q.data();
+  float* acc = sc.acc.data();
+  const float* kp[kKeyBlock];
+  const float* vp[kKeyBlock];
+  // Row r = (token i, group member j): query head head*g + j of token t0 + i.
+  for (int64_t i = 0; i < ntok; ++i)
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t src = ((it.t0 + i) * hq + it.head * g + j) * d;
+      float* dst = qs + (i * g + j) * d;
+      for (int64_t x = 0; x < d; ++x) dst[x] = Load(q, src + x) * pb.sm_scale;
+      const int64_t r = i * g + j;
+      if (pb.sinks) {
+        sc.m[r] = pb.sinks[it.head * g + j];
+        sc.l[r] = 1.0f;
+      } else {
+        sc.m[r] = -std::numeric_limits<float>::infinity();
+        sc.l[r] = 0.0f;
+      }
+    }
+
+  const int64_t last_pos = first_pos + ntok - 1;
+  int64_t k_begin = 0;
+  if (pb.window > 0) k_begin = std::max<int64_t>(0, first_pos - pb.window + 1);
+  const int64_t k_end = last_pos + 1;  // causal: no token of the tile sees past its last one
+  const int64_t page_row = static_cast<int64_t>(it.seq) * pb.pages_per_seq;
+  const int64_t slot_stride = 2 * hkv * d;
+
+  for (int64_t kb = k_begin; kb < k_end; kb += kKeyBlock) {
+    const int64_t nk = std::min<int64_t>(kKeyBlock, k_end - kb);
+    // Point at each key's K and V rows (f32 caches in place; bf16 ones converted into scratch).
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t key = kb + j;
+      const int64_t page = pb.page_indices[page_row + key / ps];
+      if (page < 0 || page >= pb.num_pages) {
+        kp[j] = vp[j] = sc.zeros.data();
+        continue;
+      }
+      const CT* kv = cache + (page * ps + key % ps) * slot_stride + 2 * it.head * d;
+      if constexpr (std::is_same<CT, float>::value) {
+        kp[j] = kv;
+        vp[j] = kv + d;
+      } else {
+        float* dst = sc.kv.data() + 2 * j * d;
+        for (int64_t x = 0; x < 2 * d; ++x) dst[x] = Load(kv, x);
+        kp[j] = dst;
+        vp[j] = dst + d;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = first_pos + r / g;
+      // Keys of this block the row may see: [lo, hi) relative to kb.
+      const int64_t hi = std::min<int64_t>(nk, pos - kb + 1);
+      const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1 - kb) : 0;
+      if (hi <= lo) continue;
+      float* s = sc.s.data() + r * kKeyBlock;
+      const float* qr = qs + r * d;
+      for (int64_t j = lo; j < hi; ++j) {
+        const float* kj = kp[j];
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t x = 0; x < d; ++x) dot += qr[x] * kj[x];
+        s[j] = dot;
+      }
+      if (pb.soft_cap > 0.0f) {
+        const float inv = 1.0f / pb.soft_cap;
+        for (int64_t j = lo; j < hi; ++j) s[j] = pb.soft_cap * std::tanh(s[j] * inv);
+      }
+      float m_blk = -std::numeric_limits<float>::infinity();
+      for (int64_t j = lo; j < hi; ++j) m_blk = std::max(m_blk, s[j]);
+      const float m_old = sc.m[r];
+      const float m_new = std::max(m_old, m_blk);
+      const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m_old - m_new);
+      float psum = 0.0f;
+#pragma omp simd reduction(+ : psum)
+      for (int64_t j = lo; j < hi; ++j) {
+        const float p = ExpNonPositive(s[j] - m_new);
+        s[j] = p;
+        psum += p;
+      }
+      sc.m[r] = m_new;
+      sc.l[r] = alpha * sc.l[r] + psum;
+      float* ar = acc + r * d;
+      if (alpha != 1.0f)
+        for (int64_t x = 0; x < d; ++x) ar[x] *= alpha;
+      for (int64_t j = lo; j < hi; ++j) {
+        const float p = s[j];
+        const float* vj = vp[j];
+#pragma omp simd
+        for (int64_t x = 0; x < d; ++x) ar[x] += p * vj[x];
+      }
+    }
+  }
+
+  for (int64_t i = 0; i < ntok; ++i)
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t r = i * g + j;
+      const float inv = sc.l[r] > 0.0f ? 1.0f / sc.l[r] : 0.0f;
+      const int64_t dst = ((it.t0 + i) * hq + it.head * g + j) * d;
+      for (int64_t x = 0; x < d; ++x) Store(out, dst + x, acc[r * d + x] * inv);
+    }
+}
+
+template <typename QT, typename CT>
+void RunItems(const Problem& pb, const Item* items, int64_t n, std::atomic<int64_t>& next,
+              std::atomic<int64_t>& done) {
+  thread_local Scratch scratch;
+  for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+    switch (pb.head_dim) {
+      case 64: RunItem<QT, CT, 64>(pb, items[i], scratch); break;
+      case 128: RunItem<QT, CT, 128>(pb, items[i], scratch); break;
+      case 256: RunItem<QT, CT, 256>(pb, items[i], scratch); break;
+      default: RunItem<QT, CT, 0>(pb, items[i], scratch);
+    }
+    done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// Shared with helpers, which may start after the call returned: they then only touch `next`.
+struct Shared {
+  Problem pb;
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename QT, typename CT>
+void Run(ffi::ThreadPool& pool, std::shared_ptr<Shared> sh, int64_t work) {
+  const int64_t n = static_cast<int64_t>(sh->items.size());
+  int64_t helpers = 0;
+  if (work >= kParallelMinWork) helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  for (int64_t i = 0; i < helpers; ++i)
+    pool.Schedule([sh, n] { RunItems<QT, CT>(sh->pb, sh->items.data(), n, sh->next, sh->done); });
+  RunItems<QT, CT>(sh->pb, sh->items.data(), n, sh->next, sh->done);
+  while (sh->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer cache,
+                                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+                                ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                                ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out,
+                                float sm_scale, int64_t sliding_window, float soft_cap,
+                                bool has_sinks) {
+  const auto qd = q.dimensions();
+  const auto cd = cache.dimensions();
+  const auto pd = page_indices.dimensions();
+  if (qd.size() != 3 || cd.size() != 4 || pd.size() != 2)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: bad ranks for q, kv_cache or page_indices");
+  const auto qt = q.element_type(), ct = cache.element_type();
+  const bool q_ok = qt == ffi::DataType::F32 || qt == ffi::DataType::BF16;
+  const bool c_ok = ct == ffi::DataType::F32 || ct == ffi::DataType::BF16;
+  if (!q_ok || !c_ok || out->element_type() != qt)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: q, kv_cache and out must be float32 or bfloat16");
+
+  auto sh = std::make_shared<Shared>();
+  Problem& pb = sh->pb;
+  const int64_t t_len = qd[0], hq = qd[1], d = qd[2];
+  pb.q = q.untyped_data();
+  pb.cache = cache.untyped_data();
+  pb.out = out->untyped_data();
+  pb.kv_lens = kv_lens.typed_data();
+  pb.page_indices = page_indices.typed_data();
+  pb.cu_q_lens = cu_q_lens.typed_data();
+  pb.sinks = has_sinks ? sinks.typed_data() : nullptr;
+  pb.num_pages = cd[0];
+  pb.page_size = cd[1];
+  pb.num_kv_heads = cd[2] / 2;
+  pb.group = hq / pb.num_kv_heads;
+  pb.head_dim = d;
+  pb.pages_per_seq = pd[1];
+  pb.sm_scale = sm_scale;
+  pb.soft_cap = soft_cap;
+  pb.window = sliding_window;
+
+  const int64_t s_max = pd[0];
+  const int64_t n = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, s_max);
+  const int64_t capacity = pb.pages_per_seq * pb.page_size;
+  int64_t work = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    const int32_t a = pb.cu_q_lens[s], b = pb.cu_q_lens[s + 1];
+    const int64_t kv_len = pb.kv_lens[s];
+    // Metadata the host validates (reference.check_values); inconsistent values would index
+    // outside the buffers, so they are refused here too.
+    if (a < 0 || b < a || b > t_len || kv_len < b - a || kv_len > capacity)
+      return ffi::Error::InvalidArgument("ragged_paged_attention: inconsistent cu_q_lens / kv_lens");
+    for (int32_t t0 = a; t0 < b; t0 += kTileTokens) {
+      const int32_t t1 = std::min<int32_t>(b, t0 + kTileTokens);
+      for (int32_t h = 0; h < pb.num_kv_heads; ++h) sh->items.push_back({static_cast<int32_t>(s), h, t0, t1});
+      const int64_t keys = pb.window > 0 ? std::min<int64_t>(kv_len, pb.window + (t1 - t0)) : kv_len;
+      work += keys * (t1 - t0) * hq;
+    }
+  }
+  // Padding tokens (after the last live sequence's tokens) produce zeros.
+  const int64_t t_real = n > 0 ? pb.cu_q_lens[n] : 0;
+  const int64_t row_bytes = hq * d * (qt == ffi::DataType::F32 ? 4 : 2);
+  std::memset(static_cast<char*>(pb.out) + t_real * row_bytes, 0, (t_len - t_real) * row_bytes);
+
+  const bool qf = qt == ffi::DataType::F32, cf = ct == ffi::DataType::F32;
+  if (qf && cf) Run<float, float>(pool, sh, work);
+  else if (qf) Run<float, uint16_t>(pool, sh, work);
+  else if (cf) Run<uint16_t, float>(pool, sh, work);
+  else Run<uint16_t, uint16_t>(pool, sh, work);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRaggedPagedAttention, RaggedPagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<bool>("has_sinks"));
