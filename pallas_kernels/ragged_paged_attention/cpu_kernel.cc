@@ -8,7 +8,8 @@
 // read, so unused (NaN) slots never enter; page ids outside [0, P) read as zeros like the
 // reference's gather with mode="fill". Padding tokens get zeros.
 //
-// Work: one item per (sequence, KV head, tile of up to kTileTokens query tokens). Items are claimed
+// Work: one item per (sequence, tile of up to kTileTokens query tokens), all KV heads (per head
+// when there are few items). Items are claimed
 // from an atomic counter by the calling thread and by helpers scheduled on XLA's intra-op thread
 // pool; the caller returns once every item is done (a helper that starts late finds none left).
 // Per item, keys go in blocks of kKeyBlock read in place from the cache (bf16 converted to f32
@@ -101,7 +102,7 @@ struct Problem {
 };
 
 struct Item {
-  int32_t seq, head, t0, t1;  // tokens [t0, t1) of sequence `seq`, KV head `head`
+  int32_t seq, h0, h1, t0, t1;  // tokens [t0, t1) of sequence `seq`, KV heads [h0, h1)
 };
 
 // Per-thread scratch, grown on demand.
@@ -110,11 +111,13 @@ struct Scratch {
 };
 
 // kD > 0: head_dim known at compile time (the common sizes; loops over it unroll); 0: pb.head_dim.
+// Rows are (KV head, token, group member): row hh * rows_h + i * g + j is query head
+// (h0 + hh) * g + j of token t0 + i.
 template <typename QT, typename CT, int kD>
 void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
   const int64_t d = kD > 0 ? kD : pb.head_dim;
   const int64_t g = pb.group, hkv = pb.num_kv_heads, ps = pb.page_size;
-  const int64_t ntok = it.t1 - it.t0, rows = ntok * g;
+  const int64_t ntok = it.t1 - it.t0, rows_h = ntok * g, nh = it.h1 - it.h0, rows = nh * rows_h;
   const int64_t q_len = pb.cu_q_lens[it.seq + 1] - pb.cu_q_lens[it.seq];
   const int64_t kv_len = pb.kv_lens[it.seq];
   const int64_t first_pos = kv_len - q_len + (it.t0 - pb.cu_q_lens[it.seq]);
@@ -124,7 +127,7 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
   QT* out = static_cast<QT*>(pb.out);
 
   sc.q.resize(rows * d);
-  sc.s.resize(rows * kKeyBlock);
+  sc.s.resize(rows_h * kKeyBlock);
   sc.acc.assign(rows * d, 0.0f);
   sc.m.resize(rows);
   sc.l.resize(rows);
@@ -134,21 +137,15 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
   float* acc = sc.acc.data();
   const float* kp[kKeyBlock];
   const float* vp[kKeyBlock];
-  // Row r = (token i, group member j): query head head*g + j of token t0 + i.
-  for (int64_t i = 0; i < ntok; ++i)
-    for (int64_t j = 0; j < g; ++j) {
-      const int64_t src = ((it.t0 + i) * hq + it.head * g + j) * d;
-      float* dst = qs + (i * g + j) * d;
-      for (int64_t x = 0; x < d; ++x) dst[x] = Load(q, src + x) * pb.sm_scale;
-      const int64_t r = i * g + j;
-      if (pb.sinks) {
-        sc.m[r] = pb.sinks[it.head * g + j];
-        sc.l[r] = 1.0f;
-      } else {
-        sc.m[r] = -std::numeric_limits<float>::infinity();
-        sc.l[r] = 0.0f;
+  for (int64_t hh = 0; hh < nh; ++hh)
+    for (int64_t i = 0; i < ntok; ++i)
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t head = (it.h0 + hh) * g + j, r = hh * rows_h + i * g + j;
+        const int64_t src = ((it.t0 + i) * hq + head) * d;
+        for (int64_t x = 0; x < d; ++x) qs[r * d + x] = Load(q, src + x) * pb.sm_scale;
+        sc.m[r] = pb.sinks ? pb.sinks[head] : -std::numeric_limits<float>::infinity();
+        sc.l[r] = pb.sinks ? 1.0f : 0.0f;
       }
-    }
 
   const int64_t last_pos = first_pos + ntok - 1;
   int64_t k_begin = 0;
@@ -159,77 +156,84 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
 
   for (int64_t kb = k_begin; kb < k_end; kb += kKeyBlock) {
     const int64_t nk = std::min<int64_t>(kKeyBlock, k_end - kb);
-    // Point at each key's K and V rows (f32 caches in place; bf16 ones converted into scratch).
-    for (int64_t j = 0; j < nk; ++j) {
-      const int64_t key = kb + j;
-      const int64_t page = pb.page_indices[page_row + key / ps];
-      if (page < 0 || page >= pb.num_pages) {
-        kp[j] = vp[j] = sc.zeros.data();
-        continue;
+    // Heads inside the key block: a slot's heads sit side by side, so the block's pages are
+    // read front to back.
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const int64_t head = it.h0 + hh;
+      // Point at each key's K and V rows (f32 caches in place; bf16 ones converted into scratch).
+      for (int64_t j = 0; j < nk; ++j) {
+        const int64_t key = kb + j;
+        const int64_t page = pb.page_indices[page_row + key / ps];
+        if (page < 0 || page >= pb.num_pages) {
+          kp[j] = vp[j] = sc.zeros.data();
+          continue;
+        }
+        const CT* kv = cache + (page * ps + key % ps) * slot_stride + 2 * head * d;
+        if constexpr (std::is_same<CT, float>::value) {
+          kp[j] = kv;
+          vp[j] = kv + d;
+        } else {
+          float* dst = sc.kv.data() + 2 * j * d;
+          for (int64_t x = 0; x < 2 * d; ++x) dst[x] = Load(kv, x);
+          kp[j] = dst;
+          vp[j] = dst + d;
+        }
       }
-      const CT* kv = cache + (page * ps + key % ps) * slot_stride + 2 * it.head * d;
-      if constexpr (std::is_same<CT, float>::value) {
-        kp[j] = kv;
-        vp[j] = kv + d;
-      } else {
-        float* dst = sc.kv.data() + 2 * j * d;
-        for (int64_t x = 0; x < 2 * d; ++x) dst[x] = Load(kv, x);
-        kp[j] = dst;
-        vp[j] = dst + d;
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = first_pos + r / g;
-      // Keys of this block the row may see: [lo, hi) relative to kb.
-      const int64_t hi = std::min<int64_t>(nk, pos - kb + 1);
-      const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1 - kb) : 0;
-      if (hi <= lo) continue;
-      float* s = sc.s.data() + r * kKeyBlock;
-      const float* qr = qs + r * d;
-      for (int64_t j = lo; j < hi; ++j) {
-        const float* kj = kp[j];
-        float dot = 0.0f;
+      for (int64_t rh = 0; rh < rows_h; ++rh) {
+        const int64_t r = hh * rows_h + rh;
+        const int64_t pos = first_pos + rh / g;
+        // Keys of this block the row may see: [lo, hi) relative to kb.
+        const int64_t hi = std::min<int64_t>(nk, pos - kb + 1);
+        const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1 - kb) : 0;
+        if (hi <= lo) continue;
+        float* s = sc.s.data() + rh * kKeyBlock;
+        const float* qr = qs + r * d;
+        for (int64_t j = lo; j < hi; ++j) {
+          const float* kj = kp[j];
+          float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t x = 0; x < d; ++x) dot += qr[x] * kj[x];
-        s[j] = dot;
-      }
-      if (pb.soft_cap > 0.0f) {
-        const float inv = 1.0f / pb.soft_cap;
-        for (int64_t j = lo; j < hi; ++j) s[j] = pb.soft_cap * std::tanh(s[j] * inv);
-      }
-      float m_blk = -std::numeric_limits<float>::infinity();
-      for (int64_t j = lo; j < hi; ++j) m_blk = std::max(m_blk, s[j]);
-      const float m_old = sc.m[r];
-      const float m_new = std::max(m_old, m_blk);
-      const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m_old - m_new);
-      float psum = 0.0f;
+          for (int64_t x = 0; x < d; ++x) dot += qr[x] * kj[x];
+          s[j] = dot;
+        }
+        if (pb.soft_cap > 0.0f) {
+          const float inv = 1.0f / pb.soft_cap;
+          for (int64_t j = lo; j < hi; ++j) s[j] = pb.soft_cap * std::tanh(s[j] * inv);
+        }
+        float m_blk = -std::numeric_limits<float>::infinity();
+        for (int64_t j = lo; j < hi; ++j) m_blk = std::max(m_blk, s[j]);
+        const float m_old = sc.m[r];
+        const float m_new = std::max(m_old, m_blk);
+        const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m_old - m_new);
+        float psum = 0.0f;
 #pragma omp simd reduction(+ : psum)
-      for (int64_t j = lo; j < hi; ++j) {
-        const float p = ExpNonPositive(s[j] - m_new);
-        s[j] = p;
-        psum += p;
-      }
-      sc.m[r] = m_new;
-      sc.l[r] = alpha * sc.l[r] + psum;
-      float* ar = acc + r * d;
-      if (alpha != 1.0f)
-        for (int64_t x = 0; x < d; ++x) ar[x] *= alpha;
-      for (int64_t j = lo; j < hi; ++j) {
-        const float p = s[j];
-        const float* vj = vp[j];
+        for (int64_t j = lo; j < hi; ++j) {
+          const float p = ExpNonPositive(s[j] - m_new);
+          s[j] = p;
+          psum += p;
+        }
+        sc.m[r] = m_new;
+        sc.l[r] = alpha * sc.l[r] + psum;
+        float* ar = acc + r * d;
+        if (alpha != 1.0f)
+          for (int64_t x = 0; x < d; ++x) ar[x] *= alpha;
+        for (int64_t j = lo; j < hi; ++j) {
+          const float p = s[j];
+          const float* vj = vp[j];
 #pragma omp simd
-        for (int64_t x = 0; x < d; ++x) ar[x] += p * vj[x];
+          for (int64_t x = 0; x < d; ++x) ar[x] += p * vj[x];
+        }
       }
     }
   }
 
-  for (int64_t i = 0; i < ntok; ++i)
-    for (int64_t j = 0; j < g; ++j) {
-      const int64_t r = i * g + j;
-      const float inv = sc.l[r] > 0.0f ? 1.0f / sc.l[r] : 0.0f;
-      const int64_t dst = ((it.t0 + i) * hq + it.head * g + j) * d;
-      for (int64_t x = 0; x < d; ++x) Store(out, dst + x, acc[r * d + x] * inv);
-    }
+  for (int64_t hh = 0; hh < nh; ++hh)
+    for (int64_t i = 0; i < ntok; ++i)
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t r = hh * rows_h + i * g + j;
+        const float inv = sc.l[r] > 0.0f ? 1.0f / sc.l[r] : 0.0f;
+        const int64_t dst = ((it.t0 + i) * hq + (it.h0 + hh) * g + j) * d;
+        for (int64_t x = 0; x < d; ++x) Store(out, dst + x, acc[r * d + x] * inv);
+      }
 }
 
 template <typename QT, typename CT>
@@ -316,10 +320,18 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
       return ffi::Error::InvalidArgument("ragged_paged_attention: inconsistent cu_q_lens / kv_lens");
     for (int32_t t0 = a; t0 < b; t0 += kTileTokens) {
       const int32_t t1 = std::min<int32_t>(b, t0 + kTileTokens);
-      for (int32_t h = 0; h < pb.num_kv_heads; ++h) sh->items.push_back({static_cast<int32_t>(s), h, t0, t1});
+      sh->items.push_back({static_cast<int32_t>(s), 0, static_cast<int32_t>(pb.num_kv_heads), t0, t1});
       const int64_t keys = pb.window > 0 ? std::min<int64_t>(kv_len, pb.window + (t1 - t0)) : kv_len;
       work += keys * (t1 - t0) * hq;
     }
+  }
+  // An item covers every KV head (each slot's heads are contiguous in the cache); with too few
+  // items to keep the pool busy (one sequence decoding), split them by head instead.
+  if (static_cast<int64_t>(sh->items.size()) < 4 && pb.num_kv_heads > 1) {
+    std::vector<Item> split;
+    for (const Item& it : sh->items)
+      for (int32_t h = 0; h < pb.num_kv_heads; ++h) split.push_back({it.seq, h, h + 1, it.t0, it.t1});
+    sh->items.swap(split);
   }
   // Padding tokens (after the last live sequence's tokens) produce zeros.
   const int64_t t_real = n > 0 ? pb.cu_q_lens[n] : 0;
