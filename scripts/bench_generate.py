@@ -1,13 +1,18 @@
 """Single-stream prefill and decode speed of the default model, with HF transformers as the peer.
 
     python scripts/bench_generate.py [--model PATH] [--prompt-len 128] [--decode-tokens 64] [--runs 5]
+                                     [--llama-cpp BUILD_DIR]
 
 1. jaxinfer: an `LLM` with one sequence slot; a warm-up request compiles the programs first.
    Prefill = time of the first engine step (whole prompt, one token sampled); decode = median
    per-token time of the following steps. Each run is one request; medians over runs.
 2. HF transformers (when installed), same weights (the GGUF dequantized to f32), same prompt:
    one forward over the prompt, then greedy steps with its KV cache, torch threads = cores.
-3. The weight-read roofline of this machine, measured in the same run: a jitted XLA reduction
+3. llama.cpp, when `--llama-cpp` names a llama.cpp build directory (`bin/llama-bench`,
+   `bin/llama-quantize`; built by the user, nothing of llama.cpp is part of this repository): the
+   GGUF is requantized to F32 once (cached beside the build as `<name>.f32.gguf`) so it reads the
+   same f32 weights, then `llama-bench -p PROMPT_LEN -n DECODE_TOKENS -r RUNS -t CORES` (its mean).
+4. The weight-read roofline of this machine, measured in the same run: a jitted XLA reduction
    streams a buffer twice the size of the weights (so no cache holds it) and the decode roofline is
    that read bandwidth divided by the weights' bytes (every decode step reads every weight once).
 Prints a table (tokens/s) and one JSON line for BENCHMARKS.md.
@@ -20,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 
 import _path  # noqa: F401
@@ -100,6 +106,23 @@ def bench_hf(args, prompt_ids, path):
     return args.prompt_len / statistics.median(prefill), 1 / statistics.median(decode)
 
 
+def bench_llama_cpp(build: str, gguf: str, args) -> tuple[float, float]:
+    """(prefill, decode) tok/s of llama.cpp's own benchmark on the same weights in f32."""
+    build_dir = os.path.abspath(build)
+    f32 = os.path.join(build_dir, os.path.basename(gguf).removesuffix(".gguf") + ".f32.gguf")
+    if not os.path.exists(f32):
+        subprocess.run([os.path.join(build_dir, "bin", "llama-quantize"), "--allow-requantize", gguf,
+                        f32 + ".tmp", "F32"], check=True, capture_output=True)
+        os.replace(f32 + ".tmp", f32)
+    out = subprocess.run([os.path.join(build_dir, "bin", "llama-bench"), "-m", f32, "-o", "json",
+                          "-p", str(args.prompt_len), "-n", str(args.decode_tokens), "-r", str(args.runs),
+                          "-t", str(os.cpu_count())], check=True, capture_output=True, text=True).stdout
+    rows = json.loads(out)
+    prefill = next(r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_gen"])
+    decode = next(r["avg_ts"] for r in rows if r["n_gen"] and not r["n_prompt"])
+    return prefill, decode
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
@@ -108,6 +131,8 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--llama-cpp", metavar="BUILD_DIR", default=None,
+                   help="also run llama.cpp's llama-bench from this build directory (GGUF models only)")
     args = p.parse_args()
     from jaxinfer.default_model import default_model_path
 
@@ -115,6 +140,7 @@ def main() -> None:
     prompt_ids = [int(x) for x in np.random.default_rng(0).integers(100, 40000, args.prompt_len)]
     ours = bench_jaxinfer(args, prompt_ids)
     hf = None if args.no_hf or (args.model and not args.model.endswith(".gguf")) else bench_hf(args, prompt_ids, path)
+    lcpp = bench_llama_cpp(args.llama_cpp, path, args) if args.llama_cpp and path.endswith(".gguf") else None
     nbytes = ours[2]
     bandwidth = read_bandwidth(2 * nbytes)
     roofline = bandwidth / nbytes
@@ -122,6 +148,8 @@ def main() -> None:
     print(f"{'jaxinfer':12s} {ours[0]:14.1f} {ours[1]:13.1f}")
     if hf:
         print(f"{'hf-transformers':12s} {hf[0]:14.1f} {hf[1]:13.1f}")
+    if lcpp:
+        print(f"{'llama.cpp':12s} {lcpp[0]:14.1f} {lcpp[1]:13.1f}")
     print(f"{'roofline':12s} {'':14s} {roofline:13.1f}  ({nbytes / 1e6:.0f} MB of weights "
           f"at the measured {bandwidth / 1e9:.1f} GB/s read bandwidth)")
     print(json.dumps({"bench": "generate", "machine": platform.machine(), "cpus": os.cpu_count(),
@@ -129,6 +157,8 @@ def main() -> None:
                       "runs": args.runs, "jaxinfer": {"prefill_tok_s": round(ours[0], 1),
                                                       "decode_tok_s": round(ours[1], 1)},
                       "hf": hf and {"prefill_tok_s": round(hf[0], 1), "decode_tok_s": round(hf[1], 1)},
+                      "llama_cpp": lcpp and {"prefill_tok_s": round(lcpp[0], 1),
+                                             "decode_tok_s": round(lcpp[1], 1)},
                       "roofline": {"weight_bytes": nbytes, "read_gb_s": round(bandwidth / 1e9, 1),
                                    "decode_tok_s": round(roofline, 1)}}))
 
