@@ -1,17 +1,20 @@
 """Ragged paged attention speed per backend, against the machine's own copy and matmul rates.
 
-    python scripts/bench_attention.py [--small] [--backends reference,gpu,tpu] [--runs 10]
+    python scripts/bench_attention.py [--small] [--backends reference,cpu,gpu,tpu] [--runs 10]
+                                      [--seqs N] [--context N] [--heads N] [--kv-heads N]
 
 1. Roofline probes: memory bandwidth from a large on-device elementwise copy (bytes read +
    written / time) and the matmul rate of a large square matmul in the benchmark dtype.
 2. Three batches over one paged cache (pages handed out in shuffled order): decode-heavy (every
    sequence decodes one token at `--context`), prefill-heavy (whole `--context`-token prompts) and
    mixed (decodes plus a few 512-token chunked-prefill chunks). Defaults: 64 sequences x 2k
-   context, 32 query / 8 KV heads, head_dim 128, page 16, bf16; `--small` shrinks it for CPU.
+   context, 32 query / 8 KV heads, head_dim 128, page 16, bf16; `--small` shrinks it for CPU;
+   `--seqs/--context/--heads/--kv-heads` override either (e.g. SmolLM2's 9/3 heads).
 3. Each backend's jitted `ragged_paged_attention` is timed (median of `--runs` after a warm-up):
    achieved KV bytes/s (each sequence's visible K and V read once) vs the copy rate, and FLOP/s
    (4 * D per visible (query head, key) pair) vs the matmul rate. Of `--backends` (default
-   reference,gpu,tpu) the reference and the platform's own kernel are timed (on GPU also
+   reference,cpu,gpu,tpu; cpu only on a CPU platform) the reference and the platform's own kernel
+   (the compiled C++ kernel on CPU) are timed (on GPU also
    `pallas.ops.gpu.paged_attention` as the peer on the decode batch); the others get a tiny
    interpret-mode sanity run (max error vs the reference; interpret timings mean nothing).
 Prints a table and one JSON line for BENCHMARKS.md.
@@ -139,6 +142,8 @@ def main() -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="default bfloat16 (float32 with --small: bf16 is the slow path on CPU)")
     p.add_argument("--runs", type=int, default=10)
+    for flag in ("seqs", "context", "heads", "kv-heads"):
+        p.add_argument(f"--{flag}", type=int, default=None)
     args = p.parse_args()
     plat = jax.default_backend()
     dtype = jnp.dtype(args.dtype or ("float32" if args.small else "bfloat16"))
@@ -146,8 +151,11 @@ def main() -> None:
         seqs, context, heads, kv_heads, head_dim, page_size, prefill_tokens, chunk = 8, 256, 8, 2, 64, 16, 512, 64
     else:
         seqs, context, heads, kv_heads, head_dim, page_size, prefill_tokens, chunk = 64, 2048, 32, 8, 128, 16, 8192, 512
+    seqs, context = args.seqs or seqs, args.context or context
+    heads, kv_heads = args.heads or heads, args.kv_heads or kv_heads
     native = resolve_backend("auto")
-    backends = args.backends.split(",") if args.backends else ["reference", "gpu", "tpu"]
+    default = ["reference", "cpu", "gpu", "tpu"] if plat == "cpu" else ["reference", "gpu", "tpu"]
+    backends = args.backends.split(",") if args.backends else default
     on_device = [b for b in backends if b in ("reference", native)]
     interpreted = [b for b in backends if b not in on_device]
 
