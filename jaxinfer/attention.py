@@ -4,10 +4,13 @@
    a kernel: "auto" picks by platform (gpu -> "gpu", tpu -> "tpu", cpu -> the compiled "cpu"
    kernel when it builds on this machine, else "reference", with a warning saying why). On a CPU
    platform the "gpu" and "tpu" kernels run in Pallas interpret mode; "cpu" runs only there.
+   `None` (every engine's default) is "auto" on a CPU platform and "reference" elsewhere: the
+   Pallas kernels have passed their interpret-mode and lowering tests but have not yet run on
+   GPU/TPU hardware, so they stay opt-in there.
 2. `update_kv_cache` scatters this step's K/V into their slots (`slot_mapping`); every backend
    shares it and the cache layout (`kv_cache_shape`).
 3. The chosen backend's `ragged_paged_attention` attends every query token to its own sequence's
-   pages. The pure-JAX reference is the oracle (and the CPU path).
+   pages. The pure-JAX reference is the oracle every kernel is tested against.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"attention_backend {backend!r} is not one of {BACKENDS}")
 
 
-def resolve_backend(backend: str, platform: str | None = None) -> str:
-    """The concrete backend for `backend` on `platform` (default: JAX's default platform)."""
-    check_backend(backend)
+def resolve_backend(backend: str | None, platform: str | None = None) -> str:
+    """The concrete backend for `backend` (None: the default) on `platform` (default: JAX's)."""
     platform = platform or jax.default_backend()
+    if backend is None:
+        backend = "auto" if platform == "cpu" else "reference"
+    check_backend(backend)
     if backend == "cpu" and platform != "cpu":
         raise ValueError(f"attention_backend 'cpu' runs on the CPU platform only, not {platform!r}")
     if backend != "auto":
@@ -53,7 +58,7 @@ def _cpu_or_reference() -> str:
     return "reference"
 
 
-def kv_cache_shape(backend: str, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+def kv_cache_shape(backend: str | None, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """NOTE: every backend shares the reference layout [P, page_size, 2*Hkv, D] (K even, V odd)."""
     resolve_backend(backend)
     return reference.kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim)

@@ -81,7 +81,7 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
                  **engine_options: Any) -> None:
-        backend = engine_options.pop("attention_backend", "auto")
+        backend = engine_options.pop("attention_backend", None)
         unknown = set(engine_options) - _ENGINE_OPTIONS
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(_ENGINE_OPTIONS)}")

@@ -71,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the inter-token latency tail of running streams (default: no cap)")
     e.add_argument("--mesh", default="", help="mesh axis sizes over all devices, e.g. 'tensor=8' or "
                    "'data=2,tensor=4' (default: one device)")
-    e.add_argument("--attention-backend", default="auto",
+    e.add_argument("--attention-backend", default=None,
                    choices=("auto", "reference", "cpu", "gpu", "tpu"),
-                   help="'auto': the platform's kernel (compiled C++ on CPU, Pallas on GPU/TPU)")
+                   help="'auto': the platform's kernel (compiled C++ on CPU, Pallas on GPU/TPU); "
+                        "default: 'auto' on CPU, 'reference' on GPU/TPU")
     s = p.add_argument_group("server")
     s.add_argument("--max-queue", type=int, default=256,
                    help="sequences admitted beyond --max-num-seqs before RESOURCE_EXHAUSTED")

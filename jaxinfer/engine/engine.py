@@ -90,7 +90,7 @@ def default_kv_cache_memory() -> int:
 
 class LLMEngine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str | None = None) -> None:
         self.model, self.tokenizer, self.cfg = model, model.tokenizer, model.cfg
         config = config or EngineConfig(dtype=model.dtype)
         max_model_len = config.max_model_len or self.cfg.max_position_embeddings
