@@ -137,6 +137,7 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
   float* acc = sc.acc.data();
   const float* kp[kKeyBlock];
   const float* vp[kKeyBlock];
+  const CT* slot[kKeyBlock];
   for (int64_t hh = 0; hh < nh; ++hh)
     for (int64_t i = 0; i < ntok; ++i)
       for (int64_t j = 0; j < g; ++j) {
@@ -156,19 +157,24 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
 
   for (int64_t kb = k_begin; kb < k_end; kb += kKeyBlock) {
     const int64_t nk = std::min<int64_t>(kKeyBlock, k_end - kb);
+    // Each key's slot (nullptr: a page id outside the cache, read as zeros); pages walked without
+    // a division per key.
+    for (int64_t j = 0, pg = kb / ps, off = kb % ps; j < nk; ++j) {
+      const int64_t page = pb.page_indices[page_row + pg];
+      slot[j] = page < 0 || page >= pb.num_pages ? nullptr : cache + (page * ps + off) * slot_stride;
+      if (++off == ps) off = 0, ++pg;
+    }
     // Heads inside the key block: a slot's heads sit side by side, so the block's pages are
     // read front to back.
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t head = it.h0 + hh;
       // Point at each key's K and V rows (f32 caches in place; bf16 ones converted into scratch).
       for (int64_t j = 0; j < nk; ++j) {
-        const int64_t key = kb + j;
-        const int64_t page = pb.page_indices[page_row + key / ps];
-        if (page < 0 || page >= pb.num_pages) {
+        if (slot[j] == nullptr) {
           kp[j] = vp[j] = sc.zeros.data();
           continue;
         }
-        const CT* kv = cache + (page * ps + key % ps) * slot_stride + 2 * head * d;
+        const CT* kv = slot[j] + 2 * head * d;
         if constexpr (std::is_same<CT, float>::value) {
           kp[j] = kv;
           vp[j] = kv + d;
