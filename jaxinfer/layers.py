@@ -5,6 +5,8 @@ Einsum legend: t = token, e = embed (hidden), f = MLP hidden, v = vocab, h = hea
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import jax
@@ -12,6 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig, RopeConfig
+from pallas_kernels import cpu_linear
+
+log = logging.getLogger(__name__)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
@@ -104,11 +109,68 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=False)
 
 
-def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, act: str) -> jax.Array:
+def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, act: str,
+              backend: str = "xla") -> jax.Array:
     """x [T, E]; gate_up [E, 2, F] (gate at 0, up at 1); down [F, E] -> [T, E]."""
-    gu = jnp.einsum("te,ecf->tcf", x, gate_up)
-    return jnp.einsum("tf,fe->te", activation(act, gu[:, 0]) * gu[:, 1], down)
+    (gu,) = dense(x, gate_up, backend=backend)  # [T, 2, F]
+    (out,) = dense(activation(act, gu[:, 0]) * gu[:, 1], down, backend=backend)
+    return out
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+LINEAR_BACKENDS = ("auto", "xla", "cpu")
+
+
+def resolve_linear_backend(backend: str | None, platform: str | None = None) -> str:
+    """The concrete dense-product backend: "xla" (XLA's dot) or "cpu" (the compiled CPU kernel for
+    steps of few token rows, `pallas_kernels.cpu_linear`). None / "auto" picks "cpu" on a CPU
+    platform when the kernel builds there, else "xla"."""
+    platform = platform or jax.default_backend()
+    backend = backend or "auto"
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"linear_backend {backend!r} is not one of {LINEAR_BACKENDS}")
+    if backend == "cpu" and platform != "cpu":
+        raise ValueError(f"linear_backend 'cpu' runs on the CPU platform only, not {platform!r}")
+    if backend == "cpu":
+        cpu_linear.library()  # raises naming why it cannot build
+    if backend != "auto":
+        return backend
+    return "cpu" if platform == "cpu" and _cpu_linear_builds() else "xla"
+
+
+@functools.cache
+def _cpu_linear_builds() -> bool:
+    reason = cpu_linear.unavailable_reason()
+    if reason is not None:
+        log.warning("linear_backend 'auto': the CPU linear kernel is unavailable, using XLA's dot (%s)", reason)
+    return reason is None
+
+
+def dense(x: jax.Array, *weights: jax.Array, backend: str = "xla") -> tuple[jax.Array, ...]:
+    """x [T, E] times each weight [E, ...] (contracting E) -> ([T, ...], ...).
+
+    With backend "cpu" a step of at most `cpu_linear.MAX_ROWS` float32 rows runs every weight in
+    one call of the compiled kernel; anything else is XLA's dot (same contraction as
+    `einsum("te,e...->t...")`).
+    """
+    if backend == "cpu" and _kernel_fits(x, weights):
+        flat = [w.reshape(w.shape[0], -1) for w in weights]
+        outs = cpu_linear.linear(x, *flat)
+        return tuple(y.reshape(x.shape[0], *w.shape[1:]) for y, w in zip(outs, weights))
+    return tuple(jnp.tensordot(x, w, axes=1) for w in weights)
+
+
+def dense_transposed(x: jax.Array, w: jax.Array, backend: str = "xla") -> jax.Array:
+    """x [T, E] times w [N, E] contracting E -> [T, N] (a tied embedding used as LM head)."""
+    if backend == "cpu" and _kernel_fits(x, (w,)):
+        return cpu_linear.linear(x, w, transposed=True)[0]
+    return jnp.einsum("te,ne->tn", x, w)
+
+
+def _kernel_fits(x: jax.Array, weights: tuple[jax.Array, ...]) -> bool:
+    return (x.ndim == 2 and x.shape[0] <= cpu_linear.MAX_ROWS
+            and len(weights) <= cpu_linear.MAX_WEIGHTS
+            and all(a.dtype == jnp.float32 for a in (x, *weights)))

@@ -74,7 +74,7 @@ class LLM:
       dtype: "float32" or "bfloat16"; default float32 on CPU, bfloat16 on accelerators.
       **engine_options: `EngineConfig` fields (page_size, num_pages, kv_cache_memory,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, mesh,
-        long_prefill_token_threshold) and `attention_backend`. `mesh="tensor=4"` (the same string
+        long_prefill_token_threshold), `attention_backend` and `linear_backend`. `mesh="tensor=4"` (the same string
         as `serve.py --mesh`) loads the weights straight onto the mesh, sharded by the rules; see
         README "Serving on a mesh".
     """
@@ -82,13 +82,15 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
                  **engine_options: Any) -> None:
         backend = engine_options.pop("attention_backend", None)
+        linear_backend = engine_options.pop("linear_backend", None)
         unknown = set(engine_options) - _ENGINE_OPTIONS
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(_ENGINE_OPTIONS)}")
         mesh = shd.make_mesh(engine_options.get("mesh") or None)  # a bad mesh fails before loading
         self.model = load_model(model, dtype=dtype, mesh=mesh)
         config = EngineConfig(dtype=self.model.dtype, **engine_options)
-        self.engine = LLMEngine(self.model, config, attention_backend=backend)
+        self.engine = LLMEngine(self.model, config, attention_backend=backend,
+                                linear_backend=linear_backend)
         self.tokenizer = self.model.tokenizer
         self._ids = itertools.count()
 

@@ -3,7 +3,8 @@
     python scripts/bench_generate.py [--model PATH] [--prompt-len 128] [--decode-tokens 64] [--runs 5]
                                      [--llama-cpp BUILD_DIR]
 
-1. jaxinfer: an `LLM` with one sequence slot; a warm-up request compiles the programs first.
+1. jaxinfer: an `LLM` with one sequence slot (one per `--linear-backend`); a warm-up request
+   compiles the programs first.
    Prefill = time of the first engine step (whole prompt, one token sampled); decode = median
    per-token time of the following steps. Each run is one request; medians over runs.
 2. HF transformers (when installed), same weights (the GGUF dequantized to f32), same prompt:
@@ -35,9 +36,10 @@ from _hf_peer import hf_model_from_gguf
 from jaxinfer import LLM, SamplingParams
 
 
-def bench_jaxinfer(args, prompt_ids):
+def bench_jaxinfer(args, prompt_ids, linear_backend: str):
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.decode_tokens + 16,
-              max_num_seqs=1, max_num_batched_tokens=max(args.prompt_len, 16))
+              max_num_seqs=1, max_num_batched_tokens=max(args.prompt_len, 16),
+              linear_backend=linear_backend)
     eng = llm.engine
     sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
     prefill, decode = [], []
@@ -52,7 +54,7 @@ def bench_jaxinfer(args, prompt_ids):
             prefill.append(times[0])
             decode.append(statistics.median(times[1:]))
     return (args.prompt_len / statistics.median(prefill), 1 / statistics.median(decode),
-            weight_bytes(llm))
+            weight_bytes(llm), llm.engine.runner.linear_backend)
 
 
 def read_bandwidth(nbytes: int, runs: int = 9) -> float:
@@ -131,6 +133,9 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--linear-backend", default="auto",
+                   help="jaxinfer's dense-product backend(s), comma-separated: auto, xla, cpu "
+                        "(one jaxinfer row each)")
     p.add_argument("--llama-cpp", metavar="BUILD_DIR", default=None,
                    help="also run llama.cpp's llama-bench from this build directory (GGUF models only)")
     args = p.parse_args()
@@ -138,14 +143,16 @@ def main() -> None:
 
     path = args.model or default_model_path()
     prompt_ids = [int(x) for x in np.random.default_rng(0).integers(100, 40000, args.prompt_len)]
-    ours = bench_jaxinfer(args, prompt_ids)
+    runs = [bench_jaxinfer(args, prompt_ids, b) for b in args.linear_backend.split(",")]
+    ours = runs[0]
     hf = None if args.no_hf or (args.model and not args.model.endswith(".gguf")) else bench_hf(args, prompt_ids, path)
     lcpp = bench_llama_cpp(args.llama_cpp, path, args) if args.llama_cpp and path.endswith(".gguf") else None
     nbytes = ours[2]
     bandwidth = read_bandwidth(2 * nbytes)
     roofline = bandwidth / nbytes
     print(f"{'':12s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
-    print(f"{'jaxinfer':12s} {ours[0]:14.1f} {ours[1]:13.1f}")
+    for r in runs:
+        print(f"{'jaxinfer (linear ' + r[3] + ')':12s} {r[0]:14.1f} {r[1]:13.1f}")
     if hf:
         print(f"{'hf-transformers':12s} {hf[0]:14.1f} {hf[1]:13.1f}")
     if lcpp:
@@ -154,8 +161,9 @@ def main() -> None:
           f"at the measured {bandwidth / 1e9:.1f} GB/s read bandwidth)")
     print(json.dumps({"bench": "generate", "machine": platform.machine(), "cpus": os.cpu_count(),
                       "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
-                      "runs": args.runs, "jaxinfer": {"prefill_tok_s": round(ours[0], 1),
-                                                      "decode_tok_s": round(ours[1], 1)},
+                      "runs": args.runs,
+                      "jaxinfer": {r[3]: {"prefill_tok_s": round(r[0], 1), "decode_tok_s": round(r[1], 1)}
+                                   for r in runs},
                       "hf": hf and {"prefill_tok_s": round(hf[0], 1), "decode_tok_s": round(hf[1], 1)},
                       "llama_cpp": lcpp and {"prefill_tok_s": round(lcpp[0], 1),
                                              "decode_tok_s": round(lcpp[1], 1)},

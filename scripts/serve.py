@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("auto", "reference", "cpu", "gpu", "tpu"),
                    help="'auto': the platform's kernel (compiled C++ on CPU, Pallas on GPU/TPU); "
                         "default: 'auto' on CPU, 'reference' on GPU/TPU")
+    e.add_argument("--linear-backend", default=None, choices=("auto", "xla", "cpu"),
+                   help="dense products: 'cpu' runs steps of <= 8 float32 token rows through the "
+                        "compiled CPU kernel (decode), 'xla' always uses XLA's dot; "
+                        "default 'auto': 'cpu' on a CPU platform where the kernel builds")
     s = p.add_argument_group("server")
     s.add_argument("--max-queue", type=int, default=256,
                    help="sequences admitted beyond --max-num-seqs before RESOURCE_EXHAUSTED")
@@ -145,7 +149,8 @@ def build_engine(args: argparse.Namespace):
     if args.max_model_len is None and max_model_len:  # our CPU default, not the user's: cap it
         config = dataclasses.replace(
             config, max_model_len=min(max_model_len, model.cfg.max_position_embeddings))
-    return LLMEngine(model, config, attention_backend=args.attention_backend), sizes
+    return LLMEngine(model, config, attention_backend=args.attention_backend,
+                     linear_backend=args.linear_backend), sizes
 
 
 def summary(server, engine, args, load_s: float, ready_s: float) -> str:
@@ -162,7 +167,7 @@ def summary(server, engine, args, load_s: float, ready_s: float) -> str:
         f"  model     {info.name} ({info.architecture}, {cfg.num_params() / 1e6:.1f}M params, "
         f"{info.dtype}{', FAKE RUNNER' if args.fake_runner else ''})",
         f"  devices   {devices[0].platform} x{len(devices)} ({devices[0].device_kind}); mesh {mesh}; "
-        f"attention {info.attention_backend}",
+        f"attention {info.attention_backend}; linear {info.linear_backend}",
         f"  kv cache  {cap.num_pages} pages x {info.page_size} tokens = {cap.max_tokens} tokens; "
         f"max_model_len {info.max_model_len}",
         f"  batching  max_num_seqs {cap.max_num_seqs}, max_num_batched_tokens "
@@ -180,7 +185,7 @@ def summary(server, engine, args, load_s: float, ready_s: float) -> str:
 # Flags that shape the engine: in multi-host mode every process uses process 0's values.
 ENGINE_FLAGS = ("model", "dtype", "page_size", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "kv_cache_memory", "num_pages", "no_prefix_caching", "mesh",
-                "attention_backend", "no_warmup", "long_prefill_token_threshold")
+                "attention_backend", "linear_backend", "no_warmup", "long_prefill_token_threshold")
 
 
 def start_multihost(args: argparse.Namespace):

@@ -112,7 +112,8 @@ class GenerateServer:
                                  max_queue=max_queue),
             eos_token_ids=list(self.tokenizer.eos_token_ids),
             has_chat_template=self.tokenizer.chat_template is not None,
-            attention_backend=e.runner.attention_backend)
+            attention_backend=e.runner.attention_backend,
+            linear_backend=e.runner.linear_backend)
 
     @property
     def ready(self) -> bool:

@@ -65,6 +65,7 @@ class FakeRunner:
     """`ModelRunner`'s interface (`execute`, `warmup`, `num_compiled`) without a model."""
 
     attention_backend = "none (fake runner)"
+    linear_backend = "none (fake runner)"
 
     def __init__(self, *, step_delay: float = 0.0, warmup_delay: float = 0.0,
                  warmup_gate: threading.Event | None = None, poison_token: int | None = None) -> None:

@@ -90,7 +90,7 @@ def default_kv_cache_memory() -> int:
 
 class LLMEngine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *,
-                 attention_backend: str | None = None) -> None:
+                 attention_backend: str | None = None, linear_backend: str | None = None) -> None:
         self.model, self.tokenizer, self.cfg = model, model.tokenizer, model.cfg
         config = config or EngineConfig(dtype=model.dtype)
         max_model_len = config.max_model_len or self.cfg.max_position_embeddings
@@ -128,7 +128,7 @@ class LLMEngine:
                                   max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   dtype=config.dtype, attention_backend=attention_backend,
-                                  mesh=self.mesh)
+                                  linear_backend=linear_backend, mesh=self.mesh)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._samples: dict[str, _Sample] = {}  # child request id -> state
         self._children: dict[str, list[str]] = {}  # parent id -> child ids

@@ -41,7 +41,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxinfer import attention, pipeline
+from jaxinfer import attention, layers, pipeline
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
@@ -95,7 +95,7 @@ class TokenLogprobs:
 
 def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, step: StepInputs,
           extras: BatchExtras, meta: SamplingMetadata, *, all_logits: bool, attention_backend: str,
-          mesh: Any = None):
+          linear_backend: str = "xla", mesh: Any = None):
     """forward + penalty bookkeeping + sampling, as one program."""
     stacked = step.token_ids.ndim >= 2  # [data?, M?, T]: per replica / micro-batch
     token_ids = step.token_ids.reshape(-1)
@@ -111,7 +111,8 @@ def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, step: StepIn
         state = PenaltyState(state.prompt_mask.at[extras.seq_rows].set(prompt_mask),
                              state.output_counts.at[extras.seq_rows].set(output_counts))
     logits, kv_caches = llama.forward(params, cfg, step, kv_caches,
-                                      attention_backend=attention_backend, mesh=mesh)
+                                      attention_backend=attention_backend,
+                                      linear_backend=linear_backend, mesh=mesh)
     if stacked:
         logits = logits.reshape(-1, logits.shape[-1])  # [data * rows, V]
     with jax.named_scope("sampler"):
@@ -133,7 +134,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Any, *, page_size: int, num_pages: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  dtype: str = "float32", attention_backend: str | None = None,
-                 token_buckets: tuple[int, ...] | None = None, mesh: Any = None) -> None:
+                 linear_backend: str | None = None, token_buckets: tuple[int, ...] | None = None, mesh: Any = None) -> None:
         """`num_pages` and `max_num_seqs` are totals over the data replicas (each gets 1/data)."""
         par = shd.Parallel.from_mesh(mesh)
         self.mesh = None if par.is_single else mesh  # NOTE: one device keeps the plain program
@@ -189,8 +190,9 @@ class ModelRunner:
         self._seeds: dict[str, int] = {}
         self._rng = random.Random()
         self.attention_backend = attention_backend = attention.resolve_backend(attention_backend)
+        self.linear_backend = linear_backend = layers.resolve_linear_backend(linear_backend)
         self._jit = jax.jit(functools.partial(_step, attention_backend=attention_backend,
-                                              mesh=self.mesh),
+                                              linear_backend=linear_backend, mesh=self.mesh),
                             static_argnames=("cfg", "all_logits"),
                             donate_argnames=("kv_caches", "state"))
         self.num_compiled = 0

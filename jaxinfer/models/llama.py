@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,13 @@ from jaxinfer.sharding import (
 from jaxinfer.step import StepInputs
 
 SINGLE = Parallel()  # one device: every axis size 1
+
+
+class Kernels(NamedTuple):
+    """The resolved (concrete) backends a forward pass uses: static, part of the compiled program."""
+
+    attention: str = "reference"  # see jaxinfer.attention
+    linear: str = "xla"  # see jaxinfer.layers.resolve_linear_backend
 
 
 @struct.dataclass
@@ -300,7 +307,7 @@ def params_from_hf(
 
 def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x: jax.Array,
                      step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array,
-                     backend: str, par: Parallel = SINGLE):
+                     kernels: Kernels, par: Parallel = SINGLE):
     """x [T, E] -> [T, E]. Under tensor parallelism p.q/p.kv hold this shard's heads (columns; one
     of `par.dense` shards), p.o its rows: the o_proj output is a partial sum, all-reduced here
     (bias added once, after)."""
@@ -310,8 +317,7 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
     with jax.named_scope("qkv_proj"):
         # NOTE: 2-D weights with heads folded into the output dim: a single plain contraction is
         # ~10x faster on XLA:CPU than contracting over (heads, head_dim) at once.
-        q = jnp.einsum("te,ef->tf", x, p.q)
-        kv = jnp.einsum("te,ecf->tcf", x, p.kv)
+        q, kv = layers.dense(x, p.q, p.kv, backend=kernels.linear)  # [T, Hq*D], [T, 2, Hkv*D]
         if cfg.qkv_bias:
             q, kv = q + p.q_bias, kv + p.kv_bias
         if kv_heads_split(cfg.num_kv_heads, shards):
@@ -332,9 +338,10 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
     with jax.named_scope("rope"):
         q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
     out, kv_cache = attention(q, k, v, kv_cache, step, sm_scale=cfg.sm_scale,
-                              sliding_window=window, soft_cap=cfg.attn_logit_softcap, backend=backend)
+                              sliding_window=window, soft_cap=cfg.attn_logit_softcap,
+                              backend=kernels.attention)
     with jax.named_scope("o_proj"):
-        out = jnp.einsum("tf,fe->te", out.reshape(t, -1), p.o)
+        (out,) = layers.dense(out.reshape(t, -1), p.o, backend=kernels.linear)
         out = par.psum(out, EXPERT, TENSOR)
         if cfg.o_bias:
             out = out + p.o_bias
@@ -343,11 +350,11 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
 
 def _decoder_layer(p: LayerParams, cfg: ModelConfig, window: int | None, h: jax.Array,
                    step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array,
-                   backend: str, par: Parallel = SINGLE):
+                   kernels: Kernels, par: Parallel = SINGLE):
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     with jax.named_scope("attention"):
         x = layers.rms_norm(h, p.attn_norm, eps, off)
-        x, kv_cache = _attention_block(p.attn, cfg, window, x, step, cos, sin, kv_cache, backend, par)
+        x, kv_cache = _attention_block(p.attn, cfg, window, x, step, cos, sin, kv_cache, kernels, par)
         if cfg.sandwich_norm:
             x = layers.rms_norm(x, p.post_attn_norm, eps, off)
         h = h + x
@@ -357,7 +364,7 @@ def _decoder_layer(p: LayerParams, cfg: ModelConfig, window: int | None, h: jax.
             x = moe.moe_mlp(x, p.mlp, cfg, par, step.slot_mapping >= 0)
             x = par.psum(x, EXPERT, TENSOR)
         else:
-            x = layers.gated_mlp(x, p.mlp.gate_up, p.mlp.down, cfg.activation)
+            x = layers.gated_mlp(x, p.mlp.gate_up, p.mlp.down, cfg.activation, kernels.linear)
             x = par.psum(x, EXPERT, TENSOR)  # down was row-split: partial sums
         if cfg.sandwich_norm:
             x = layers.rms_norm(x, p.post_mlp_norm, eps, off)
@@ -382,21 +389,21 @@ def embed_tokens(embed: jax.Array, cfg: ModelConfig, token_ids: jax.Array,
     return h
 
 
-def final_logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+def final_logits(params: Params, cfg: ModelConfig, h: jax.Array, linear: str = "xla") -> jax.Array:
     """h [N, E] (the rows to sample) -> f32[N, V/par.dense]: this shard's vocab columns only."""
     h = layers.rms_norm(h, params.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
     if params.lm_head is None:
-        logits = jnp.einsum("te,ve->tv", h, params.embed)
+        logits = layers.dense_transposed(h, params.embed, backend=linear)
     else:
-        logits = jnp.einsum("te,ev->tv", h, params.lm_head)
+        (logits,) = layers.dense(h, params.lm_head, backend=linear)
     return layers.soft_cap(logits.astype(jnp.float32), cfg.final_logit_softcap)
 
 
 def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
-                   kv_caches: tuple[jax.Array, ...], backend: str, par: Parallel):
+                   kv_caches: tuple[jax.Array, ...], kernels: Kernels, par: Parallel):
     """The model on local shards (the whole model when `par` is all ones)."""
     if par.pipeline > 1:
-        return _forward_pipelined(params, cfg, step, kv_caches, backend, par)
+        return _forward_pipelined(params, cfg, step, kv_caches, kernels, par)
     with jax.named_scope("embed"):
         h = embed_tokens(params.embed, cfg, step.token_ids, par)
     with jax.named_scope("rope_tables"):
@@ -405,15 +412,15 @@ def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
             h, cache = _decoder_layer(layer, cfg, cfg.layer_windows[i], h, step, cos, sin,
-                                      kv_caches[i], backend, par)
+                                      kv_caches[i], kernels, par)
         new_caches.append(cache)
     with jax.named_scope("logits"):
-        logits = final_logits(params, cfg, jnp.take(h, step.logits_indices, axis=0))
+        logits = final_logits(params, cfg, jnp.take(h, step.logits_indices, axis=0), kernels.linear)
     return logits, tuple(new_caches)
 
 
 def _forward_pipelined(params: Params, cfg: ModelConfig, step: StepInputs,
-                       kv_caches: tuple[jax.Array, ...], backend: str, par: Parallel):
+                       kv_caches: tuple[jax.Array, ...], kernels: Kernels, par: Parallel):
     """Pipeline mesh (see `jaxinfer.pipeline`): every `step` field has a leading [M] micro-batch
     dim, `params.layers` and `kv_caches` are this device's stage blocks; logits [M*N, V/dense]."""
     m, t = step.token_ids.shape
@@ -424,13 +431,13 @@ def _forward_pipelined(params: Params, cfg: ModelConfig, step: StepInputs,
                     for x in layers.rope_cos_sin(cfg, step.positions.reshape(-1)))
 
     def layer_fn(p, window, x, mb_step, mb_cos, mb_sin, kv_cache):
-        return _decoder_layer(p, cfg, window, x, mb_step, mb_cos, mb_sin, kv_cache, backend, par)
+        return _decoder_layer(p, cfg, window, x, mb_step, mb_cos, mb_sin, kv_cache, kernels, par)
 
     h, caches = pipeline_lib.pipelined_decoder(
         layer_fn, params.layers, kv_caches, h, step, cos, sin,
         windows=pipeline_lib.stage_windows(cfg.layer_windows, par.pipeline), num_stages=par.pipeline)
     with jax.named_scope("logits"):
-        logits = final_logits(params, cfg, h.reshape(-1, h.shape[-1]))
+        logits = final_logits(params, cfg, h.reshape(-1, h.shape[-1]), kernels.linear)
     return logits, caches
 
 
@@ -448,11 +455,13 @@ def forward(
     kv_caches: tuple[jax.Array, ...],  # per layer [P, page_size, 2*Hkv, D]
     *,
     attention_backend: str = "reference",
+    linear_backend: str = "xla",
     mesh: Mesh | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Returns (logits f32[N, V] at step.logits_indices, updated kv_caches).
 
     `attention_backend` ("auto" | "reference" | "cpu" | "gpu" | "tpu") is static: see `jaxinfer.attention`.
+    `linear_backend` ("auto" | "xla" | "cpu") is static: see `jaxinfer.layers.resolve_linear_backend`.
     With a `mesh` (static) the whole model runs inside one `shard_map` over it (manual SPMD, see
     `sharding.Parallel`). Then, when the mesh has `data` > 1, every `step` field carries a leading
     `[data]` dim (one ragged step per replica, same buckets), each layer's cache holds `data`
@@ -461,8 +470,9 @@ def forward(
     models; never gathered here).
     """
     par = Parallel.from_mesh(mesh)
+    kernels = Kernels(attention_backend, layers.resolve_linear_backend(linear_backend))
     if par.is_single:
-        return _forward_local(params, cfg, step, kv_caches, attention_backend, Parallel())
+        return _forward_local(params, cfg, step, kv_caches, kernels, Parallel())
     rules = model_rules(cfg, par)
     specs = param_specs(cfg)
     if par.pipeline > 1:  # layers stacked by stage, caches per stage position [S, data*P, ...]
@@ -480,7 +490,7 @@ def forward(
     def body(params, step, kv_caches):
         if stacked:
             step = jax.tree.map(lambda x: x[0], step)
-        logits, caches = _forward_local(params, cfg, step, kv_caches, attention_backend, par)
+        logits, caches = _forward_local(params, cfg, step, kv_caches, kernels, par)
         return (logits[None] if stacked else logits), caches
 
     # NOTE: check_vma off: the Pallas kernels inside carry no varying-axis annotations.
@@ -489,5 +499,5 @@ def forward(
     return run(params, step, tuple(kv_caches))
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_backend", "mesh"),
+forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_backend", "linear_backend", "mesh"),
                       donate_argnames=("kv_caches",))

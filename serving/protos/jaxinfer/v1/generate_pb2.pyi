@@ -160,7 +160,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "dtype", "max_model_len", "vocab_size", "mesh_shape", "page_size", "capacity", "eos_token_ids", "has_chat_template", "attention_backend")
+    __slots__ = ("name", "architecture", "dtype", "max_model_len", "vocab_size", "mesh_shape", "page_size", "capacity", "eos_token_ids", "has_chat_template", "attention_backend", "linear_backend")
     class MeshShapeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LINEAR_BACKEND_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     dtype: str
@@ -190,7 +191,8 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     has_chat_template: bool
     attention_backend: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mesh_shape: _Optional[_Mapping[str, int]] = ..., page_size: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+    linear_backend: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mesh_shape: _Optional[_Mapping[str, int]] = ..., page_size: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., attention_backend: _Optional[str] = ..., linear_backend: _Optional[str] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("num_pages", "max_tokens", "max_num_seqs", "max_num_batched_tokens", "max_queue")

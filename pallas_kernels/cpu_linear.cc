@@ -1,0 +1,234 @@
+// Dense products with few token rows for XLA:CPU, called through the XLA FFI (see cpu_linear.py,
+// which compiles this file on first use and registers it as a custom call).
+//
+// A decode step multiplies one (or a few) activation rows by every weight of the model: the step
+// is a stream of weight bytes, and its speed is the speed of that stream. XLA:CPU runs these
+// products on one core at ~15-20 GB/s for the model's small matrices; this kernel reads each
+// weight front to back, split over the cores of XLA's intra-op pool.
+//
+// y_i[T, N_i] = x[T, K] @ W_i for every weight W_i of the call (several weights may share one x:
+// one call for q and fused k/v). Two weight layouts:
+// - [K, N_i] ("kn", the model's linear weights): the K rows are cut into contiguous parts, one per
+//   core; a part streams its rows in order, 8 at a time, and accumulates x[t, k:k+8] @ W[k:k+8, :]
+//   into its own partial y (which stays in L1/L2). The partials are summed in part order at the
+//   end, so the result does not depend on which thread ran which part.
+// - [N_i, K] ("nk", a tied embedding used as LM head): each output is a dot product over one
+//   contiguous weight row; the N rows are cut into contiguous parts, no reduction.
+// All arithmetic in f32. Parts are claimed from an atomic counter by the caller and by helpers
+// scheduled on the pool; the caller returns once every part is done (a helper that starts late
+// finds nothing left and only touches the shared state it co-owns).
+
+#include <immintrin.h>
+
+#ifndef __AVX512F__
+#error "the CPU linear kernel needs AVX-512 (this CPU or compiler lacks it): XLA's dot is used instead"
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxWeights = 8;
+constexpr int kMaxParts = 8;
+// Below this many multiply-adds one thread does the whole call.
+constexpr int64_t kParallelMinWork = 1 << 16;
+// A part of a [K, N] weight holds at least this many rows (and a multiple of 8).
+constexpr int64_t kMinRowsPerPart = 64;
+// Software prefetch distance (floats) ahead of the rows being read, into L2.
+constexpr int64_t kPrefetch = 256;
+
+struct Weight {
+  const float* w;
+  float* y;        // [T, n]
+  int64_t n;
+  float* partial;  // [parts - 1, T, n] for the kn layout
+};
+
+struct Problem {
+  const float* x;  // [T, K]
+  int64_t t_len, k_len;
+  bool transposed;
+  int num_weights;
+  Weight weights[kMaxWeights];
+  int parts;
+};
+
+// y[t, :] = x[t, k0:k1] @ W[k0:k1, :] (overwrites y), W row-major [K, N].
+void KnRange(const float* x, int64_t t_len, int64_t k_len, const float* w, int64_t n_len, float* y,
+             int64_t k0, int64_t k1) {
+  std::memset(y, 0, t_len * n_len * sizeof(float));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n_len % 16)) - 1);
+  const int64_t n_full = n_len / 16 * 16;
+  int64_t k = k0;
+  for (; k + 8 <= k1; k += 8) {
+    const float* r = w + k * n_len;
+    for (int64_t t = 0; t < t_len; ++t) {
+      const float* xt = x + t * k_len + k;
+      const __m512 a0 = _mm512_set1_ps(xt[0]), a1 = _mm512_set1_ps(xt[1]);
+      const __m512 a2 = _mm512_set1_ps(xt[2]), a3 = _mm512_set1_ps(xt[3]);
+      const __m512 a4 = _mm512_set1_ps(xt[4]), a5 = _mm512_set1_ps(xt[5]);
+      const __m512 a6 = _mm512_set1_ps(xt[6]), a7 = _mm512_set1_ps(xt[7]);
+      float* yt = y + t * n_len;
+      // Two independent chains of four products each, then one read-modify-write of y.
+      auto body = [&](int64_t n, __mmask16 m) {
+        __m512 p = _mm512_mul_ps(a0, _mm512_maskz_loadu_ps(m, r + n));
+        __m512 q = _mm512_mul_ps(a4, _mm512_maskz_loadu_ps(m, r + 4 * n_len + n));
+        p = _mm512_fmadd_ps(a1, _mm512_maskz_loadu_ps(m, r + n_len + n), p);
+        q = _mm512_fmadd_ps(a5, _mm512_maskz_loadu_ps(m, r + 5 * n_len + n), q);
+        p = _mm512_fmadd_ps(a2, _mm512_maskz_loadu_ps(m, r + 2 * n_len + n), p);
+        q = _mm512_fmadd_ps(a6, _mm512_maskz_loadu_ps(m, r + 6 * n_len + n), q);
+        p = _mm512_fmadd_ps(a3, _mm512_maskz_loadu_ps(m, r + 3 * n_len + n), p);
+        q = _mm512_fmadd_ps(a7, _mm512_maskz_loadu_ps(m, r + 7 * n_len + n), q);
+        _mm512_mask_storeu_ps(yt + n, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, yt + n), _mm512_add_ps(p, q)));
+      };
+      for (int64_t n = 0; n < n_full; n += 16) {
+        if (t == 0)
+          for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(r + j * n_len + n + kPrefetch), _MM_HINT_T1);
+        body(n, 0xffff);
+      }
+      if (tail) body(n_full, tail);
+    }
+  }
+  for (; k < k1; ++k) {
+    const float* r = w + k * n_len;
+    for (int64_t t = 0; t < t_len; ++t) {
+      const float a = x[t * k_len + k];
+      for (int64_t n = 0; n < n_len; ++n) y[t * n_len + n] += a * r[n];
+    }
+  }
+}
+
+inline float Dot(const float* a, const float* b, int64_t k_len, __mmask16 tail) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= k_len; k += 32) {
+    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), s0);
+    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k + 16), _mm512_loadu_ps(b + k + 16), s1);
+  }
+  for (; k + 16 <= k_len; k += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), s0);
+  if (tail) s1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + k), _mm512_maskz_loadu_ps(tail, b + k), s1);
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+
+// y[t, n0:n1] = x[t, :] . W[n, :] for W row-major [N, K].
+void NkRange(const float* x, int64_t t_len, int64_t k_len, const float* w, int64_t n_len, float* y,
+             int64_t n0, int64_t n1) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (k_len % 16)) - 1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* r = w + n * k_len;
+    for (int64_t k = 0; k < k_len; k += 16) _mm_prefetch(reinterpret_cast<const char*>(r + 4 * k_len + k), _MM_HINT_T1);
+    for (int64_t t = 0; t < t_len; ++t) y[t * n_len + n] = Dot(x + t * k_len, r, k_len, tail);
+  }
+}
+
+// Part p of every weight: rows [k0, k1) of a kn weight, outputs [n0, n1) of an nk weight.
+void RunPart(const Problem& pb, int p) {
+  for (int i = 0; i < pb.num_weights; ++i) {
+    const Weight& wt = pb.weights[i];
+    if (pb.transposed) {
+      const int64_t chunk = (wt.n + pb.parts - 1) / pb.parts;
+      const int64_t n0 = std::min(wt.n, p * chunk), n1 = std::min(wt.n, n0 + chunk);
+      NkRange(pb.x, pb.t_len, pb.k_len, wt.w, wt.n, wt.y, n0, n1);
+    } else {
+      const int64_t chunk = (pb.k_len + 8 * pb.parts - 1) / (8 * pb.parts) * 8;
+      const int64_t k0 = std::min(pb.k_len, p * chunk), k1 = std::min(pb.k_len, k0 + chunk);
+      float* y = p == 0 ? wt.y : wt.partial + (p - 1) * pb.t_len * wt.n;
+      KnRange(pb.x, pb.t_len, pb.k_len, wt.w, wt.n, y, k0, k1);
+    }
+  }
+}
+
+// Shared with helpers, which may start after the call returned: they then only touch `next`.
+struct Shared {
+  Problem pb;
+  std::vector<float> scratch;
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+};
+
+void RunParts(Shared& sh) {
+  for (int p = sh.next.fetch_add(1); p < sh.pb.parts; p = sh.next.fetch_add(1)) {
+    RunPart(sh.pb, p);
+    sh.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
+                  ffi::RemainingRets outs, bool transposed) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("cpu_linear: x must be 2-D [T, K]");
+  const int64_t nw = static_cast<int64_t>(weights.size());
+  if (nw < 1 || nw > kMaxWeights || static_cast<int64_t>(outs.size()) != nw)
+    return ffi::Error::InvalidArgument("cpu_linear: 1 to 8 weights, one output each");
+
+  auto sh = std::make_shared<Shared>();
+  Problem& pb = sh->pb;
+  pb.x = x.typed_data();
+  pb.t_len = xd[0];
+  pb.k_len = xd[1];
+  pb.transposed = transposed;
+  pb.num_weights = static_cast<int>(nw);
+  int64_t work = 0, out_floats = 0;
+  for (int64_t i = 0; i < nw; ++i) {
+    auto w = weights.get<ffi::Buffer<ffi::F32>>(i);
+    auto y = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("cpu_linear: weights and outputs must be float32");
+    const auto wd = w->dimensions();
+    const auto yd = (*y)->dimensions();
+    const int64_t n = transposed ? wd[0] : wd[1];
+    const int64_t k = transposed ? wd[1] : wd[0];
+    if (wd.size() != 2 || k != pb.k_len || yd.size() != 2 || yd[0] != pb.t_len || yd[1] != n)
+      return ffi::Error::InvalidArgument("cpu_linear: weight / output shapes do not match x");
+    pb.weights[i] = {w->typed_data(), (*y)->typed_data(), n, nullptr};
+    work += pb.t_len * pb.k_len * n;
+    out_floats += pb.t_len * n;
+  }
+
+  int64_t parts = std::clamp<int64_t>(pool.num_threads(), 1, kMaxParts);
+  if (!transposed) parts = std::min(parts, std::max<int64_t>(1, pb.k_len / kMinRowsPerPart));
+  if (work < kParallelMinWork) parts = 1;
+  pb.parts = static_cast<int>(parts);
+  if (!transposed && parts > 1) {
+    sh->scratch.resize((parts - 1) * out_floats);
+    float* s = sh->scratch.data();
+    for (int i = 0; i < pb.num_weights; ++i) {
+      pb.weights[i].partial = s;
+      s += (parts - 1) * pb.t_len * pb.weights[i].n;
+    }
+  }
+  for (int64_t i = 1; i < parts; ++i) pool.Schedule([sh] { RunParts(*sh); });
+  RunParts(*sh);
+  while (sh->done.load(std::memory_order_acquire) < pb.parts) _mm_pause();
+
+  if (!transposed)
+    for (int i = 0; i < pb.num_weights; ++i) {
+      const Weight& wt = pb.weights[i];
+      const int64_t size = pb.t_len * wt.n;
+      for (int64_t p = 1; p < parts; ++p) {
+        const float* src = wt.partial + (p - 1) * size;
+        for (int64_t j = 0; j < size; ++j) wt.y[j] += src[j];
+      }
+    }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCpuLinear, Linear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<bool>("transposed"));

@@ -1,0 +1,170 @@
+"""The compiled CPU linear kernel (`pallas_kernels.cpu_linear`) and its use by the model.
+
+1. The kernel against numpy in float64: row counts 1-8, odd K and N (tails of the 16-lane
+   vectors and of the 8-row passes), several weights in one call, the transposed ([N, K]) layout;
+   results are bit-identical from call to call (partial sums are added in a fixed order).
+2. Bad inputs raise naming the problem.
+3. `layers.dense` emits the custom call only where it pays (few float32 rows) and matches XLA's dot.
+4. The model: logits with `linear_backend="cpu"` match `"xla"` over a prefill and decode steps, for
+   an untied model and a tied one (LM head through the transposed layout); the engine gives the same
+   greedy tokens with either backend; `resolve_linear_backend` picks and refuses as documented.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import layers
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import llama
+from jaxinfer.params import init_random
+from pallas_kernels import cpu_linear
+from tests.model_utils import PagedStepper, hf_config_dict
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not cpu_linear.available(),
+    reason=f"the CPU linear kernel needs a CPU platform with AVX-512 ({cpu_linear.unavailable_reason()})"
+    if jax.default_backend() == "cpu" else "not a CPU platform")
+
+TOL = 1e-5  # of max |reference|
+
+
+def _ref(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return x.astype(np.float64) @ w.astype(np.float64)
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("k,ns", [(7, (3,)), (64, (16, 32)), (100, (37, 1)), (576, (576, 384)),
+                                  (1536, (576,)), (129, (1000,))])
+def test_matches_numpy(t, k, ns):
+    rng = np.random.default_rng(t * 1000 + k)
+    x = rng.standard_normal((t, k), dtype=np.float32)
+    ws = [rng.standard_normal((k, n), dtype=np.float32) for n in ns]
+    outs = cpu_linear.linear(jnp.asarray(x), *map(jnp.asarray, ws))
+    assert len(outs) == len(ws)
+    for y, w in zip(outs, ws):
+        ref = _ref(x, w)
+        assert y.shape == ref.shape and y.dtype == jnp.float32
+        np.testing.assert_allclose(y, ref, rtol=0, atol=TOL * np.abs(ref).max())
+    (yt,) = cpu_linear.linear(jnp.asarray(x), jnp.asarray(ws[0].T.copy()), transposed=True)
+    np.testing.assert_allclose(yt, _ref(x, ws[0]), rtol=0, atol=TOL * np.abs(_ref(x, ws[0])).max())
+
+
+def test_large_weights_split_over_threads_are_deterministic():
+    """Big enough to be split into parts (K rows / N rows per thread): same bits every call."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 576), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((576, 3072), dtype=np.float32))
+    emb = jnp.asarray(rng.standard_normal((4099, 576), dtype=np.float32))
+    first = [np.asarray(cpu_linear.linear(x, w)[0]), np.asarray(cpu_linear.linear(x, emb, transposed=True)[0])]
+    for _ in range(5):
+        again = [np.asarray(cpu_linear.linear(x, w)[0]), np.asarray(cpu_linear.linear(x, emb, transposed=True)[0])]
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(first, again))
+    np.testing.assert_allclose(first[0], _ref(np.asarray(x), np.asarray(w)), rtol=0,
+                               atol=TOL * np.abs(first[0]).max())
+    np.testing.assert_allclose(first[1], _ref(np.asarray(x), np.asarray(emb).T), rtol=0,
+                               atol=TOL * np.abs(first[1]).max())
+
+
+def test_bad_inputs_raise():
+    x = jnp.ones((2, 8), jnp.float32)
+    w = jnp.ones((8, 4), jnp.float32)
+    with pytest.raises(ValueError, match="float32 only.*bfloat16.*weight 0"):
+        cpu_linear.linear(x, w.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="float32 only.*x"):
+        cpu_linear.linear(x.astype(jnp.bfloat16), w)
+    with pytest.raises(ValueError, match=r"weight 1 of shape \(9, 4\) does not fit x"):
+        cpu_linear.linear(x, w, jnp.ones((9, 4), jnp.float32))
+    with pytest.raises(ValueError, match="1 to 8 weights"):
+        cpu_linear.linear(x)
+    with pytest.raises(ValueError, match="1 to 8 weights"):
+        cpu_linear.linear(x, *([w] * 9))
+    with pytest.raises(ValueError, match=r"x must be \[T, K\]"):
+        cpu_linear.linear(jnp.ones((8,), jnp.float32), w)
+
+
+def _uses_kernel(fn, *args) -> bool:
+    return cpu_linear.KERNEL.target in jax.jit(fn).lower(*args).as_text()
+
+
+def test_dense_picks_the_kernel_only_where_it_pays():
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((64, 2, 48), dtype=np.float32))
+    for t, dtype, want in [(1, jnp.float32, True), (8, jnp.float32, True), (9, jnp.float32, False),
+                           (4, jnp.bfloat16, False)]:
+        x = jnp.asarray(rng.standard_normal((t, 64)), dtype)
+        ww = w.astype(dtype)
+        assert _uses_kernel(lambda x, w: layers.dense(x, w, backend="cpu"), x, ww) == want, (t, dtype)
+        assert not _uses_kernel(lambda x, w: layers.dense(x, w, backend="xla"), x, ww)
+        (got,) = layers.dense(x, ww, backend="cpu")
+        want_y = jnp.einsum("te,ecf->tcf", x, ww)
+        assert got.shape == (t, 2, 48)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want_y, np.float32),
+                                   rtol=0, atol=1e-2 * float(jnp.abs(want_y).max()))
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    emb = jnp.asarray(rng.standard_normal((300, 64)), jnp.float32)
+    assert _uses_kernel(lambda x, e: layers.dense_transposed(x, e, backend="cpu"), x, emb)
+    np.testing.assert_allclose(layers.dense_transposed(x, emb, backend="cpu"), x @ emb.T, rtol=0,
+                               atol=TOL * float(jnp.abs(x @ emb.T).max()))
+
+
+def test_resolve_linear_backend():
+    assert layers.resolve_linear_backend(None, "cpu") == "cpu"  # the kernel builds here
+    assert layers.resolve_linear_backend("auto", "cpu") == "cpu"
+    assert layers.resolve_linear_backend("auto", "gpu") == "xla"
+    assert layers.resolve_linear_backend(None, "tpu") == "xla"
+    assert layers.resolve_linear_backend("xla", "cpu") == "xla"
+    with pytest.raises(ValueError, match="CPU platform only"):
+        layers.resolve_linear_backend("cpu", "gpu")
+    with pytest.raises(ValueError, match="linear_backend 'onednn' is not one of"):
+        layers.resolve_linear_backend("onednn", "cpu")
+
+
+def _logits(family: str, linear_backend: str) -> list[np.ndarray]:
+    cfg = ModelConfig.from_hf(hf_config_dict(family))
+    params = init_random(llama.param_specs(cfg), jax.random.PRNGKey(0))
+    params = jax.tree.map(lambda x: x * 6.0, params)
+    stepper = PagedStepper(params, cfg, page_size=4, num_pages=64, seed=1)
+    fwd = jax.jit(lambda p, c, s, kv: llama.forward(p, c, s, kv, linear_backend=linear_backend),
+                  static_argnames=("c",))
+    stepper_forward = llama.forward_jit
+    try:
+        llama.forward_jit = fwd
+        out = [np.concatenate(stepper.step([(0, [3, 17, 101, 9, 44, 250, 7]), (1, [88, 2, 61])]))]
+        tokens = [int(np.argmax(out[0][6])), int(np.argmax(out[0][-1]))]
+        for _ in range(3):  # 2 decode rows: the kernel's path
+            last = stepper.step([(0, [tokens[0]]), (1, [tokens[1]])])
+            out.append(np.concatenate(last))
+            tokens = [int(np.argmax(x[-1])) for x in last]
+    finally:
+        llama.forward_jit = stepper_forward
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # untied LM head; tied (transposed) head
+def test_model_logits_match_xla(family):
+    want, got = _logits(family, "xla"), _logits(family, "cpu")
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.abs(w).max())
+
+
+@pytest.mark.slow
+def test_engine_same_tokens_with_either_backend():
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine.engine import LLMEngine
+    from tests import engine_utils as eu
+
+    model = eu.tiny_model(eu.load_vocab())
+    prompts = [[5, 300, 41, 7000, 12, 9], [88, 2, 61, 5, 190, 77, 1000, 3, 4]]
+    outputs = {}
+    for b in ("xla", "cpu"):
+        engine = LLMEngine(model, EngineConfig(page_size=4, num_pages=32, max_model_len=64,
+                                               max_num_seqs=2, max_num_batched_tokens=16),
+                           linear_backend=b)
+        assert engine.runner.linear_backend == b
+        done = eu.run(engine, [(str(i), p, eu.greedy(8)) for i, p in enumerate(prompts)])
+        outputs[b] = [done[str(i)][0].token_ids for i in range(len(prompts))]
+    assert outputs["cpu"] == outputs["xla"]
