@@ -44,8 +44,6 @@ constexpr int kMaxParts = 8;
 constexpr int64_t kParallelMinWork = 1 << 16;
 // A part of a [K, N] weight holds at least this many rows (and a multiple of 8).
 constexpr int64_t kMinRowsPerPart = 64;
-// Software prefetch distance (floats) ahead of the rows being read, into L2.
-constexpr int64_t kPrefetch = 256;
 
 struct Weight {
   const float* w;
@@ -91,10 +89,19 @@ void KnRange(const float* x, int64_t t_len, int64_t k_len, const float* w, int64
         q = _mm512_fmadd_ps(a7, _mm512_maskz_loadu_ps(m, r + 7 * n_len + n), q);
         _mm512_mask_storeu_ps(yt + n, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, yt + n), _mm512_add_ps(p, q)));
       };
-      for (int64_t n = 0; n < n_full; n += 16) {
-        if (t == 0)
-          for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(r + j * n_len + n + kPrefetch), _MM_HINT_T1);
-        body(n, 0xffff);
+      // Rows k..k+7 are one contiguous block of 8 * N floats, read here as 8 interleaved row
+      // streams, too short for the hardware prefetcher when N is small: the next block is
+      // prefetched into L2 front to back, 8 lines per 16 columns, so it is in when its turn comes
+      // (+8% on the model's layer chain; 2 or 4 blocks ahead, or into L1, measured slower).
+      if (t == 0 && k + 16 <= k1) {
+        const float* ahead = r + 8 * n_len;
+        for (int64_t n = 0; n < n_full; n += 16) {
+          for (int j = 0; j < 8; ++j)
+            _mm_prefetch(reinterpret_cast<const char*>(ahead + 8 * n + 16 * j), _MM_HINT_T1);
+          body(n, 0xffff);
+        }
+      } else {
+        for (int64_t n = 0; n < n_full; n += 16) body(n, 0xffff);
       }
       if (tail) body(n_full, tail);
     }
@@ -126,7 +133,8 @@ void NkRange(const float* x, int64_t t_len, int64_t k_len, const float* w, int64
   const __mmask16 tail = static_cast<__mmask16>((1u << (k_len % 16)) - 1);
   for (int64_t n = n0; n < n1; ++n) {
     const float* r = w + n * k_len;
-    for (int64_t k = 0; k < k_len; k += 16) _mm_prefetch(reinterpret_cast<const char*>(r + 4 * k_len + k), _MM_HINT_T1);
+    for (int64_t k = 0; k < k_len; k += 16)  // 4 rows ahead, into L2
+      _mm_prefetch(reinterpret_cast<const char*>(r + 4 * k_len + k), _MM_HINT_T1);
     for (int64_t t = 0; t < t_len; ++t) y[t * n_len + n] = Dot(x + t * k_len, r, k_len, tail);
   }
 }
