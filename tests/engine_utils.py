@@ -161,6 +161,16 @@ def run(
     return result
 
 
+def greedy_ids_on_backends(model: LoadedModel, prompts: list[list[int]], max_tokens: int,
+                           **backends: str) -> tuple[LLMEngine, list[list[int]]]:
+    """Greedy token ids of `prompts` batched on a small engine built with the given backend
+    options (`attention_backend=`, `linear_backend=`); returns the engine too."""
+    engine = LLMEngine(model, EngineConfig(page_size=4, num_pages=32, max_model_len=64,
+                                           max_num_seqs=2, max_num_batched_tokens=16), **backends)
+    done = run(engine, [(str(i), p, greedy(max_tokens)) for i, p in enumerate(prompts)])
+    return engine, [done[str(i)][0].token_ids for i in range(len(prompts))]
+
+
 def generate(
     engine: LLMEngine, prompt: str | list[int], sp: SamplingParams, request_id: str = "alone"
 ) -> Completion:

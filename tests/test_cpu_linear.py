@@ -123,48 +123,39 @@ def test_resolve_linear_backend():
         layers.resolve_linear_backend("onednn", "cpu")
 
 
-def _logits(family: str, linear_backend: str) -> list[np.ndarray]:
+def _logits(monkeypatch, family: str, linear_backend: str) -> list[np.ndarray]:
     cfg = ModelConfig.from_hf(hf_config_dict(family))
     params = init_random(llama.param_specs(cfg), jax.random.PRNGKey(0))
     params = jax.tree.map(lambda x: x * 6.0, params)
     stepper = PagedStepper(params, cfg, page_size=4, num_pages=64, seed=1)
-    fwd = jax.jit(lambda p, c, s, kv: llama.forward(p, c, s, kv, linear_backend=linear_backend),
-                  static_argnames=("c",))
-    stepper_forward = llama.forward_jit
-    try:
-        llama.forward_jit = fwd
-        out = [np.concatenate(stepper.step([(0, [3, 17, 101, 9, 44, 250, 7]), (1, [88, 2, 61])]))]
-        tokens = [int(np.argmax(out[0][6])), int(np.argmax(out[0][-1]))]
-        for _ in range(3):  # 2 decode rows: the kernel's path
-            last = stepper.step([(0, [tokens[0]]), (1, [tokens[1]])])
-            out.append(np.concatenate(last))
-            tokens = [int(np.argmax(x[-1])) for x in last]
-    finally:
-        llama.forward_jit = stepper_forward
+    # PagedStepper calls llama.forward_jit(params, cfg, step, caches)
+    monkeypatch.setattr(llama, "forward_jit", jax.jit(
+        lambda p, c, s, kv: llama.forward(p, c, s, kv, linear_backend=linear_backend),
+        static_argnames=("c",)))
+    out = [np.concatenate(stepper.step([(0, [3, 17, 101, 9, 44, 250, 7]), (1, [88, 2, 61])]))]
+    tokens = [int(np.argmax(out[0][6])), int(np.argmax(out[0][-1]))]
+    for _ in range(3):  # 2 decode rows, padded to 8: the kernel's few-row path
+        last = stepper.step([(0, [tokens[0]]), (1, [tokens[1]])])
+        out.append(np.concatenate(last))
+        tokens = [int(np.argmax(x[-1])) for x in last]
     return out
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # untied LM head; tied (transposed) head
-def test_model_logits_match_xla(family):
-    want, got = _logits(family, "xla"), _logits(family, "cpu")
+def test_model_logits_match_xla(monkeypatch, family):
+    want, got = _logits(monkeypatch, family, "xla"), _logits(monkeypatch, family, "cpu")
     for w, g in zip(want, got):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.abs(w).max())
 
 
 @pytest.mark.slow
 def test_engine_same_tokens_with_either_backend():
-    from jaxinfer.config import EngineConfig
-    from jaxinfer.engine.engine import LLMEngine
     from tests import engine_utils as eu
 
     model = eu.tiny_model(eu.load_vocab())
     prompts = [[5, 300, 41, 7000, 12, 9], [88, 2, 61, 5, 190, 77, 1000, 3, 4]]
     outputs = {}
     for b in ("xla", "cpu"):
-        engine = LLMEngine(model, EngineConfig(page_size=4, num_pages=32, max_model_len=64,
-                                               max_num_seqs=2, max_num_batched_tokens=16),
-                           linear_backend=b)
+        engine, outputs[b] = eu.greedy_ids_on_backends(model, prompts, 8, linear_backend=b)
         assert engine.runner.linear_backend == b
-        done = eu.run(engine, [(str(i), p, eu.greedy(8)) for i, p in enumerate(prompts)])
-        outputs[b] = [done[str(i)][0].token_ids for i in range(len(prompts))]
     assert outputs["cpu"] == outputs["xla"]

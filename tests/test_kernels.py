@@ -437,18 +437,12 @@ def test_greedy_tokens_equal_across_backends(monkeypatch, family):
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_engine_runs_on_kernel_backend(backend):
     """The engine option reaches the kernel: same greedy tokens as the reference backend."""
-    from jaxinfer.config import EngineConfig
-    from jaxinfer.engine.engine import LLMEngine
     from tests import engine_utils as eu
 
     model = eu.tiny_model(eu.load_vocab())
     prompts = [[5, 300, 41, 7000, 12, 9], [88, 2, 61, 5, 190, 77, 1000, 3, 4]]
     outputs = {}
     for b in ("reference", backend):
-        engine = LLMEngine(model, EngineConfig(page_size=4, num_pages=32, max_model_len=64,
-                                               max_num_seqs=2, max_num_batched_tokens=16),
-                           attention_backend=b)
+        engine, outputs[b] = eu.greedy_ids_on_backends(model, prompts, 6, attention_backend=b)
         assert engine.runner.attention_backend == b
-        done = eu.run(engine, [(str(i), p, eu.greedy(6)) for i, p in enumerate(prompts)])
-        outputs[b] = [done[str(i)][0].token_ids for i in range(len(prompts))]
     assert outputs[backend] == outputs["reference"]
