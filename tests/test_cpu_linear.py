@@ -123,6 +123,15 @@ def test_resolve_linear_backend():
         layers.resolve_linear_backend("onednn", "cpu")
 
 
+def test_auto_falls_back_to_xla_when_the_kernel_cannot_build(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_linear, "unavailable_reason", lambda: "no C++ compiler found")
+    with caplog.at_level("WARNING"):
+        assert not layers._cpu_linear_builds.__wrapped__()
+    assert "no C++ compiler found" in caplog.text and "using XLA's dot" in caplog.text
+    monkeypatch.setattr(layers, "_cpu_linear_builds", lambda: False)
+    assert layers.resolve_linear_backend("auto", "cpu") == "xla"
+
+
 def _logits(monkeypatch, family: str, linear_backend: str) -> list[np.ndarray]:
     cfg = ModelConfig.from_hf(hf_config_dict(family))
     params = init_random(llama.param_specs(cfg), jax.random.PRNGKey(0))
