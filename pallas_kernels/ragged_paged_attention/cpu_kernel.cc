@@ -29,6 +29,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -104,6 +108,61 @@ struct Problem {
 struct Item {
   int32_t seq, h0, h1, t0, t1;  // tokens [t0, t1) of sequence `seq`, KV heads [h0, h1)
 };
+
+#ifdef __AVX512F__
+// Sum of each of 8 vectors (v[0..7]) -> one 8-lane vector of the sums, in order.
+inline __m256 Sums8(const __m512* v) {
+  __m256 h[8];
+  for (int i = 0; i < 8; ++i)
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm512_extractf32x8_ps(v[i], 1));
+  const __m256 t0 = _mm256_hadd_ps(h[0], h[1]), t1 = _mm256_hadd_ps(h[2], h[3]);
+  const __m256 t2 = _mm256_hadd_ps(h[4], h[5]), t3 = _mm256_hadd_ps(h[6], h[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  // u0 holds the 4 sums of v0..v3 in each 128-bit lane (partial per lane), u1 those of v4..v7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// s[j] = q . k_j for j in [lo, hi): 8 keys at a time, each dot product's 16-lane partial
+// reduced together with the other 7 (one shuffle tree per 8 keys instead of one per key).
+template <int kD>
+inline void Scores(const float* q, const float* const* kp, int64_t lo, int64_t hi, float* s) {
+  constexpr int kV = kD / 16;
+  __m512 qv[kV];
+  for (int x = 0; x < kV; ++x) qv[x] = _mm512_loadu_ps(q + 16 * x);
+  int64_t j = lo;
+  for (; j + 8 <= hi; j += 8) {
+    __m512 part[8];
+    for (int i = 0; i < 8; ++i) {
+      const float* k = kp[j + i];
+      __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+      for (int x = 1; x < kV; ++x) a = _mm512_fmadd_ps(qv[x], _mm512_loadu_ps(k + 16 * x), a);
+      part[i] = a;
+    }
+    _mm256_storeu_ps(s + j, Sums8(part));
+  }
+  for (; j < hi; ++j) {
+    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp[j]));
+    for (int x = 1; x < kV; ++x) a = _mm512_fmadd_ps(qv[x], _mm512_loadu_ps(kp[j] + 16 * x), a);
+    s[j] = _mm512_reduce_add_ps(a);
+  }
+}
+
+// acc (kD floats) = alpha * acc + sum_j p[j] * v_j over [lo, hi), the accumulator in registers.
+template <int kD>
+inline void AccumulatePV(float* acc, float alpha, const float* p, const float* const* vp,
+                         int64_t lo, int64_t hi) {
+  constexpr int kV = kD / 16;
+  __m512 a[kV];
+  const __m512 al = _mm512_set1_ps(alpha);
+  for (int x = 0; x < kV; ++x) a[x] = _mm512_mul_ps(al, _mm512_loadu_ps(acc + 16 * x));
+  for (int64_t j = lo; j < hi; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    const float* v = vp[j];
+    for (int x = 0; x < kV; ++x) a[x] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16 * x), a[x]);
+  }
+  for (int x = 0; x < kV; ++x) _mm512_storeu_ps(acc + 16 * x, a[x]);
+}
+#endif
 
 // Per-thread scratch, grown on demand.
 struct Scratch {
@@ -194,12 +253,19 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
         if (hi <= lo) continue;
         float* s = sc.s.data() + rh * kKeyBlock;
         const float* qr = qs + r * d;
-        for (int64_t j = lo; j < hi; ++j) {
-          const float* kj = kp[j];
-          float dot = 0.0f;
+#ifdef __AVX512F__
+        if constexpr (kD > 0 && kD % 16 == 0) {
+          Scores<(kD > 0 ? kD : 16)>(qr, kp, lo, hi, s);
+        } else
+#endif
+        {
+          for (int64_t j = lo; j < hi; ++j) {
+            const float* kj = kp[j];
+            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t x = 0; x < d; ++x) dot += qr[x] * kj[x];
-          s[j] = dot;
+            for (int64_t x = 0; x < d; ++x) dot += qr[x] * kj[x];
+            s[j] = dot;
+          }
         }
         if (pb.soft_cap > 0.0f) {
           const float inv = 1.0f / pb.soft_cap;
@@ -220,6 +286,12 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
         sc.m[r] = m_new;
         sc.l[r] = alpha * sc.l[r] + psum;
         float* ar = acc + r * d;
+#ifdef __AVX512F__
+        if constexpr (kD > 0 && kD % 16 == 0) {
+          AccumulatePV<(kD > 0 ? kD : 16)>(ar, alpha, s, vp, lo, hi);
+          continue;
+        }
+#endif
         if (alpha != 1.0f)
           for (int64_t x = 0; x < d; ++x) ar[x] *= alpha;
         for (int64_t j = lo; j < hi; ++j) {
