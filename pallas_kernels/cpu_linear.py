@@ -27,8 +27,8 @@ from pallas_kernels.cpu_build import CppKernel
 KERNEL = CppKernel(Path(__file__).with_name("cpu_linear.cc"), "JaxinferCpuLinear",
                    "jaxinfer_cpu_linear")
 library, unavailable_reason, available = KERNEL.library, KERNEL.unavailable_reason, KERNEL.available
-# Token rows up to which the kernel beats XLA:CPU's dot on the model's shapes (BENCHMARKS.md:
-# 2 rows ~1.8x, 8 rows ~1.05x, 16 rows slower: each extra row re-reads the weight rows from L1).
+# Token rows up to which the kernel beats XLA:CPU's dot on the model's shapes (BENCHMARKS.md,
+# scripts/bench_linear.py: 1 row 1.4x, 2 rows 1.9x, 8 rows 1.4x; at 16 rows XLA is faster).
 MAX_ROWS = 8
 MAX_WEIGHTS = 8
 
