@@ -145,7 +145,8 @@ def resolve_linear_backend(backend: str | None, platform: str | None = None) -> 
 def _cpu_linear_builds() -> bool:
     reason = cpu_linear.unavailable_reason()
     if reason is not None:
-        log.warning("linear_backend 'auto': the CPU linear kernel is unavailable, using XLA's dot (%s)", reason)
+        log.warning("linear_backend 'auto': the CPU linear kernel is unavailable, using XLA's dot "
+                    "(%s)", reason)
     return reason is None
 
 

@@ -74,9 +74,9 @@ class LLM:
       dtype: "float32" or "bfloat16"; default float32 on CPU, bfloat16 on accelerators.
       **engine_options: `EngineConfig` fields (page_size, num_pages, kv_cache_memory,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, mesh,
-        long_prefill_token_threshold), `attention_backend` and `linear_backend`. `mesh="tensor=4"` (the same string
-        as `serve.py --mesh`) loads the weights straight onto the mesh, sharded by the rules; see
-        README "Serving on a mesh".
+        long_prefill_token_threshold), `attention_backend` and `linear_backend`. `mesh="tensor=4"`
+        (the same string as `serve.py --mesh`) loads the weights straight onto the mesh, sharded by
+        the rules; see README "Serving on a mesh".
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,

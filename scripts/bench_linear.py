@@ -26,7 +26,6 @@ import time
 import _path  # noqa: F401
 import jax
 import jax.numpy as jnp
-import numpy as np
 from bench_generate import read_bandwidth
 
 from jaxinfer import layers

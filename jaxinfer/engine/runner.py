@@ -167,7 +167,8 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Any, *, page_size: int, num_pages: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  dtype: str = "float32", attention_backend: str | None = None,
-                 linear_backend: str | None = None, token_buckets: tuple[int, ...] | None = None, mesh: Any = None) -> None:
+                 linear_backend: str | None = None, token_buckets: tuple[int, ...] | None = None,
+                 mesh: Any = None) -> None:
         """`num_pages` and `max_num_seqs` are totals over the data replicas (each gets 1/data)."""
         par = shd.Parallel.from_mesh(mesh)
         self.mesh = None if par.is_single else mesh  # NOTE: one device keeps the plain program
