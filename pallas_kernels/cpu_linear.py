@@ -47,7 +47,7 @@ def linear(x: jax.Array, *weights: jax.Array, transposed: bool = False) -> tuple
     k = x.shape[1]
     outs = []
     for i, w in enumerate(weights):
-        w_k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
+        w_k, n = ((w.shape[-1], w.shape[0]) if transposed else (w.shape[0], w.shape[-1]))
         if w.ndim != 2 or w_k != k:
             raise ValueError(f"weight {i} of shape {w.shape} does not fit x of shape {x.shape} "
                              f"(transposed={transposed})")

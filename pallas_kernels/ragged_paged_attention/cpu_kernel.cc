@@ -255,7 +255,7 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
         const float* qr = qs + r * d;
 #ifdef __AVX512F__
         if constexpr (kD > 0 && kD % 16 == 0) {
-          Scores<(kD > 0 ? kD : 16)>(qr, kp, lo, hi, s);
+          Scores<kD>(qr, kp, lo, hi, s);
         } else
 #endif
         {
@@ -288,7 +288,7 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
         float* ar = acc + r * d;
 #ifdef __AVX512F__
         if constexpr (kD > 0 && kD % 16 == 0) {
-          AccumulatePV<(kD > 0 ? kD : 16)>(ar, alpha, s, vp, lo, hi);
+          AccumulatePV<kD>(ar, alpha, s, vp, lo, hi);
           continue;
         }
 #endif
