@@ -330,6 +330,10 @@ class EngineConfig:
     # Most prompt tokens one request computes per step (None: up to max_num_batched_tokens).
     # Smaller values keep a new prompt's prefill from stalling the running decodes (tail ITL).
     long_prefill_token_threshold: int | None = None
+    # Schedule and launch step N+1 before step N's sampled tokens reach the host (they are fed
+    # on the device), so host work overlaps device work; one speculative decode step is wasted
+    # per request that stops on EOS / a stop token. Multi-host runs step synchronously.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes for the KV cache, e.g. 2GiB (default: most of free device memory)")
     e.add_argument("--num-pages", type=int, default=None, help="KV-cache pages (overrides memory)")
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step's tokens before scheduling the next (default: the next "
+                        "step is launched first, its decode tokens fed on the device)")
     e.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="most prompt tokens one request computes per step; smaller values cut "
                         "the inter-token latency tail of running streams (default: no cap)")
@@ -130,6 +133,7 @@ def build_engine(args: argparse.Namespace):
                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    enable_prefix_caching=not args.no_prefix_caching,
+                   async_scheduling=not args.no_async_scheduling,
                    long_prefill_token_threshold=args.long_prefill_token_threshold)
     if args.fake_runner:
         from jaxinfer.loader import load_tokenizer, open_source, resolve_model_path
@@ -185,7 +189,8 @@ def summary(server, engine, args, load_s: float, ready_s: float) -> str:
 # Flags that shape the engine: in multi-host mode every process uses process 0's values.
 ENGINE_FLAGS = ("model", "dtype", "page_size", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "kv_cache_memory", "num_pages", "no_prefix_caching", "mesh",
-                "attention_backend", "linear_backend", "no_warmup", "long_prefill_token_threshold")
+                "attention_backend", "linear_backend", "no_warmup", "long_prefill_token_threshold",
+                "no_async_scheduling")
 
 
 def start_multihost(args: argparse.Namespace):

@@ -24,7 +24,7 @@ from typing import Any
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.engine import LLMEngine
-from jaxinfer.engine.runner import TokenLogprobs
+from jaxinfer.engine.runner import Launched, TokenLogprobs
 from jaxinfer.engine.scheduler import RunnerOutput, SchedulerOutput
 from jaxinfer.loader import LoadedModel
 from jaxinfer.tokenizer import Tokenizer
@@ -62,7 +62,8 @@ def fake_logprob(token: int) -> float:
 
 
 class FakeRunner:
-    """`ModelRunner`'s interface (`execute`, `warmup`, `num_compiled`) without a model."""
+    """`ModelRunner`'s interface (`execute`, `launch` / `collect`, `warmup`, `num_compiled`) without
+    a model."""
 
     attention_backend = "none (fake runner)"
     linear_backend = "none (fake runner)"
@@ -81,6 +82,14 @@ class FakeRunner:
         time.sleep(self.warmup_delay)
         self.num_compiled = 4
         return self.num_compiled
+
+    def launch(self, sched: SchedulerOutput) -> Launched | None:
+        """Async scheduling's half step: computes at once, `collect` hands the output over."""
+        out = self.execute(sched)
+        return Launched(sched, out, []) if sched.scheduled else None
+
+    def collect(self, launched: Launched) -> RunnerOutput:
+        return launched.results
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         if not sched.scheduled:

@@ -43,7 +43,7 @@ from engine_utils import (
 )
 
 from jaxinfer.engine.engine import LLMEngine
-from jaxinfer.engine.request import RequestStatus
+from jaxinfer.engine.request import PENDING_TOKEN, RequestStatus
 from jaxinfer.sampling_params import SamplingParams
 
 STORY = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
@@ -76,8 +76,10 @@ def _leave_engine_idle(request):
 
 @pytest.fixture(scope="module")
 def reference(model) -> LLMEngine:
-    """One request at a time, whole prompt in one step, no prefix cache."""
-    return make_engine(model, max_num_batched_tokens=ROOMY_TOKENS, enable_prefix_caching=False)
+    """One request at a time, whole prompt in one step, no prefix cache, synchronous scheduling
+    (the module engine schedules asynchronously, so every comparison also checks that)."""
+    return make_engine(model, max_num_batched_tokens=ROOMY_TOKENS, enable_prefix_caching=False,
+                       async_scheduling=False)
 
 
 @pytest.fixture(scope="module")
@@ -505,3 +507,55 @@ def test_long_prefill_threshold_caps_prompt_chunks_and_keeps_tokens(model, refer
     assert_pages_free(capped)
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         make_engine(model, long_prefill_token_threshold=0)
+
+
+def test_async_scheduling_equals_sync(model, engine, story, vocab_size) -> None:
+    """The module engine schedules asynchronously (the default): step N+1 is launched before step
+    N's sampled tokens reach the host, and its decode tokens are fed on the device. A synchronous
+    engine must give the same completions on a mix of everything: chunked prefill, preemption,
+    seeded sampling with penalties, n > 1, stop ids, stop strings, min_tokens, logprobs and prompt
+    logprobs (scheduling differs by a step, so batches differ: logprobs agree to float noise)."""
+    prompt, tokens, pieces = story
+    k = first_new(tokens, 4)
+    rng = np.random.default_rng(11)
+    reqs = [
+        ("greedy", random_prompt(rng, 9, vocab_size), greedy(20, ignore_eos=True, logprobs=2)),
+        ("penalised", random_prompt(rng, 30, vocab_size), SamplingParams(
+            temperature=0.8, top_k=40, seed=5, frequency_penalty=0.7, presence_penalty=0.3,
+            repetition_penalty=1.2, max_tokens=18)),
+        ("n", random_prompt(rng, 21, vocab_size), SamplingParams(
+            temperature=1.0, top_k=50, n=2, seed=7, max_tokens=12)),
+        ("stop-id", prompt, greedy(40, stop_token_ids=[tokens[k]])),  # stops mid-stream
+        ("min-tokens", prompt, greedy(k + 4, stop_token_ids=[tokens[k]], min_tokens=k + 2)),
+        ("stop-string", prompt, greedy(40, ignore_eos=True, stop=[pieces[5] + pieces[6]])),
+        ("prompt-lps", random_prompt(rng, 14, vocab_size), greedy(6, prompt_logprobs=2)),
+    ]
+    fed = []
+    launch = engine.runner.launch
+
+    def counting_launch(sched):
+        fed.append(sum(s.token_ids[-1] == PENDING_TOKEN for s in sched.scheduled))
+        return launch(sched)
+
+    assert engine.async_scheduling
+    engine.runner.launch = counting_launch
+    try:
+        with ScheduleLog(engine) as log:
+            got = run(engine, reqs)
+    finally:
+        del engine.runner.launch
+    sync = make_engine(model, async_scheduling=False)
+    want = run(sync, reqs)
+    assert log.preempted, "this workload must preempt"
+    assert sum(fed) >= 20, "decode tokens were not fed on the device"
+    assert got["stop-id"][0].token_ids == tokens[: k + 1]
+    for rid, _, _ in reqs:
+        for g, w in zip(got[rid], want[rid]):
+            assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), rid
+            assert g.usage.completion_tokens == w.usage.completion_tokens
+            for a, b in zip(g.logprobs + (g.prompt_logprobs or [])[1:],
+                            w.logprobs + (w.prompt_logprobs or [])[1:]):
+                assert a.token_id == b.token_id and list(a.top) == list(b.top), rid
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert_pages_free(engine)
+    assert_pages_free(sync)

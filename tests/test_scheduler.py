@@ -5,6 +5,9 @@ writes its tokens into its page table's slots and then checks that every positio
 chunk's end reads back the right token. That catches wrong page tables, pages shared when they
 should not be, and prefix-cache hits on the wrong content. Sampled tokens depend only on
 (request id, position), so a run with preemption must produce the same tokens as one without.
+With async scheduling (the next step scheduled before this one's update) a chunk's last token
+may be `PENDING_TOKEN`: the fake runner feeds it the token it sampled in the previous step, as
+the real runner does on the device.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import zlib
 import pytest
 
 from jaxinfer.engine.page_allocator import PageAllocator
-from jaxinfer.engine.request import Request, RequestStatus
+from jaxinfer.engine.request import PENDING_TOKEN, Request, RequestStatus
 from jaxinfer.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from jaxinfer.sampling_params import SamplingParams
 
@@ -71,6 +74,14 @@ class FakeRunner:
             [None] * self.ps for _ in range(sched.allocator.num_pages)
         ]
         self.script = script or {}  # request id -> output tokens, instead of token_at
+        self.last: dict[str, tuple[int, int]] = {}  # request id -> (position, token) sampled
+
+    def token(self, req: Request, pos: int) -> int:
+        """The token at `pos`: known on the host, or sampled by the previous step."""
+        if pos < req.num_known_tokens:
+            return req.all_token_ids[pos]
+        assert self.last.get(req.request_id, (None,))[0] == pos, "pending token never sampled"
+        return self.last[req.request_id][1]
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         sched, ps = self.sched, self.ps
@@ -82,23 +93,31 @@ class FakeRunner:
         kinds = [s.is_decode for s in out.scheduled]
         assert kinds == sorted(kinds, reverse=True), "decodes must come before prefills"
         for s in out.scheduled:
-            end = s.start_pos + len(s.token_ids)
-            assert s.token_ids == s.request.all_token_ids[s.start_pos : end]
-            assert s.sample == (end == s.request.num_tokens)
+            req, end = s.request, s.start_pos + len(s.token_ids)
+            known = req.all_token_ids[s.start_pos : end]
+            assert s.token_ids[: len(known)] == known
+            assert s.token_ids[len(known) :] == [PENDING_TOKEN] * (len(s.token_ids) - len(known))
+            assert len(s.token_ids) - len(known) <= 1, "only a decode's token may be pending"
+            if req.status is RequestStatus.RUNNING:  # (not aborted since it was scheduled)
+                assert s.sample == (end == req.num_tokens - 1 and req.num_pending_tokens > 0)
             assert len(s.page_ids) == -(-end // ps) and 0 not in s.page_ids
             for pos in range(s.start_pos, end):
-                self.cache[s.page_ids[pos // ps]][pos % ps] = s.request.all_token_ids[pos]
+                self.cache[s.page_ids[pos // ps]][pos % ps] = self.token(req, pos)
         sampled = {}
         for s in out.scheduled:
-            end = s.start_pos + len(s.token_ids)
+            req, end = s.request, s.start_pos + len(s.token_ids)
             seen = [self.cache[s.page_ids[p // ps]][p % ps] for p in range(end)]
-            assert seen == s.request.all_token_ids[:end], s.request.request_id
+            assert seen == [self.token(req, p) for p in range(end)], req.request_id
             if s.sample:
-                rid = s.request.request_id
+                rid = req.request_id
                 if rid in self.script:
-                    sampled[rid] = self.script[rid][s.request.num_output_tokens]
+                    index = req.num_output_tokens + req.num_pending_tokens - 1
+                    sampled[rid] = self.script[rid][index]
                 else:
                     sampled[rid] = token_at(rid, end)
+        for rid, tok in sampled.items():
+            self.last[rid] = (next(s.start_pos + len(s.token_ids) for s in out.scheduled
+                                   if s.request.request_id == rid), tok)
         return RunnerOutput(sampled_token_ids=sampled)
 
 
@@ -371,8 +390,9 @@ def test_priority_then_arrival_order() -> None:
     assert order == ["urgent", "a", "b", "late-low"]
 
 
+@pytest.mark.parametrize("lookahead", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_mix_frees_everything_and_matches_unpreempted_outputs(seed: int) -> None:
+def test_random_mix_frees_everything_and_matches_unpreempted_outputs(seed: int, lookahead: bool) -> None:
     rng = random.Random(seed)
     shared = [rng.randrange(1, VOCAB) for _ in range(12)]
     specs = []
@@ -406,7 +426,8 @@ def test_random_mix_frees_everything_and_matches_unpreempted_outputs(seed: int) 
         reqs = {rid: make_request(rid, p, eos, prio, **sp) for rid, p, eos, prio, sp in specs}
         pending = list(reqs.values())
         steps = preemptions = 0
-        while pending or sched.has_unfinished():
+        in_flight = None  # async scheduling: the step whose update waits for the next schedule
+        while pending or sched.has_unfinished() or in_flight:
             for _ in range(rng.randint(0, 3)):
                 if pending:
                     sched.add_request(pending.pop(0))
@@ -416,7 +437,12 @@ def test_random_mix_frees_everything_and_matches_unpreempted_outputs(seed: int) 
             for rid, at in aborts.items():
                 if at == steps:
                     sched.abort(rid)
-            sched.update(out, result)
+            if lookahead:
+                if in_flight:
+                    sched.update(*in_flight)
+                in_flight = (out, result) if out.scheduled else None
+            else:
+                sched.update(out, result)
             for rid, at in stop_strings.items():
                 if at == steps:
                     sched.finish(rid, "stop", "STOP")

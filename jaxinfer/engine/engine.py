@@ -2,7 +2,11 @@
 
 1. `add_request` validates and tokenizes on the caller's thread, then queues the request(s)
    (n > 1 samples become n child requests that share the prompt's cached pages).
-2. `step()` drains queued adds/aborts, then does schedule → execute → update.
+2. `step()` drains queued adds/aborts, then does schedule → execute → update. With
+   `EngineConfig.async_scheduling` (the default on one process) it schedules and launches step
+   N+1 first and only then waits for step N and applies its update, so the host's scheduling,
+   input building and dispatch overlap the device's work (vLLM v1's async scheduling): each
+   `step()` returns the deltas of the step launched by the previous call.
 3. The step's updates become `RequestDelta`s: new token ids, new text from each request's
    incremental detokenizer (stop strings matched on that text, held back until they can no longer
    start a match), logprobs, and on the last delta the finish reason and usage.
@@ -29,8 +33,8 @@ from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request
-from jaxinfer.engine.runner import ModelRunner, TokenLogprobs
-from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.runner import Launched, ModelRunner, TokenLogprobs
+from jaxinfer.engine.scheduler import RunnerOutput, Scheduler
 from jaxinfer.loader import LoadedModel
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import IncrementalDetokenizer
@@ -129,6 +133,7 @@ class LLMEngine:
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   dtype=config.dtype, attention_backend=attention_backend,
                                   linear_backend=linear_backend, mesh=self.mesh)
+        self._in_flight: Launched | None = None  # async scheduling: the step still running
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._samples: dict[str, _Sample] = {}  # child request id -> state
         self._children: dict[str, list[str]] = {}  # parent id -> child ids
@@ -208,14 +213,38 @@ class LLMEngine:
         self._inbox.put(("abort", request_id, None))
 
     def has_unfinished(self) -> bool:
-        return bool(self._samples) or not self._inbox.empty() or bool(self._aborted)
+        return (bool(self._samples) or not self._inbox.empty() or bool(self._aborted)
+                or self._in_flight is not None)
+
+    @property
+    def async_scheduling(self) -> bool:
+        # NOTE: a multi-host leader broadcasts each `runner.run` to its followers: synchronous.
+        return self.config.async_scheduling and getattr(self.runner, "channel", None) is None
+
+    @property
+    def in_flight_request_ids(self) -> list[str]:
+        """Requests of the step launched but not yet collected (async scheduling)."""
+        return [s.request.request_id for s in self._in_flight.sched.scheduled] if self._in_flight else []
 
     def step(self) -> list[RequestDelta]:
         self._drain_inbox()
         sched = self.scheduler.schedule()
-        out = self.runner.execute(sched)
-        updates = self.scheduler.update(sched, out)
-        return self._deltas(updates, out)
+        previous, self._in_flight = self._in_flight, None
+        try:
+            if not self.async_scheduling:
+                out = self.runner.execute(sched)
+                return self._deltas(self.scheduler.update(sched, out), out)
+            self._in_flight = self.runner.launch(sched)
+            if previous is None:
+                return self._deltas([], RunnerOutput(sampled_token_ids={}))
+            out = self.runner.collect(previous)
+        except Exception:
+            # The failed step(s) may not have written the K/V of pages already in the prefix
+            # cache; their requests are lost to the caller (the server aborts them).
+            self._in_flight = None
+            self.scheduler.forget_pages(sched.scheduled + (previous.sched.scheduled if previous else []))
+            raise
+        return self._deltas(self.scheduler.update(previous.sched, out), out)
 
     def stream(self) -> Iterator[RequestDelta]:
         """Steps until every request has finished, yielding deltas as they come."""

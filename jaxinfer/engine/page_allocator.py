@@ -183,6 +183,18 @@ class PageAllocator:
                 self._hash_to_page[h] = page
                 self._page_to_hash[page] = h
 
+    def forget(self, pages: Sequence[int]) -> None:
+        """Drop these pages from the prefix cache (their K/V may be wrong: a failed step wrote
+        them). Referenced pages stay allocated, unhashed; evictable ones become free."""
+        for page in pages:
+            h = self._page_to_hash.pop(page, None)
+            if h is None:
+                continue
+            del self._hash_to_page[h]
+            if page in self._evictable:
+                del self._evictable[page]
+                self._free.append(page)
+
     def check_invariants(self) -> None:
         """Raise AssertionError if any page's bookkeeping is inconsistent (used by tests)."""
 

@@ -3,11 +3,15 @@
 1. The engine builds a `Request` (status WAITING) from a prompt and its `SamplingParams` and hands
    it to `Scheduler.add_request`.
 2. The scheduler moves it between WAITING and RUNNING and advances `num_computed_tokens` (tokens
-   whose K/V are in the cache) towards `num_tokens` (prompt + outputs). There is no prefill or
+   whose K/V are in the cache or being written by a scheduled step) towards `num_tokens` (prompt + outputs). There is no prefill or
    decode phase: a request whose computed tokens lag far behind is "prefilling", one that lags by
    exactly one token (the last sampled one) is "decoding".
 3. Each sampled token is appended to `output_token_ids`; when a stop condition fires the status
    becomes one of the FINISHED_* values, `finish_reason` is set and the pages are released.
+4. Async scheduling: the scheduler counts a token as soon as a step that samples it is scheduled
+   (`num_pending_tokens`, part of `num_tokens`), so the next step can be scheduled before that
+   token reaches the host; its id reads as `PENDING_TOKEN` until it is appended (the runner feeds
+   it to the next step on the device).
 
 NOTE: `prompt_token_ids` and `output_token_ids` only ever grow at the end (outputs), so any hash
 of a leading page of `all_token_ids` stays valid for the request's lifetime.
@@ -20,6 +24,9 @@ import enum
 import time
 
 from jaxinfer.sampling_params import SamplingParams
+
+# The id `token_slice` gives a sampled token that has not reached the host yet.
+PENDING_TOKEN = -1
 
 
 class RequestStatus(enum.Enum):
@@ -56,6 +63,7 @@ class Request:
     `page_hashes`: prefix-cache chain state of the current page table (see `PageAllocator`); it
     is cleared whenever the page table is released.
     `stop_reason`: the stop token id or stop string that finished it (None for EOS or length).
+    `num_pending_tokens`: tokens that scheduled steps sample but whose ids are not yet known.
     """
 
     request_id: str
@@ -68,6 +76,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_pending_tokens: int = 0
     page_ids: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -102,22 +111,31 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def num_tokens(self) -> int:
+    def num_known_tokens(self) -> int:
+        """Prompt + outputs that have reached the host."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt + outputs, counting the pending ones."""
+        return self.num_known_tokens + self.num_pending_tokens
+
+    @property
     def all_token_ids(self) -> list[int]:
-        """Prompt followed by outputs (a new list on every call)."""
+        """Prompt followed by the known outputs (a new list on every call)."""
         return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, stop: int) -> list[int]:
-        """`all_token_ids[start:stop]` without concatenating the whole sequence."""
+        """`all_token_ids[start:stop]` without concatenating the whole sequence; positions of
+        pending tokens read `PENDING_TOKEN`."""
         n = len(self.prompt_token_ids)
         if stop <= n:
             return self.prompt_token_ids[start:stop]
         if start >= n:
-            return self.output_token_ids[start - n : stop - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+            out = self.output_token_ids[start - n : stop - n]
+        else:
+            out = self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+        return out + [PENDING_TOKEN] * (min(stop, self.num_tokens) - max(start, self.num_known_tokens))
 
     @property
     def is_finished(self) -> bool:

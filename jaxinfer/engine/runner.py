@@ -9,6 +9,11 @@ Flow of `execute(SchedulerOutput) -> RunnerOutput`:
      static slices inside the program: `_pack`), one jitted step (forward + penalty-state update +
      sampler + logprobs, KV cache and state donated), one `jax.device_get` of the results.
   4. Unpack into plain Python: sampled ids, logprobs, prompt logprobs per request.
+`execute` does all four; `launch` (1-3 without waiting) + `collect` (wait, 4) let the engine
+schedule and launch the next step while this one runs (async scheduling): a decode token that
+the still-running step samples is then a `PENDING_TOKEN` on the host, and the program takes it
+from the previous program's sampled ids on the device (`BatchExtras.feed_rows`; every program
+returns its sampled ids padded to a fixed `[R]`, the next one's `prev_tokens` input).
 
 On a mesh (`mesh=`, see `llama.forward`) params and KV cache are placed by the sharding rules;
 with `data` > 1 step 2 builds one ragged `StepInputs` per data replica (its own page pool, page
@@ -47,6 +52,7 @@ from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import multihost
+from jaxinfer.engine.request import PENDING_TOKEN
 from jaxinfer.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from jaxinfer.models import llama
 from jaxinfer.params import DTYPES
@@ -67,6 +73,7 @@ class BatchExtras:
     reset_rows: jax.Array  # bool[S] clear this sequence's row before counting (new owner)
     sample_rows: jax.Array  # i32[S] token row holding each sequence's last position
     target_ids: jax.Array  # i32[T] next prompt token per position (prompt-logprob programs only)
+    feed_rows: jax.Array  # i32[T] row of prev_tokens that holds this (pending) token; -1: given
 
 
 @struct.dataclass
@@ -86,6 +93,15 @@ class Prepared:
 
 
 @dataclasses.dataclass
+class Launched:
+    """A step running on the device (`ModelRunner.launch`): its results, not yet fetched."""
+
+    sched: SchedulerOutput
+    results: tuple[Any, Any]  # device arrays: (sampler output, prompt logprobs or None)
+    places: list[tuple[int, int, int]]
+
+
+@dataclasses.dataclass
 class TokenLogprobs:
     """Logprob of one chosen token plus the top-k alternatives (token id -> logprob)."""
 
@@ -94,12 +110,14 @@ class TokenLogprobs:
     top: dict[int, float]
 
 
-def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, step: StepInputs,
-          extras: BatchExtras, meta: SamplingMetadata, *, all_logits: bool, attention_backend: str,
-          linear_backend: str = "xla", mesh: Any = None):
-    """forward + penalty bookkeeping + sampling, as one program."""
+def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_tokens: jax.Array,
+          step: StepInputs, extras: BatchExtras, meta: SamplingMetadata, *, all_logits: bool,
+          attention_backend: str, linear_backend: str = "xla", mesh: Any = None):
+    """Pending tokens fed + forward + penalty bookkeeping + sampling, as one program."""
     stacked = step.token_ids.ndim >= 2  # [data?, M?, T]: per replica / micro-batch
-    token_ids = step.token_ids.reshape(-1)
+    token_ids = jnp.where(extras.feed_rows >= 0, prev_tokens[jnp.maximum(extras.feed_rows, 0)],
+                          step.token_ids.reshape(-1))
+    step = step.replace(token_ids=token_ids.reshape(step.token_ids.shape))
     with jax.named_scope("penalty_state"):
         # One gather of this step's rows, small scatters on them, one write back.
         fresh = extras.reset_rows[:, None]
@@ -120,7 +138,8 @@ def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, step: StepIn
         row_logits = jnp.take(logits, extras.sample_rows, axis=0) if all_logits else logits
         out = sample(row_logits, meta, prompt_mask, output_counts, num_logprobs=MAX_LOGPROBS)
     prompt = compute_logprobs(logits, extras.target_ids, MAX_LOGPROBS) if all_logits else None
-    return (out, prompt), kv_caches, state
+    next_tokens = jnp.zeros_like(prev_tokens).at[:out.token_ids.shape[0]].set(out.token_ids)
+    return (out, prompt), kv_caches, state, next_tokens
 
 
 def _pack(inputs: dict) -> tuple[tuple[np.ndarray, ...], tuple]:
@@ -148,11 +167,11 @@ def _unpack(buffers: tuple[jax.Array, ...], layout: tuple) -> dict:
                                         for b, o, shape in spec])
 
 
-def _packed_step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, buffers, *,
+def _packed_step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_tokens, buffers, *,
                  layout: tuple, all_logits: bool, **backends):
     inputs = _unpack(buffers, layout)
-    return _step(params, cfg, kv_caches, state, inputs["step"], inputs["extras"], inputs["meta"],
-                 all_logits=all_logits, **backends)
+    return _step(params, cfg, kv_caches, state, prev_tokens, inputs["step"], inputs["extras"],
+                 inputs["meta"], all_logits=all_logits, **backends)
 
 
 def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
@@ -219,6 +238,12 @@ class ModelRunner:
             self.state = jax.jit(lambda: PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
                                                       jnp.zeros((rows, cfg.vocab_size), jnp.int32)),
                                  out_shardings=self._replicated)()
+        # Sampled-id rows of the largest program (every program pads its ids to this many).
+        self.num_sample_rows = self.data * self.microbatches * self.seq_bucket(self.token_buckets[-1])
+        zeros = functools.partial(jnp.zeros, self.num_sample_rows, jnp.int32)
+        self._prev_tokens = zeros() if self.mesh is None else jax.jit(
+            zeros, out_shardings=self._replicated)()
+        self._last_rows: dict[str, int] = {}  # request id -> its row of _prev_tokens
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._rows: dict[str, int] = {}
         self._seeds: dict[str, int] = {}
@@ -284,6 +309,21 @@ class ModelRunner:
         out, prompt = self.run(prepared)
         return self._unpack(sched.scheduled, out, prompt, prepared.places)
 
+    def launch(self, sched: SchedulerOutput) -> Launched | None:
+        """`execute` without waiting: the step is on the device when this returns (None: nothing
+        was scheduled). Single-process only (a multi-host leader broadcasts `run`)."""
+        prepared = self.prepare(sched)
+        if prepared is None:
+            return None
+        results = self._call(prepared.inputs, prepared.all_logits)
+        self._note_compiled(prepared.bucket, prepared.all_logits)
+        return Launched(sched, results, prepared.places)
+
+    def collect(self, launched: Launched) -> RunnerOutput:
+        """Waits for a launched step and unpacks its results."""
+        out, prompt = jax.device_get(launched.results)
+        return self._unpack(launched.sched.scheduled, out, prompt, launched.places)
+
     def prepare(self, sched: SchedulerOutput) -> Prepared | None:
         """Host half of a step: row bookkeeping and every input as numpy (None: nothing to run).
 
@@ -314,17 +354,19 @@ class ModelRunner:
 
     def _args(self, inputs: dict, all_logits: bool) -> tuple[tuple, dict]:
         """The step program's arguments for host `inputs`, moved to the device in one transfer."""
-        head = (self.params, self.cfg, self.kv_caches, self.state)
+        head = (self.params, self.cfg, self.kv_caches, self.state, self._prev_tokens)
         if self.mesh is None:
+            # NOTE: numpy buffers go straight to the jitted call, whose C++ path moves them to
+            # the device faster than a separate `jax.device_put` (~0.3 ms less per step).
             buffers, layout = _pack(inputs)
-            return (*head, jax.device_put(buffers)), {"layout": layout, "all_logits": all_logits}
+            return (*head, buffers), {"layout": layout, "all_logits": all_logits}
         dev = self._put(inputs)
         return (*head, dev["step"], dev["extras"], dev["meta"]), {"all_logits": all_logits}
 
     def _call(self, inputs: dict, all_logits: bool) -> tuple[Any, Any]:
         """Runs the step program on host `inputs` (device results: sampler output, prompt logprobs)."""
         args, kwargs = self._args(inputs, all_logits)
-        (out, prompt), self.kv_caches, self.state = self._jit(*args, **kwargs)
+        (out, prompt), self.kv_caches, self.state, self._prev_tokens = self._jit(*args, **kwargs)
         return out, prompt
 
     def _put(self, inputs: dict) -> dict:
@@ -354,6 +396,8 @@ class ModelRunner:
         reset_rows = np.zeros(data * s_bucket, bool)
         sample_rows = np.zeros(data * s_bucket, np.int32)
         target_ids = np.zeros(data * t_bucket, np.int32)
+        feed_rows = np.full(data * t_bucket, -1, np.int32)
+        last_rows: dict[str, int] = {}
         # NOTE: sampling rows are flat over replicas (row r*s_bucket + j); gaps are padding rows.
         params = [SamplingParams(temperature=0.0)] * (data * s_bucket)
         seeds, steps = [0] * (data * s_bucket), [0] * (data * s_bucket)
@@ -380,6 +424,13 @@ class ModelRunner:
                 row, fresh = self._row_of(req.request_id)
                 seq_rows[g], reset_rows[g] = row, fresh or s.start_pos == 0
                 token_seq[lo:hi] = g
+                if s.token_ids[-1] == PENDING_TOKEN:  # sampled by the previous step, still on device
+                    if req.request_id not in self._last_rows or PENDING_TOKEN in s.token_ids[:-1]:
+                        raise RuntimeError(f"request {req.request_id!r}: pending token not sampled "
+                                           f"by the previous step")
+                    feed_rows[hi - 1] = self._last_rows[req.request_id]
+                if s.sample:
+                    last_rows[req.request_id] = g
                 token_is_output[lo:hi] = np.arange(s.start_pos, s.start_pos + (hi - lo)) >= req.num_prompt_tokens
                 sample_rows[g] = hi - 1
                 if all_logits:
@@ -388,14 +439,19 @@ class ModelRunner:
                 sp = req.sampling
                 if req.request_id not in self._seeds:
                     self._seeds[req.request_id] = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
-                params[g], seeds[g], steps[g] = sp, self._seeds[req.request_id], req.num_output_tokens
-                if req.num_output_tokens < sp.min_tokens:
+                # Index of the output token this row samples (pending ones counted, the row's own
+                # included: the scheduler adds it when it schedules a sampling chunk).
+                n_out = req.num_output_tokens + req.num_pending_tokens - int(s.sample)
+                params[g], seeds[g], steps[g] = sp, self._seeds[req.request_id], n_out
+                if n_out < sp.min_tokens:
                     suppress[g] = list(sp.stop_token_ids or []) + ([] if sp.ignore_eos else list(req.eos_token_ids))
         last = max((g for g, _, _ in places), default=-1) + 1
         meta = SamplingMetadata.from_params(params[:last], seeds[:last], steps[:last], suppress[:last],
                                             pad_to=data * s_bucket)
         extras = BatchExtras(token_seq=token_seq, token_is_output=token_is_output, seq_rows=seq_rows,
-                             reset_rows=reset_rows, sample_rows=sample_rows, target_ids=target_ids)
+                             reset_rows=reset_rows, sample_rows=sample_rows, target_ids=target_ids,
+                             feed_rows=feed_rows)
+        self._last_rows = last_rows
         step = StepInputs(**self._stack(per_replica))
         return Prepared({"step": step, "extras": extras, "meta": meta}, all_logits, t_bucket, places)
 
@@ -451,7 +507,8 @@ class ModelRunner:
             token_is_output=np.zeros(data * t_bucket, bool),
             seq_rows=np.full(data * s_bucket, self.max_num_seqs, np.int32),
             reset_rows=np.zeros(data * s_bucket, bool), sample_rows=np.zeros(data * s_bucket, np.int32),
-            target_ids=np.zeros(data * t_bucket, np.int32))
+            target_ids=np.zeros(data * t_bucket, np.int32),
+            feed_rows=np.full(data * t_bucket, -1, np.int32))
         meta = SamplingMetadata.from_params([], [], [], [], pad_to=data * s_bucket)
         return {"step": StepInputs(**arrays), "extras": extras, "meta": meta}
 
@@ -463,6 +520,7 @@ class ModelRunner:
     def warmup(self) -> int:
         """Compiles every (token bucket, logits variant) program; returns how many were built."""
         start = time.perf_counter()
+        self._last_rows = {}  # NOTE: warmup programs overwrite the previous sampled ids
         for t_bucket in self.token_buckets:
             for all_logits in (False, True):
                 out, _ = self._call(self._idle_inputs(t_bucket, all_logits), all_logits)

@@ -20,16 +20,24 @@ catching up to `num_tokens`, and one loop decides how many of its tokens to comp
    the token budget, pages are allocated. The first request that does not fit stops admission
    (strict order, no preemption to admit).
 4. `scheduled` lists decodes first, then prefill chunks.
-6. Data parallelism: with one `PageAllocator` per data replica, every replica has its own page
+5. Data parallelism: with one `PageAllocator` per data replica, every replica has its own page
    pool and its own budgets (`max_num_seqs / replicas` sequences, `max_num_batched_tokens`
    tokens: the runner pads every replica's step to the same bucket). A request is admitted to
    the least-loaded replica (fewest running sequences, then most free pages) and stays there
    until it finishes or is preempted; prefix-cache hits come only from that replica's pool, and
    preemption picks its victim within the replica.
-5. `update` advances `num_computed_tokens`, registers newly full pages in the prefix cache,
-   appends sampled tokens and applies the stop rules (stop_token_ids / EOS, then max_tokens,
-   then max_model_len). Finished requests free their pages at once and are reported in the next
-   `SchedulerOutput.finished`.
+6. Scheduling a request's tokens advances its `num_computed_tokens` at once, and a chunk that
+   samples adds a pending token (`Request.num_pending_tokens`): the next `schedule` may run
+   before this step's `update` (async scheduling, see `LLMEngine`), and then schedules the
+   pending token as the request's next decode (its id fed on the device by the runner). A
+   request whose pending token is certain to be its last (max_tokens, max_model_len) is not
+   scheduled again; one that stops on EOS / a stop id wastes that one speculative step.
+   Pages filled with known tokens enter the prefix cache when scheduled.
+7. `update` registers pages a pending token filled, appends sampled tokens and applies
+   the stop rules (stop_token_ids / EOS, then max_tokens, then max_model_len). Finished requests
+   free their pages at once and are reported in the next `SchedulerOutput.finished`. A request
+   finished, aborted or preempted while a step holding it was still in flight is skipped by that
+   step's `update` (its speculative K/V write lands in pages no live token reads).
 
 NOTE: `add_request` rejects a request whose K/V could never fit in the whole cache, so the
 oldest running request can always make progress and preemption cannot livelock.
@@ -215,6 +223,9 @@ class Scheduler:
             if budgets[r] <= 0 or r in stopped:
                 i += 1
                 continue
+            if self._last_token_pending(req):
+                i += 1  # finishes by length when its pending token arrives
+                continue
             alloc = self.allocators[r]
             n = min(req.num_tokens - req.num_computed_tokens, budgets[r], self._max_chunk)
             need = _cdiv(req.num_computed_tokens + n, page_size) - len(req.page_ids)
@@ -288,26 +299,21 @@ class Scheduler:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
                 continue
-            alloc = self.allocators[s.replica]
-            if req.num_computed_tokens != s.start_pos:
+            computed = s.start_pos + len(s.token_ids)  # every one of these tokens is known now
+            if computed > req.num_known_tokens or (s.sample and req.num_pending_tokens < 1):
                 raise RuntimeError(
-                    f"request {req.request_id!r}: update for start_pos {s.start_pos} but "
-                    f"{req.num_computed_tokens} tokens are computed (update applied twice?)"
+                    f"request {req.request_id!r}: update for tokens up to {computed} with "
+                    f"{req.num_known_tokens} known and {req.num_pending_tokens} pending "
+                    f"(update applied twice or out of order?)"
                 )
-            req.num_computed_tokens += len(s.token_ids)
-            if (
-                alloc.enable_prefix_caching
-                and req.num_computed_tokens >= (len(req.page_hashes) + 1) * alloc.page_size
-            ):  # a page became full: offer it to the prefix cache
-                alloc.register_full_pages(
-                    req.all_token_ids, req.page_ids, req.num_computed_tokens, req.page_hashes
-                )
+            self._offer_full_pages(req, computed)  # a page completed by a pending token
             if not s.sample:
                 continue
             try:
                 token = out.sampled_token_ids[req.request_id]
             except KeyError:
                 raise KeyError(f"runner returned no sampled token for {req.request_id!r}") from None
+            req.num_pending_tokens -= 1
             req.output_token_ids.append(token)
             reason = self._stop_reason(req, token)
             if reason is not None:
@@ -330,6 +336,29 @@ class Scheduler:
         tokens = req.token_slice(start, start + n)
         sample = start + n == req.num_tokens
         scheduled.append(ScheduledRequest(req, tokens, start, list(req.page_ids), sample, r))
+        req.num_computed_tokens = start + n
+        req.num_pending_tokens += sample
+        # NOTE: offered before the step runs (its K/V is written before any later step reads it),
+        # so the next schedule can already share these pages; pages a failed step should have
+        # written are taken back by `forget_pages`.
+        self._offer_full_pages(req, min(start + n, req.num_known_tokens))
+
+    def _offer_full_pages(self, req: Request, computed: int) -> None:
+        """Registers the request's full pages among its first `computed` (known) tokens."""
+        alloc = self.allocators[self._replica[req.request_id]]
+        if alloc.enable_prefix_caching and computed >= (len(req.page_hashes) + 1) * alloc.page_size:
+            alloc.register_full_pages(req.all_token_ids, req.page_ids, computed, req.page_hashes)
+
+    def forget_pages(self, scheduled: list[ScheduledRequest]) -> None:
+        """A step holding these failed: none of their pages may serve a prefix-cache hit."""
+        for s in scheduled:
+            self.allocators[s.replica].forget(s.page_ids)
+
+    def _last_token_pending(self, req: Request) -> bool:
+        """The request's pending token will finish it by length: nothing more to schedule."""
+        return req.num_pending_tokens > 0 and (
+            req.num_output_tokens + req.num_pending_tokens >= req.sampling.max_tokens
+            or req.num_tokens >= self.max_model_len)
 
     def _release_pages(self, req: Request) -> None:
         r = self._replica.pop(req.request_id, None)
@@ -338,6 +367,7 @@ class Scheduler:
         req.page_ids = []
         req.page_hashes.clear()
         req.num_computed_tokens = 0
+        req.num_pending_tokens = 0  # a preempted request recomputes (and resamples) them
 
     def _preempt(self, req: Request) -> None:
         self._running.remove(req)
@@ -366,6 +396,6 @@ class Scheduler:
                 return "stop", token
             if not sp.ignore_eos and token in req.eos_token_ids:
                 return "stop", None
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+        if req.num_output_tokens >= sp.max_tokens or req.num_known_tokens >= self.max_model_len:
             return "length", None
         return None
