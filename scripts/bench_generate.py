@@ -3,10 +3,12 @@
     python scripts/bench_generate.py [--model PATH] [--prompt-len 128] [--decode-tokens 64] [--runs 5]
                                      [--llama-cpp BUILD_DIR]
 
-1. jaxinfer: an `LLM` with one sequence slot (one per `--linear-backend`); a warm-up request
-   compiles the programs first.
-   Prefill = time of the first engine step (whole prompt, one token sampled); decode = median
-   per-token time of the following steps. Each run is one request; medians over runs.
+1. jaxinfer: an `LLM` with one sequence slot (one per `--linear-backend` and `--scheduling`,
+   their requests taking turns); a warm-up request compiles the programs first.
+   Prefill = time from adding the request to the engine step that returns its first token (the
+   whole prompt in one step); decode = median time between the steps that return the following
+   tokens (with async scheduling a step returns the token of the step launched before it).
+   Each run is one request; medians over runs.
 2. HF transformers (when installed), same weights (the GGUF dequantized to f32), same prompt:
    one forward over the prompt, then greedy steps with its KV cache, torch threads = cores.
 3. llama.cpp, when `--llama-cpp` names a llama.cpp build directory (`bin/llama-bench`,
@@ -36,25 +38,30 @@ from _hf_peer import hf_model_from_gguf
 from jaxinfer import LLM, SamplingParams
 
 
-def bench_jaxinfer(args, prompt_ids, linear_backend: str):
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.decode_tokens + 16,
-              max_num_seqs=1, max_num_batched_tokens=max(args.prompt_len, 16),
-              linear_backend=linear_backend)
-    eng = llm.engine
+def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str]]):
+    """One engine per (linear backend, scheduling); their runs interleave, so a slow phase of a
+    noisy machine hits every configuration alike."""
+    llms = [LLM(args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.decode_tokens + 16,
+                max_num_seqs=1, max_num_batched_tokens=max(args.prompt_len, 16),
+                linear_backend=backend, async_scheduling=scheduling == "async")
+            for backend, scheduling in configs]
     sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
-    prefill, decode = [], []
+    times = [([], []) for _ in configs]  # (prefill, decode) seconds per run
     for run in range(args.runs + 1):  # run 0 compiles
-        eng.add_request(prompt_ids, sp, request_id=f"bench-{run}")
-        times = []
-        while eng.has_unfinished():
-            t = time.perf_counter()
-            eng.step()
-            times.append(time.perf_counter() - t)
-        if run:
-            prefill.append(times[0])
-            decode.append(statistics.median(times[1:]))
-    return (args.prompt_len / statistics.median(prefill), 1 / statistics.median(decode),
-            weight_bytes(llm), llm.engine.runner.linear_backend)
+        for llm, (prefill, decode) in zip(llms, times):
+            eng = llm.engine
+            start = time.perf_counter()
+            eng.add_request(prompt_ids, sp, request_id=f"bench-{run}")
+            stamps = []  # when each step that returned a token ended
+            while eng.has_unfinished():
+                if any(d.new_token_ids for d in eng.step()):
+                    stamps.append(time.perf_counter())
+            if run:
+                prefill.append(stamps[0] - start)
+                decode.append(statistics.median(np.diff(stamps)))
+    return [(args.prompt_len / statistics.median(prefill), 1 / statistics.median(decode),
+             weight_bytes(llm), f"{llm.engine.runner.linear_backend}, {scheduling}")
+            for llm, (prefill, decode), (_, scheduling) in zip(llms, times, configs)]
 
 
 def read_bandwidth(nbytes: int, runs: int = 9) -> float:
@@ -136,6 +143,8 @@ def main() -> None:
     p.add_argument("--linear-backend", default="auto",
                    help="jaxinfer's dense-product backend(s), comma-separated: auto, xla, cpu "
                         "(one jaxinfer row each)")
+    p.add_argument("--scheduling", default="async",
+                   help="engine scheduling, comma-separated: async, sync (one jaxinfer row each)")
     p.add_argument("--llama-cpp", metavar="BUILD_DIR", default=None,
                    help="also run llama.cpp's llama-bench from this build directory (GGUF models only)")
     args = p.parse_args()
@@ -143,21 +152,22 @@ def main() -> None:
 
     path = args.model or default_model_path()
     prompt_ids = [int(x) for x in np.random.default_rng(0).integers(100, 40000, args.prompt_len)]
-    runs = [bench_jaxinfer(args, prompt_ids, b) for b in args.linear_backend.split(",")]
+    runs = bench_jaxinfer(args, prompt_ids, [(b, m) for b in args.linear_backend.split(",")
+                                             for m in args.scheduling.split(",")])
     ours = runs[0]
     hf = None if args.no_hf or (args.model and not args.model.endswith(".gguf")) else bench_hf(args, prompt_ids, path)
     lcpp = bench_llama_cpp(args.llama_cpp, path, args) if args.llama_cpp and path.endswith(".gguf") else None
     nbytes = ours[2]
     bandwidth = read_bandwidth(2 * nbytes)
     roofline = bandwidth / nbytes
-    print(f"{'':12s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
+    print(f"{'':28s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
     for r in runs:
-        print(f"{'jaxinfer (linear ' + r[3] + ')':12s} {r[0]:14.1f} {r[1]:13.1f}")
+        print(f"{'jaxinfer (' + r[3] + ')':28s} {r[0]:14.1f} {r[1]:13.1f}")
     if hf:
-        print(f"{'hf-transformers':12s} {hf[0]:14.1f} {hf[1]:13.1f}")
+        print(f"{'hf-transformers':28s} {hf[0]:14.1f} {hf[1]:13.1f}")
     if lcpp:
-        print(f"{'llama.cpp':12s} {lcpp[0]:14.1f} {lcpp[1]:13.1f}")
-    print(f"{'roofline':12s} {'':14s} {roofline:13.1f}  ({nbytes / 1e6:.0f} MB of weights "
+        print(f"{'llama.cpp':28s} {lcpp[0]:14.1f} {lcpp[1]:13.1f}")
+    print(f"{'roofline':28s} {'':14s} {roofline:13.1f}  ({nbytes / 1e6:.0f} MB of weights "
           f"at the measured {bandwidth / 1e9:.1f} GB/s read bandwidth)")
     print(json.dumps({"bench": "generate", "machine": platform.machine(), "cpus": os.cpu_count(),
                       "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
