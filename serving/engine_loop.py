@@ -298,14 +298,14 @@ class EngineLoop:
         if self._trace_state == "pending":
             self._start_trace()
         self._scheduled = []
-        # NOTE: with async scheduling a step also finishes the one launched before it.
-        in_flight = getattr(self.engine, "in_flight_request_ids", [])
         start = time.perf_counter()
         try:
             deltas = self.engine.step()
         except Exception as e:  # noqa: BLE001
             self.metrics.step_failures.inc()
-            victims = sorted({rid.split("#", 1)[0] for rid in [*self._scheduled, *in_flight]})
+            # NOTE: with async scheduling a failed step can also lose the one launched before it.
+            lost = getattr(self.engine, "failed_request_ids", None) or self._scheduled
+            victims = sorted({rid.split("#", 1)[0] for rid in lost})
             logger.exception("engine step failed; failing the %d requests it scheduled: %s",
                              len(victims), victims)
             for rid in victims:

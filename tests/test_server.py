@@ -337,6 +337,29 @@ def test_engine_step_failure_fails_only_that_request(tok):
         c.close()
 
 
+def test_failed_launch_loses_only_its_requests(tok):
+    """Async scheduling: when launching step N+1 fails, step N (already on the device) still
+    delivers, with the next call; only N+1's requests are reported lost."""
+    engine = fake_engine(tok, FakeRunner(poison_token=POISON), max_num_seqs=2)
+    assert engine.async_scheduling
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add_request([1000, 1001], greedy, request_id="a")
+    deltas = engine.step() + engine.step()  # a's prefill, then its last decode launched
+    engine.add_request([1000, POISON], greedy, request_id="p")
+    with pytest.raises(RuntimeError, match="poisoned"):
+        engine.step()  # launches p (a's last token is pending: a is not in this step)
+    assert engine.failed_request_ids == ["p"]
+    engine.abort("p")
+    for _ in range(20):
+        deltas += engine.step()
+    assert not engine.has_unfinished()
+    got = {d.request_id: d for d in deltas if d.finished}
+    assert [t for d in deltas if d.request_id == "a" for t in d.new_token_ids] == fake_stream(
+        [1000, 1001], 2)
+    assert got["a"].finish_reason == "length" and got["p"].finish_reason == "abort"
+    assert engine.allocator.num_free_pages == engine.allocator.num_usable_pages
+
+
 def test_response_failure_fails_only_that_request(srv, client, monkeypatch):
     original = protocol.response
 

@@ -17,6 +17,7 @@ else runs on the thread that calls `step()`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -134,6 +135,9 @@ class LLMEngine:
                                   dtype=config.dtype, attention_backend=attention_backend,
                                   linear_backend=linear_backend, mesh=self.mesh)
         self._in_flight: Launched | None = None  # async scheduling: the step still running
+        self._ready: list[RequestDelta] = []  # deltas of a step finished while the next one failed
+        # Child request ids a failed `step()` lost (set when it raises; the server fails them).
+        self.failed_request_ids: list[str] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._samples: dict[str, _Sample] = {}  # child request id -> state
         self._children: dict[str, list[str]] = {}  # parent id -> child ids
@@ -214,37 +218,61 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return (bool(self._samples) or not self._inbox.empty() or bool(self._aborted)
-                or self._in_flight is not None)
+                or self._in_flight is not None or bool(self._ready))
 
     @property
     def async_scheduling(self) -> bool:
         # NOTE: a multi-host leader broadcasts each `runner.run` to its followers: synchronous.
         return self.config.async_scheduling and getattr(self.runner, "channel", None) is None
 
-    @property
-    def in_flight_request_ids(self) -> list[str]:
-        """Requests of the step launched but not yet collected (async scheduling)."""
-        return [s.request.request_id for s in self._in_flight.sched.scheduled] if self._in_flight else []
-
     def step(self) -> list[RequestDelta]:
+        """One engine step. If it raises, `failed_request_ids` names the requests it lost (the
+        caller should abort them); every other request carries on."""
+        self.failed_request_ids = []
         self._drain_inbox()
         sched = self.scheduler.schedule()
-        previous, self._in_flight = self._in_flight, None
-        try:
-            if not self.async_scheduling:
+        if not self.async_scheduling:
+            with self._failing(sched.scheduled):
                 out = self.runner.execute(sched)
-                return self._deltas(self.scheduler.update(sched, out), out)
-            self._in_flight = self.runner.launch(sched)
-            if previous is None:
-                return self._deltas([], RunnerOutput(sampled_token_ids={}))
-            out = self.runner.collect(previous)
+            return self._deltas(self.scheduler.update(sched, out), out)
+        previous, self._in_flight = self._in_flight, None
+        ready, self._ready = self._ready, []
+        try:
+            with self._failing(sched.scheduled):
+                self._in_flight = self.runner.launch(sched)
         except Exception:
-            # The failed step(s) may not have written the K/V of pages already in the prefix
-            # cache; their requests are lost to the caller (the server aborts them).
-            self._in_flight = None
-            self.scheduler.forget_pages(sched.scheduled + (previous.sched.scheduled if previous else []))
+            lost, self._ready = self.failed_request_ids, ready
+            if previous is not None:  # not lost: its deltas come with the next call
+                try:
+                    self._ready += self._finish(previous)
+                except Exception:  # noqa: BLE001 - the launch's exception is the one raised
+                    logger.exception("the step before the failed one failed too")
+                    lost = lost + self.failed_request_ids
+            self.failed_request_ids = lost
             raise
-        return self._deltas(self.scheduler.update(previous.sched, out), out)
+        if previous is None:
+            return ready + self._deltas([], RunnerOutput(sampled_token_ids={}))
+        return ready + self._finish(previous)
+
+    def _finish(self, launched: Launched) -> list[RequestDelta]:
+        """Waits for a launched step and applies it (a failure also loses the step after it,
+        which ran on its outputs)."""
+        after, self._in_flight = self._in_flight, None
+        with self._failing(launched.sched.scheduled + (after.sched.scheduled if after else [])):
+            out = self.runner.collect(launched)
+        self._in_flight = after
+        return self._deltas(self.scheduler.update(launched.sched, out), out)
+
+    @contextlib.contextmanager
+    def _failing(self, scheduled: list[Any]) -> Iterator[None]:
+        """On an exception: these requests are lost, and pages they were to write leave the
+        prefix cache (a failed step may not have written K/V that other prompts would reuse)."""
+        try:
+            yield
+        except Exception:
+            self.scheduler.forget_pages(scheduled)
+            self.failed_request_ids = [s.request.request_id for s in scheduled]
+            raise
 
     def stream(self) -> Iterator[RequestDelta]:
         """Steps until every request has finished, yielding deltas as they come."""
