@@ -42,7 +42,8 @@ def sharegpt_like(n: int, seed: int, max_len: int) -> list[tuple[int, int]]:
 def run_jaxinfer(args, model, workload, prompts):
     engine = LLMEngine(model, EngineConfig(
         dtype=model.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, page_size=16),
+        max_num_batched_tokens=args.max_num_batched_tokens, page_size=16,
+        async_scheduling=not args.no_async_scheduling),
         linear_backend=args.linear_backend)
     t = time.perf_counter()
     programs = engine.runner.warmup()
@@ -117,6 +118,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=None, help="fixed output length (decode study)")
     p.add_argument("--linear-backend", default=None, choices=("auto", "xla", "cpu"),
                    help="jaxinfer's dense-product backend (default: auto)")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="jaxinfer waits for each step's tokens before scheduling the next")
     args = p.parse_args()
     model = load_model(args.model)
     workload = sharegpt_like(args.num_requests, args.seed, args.max_model_len)
@@ -142,7 +145,8 @@ def main() -> None:
                       f"({args.hf_requests} requests)")
     print(json.dumps({"bench": "offline", "machine": platform.machine(), "cpus": os.cpu_count(),
                       "num_requests": args.num_requests, "max_num_seqs": args.max_num_seqs,
-                      "linear_backend": args.linear_backend or "auto", "jaxinfer": ours, "hf": hf}))
+                      "linear_backend": args.linear_backend or "auto",
+                      "async_scheduling": not args.no_async_scheduling, "jaxinfer": ours, "hf": hf}))
 
 
 if __name__ == "__main__":
