@@ -5,9 +5,10 @@ Flow of `execute(SchedulerOutput) -> RunnerOutput`:
      from it), so the set of compiled programs is fixed and `warmup()` builds all of them.
   2. Build every input on the host in numpy: the ragged `StepInputs`, per-row sampling metadata,
      and the penalty bookkeeping (which persistent row each request owns, which rows to clear).
-  3. One `jax.device_put` of that tree (on one device packed into a buffer per dtype, unpacked by
-     static slices inside the program: `_pack`), one jitted step (forward + penalty-state update +
-     sampler + logprobs, KV cache and state donated), one `jax.device_get` of the results.
+  3. One transfer of that tree (on one device packed into a numpy buffer per dtype that the jitted
+     call moves itself, unpacked by static slices inside the program: `_pack`; on a mesh one
+     sharded `device_put`), one jitted step (forward + penalty-state update + sampler + logprobs,
+     KV cache and state donated), one `jax.device_get` of the results.
   4. Unpack into plain Python: sampled ids, logprobs, prompt logprobs per request.
 `execute` does all four; `launch` (1-3 without waiting) + `collect` (wait, 4) let the engine
 schedule and launch the next step while this one runs (async scheduling): a decode token that
