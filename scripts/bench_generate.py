@@ -1,6 +1,7 @@
 """Single-stream prefill and decode speed of the default model, with HF transformers as the peer.
 
     python scripts/bench_generate.py [--model PATH] [--prompt-len 128] [--decode-tokens 64] [--runs 5]
+                                     [--linear-backend cpu,xla] [--scheduling async,sync]
                                      [--llama-cpp BUILD_DIR]
 
 1. jaxinfer: an `LLM` with one sequence slot (one per `--linear-backend` and `--scheduling`,

@@ -304,7 +304,7 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001
             self.metrics.step_failures.inc()
             # NOTE: with async scheduling a failed step can also lose the one launched before it.
-            lost = getattr(self.engine, "failed_request_ids", None) or self._scheduled
+            lost = self.engine.failed_request_ids or self._scheduled
             victims = sorted({rid.split("#", 1)[0] for rid in lost})
             logger.exception("engine step failed; failing the %d requests it scheduled: %s",
                              len(victims), victims)

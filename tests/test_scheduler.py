@@ -115,9 +115,7 @@ class FakeRunner:
                     sampled[rid] = self.script[rid][index]
                 else:
                     sampled[rid] = token_at(rid, end)
-        for rid, tok in sampled.items():
-            self.last[rid] = (next(s.start_pos + len(s.token_ids) for s in out.scheduled
-                                   if s.request.request_id == rid), tok)
+                self.last[rid] = (end, sampled[rid])  # the position the next step feeds it at
         return RunnerOutput(sampled_token_ids=sampled)
 
 

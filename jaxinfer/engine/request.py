@@ -3,9 +3,9 @@
 1. The engine builds a `Request` (status WAITING) from a prompt and its `SamplingParams` and hands
    it to `Scheduler.add_request`.
 2. The scheduler moves it between WAITING and RUNNING and advances `num_computed_tokens` (tokens
-   whose K/V are in the cache or being written by a scheduled step) towards `num_tokens` (prompt + outputs). There is no prefill or
-   decode phase: a request whose computed tokens lag far behind is "prefilling", one that lags by
-   exactly one token (the last sampled one) is "decoding".
+   whose K/V are in the cache or being written by a scheduled step) towards `num_tokens` (prompt +
+   outputs). There is no prefill or decode phase: a request whose computed tokens lag far behind
+   is "prefilling", one that lags by exactly one token (the last sampled one) is "decoding".
 3. Each sampled token is appended to `output_token_ids`; when a stop condition fires the status
    becomes one of the FINISHED_* values, `finish_reason` is set and the pages are released.
 4. Async scheduling: the scheduler counts a token as soon as a step that samples it is scheduled
