@@ -233,6 +233,7 @@ class EngineCore:
 
     def info(self) -> dict[str, Any]:
         """Static facts a front end reports (msgpack-able)."""
+        devices = jax.devices()
         return {"capacity": self.capacity(), "limits": dataclasses.asdict(self.limits),
                 "max_num_seqs": self.config.max_num_seqs,
                 "max_num_batched_tokens": self.config.max_num_batched_tokens,
@@ -240,7 +241,8 @@ class EngineCore:
                 "attention_backend": str(getattr(self.runner, "attention_backend", "")),
                 "linear_backend": str(getattr(self.runner, "linear_backend", "")),
                 "mesh_shape": {str(k): int(v) for k, v in self.mesh.shape.items()}
-                if self.config.mesh else {}}
+                if self.config.mesh else {},
+                "devices": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})"}
 
     def warmup(self) -> int:
         """Compiles every program a request can need; returns how many exist."""
