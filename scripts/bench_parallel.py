@@ -124,7 +124,7 @@ def bench_mesh(cfg, params, spec: str, args: argparse.Namespace) -> dict:
                 req = Request(f"r{r}-{j}", prompt, sp)
                 pages = list(range(1 + j * pages_per_seq, 1 + (j + 1) * pages_per_seq))
                 scheduled.append(ScheduledRequest(req, prompt[start:start + tokens_each], start,
-                                                  pages, True, r))
+                                                  pages, True, r, is_new=True, page_table=pages))
         return runner.prepare(SchedulerOutput(scheduled, len(scheduled) * tokens_each, [], []))
 
     prefill = inputs(1, args.prefill_len, 0)
