@@ -13,21 +13,22 @@ this" skip the costly stages for batches that do not. Flow of `sample`:
      `w = exp((x - max) / temperature)` in [0, 1] are zeroed outside top-k. Min-p keeps
      `w >= min_p`, a lower bound the draws below start from (it is relative to the top token, so it
      commutes with top-p's renormalisation).
-  4. Each draw is an exponential race among the weights above a pivot: token i arrives at
-     E_i / w_i with E_i ~ Exp(1) from a keyed hash of its id, the earliest wins (i.e. Gumbel-max:
-     P(i) = w_i / sum w). Top-p without sorting, by rejection: `j` is in the nucleus iff the mass
-     strictly above `w[j]` is < top_p * (top-k mass). A rejected draw becomes the pivot, so later
-     draws (fresh randoms) come from strictly likelier tokens, still a superset of the nucleus: the
-     accepted token follows the exact renormalised nucleus distribution. The pass that draws the
-     next candidate also measures the mass above the current one, so each round is one pass over
-     `[S, V]`; rows without top-p accept their first draw. With top_p = 0.9 a first draw is
-     accepted with probability >= 0.9.
+  4. The draw is an exponential race: token i arrives at E_i / w_i with E_i ~ Exp(1) from a
+     keyed hash of its id, the earliest wins (i.e. Gumbel-max: P(i) = w_i / sum w). Top-p without
+     sorting, by rejection: the first arrival `j` above a pivot is in the nucleus iff the mass
+     strictly above `w[j]` is < top_p * (top-k mass); a rejected `j` becomes the pivot and the race
+     is re-read among strictly likelier tokens (still a superset of the nucleus). The same arrival
+     times serve every round: by memorylessness the later arrivals are fresh exponentials, and the
+     accepted token is exactly the first arrival inside the nucleus, i.e. a draw from the
+     renormalised nucleus. The pass that reads the next candidate also measures the mass above the
+     current one, so each round is one pass over `[S, V]`; rows without top-p accept their first
+     draw. With top_p = 0.9 a first draw is accepted with probability >= 0.9.
   5. Logprobs of the chosen token and the top-`num_logprobs` under the raw model distribution,
      only when some row asks for them.
 
-Randomness is batch-invariant: row `s` races in round `r` on arrival times hashed from its token
-ids and two words of `fold_in(fold_in(fold_in(key(seed[s]), position[s]), r))`, where `position`
-is where the sampled token goes in its sequence. Its token depends only on its own logits,
+Randomness is batch-invariant: row `s` races on arrival times hashed from its token ids and two
+words of `fold_in(key(seed[s]), position[s])`, where `position` is where the sampled token goes in
+its sequence. Its token depends only on its own logits,
 parameters, seed and position (so a preempted request that recomputes resamples the same tokens).
 Programs compiled for different batch sizes may compute a row's logits with different rounding
 (~1e-5); an argmax of elementwise scores moves on that only at true near-ties (two arrivals that
@@ -377,10 +378,10 @@ def _race_times(
 def _draw(
     w: jax.Array,  # f32[S, Vp] weights, 0 outside the top-k set
     pivot: jax.Array,  # f32[S] draw only among w > pivot
-    words: jax.Array,  # u32[S, 2] this round's per-row key words
+    speed: jax.Array,  # f32[S, Vp] w / E: inverse arrival times of the row's race
 ) -> tuple[jax.Array, jax.Array]:
-    """Exponential race among w > pivot: token i arrives at E_i / w_i, the first arrival wins,
-    which picks i with probability w_i / sum(w). Returns (token i32[S], mass above pivot f32[S]).
+    """First arrival of the exponential race among w > pivot: token i arrives at E_i / w_i, which
+    picks i with probability w_i / sum(w > pivot). Returns (token i32[S], mass above pivot f32[S]).
 
     NOTE: the winner is an argmax of elementwise values, so float noise in the logits (~1e-5
     between programs compiled for different batch shapes) changes it only when two tokens'
@@ -388,16 +389,9 @@ def _draw(
     vocabulary to the draw and flipped on such noise (issue 14).
     """
     eligible = w > pivot[:, None]
-    score = jnp.where(eligible, w / _race_times(words, w.shape), -1.0)  # f32[S, Vp]
+    score = jnp.where(eligible, speed, -1.0)  # f32[S, Vp]
     token = _argmax(score, _blocks(score).max(axis=2))
     return token, _row_sum(jnp.where(eligible, w, 0.0))
-
-
-def _round_words(
-    keys: jax.Array,  # key[S] per-row keys: fold_in(key(seed), position)
-    r: jax.Array,  # i32[] rejection round
-) -> jax.Array:  # u32[S, 2]
-    return jax.vmap(lambda key: jax.random.bits(jax.random.fold_in(key, r), (2,), jnp.uint32))(keys)
 
 
 def _sample_rows(
@@ -427,15 +421,19 @@ def _sample_rows(
         # Min-p keeps w >= min_p: the draws' first pivot is the largest float below min_p.
         min_p_pivot = jnp.nextafter(jnp.where(active, meta.min_p, 0.0), -1.0)
 
-    keys = jax.vmap(
-        lambda seed, pos: jax.random.fold_in(
-            jax.random.wrap_key_data(seed, impl="threefry2x32"), pos
-        )
-    )(meta.seed, positions)
+    with jax.named_scope("race"):
+        words = jax.vmap(
+            lambda seed, pos: jax.random.bits(
+                jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), pos),
+                (2,),
+                jnp.uint32,
+            )
+        )(meta.seed, positions)  # u32[S, 2]
+        speed = w / _race_times(words, w.shape)  # f32[S, Vp]
 
     def round_(state):
         r, pivot, cand, token, done = state
-        draw, mass_above = _draw(w, pivot, _round_words(keys, r))
+        draw, mass_above = _draw(w, pivot, speed)
         # Judge last round's candidate: pivot == w[cand], so mass_above is the mass strictly above it.
         judged = ~done & (r > 0) & (mass_above < top_p_mass)
         token = jnp.where(judged, cand, token)
