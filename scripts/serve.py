@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--attention-backend", default=None,
                    choices=("auto", "reference", "cpu", "gpu", "tpu"),
                    help="'auto': the platform's kernel (compiled C++ on CPU, Pallas on GPU/TPU); "
-                        "default: 'auto' on CPU, 'reference' on GPU/TPU")
+                        "default: 'auto' on CPU and GPU, 'reference' on TPU")
     e.add_argument("--linear-backend", default=None, choices=("auto", "xla", "cpu"),
                    help="dense products: 'cpu' runs steps of <= 8 float32 token rows through the "
                         "compiled CPU kernel (decode), 'xla' always uses XLA's dot; "

@@ -356,10 +356,11 @@ def test_dispatch():
     assert attn.resolve_backend("auto", "gpu") == "gpu"
     assert attn.resolve_backend("auto", "tpu") == "tpu"
     assert attn.resolve_backend("auto", "cpu") == "cpu"  # the kernel builds on the CI machine
-    # the default (None): the compiled kernel on CPU; the reference until the Pallas kernels
-    # have run on their hardware
+    # the default (None): the compiled kernel on CPU, the Pallas kernel on GPU; the reference on
+    # TPU until the Mosaic kernel has run on a TPU
     assert attn.resolve_backend(None, "cpu") == "cpu"
-    assert attn.resolve_backend(None, "gpu") == attn.resolve_backend(None, "tpu") == "reference"
+    assert attn.resolve_backend(None, "gpu") == attn.resolve_backend(None, "cuda") == "gpu"
+    assert attn.resolve_backend(None, "tpu") == "reference"
     assert attn.resolve_backend("tpu", "cpu") == "tpu"
     with pytest.raises(ValueError, match="CPU platform only"):
         attn.resolve_backend("cpu", "gpu")
