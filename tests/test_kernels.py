@@ -41,8 +41,10 @@ TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2}
 
 # The CPU kernel runs only on a CPU platform (it is built there on first use).
 KERNEL_BACKENDS = (*(("cpu",) if jax.default_backend() == "cpu" else ()), "gpu", "tpu")
-# Small blocks so the small test shapes still span several query blocks and KV blocks.
-SMALL_BLOCKS = block_sizes.KernelBlocks(block_q=2, decode_block_q=1, pages_per_block=2)
+# Small blocks so the small test shapes still span several query blocks and KV blocks; the GPU
+# kernel's decode class splits its KV range (split-K) over up to 16 programs (8 per KV head of BASE).
+SMALL_BLOCKS = block_sizes.KernelBlocks(block_q=2, decode_block_q=1, pages_per_block=2,
+                                        decode_programs=16)
 
 
 def _interpret(backend: str):
@@ -143,6 +145,13 @@ def test_default_block_sizes(backend):
     assert_matches_reference(backend, make_batch(BASE, *SCENARIOS["mixed"], seed=3), blocks=None)
 
 
+def test_gpu_kernel_without_split_k():
+    """decode_programs=0: every decode walks its whole KV range in one program."""
+    blocks = dataclasses.replace(SMALL_BLOCKS, decode_programs=0)
+    assert_matches_reference("gpu", make_batch(BASE, *SCENARIOS["mixed"], seed=4), blocks=blocks,
+                             interpret=True, sinks=jnp.linspace(-1.0, 2.0, BASE.num_q_heads))
+
+
 FEATURES = {
     "window": dict(sliding_window=5),
     "softcap_sinks": dict(soft_cap=2.0, sinks=jnp.linspace(-1.0, 2.0, BASE.num_q_heads)),
@@ -217,6 +226,107 @@ def test_random_sweep(backend, seed):
     shape, q_lens, kv_lens, kw, blocks = _random_case(np.random.default_rng(seed))
     assert_matches_reference(backend, make_batch(shape, q_lens, kv_lens, seed=seed), blocks=blocks,
                              **kw)
+
+
+SPLIT_SHAPE = Shape(page_size=4, pages_per_seq=8, num_tokens=8, max_seqs=3)
+SPLIT_CASES = {  # name -> (q_lens, kv_lens, blocks, kernel kwargs); decode_block_q 4: q_len <= 4
+    # one sequence: 4 KV blocks over 4 splits (budget 16 / 2 heads = 8 items)
+    "batch1": ([1], [30], dict(decode_programs=16), {}),
+    # 5 KV blocks over 3 splits (budget 3): shares of 1, 2, 2 blocks
+    "uneven": ([1], [19], dict(decode_programs=6, pages_per_block=1), {}),
+    # q_len 4 at positions 5..8: split 1 holds key 8 (seen by the last row only), its unused slots
+    # and a padded page-table entry (NaN page / out-of-range id): fully masked for the other rows
+    "masked_split": ([4], [9], dict(decode_programs=16), {}),
+    "window": ([3, 1], [9, 31], dict(decode_programs=16, pages_per_block=1),
+               dict(sliding_window=6)),
+    "softcap_sinks": ([2, 1], [17, 25], dict(decode_programs=16),
+                      dict(soft_cap=2.0, sinks=jnp.linspace(-1.0, 2.0, BASE.num_q_heads))),
+    # decodes (split) beside a prefill chunk (the unsplit prefill class)
+    "mixed": ([1, 2, 5], [29, 13, 7], dict(decode_programs=16), dict(sliding_window=9)),
+}
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_gpu_split_k_matches_reference(case):
+    q_lens, kv_lens, over, kw = SPLIT_CASES[case]
+    blocks = block_sizes.KernelBlocks(block_q=8, decode_block_q=4,
+                                      **{"pages_per_block": 2, **over})
+    args = make_batch(SPLIT_SHAPE, q_lens, kv_lens, seed=len(case))
+    table = block_sizes.split_work_table(
+        args[4], args[2], args[5], block_sizes.query_classes(8, 3, blocks)[0],
+        budget=block_sizes.split_budget(blocks, BASE.num_kv_heads), num_work=16,
+        page_size=4, block_k=4 * blocks.pages_per_block, sliding_window=kw.get("sliding_window"))
+    assert int(np.asarray(table.num_splits)[0]) > 1  # the case does split
+    assert_matches_reference("gpu", args, blocks=blocks, interpret=True, **kw)
+
+
+def test_split_work_table_covers_each_kv_block_once():
+    """Balanced shares: every KV block of every decode sequence in exactly one split."""
+    blocks = block_sizes.KernelBlocks(block_q=8, decode_block_q=2, pages_per_block=2,
+                                      decode_programs=20)
+    q_lens, kv_lens = [1, 2, 1, 9, 0], [3, 70, 41, 20, 5]  # a prefill and an idle sequence
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    lens, n = jnp.asarray(kv_lens, jnp.int32), jnp.asarray([5], jnp.int32)
+    cls = block_sizes.query_classes(16, 5, blocks)[0]
+    table = block_sizes.split_work_table(cu, lens, n, cls, budget=10, num_work=12, page_size=4,
+                                         block_k=8, sliding_window=None)
+    seq, split, ns, blk = (np.asarray(x) for x in (table.seq, table.split, table.num_splits,
+                                                   table.block))
+    live = seq >= 0
+    # 3 live decodes share the budget of 10: at most 3 splits each, never more than their blocks
+    assert seq[live].tolist() == [0, 1, 1, 1, 2, 2, 2]
+    assert blk[live].tolist() == [0, 1, 1, 1, 2, 2, 2] and (blk[~live] == cls.num_work).all()
+    for s, kv in zip(range(3), kv_lens):
+        mine = seq == s
+        nb = -(-kv // 8)
+        covered = [b for sp in split[mine]
+                   for b in range(*block_sizes.split_range(nb, int(sp), int(ns[mine][0])))]
+        assert covered == list(range(nb)), s
+
+
+def test_default_split_fills_an_h100_at_batch_1():
+    """Llama-3-8B heads (8 KV heads), page 16, bf16, 4096 context: >= 132 SMs' worth of programs
+    at batch 1; at batch 64 every sequence keeps one program per KV head (no splitting)."""
+    blocks = block_sizes.get_block_sizes("gpu", head_dim=128, page_size=16, dtype=jnp.bfloat16,
+                                         group=4, pages_per_seq=256, pow2=True)
+    assert blocks.decode_programs >= block_sizes.H100_SMS
+    budget = block_sizes.split_budget(blocks, 8)
+    for n, ctx, want_min, want_max in ((1, 4096, block_sizes.H100_SMS, None), (64, 1024, 0, 64)):
+        cu = jnp.arange(n + 1, dtype=jnp.int32)
+        cls = block_sizes.query_classes(n, n, blocks)[0]
+        table = block_sizes.split_work_table(
+            cu, jnp.full((n,), ctx, jnp.int32), jnp.asarray([n], jnp.int32), cls, budget=budget,
+            num_work=max(cls.num_work, budget), page_size=16,
+            block_k=16 * blocks.pages_per_block, sliding_window=None)
+        items = int((np.asarray(table.seq) >= 0).sum())
+        assert 8 * items >= want_min and (want_max is None or items == want_max), (n, items)
+
+
+def test_combine_splits_is_the_softmax_over_all_keys():
+    """Merging per-split (normalized output, log-sum-exp) pairs == one softmax; an empty split and
+    a dead item's garbage (NaN) change nothing."""
+    rng = np.random.default_rng(0)
+    scores = rng.standard_normal((2, 12)).astype(np.float32) * 3  # [R, K]
+    values = rng.standard_normal((12, 4)).astype(np.float32)  # [K, D]
+    p = np.exp(scores - scores.max(1, keepdims=True))
+    want = (p / p.sum(1, keepdims=True)) @ values
+    outs, lses = [], []
+    for lo, hi in ((0, 5), (5, 5), (5, 12)):
+        sc = scores[:, lo:hi]
+        if hi == lo:
+            outs.append(np.zeros((2, 4), np.float32))
+            lses.append(np.full(2, -1e30, np.float32))
+            continue
+        m = sc.max(1, keepdims=True)
+        e = np.exp(sc - m)
+        outs.append((e / e.sum(1, keepdims=True)) @ values[lo:hi])
+        lses.append(m[:, 0] + np.log(e.sum(1)))
+    outs.append(np.full((2, 4), np.nan, np.float32))  # a dead item
+    lses.append(np.full(2, np.nan, np.float32))
+    out = block_sizes.combine_splits(jnp.asarray(np.stack(outs))[:, None],
+                                     jnp.asarray(np.stack(lses))[:, None],
+                                     jnp.asarray([0, 0, 0, 1], jnp.int32), num_blocks=1)
+    np.testing.assert_allclose(np.asarray(out)[0, 0], want, rtol=1e-5, atol=1e-6)
 
 
 def _races_state():
