@@ -4,6 +4,7 @@
     python scripts/serve.py --model path/to/model.gguf --port 50051 --metrics-port 8000
     python scripts/serve.py --trace-dir /tmp/trace --trace-steps 20   # profile 20 busy steps
     python scripts/serve.py --profile-port 9999              # live capture from TensorBoard
+    python scripts/serve.py --model cfg_dir --load-format dummy  # random weights from config.json
 
 1. Parse the mesh (`--mesh tensor=8` style, over every device), load the weights onto it and
    build the engine (`EngineConfig` from the flags).
@@ -33,6 +34,7 @@ import _path  # noqa: F401
 
 logger = logging.getLogger("serve")
 
+LOAD_FORMATS = ("auto", "dummy")  # jaxinfer.loader.LOAD_FORMATS (not imported: no JAX before startup)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
@@ -56,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: float32 on CPU, bfloat16 on accelerators")
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="'auto': the checkpoint's weights; 'dummy': random weights of the right "
+                        "shapes, made on the devices from --model's config.json (or GGUF metadata) "
+                        "and tokenizer, for benchmarking without the weights")
     e = p.add_argument_group("engine")
     e.add_argument("--page-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=64)
@@ -148,7 +154,7 @@ def build_engine(args: argparse.Namespace):
                            max_model_len=max_model_len or 2048, **options), sizes
     from jaxinfer.loader import load_model
 
-    model = load_model(args.model, dtype=args.dtype, mesh=mesh)
+    model = load_model(args.model, dtype=args.dtype, mesh=mesh, load_format=args.load_format)
     config = EngineConfig(dtype=model.dtype, max_model_len=max_model_len, mesh=args.mesh, **options)
     if args.max_model_len is None and max_model_len:  # our CPU default, not the user's: cap it
         config = dataclasses.replace(
@@ -187,7 +193,7 @@ def summary(server, engine, args, load_s: float, ready_s: float) -> str:
 
 
 # Flags that shape the engine: in multi-host mode every process uses process 0's values.
-ENGINE_FLAGS = ("model", "dtype", "page_size", "max_num_seqs", "max_num_batched_tokens",
+ENGINE_FLAGS = ("model", "dtype", "load_format", "page_size", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "kv_cache_memory", "num_pages", "no_prefix_caching", "mesh",
                 "attention_backend", "linear_backend", "no_warmup", "long_prefill_token_threshold",
                 "no_async_scheduling")
