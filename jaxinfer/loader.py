@@ -13,16 +13,18 @@
    orbax restores each layer onto its stage's devices, HF/GGUF tensors are read to the host and
    each device receives only its slices.
 4. `load_format="dummy"` (vLLM's name) reads only the source's config (a `config.json`, or a GGUF
-   file's metadata) and tokenizer, and fills the params tree with random weights of the declared
-   shapes and dtype (`params.init_on_device`: jitted programs, sharded on the mesh, nothing on
-   the host); the init scale (std 0.02, unit norms) keeps logits finite. For benchmarking any
-   architecture without its weights.
+   file's metadata) and tokenizer (`Tokenizer.placeholder` when the directory has none), and
+   fills the params tree with random weights of the declared shapes and dtype
+   (`params.init_on_device`: jitted programs, sharded on the mesh, nothing on the host); the init
+   scale (std 0.02, unit norms) keeps logits finite. For benchmarking any architecture without
+   its weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any
 
@@ -42,6 +44,7 @@ from jaxinfer.models import llama
 from jaxinfer.tokenizer import Tokenizer
 
 GGUF_TOKENIZER_FILE = "gguf_tokenizer.json"  # tokenizer.* metadata of a converted GGUF model
+log = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "dummy")  # "auto": the source's weights; "dummy": random weights
 DUMMY_SEED = 0
 
@@ -152,14 +155,28 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | None = No
     return load_from_source(path, kind, handle, dtype=dtype, mesh=mesh)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", GGUF_TOKENIZER_FILE)
+
+
 def _dummy_source(path: str) -> tuple[dict[str, Any], Tokenizer]:
-    """(HF-style config, tokenizer) of a GGUF file (its metadata only) or a model directory."""
+    """(HF-style config, tokenizer) of a GGUF file (its metadata only) or a model directory; a
+    directory without tokenizer files gets `Tokenizer.placeholder` (ids render as `<id>`)."""
     if os.path.isfile(path):
         kind, handle = open_source(path)  # a file is a GGUF or an error naming it
         return handle.hf_config(), load_tokenizer(kind, handle, path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"load_format='dummy' needs a config.json in {path!r} (or a GGUF file)")
-    return load_hf_config(path), load_tokenizer("hf", None, path)
+    hf_config = load_hf_config(path)
+    if any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return hf_config, load_tokenizer("hf", None, path)
+    log.warning("%r has no tokenizer files: token ids render as '<id>' (load_format='dummy')", path)
+    vocab = ModelConfig.from_hf(hf_config).vocab_size
+    eos = hf_config.get("eos_token_id")
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return hf_config, Tokenizer.placeholder(
+        vocab, bos_token_id=hf_config.get("bos_token_id"),
+        eos_token_ids=[i for i in eos_ids if 0 <= i < vocab],
+        source=f"placeholder vocabulary of {path}")
 
 
 def load_dummy(path: str, *, dtype: str | None = None,

@@ -5,8 +5,9 @@
    `data=2,tensor=4` and a `pipeline=2,tensor=4` mesh of 8 virtual CPU devices; the dummy load reads a
    directory that holds only `config.json` and the tokenizer.
 2. The values: finite, random (not a constant), norms at their neutral init, bf16 when asked.
-3. `LLM(path, load_format="dummy")` generates tokens with finite logprobs; `serve.py
-   --load-format dummy` builds its engine from the same directory.
+3. `LLM(path, load_format="dummy")` generates tokens with finite logprobs from a directory that
+   holds only `config.json` (the placeholder vocabulary renders ids as `<id>`); `serve.py
+   --load-format dummy` builds its engine from a config + tokenizer directory.
 4. A bad `load_format` raises naming it (`LLM`, `load_model`, the scripts' flags); a directory
    without `config.json` raises naming the path.
 """
@@ -27,7 +28,7 @@ from jaxinfer.loader import LOAD_FORMATS, load_model
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """(HF dir with weights, dir with only config.json and the tokenizer)."""
+    """(HF dir with weights, dir with only config.json and the tokenizer, dir with config.json)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -45,7 +46,9 @@ def checkpoint(tmp_path_factory):
     bare = tmp_path_factory.mktemp("config_only")
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(root / name, bare / name)
-    return str(root), str(bare)
+    config_only = tmp_path_factory.mktemp("config_json_only")
+    shutil.copy(root / "config.json", config_only / "config.json")
+    return str(root), str(bare), str(config_only)
 
 
 def _leaves(params):
@@ -56,7 +59,7 @@ def _leaves(params):
 def test_dummy_matches_a_real_load(checkpoint, mesh):
     if mesh and jax.device_count() != 8:
         pytest.skip("needs 8 devices (tests/conftest.py sets 8 virtual CPU devices)")
-    real_dir, bare_dir = checkpoint
+    real_dir, bare_dir, _ = checkpoint
     mesh_obj = shd.make_mesh(mesh or None)
     real = load_model(real_dir, dtype="float32", mesh=mesh_obj)
     dummy = load_model(bare_dir, dtype="float32", mesh=mesh_obj, load_format="dummy")
@@ -79,14 +82,16 @@ def test_dummy_matches_a_real_load(checkpoint, mesh):
 def test_dummy_bf16_generates_with_finite_logprobs(checkpoint):
     from jaxinfer import LLM, SamplingParams
 
-    llm = LLM(checkpoint[1], dtype="bfloat16", load_format="dummy", page_size=4, num_pages=16,
+    llm = LLM(checkpoint[2], dtype="bfloat16", load_format="dummy", page_size=4, num_pages=16,
               max_model_len=32, max_num_seqs=2, max_num_batched_tokens=8)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(llm.model.params))
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
     out = llm.generate([[5, 6, 7], [9, 10]], sp)
+    assert llm.tokenizer.vocab_size == 128 and llm.tokenizer.eos_token_ids == (2,)  # config's
     for o in out:
         assert len(o.token_ids) == 4 and all(0 <= t < 128 for t in o.token_ids)
         assert all(np.isfinite(v) for lp in o.logprobs for v in lp.values())
+        assert o.text.split() == [f"<{t}>" for t in o.token_ids]
 
 
 def test_serve_builds_a_dummy_engine(checkpoint):
