@@ -3,6 +3,7 @@
     python scripts/bench_attention.py [--small] [--backends reference,cpu,gpu,tpu] [--runs 10]
                                       [--seqs N] [--context N] [--heads N] [--kv-heads N]
     python scripts/bench_attention.py --table        # issue 15's GPU table (Llama-3-8B heads)
+    python scripts/bench_attention.py --table --decode-programs 264   # split-K tuning
 
 1. Roofline probes: memory bandwidth from a large on-device elementwise copy (bytes read +
    written / time) and the matmul rate of a large square matmul in the benchmark dtype.
@@ -19,6 +20,8 @@
    reference's output (`err`). Of `--backends` (default reference,cpu,gpu,tpu; cpu only on a CPU
    platform) the reference and the platform's own kernel (the compiled C++ kernel on CPU) are
    timed; the others get a tiny interpret-mode sanity run (interpret timings mean nothing).
+   `--decode-programs N` overrides the GPU kernel's split-K program target (block_sizes.py's
+   `DECODE_PROGRAMS_PER_CORE` x SMs; 0: no split) to tune it.
 4. Peers on a GPU, on the same data in the same run: JAX's
    `jax.experimental.pallas.ops.gpu.paged_attention` on every decode-only batch (`jax-paged`; the
    cache is split into its `[Hkv, P, page, D]` K and V pages, the page table padded to its
@@ -45,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.attention import resolve_backend
-from pallas_kernels.ragged_paged_attention import KERNELS
+from pallas_kernels.ragged_paged_attention import KERNELS, block_sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +108,17 @@ def work(batch: Batch, *, heads: int, kv_heads: int, head_dim: int, itemsize: in
     kv_bytes = sum(batch.kv_lens) * kv_heads * 2 * head_dim * itemsize
     pairs = sum(q * (k - q) + q * (q + 1) // 2 for q, k in zip(batch.q_lens, batch.kv_lens))
     return kv_bytes, 4 * head_dim * heads * pairs
+
+
+def kernel_options(backend: str, args, inputs) -> dict:
+    """`blocks=` for the GPU kernel when --decode-programs overrides the table's split-K target."""
+    if backend != "gpu" or args.decode_programs is None:
+        return {}
+    q, cache, _, table, _, _ = inputs
+    blocks = block_sizes.get_block_sizes(
+        "gpu", head_dim=q.shape[2], page_size=cache.shape[1], dtype=cache.dtype,
+        group=q.shape[1] // (cache.shape[2] // 2), pages_per_seq=table.shape[1], pow2=True)
+    return {"blocks": dataclasses.replace(blocks, decode_programs=args.decode_programs)}
 
 
 def table_batches() -> list[Batch]:
@@ -193,6 +207,8 @@ def main() -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="default bfloat16 (float32 with --small: bf16 is the slow path on CPU)")
     p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--decode-programs", type=int, default=None,
+                   help="GPU kernel: split-K decode program target (0: no split; default: table)")
     p.add_argument("--table", action="store_true",
                    help="issue 15's rows (8B heads, page 16) instead of decode/prefill/mixed")
     for flag in ("seqs", "context", "heads", "kv-heads"):
@@ -230,7 +246,8 @@ def main() -> None:
         pages_per_seq = -(-max(batch.kv_lens) // page_size)
         inputs = make_inputs(batch, page_size=page_size, pages_per_seq=pages_per_seq, dtype=dtype, **dims)
         kv_bytes, flops = work(batch, itemsize=dtype.itemsize, **dims)
-        runs = {b: functools.partial(jax.jit(functools.partial(KERNELS[b], sm_scale=sm_scale)),
+        runs = {b: functools.partial(jax.jit(functools.partial(KERNELS[b], sm_scale=sm_scale,
+                                                               **kernel_options(b, args, inputs))),
                                      *inputs) for b in on_device}
         if plat == "gpu" and set(batch.q_lens) == {1}:
             runs["jax-paged"] = peer_paged_attention(inputs, sm_scale)
@@ -260,6 +277,7 @@ def main() -> None:
     print(json.dumps({"bench": "attention", "device": jax.devices()[0].device_kind, "platform": plat,
                       "machine": platform.machine(), "dtype": dtype.name, "small": args.small,
                       "table": args.table, "jax": jax.__version__,
+                      "decode_programs": args.decode_programs,
                       "seqs": seqs, "context": context, "heads": heads, "kv_heads": kv_heads,
                       "head_dim": head_dim, "page_size": page_size, "copy_gbs": round(bw / 1e9, 2),
                       "matmul_tflops": round(mm / 1e12, 3),
