@@ -171,18 +171,18 @@ def _run_class(q, kv_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows,
     split_specs = [whole, whole] if split_k else [None, None]
     q_spec = pl.BlockSpec((None, None, rows, d), lambda w, h: (w, h, 0, 0))
     sinks_spec = None if sinks_rows is None else pl.BlockSpec((None, rows), lambda w, h: (h, 0))
-    out_blocks = jax.ShapeDtypeStruct((num_work, hkv, rows, d), q.dtype)
+    out_shape = jax.ShapeDtypeStruct((num_work, hkv, rows, d), q.dtype)
     out_spec = q_spec
     if split_k:
-        out_blocks = (jax.ShapeDtypeStruct((num_work, hkv, rows, d), jnp.float32),
-                      jax.ShapeDtypeStruct((num_work, hkv, rows), jnp.float32))
+        out_shape = (jax.ShapeDtypeStruct((num_work, hkv, rows, d), jnp.float32),
+                     jax.ShapeDtypeStruct((num_work, hkv, rows), jnp.float32))
         out_spec = (q_spec, pl.BlockSpec((None, None, rows), lambda w, h: (w, h, 0)))
     out_blocks = pl.pallas_call(
         kernel,
         grid=(num_work, hkv),
         in_specs=[whole, whole, *split_specs, whole, whole, whole, q_spec, sinks_spec, whole],
         out_specs=out_spec,
-        out_shape=out_blocks,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         interpret=interpret,
