@@ -175,7 +175,8 @@ def summary(server, engine, args, load_s: float, ready_s: float) -> str:
         f"jaxinfer server ready in {ready_s:.1f}s (load {load_s:.1f}s, warmup "
         f"{ready_s - load_s:.1f}s, {server.engine_loop.compiled_programs} programs)",
         f"  model     {info.name} ({info.architecture}, {cfg.num_params() / 1e6:.1f}M params, "
-        f"{info.dtype}{', FAKE RUNNER' if args.fake_runner else ''})",
+        f"{info.dtype}{', FAKE RUNNER' if args.fake_runner else ''}"
+        f"{', DUMMY WEIGHTS' if args.load_format == 'dummy' and not args.fake_runner else ''})",
         f"  devices   {devices[0].platform} x{len(devices)} ({devices[0].device_kind}); mesh {mesh}; "
         f"attention {info.attention_backend}; linear {info.linear_backend}",
         f"  kv cache  {cap.num_pages} pages x {info.page_size} tokens = {cap.max_tokens} tokens; "
