@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--meshes", default=DEFAULT_MESHES, help="';'-separated mesh strings")
     p.add_argument("--model", default=None, help="a checkpoint path (default: random tiny Llama)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="'dummy': random weights from --model's config.json, made on the devices")
     p.add_argument("--moe", action="store_true", help="random Mixtral-style model (8 experts, top-2)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
@@ -64,7 +66,7 @@ def build_model(args: argparse.Namespace):
     if args.model:
         from jaxinfer.loader import load_model
 
-        model = load_model(args.model, dtype=args.dtype)
+        model = load_model(args.model, dtype=args.dtype, load_format=args.load_format)
         return model.cfg, model.params
     hf = dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden,
               intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,

@@ -4,6 +4,7 @@
     python scripts/serve.py --model path/to/model.gguf --port 50051 --metrics-port 8000
     python scripts/serve.py --trace-dir /tmp/trace --trace-steps 20   # profile 20 busy steps
     python scripts/serve.py --profile-port 9999              # live capture from TensorBoard
+    python scripts/serve.py --model cfg_dir --load-format dummy  # random weights from config.json
 
 1. Parse the mesh (`--mesh tensor=8` style, over every device), load the weights onto it and
    build the engine (`EngineConfig` from the flags).
@@ -33,6 +34,7 @@ import _path  # noqa: F401
 
 logger = logging.getLogger("serve")
 
+LOAD_FORMATS = ("auto", "dummy")  # jaxinfer.loader.LOAD_FORMATS (not imported: no JAX before startup)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
@@ -56,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: float32 on CPU, bfloat16 on accelerators")
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="'auto': the checkpoint's weights; 'dummy': random weights of the right "
+                        "shapes, made on the devices from --model's config.json (or GGUF metadata) "
+                        "and tokenizer, for benchmarking without the weights")
     e = p.add_argument_group("engine")
     e.add_argument("--page-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=64)
@@ -77,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--attention-backend", default=None,
                    choices=("auto", "reference", "cpu", "gpu", "tpu"),
                    help="'auto': the platform's kernel (compiled C++ on CPU, Pallas on GPU/TPU); "
-                        "default: 'auto' on CPU, 'reference' on GPU/TPU")
+                        "default: 'auto' on CPU and GPU, 'reference' on TPU")
     e.add_argument("--linear-backend", default=None, choices=("auto", "xla", "cpu"),
                    help="dense products: 'cpu' runs steps of <= 8 float32 token rows through the "
                         "compiled CPU kernel (decode), 'xla' always uses XLA's dot; "
@@ -148,7 +154,7 @@ def build_engine(args: argparse.Namespace):
                            max_model_len=max_model_len or 2048, **options), sizes
     from jaxinfer.loader import load_model
 
-    model = load_model(args.model, dtype=args.dtype, mesh=mesh)
+    model = load_model(args.model, dtype=args.dtype, mesh=mesh, load_format=args.load_format)
     config = EngineConfig(dtype=model.dtype, max_model_len=max_model_len, mesh=args.mesh, **options)
     if args.max_model_len is None and max_model_len:  # our CPU default, not the user's: cap it
         config = dataclasses.replace(
@@ -169,7 +175,8 @@ def summary(server, engine, args, load_s: float, ready_s: float) -> str:
         f"jaxinfer server ready in {ready_s:.1f}s (load {load_s:.1f}s, warmup "
         f"{ready_s - load_s:.1f}s, {server.engine_loop.compiled_programs} programs)",
         f"  model     {info.name} ({info.architecture}, {cfg.num_params() / 1e6:.1f}M params, "
-        f"{info.dtype}{', FAKE RUNNER' if args.fake_runner else ''})",
+        f"{info.dtype}{', FAKE RUNNER' if args.fake_runner else ''}"
+        f"{', DUMMY WEIGHTS' if args.load_format == 'dummy' and not args.fake_runner else ''})",
         f"  devices   {devices[0].platform} x{len(devices)} ({devices[0].device_kind}); mesh {mesh}; "
         f"attention {info.attention_backend}; linear {info.linear_backend}",
         f"  kv cache  {cap.num_pages} pages x {info.page_size} tokens = {cap.max_tokens} tokens; "
@@ -187,7 +194,7 @@ def summary(server, engine, args, load_s: float, ready_s: float) -> str:
 
 
 # Flags that shape the engine: in multi-host mode every process uses process 0's values.
-ENGINE_FLAGS = ("model", "dtype", "page_size", "max_num_seqs", "max_num_batched_tokens",
+ENGINE_FLAGS = ("model", "dtype", "load_format", "page_size", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "kv_cache_memory", "num_pages", "no_prefix_caching", "mesh",
                 "attention_backend", "linear_backend", "no_warmup", "long_prefill_token_threshold",
                 "no_async_scheduling")
