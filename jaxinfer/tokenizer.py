@@ -455,6 +455,28 @@ class Tokenizer:
             chat_template=metadata.get("tokenizer.chat_template"),
         )
 
+    @classmethod
+    def placeholder(
+        cls,
+        vocab_size: int,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        source: str = "placeholder vocabulary",
+    ) -> Tokenizer:
+        """A vocabulary of `vocab_size` pieces `<0>`, `<1>`, ... (whitespace-separated; unknown
+        words encode to id 0): for models built from a config alone (`load_format="dummy"`
+        without tokenizer files), which are fed token ids and whose text is only a rendering.
+        """
+        if vocab_size < 1:
+            raise TokenizerError(f"{source}: vocab_size must be >= 1, got {vocab_size}")
+        tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+            {f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        return cls(_TokenizersBackend(tok, source), bos_token_id=bos_token_id,
+                   eos_token_ids=eos_token_ids, pad_token_id=None, unk_token_id=0,
+                   add_bos_token=False, add_eos_token=False, chat_template=None)
+
     @property
     def special_token_ids(self) -> frozenset[int]:
         """Ids `decode(..., skip_special_tokens=True)` drops."""

@@ -4,6 +4,7 @@
     python scripts/serve.py --model path/to/model.gguf --port 50051 --metrics-port 8000
     python scripts/serve.py --trace-dir /tmp/trace --trace-steps 20   # profile 20 busy steps
     python scripts/serve.py --profile-port 9999              # live capture from TensorBoard
+    python scripts/serve.py --model cfg_dir --load-format dummy  # random weights from config.json
 
 1. The front end (this process) reads the model's config and tokenizer (no weights, no device)
    and spawns the engine-core process (`jaxinfer.engine.core_client`), which parses the mesh
@@ -34,6 +35,7 @@ import _path  # noqa: F401
 
 logger = logging.getLogger("serve")
 
+LOAD_FORMATS = ("auto", "dummy")  # jaxinfer.loader.LOAD_FORMATS (not imported: no JAX before startup)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
@@ -57,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: float32 on CPU, bfloat16 on accelerators")
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="'auto': the checkpoint's weights; 'dummy': random weights of the right "
+                        "shapes, made on the devices from --model's config.json (or GGUF metadata) "
+                        "and tokenizer, for benchmarking without the weights")
     e = p.add_argument_group("engine")
     e.add_argument("--page-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=64)
@@ -78,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--attention-backend", default=None,
                    choices=("auto", "reference", "cpu", "gpu", "tpu"),
                    help="'auto': the platform's kernel (compiled C++ on CPU, Pallas on GPU/TPU); "
-                        "default: 'auto' on CPU, 'reference' on GPU/TPU")
+                        "default: 'auto' on CPU and GPU, 'reference' on TPU")
     e.add_argument("--linear-backend", default=None, choices=("auto", "xla", "cpu"),
                    help="dense products: 'cpu' runs steps of <= 8 float32 token rows through the "
                         "compiled CPU kernel (decode), 'xla' always uses XLA's dot; "
@@ -136,7 +142,8 @@ def engine_args(args: argparse.Namespace):
     return EngineArgs(model=args.model, dtype=args.dtype, mesh=args.mesh,
                       max_model_len=args.max_model_len, options=options,
                       attention_backend=args.attention_backend, linear_backend=args.linear_backend,
-                      fake_runner=args.fake_runner, fake_step_delay=args.fake_step_delay)
+                      fake_runner=args.fake_runner, fake_step_delay=args.fake_step_delay,
+                      load_format=args.load_format)
 
 
 def loop_options(args: argparse.Namespace):
@@ -159,7 +166,8 @@ def summary(server, args, load_s: float, ready_s: float) -> str:
         f"jaxinfer server ready in {ready_s:.1f}s (front end {load_s:.1f}s, engine load + warmup "
         f"{ready_s - load_s:.1f}s, {server.engine_loop.compiled_programs} programs; {where})",
         f"  model     {info.name} ({info.architecture}, {cfg.num_params() / 1e6:.1f}M params, "
-        f"{info.dtype}{', FAKE RUNNER' if args.fake_runner else ''})",
+        f"{info.dtype}{', FAKE RUNNER' if args.fake_runner else ''}"
+        f"{', DUMMY WEIGHTS' if args.load_format == 'dummy' and not args.fake_runner else ''})",
         f"  devices   {core.get('devices', '?')}; mesh {mesh}; "
         f"attention {info.attention_backend}; linear {info.linear_backend}",
         f"  kv cache  {cap.num_pages} pages x {info.page_size} tokens = {cap.max_tokens} tokens; "
@@ -177,7 +185,7 @@ def summary(server, args, load_s: float, ready_s: float) -> str:
 
 
 # Flags that shape the engine: in multi-host mode every process uses process 0's values.
-ENGINE_FLAGS = ("model", "dtype", "page_size", "max_num_seqs", "max_num_batched_tokens",
+ENGINE_FLAGS = ("model", "dtype", "load_format", "page_size", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "kv_cache_memory", "num_pages", "no_prefix_caching", "mesh",
                 "attention_backend", "linear_backend", "no_warmup", "long_prefill_token_threshold",
                 "no_async_scheduling")

