@@ -126,6 +126,11 @@ def test_core_process_death_fails_requests_and_stops_serving(tok):
         st.stop()
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
@@ -141,14 +146,12 @@ def test_front_end_death_ends_the_core_process():
         for line in proc.stderr:
             if "server ready" in line:
                 break
-        cores = [p for p in _children(proc.pid)
-                 if "spawn_main" in open(f"/proc/{p}/cmdline").read() and
-                 "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
+        cores = [p for p in _children(proc.pid) if "spawn_main" in _read(f"/proc/{p}/cmdline")]
         assert len(cores) == 1, cores
         proc.kill()  # no chance to say "shutdown"
         proc.wait(10)
         _wait(lambda: not os.path.exists(f"/proc/{cores[0]}")
-              or open(f"/proc/{cores[0]}/stat").read().split()[2] == "Z", timeout=15)
+              or _read(f"/proc/{cores[0]}/stat").split()[2] == "Z", timeout=15)
     finally:
         if proc.poll() is None:
             proc.kill()
