@@ -123,6 +123,36 @@ def load_tokenizer(kind: str, handle: Any, path: str) -> Tokenizer:
     return Tokenizer.from_path(path)
 
 
+def source_hf_config(path: str, kind: str, handle: Any) -> dict[str, Any]:
+    """The HF-style config of an opened source."""
+    if kind == "orbax":
+        return load_hf_config(path)
+    return handle.hf_config() if kind == "gguf" else handle.config
+
+
+def load_model_info(model: str | os.PathLike | None = None, *,
+                    load_format: str = "auto") -> LoadedModel:
+    """Config and tokenizer of a model without its weights (`params` None; no device touched):
+    what a serving front end needs while the engine-core process loads the weights."""
+    check_load_format(load_format)
+    path = resolve_model_path(model)
+    name = os.path.basename(os.path.normpath(path))
+    if load_format == "dummy":
+        hf_config, tokenizer = _dummy_source(path)
+        return LoadedModel(name=name, path=path, source="dummy", cfg=ModelConfig.from_hf(hf_config),
+                           hf_config=hf_config, params=None, tokenizer=tokenizer, dtype="")
+    kind, handle = open_source(path)
+    try:
+        hf_config = source_hf_config(path, kind, handle)
+        cfg = ModelConfig.from_hf(hf_config)
+        tokenizer = load_tokenizer(kind, handle, path)
+    finally:
+        if kind == "hf":
+            handle.close()
+    return LoadedModel(name=name, path=path, source=kind, cfg=cfg, hf_config=hf_config,
+                       params=None, tokenizer=tokenizer, dtype="")
+
+
 def _resolve_dtype(dtype: str | None) -> str:
     dtype = dtype or default_dtype()
     if dtype not in params_lib.DTYPES:
@@ -206,10 +236,7 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
     """Step 3 of the module docstring, for a source `open_source(path)` has opened."""
     dtype = _resolve_dtype(dtype)
     jdtype = params_lib.DTYPES[dtype]
-    if kind == "orbax":
-        hf_config = load_hf_config(path)
-    else:
-        hf_config = handle.hf_config() if kind == "gguf" else handle.config
+    hf_config = source_hf_config(path, kind, handle)
     cfg = ModelConfig.from_hf(hf_config)
     tokenizer = load_tokenizer(kind, handle, path)
     specs = llama.param_specs(cfg, jdtype)

@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 import datetime
 import json
 import os
@@ -540,6 +541,20 @@ class Tokenizer:
         """The text one token stands for, special tokens included ("<|im_end|>", " the")."""
         return self.decode([token_id], skip_special_tokens=False)
 
+    def warm(self) -> None:
+        """Does once what a server's first request would pay for: compiles the chat template
+        (its error, if any, is left for the chat requests to report) and runs encode, decode and
+        one streaming detokenizer."""
+        ids = self.encode("Hello, world.")
+        self.decode(ids)
+        detokenizer = self.detokenizer(ids[:1])
+        for token_id in ids[1:]:
+            detokenizer.add(token_id)
+        detokenizer.flush()
+        if self.chat_template is not None:
+            with contextlib.suppress(TokenizerError):
+                self.encode_chat([{"role": "user", "content": "Hello."}])
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
@@ -592,8 +607,15 @@ class Tokenizer:
 
     def detokenizer(
         self, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
-    ) -> IncrementalDetokenizer:
-        """A streaming decoder for the ids generated after `prompt_ids`."""
+    ) -> IncrementalDetokenizer | StreamDetokenizer:
+        """A streaming decoder for the ids generated after `prompt_ids` (`add` / `flush`).
+
+        `tokenizers` vocabularies (tokenizer.json, GGUF BPE) stream through the library's
+        `DecodeStream` (one incremental decode per token); SentencePiece ones re-decode a
+        sliding window of ids.
+        """
+        if isinstance(self._backend, _TokenizersBackend):
+            return StreamDetokenizer(self, prompt_ids, skip_special_tokens=skip_special_tokens)
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens=skip_special_tokens)
 
     def _check_ids(self, ids: Sequence[int]) -> list[int]:
@@ -653,6 +675,44 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)
         self._released_text = self._decode(self._ids)
         return delta
+
+
+class StreamDetokenizer:
+    """`IncrementalDetokenizer`'s contract over `tokenizers.decoders.DecodeStream`.
+
+    The stream starts from the last few prompt ids (so a first word keeps its leading space);
+    ids that do not complete a character yet are remembered, so `flush` can release them as
+    U+FFFD when the request ends.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._tok = tokenizer._backend.tok
+        self._skip = skip_special_tokens
+        context = tokenizer._check_ids(list(prompt_ids)[-_DETOKENIZER_PROMPT_CONTEXT:])
+        self._stream = decoders.DecodeStream(context, skip_special_tokens=skip_special_tokens)
+        self._held: list[int] = []  # ids fed since the last text came out
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated id; return the text it completes (often "", never half a character)."""
+        (tid,) = self._tokenizer._check_ids([token_id])
+        text = self._stream.step(self._tok, tid)
+        if text is None:
+            self._held.append(tid)
+            return ""
+        self._held.clear()
+        return text
+
+    def flush(self) -> str:
+        """Return whatever is still held back (incomplete bytes come out as U+FFFD)."""
+        held, self._held = self._held, []
+        return self._tok.decode(held, skip_special_tokens=self._skip) if held else ""
 
 
 def _read_json(path: Path) -> dict[str, Any]:

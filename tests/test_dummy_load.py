@@ -106,8 +106,12 @@ def test_serve_builds_a_dummy_engine(checkpoint):
     args = serve.build_parser().parse_args(
         ["--model", checkpoint[1], "--load-format", "dummy", "--page-size", "4", "--num-pages",
          "16", "--max-model-len", "32", "--max-num-seqs", "2", "--max-num-batched-tokens", "8"])
-    engine, _ = serve.build_engine(args)
-    assert engine.model.source == "dummy"
+    from serving.launch import build_core, frontend_model
+
+    eargs = serve.engine_args(args)
+    assert frontend_model(eargs).params is None  # the front end reads no weights
+    core = build_core(eargs)
+    assert core.runner.params is not None and core.config.num_pages == 16
     assert serve.LOAD_FORMATS == LOAD_FORMATS
     assert "load_format" in serve.ENGINE_FLAGS  # multi-host: every process on process 0's choice
     with pytest.raises(SystemExit):
