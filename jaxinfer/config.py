@@ -20,8 +20,10 @@ import re
 from typing import Any
 
 # NOTE: model_type -> family defaults. Every family here runs through `jaxinfer.models.llama`.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+                         "mixtral", "qwen3_moe")
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 # NOTE: MoE config fields that only matter when training (load-balancing loss, router noise); they
 # are accepted and ignored. Every other MoE field either changes the math we run or raises.
 MOE_TRAINING_ONLY_FIELDS = ("router_aux_loss_coef", "output_router_logits", "router_jitter_noise")
@@ -77,6 +79,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # Gemma 2: sm_scale = scalar ** -0.5
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    # Gemma 3: the rotary embedding of the sliding-window layers (`rope` is the global layers').
+    local_rope: RopeConfig | None = None
     # Per layer: the sliding window (number of keys a query may see, itself included) or None.
     layer_windows: tuple[int | None, ...] = ()
     # Mixture of experts (Mixtral, Qwen3-MoE): 0 experts = dense everywhere.
@@ -130,18 +134,34 @@ def _require(hf: dict[str, Any], key: str) -> Any:
 
 
 # `rope_theta` when a config.json leaves it out: each family's own HF config class default.
-DEFAULT_ROPE_THETA = {"mixtral": 1e6}
+DEFAULT_ROPE_THETA = {"mixtral": 1e6, "gemma3_text": 1e6}
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # HF Gemma3TextConfig's `rope_local_base_freq` default
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters` (theta inside); older configs write `rope_theta` and
     # `rope_scaling`. Accept both.
     params = dict(hf.get("rope_parameters") or {})
+    if "full_attention" in params:  # transformers >= 5 Gemma 3: one dict per layer type
+        params = dict(params["full_attention"] or {})
     legacy = hf.get("rope_scaling")
     if legacy:
         params = {**dict(legacy), **params}
     default_theta = DEFAULT_ROPE_THETA.get(hf.get("model_type"), 10000.0)
     theta = float(params.pop("rope_theta", hf.get("rope_theta", default_theta)))
+    return _rope_config(hf, params, theta)
+
+
+def _local_rope_from_hf(hf: dict[str, Any]) -> RopeConfig | None:
+    """Gemma 3's sliding-window layers: their own base (`rope_local_base_freq`), never scaled."""
+    if hf.get("model_type") != "gemma3_text":
+        return None
+    params = dict((hf.get("rope_parameters") or {}).get("sliding_attention") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_THETA))
+    return _rope_config(hf, params, theta)
+
+
+def _rope_config(hf: dict[str, Any], params: dict[str, Any], theta: float) -> RopeConfig:
     rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedConfigError(
@@ -178,6 +198,14 @@ def _layer_windows(hf: dict[str, Any], model_type: str, num_layers: int) -> tupl
             # Gemma 2 alternates: even layers sliding, odd layers global.
             layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
                            for i in range(num_layers)]
+        elif model_type == "gemma3_text":
+            # Gemma 3: every `sliding_window_pattern`-th layer is global (5 local : 1 global).
+            pattern = hf.get("sliding_window_pattern")
+            pattern = 6 if pattern is None else int(pattern)
+            if pattern < 1:
+                raise UnsupportedConfigError(f"sliding_window_pattern must be >= 1, got {pattern}")
+            layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                           for i in range(num_layers)]
         else:
             layer_types = ["sliding_attention" if window else "full_attention"] * num_layers
     if len(layer_types) != num_layers:
@@ -198,6 +226,12 @@ def _layer_windows(hf: dict[str, Any], model_type: str, num_layers: int) -> tupl
 
 def _from_hf(hf: dict[str, Any]) -> ModelConfig:
     model_type = hf.get("model_type")
+    if model_type == "gemma3" and isinstance(hf.get("text_config"), dict):
+        # The multimodal Gemma 3 wrapper: the text model is all we serve.
+        text = hf["text_config"]
+        hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **text,
+              "model_type": "gemma3_text"}
+        model_type = "gemma3_text"
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = hf.get("architectures")
         raise UnsupportedConfigError(
@@ -212,7 +246,7 @@ def _from_hf(hf: dict[str, Any]) -> ModelConfig:
             f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     head_dim = int(hf.get("head_dim") or hidden // heads)
     num_layers = int(_require(hf, "num_hidden_layers"))
-    gemma = model_type in ("gemma", "gemma2")
+    gemma = model_type in GEMMA_MODEL_TYPES
 
     act_name = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     if gemma and act_name == "gelu":
@@ -244,20 +278,27 @@ def _from_hf(hf: dict[str, Any]) -> ModelConfig:
         activation=SUPPORTED_ACTIVATIONS[act_name],
         qkv_bias=model_type == "qwen2" or attention_bias,
         o_bias=attention_bias and model_type not in ("qwen2",),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         norm_offset=1.0 if gemma else 0.0,
         embed_scale=gemma,
-        sandwich_norm=model_type == "gemma2",
-        query_pre_attn_scalar=(float(hf["query_pre_attn_scalar"])
-                               if model_type == "gemma2" and hf.get("query_pre_attn_scalar")
-                               else None),
+        sandwich_norm=model_type in ("gemma2", "gemma3_text"),
+        query_pre_attn_scalar=_query_pre_attn_scalar(hf, model_type),
         attn_logit_softcap=(float(hf["attn_logit_softcapping"])
                             if hf.get("attn_logit_softcapping") else None),
         final_logit_softcap=(float(hf["final_logit_softcapping"])
                              if hf.get("final_logit_softcapping") else None),
+        local_rope=_local_rope_from_hf(hf),
         layer_windows=_layer_windows(hf, model_type, num_layers),
         **moe,
     )
+
+
+def _query_pre_attn_scalar(hf: dict[str, Any], model_type: str) -> float | None:
+    if model_type == "gemma3_text":  # HF Gemma3TextConfig default: 256
+        return float(hf.get("query_pre_attn_scalar") or 256)
+    if model_type == "gemma2" and hf.get("query_pre_attn_scalar"):
+        return float(hf["query_pre_attn_scalar"])
+    return None
 
 
 _MOE_FIELD = re.compile(r"expert|router|moe|topk|top_k|sparse|routed|n_group")

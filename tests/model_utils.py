@@ -32,6 +32,13 @@ FAMILIES: dict[str, dict] = {
     "gemma2": dict(model_type="gemma2", num_hidden_layers=4, tie_word_embeddings=True,
                    sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=50.0,
                    final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh"),
+    # 2 sliding : 1 global (sliding_window_pattern=3); local and global RoPE bases differ, the
+    # global one linearly scaled; QK-norm, sandwich norms, query_pre_attn_scalar.
+    "gemma3": dict(model_type="gemma3_text", num_hidden_layers=4, tie_word_embeddings=True,
+                   sliding_window=8, sliding_window_pattern=3, query_pre_attn_scalar=24,
+                   rope_theta=1e6, rope_local_base_freq=100.0,
+                   rope_scaling=dict(rope_type="linear", factor=4.0),
+                   hidden_activation="gelu_pytorch_tanh"),
 }
 
 

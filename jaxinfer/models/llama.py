@@ -1,7 +1,8 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, SmolLM2.
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, SmolLM2.
 
 One decoder, switched by `ModelConfig` fields (QKV bias, QK-norm, (1+w) norms, embedding scale,
-GeGLU, sandwich norms, soft-caps, per-layer sliding windows).
+GeGLU, sandwich norms, soft-caps, per-layer sliding windows, a separate RoPE for the sliding-window
+layers as in Gemma 3).
 
 1. `param_specs(cfg, dtype)` declares every weight once (shape, dtype, logical axes). Linear
    weights are stored `[in, out]` (split per head where heads matter) so no weight is transposed
@@ -331,6 +332,10 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
         q = q.reshape(t, hq, d)
         k = k.reshape(t, hkv, d)
         v = v.reshape(t, hkv, d)
+    if cfg.local_rope is not None:  # Gemma 3: [global | local] tables, picked by the layer's kind
+        half = cfg.head_dim // 2
+        pick = slice(half, None) if window is not None else slice(0, half)
+        cos, sin = cos[:, pick], sin[:, pick]
     if cfg.qk_norm:
         with jax.named_scope("qk_norm"):
             q = layers.rms_norm(q, p.q_norm, cfg.rms_norm_eps, cfg.norm_offset)
@@ -399,6 +404,16 @@ def final_logits(params: Params, cfg: ModelConfig, h: jax.Array, linear: str = "
     return layers.soft_cap(logits.astype(jnp.float32), cfg.final_logit_softcap)
 
 
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin f32[T, D/2] for positions i32[T]; with `cfg.local_rope` (Gemma 3) f32[T, D]: the
+    global layers' half, then the sliding-window layers' half (each layer slices its own)."""
+    cos, sin = layers.rope_cos_sin(cfg, positions)
+    if cfg.local_rope is None:
+        return cos, sin
+    cos_l, sin_l = layers.rope_cos_sin(cfg, positions, rope=cfg.local_rope)
+    return jnp.concatenate([cos, cos_l], axis=-1), jnp.concatenate([sin, sin_l], axis=-1)
+
+
 def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
                    kv_caches: tuple[jax.Array, ...], kernels: Kernels, par: Parallel):
     """The model on local shards (the whole model when `par` is all ones)."""
@@ -407,7 +422,7 @@ def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
     with jax.named_scope("embed"):
         h = embed_tokens(params.embed, cfg, step.token_ids, par)
     with jax.named_scope("rope_tables"):
-        cos, sin = layers.rope_cos_sin(cfg, step.positions)
+        cos, sin = rope_tables(cfg, step.positions)
     new_caches = []
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
@@ -428,7 +443,7 @@ def _forward_pipelined(params: Params, cfg: ModelConfig, step: StepInputs,
         h = embed_tokens(params.embed, cfg, step.token_ids.reshape(-1), par).reshape(m, t, -1)
     with jax.named_scope("rope_tables"):
         cos, sin = (x.reshape(m, t, *x.shape[1:])
-                    for x in layers.rope_cos_sin(cfg, step.positions.reshape(-1)))
+                    for x in rope_tables(cfg, step.positions.reshape(-1)))
 
     def layer_fn(p, window, x, mb_step, mb_cos, mb_sin, kv_cache):
         return _decoder_layer(p, cfg, window, x, mb_step, mb_cos, mb_sin, kv_cache, kernels, par)
