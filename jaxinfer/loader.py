@@ -33,7 +33,7 @@ from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
 from jaxinfer.default_model import default_model_path
 from jaxinfer.engine import multihost
-from jaxinfer.models import llama
+from jaxinfer.models import family_of
 from jaxinfer.tokenizer import Tokenizer
 
 GGUF_TOKENIZER_FILE = "gguf_tokenizer.json"  # tokenizer.* metadata of a converted GGUF model
@@ -144,7 +144,8 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
         hf_config = handle.hf_config() if kind == "gguf" else handle.config
     cfg = ModelConfig.from_hf(hf_config)
     tokenizer = load_tokenizer(kind, handle, path)
-    specs = llama.param_specs(cfg, jdtype)
+    family = family_of(cfg)
+    specs = family.param_specs(cfg, jdtype)
     if mesh is None:
         mesh = shd.make_mesh(None)
 
@@ -164,7 +165,7 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
             return multihost.device_put_global(x, shd.named_sharding(mesh, spec.logical_axes, rules))
 
         try:
-            params = llama.params_from_hf(cfg, handle.tensor_names(), handle.tensor, jdtype, put)
+            params = family.params_from_hf(cfg, handle.tensor_names(), handle.tensor, jdtype, put)
         except CheckpointError:
             raise
         except ValueError as e:  # missing, unexpected or mis-shaped tensors: name the checkpoint

@@ -37,6 +37,7 @@ from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner import Launched, ModelRunner, TokenLogprobs
 from jaxinfer.engine.scheduler import RunnerOutput, Scheduler
 from jaxinfer.loader import LoadedModel
+from jaxinfer.models import family_of
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import IncrementalDetokenizer
 
@@ -106,10 +107,9 @@ class LLMEngine:
                                max_num_seqs=config.max_num_seqs, num_pages=config.num_pages)
         self.mesh = shd.make_mesh(config.mesh or None)
         data, shards = sizes[shd.DATA], shd.Parallel(**sizes).dense
-        # Bytes one page takes on one device (its share of the KV heads).
-        kv_heads = shd.kv_cache_heads(self.cfg.num_kv_heads, shards) // shards
-        page_bytes = (config.page_size * 2 * kv_heads * self.cfg.head_dim
-                      * self.cfg.num_layers * (4 if config.dtype == "float32" else 2))
+        # Bytes one page takes on one device (its share of the KV heads; MLA: the latent rows).
+        page_bytes = config.page_size * family_of(self.cfg).kv_cache_bytes_per_token(
+            self.cfg, shd.Parallel(**sizes), 4 if config.dtype == "float32" else 2)
         pages_for_all = (config.max_num_seqs // data) * -(-max_model_len // config.page_size) + 1
         num_pages = config.num_pages
         if num_pages is None:  # per device = per replica, then the total over replicas

@@ -37,6 +37,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxinfer import attention as attention_lib
 from jaxinfer import layers, moe
 from jaxinfer import pipeline as pipeline_lib
 from jaxinfer.attention import attention
@@ -50,6 +51,7 @@ from jaxinfer.sharding import (
     TENSOR,
     Parallel,
     dense_axes,
+    kv_cache_heads,
     kv_heads_split,
     model_rules,
 )
@@ -266,43 +268,65 @@ def params_from_hf(
 
     `put(host_array, spec)` places each weight (e.g. `jax.device_put` onto its sharding).
     """
-    put = put or (lambda x, spec: jnp.asarray(x))
-    specs = param_specs(cfg, dtype)
     names = list(names)
-    name_map = _hf_name_map(cfg, names)
-    unexpected = [n for n in names if n not in name_map and not _IGNORED.match(n)
-                  and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    return fill_params(
+        param_specs(cfg, dtype), _hf_name_map(cfg, names), names, get_tensor, put,
+        what=cfg.model_type,
+        skip=lambda n: bool(_IGNORED.match(n)) or (cfg.tie_word_embeddings and n == "lm_head.weight"))
+
+
+def fill_params(
+    specs: Any,
+    name_map: dict[str, tuple | list[tuple]],
+    names: list[str],
+    get_tensor: Callable[[str], np.ndarray],
+    put: Callable[[np.ndarray, ParamSpec], Any] | None,
+    *,
+    what: str,
+    skip: Callable[[str], bool],
+) -> Any:
+    """The spec tree `specs` filled from the checkpoint tensors `names` through `name_map`.
+
+    `name_map[name]` is one entry `(path, transform[, slot])` (see `_hf_name_map`) or a list of
+    them (one tensor feeding several leaves); names `skip` accepts are ignored. Raises on
+    unexpected, missing or mis-shaped tensors, naming them.
+    """
+    put = put or (lambda x, spec: jnp.asarray(x))
+    unexpected = [n for n in names if n not in name_map and not skip(n)]
     if unexpected:
-        raise ValueError(f"unexpected tensors in checkpoint for {cfg.model_type}: {unexpected[:8]}"
+        raise ValueError(f"unexpected tensors in checkpoint for {what}: {unexpected[:8]}"
                          + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
     missing = [n for n in name_map if n not in set(names)]
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {missing[:8]}"
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    entries = {n: e if isinstance(e, list) else [e] for n, e in name_map.items()}
     params = map_specs(lambda s: None, specs)
     fused: dict[tuple, np.ndarray] = {}  # path -> host buffer being filled slot by slot
     parts_left: dict[tuple, int] = {}  # path -> slots not yet filled
-    for path, _, *slot in name_map.values():
+    for path, _, *slot in (e for es in entries.values() for e in es):
         if slot:
             parts_left[path] = parts_left.get(path, 0) + 1
-    for name, (path, transform, *slot) in name_map.items():
-        spec = _get_path(specs, path)
+    for name, targets in entries.items():
         raw = np.asarray(get_tensor(name))
-        try:
-            value = transform(raw)
-        except ValueError:
-            raise ValueError(f"tensor {name!r} has shape {raw.shape}, which does not fit {spec.shape}") from None
-        if not slot:
-            params = _set_path(params, path, put(checked_array(name, value, spec), spec))
-            continue
-        index = slot[0] if isinstance(slot[0], tuple) else (..., slot[0], slice(None))
-        part_shape = np.broadcast_to(np.empty((), np.int8), spec.shape)[index].shape
-        part = dataclasses.replace(spec, shape=part_shape, logical_axes=(None,) * len(part_shape))
-        buf = fused.setdefault(path, np.empty(spec.shape, spec.dtype))
-        buf[index] = checked_array(name, value, part)
-        parts_left[path] -= 1
-        if not parts_left[path]:  # NOTE: slots never overlap; a leaf is placed once all are in
-            params = _set_path(params, path, put(fused.pop(path), spec))
+        for path, transform, *slot in targets:
+            spec = _get_path(specs, path)
+            try:
+                value = transform(raw)
+            except ValueError:
+                raise ValueError(f"tensor {name!r} has shape {raw.shape}, which does not fit "
+                                 f"{spec.shape}") from None
+            if not slot:
+                params = _set_path(params, path, put(checked_array(name, value, spec), spec))
+                continue
+            index = slot[0] if isinstance(slot[0], tuple) else (..., slot[0], slice(None))
+            part_shape = np.broadcast_to(np.empty((), np.int8), spec.shape)[index].shape
+            part = dataclasses.replace(spec, shape=part_shape, logical_axes=(None,) * len(part_shape))
+            buf = fused.setdefault(path, np.empty(spec.shape, spec.dtype))
+            buf[index] = checked_array(name, value, part)
+            parts_left[path] -= 1
+            if not parts_left[path]:  # NOTE: slots never overlap; a leaf is placed once all are in
+                params = _set_path(params, path, put(fused.pop(path), spec))
     return params
 
 
@@ -454,6 +478,19 @@ def _forward_pipelined(params: Params, cfg: ModelConfig, step: StepInputs,
     with jax.named_scope("logits"):
         logits = final_logits(params, cfg, h.reshape(-1, h.shape[-1]), kernels.linear)
     return logits, caches
+
+
+def kv_cache_shape(cfg: ModelConfig, backend: str | None, num_pages: int, page_size: int,
+                   par: Parallel = SINGLE) -> tuple[int, ...]:
+    """A layer's global cache shape, from the attention backend (`[P, page, 2*Hkv', D]`)."""
+    kv_heads = kv_cache_heads(cfg.num_kv_heads, par.dense)
+    return attention_lib.kv_cache_shape(backend, num_pages, page_size, kv_heads, cfg.head_dim)
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, par: Parallel, itemsize: int) -> int:
+    """Cache bytes one token takes on one device, over all layers (its share of the KV heads)."""
+    kv_heads = kv_cache_heads(cfg.num_kv_heads, par.dense) // par.dense
+    return 2 * kv_heads * cfg.head_dim * cfg.num_layers * itemsize
 
 
 def kv_cache_spec(cfg: ModelConfig, par: Parallel) -> PartitionSpec:
