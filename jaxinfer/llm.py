@@ -72,6 +72,9 @@ class LLM:
       model: a GGUF file, a Hugging Face model dir, or an orbax checkpoint dir written by
         `scripts/convert.py`; None is the embedded SmolLM2-135M-Instruct.
       dtype: "float32" or "bfloat16"; default float32 on CPU, bfloat16 on accelerators.
+      skip_tokenizer_init: load no tokenizer (a checkpoint without one loads): prompts are token
+        ids, outputs carry token ids with empty text, generation stops at the config's
+        `eos_token_id` or `stop_token_ids`; text prompts, `stop` strings and `chat` raise.
       **engine_options: `EngineConfig` fields (page_size, num_pages, kv_cache_memory,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, mesh,
         long_prefill_token_threshold), `attention_backend` and `linear_backend`. `mesh="tensor=4"`
@@ -80,14 +83,14 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
-                 **engine_options: Any) -> None:
+                 skip_tokenizer_init: bool = False, **engine_options: Any) -> None:
         backend = engine_options.pop("attention_backend", None)
         linear_backend = engine_options.pop("linear_backend", None)
         unknown = set(engine_options) - _ENGINE_OPTIONS
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(_ENGINE_OPTIONS)}")
         mesh = shd.make_mesh(engine_options.get("mesh") or None)  # a bad mesh fails before loading
-        self.model = load_model(model, dtype=dtype, mesh=mesh)
+        self.model = load_model(model, dtype=dtype, mesh=mesh, skip_tokenizer_init=skip_tokenizer_init)
         config = EngineConfig(dtype=self.model.dtype, **engine_options)
         self.engine = LLMEngine(self.model, config, attention_backend=backend,
                                 linear_backend=linear_backend)
@@ -109,6 +112,9 @@ class LLM:
                 rid = f"gen-{next(self._ids)}"
                 if isinstance(prompt, str) and not prompt:
                     raise ValueError("prompt is empty")
+                if isinstance(prompt, str) and self.tokenizer is None:
+                    raise ValueError("LLM(skip_tokenizer_init=True) takes prompts as token ids, "
+                                     "not text")
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 self.engine.add_request(ids, sp, request_id=rid)
                 order.append(rid)
@@ -137,5 +143,7 @@ class LLM:
     def chat(self, messages: list[dict[str, str]],
              sampling: SamplingParams | None = None) -> RequestOutput:
         """Renders the checkpoint's chat template (with the generation prompt) and generates."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init=True")
         ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         return self.generate([ids], sampling)[0]

@@ -7,7 +7,8 @@
    unsupported architecture is reported as such.
 3. `load_from_source` (what `load_model` calls after step 2; `checkpoints.convert` calls it with
    the handle it already holds) builds the `ModelConfig` from the source's HF-style config and the
-   tokenizer (before any weight is read, so a missing tokenizer fails fast), then fills the params
+   tokenizer (before any weight is read, so a missing tokenizer fails fast; none at all with
+   `skip_tokenizer_init`), then fills the params
    tree tensor by tensor (HF and GGUF sources) or restores it from orbax straight into the target
    shardings. On a pipeline mesh the params come back stacked by stage (`jaxinfer.pipeline`):
    orbax restores each layer onto its stage's devices, HF/GGUF tensors are read to the host and
@@ -47,8 +48,17 @@ class LoadedModel:
     cfg: ModelConfig
     hf_config: dict[str, Any]
     params: Any
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None when loaded with skip_tokenizer_init
     dtype: str
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The tokenizer's end-of-sequence ids; without a tokenizer, the config's `eos_token_id`."""
+        if self.tokenizer is not None:
+            return tuple(self.tokenizer.eos_token_ids)
+        eos = (self.hf_config or {}).get("eos_token_id")
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return tuple(int(e) for e in eos)
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> str:
@@ -116,13 +126,16 @@ def _resolve_dtype(dtype: str | None) -> str:
 
 
 def load_model(model: str | os.PathLike | None = None, *, dtype: str | None = None,
-               mesh: jax.sharding.Mesh | None = None) -> LoadedModel:
+               mesh: jax.sharding.Mesh | None = None,
+               skip_tokenizer_init: bool = False) -> LoadedModel:
     """Loads a GGUF file, a HF dir or an orbax checkpoint dir (None: the embedded default model).
 
     Args:
       model: the source path, or None for the embedded SmolLM2-135M-Instruct.
       dtype: "float32" or "bfloat16"; None is `default_dtype()`.
       mesh: where the params go; None is a one-device mesh.
+      skip_tokenizer_init: load no tokenizer (vLLM's name): token ids in and out, so a checkpoint
+        without tokenizer files loads; `tokenizer` is then None.
 
     Returns:
       The config, params (on `mesh`) and tokenizer.
@@ -130,11 +143,13 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | None = No
     path = resolve_model_path(model)
     dtype = _resolve_dtype(dtype)
     kind, handle = open_source(path)
-    return load_from_source(path, kind, handle, dtype=dtype, mesh=mesh)
+    return load_from_source(path, kind, handle, dtype=dtype, mesh=mesh,
+                            skip_tokenizer_init=skip_tokenizer_init)
 
 
 def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = None,
-                     mesh: jax.sharding.Mesh | None = None) -> LoadedModel:
+                     mesh: jax.sharding.Mesh | None = None,
+                     skip_tokenizer_init: bool = False) -> LoadedModel:
     """Step 3 of the module docstring, for a source `open_source(path)` has opened."""
     dtype = _resolve_dtype(dtype)
     jdtype = params_lib.DTYPES[dtype]
@@ -143,7 +158,7 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
     else:
         hf_config = handle.hf_config() if kind == "gguf" else handle.config
     cfg = ModelConfig.from_hf(hf_config)
-    tokenizer = load_tokenizer(kind, handle, path)
+    tokenizer = None if skip_tokenizer_init else load_tokenizer(kind, handle, path)
     family = family_of(cfg)
     specs = family.param_specs(cfg, jdtype)
     if mesh is None:

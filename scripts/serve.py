@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: float32 on CPU, bfloat16 on accelerators")
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer (a checkpoint without one serves): requests send "
+                        "token_ids, responses carry token ids with empty text")
     e = p.add_argument_group("engine")
     e.add_argument("--page-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=64)
@@ -148,7 +151,8 @@ def build_engine(args: argparse.Namespace):
                            max_model_len=max_model_len or 2048, **options), sizes
     from jaxinfer.loader import load_model
 
-    model = load_model(args.model, dtype=args.dtype, mesh=mesh)
+    model = load_model(args.model, dtype=args.dtype, mesh=mesh,
+                       skip_tokenizer_init=args.skip_tokenizer_init)
     config = EngineConfig(dtype=model.dtype, max_model_len=max_model_len, mesh=args.mesh, **options)
     if args.max_model_len is None and max_model_len:  # our CPU default, not the user's: cap it
         config = dataclasses.replace(
@@ -187,7 +191,7 @@ def summary(server, engine, args, load_s: float, ready_s: float) -> str:
 
 
 # Flags that shape the engine: in multi-host mode every process uses process 0's values.
-ENGINE_FLAGS = ("model", "dtype", "page_size", "max_num_seqs", "max_num_batched_tokens",
+ENGINE_FLAGS = ("model", "dtype", "skip_tokenizer_init", "page_size", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "kv_cache_memory", "num_pages", "no_prefix_caching", "mesh",
                 "attention_backend", "linear_backend", "no_warmup", "long_prefill_token_threshold",
                 "no_async_scheduling")

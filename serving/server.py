@@ -83,7 +83,8 @@ class GenerateServer:
         self.metrics = ServerMetrics()
         self.engine_loop = EngineLoop(engine, self.metrics, max_queue=max_queue, warmup=warmup,
                                       trace_dir=trace_dir, trace_steps=trace_steps)
-        self.vocab_size = min(engine.cfg.vocab_size, self.tokenizer.vocab_size)
+        self.vocab_size = (engine.cfg.vocab_size if self.tokenizer is None
+                           else min(engine.cfg.vocab_size, self.tokenizer.vocab_size))
         self.model_info = self._model_info(mesh_shape, max_queue)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -110,8 +111,8 @@ class GenerateServer:
                                  max_num_seqs=e.config.max_num_seqs,
                                  max_num_batched_tokens=e.config.max_num_batched_tokens,
                                  max_queue=max_queue),
-            eos_token_ids=list(self.tokenizer.eos_token_ids),
-            has_chat_template=self.tokenizer.chat_template is not None,
+            eos_token_ids=list(e.model.eos_token_ids),
+            has_chat_template=self.tokenizer is not None and self.tokenizer.chat_template is not None,
             attention_backend=e.runner.attention_backend,
             linear_backend=e.runner.linear_backend)
 
@@ -278,6 +279,10 @@ class GenerateServer:
                 raise protocol.InvalidArgument(
                     f"sampling.n must be 1 for GenerateOnce (got {sp.n}); stream with Generate")
             ids = await asyncio.to_thread(protocol.encode_input, self.tokenizer, req)
+            if self.tokenizer is None and sp.stop:
+                raise protocol.InvalidArgument("sampling.stop: stop strings need a tokenizer and "
+                                               "the server runs with --skip-tokenizer-init; use "
+                                               "sampling.stop_token_ids")
             protocol.check_prompt(ids, protocol.prompt_field(req), sp, vocab_size=self.vocab_size,
                                   max_model_len=self.engine.max_model_len,
                                   page_size=self.engine.config.page_size,
@@ -339,6 +344,9 @@ class GenerateServer:
         try:
             req = protocol.parse(pb.TokenizeRequest, data)
             add = req.add_special_tokens if req.HasField("add_special_tokens") else True
+            if self.tokenizer is None:
+                raise protocol.InvalidArgument("Tokenize needs a tokenizer; the server runs with "
+                                               "--skip-tokenizer-init")
             ids = await asyncio.to_thread(protocol.encode_input, self.tokenizer, req,
                                           add_special_tokens=add)
             pieces = [self.tokenizer.id_to_piece(i) for i in ids]

@@ -73,7 +73,7 @@ class _Sample:
     parent: str
     index: int
     request: Request
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None without a tokenizer: text stays empty
     stop: list[str]
     text: str = ""  # emitted so far
     pending: str = ""  # detokenized but held back (could be the start of a stop string)
@@ -170,6 +170,9 @@ class LLMEngine:
         """Validates, tokenizes and queues a request; returns its id. Bad input raises ValueError."""
         sampling = sampling or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if self.tokenizer is None and (isinstance(prompt, str) or sampling.stop):
+            raise ValueError("the model was loaded with skip_tokenizer_init=True: pass the prompt "
+                             "as token ids and stop on token ids (stop_token_ids), not strings")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -183,10 +186,10 @@ class LLMEngine:
             if sampling.n > 1 and sampling.seed is not None:
                 child_sp = dataclasses.replace(sampling, seed=(sampling.seed + 7919 * i) % 2**63)
             cid = request_id if sampling.n == 1 else f"{request_id}#{i}"
-            req = Request(cid, list(ids), child_sp, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+            req = Request(cid, list(ids), child_sp, eos_token_ids=self.model.eos_token_ids,
                           priority=priority)
-            children.append(_Sample(request_id, i, req, self.tokenizer.detokenizer(ids),
-                                    list(sampling.stop or [])))
+            detok = None if self.tokenizer is None else self.tokenizer.detokenizer(ids)
+            children.append(_Sample(request_id, i, req, detok, list(sampling.stop or [])))
         keys = {request_id, *(c.request.request_id for c in children)}
         with self._live_ids_lock:
             if keys & self._live_ids:
@@ -337,6 +340,8 @@ class LLMEngine:
 
     def _detokenize(self, s: _Sample, new_ids: list[int], finishing: bool) -> tuple[str, str | None]:
         """Returns (text to emit now, the stop string that matched or None)."""
+        if s.detok is None:  # no tokenizer (skip_tokenizer_init): token ids only
+            return "", None
         for tok in new_ids:
             s.pending += s.detok.add(tok)
         if finishing:
