@@ -71,3 +71,32 @@ def test_multimodal_wrapper_reads_text_config():
 def test_bad_fields_are_refused_by_name(overrides, match):
     with pytest.raises(UnsupportedConfigError, match=match):
         ModelConfig.from_hf(_hub_config(**overrides))
+
+
+def test_multimodal_checkpoint_loads_its_text_model(tmp_path):
+    """A Gemma3ForConditionalGeneration dir (no tokenizer): the text model's logits match HF."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import numpy as np
+
+    from jaxinfer.loader import load_model
+    from tests.model_utils import PagedStepper, rel_err
+
+    text = {k: v for k, v in hf_config_dict("gemma3").items() if k != "model_type"}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" in name:
+                p.copy_((0.1 if p.ndim == 1 else 0.15) * torch.randn(p.shape))
+    model.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, skip_tokenizer_init=True)
+    assert loaded.cfg == ModelConfig.from_hf(hf_config_dict("gemma3"))
+    toks = [int(t) for t in np.random.default_rng(0).integers(0, 256, 12)]
+    with torch.no_grad():
+        ref = model(torch.tensor([toks])).logits[0].float().numpy()
+    (ours,) = PagedStepper(loaded.params, loaded.cfg).step([(0, toks)])
+    assert rel_err(ours, ref) <= 1e-4

@@ -269,10 +269,33 @@ def params_from_hf(
     `put(host_array, spec)` places each weight (e.g. `jax.device_put` onto its sharding).
     """
     names = list(names)
+    if cfg.model_type == "gemma3_text":
+        names, get_tensor = _gemma3_text_view(names, get_tensor)
     return fill_params(
         param_specs(cfg, dtype), _hf_name_map(cfg, names), names, get_tensor, put,
         what=cfg.model_type,
         skip=lambda n: bool(_IGNORED.match(n)) or (cfg.tie_word_embeddings and n == "lm_head.weight"))
+
+
+# The multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration): its text model under these
+# prefixes (hub files / transformers 5 in memory), beside vision tensors we do not serve.
+_GEMMA3_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                         "language_model.lm_head.": "lm_head."}
+_GEMMA3_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                  "model.multi_modal_projector.")
+
+
+def _gemma3_text_view(names: list[str], get_tensor: Callable[[str], np.ndarray]):
+    """The text model's tensors of a multimodal Gemma 3 checkpoint under the text model's names
+    (a text-only checkpoint passes through unchanged); vision tensors are left out."""
+    renamed: dict[str, str] = {}
+    for name in names:
+        if name.startswith(_GEMMA3_VISION):
+            continue
+        new = next((to + name[len(frm):] for frm, to in _GEMMA3_TEXT_PREFIXES.items()
+                    if name.startswith(frm)), name)
+        renamed[new] = name
+    return list(renamed), lambda name: get_tensor(renamed.get(name, name))
 
 
 def fill_params(
