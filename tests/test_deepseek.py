@@ -231,3 +231,19 @@ def test_mtp_layers_are_skipped_and_unknown_tensors_raise():
     with pytest.raises(ValueError, match="unexpected tensors"):
         deepseek.params_from_hf(no_mtp, [*fake, *extra], get)
     assert specs.layers[1].mlp.router_bias.shape == (8,)
+
+
+@pytest.mark.parametrize("num_tokens,num_seqs,pages_per_seq", [(1, 1, 16), (1, 1, 12), (32, 4, 16)])
+def test_latent_cache_is_updated_in_place(num_tokens, num_seqs, pages_per_seq):
+    """The compiled step writes the donated latent caches in place (no whole-cache copy)."""
+    cfg = ModelConfig.from_hf(hf_config_dict("deepseek_v3"))
+    shape = deepseek.kv_cache_shape(cfg, "reference", 1024, 16)
+    caches = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for _ in range(cfg.num_layers))
+    arrays = build_step_arrays([(list(range(num_tokens)), 3, list(range(1, 9)))], 16,
+                               num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=pages_per_seq)
+    step = StepInputs(**{k: jnp.asarray(v) for k, v in arrays.items()})
+    hlo = deepseek.forward_jit.lower(params_lib.abstract(deepseek.param_specs(cfg)), cfg, step,
+                                     caches).compile().as_text()
+    dims = ",".join(map(str, shape))
+    entry = hlo[hlo.find("ENTRY"):]
+    assert not [line for line in entry.splitlines() if " copy(" in line and f"[{dims}]" in line]
