@@ -21,12 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer import moe
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig, ModelConfig, UnsupportedConfigError
-from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.engine.engine import LLMEngine, wait_all
 from jaxinfer.loader import LoadedModel
 from jaxinfer.models import deepseek, family_of
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.step import StepInputs, build_step_arrays
 from tests.model_utils import DEEPSEEK_FAMILIES, PagedStepper, hf_config_dict, rel_err
 
@@ -141,8 +143,14 @@ def _step(seqs, data=1):
     return StepInputs(**{k: jnp.asarray(v) for k, v in stacked.items()})
 
 
-@pytest.mark.parametrize("spec", ["expert=2,tensor=2", "data=2,tensor=2"])
-def test_mesh_equals_single_device(spec):
+@pytest.mark.parametrize("spec,a2a", [("expert=2,tensor=2", False), ("data=2,tensor=2", False),
+                                      ("expert=4", True)])
+def test_mesh_equals_single_device(spec, a2a, monkeypatch):
+    """Heads over expert x tensor, experts over expert; `a2a`: every step takes the all_to_all
+    dispatch (the router bias travels with the routing)."""
+    if a2a:
+        monkeypatch.setattr(moe, "A2A_MIN_TOKENS", 16)
+        jax.clear_caches()
     cfg, params = _random_model()
     devices = jax.devices()[:4]
     if len(devices) < 4:
@@ -173,6 +181,31 @@ def test_mesh_equals_single_device(spec):
         got = [g[r] for r in range(par.data) for g in got]
     for g, w in zip(got, want):
         assert rel_err(g, w) <= 1e-4
+    if a2a:
+        jax.clear_caches()  # no later test may reuse a program traced with the patched threshold
+
+
+@pytest.mark.slow
+def test_engine_greedy_tokens_on_mesh_equal_single_device():
+    """The engine (runner on a mesh: latent caches replicated over the head shards) generates the
+    single-device greedy tokens; no tokenizer (token ids only)."""
+    cfg, params = _random_model()
+    model = LoadedModel("tiny-ds", "<memory>", "random", cfg, {}, params, None, "float32")
+    prompts = [_tokens(n, s) for s, n in ((1, 9), (2, 4), (3, 13))]
+
+    def tokens(mesh):
+        engine = LLMEngine(model, EngineConfig(page_size=4, num_pages=40, max_model_len=64,
+                                               max_num_seqs=4, max_num_batched_tokens=16,
+                                               mesh=mesh))
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=8), request_id=str(i))
+        out = {str(i): [] for i in range(len(prompts))}
+        for delta in wait_all(engine):
+            out[delta.request_id] += delta.new_token_ids
+            assert delta.new_text == ""
+        return out
+
+    assert tokens("data=2,expert=2,tensor=2") == tokens("")
 
 
 def test_pipeline_mesh_is_refused():
