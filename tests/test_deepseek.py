@@ -210,6 +210,8 @@ def test_engine_greedy_tokens_on_mesh_equal_single_device():
 
 def test_pipeline_mesh_is_refused():
     cfg, params = _random_model()
+    with pytest.raises(ValueError, match="pipeline=1"):
+        shd.check_mesh(cfg, "pipeline=2,tensor=4", num_devices=8)
     mesh = shd.make_mesh("pipeline=2", devices=jax.devices()[:2])
     with pytest.raises(ValueError, match="pipeline"):
         deepseek.forward(params, cfg, _step([[(_tokens(3, 1), 0, [0])]]),
@@ -280,3 +282,40 @@ def test_latent_cache_is_updated_in_place(num_tokens, num_seqs, pages_per_seq):
     dims = ",".join(map(str, shape))
     entry = hlo[hlo.find("ENTRY"):]
     assert not [line for line in entry.splitlines() if " copy(" in line and f"[{dims}]" in line]
+
+
+HUB_V3 = {  # deepseek-ai/DeepSeek-V3 config.json (auto_map left out)"architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+ "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
+ "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
+ "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+ "model_type": "deepseek_v3", "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
+ "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+ "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+ "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+ "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
+ "rms_norm_eps": 1e-06,
+ "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+ "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+ "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+ "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280}
+HUB_V2_LITE = {  # deepseek-ai/DeepSeek-V2-Lite config.json (auto_map left out)"architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+ "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1,
+ "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944,
+ "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2",
+ "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64,
+ "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6,
+ "num_hidden_layers": 27, "num_key_value_heads": 16, "pretraining_tp": 1, "q_lora_rank": None,
+ "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+ "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096, "type": "yarn"},
+ "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
+ "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
+ "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 102400}
+
+
+@pytest.mark.parametrize("hf,billions,kv_bytes", [(HUB_V3, 671.0, 70272), (HUB_V2_LITE, 15.7, 31104)])
+def test_hub_configs_parse_and_count_the_published_parameters(hf, billions, kv_bytes):
+    """The hub's own config.json fields parse (training-only ones ignored, MTP layers counted out)
+    and give the published sizes; bf16 latent cache bytes per token over all layers."""
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.num_params() / 1e9 == pytest.approx(billions, abs=0.05)
+    assert deepseek.kv_cache_bytes_per_token(cfg, shd.Parallel(), 2) == kv_bytes
