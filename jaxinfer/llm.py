@@ -17,7 +17,7 @@ from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine, Usage
 from jaxinfer.engine.runner import TokenLogprobs
-from jaxinfer.loader import load_model
+from jaxinfer.loader import check_load_format, load_model
 from jaxinfer.sampling_params import SamplingParams
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype"}
@@ -72,6 +72,9 @@ class LLM:
       model: a GGUF file, a Hugging Face model dir, or an orbax checkpoint dir written by
         `scripts/convert.py`; None is the embedded SmolLM2-135M-Instruct.
       dtype: "float32" or "bfloat16"; default float32 on CPU, bfloat16 on accelerators.
+      load_format: "auto" loads the checkpoint's weights; "dummy" (vLLM's name) builds random
+        weights of the right shapes, dtype and shardings on the devices from the model's config
+        (a directory with `config.json` and the tokenizer files is enough): for benchmarks.
       skip_tokenizer_init: load no tokenizer (a checkpoint without one loads): prompts are token
         ids, outputs carry token ids with empty text, generation stops at the config's
         `eos_token_id` or `stop_token_ids`; text prompts, `stop` strings and `chat` raise.
@@ -83,14 +86,17 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
-                 skip_tokenizer_init: bool = False, **engine_options: Any) -> None:
+                 load_format: str = "auto", skip_tokenizer_init: bool = False,
+                 **engine_options: Any) -> None:
         backend = engine_options.pop("attention_backend", None)
         linear_backend = engine_options.pop("linear_backend", None)
         unknown = set(engine_options) - _ENGINE_OPTIONS
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(_ENGINE_OPTIONS)}")
+        check_load_format(load_format)
         mesh = shd.make_mesh(engine_options.get("mesh") or None)  # a bad mesh fails before loading
-        self.model = load_model(model, dtype=dtype, mesh=mesh, skip_tokenizer_init=skip_tokenizer_init)
+        self.model = load_model(model, dtype=dtype, mesh=mesh, load_format=load_format,
+                                skip_tokenizer_init=skip_tokenizer_init)
         config = EngineConfig(dtype=self.model.dtype, **engine_options)
         self.engine = LLMEngine(self.model, config, attention_backend=backend,
                                 linear_backend=linear_backend)
