@@ -7,9 +7,15 @@
 2. The gRPC server over an engine without a tokenizer (fake runner): token-id requests stream
    ids with empty text; text prompts, chat messages, stop strings and Tokenize are
    INVALID_ARGUMENT naming the flag; ModelInfo reports the config's EOS and no chat template.
+3. `serve.py --skip-tokenizer-init` as serve.py builds it: the flag reaches the front end (no
+   tokenizer) and the spawned engine-core process, which loads the tokenizer-less dir and
+   streams HF's greedy ids.
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import grpc
 import numpy as np
@@ -24,6 +30,7 @@ from serving.server import GenerateServer
 from serving.testing import FakeRunner, ServerThread, fake_stream
 
 EOS = 7
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -50,21 +57,29 @@ def test_tokenizer_less_dir_needs_the_flag(hf_dir):
     assert loaded.tokenizer is None and loaded.eos_token_ids == (EOS,)
 
 
-def test_llm_generates_token_ids_like_hf(hf_dir):
+def _prompts() -> list[list[int]]:
+    return [[int(t) for t in np.random.default_rng(s).integers(10, 256, n)]
+            for s, n in ((1, 9), (2, 5))]
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     import torch
 
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                              eos_token_id=EOS, pad_token_id=EOS)[0, len(prompt):].tolist()
+
+
+def test_llm_generates_token_ids_like_hf(hf_dir):
     from jaxinfer.llm import LLM
 
     path, model = hf_dir
     llm = LLM(str(path), skip_tokenizer_init=True, page_size=4, num_pages=48, max_model_len=64,
               max_num_seqs=2, max_num_batched_tokens=16)
-    prompts = [[int(t) for t in np.random.default_rng(s).integers(10, 256, n)]
-               for s, n in ((1, 9), (2, 5))]
+    prompts = _prompts()
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
     for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                 eos_token_id=EOS, pad_token_id=EOS)[0, len(prompt):].tolist()
+        ref = _hf_greedy(model, prompt, 12)
         assert out.token_ids == ref
         assert out.text == "" and out.finish_reason == ("stop" if ref[-1] == EOS else "length")
     with pytest.raises(ValueError, match="token ids"):
@@ -120,3 +135,44 @@ def test_server_without_tokenizer(srv):
         assert "skip-tokenizer-init" in err.value.details()
     finally:
         client.close()
+
+
+def test_serve_flag_reaches_front_end_and_core_process(hf_dir, monkeypatch):
+    import logging
+
+    from jaxinfer.engine.core_client import CoreSpec, ProcessCoreClient
+    from serving.launch import EngineArgs, build_core, frontend_model
+
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import serve
+    finally:
+        sys.path.pop(0)
+    path, model = hf_dir
+    argv = ["--model", str(path), "--page-size", "4", "--num-pages", "48", "--max-model-len",
+            "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--no-warmup"]
+    with pytest.raises(Exception, match="tokenizer"):  # without the flag the front end refuses
+        frontend_model(serve.engine_args(serve.build_parser().parse_args(argv)))
+    args = serve.build_parser().parse_args([*argv, "--skip-tokenizer-init"])
+    eargs = serve.engine_args(args)
+    assert eargs.skip_tokenizer_init and "skip_tokenizer_init" in serve.ENGINE_FLAGS
+    front = frontend_model(eargs)
+    assert front.tokenizer is None and front.eos_token_ids == (EOS,)
+    with pytest.raises(ValueError, match="fake_runner"):
+        EngineArgs(model=str(path), fake_runner=True, skip_tokenizer_init=True)
+    client = ProcessCoreClient(CoreSpec(build_core, {"args": eargs}, serve.loop_options(args)))
+    st = ServerThread(GenerateServer(model=front, core=client, max_num_seqs=2, metrics_port=None),
+                      timeout=240)
+    try:
+        gc = GenerateClient(st.address)
+        try:
+            assert list(gc.model_info().eos_token_ids) == [EOS]
+            for prompt in _prompts():
+                msgs = list(gc.stub.Generate(build_request(prompt, max_tokens=8, temperature=0.0)))
+                assert [t for m in msgs for t in m.token_ids] == _hf_greedy(model, prompt, 8)
+                assert all(m.text == "" for m in msgs)
+        finally:
+            gc.close()
+    finally:
+        st.stop()
