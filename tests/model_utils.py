@@ -173,3 +173,53 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
 
 def jax_devices_count() -> int:
     return len(jax.devices())
+
+
+def check_dummy_load(family: str, root, mesh: str = "", generate: str | None = None) -> None:
+    """`load_format="dummy"` from a directory holding only the config.json of a tiny HF `family`
+    checkpoint: the real load's tree, shapes, dtypes and shardings on `mesh`, finite random
+    values. `generate="placeholder"`: `LLM` over it (one device) generates in-vocabulary ids with
+    finite logprobs, rendered as `<id>`; `generate="ids"`: the same with `skip_tokenizer_init`,
+    empty text."""
+    import shutil
+
+    from jaxinfer import sharding as shd
+    from jaxinfer.llm import LLM
+    from jaxinfer.loader import load_model
+    from jaxinfer.sampling_params import SamplingParams
+
+    model, _ = make_hf_model(family)
+    real_dir, bare = root / "real", root / "config_only"
+    model.save_pretrained(real_dir, safe_serialization=True)
+    bare.mkdir()
+    shutil.copy(real_dir / "config.json", bare / "config.json")
+    mesh_obj = shd.make_mesh(mesh or None)
+    real = load_model(real_dir, dtype="float32", mesh=mesh_obj, skip_tokenizer_init=True)
+    dummy = load_model(bare, dtype="float32", mesh=mesh_obj, load_format="dummy",
+                       skip_tokenizer_init=True)
+    assert dummy.cfg == real.cfg and dummy.tokenizer is None and dummy.source == "dummy"
+    got = jax.tree_util.tree_flatten_with_path(dummy.params)[0]
+    want = jax.tree_util.tree_flatten_with_path(real.params)[0]
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (path, x), (_, y) in zip(got, want):
+        name = jax.tree_util.keystr(path)
+        assert (x.shape, x.dtype) == (y.shape, y.dtype), name
+        assert x.sharding.is_equivalent_to(y.sharding, x.ndim), name
+        v = np.asarray(x)
+        assert np.isfinite(v).all(), name
+        if v.ndim > 1:
+            assert v.std() > 0, name
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    engine = dict(page_size=4, num_pages=16, max_model_len=32, max_num_seqs=2,
+                  max_num_batched_tokens=8)
+    vocab = real.cfg.vocab_size
+    if generate is None:
+        return
+    llm = LLM(str(bare), load_format="dummy", skip_tokenizer_init=generate == "ids", **engine)
+    for o in llm.generate([[5, 6, 7], [9, 10]], sp):
+        assert len(o.token_ids) == 4 and all(0 <= t < vocab for t in o.token_ids)
+        assert all(np.isfinite(v) for lp in o.logprobs for v in lp.values())
+        if generate == "ids":
+            assert o.text == ""
+        else:
+            assert o.text.split() == [f"<{t}>" for t in o.token_ids]

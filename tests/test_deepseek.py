@@ -10,6 +10,8 @@
 4. On 8 virtual CPU devices, expert x tensor and data x tensor meshes give the single-device logits.
 5. Config fields we do not implement are refused by name; MTP layers are skipped at load, other
    unknown tensors raise.
+6. `load_format="dummy"` from a config.json alone: the real load's tree and shardings; the engine
+   generates over it.
 """
 
 from __future__ import annotations
@@ -319,3 +321,14 @@ def test_hub_configs_parse_and_count_the_published_parameters(hf, billions, kv_b
     cfg = ModelConfig.from_hf(hf)
     assert cfg.num_params() / 1e9 == pytest.approx(billions, abs=0.05)
     assert deepseek.kv_cache_bytes_per_token(cfg, shd.Parallel(), 2) == kv_bytes
+
+
+@pytest.mark.parametrize("mesh,generate", [
+    pytest.param("", "placeholder", marks=pytest.mark.slow),  # the engine's programs (~40 s)
+    ("data=2,expert=2,tensor=2", None)])
+def test_dummy_load_matches_a_real_load(tmp_path, mesh, generate):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.model_utils import check_dummy_load
+
+    check_dummy_load("deepseek_v3", tmp_path, mesh, generate)

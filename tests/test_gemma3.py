@@ -9,6 +9,7 @@ tests/test_consistency.py).
 3. Bad fields are refused by name.
 4. Chunked prefill beside decodes, past the 8-token window, matches HF's logits (f32, <= 1e-4).
 5. On `tensor=2` and `data=2,tensor=2` meshes the forward gives the single-device logits.
+6. `load_format="dummy"` from a config.json alone: the real load's tree and shardings.
 """
 
 from __future__ import annotations
@@ -180,3 +181,11 @@ def test_mesh_equals_single_device(spec):
         got = [g[r] for r in range(par.data) for g in got]
     for g, w in zip(got, want):
         assert rel_err(g, w) <= 1e-4
+
+
+def test_dummy_load_matches_a_real_load(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.model_utils import check_dummy_load
+
+    check_dummy_load("gemma3", tmp_path, "data=4,tensor=2")
