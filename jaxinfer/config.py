@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # NOTE: model_type -> family defaults. DeepSeek runs through `jaxinfer.models.deepseek`, every other
 # family through `jaxinfer.models.llama` (`jaxinfer.models.family_of`). A `gemma3` config (the
@@ -327,14 +330,26 @@ def _from_hf(hf: dict[str, Any]) -> ModelConfig:
         embed_scale=gemma,
         sandwich_norm=model_type in ("gemma2", "gemma3_text"),
         query_pre_attn_scalar=_query_pre_attn_scalar(hf, model_type),
-        attn_logit_softcap=(float(hf["attn_logit_softcapping"])
-                            if hf.get("attn_logit_softcapping") else None),
+        attn_logit_softcap=_attn_logit_softcap(hf, model_type),
         final_logit_softcap=(float(hf["final_logit_softcapping"])
                              if hf.get("final_logit_softcapping") else None),
         local_rope=_local_rope_from_hf(hf),
         layer_windows=_layer_windows(hf, model_type, num_layers),
         **moe,
     )
+
+
+def _attn_logit_softcap(hf: dict[str, Any], model_type: str) -> float | None:
+    cap = hf.get("attn_logit_softcapping")
+    if not cap:
+        return None
+    if model_type == "gemma3_text":
+        # NOTE: Gemma 3's attention has no soft cap: transformers keeps the field but never applies
+        # it (nor does vLLM); we match them, saying so.
+        log.warning("gemma3_text: attn_logit_softcapping=%s is not applied (Gemma 3 attention has "
+                    "no soft cap, as in transformers)", cap)
+        return None
+    return float(cap)
 
 
 def _query_pre_attn_scalar(hf: dict[str, Any], model_type: str) -> float | None:

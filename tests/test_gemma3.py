@@ -7,7 +7,9 @@ tests/test_consistency.py).
    `rope_parameters`) give the same `ModelConfig`.
 2. The multimodal `gemma3` wrapper is read through its `text_config`.
 3. Bad fields are refused by name.
-4. Chunked prefill beside decodes, past the 8-token window, matches HF's logits (f32, <= 1e-4).
+4. Chunked prefill beside decodes, past the 8-token window, matches HF's logits (f32, <= 1e-4),
+   also with soft caps configured (the final one applied; the attention one is not applied by
+   transformers' Gemma 3, nor by us, with a warning).
 5. On `tensor=2` and `data=2,tensor=2` meshes the forward gives the single-device logits.
 6. `load_format="dummy"` from a config.json alone: the real load's tree and shardings.
 """
@@ -119,13 +121,18 @@ def test_multimodal_checkpoint_loads_its_text_model(tmp_path):
     assert rel_err(ours, ref) <= 1e-4
 
 
-def test_chunked_prefill_beside_a_decode_matches_hf():
+@pytest.mark.parametrize("caps", [{}, dict(attn_logit_softcapping=20.0, final_logit_softcapping=5.0)],
+                         ids=["plain", "soft_caps"])
+def test_chunked_prefill_beside_a_decode_matches_hf(caps):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from tests.model_utils import hf_logits, make_hf_model, params_from_torch
 
-    model, _ = make_hf_model("gemma3")
-    cfg = ModelConfig.from_hf(hf_config_dict("gemma3"))
+    model, _ = make_hf_model("gemma3", **caps)
+    cfg = ModelConfig.from_hf({**hf_config_dict("gemma3"), **caps})
+    # transformers' Gemma 3 never applies attn_logit_softcapping; the final cap it does apply
+    assert cfg.attn_logit_softcap is None
+    assert cfg.final_logit_softcap == caps.get("final_logit_softcapping")
     params = params_from_torch(model, cfg)
     a, b = _tokens(23, 5), _tokens(16, 6)
     stepper = PagedStepper(params, cfg, page_size=4, seed=3)
@@ -139,7 +146,7 @@ def test_chunked_prefill_beside_a_decode_matches_hf():
             got_a.append(out[1])
     err_a = rel_err(np.concatenate(got_a), hf_logits(model, a))
     err_b = rel_err(np.concatenate(got_b), hf_logits(model, b))
-    print(f"gemma3: chunked prefill parity error {max(err_a, err_b):.2e}")
+    print(f"gemma3 {caps}: chunked prefill parity error {max(err_a, err_b):.2e}")
     assert err_a <= TOL and err_b <= TOL
 
 
