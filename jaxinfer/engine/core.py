@@ -36,6 +36,7 @@ from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner import Launched, ModelRunner, TokenLogprobs
 from jaxinfer.engine.scheduler import RequestUpdate, RunnerOutput, Scheduler
+from jaxinfer.models import family_of
 from jaxinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -154,10 +155,9 @@ class EngineCore:
                                max_num_seqs=config.max_num_seqs, num_pages=config.num_pages)
         self.mesh = shd.make_mesh(config.mesh or None)
         data, shards = sizes[shd.DATA], shd.Parallel(**sizes).dense
-        # Bytes one page takes on one device (its share of the KV heads).
-        kv_heads = shd.kv_cache_heads(cfg.num_kv_heads, shards) // shards
-        page_bytes = (config.page_size * 2 * kv_heads * cfg.head_dim
-                      * cfg.num_layers * (4 if config.dtype == "float32" else 2))
+        # Bytes one page takes on one device (its share of the KV heads; MLA: the latent rows).
+        page_bytes = config.page_size * family_of(cfg).kv_cache_bytes_per_token(
+            cfg, shd.Parallel(**sizes), 4 if config.dtype == "float32" else 2)
         pages_for_all = (config.max_num_seqs // data) * -(-max_model_len // config.page_size) + 1
         num_pages = config.num_pages
         if num_pages is None:  # per device = per replica, then the total over replicas
@@ -199,9 +199,14 @@ class EngineCore:
         usable = sum(a.num_usable_pages for a in self.allocators)
         held = self.runner.bytes_per_device()
         c = self.config
-        replicated = "" if shd.kv_heads_split(self.cfg.num_kv_heads, shards) else (
-            f"; KV replicated: {self.cfg.num_kv_heads} KV heads < {shards} attention shards, each "
-            f"shard keeps a copy of the one its query heads need")
+        if self.cfg.is_mla:  # one latent row per token, shared by all heads
+            replicated = f"; MLA latent rows whole on each of the {shards} attention shard(s)"
+        elif shd.kv_heads_split(self.cfg.num_kv_heads, shards):
+            replicated = ""
+        else:
+            replicated = (
+                f"; KV replicated: {self.cfg.num_kv_heads} KV heads < {shards} attention shards, each "
+                f"shard keeps a copy of the one its query heads need")
         logger.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.1f MiB); max_model_len %d -> up to %.1f "
             "concurrent full-length requests; max_num_seqs %d, max_num_batched_tokens %d; mesh %s: "

@@ -34,6 +34,9 @@ sequences (`pipeline.split_microbatches`), each its own ragged step: the step's 
 The sampler sees only the rows being sampled, vocab-sharded; XLA gathers those rows (never the
 logits of every token, which the model does not compute outside prompt-logprob programs).
 
+The model family (`models.family_of`) gives the forward, the parameter specs and the KV cache's
+shape (from its attention backend) and sharding.
+
 Penalty state lives on the device: `prompt_mask bool[R, V]` and `output_counts i32[R, V]`, one row
 per running request. It is updated inside the step from the tokens being computed (a token at a
 position past the prompt is an output token), so a preempted request that recomputes everything
@@ -64,7 +67,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine import multihost
 from jaxinfer.engine.request import PENDING_TOKEN
 from jaxinfer.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
-from jaxinfer.models import llama
+from jaxinfer.models import family_of
 from jaxinfer.params import DTYPES
 from jaxinfer.sampling import SamplingMetadata, SamplingRows, compute_logprobs, sample
 from jaxinfer.sampling_params import MAX_LOGPROBS
@@ -156,9 +159,9 @@ def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_tokens:
             extras.token_is_output.astype(jnp.int32), mode="drop")
         state = PenaltyState(state.prompt_mask.at[extras.seq_rows].set(prompt_mask),
                              state.output_counts.at[extras.seq_rows].set(output_counts))
-    logits, kv_caches = llama.forward(params, cfg, step, kv_caches,
-                                      attention_backend=attention_backend,
-                                      linear_backend=linear_backend, mesh=mesh)
+    logits, kv_caches = family_of(cfg).forward(params, cfg, step, kv_caches,
+                                               attention_backend=attention_backend,
+                                               linear_backend=linear_backend, mesh=mesh)
     if stacked:
         logits = logits.reshape(-1, logits.shape[-1])  # [data * rows, V]
     with jax.named_scope("sampler"):
@@ -259,9 +262,8 @@ class ModelRunner:
             raise ValueError(f"num_pages={num_pages} and max_num_seqs={max_num_seqs} must be "
                              f"multiples of data={self.data} (each replica gets an equal share)")
         self.seqs_per_replica = max_num_seqs // self.data
-        kv_heads = shd.kv_cache_heads(cfg.num_kv_heads, par.dense)
-        shape = attention.kv_cache_shape(attention_backend, num_pages, page_size, kv_heads,
-                                         cfg.head_dim)
+        family = family_of(cfg)
+        shape = family.kv_cache_shape(cfg, attention_backend, num_pages, page_size, par)
         rows = max_num_seqs + 1  # the last row is a spare that padding writes into
         if self.mesh is None:
             # NOTE: everything the program takes is committed to the one device: outputs of a call
@@ -277,18 +279,18 @@ class ModelRunner:
         else:
             rules = shd.model_rules(cfg, par)
             if par.pipeline > 1:  # layers stacked by stage (see jaxinfer.pipeline)
-                self.params = pipeline.place_params(params, llama.param_specs(cfg), mesh, rules)
+                self.params = pipeline.place_params(params, family.param_specs(cfg), mesh, rules)
             else:
                 self.params = jax.device_put(  # a no-op for params the loader already placed
-                    params, params_lib.shardings(llama.param_specs(cfg), mesh, rules))
-            cache_sharding = NamedSharding(mesh, llama.kv_cache_spec(cfg, par))
+                    params, params_lib.shardings(family.param_specs(cfg), mesh, rules))
+            cache_sharding = NamedSharding(mesh, family.kv_cache_spec(cfg, par))
             self._replicated = NamedSharding(mesh, PartitionSpec())
             self._step_sharding = (NamedSharding(mesh, PartitionSpec(shd.DATA)) if self.data > 1
                                    else self._replicated)
             zeros = jax.jit(lambda: tuple(jnp.zeros(shape, DTYPES[dtype]) for _ in range(cfg.num_layers)),
                             out_shardings=(cache_sharding,) * cfg.num_layers)
             self.kv_caches = zeros() if par.pipeline == 1 else pipeline.stage_kv_caches(
-                cfg.num_layers, par.pipeline, shape, DTYPES[dtype], mesh, llama.kv_cache_spec(cfg, par))
+                cfg.num_layers, par.pipeline, shape, DTYPES[dtype], mesh, family.kv_cache_spec(cfg, par))
             self.state = jax.jit(lambda: PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
                                                       jnp.zeros((rows, cfg.vocab_size), jnp.int32)),
                                  out_shardings=self._replicated)()
