@@ -470,7 +470,7 @@ def test_draft_model_is_exact_and_its_cache_consistent(tiny, plain):
 
     prompts = repetitive_prompts(tiny.cfg.vocab_size, 4, seed=3)
     prompts.insert(1, list(prompts[0]))
-    reqs = [(f"d{i}", p, SamplingParams(temperature=0.0, max_tokens=10 + 5 * i, ignore_eos=True))
+    reqs = [(f"d{i}", p, SamplingParams(temperature=0.0, max_tokens=16 + 6 * i, ignore_eos=True))
             for i, p in enumerate(prompts)]
     seeded = [("seeded", prompts[0], SamplingParams(temperature=0.9, seed=3, max_tokens=12))]
     ref = run(plain, reqs + seeded)
@@ -591,3 +591,36 @@ def test_default_model_greedy_identical():
     assert got.token_ids == want.token_ids and got.text == want.text
     stats = spec_llm.engine.stats()
     assert stats["spec_accepted_tokens"] > 10, stats
+
+
+def test_metrics_and_serve_flag():
+    import os
+    import sys
+
+    from prometheus_client import generate_latest
+
+    from serving.metrics import ServerMetrics
+
+    m = ServerMetrics()
+    m.observe_spec({"spec_steps": 4, "spec_draft_tokens": 12, "spec_accepted_tokens": 6})
+    m.observe_spec({"spec_steps": 5, "spec_draft_tokens": 15, "spec_accepted_tokens": 9})
+    text = generate_latest(m.registry).decode()
+    assert "jaxinfer_spec_decode_num_draft_tokens_total 15.0" in text
+    assert "jaxinfer_spec_decode_num_accepted_tokens_total 9.0" in text
+    assert "jaxinfer_spec_decode_num_drafts_total 5.0" in text
+    assert "jaxinfer_spec_decode_acceptance_rate 0.6" in text
+    assert "jaxinfer_spec_decode_mean_accepted_length 2.8" in text
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    try:
+        import serve
+    finally:
+        sys.path.pop(0)
+    parser = serve.build_parser()
+    args = serve.engine_args(parser.parse_args(
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5}']))
+    assert args.options["speculative_config"]["num_speculative_tokens"] == 5
+    with pytest.raises(ValueError, match="speculative_config.prompt_lookup_max"):
+        serve.engine_args(parser.parse_args(
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
+             '"prompt_lookup_max": 0}']))
