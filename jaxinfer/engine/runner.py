@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import random
@@ -304,10 +305,16 @@ class ModelRunner:
                                          cfg.head_dim)
         rows = max_num_seqs + 1  # the last row is a spare that padding writes into
         if self.mesh is None:
-            self.params = params
-            self.kv_caches = tuple(jnp.zeros(shape, DTYPES[dtype]) for _ in range(cfg.num_layers))
-            self.state = PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
-                                      jnp.zeros((rows, cfg.vocab_size), jnp.int32))
+            # NOTE: everything the program takes is committed to the one device: outputs of a call
+            # with a committed input are committed, so uncommitted initial caches would give the
+            # first compiled program a signature no later call has (a recompile after warmup).
+            device = _device_of(params)
+            self.params = jax.device_put(params, device)
+            self.kv_caches = jax.device_put(
+                tuple(jnp.zeros(shape, DTYPES[dtype]) for _ in range(cfg.num_layers)), device)
+            self.state = jax.device_put(PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
+                                                     jnp.zeros((rows, cfg.vocab_size), jnp.int32)),
+                                        device)
         else:
             rules = shd.model_rules(cfg, par)
             if par.pipeline > 1:  # layers stacked by stage (see jaxinfer.pipeline)
@@ -329,7 +336,7 @@ class ModelRunner:
         # Sampled-id rows of the largest program (every program pads its ids to this many).
         self.num_sample_rows = self.data * self.microbatches * self.seq_bucket(self.token_buckets[-1])
         zeros = functools.partial(jnp.zeros, self.num_sample_rows, jnp.int32)
-        self._prev_tokens = zeros() if self.mesh is None else jax.jit(
+        self._prev_tokens = jax.device_put(zeros(), device) if self.mesh is None else jax.jit(
             zeros, out_shardings=self._replicated)()
         # The persistent input batch: row r of every array belongs to the request in _rows with
         # value r (the same row as its penalty state); row max_num_seqs is the padding spare.
@@ -548,28 +555,26 @@ class ModelRunner:
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> Prepared:
         with jax.named_scope("patch_rows"):
-            rows, starts, q_lens, tokens, samples, joined, sample_ids = [], [], [], [], [], [], []
-            num_spec = []
+            rows, row_of = [], self._rows.get
             for s in scheduled:
-                rid = s.request.request_id
                 if s.is_new:
                     row = self._join(s)
                 else:
-                    row = self._rows.get(rid)
+                    row = row_of(s.request.request_id)
                     if row is None:
-                        raise RuntimeError(f"request {rid!r} is scheduled as running but has no row "
-                                           f"(its first schedule was not prepared)")
+                        raise RuntimeError(f"request {s.request.request_id!r} is scheduled as "
+                                           f"running but has no row (its first schedule was not "
+                                           f"prepared)")
                     if s.new_page_ids:
                         self._extend(row, s)
                 rows.append(row)
-                starts.append(s.start_pos)
-                q_lens.append(len(s.token_ids))
-                tokens += s.token_ids
-                samples.append(s.sample)
-                joined.append(s.is_new)
-                num_spec.append(s.num_spec_tokens)
-                if s.sample:
-                    sample_ids.append(rid)
+            starts = [s.start_pos for s in scheduled]
+            q_lens = [len(s.token_ids) for s in scheduled]
+            tokens = list(itertools.chain.from_iterable(s.token_ids for s in scheduled))
+            samples = [s.sample for s in scheduled]
+            joined = [s.is_new for s in scheduled]
+            num_spec = [s.num_spec_tokens for s in scheduled]
+            sample_ids = [s.request.request_id for s in scheduled if s.sample]
         rows_a = np.array(rows, np.int32)
         starts_a = np.array(starts, np.int32)
         q_a = np.array(q_lens, np.int32)
@@ -838,6 +843,14 @@ class ModelRunner:
         logger.info("warmup compiled %d programs in %.1fs", self.num_compiled,
                     time.perf_counter() - start)
         return self.num_compiled
+
+
+def _device_of(params: Any) -> jax.Device:
+    """The device the (single-device) params live on; the default device for host arrays."""
+    for leaf in jax.tree.leaves(params):
+        if isinstance(leaf, jax.Array):
+            return next(iter(leaf.devices()))
+    return jax.devices()[0]
 
 
 def _ranks(counts: np.ndarray) -> np.ndarray:
