@@ -83,7 +83,7 @@ class ScheduledRequest:
     """
 
     request: Request
-    token_ids: list[int]  # all_token_ids[start_pos : start_pos + len(token_ids)]
+    token_ids: list[int]  # all_token_ids[start_pos : ...], then num_spec_tokens proposed ones
     start_pos: int  # num_computed_tokens before this step
     new_page_ids: Sequence[int]  # pages the runner has not seen (the whole table when is_new)
     sample: bool  # the chunk reaches the end of the known tokens: sample one new token
