@@ -551,8 +551,15 @@ class EngineConfig:
     # on the device), so host work overlaps device work; one speculative decode step is wasted
     # per request that stops on EOS / a stop token. Multi-host runs step synchronously.
     async_scheduling: bool = True
+    # Speculative decoding (`jaxinfer.spec_decode.SpeculativeConfig`; a dict or JSON string is
+    # parsed): e.g. {"method": "ngram", "num_speculative_tokens": 4}. None: off.
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
+        from jaxinfer.spec_decode.config import SpeculativeConfig  # NOTE: no JAX there either
+
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):

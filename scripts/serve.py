@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="most prompt tokens one request computes per step; smaller values cut "
                         "the inter-token latency tail of running streams (default: no cap)")
+    e.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s fields, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' (speculates while at '
+                        'most "disable_by_batch_size" requests are queued; default: off)')
     e.add_argument("--mesh", default="", help="mesh axis sizes over all devices, e.g. 'tensor=8' or "
                    "'data=2,tensor=4' (default: one device)")
     e.add_argument("--attention-backend", default=None,
@@ -134,14 +138,17 @@ def _mesh(spec: str):
 
 def engine_args(args: argparse.Namespace):
     """The flags that shape the engine, as the data the engine-core process is built from."""
+    from jaxinfer.spec_decode import SpeculativeConfig
     from serving.launch import EngineArgs
 
+    spec = SpeculativeConfig.parse(args.speculative_config)  # a bad field fails before loading
     options = dict(page_size=args.page_size, num_pages=args.num_pages,
                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    enable_prefix_caching=not args.no_prefix_caching,
                    async_scheduling=not args.no_async_scheduling,
-                   long_prefill_token_threshold=args.long_prefill_token_threshold)
+                   long_prefill_token_threshold=args.long_prefill_token_threshold,
+                   speculative_config=spec.to_dict() if spec else None)
     return EngineArgs(model=args.model, dtype=args.dtype, mesh=args.mesh,
                       max_model_len=args.max_model_len, options=options,
                       attention_backend=args.attention_backend, linear_backend=args.linear_backend,
@@ -177,6 +184,7 @@ def summary(server, args, load_s: float, ready_s: float) -> str:
         f"max_model_len {info.max_model_len}",
         f"  batching  max_num_seqs {cap.max_num_seqs}, max_num_batched_tokens "
         f"{cap.max_num_batched_tokens}, max_queue {cap.max_queue}",
+        f"  speculate {args.speculative_config or 'off'}",
         f"  grpc      {args.host}:{server.port} (jaxinfer.v1.GenerateService, health, reflection)",
         f"  metrics   {f'http://{args.host}:{server.metrics_port}/metrics' if server.metrics_port else 'off'}",
     ]
@@ -191,7 +199,7 @@ def summary(server, args, load_s: float, ready_s: float) -> str:
 ENGINE_FLAGS = ("model", "dtype", "load_format", "skip_tokenizer_init", "page_size",
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "num_pages", "no_prefix_caching", "mesh",
                 "attention_backend", "linear_backend", "no_warmup", "long_prefill_token_threshold",
-                "no_async_scheduling")
+                "no_async_scheduling", "speculative_config")
 
 
 def start_multihost(args: argparse.Namespace):

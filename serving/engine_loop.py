@@ -256,6 +256,7 @@ class EngineLoop:
         m.compiled_programs.set(stats.get("compiled_programs", self.compiled_programs))
         if "step_s" in stats:
             m.step_time.observe(stats["step_s"])
+        m.observe_spec(stats)
         if lost:
             if error and error.startswith("engine step failed"):
                 m.step_failures.inc()

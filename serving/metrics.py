@@ -72,14 +72,45 @@ class ServerMetrics:
                                 "Generated tokens per second over the last few seconds", registry=r)
         self.compiled_programs = Gauge("jaxinfer_compiled_programs",
                                        "Step programs compiled by the runner", registry=r)
+        self.spec_draft_tokens = Counter(
+            "jaxinfer_spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding",
+            registry=r)
+        self.spec_accepted_tokens = Counter(
+            "jaxinfer_spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted",
+            registry=r)
+        self.spec_steps = Counter(
+            "jaxinfer_spec_decode_num_drafts", "Request-steps that verified proposed tokens",
+            registry=r)
+        self.spec_acceptance_rate = Gauge(
+            "jaxinfer_spec_decode_acceptance_rate", "Accepted / proposed tokens since start",
+            registry=r)
+        self.spec_mean_accepted_length = Gauge(
+            "jaxinfer_spec_decode_mean_accepted_length",
+            "Tokens emitted per verifying request-step (accepted proposals + 1) since start",
+            registry=r)
         self.ready = Gauge("jaxinfer_ready", "1 once weights are loaded and programs compiled",
                            registry=r)
         for label in FINISH_LABELS:
             self.requests.labels(label)  # export zeros, so rate() works from the first scrape
         self._lock = threading.Lock()
         self._prompt, self._cached = 0, 0
+        self._spec_seen = (0, 0, 0)  # the core's cumulative spec counters at the last step
         self._http: Any = None
         self.port: int | None = None
+
+    def observe_spec(self, stats: dict[str, int]) -> None:
+        """Speculative-decoding counters from the engine core's cumulative `stats()`."""
+        steps, drafts = stats.get("spec_steps", 0), stats.get("spec_draft_tokens", 0)
+        accepted = stats.get("spec_accepted_tokens", 0)
+        totals = (steps, drafts, accepted)
+        for counter, total, seen in zip((self.spec_steps, self.spec_draft_tokens,
+                                         self.spec_accepted_tokens), totals, self._spec_seen):
+            if total > seen:
+                counter.inc(total - seen)
+        self._spec_seen = totals
+        if drafts:
+            self.spec_acceptance_rate.set(accepted / drafts)
+            self.spec_mean_accepted_length.set(1 + accepted / steps)
 
     def observe_finish(self, reason: str, prompt_tokens: int, cached_tokens: int) -> None:
         self.requests.labels(reason).inc()

@@ -9,7 +9,11 @@ This is the half of the engine that a serving front end runs in its own process
 2. `step()` is schedule -> launch/execute -> update. With `EngineConfig.async_scheduling` (the
    default on one process) it schedules and launches step N+1 first and only then waits for step
    N and applies its update (vLLM v1's async scheduling): each call returns the outputs of the
-   step launched by the previous call.
+   step launched by the previous call. Speculative decoding (`EngineConfig.speculative_config`)
+   needs every token of a request on the host to propose the next ones, so while the scheduler's
+   back-off rule lets it speculate, a step first waits for the one in flight and a step that
+   verifies proposals runs synchronously (its outputs come with the same call); above the
+   back-off batch size the engine is asynchronous again.
 3. The step's `RequestUpdate`s become `TokenOutput`s (new ids, logprobs, finish reason, usage
    counters): plain data that `to_wire` / `from_wire` turn into msgpack-able lists.
 4. A failing step raises after naming the requests it lost in `failed_request_ids`; the pages
@@ -38,6 +42,7 @@ from jaxinfer.engine.runner import Launched, ModelRunner, TokenLogprobs
 from jaxinfer.engine.scheduler import RequestUpdate, RunnerOutput, Scheduler
 from jaxinfer.models import family_of
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.spec_decode import NgramProposer, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +93,7 @@ class TokenOutput:
 
     request_id: str
     new_token_ids: list[int]
-    logprobs: TokenLogprobs | None = None  # of the (one) new token, when asked
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
     prompt_logprobs: dict[int, TokenLogprobs] | None = None  # position -> logprobs, when asked
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -110,14 +115,43 @@ def to_wire(out: TokenOutput) -> list:
     """A msgpack-able list (the engine-core process sends these, one message per step)."""
     plp = None if out.prompt_logprobs is None else [
         [p, _lp_wire(lp)] for p, lp in out.prompt_logprobs.items()]
-    return [out.request_id, out.new_token_ids, _lp_wire(out.logprobs), plp, out.finished,
+    lps = None if out.logprobs is None else [_lp_wire(lp) for lp in out.logprobs]
+    return [out.request_id, out.new_token_ids, lps, plp, out.finished,
             out.finish_reason, out.stop_reason, out.num_prompt_tokens, out.num_output_tokens,
             out.num_cached_tokens]
 
 
 def from_wire(w: list) -> TokenOutput:
     plp = None if w[3] is None else {p: _lp_unwire(lp) for p, lp in w[3]}
-    return TokenOutput(w[0], list(w[1]), _lp_unwire(w[2]), plp, *w[4:])
+    lps = None if w[2] is None else [_lp_unwire(lp) for lp in w[2]]
+    return TokenOutput(w[0], list(w[1]), lps, plp, *w[4:])
+
+
+def _proposer(spec: SpeculativeConfig | None, cfg: ModelConfig, config: EngineConfig,
+              draft: Any, **backends: str | None) -> Any:
+    """What the scheduler asks for speculative tokens (None: off). The draft model is `draft`
+    (a `LoadedModel`) when given, else loaded from `speculative_config.model`."""
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    from jaxinfer.spec_decode.draft import DraftProposer, truncate
+
+    if draft is None:
+        from jaxinfer.loader import load_model
+
+        draft = load_model(spec.model, dtype=config.dtype)
+    dcfg, dparams = draft.cfg, draft.params
+    if dcfg.vocab_size != cfg.vocab_size:
+        raise ValueError(f"speculative_config.model: the draft's vocabulary has {dcfg.vocab_size} "
+                         f"tokens, the target's {cfg.vocab_size}")
+    if spec.draft_num_layers is not None:
+        dcfg, dparams = truncate(dcfg, dparams, spec.draft_num_layers)
+    return DraftProposer(dcfg, dparams, num_speculative_tokens=spec.num_speculative_tokens,
+                         page_size=config.page_size, num_pages=config.num_pages,
+                         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                         max_num_batched_tokens=config.max_num_batched_tokens,
+                         dtype=config.dtype, **backends)
 
 
 def default_kv_cache_memory() -> int:
@@ -141,11 +175,13 @@ class EngineCore:
       params: the params tree (None with an injected `runner`, e.g. a fake one).
       config: engine knobs; `num_pages` None sizes the cache from `kv_cache_memory` / the device.
       runner: use this runner instead of building a `ModelRunner` (tests, host benchmarks).
+      draft: the draft model (a `LoadedModel`) of `speculative_config` method "draft_model",
+        instead of loading `speculative_config.model`.
     """
 
     def __init__(self, cfg: ModelConfig, params: Any, config: EngineConfig, *,
                  attention_backend: str | None = None, linear_backend: str | None = None,
-                 runner: Any = None) -> None:
+                 runner: Any = None, draft: Any = None) -> None:
         self.cfg = cfg
         max_model_len = config.max_model_len or cfg.max_position_embeddings
         if max_model_len > cfg.max_position_embeddings:
@@ -172,17 +208,29 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.allocators = [PageAllocator(self.config.num_pages // data, config.page_size,
                                          config.enable_prefix_caching) for _ in range(data)]
+        spec = config.speculative_config
+        spec_seqs = min(spec.disable_by_batch_size, config.max_num_seqs) if spec else 0
+        if spec is not None and (data > 1 or sizes[shd.PIPELINE] > 1):
+            raise ValueError(f"speculative_config: not supported with mesh data={data} / "
+                             f"pipeline={sizes[shd.PIPELINE]} (one replica, no stages)")
+        self.proposer = _proposer(spec, cfg, self.config, draft, attention_backend=attention_backend,
+                                  linear_backend=linear_backend)
         self.scheduler = Scheduler(self.allocators, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=max_model_len,
-                                   long_prefill_token_threshold=config.long_prefill_token_threshold)
+                                   long_prefill_token_threshold=config.long_prefill_token_threshold,
+                                   proposer=self.proposer,
+                                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                                   spec_max_requests=spec_seqs)
         if runner is None:
             runner = ModelRunner(cfg, params, page_size=config.page_size,
                                  num_pages=self.config.num_pages, max_model_len=max_model_len,
                                  max_num_seqs=config.max_num_seqs,
                                  max_num_batched_tokens=config.max_num_batched_tokens,
                                  dtype=config.dtype, attention_backend=attention_backend,
-                                 linear_backend=linear_backend, mesh=self.mesh)
+                                 linear_backend=linear_backend, mesh=self.mesh,
+                                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                                 spec_max_seqs=spec_seqs)
         self.runner = runner
         self._in_flight: Launched | None = None  # async scheduling: the step still running
         self._ready: list[TokenOutput] = []  # outputs of a step finished while the next one failed
@@ -228,13 +276,18 @@ class EngineCore:
                 "max_tokens": usable * self.config.page_size, "max_model_len": self.max_model_len}
 
     def stats(self) -> dict[str, int]:
-        """Load numbers over every data replica (what serving reports and logs)."""
+        """Load numbers over every data replica (what serving reports and logs); `spec_*` are
+        speculative-decoding counters since start (acceptance rate = accepted / draft tokens,
+        mean accepted length = 1 + accepted / spec steps)."""
         usable = sum(a.num_usable_pages for a in self.allocators)
         free = sum(a.num_free_pages for a in self.allocators)
+        spec = self.scheduler.spec_stats
         return {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
                 "pages_total": usable, "pages_used": usable - free,
                 "compiled_programs": int(getattr(self.runner, "num_compiled", 0)),
-                "steps": self.num_steps, "generated": self.num_generated}
+                "steps": self.num_steps, "generated": self.num_generated,
+                "spec_steps": spec.num_spec_steps, "spec_draft_tokens": spec.num_draft_tokens,
+                "spec_accepted_tokens": spec.num_accepted_tokens}
 
     def info(self) -> dict[str, Any]:
         """Static facts a front end reports (msgpack-able)."""
@@ -251,7 +304,10 @@ class EngineCore:
 
     def warmup(self) -> int:
         """Compiles every program a request can need; returns how many exist."""
-        return int(self.runner.warmup())
+        n = int(self.runner.warmup())
+        if hasattr(self.proposer, "warmup"):  # a draft model's own programs
+            n += int(self.proposer.warmup())
+        return n
 
     def add(self, req: CoreRequest) -> None:
         """Queues one child request (validated by the caller with `check_prompt`)."""
@@ -286,14 +342,26 @@ class EngineCore:
     def step(self) -> list[TokenOutput]:
         """One engine step. If it raises, `failed_request_ids` names the requests it lost."""
         self.failed_request_ids = []
+        ready, self._ready = self._ready, []
+        if self._in_flight is not None and self.scheduler.speculating():
+            # Proposals are made from known tokens: let the step in flight land first.
+            previous, self._in_flight = self._in_flight, None
+            try:
+                ready += self._finish_launched(previous)
+            except Exception:
+                self._ready = ready  # not lost: they come with the next call
+                raise
         sched = self.scheduler.schedule()
         self.num_steps += bool(sched.scheduled)
-        if not self.async_scheduling:
-            with self._failing(sched.scheduled):
-                out = self.runner.execute(sched)
-            return self._outputs(self.scheduler.update(sched, out), out)
+        if not self.async_scheduling or sched.num_spec_tokens:
+            try:
+                with self._failing(sched.scheduled):
+                    out = self.runner.execute(sched)
+            except Exception:
+                self._ready = ready
+                raise
+            return ready + self._outputs(self.scheduler.update(sched, out), out)
         previous, self._in_flight = self._in_flight, None
-        ready, self._ready = self._ready, []
         try:
             with self._failing(sched.scheduled):
                 self._in_flight = self.runner.launch(sched)
@@ -352,8 +420,11 @@ class EngineCore:
                 continue  # finished outside (a stop string) while this step ran
             self.num_generated += len(upd.new_token_ids)
             done = upd.finished
+            lps = None
+            if logprobs and rid in logprobs:  # accepted proposals' first, cut where a stop cut
+                lps = (out.draft_logprobs.get(rid, []) + [logprobs[rid]])[:len(upd.new_token_ids)]
             outputs.append(TokenOutput(
-                rid, upd.new_token_ids, logprobs.get(rid) if logprobs else None,
+                rid, upd.new_token_ids, lps,
                 prompt_lps.pop(rid, None) if prompt_lps else None, done,
                 req.finish_reason if done else None, req.stop_reason if done else None,
                 len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens))

@@ -59,11 +59,13 @@ def split_samples(request_id: str, ids: list[int], sampling: SamplingParams, *,
 class LLMEngine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *,
                  attention_backend: str | None = None, linear_backend: str | None = None,
-                 runner: Any = None) -> None:
+                 runner: Any = None, draft: LoadedModel | None = None) -> None:
+        """`draft`: the draft model of speculative_config method "draft_model" (default: loaded
+        from `speculative_config.model`)."""
         self.model, self.tokenizer, self.cfg = model, model.tokenizer, model.cfg
         self.core = EngineCore(model.cfg, model.params, config or EngineConfig(dtype=model.dtype),
                                attention_backend=attention_backend,
-                               linear_backend=linear_backend, runner=runner)
+                               linear_backend=linear_backend, runner=runner, draft=draft)
         self.config, self.max_model_len = self.core.config, self.core.max_model_len
         self.mesh = self.core.mesh
         self.outputs = OutputProcessor(self.tokenizer)

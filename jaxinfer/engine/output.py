@@ -85,14 +85,27 @@ class _Sample:
         self.want_prompt_lps = spec.want_prompt_logprobs
         self.num_tokens = 0  # output tokens delivered
 
-    def feed(self, ids: list[int], finishing: bool) -> tuple[str, str | None]:
-        """Returns (text to emit now, the stop string that matched or None)."""
+    def feed(self, ids: list[int], finishing: bool) -> tuple[str, str | None, int]:
+        """Returns (text to emit now, the stop string that matched or None, how many of `ids`
+        count: with several ids (speculative decoding) a stop string completed by one of them
+        ends the sample there, exactly as if they had come one per step)."""
         if self.detok is None:
-            return "", None
+            return "", None, len(ids)
+        if self.stop and len(ids) > 1:
+            text = ""
+            for i, tok in enumerate(ids):
+                new, stop, _ = self.feed([tok], finishing and i == len(ids) - 1)
+                text += new
+                if stop is not None:
+                    return text, stop, i + 1
+            return text, None, len(ids)
         for tok in ids:
             self.pending += self.detok.add(tok)
         if finishing:
             self.pending += self.detok.flush()
+        return (*self._match(finishing), len(ids))
+
+    def _match(self, finishing: bool) -> tuple[str, str | None]:
         if not self.stop:
             new, self.pending = self.pending, ""
             self.text += new
@@ -163,11 +176,11 @@ class OutputProcessor:
                 s.prompt_lps.update(o.prompt_logprobs)
             if not o.new_token_ids and not o.finished:
                 continue
-            new_text, stop = s.feed(o.new_token_ids, o.finished)
-            s.num_tokens += len(o.new_token_ids)
-            delta = RequestDelta(s.parent, s.index, list(o.new_token_ids), new_text)
+            new_text, stop, used = s.feed(o.new_token_ids, o.finished)
+            s.num_tokens += used
+            delta = RequestDelta(s.parent, s.index, list(o.new_token_ids[:used]), new_text)
             if o.logprobs is not None:
-                delta.logprobs = [o.logprobs]
+                delta.logprobs = list(o.logprobs[:used])
             if s.want_prompt_lps and not s.sent_prompt_lps and o.new_token_ids:
                 delta.prompt_logprobs = [None] + [s.prompt_lps.get(p) for p in range(1, s.num_prompt)]
                 s.sent_prompt_lps = True

@@ -103,6 +103,14 @@ class Request:
                 and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0)
 
     @property
+    def may_speculate(self) -> bool:
+        """False with penalties: the runner counts output tokens as it computes them, and
+        proposed tokens that are rejected must not count."""
+        sp = self.sampling
+        return (sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0
+                and sp.presence_penalty == 0.0)
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

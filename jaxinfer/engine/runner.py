@@ -24,6 +24,16 @@ the still-running step samples is then a `PENDING_TOKEN` on the host, and the pr
 from the previous program's sampled ids on the device (`BatchExtras.feed_rows`; every program
 returns its sampled ids padded to a fixed `[R]`, the next one's `prev_tokens` input).
 
+Speculative steps (`ScheduledRequest.num_spec_tokens` = k > 0, one data replica and no
+pipeline): the request's query tokens are its last token and k proposed ones; besides its usual
+sampled row (the token after the last proposal) the program samples W extra "verify" rows, one
+per proposed token (logits of the token before it, sampled at the proposal's own position, with
+the request's seed and parameters), W a power-of-two multiple of K so few programs exist. The
+host keeps the longest prefix of proposals equal to those samples plus the next sample
+(`spec_decode.rejection.accept`) and reports it as `accepted_draft_ids` + `sampled_token_ids`.
+A speculative step's sampled ids are never fed to the next program: the engine runs it
+synchronously.
+
 On a mesh (`mesh=`, see `llama.forward`) params and KV cache are placed by the sharding rules;
 with `data` > 1 step 3 builds one ragged `StepInputs` per data replica (its own page pool, page
 ids local to it), all padded to the same token/sequence buckets, stacked on a leading `[data]`
@@ -71,6 +81,7 @@ from jaxinfer.models import family_of
 from jaxinfer.params import DTYPES
 from jaxinfer.sampling import SamplingMetadata, SamplingRows, compute_logprobs, sample
 from jaxinfer.sampling_params import MAX_LOGPROBS
+from jaxinfer.spec_decode import rejection
 from jaxinfer.step import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -87,6 +98,9 @@ class BatchExtras:
     sample_rows: jax.Array  # i32[S] token row holding each sequence's last position
     target_ids: jax.Array  # i32[T] next prompt token per position (prompt-logprob programs only)
     feed_rows: jax.Array  # i32[T] row of prev_tokens that holds this (pending) token; -1: given
+    # Verify rows of a speculative step (W = 0 otherwise); sample_rows then has S + W entries.
+    spec_seq: jax.Array  # i32[W] result row (sequence) of each verify row (padding -> 0)
+    spec_positions: jax.Array  # i32[W] position the verify row's sampled token takes
 
 
 @struct.dataclass
@@ -105,6 +119,9 @@ class UnpackPlan:
     # (request id, token rows lo, hi, start position, prompt length, k) asking for prompt logprobs
     prompt_rows: list[tuple[str, int, int, int, int, int]]
     target_ids: np.ndarray  # i32[T] the prompt token each token row predicts
+    # (request id, its result row, its first verify row, its proposed tokens) of speculating rows
+    spec: list[tuple[str, int, int, list[int]]] = dataclasses.field(default_factory=list)
+    num_seq_rows: int = 0  # S: verify row w is result row S + w
 
 
 @dataclasses.dataclass
@@ -117,6 +134,7 @@ class Prepared:
     page_bucket: int  # width of page_indices
     fetch_logprobs: bool  # some row asked for logprobs: fetch the sampler's logprob arrays too
     plan: UnpackPlan | None = None
+    spec_width: int = 0  # W verify rows (speculative steps)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "plan": None}  # NOTE: a multi-host follower runs, never unpacks
@@ -167,10 +185,16 @@ def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_tokens:
     with jax.named_scope("sampler"):
         row_logits = jnp.take(logits, extras.sample_rows, axis=0) if all_logits else logits
         # Each row's sampled token goes at position kv_len: its random counter (batch-invariant).
-        out = sample(row_logits, meta, prompt_mask, output_counts, step.kv_lens.reshape(-1),
+        positions = step.kv_lens.reshape(-1)  # i32[S]
+        num_seqs = positions.shape[0]
+        if extras.spec_seq.shape[0]:  # verify rows: their sequence's penalty rows, own positions
+            positions = jnp.concatenate([positions, extras.spec_positions])
+            prompt_mask = jnp.concatenate([prompt_mask, prompt_mask[extras.spec_seq]])
+            output_counts = jnp.concatenate([output_counts, output_counts[extras.spec_seq]])
+        out = sample(row_logits, meta, prompt_mask, output_counts, positions,
                      num_logprobs=MAX_LOGPROBS)
     prompt = compute_logprobs(logits, extras.target_ids, MAX_LOGPROBS) if all_logits else None
-    next_tokens = jnp.zeros_like(prev_tokens).at[:out.token_ids.shape[0]].set(out.token_ids)
+    next_tokens = jnp.zeros_like(prev_tokens).at[:num_seqs].set(out.token_ids[:num_seqs])
     return (out, prompt), kv_caches, state, next_tokens
 
 
@@ -233,9 +257,12 @@ class ModelRunner:
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  dtype: str = "float32", attention_backend: str | None = None,
                  linear_backend: str | None = None, token_buckets: tuple[int, ...] | None = None,
-                 page_buckets: tuple[int, ...] | None = None, mesh: Any = None) -> None:
+                 page_buckets: tuple[int, ...] | None = None, mesh: Any = None,
+                 num_speculative_tokens: int = 0, spec_max_seqs: int = 0) -> None:
         """`num_pages` and `max_num_seqs` are totals over the data replicas (each gets 1/data);
-        `page_buckets` are the widths of `page_indices` (default `default_page_buckets`)."""
+        `page_buckets` are the widths of `page_indices` (default `default_page_buckets`);
+        `num_speculative_tokens` K and `spec_max_seqs` size the verify-row buckets (K, 2K, 4K..
+        up to K x spec_max_seqs) that `warmup` compiles."""
         par = shd.Parallel.from_mesh(mesh)
         self.mesh = None if par.is_single else mesh  # NOTE: one device keeps the plain program
         self.data = par.data
@@ -258,6 +285,20 @@ class ModelRunner:
             # XLA:CPU copy the whole cache. Micro-batches are padded to >= 2 tokens instead
             # (tests/test_pipeline.py guards the compiled programs).
             self.token_buckets = tuple(sorted({max(b, 2) for b in self.token_buckets}))
+        if num_speculative_tokens and (self.data > 1 or self.microbatches > 1):
+            raise ValueError(f"speculative decoding needs one data replica and no pipeline "
+                             f"stages (mesh data={self.data}, pipeline={self.microbatches})")
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_max_seqs = max(1, spec_max_seqs)
+        self.spec_widths: tuple[int, ...] = ()
+        if num_speculative_tokens:
+            widths, w = [], num_speculative_tokens
+            while True:
+                widths.append(w)
+                if w >= num_speculative_tokens * max(1, spec_max_seqs):
+                    break
+                w *= 2
+            self.spec_widths = tuple(widths)
         if self.data > 1 and (num_pages % self.data or max_num_seqs % self.data):
             raise ValueError(f"num_pages={num_pages} and max_num_seqs={max_num_seqs} must be "
                              f"multiples of data={self.data} (each replica gets an equal share)")
@@ -325,7 +366,8 @@ class ModelRunner:
                                 static_argnames=("cfg", "all_logits"),
                                 donate_argnames=("kv_caches", "state"))
         self.num_compiled = 0
-        self._compiled: set[tuple[int, int, bool]] = set()  # (token bucket, page bucket, logits)
+        # (token bucket, page bucket, logits, verify rows)
+        self._compiled: set[tuple[int, int, bool, int]] = set()
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -350,6 +392,18 @@ class ModelRunner:
                 return b
         raise ValueError(f"step of {n} tokens exceeds the largest bucket {self.token_buckets[-1]}")
 
+
+    def spec_width(self, n: int) -> int:
+        """Verify rows of a step that verifies `n` proposed tokens (0 for none)."""
+        if n == 0:
+            return 0
+        for w in self.spec_widths:
+            if w >= n:
+                return w
+        w = self.spec_widths[-1] if self.spec_widths else 1
+        while w < n:  # more proposals than configured (a hand-built schedule): still correct
+            w *= 2
+        return w
 
     def page_bucket(self, n: int) -> int:
         for b in self.page_buckets:
@@ -455,7 +509,7 @@ class ModelRunner:
         return out.token_ids, out if prepared.fetch_logprobs else None, prompt
 
     def _note_compiled(self, prepared: Prepared) -> None:
-        key = (prepared.bucket, prepared.page_bucket, prepared.all_logits)
+        key = (prepared.bucket, prepared.page_bucket, prepared.all_logits, prepared.spec_width)
         if key not in self._compiled:
             self._compiled.add(key)
             self.num_compiled = len(self._compiled)
@@ -521,13 +575,20 @@ class ModelRunner:
             tokens = list(itertools.chain.from_iterable(s.token_ids for s in scheduled))
             samples = [s.sample for s in scheduled]
             joined = [s.is_new for s in scheduled]
+            num_spec = [s.num_spec_tokens for s in scheduled]
             sample_ids = [s.request.request_id for s in scheduled if s.sample]
         rows_a = np.array(rows, np.int32)
         starts_a = np.array(starts, np.int32)
         q_a = np.array(q_lens, np.int32)
         tokens_a = np.array(tokens, np.int32)
         sample_a = np.array(samples, bool)
+        spec_a = np.array(num_spec, np.int32)
+        spec_width = self.spec_width(int(spec_a.sum()))
         group = self._groups(scheduled, q_a)
+        if spec_width and group is not None:
+            raise RuntimeError("speculative tokens scheduled on a mesh with data or pipeline > 1")
+        if ((spec_a > 0) & ~sample_a).any() or (spec_a >= q_a).any():
+            raise RuntimeError("a speculative chunk must sample and hold its last known token")
         if group is None:
             order, n_tok = None, int(q_a.sum())
         else:
@@ -545,25 +606,37 @@ class ModelRunner:
         else:
             joined_a = np.array(joined, bool)
         step, extras, slot, tok_lo = self._arrays(t_bucket, p_bucket, all_logits, rows_a, starts_a,
-                                                  q_a, tokens_a, joined_a, group)
+                                                  q_a, tokens_a, joined_a, group, spec_a, spec_width)
         if order is not None:  # back to scheduled order
             slot[order], tok_lo[order] = slot.copy(), tok_lo.copy()
             rows_a, starts_a, q_a, sample_a = (np.array(rows, np.int32), np.array(starts, np.int32),
                                                np.array(q_lens, np.int32), np.array(samples, bool))
         # Rows whose pending token this step samples: the next step feeds it from _prev_tokens.
         self._last_sample.fill(-1)
-        self._last_sample[rows_a[sample_a]] = slot[sample_a]
+        self._last_sample[rows_a[sample_a & (spec_a == 0)]] = slot[sample_a & (spec_a == 0)]
+        spec_first = np.cumsum(spec_a) - spec_a  # i32[n] each sequence's first verify row
+        meta_rows = extras.seq_rows
+        if spec_width:
+            spec_rows = np.full(spec_width, self.max_num_seqs, np.int32)
+            spec_rows[:int(spec_a.sum())] = np.repeat(rows_a, spec_a)
+            meta_rows = np.concatenate([extras.seq_rows, spec_rows])
 
         version = self._sampling.version
         cache = self._meta_cache
-        if cache is not None and cache[0] == version and np.array_equal(cache[1], extras.seq_rows):
+        if cache is not None and cache[0] == version and np.array_equal(cache[1], meta_rows):
             meta, fetch_logprobs = cache[2], cache[3]
         else:
-            meta = self._sampling.gather(extras.seq_rows)
+            meta = self._sampling.gather(meta_rows)
             fetch_logprobs = bool(meta.wants_logprobs.any())
-            self._meta_cache = (version, extras.seq_rows, meta, fetch_logprobs)
+            self._meta_cache = (version, meta_rows, meta, fetch_logprobs)
 
-        logprob_rows, prompt_rows = [], []
+        logprob_rows, prompt_rows, spec = [], [], []
+        s_rows = len(extras.seq_rows)
+        for i in np.flatnonzero(spec_a).tolist():
+            s = scheduled[i]
+            k = s.num_spec_tokens
+            spec.append((s.request.request_id, int(slot[i]), s_rows + int(spec_first[i]),
+                         list(s.token_ids[len(s.token_ids) - k:])))
         if fetch_logprobs:
             for i in np.flatnonzero(self._sampling.wants_logprobs[rows_a] & sample_a).tolist():
                 s = scheduled[i]
@@ -576,9 +649,10 @@ class ModelRunner:
                 extras.target_ids[lo:lo + len(nxt)] = nxt
                 prompt_rows.append((req.request_id, lo, lo + len(s.token_ids), s.start_pos,
                                     req.num_prompt_tokens, req.sampling.prompt_logprobs))
-        plan = UnpackPlan(sample_ids, slot[sample_a], logprob_rows, prompt_rows, extras.target_ids)
+        plan = UnpackPlan(sample_ids, slot[sample_a], logprob_rows, prompt_rows, extras.target_ids,
+                          spec, s_rows)
         return Prepared({"step": step, "extras": extras, "meta": meta}, all_logits, t_bucket,
-                        p_bucket, fetch_logprobs, plan)
+                        p_bucket, fetch_logprobs, plan, spec_width)
 
     def _arrays(self, t_bucket: int, p_bucket: int, all_logits: bool,
                 rows: np.ndarray,  # i32[n] persistent row of each sequence
@@ -587,6 +661,8 @@ class ModelRunner:
                 tokens: np.ndarray,  # i32[sum(q_lens)] their ids (PENDING_TOKEN: fed on device)
                 joined: np.ndarray,  # bool[n] the row's request joined this step
                 group: np.ndarray | None,  # i32[n] ragged group, non-decreasing (None: all 0)
+                num_spec: np.ndarray | None = None,  # i32[n] proposed tokens (last of each chunk)
+                spec_width: int = 0,  # W verify rows (one group only)
                 ) -> tuple[StepInputs, BatchExtras, np.ndarray, np.ndarray]:
         """The step's inputs for sequences in group order, by vectorized gathers and scatters.
 
@@ -644,6 +720,22 @@ class ModelRunner:
         reset_rows[slot] = joined
         sample_rows = np.zeros(n_groups * s_bucket, np.int32)
         sample_rows[slot] = tok_lo + q_lens - 1
+        spec_seq = np.zeros(spec_width, np.int32)
+        spec_positions = np.zeros(spec_width, np.int32)
+        if spec_width:
+            # Verify row j of a chunk with k proposals reads the logits of the token before
+            # proposal j (chunk offset q - k - 1 + j) and samples position start + q - k + j.
+            k = num_spec
+            spec_of = np.repeat(np.arange(n), k)  # i32[n_spec] sequence of each verify row
+            j = _ranks(k)
+            n_spec = len(spec_of)
+            spec_tok = np.zeros(spec_width, np.int32)
+            spec_tok[:n_spec] = (tok_lo + q_lens - k - 1)[spec_of] + j
+            spec_seq[:n_spec] = slot[spec_of]
+            spec_positions[:n_spec] = (starts + q_lens - k)[spec_of] + j
+            sample_rows = np.concatenate([sample_rows, spec_tok])
+            if not all_logits:
+                logits_indices = np.concatenate([logits_indices, spec_tok])
         feed_rows = np.full(n_groups * t, -1, np.int32)
         pending = tokens == PENDING_TOKEN
         if pending.any():
@@ -665,15 +757,30 @@ class ModelRunner:
             logits_indices=logits_indices.reshape(lead + (-1,)))
         extras = BatchExtras(token_seq=token_seq, token_is_output=token_is_output, seq_rows=seq_rows,
                              reset_rows=reset_rows, sample_rows=sample_rows,
-                             target_ids=np.zeros(n_groups * t, np.int32), feed_rows=feed_rows)
+                             target_ids=np.zeros(n_groups * t, np.int32), feed_rows=feed_rows,
+                             spec_seq=spec_seq, spec_positions=spec_positions)
         return step, extras, slot.astype(np.int32), tok_lo.astype(np.int32)
 
     def _unpack(self, plan: UnpackPlan, token_ids: np.ndarray, out: Any, prompt: Any) -> RunnerOutput:
         sampled = dict(zip(plan.sample_ids, token_ids[plan.sample_slots].tolist()))
+        accepted, draft_lps, final_row = {}, {}, {}
+        for rid, slot, lo, drafts in plan.spec:
+            k = len(drafts)
+            targets = token_ids[lo:lo + k].tolist() + [sampled[rid]]
+            emitted, a = rejection.accept(drafts, targets)
+            accepted[rid], sampled[rid] = emitted[:-1], emitted[-1]
+            final_row[rid] = (lo + a if a < k else slot, lo)
+
+        def token_lps(i: int, k: int) -> TokenLogprobs:
+            return TokenLogprobs(int(token_ids[i]), float(out.logprobs[i]), dict(zip(
+                out.topk_ids[i, :k].tolist(), out.topk_logprobs[i, :k].tolist())))
+
         logprobs, prompt_lps = {}, {}
         for rid, i, k in plan.logprob_rows:
-            logprobs[rid] = TokenLogprobs(sampled[rid], float(out.logprobs[i]), dict(zip(
-                out.topk_ids[i, :k].tolist(), out.topk_logprobs[i, :k].tolist())))
+            if rid in final_row:
+                i, lo = final_row[rid]
+                draft_lps[rid] = [token_lps(lo + j, k) for j in range(len(accepted[rid]))]
+            logprobs[rid] = token_lps(i, k)
         for rid, lo, hi, start, num_prompt, k in plan.prompt_rows:
             chosen, top_ids, top_lps = prompt
             entries = {}
@@ -684,22 +791,26 @@ class ModelRunner:
                 entries[pos] = TokenLogprobs(int(plan.target_ids[t]), float(chosen[t]), dict(
                     zip(top_ids[t, :k].tolist(), top_lps[t, :k].tolist())))
             prompt_lps[rid] = entries
-        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps)
+        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps,
+                            accepted_draft_ids=accepted, draft_logprobs=draft_lps)
 
-    def _idle_inputs(self, t_bucket: int, all_logits: bool, p_bucket: int) -> dict:
+    def _idle_inputs(self, t_bucket: int, all_logits: bool, p_bucket: int,
+                     spec_width: int = 0) -> dict:
         """Inputs of a step that computes nothing (no sequences): used to compile a bucket."""
         none = np.zeros(0, np.int32)
         step, extras, _, _ = self._arrays(t_bucket, p_bucket, all_logits, none, none, none, none,
                                           np.zeros(0, bool), None if self.data * self.microbatches == 1
-                                          else none)
-        rows = np.full(extras.seq_rows.shape, self.max_num_seqs, np.int32)
+                                          else none, none, spec_width)
+        rows = np.full(extras.seq_rows.shape[0] + spec_width, self.max_num_seqs, np.int32)
         return {"step": step, "extras": extras, "meta": self._sampling.gather(rows)}
 
-    def lower(self, t_bucket: int, all_logits: bool = False, page_bucket: int | None = None) -> Any:
+    def lower(self, t_bucket: int, all_logits: bool = False, page_bucket: int | None = None,
+              spec_width: int = 0) -> Any:
         """The bucket's step program, lowered (for HLO inspection and tests); the page bucket
         defaults to the largest."""
         p_bucket = page_bucket or self.pages_per_seq
-        args, kwargs = self._args(self._idle_inputs(t_bucket, all_logits, p_bucket), all_logits)
+        args, kwargs = self._args(self._idle_inputs(t_bucket, all_logits, p_bucket, spec_width),
+                                  all_logits)
         return self._jit.lower(*args, **kwargs)
 
     def warmup(self) -> int:
@@ -714,6 +825,23 @@ class ModelRunner:
                     out, _ = self._call(inputs, all_logits)
                     jax.block_until_ready(out)
                     self._note_compiled(Prepared(inputs, all_logits, t_bucket, p_bucket, False))
+            # Speculative steps of decoding requests only (a step that also prefills compiles
+            # its program when it first runs): more proposals than the previous width, at
+            # least one sequence per K of them, at most spec_max_seqs sequences.
+            prev = 0
+            for w in self.spec_widths:
+                lo = prev + 1 + -(-(prev + 1) // self.num_speculative_tokens)
+                hi = w + self.spec_max_seqs
+                prev = w
+                if not self.token_bucket(min(lo, self.token_buckets[-1])) <= t_bucket <= (
+                        self.token_bucket(min(hi, self.token_buckets[-1]))):
+                    continue
+                for p_bucket in self.page_buckets:
+                    inputs = self._idle_inputs(t_bucket, False, p_bucket, w)
+                    out, _ = self._call(inputs, False)
+                    jax.block_until_ready(out)
+                    self._note_compiled(Prepared(inputs, False, t_bucket, p_bucket, False,
+                                                 spec_width=w))
         logger.info("warmup compiled %d programs in %.1fs", self.num_compiled,
                     time.perf_counter() - start)
         return self.num_compiled

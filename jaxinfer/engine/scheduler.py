@@ -35,7 +35,21 @@ catching up to `num_tokens`, and one loop decides how many of its tokens to comp
    request whose pending token is certain to be its last (max_tokens, max_model_len) is not
    scheduled again; one that stops on EOS / a stop id wastes that one speculative step.
    Pages filled with known tokens enter the prefix cache when scheduled.
-7. `update` registers pages a pending token filled, appends sampled tokens and applies
+7. Speculative decoding (`proposer` set, see `jaxinfer.spec_decode`): a running request whose
+   tokens are all known (no pending one) and that would decode one token reserves room for up to
+   K proposed tokens - capped so that accepting all of them plus the bonus token stays within
+   max_tokens and max_model_len, and so that the requests after it keep one token of the budget
+   each; pages are allocated for them like any token (no reservation rather than preempting
+   anyone). After the running requests, one `proposer.propose_batch` call fills every
+   reservation (a draft model writes its own K/V into those pages); the proposals become extra
+   query tokens of the same step (`ScheduledRequest.num_spec_tokens`) and unused budget goes back
+   to waiting requests. Back-off rule: a
+   step speculates only while running + waiting requests <= `spec_max_requests`
+   (`disable_by_batch_size`); requests with penalties never do (their token counts are built
+   from the computed tokens). `update` rolls `num_computed_tokens` back to the accepted prefix:
+   the rejected tokens' K/V slots stay in the request's pages and are overwritten by its next
+   step; no page holding an unverified token is ever offered to the prefix cache.
+8. `update` registers pages a pending token filled, appends sampled tokens and applies
    the stop rules (stop_token_ids / EOS, then max_tokens, then max_model_len). Finished requests
    free their pages at once and are reported in the next `SchedulerOutput.finished`. A request
    finished, aborted or preempted while a step holding it was still in flight is skipped by that
@@ -69,7 +83,7 @@ class ScheduledRequest:
     """
 
     request: Request
-    token_ids: list[int]  # all_token_ids[start_pos : start_pos + len(token_ids)]
+    token_ids: list[int]  # all_token_ids[start_pos : ...], then num_spec_tokens proposed ones
     start_pos: int  # num_computed_tokens before this step
     new_page_ids: Sequence[int]  # pages the runner has not seen (the whole table when is_new)
     sample: bool  # the chunk reaches the end of the known tokens: sample one new token
@@ -79,6 +93,9 @@ class ScheduledRequest:
     # holds it (a release swaps in a new list), so its first cdiv(start_pos + len(token_ids),
     # page_size) pages stay this step's table.
     page_table: Sequence[int] = ()
+    # Speculative decoding: the last `num_spec_tokens` of `token_ids` are proposed tokens (not
+    # the request's own); the runner verifies them (`RunnerOutput.accepted_draft_ids`).
+    num_spec_tokens: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -101,12 +118,40 @@ class SchedulerOutput:
     def num_decodes(self) -> int:
         return sum(1 for s in self.scheduled if s.is_decode)
 
+    @property
+    def num_spec_tokens(self) -> int:
+        """Proposed tokens this step verifies (its results must reach the host before the next
+        schedule: a speculating step runs synchronously)."""
+        return sum(s.num_spec_tokens for s in self.scheduled)
+
 
 @dataclasses.dataclass
 class RunnerOutput:
     sampled_token_ids: dict[str, int]  # every scheduled request with sample=True
     logprobs: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed through
     prompt_logprobs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Speculative steps: request id -> the proposed tokens accepted before its sampled token
+    # (a prefix of its proposals), and their logprobs when asked (one per accepted token).
+    accepted_draft_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    draft_logprobs: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Speculative-decoding counters since start (requests verified while still running)."""
+
+    num_spec_steps: int = 0  # (request, step) pairs that verified proposals
+    num_draft_tokens: int = 0  # tokens proposed
+    num_accepted_tokens: int = 0  # proposed tokens accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verifying (request, step): accepted proposals + 1."""
+        return 1.0 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 0.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -129,7 +174,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         long_prefill_token_threshold: int | None = None,
+        proposer: Any = None,
+        num_speculative_tokens: int = 0,
+        spec_max_requests: int = 0,
     ):
+        """`proposer` (`propose_batch([(request, k), ...])` -> up to k token ids per request)
+        turns speculative decoding on: up to `num_speculative_tokens` per request while at most `spec_max_requests`
+        requests are running or waiting (see the module docstring, step 7)."""
         threshold = long_prefill_token_threshold
         for name, v in (
             ("max_num_seqs", max_num_seqs),
@@ -158,6 +209,13 @@ class Scheduler:
         self._waiting: list[Request] = []  # sorted by _order
         self._preempted: collections.deque[Request] = collections.deque()  # resume first
         self._finished_ids: list[str] = []
+        if proposer is not None and (num_speculative_tokens < 1 or spec_max_requests < 1):
+            raise ValueError(f"a proposer needs num_speculative_tokens={num_speculative_tokens} "
+                             f"and spec_max_requests={spec_max_requests} >= 1")
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_max_requests = spec_max_requests
+        self.spec_stats = SpecStats()
 
     @property
     def num_running(self) -> int:
@@ -169,6 +227,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    def speculating(self) -> bool:
+        """The back-off rule: the next `schedule` may propose tokens (a proposer is set and at
+        most `spec_max_requests` requests are running or waiting)."""
+        return (self.proposer is not None and 0 < len(self._requests) <= self.spec_max_requests)
 
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
@@ -233,6 +296,8 @@ class Scheduler:
         stopped: set[int] = set()
         page_size, max_chunk, max_len = self.allocator.page_size, self._max_chunk, self.max_model_len
         running, replica_of = self._running, self._replica
+        speculate = self.speculating()
+        reserved: list[tuple[ScheduledRequest, int]] = []  # (decode, room for proposals)
 
         # NOTE: the hot loop of a decode-heavy server (one pass per running request per step):
         # Request's properties are inlined here.
@@ -250,7 +315,11 @@ class Scheduler:
                 i += 1  # its pending token finishes it by length: nothing more to schedule
                 continue
             n = min(total - req.num_computed_tokens, budget, max_chunk)
-            need = -(-(req.num_computed_tokens + n) // page_size) - len(req.page_ids)
+            room = self._spec_room(req, n, budget - (len(running) - i - 1)) if speculate else 0
+            need = -(-(req.num_computed_tokens + n + room) // page_size) - len(req.page_ids)
+            if room and need > self.allocators[r].num_free_pages:  # proposals never preempt
+                room = 0
+                need = -(-(req.num_computed_tokens + n) // page_size) - len(req.page_ids)
             if need > 0:
                 alloc = self.allocators[r]
                 while need > alloc.num_free_pages:
@@ -263,8 +332,13 @@ class Scheduler:
                     stopped.add(r)  # it preempted itself: its replica schedules nothing more
                     continue
             self._schedule_tokens(req, n, need, decodes, chunks, False)
-            budgets[r] = budget - n
+            budgets[r] = budget - n - room
+            if room:
+                mine = decodes if decodes and decodes[-1].request is req else chunks
+                reserved.append((mine[-1], room))
             i += 1
+        for s, unused in self._fill_proposals(reserved):
+            budgets[s.replica] += unused
 
         while not preempted and (self._preempted or self._waiting):
             r = self._least_loaded(budgets)
@@ -312,6 +386,38 @@ class Scheduler:
             return None
         return min(open_, key=lambda r: (load[r], -self.allocators[r].num_free_pages, r))
 
+    def _spec_room(self, req: Request, n: int, budget: int) -> int:
+        """Proposed tokens a running request about to compute `n` tokens may verify, given the
+        token `budget` it may use while the requests after it keep one each."""
+        if (n != 1 or req.num_pending_tokens or req.num_computed_tokens != req.num_tokens - 1
+                or not req.may_speculate):
+            return 0
+        return max(0, min(self.num_speculative_tokens, budget - 1,
+                          req.sampling.max_tokens - req.num_output_tokens - 1,
+                          self.max_model_len - req.num_tokens - 1))
+
+    def _fill_proposals(self, reserved: list[tuple[ScheduledRequest, int]],
+                        ) -> list[tuple[ScheduledRequest, int]]:
+        """Asks the proposer once for every reservation, appends the proposals to the scheduled
+        decodes; returns (decode, unused reserved tokens) pairs."""
+        if not reserved:
+            return []
+        proposals = self.proposer.propose_batch([(s.request, k) for s, k in reserved])
+        if len(proposals) != len(reserved):
+            raise RuntimeError(f"proposer returned {len(proposals)} proposals for "
+                               f"{len(reserved)} requests")
+        unused = []
+        for (s, k), drafts in zip(reserved, proposals):
+            drafts = list(drafts)[:k]
+            if any(not isinstance(t, int) or t < 0 for t in drafts):
+                raise RuntimeError(f"request {s.request.request_id!r}: proposer returned bad ids "
+                                   f"{drafts}")
+            s.token_ids = s.token_ids + drafts
+            s.num_spec_tokens = len(drafts)
+            s.request.num_computed_tokens = s.start_pos + len(s.token_ids)  # update rolls back
+            unused.append((s, k - len(drafts)))
+        return unused
+
     def update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestUpdate]:
         """Apply one step's runner output. Requests aborted/finished since `schedule` are skipped."""
         updates: list[RequestUpdate] = []
@@ -320,7 +426,8 @@ class Scheduler:
             req = s.request
             if req.status is not running:
                 continue
-            computed = s.start_pos + len(s.token_ids)  # every one of these tokens is known now
+            # every one of these tokens is known now (proposed tokens are not the request's)
+            computed = s.start_pos + len(s.token_ids) - s.num_spec_tokens
             outputs = req.output_token_ids
             known = len(req.prompt_token_ids) + len(outputs)
             if computed > known or (s.sample and req.num_pending_tokens < 1):
@@ -339,12 +446,42 @@ class Scheduler:
                 token = sampled[req.request_id]
             except KeyError:
                 raise KeyError(f"runner returned no sampled token for {req.request_id!r}") from None
+            accepted: list[int] = []
+            if s.num_spec_tokens:
+                accepted = out.accepted_draft_ids.get(req.request_id, [])
+                drafts = s.token_ids[len(s.token_ids) - s.num_spec_tokens:]
+                if accepted != drafts[:len(accepted)]:
+                    raise RuntimeError(f"request {req.request_id!r}: accepted {accepted} is not a "
+                                       f"prefix of the proposed {drafts}")
+                # Roll back: K/V of the rejected proposals stays in the pages, overwritten later.
+                req.num_computed_tokens = computed + len(accepted)
+                st = self.spec_stats
+                st.num_spec_steps += 1
+                st.num_draft_tokens += s.num_spec_tokens
+                st.num_accepted_tokens += len(accepted)
             req.num_pending_tokens -= 1
-            outputs.append(token)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self._finish(req, *reason)
-            updates.append(RequestUpdate(req, [token], reason is not None))
+            if not accepted:
+                outputs.append(token)
+                reason = self._stop_reason(req, token)
+                if reason is not None:
+                    self._finish(req, *reason)
+                updates.append(RequestUpdate(req, [token], reason is not None))
+                continue
+            new: list[int] = []
+            finished = False
+            for tok in accepted + [token]:
+                outputs.append(tok)
+                new.append(tok)
+                reason = self._stop_reason(req, tok)
+                if reason is not None:
+                    self._finish(req, *reason)
+                    finished = True
+                    break
+            done = req.num_computed_tokens  # verified tokens only reach the prefix cache
+            if not finished and alloc.enable_prefix_caching and done >= (
+                    len(req.page_hashes) + 1) * alloc.page_size:
+                alloc.register_full_pages(req.all_token_ids, req.page_ids, done, req.page_hashes)
+            updates.append(RequestUpdate(req, new, finished))
         return updates
 
     def _key(self, req: Request) -> tuple[int, float, int]:
