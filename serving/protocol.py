@@ -148,17 +148,24 @@ def encode_input(tokenizer: Tokenizer, req: Any, *, add_special_tokens: bool = T
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     if which == "token_ids":
         return list(req.token_ids.ids)
-    messages = _chat(req.messages, "messages")
+    return encode_chat(tokenizer, _chat(req.messages, "messages"), "messages")
+
+
+def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], field: str,
+                **template_kwargs: Any) -> list[int]:
+    """Token ids of a chat rendered with the checkpoint's template plus the generation prompt
+    (both protocols call this)."""
     try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return tokenizer.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
     except ValueError as e:  # TokenizerError: no template, or the template raised
-        raise InvalidArgument(f"messages: {e}") from None
+        raise InvalidArgument(f"{field}: {e}") from None
 
 
-def check_prompt(ids: Sequence[int], field: str, sp: SamplingParams, limits: EngineLimits) -> None:
-    """The engine's prompt checks (`jaxinfer.engine.core.check_prompt`) with the proto field named."""
+def check_prompt(ids: Sequence[int], field: str, sp: SamplingParams, limits: EngineLimits, *,
+                 max_tokens_field: str = "sampling.max_tokens") -> None:
+    """The engine's prompt checks (`jaxinfer.engine.core.check_prompt`) with the field named."""
     try:
-        core_check_prompt(ids, sp, limits, field=field, max_tokens_field="sampling.max_tokens")
+        core_check_prompt(ids, sp, limits, field=field, max_tokens_field=max_tokens_field)
     except ValueError as e:
         raise InvalidArgument(str(e)) from None
 
