@@ -262,10 +262,9 @@ class OpenAIServer:
                     self.server.engine_loop.cancel(s)
                 raise
             return streams, [len(ids) for ids in prompts]
-        except protocol.InvalidArgument as e:
-            raise HTTPError(400, str(e), _param(str(e))) from None
-        except ValueError as e:  # the engine loop's own checks
-            raise HTTPError(400, str(e)) from None
+        except ValueError as e:  # InvalidArgument, and the engine loop's own checks
+            message = oai.field_names(req, str(e))
+            raise HTTPError(400, message, _param(message)) from None
         except QueueFull as e:
             raise HTTPError(429, str(e)) from None
         except EngineUnavailable as e:

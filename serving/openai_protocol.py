@@ -5,7 +5,8 @@ to and from the engine's types. No I/O here: `http_server.py` serves these.
    a 400 naming the field). Fields of the OpenAI API we do not implement (`echo`, `suffix`,
    `logit_bias`, `tools`, ...) are refused when set, never silently ignored; vLLM's extras
    (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
-   `priority`, `structured_outputs`) are accepted.
+   `priority`, `structured_outputs`) are accepted, and so is `response_format` (`json_object`,
+   `json_schema`): structured output (`jaxinfer.structured`).
 2. `sampling_params(req, max_tokens, logprobs)` builds `SamplingParams`, reusing its ValueError
    text with the API's field name ("top_p must be in (0, 1], got 0.0").
 3. `completion_logprobs` / `chat_logprobs` render `TokenLogprobs` the way each endpoint does;
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxinfer.engine.output import Usage
 from jaxinfer.engine.runner import TokenLogprobs
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxinfer.tokenizer import Tokenizer
 from serving.protocol import InvalidArgument
 
@@ -192,9 +193,39 @@ def sampling_params(req: _Request, *, max_tokens: int, logprobs: int | None) -> 
         if value is not None:
             kwargs[name] = value
     try:
+        kwargs["structured_outputs"] = structured_outputs(req)
         return SamplingParams(**kwargs)
     except ValueError as e:
         raise InvalidArgument(str(e).replace("SamplingParams.", "")) from None
+
+
+def structured_outputs(req: _Request) -> StructuredOutputsParams | None:
+    """The request's constraint: `response_format` (json_object / json_schema) or vLLM's
+    `structured_outputs` extra (json / regex / choice / grammar / json_object)."""
+    fmt, so = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != "text":
+        if so is not None:
+            raise InvalidArgument("response_format and structured_outputs are both set; give one")
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise InvalidArgument("response_format.json_schema.schema is required when "
+                                  "response_format.type is json_schema")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+    if so is None:
+        return None
+    return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice,
+                                   grammar=so.grammar, json_object=bool(so.json_object))
+
+
+def field_names(req: _Request, message: str) -> str:
+    """An error message about the constraint, naming the field the client set."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_schema":
+        return message.replace("structured_outputs.json", "response_format.json_schema.schema")
+    if fmt is not None and fmt.type == "json_object":
+        return message.replace("structured_outputs.json_object", "response_format")
+    return message
 
 
 def _token(tokenizer: Tokenizer | None, token_id: int) -> str:

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 
 from jaxinfer import sharding as shd
+from jaxinfer import structured
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request
@@ -53,7 +54,8 @@ class EngineLimits:
 
 def check_prompt(ids: Sequence[int], sampling: SamplingParams, limits: EngineLimits, *,
                  field: str = "prompt", max_tokens_field: str = "max_tokens") -> None:
-    """The one prompt-length / vocabulary / page check every entry point calls (ValueError)."""
+    """The one prompt-length / vocabulary / page check every entry point calls (ValueError);
+    a structured-output constraint must compile too."""
     if not ids:
         raise ValueError(f"{field} is empty (no tokens)")
     for i, t in enumerate(ids):
@@ -68,6 +70,8 @@ def check_prompt(ids: Sequence[int], sampling: SamplingParams, limits: EngineLim
     if pages > limits.num_pages:
         raise ValueError(f"{max_tokens_field}: prompt of {n} tokens + max_tokens={m} needs {pages} "
                          f"KV-cache pages, the cache has {limits.num_pages}")
+    if sampling.structured_outputs is not None:
+        structured.validate(sampling.structured_outputs)
 
 
 @dataclasses.dataclass
@@ -140,12 +144,16 @@ class EngineCore:
       params: the params tree (None with an injected `runner`, e.g. a fake one).
       config: engine knobs; `num_pages` None sizes the cache from `kv_cache_memory` / the device.
       runner: use this runner instead of building a `ModelRunner` (tests, host benchmarks).
+      tokenizer: the model's tokenizer, for structured output's grammars (None: requests with
+        `structured_outputs` are refused).
     """
 
     def __init__(self, cfg: ModelConfig, params: Any, config: EngineConfig, *,
                  attention_backend: str | None = None, linear_backend: str | None = None,
-                 runner: Any = None) -> None:
+                 runner: Any = None, tokenizer: Any = None) -> None:
         self.cfg = cfg
+        self.structured = (structured.StructuredOutputs(tokenizer, cfg.vocab_size)
+                           if tokenizer is not None else None)
         max_model_len = config.max_model_len or cfg.max_position_embeddings
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
@@ -245,7 +253,10 @@ class EngineCore:
                 "devices": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})"}
 
     def warmup(self) -> int:
-        """Compiles every program a request can need; returns how many exist."""
+        """Compiles every program a request can need (and builds the structured-output
+        tokenizer); returns how many programs exist."""
+        if self.structured is not None:
+            self.structured.prepare()
         return int(self.runner.warmup())
 
     def add(self, req: CoreRequest) -> None:
@@ -253,6 +264,10 @@ class EngineCore:
         if req.request_id in self._requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         check_prompt(req.prompt_token_ids, req.sampling, self.limits)
+        if req.sampling.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("structured_outputs needs the engine core to have the tokenizer")
+            self.structured.add(req.request_id, req.sampling.structured_outputs)
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling,
                           eos_token_ids=tuple(req.eos_token_ids), priority=req.priority)
         self.scheduler.add_request(request)
@@ -268,6 +283,8 @@ class EngineCore:
         """Ends a request for a reason found outside the core (a stop string); not reported."""
         if self._requests.pop(request_id, None) is not None:
             self.scheduler.finish(request_id, reason, stop_reason)
+            if self.structured is not None:
+                self.structured.remove(request_id)
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._aborted)
@@ -279,14 +296,32 @@ class EngineCore:
         return self.config.async_scheduling and getattr(self.runner, "channel", None) is None
 
     def step(self) -> list[TokenOutput]:
-        """One engine step. If it raises, `failed_request_ids` names the requests it lost."""
+        """One engine step. If it raises, `failed_request_ids` names the requests it lost.
+
+        NOTE: while a structured-output request is unfinished, steps are synchronous: its next
+        bitmask needs the token the step before sampled. A step still in flight is first
+        finished on its own (that call returns its outputs).
+        """
         self.failed_request_ids = []
+        constrained = self.structured is not None and self.structured.active
+        if constrained and self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            ready, self._ready = self._ready, []
+            try:
+                return ready + self._finish_launched(previous)
+            except Exception:
+                self._ready = ready
+                raise
         sched = self.scheduler.schedule()
         self.num_steps += bool(sched.scheduled)
-        if not self.async_scheduling:
+        if constrained:
+            with self._failing(sched.scheduled):
+                self._fill_bitmask(sched)
+        if not self.async_scheduling or constrained:
             with self._failing(sched.scheduled):
                 out = self.runner.execute(sched)
-            return self._outputs(self.scheduler.update(sched, out), out)
+            ready, self._ready = self._ready, []
+            return ready + self._outputs(self.scheduler.update(sched, out), out)
         previous, self._in_flight = self._in_flight, None
         ready, self._ready = self._ready, []
         try:
@@ -305,6 +340,15 @@ class EngineCore:
         if previous is None:
             return ready + self._outputs([], RunnerOutput(sampled_token_ids={}))
         return ready + self._finish_launched(previous)
+
+    def _fill_bitmask(self, sched: Any) -> None:
+        """The allowed-token bitmask of every constrained request this step samples."""
+        assert self.structured is not None
+        ids = [s.request.request_id for s in sched.scheduled
+               if s.sample and self.structured.has(s.request.request_id)]
+        if ids:
+            sched.bitmask_rows = {rid: k for k, rid in enumerate(ids)}
+            sched.token_bitmask = self.structured.fill(ids)
 
     def _finish_launched(self, launched: Launched) -> list[TokenOutput]:
         """Waits for a launched step and applies it (a failure also loses the step after it,
@@ -329,7 +373,10 @@ class EngineCore:
 
     def _outputs(self, updates: list[RequestUpdate], out: RunnerOutput) -> list[TokenOutput]:
         outputs = []
+        so = self.structured
         for req in self._aborted:
+            if so is not None:
+                so.remove(req.request_id)
             if self._requests.pop(req.request_id, None) is not None:
                 outputs.append(TokenOutput(req.request_id, [], finished=True, finish_reason="abort",
                                            num_prompt_tokens=req.num_prompt_tokens,
@@ -344,6 +391,11 @@ class EngineCore:
             if req.request_id not in self._requests:
                 continue  # finished outside (a stop string) while this step ran
             self.num_generated += len(upd.new_token_ids)
+            if so is not None and so.has(req.request_id):
+                if upd.finished:
+                    so.remove(req.request_id)
+                else:
+                    so.advance(req.request_id, list(upd.new_token_ids))
             outputs.append(TokenOutput(
                 req.request_id, list(upd.new_token_ids), out.logprobs.get(req.request_id),
                 prompt_lps.pop(req.request_id, None), upd.finished,

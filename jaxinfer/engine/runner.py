@@ -11,7 +11,9 @@ Flow of `execute(SchedulerOutput) -> RunnerOutput`:
      `[S, page bucket]`, not `[S, max_model_len / page_size]`.
   3. Build every input with a handful of vectorized numpy gathers and scatters over the step's
      rows: the ragged `StepInputs`, the penalty bookkeeping and the sampling metadata (gathered
-     again only when the step's rows or their parameters changed).
+     again only when the step's rows or their parameters changed), and the structured-output
+     token bitmask (all ones but the rows of constrained requests, which the engine core filled
+     in `SchedulerOutput.token_bitmask`).
   4. One transfer of that tree (on one device packed into a numpy buffer per dtype that the jitted
      call moves itself, unpacked by static slices inside the program: `_pack`; on a mesh one
      sharded `device_put`), one jitted step (forward + penalty-state update + sampler + logprobs,
@@ -68,6 +70,7 @@ from jaxinfer.params import DTYPES
 from jaxinfer.sampling import SamplingMetadata, SamplingRows, compute_logprobs, sample
 from jaxinfer.sampling_params import MAX_LOGPROBS
 from jaxinfer.step import StepInputs
+from jaxinfer.structured import bitmask_width
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,7 @@ class BatchExtras:
     sample_rows: jax.Array  # i32[S] token row holding each sequence's last position
     target_ids: jax.Array  # i32[T] next prompt token per position (prompt-logprob programs only)
     feed_rows: jax.Array  # i32[T] row of prev_tokens that holds this (pending) token; -1: given
+    token_bitmask: jax.Array  # i32[S, ceil(V / 32)] structured output's allowed tokens (-1: all)
 
 
 @struct.dataclass
@@ -164,7 +168,7 @@ def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_tokens:
         row_logits = jnp.take(logits, extras.sample_rows, axis=0) if all_logits else logits
         # Each row's sampled token goes at position kv_len: its random counter (batch-invariant).
         out = sample(row_logits, meta, prompt_mask, output_counts, step.kv_lens.reshape(-1),
-                     num_logprobs=MAX_LOGPROBS)
+                     num_logprobs=MAX_LOGPROBS, token_bitmask=extras.token_bitmask)
     prompt = compute_logprobs(logits, extras.target_ids, MAX_LOGPROBS) if all_logits else None
     next_tokens = jnp.zeros_like(prev_tokens).at[:out.token_ids.shape[0]].set(out.token_ids)
     return (out, prompt), kv_caches, state, next_tokens
@@ -300,6 +304,7 @@ class ModelRunner:
         self._wants_prompt_lps = np.zeros(max_num_seqs + 1, bool)
         self._last_sample = np.full(max_num_seqs + 1, -1, np.int32)  # row of _prev_tokens, -1: none
         self._sampling = SamplingRows(max_num_seqs)
+        self.bitmask_width = bitmask_width(cfg.vocab_size)
         self._meta_cache: tuple[int, np.ndarray, SamplingMetadata, bool] | None = None
         self._seeds: dict[str, int] = {}  # NOTE: kept across preemption (resamples identically)
         self._rng = random.Random()
@@ -430,7 +435,14 @@ class ModelRunner:
         self._release(sched.preempted, finished=False)
         if not sched.scheduled:
             return None
-        return self._prepare(sched.scheduled)
+        prepared = self._prepare(sched.scheduled)
+        if sched.bitmask_rows:  # structured output: each constrained row's allowed tokens
+            bitmask = prepared.inputs["extras"].token_bitmask
+            for rid, slot in zip(prepared.plan.sample_ids, prepared.plan.sample_slots.tolist()):
+                k = sched.bitmask_rows.get(rid)
+                if k is not None:
+                    bitmask[slot] = sched.token_bitmask[k]
+        return prepared
 
     def run(self, prepared: Prepared) -> tuple[Any, Any, Any]:
         """Device half: one transfer in, the jitted step, one transfer out of what the step needs:
@@ -657,7 +669,9 @@ class ModelRunner:
             logits_indices=logits_indices.reshape(lead + (-1,)))
         extras = BatchExtras(token_seq=token_seq, token_is_output=token_is_output, seq_rows=seq_rows,
                              reset_rows=reset_rows, sample_rows=sample_rows,
-                             target_ids=np.zeros(n_groups * t, np.int32), feed_rows=feed_rows)
+                             target_ids=np.zeros(n_groups * t, np.int32), feed_rows=feed_rows,
+                             token_bitmask=np.full((n_groups * s_bucket, self.bitmask_width), -1,
+                                                   np.int32))
         return step, extras, slot.astype(np.int32), tok_lo.astype(np.int32)
 
     def _unpack(self, plan: UnpackPlan, token_ids: np.ndarray, out: Any, prompt: Any) -> RunnerOutput:
