@@ -179,8 +179,9 @@ class StructuredOutputs:
             return
         for t in token_ids:
             if not matcher.consume_token(t):
+                why = (matcher.get_error() or "").strip().splitlines()[:1]
                 logger.error("request %s: token %d rejected by its grammar (%s)", request_id, t,
-                             matcher.get_error())
+                             why[0] if why else "no reason given")
                 return
 
     def fill(self, request_ids: list[str]) -> np.ndarray:
