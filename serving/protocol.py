@@ -125,6 +125,17 @@ def sampling_params(sp: pb.SamplingParams) -> SamplingParams:
         raise InvalidArgument(str(e).replace("SamplingParams.", "sampling.")) from None
 
 
+def proto_field_names(message: str) -> str:
+    """A structured-output error message with the proto's field path
+    ("sampling.structured_outputs.json_schema is invalid: ...")."""
+    if not message.startswith("structured_outputs"):
+        return message
+    for ours, proto in ((".json ", ".json_schema "), (".choice ", ".choice.choices ")):
+        if message.startswith("structured_outputs" + ours):
+            message = "structured_outputs" + proto + message[len("structured_outputs" + ours):]
+    return "sampling." + message
+
+
 def structured_outputs(so: pb.StructuredOutputs) -> StructuredOutputsParams:
     """`StructuredOutputsParams` of the proto (ValueError naming the field when none is set)."""
     kind = so.WhichOneof("kind")

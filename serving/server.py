@@ -341,7 +341,7 @@ class GenerateServer:
             ids = await asyncio.to_thread(protocol.encode_input, self.tokenizer, req)
             return req, self.submit(ids, sp, req.priority, field=protocol.prompt_field(req))
         except ValueError as e:  # InvalidArgument, and the engine's own checks
-            message = str(e)
+            message = protocol.proto_field_names(str(e))
         except QueueFull as e:
             code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
         except EngineUnavailable as e:

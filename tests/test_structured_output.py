@@ -302,10 +302,11 @@ def test_grpc_structured_outputs(srv):
         with pytest.raises(grpc.RpcError) as info:
             c.stub.GenerateOnce(bad)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "structured_outputs.json is invalid: Invalid type: bogus" in info.value.details()
+        assert "sampling.structured_outputs.json_schema is invalid: Invalid type: bogus" in \
+            info.value.details()
         empty = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(
             structured_outputs=pb.StructuredOutputs()))
-        with pytest.raises(grpc.RpcError, match="one of json_schema, regex"):
+        with pytest.raises(grpc.RpcError, match="sampling.structured_outputs: one of json_schema"):
             c.stub.GenerateOnce(empty)
     finally:
         c.close()
