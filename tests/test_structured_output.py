@@ -310,3 +310,29 @@ def test_grpc_structured_outputs(srv):
             c.stub.GenerateOnce(empty)
     finally:
         c.close()
+
+
+def test_async_engine_steps_synchronously_while_constrained(tok):
+    """An async-scheduling engine finishes its in-flight step before a constrained request's
+    first mask, steps synchronously while it runs, and unconstrained streams stay exact."""
+    from jaxinfer.engine.engine import wait_all
+    from serving.testing import FakeRunner, fake_engine, fake_stream
+
+    engine = fake_engine(tok, FakeRunner(), page_size=16, num_pages=257, max_model_len=512,
+                         max_num_seqs=8, max_num_batched_tokens=256)
+    assert engine.async_scheduling
+    engine.add_request([1000, 1001], SamplingParams(max_tokens=40, ignore_eos=True),
+                       request_id="free")
+    deltas = []
+    for _ in range(3):
+        deltas += engine.step()
+    bound = SamplingParams(max_tokens=20, n=3, seed=5,
+                           structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    engine.add_request([1000, 1002], bound, request_id="bound")
+    deltas += wait_all(engine, timeout=30)
+    ids = [t for d in deltas if d.request_id == "free" for t in d.new_token_ids]
+    assert ids == fake_stream([1000, 1001], 40)
+    texts = {i: "".join(d.new_text for d in deltas if d.request_id == "bound" and d.index == i)
+             for i in range(3)}
+    assert all(t in CHOICES for t in texts.values()), texts
+    assert not engine.core.structured.active  # every matcher dropped with its request
