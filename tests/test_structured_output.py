@@ -68,6 +68,19 @@ def test_params_need_exactly_one_constraint():
     assert sp.structured_outputs == StructuredOutputsParams(regex="a+")
 
 
+def test_constraint_crosses_the_engine_core_wire():
+    """The engine-core process receives SamplingParams through msgpack (`request_to_wire`)."""
+    import msgpack
+
+    from jaxinfer.engine.core import CoreRequest
+    from jaxinfer.engine.core_client import request_from_wire, request_to_wire
+
+    for so in (StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(choice=CHOICES)):
+        req = CoreRequest("r1", [1, 2], SamplingParams(structured_outputs=so))
+        wire = msgpack.unpackb(msgpack.packb(request_to_wire(req), use_bin_type=True), raw=False)
+        assert request_from_wire(wire).sampling == req.sampling
+
+
 @pytest.mark.parametrize("params, needle", [
     (dict(json={"type": "bogus"}), "structured_outputs.json is invalid: Invalid type: bogus"),
     (dict(json='{"type": "object"'), "structured_outputs.json is not valid JSON"),
