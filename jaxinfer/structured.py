@@ -94,19 +94,27 @@ def validate(params: StructuredOutputsParams) -> None:
 
 
 class _PieceTable:
-    """llguidance's tokenizer interface over a vocabulary without a tokenizer.json
-    (SentencePiece): each token's bytes, from its piece."""
+    """llguidance's tokenizer interface from each token's bytes, read off its vocabulary piece:
+    SentencePiece pieces ("\u2581the", "<0x0A>") or byte-level BPE ones ("\u0120the")."""
 
     def __init__(self, tokenizer: Any) -> None:
+        from jaxinfer.tokenizer import _byte_level_alphabet
+
         self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
         self.bos_token_id = tokenizer.bos_token_id
         self.special_token_ids = sorted(tokenizer.special_token_ids)
+        pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+        byte_of = {c: b for b, c in _byte_level_alphabet().items()}
+        byte_level = any("\u0120" in p for p in pieces) and not any("\u2581" in p for p in pieces)
         self.tokens = []
-        for i in range(tokenizer.vocab_size):
-            piece = tokenizer.id_to_piece(i)
+        for i, piece in enumerate(pieces):
             byte = _BYTE_PIECE.match(piece)
             if byte:
                 self.tokens.append(bytes([int(byte.group(1), 16)]))
+            elif i in tokenizer.special_token_ids:
+                self.tokens.append(piece.encode())
+            elif byte_level and all(c in byte_of for c in piece):
+                self.tokens.append(bytes(byte_of[c] for c in piece))
             else:
                 self.tokens.append(piece.replace("\u2581", " ").encode())
         self._tokenizer = tokenizer
@@ -126,7 +134,11 @@ def llguidance_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     backend = getattr(tokenizer, "_backend", None)
     hf = getattr(backend, "tok", None)
     if hf is not None and hasattr(hf, "to_str"):  # a `tokenizers.Tokenizer` (tokenizer.json, GGUF BPE)
-        return llg.LLTokenizer(hf.to_str(), n_vocab=vocab_size, eos_token=eos)
+        try:
+            return llg.LLTokenizer(hf.to_str(), n_vocab=vocab_size, eos_token=eos)
+        except ValueError as e:  # e.g. no decoder: llguidance cannot tell how tokens spell bytes
+            logger.info("llguidance cannot read %s's tokenizer.json (%s); using its pieces",
+                        tokenizer.source, e)
     from llguidance._tokenizer import TokenizerWrapper
 
     return llg.LLTokenizer(TokenizerWrapper(_PieceTable(tokenizer)), n_vocab=vocab_size,
@@ -142,6 +154,7 @@ class StructuredOutputs:
         self._lltok: Any = None
         self._executor: Any = None
         self._matchers: dict[str, Any] = {}
+        self.unavailable: str | None = None  # why this tokenizer cannot be constrained
 
     @property
     def active(self) -> bool:
@@ -152,17 +165,28 @@ class StructuredOutputs:
         return request_id in self._matchers
 
     def prepare(self) -> None:
-        """Builds the llguidance tokenizer and thread pool now (else on the first request)."""
+        """Builds the llguidance tokenizer and thread pool now (else on the first request). A
+        tokenizer llguidance cannot read leaves the engine serving: `unavailable` says why, and
+        constrained requests raise it."""
         import llguidance as llg
 
-        if self._lltok is None:
-            self._lltok = llguidance_tokenizer(self.tokenizer, self.vocab_size)
+        if self._lltok is None and self.unavailable is None:
+            try:
+                self._lltok = llguidance_tokenizer(self.tokenizer, self.vocab_size)
+            except Exception as e:  # noqa: BLE001 - only constrained requests need it
+                self.unavailable = f"{type(e).__name__}: {e}"
+                logger.warning("structured output is unavailable for %s: %s",
+                               self.tokenizer.source, self.unavailable)
+                return
             self._executor = llg.LLExecutor()
 
     def add(self, request_id: str, params: StructuredOutputsParams) -> None:
         import llguidance as llg
 
         self.prepare()
+        if self._lltok is None:
+            raise ValueError(f"structured_outputs: unavailable for this model's tokenizer "
+                             f"({self.unavailable})")
         matcher = llg.LLMatcher(self._lltok, grammar_of(params), log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{_field(params)} is invalid: "

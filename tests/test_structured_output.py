@@ -349,3 +349,28 @@ def test_async_engine_steps_synchronously_while_constrained(tok):
              for i in range(3)}
     assert all(t in CHOICES for t in texts.values()), texts
     assert not engine.core.structured.active  # every matcher dropped with its request
+
+
+def test_tokenizer_llguidance_cannot_read_falls_back_to_its_pieces(tmp_path):
+    """A tokenizer.json without a decoder (llguidance: "can't determine decoder type") is read
+    from its vocabulary pieces instead; the engine keeps serving either way."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    from jaxinfer.structured import StructuredOutputs
+    from jaxinfer.tokenizer import Tokenizer
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(29)]
+    hf = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                               unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    tok = Tokenizer.from_path(tmp_path)
+    so = StructuredOutputs(tok, 32)
+    so.prepare()
+    assert so.unavailable is None
+    so.add("a", StructuredOutputsParams(choice=["w7"]))
+    assert allowed_ids(so.fill(["a"])[0], 32).tolist() == [words.index("w7")]
+    so.advance("a", [words.index("w7")])
+    assert allowed_ids(so.fill(["a"])[0], 32).tolist() == [words.index("</s>")]
