@@ -43,9 +43,9 @@ class HostOnlyRunner(ModelRunner):
         real, shapes = self._jit, {}
 
         def fake(*args, **kwargs):
-            key = (repr(sorted(kwargs.items())),
-                   tuple((np.shape(x), str(getattr(x, "dtype", type(x))))
-                         for x in jax.tree.leaves(args[2:])))
+            # kv caches, state and params keep their shapes: the packed buffers and the static
+            # layout name the program
+            key = (tuple(sorted(kwargs.items())), tuple(np.shape(x) for x in args[5]))
             if key not in shapes:
                 shapes[key] = real.eval_shape(*args, **kwargs)
 
@@ -53,7 +53,9 @@ class HostOnlyRunner(ModelRunner):
                 v = FILL_TOKEN if np.issubdtype(s.dtype, np.integer) else 0
                 return np.full(s.shape, v, s.dtype)
 
-            return jax.tree.map(fill, shapes[key])
+            results, _, _, next_tokens = shapes[key]
+            # the device state (KV cache, penalty rows) passes through untouched
+            return jax.tree.map(fill, results), args[2], args[3], jax.tree.map(fill, next_tokens)
 
         self._jit = fake
 

@@ -386,24 +386,26 @@ class EngineCore:
         # NOTE: every prefill chunk brings prompt logprobs, but only the last one samples (and
         # so has an update): report them whenever the runner returns them.
         prompt_lps = {rid: lps for rid, lps in out.prompt_logprobs.items() if rid in self._requests}
-        for upd in updates:
+        live, logprobs = self._requests, out.logprobs
+        for upd in updates:  # NOTE: a hot loop (one pass per sampled request per step)
             req = upd.request
-            if req.request_id not in self._requests:
+            rid = req.request_id
+            if rid not in live:
                 continue  # finished outside (a stop string) while this step ran
             self.num_generated += len(upd.new_token_ids)
-            if so is not None and so.has(req.request_id):
-                if upd.finished:
-                    so.remove(req.request_id)
+            done = upd.finished
+            if so is not None and so.has(rid):
+                if done:
+                    so.remove(rid)
                 else:
-                    so.advance(req.request_id, list(upd.new_token_ids))
+                    so.advance(rid, list(upd.new_token_ids))
             outputs.append(TokenOutput(
-                req.request_id, list(upd.new_token_ids), out.logprobs.get(req.request_id),
-                prompt_lps.pop(req.request_id, None), upd.finished,
-                req.finish_reason if upd.finished else None,
-                req.stop_reason if upd.finished else None, req.num_prompt_tokens,
-                req.num_output_tokens, req.num_cached_tokens))
-            if upd.finished:
-                del self._requests[req.request_id]
+                rid, upd.new_token_ids, logprobs.get(rid) if logprobs else None,
+                prompt_lps.pop(rid, None) if prompt_lps else None, done,
+                req.finish_reason if done else None, req.stop_reason if done else None,
+                len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens))
+            if done:
+                del live[rid]
         for rid, lps in prompt_lps.items():  # a prefill chunk that did not sample yet
             outputs.append(TokenOutput(rid, [], prompt_logprobs=lps))
         return outputs

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import random
@@ -512,26 +513,25 @@ class ModelRunner:
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> Prepared:
         with jax.named_scope("patch_rows"):
-            rows, starts, q_lens, tokens, samples, joined, sample_ids = [], [], [], [], [], [], []
+            rows, row_of = [], self._rows.get
             for s in scheduled:
-                rid = s.request.request_id
                 if s.is_new:
                     row = self._join(s)
                 else:
-                    row = self._rows.get(rid)
+                    row = row_of(s.request.request_id)
                     if row is None:
-                        raise RuntimeError(f"request {rid!r} is scheduled as running but has no row "
-                                           f"(its first schedule was not prepared)")
+                        raise RuntimeError(f"request {s.request.request_id!r} is scheduled as "
+                                           f"running but has no row (its first schedule was not "
+                                           f"prepared)")
                     if s.new_page_ids:
                         self._extend(row, s)
                 rows.append(row)
-                starts.append(s.start_pos)
-                q_lens.append(len(s.token_ids))
-                tokens += s.token_ids
-                samples.append(s.sample)
-                joined.append(s.is_new)
-                if s.sample:
-                    sample_ids.append(rid)
+            starts = [s.start_pos for s in scheduled]
+            q_lens = [len(s.token_ids) for s in scheduled]
+            tokens = list(itertools.chain.from_iterable(s.token_ids for s in scheduled))
+            samples = [s.sample for s in scheduled]
+            joined = [s.is_new for s in scheduled]
+            sample_ids = [s.request.request_id for s in scheduled if s.sample]
         rows_a = np.array(rows, np.int32)
         starts_a = np.array(starts, np.int32)
         q_a = np.array(q_lens, np.int32)
