@@ -387,6 +387,8 @@ class EngineCore:
         # so has an update): report them whenever the runner returns them.
         prompt_lps = {rid: lps for rid, lps in out.prompt_logprobs.items() if rid in self._requests}
         live, logprobs = self._requests, out.logprobs
+        if so is not None and not so.active:
+            so = None  # no matcher to advance: keep the hot loop as it was
         for upd in updates:  # NOTE: a hot loop (one pass per sampled request per step)
             req = upd.request
             rid = req.request_id
