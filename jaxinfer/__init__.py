@@ -1,6 +1,6 @@
 """jaxinfer: LLM inference in JAX/XLA over a paged KV cache.
 
-Public API: `LLM`, `SamplingParams`, `RequestOutput`. Imports are lazy so host-only modules
+Public API: `LLM`, `SamplingParams`, `StructuredOutputsParams`, `RequestOutput`. Imports are lazy so host-only modules
 (the scheduler, the page allocator) can be used without importing JAX.
 """
 
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "SamplingParams":
-        from jaxinfer.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from jaxinfer import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     if name in ("LLM", "RequestOutput"):
         from jaxinfer import llm
 

@@ -5,7 +5,8 @@ Every per-request knob is a row of an array in `SamplingMetadata` (gathered from
 serves any mix of greedy, top-k, top-p, min-p and penalised rows; `lax.cond`s on "does any row need
 this" skip the costly stages for batches that do not. Flow of `sample`:
   1. Penalties (repetition on prompt-or-output tokens, then frequency and presence on output
-     counts), then suppressed ids (EOS/stop ids under `min_tokens`) to -inf.
+     counts), then suppressed ids (EOS/stop ids under `min_tokens`) to -inf, then tokens a
+     structured-output row's bitmask forbids to -inf (`token_bitmask`).
   2. Greedy rows (`temperature < GREEDY_EPS`) take the first index of the row maximum.
   3. Sampling rows: the top-k threshold is the k-th largest logit (ties kept), from an exact
      blocked top-k over `TOP_K_CANDIDATES` candidates, or by bisection when a row asks for more;
@@ -459,6 +460,20 @@ def _sample_rows(
         return jnp.where(done, token, fallback)
 
 
+def apply_token_bitmask(
+    x: jax.Array,  # f32[S, V]
+    bitmask: jax.Array,  # i32[S, W] W * 32 >= V; bit b of word w covers token 32 * w + b
+) -> jax.Array:
+    """Tokens whose bit is clear -> -inf."""
+    s, vocab = x.shape
+    if bitmask.shape[1] * 32 < vocab:
+        raise ValueError(f"token bitmask of {bitmask.shape[1]} words covers fewer than {vocab} tokens")
+    # bits[s, w, b] = bit b of word w
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # i32[S, W, 32]
+    allowed = bits.reshape(s, -1)[:, :vocab] != 0  # bool[S, V]
+    return jnp.where(allowed, x, -jnp.inf)
+
+
 def _edit_logits(
     logits: jax.Array,  # f32[S, V]
     meta: SamplingMetadata,
@@ -484,6 +499,7 @@ def sample(
     positions: jax.Array,  # i32[S] position the sampled token takes in its sequence
     *,
     num_logprobs: int = MAX_LOGPROBS,
+    token_bitmask: jax.Array | None = None,  # i32[S, ceil(V / 32)] allowed tokens; -1 rows: all
 ) -> SamplerOutput:
     """Samples one token per row; jit with `num_logprobs` static, everything else traced.
 
@@ -495,6 +511,9 @@ def sample(
       positions: where the sampled token goes (= tokens before it): the row's random counter with
         its seed, and the clock of `suppress_until`.
       num_logprobs: width of the returned top-k logprobs (static).
+      token_bitmask: structured output (`jaxinfer.structured`): bit `t % 32` of word `t // 32`
+        set = token t allowed; every other token is -inf before any filter. Rows of all ones
+        (-1) are unconstrained; a batch without a constrained row skips the stage.
 
     Returns:
       `SamplerOutput`; logprobs are under the raw model distribution, whatever the filters. They
@@ -515,6 +534,10 @@ def sample(
         lambda: _edit_logits(logits, meta, prompt_mask, output_counts, suppressing),
         lambda: logits,
     )
+    if token_bitmask is not None:
+        with jax.named_scope("token_bitmask"):
+            x = lax.cond(jnp.any(token_bitmask != -1),
+                         lambda: apply_token_bitmask(x, token_bitmask), lambda: x)
     x = _pad_vocab(x)
     with jax.named_scope("greedy"):
         block_max = _blocks(x).max(axis=2)  # f32[S, NB]

@@ -1,9 +1,11 @@
-"""Online serving benchmark: a ShareGPT-like workload sent to a running server over gRPC.
+"""Online serving benchmark: a ShareGPT-like workload sent to a running server over gRPC and/or
+its OpenAI-compatible HTTP API.
 
     python scripts/bench_serving.py --port 50051 --num-requests 200 --request-rate 4
     python scripts/bench_serving.py --spawn --num-requests 64 --request-rate inf
     python scripts/bench_serving.py --spawn --spawn-args="--fake-runner" --num-requests 512
     python scripts/bench_serving.py --spawn --model cfg_dir --load-format dummy  # random weights
+    python scripts/bench_serving.py --spawn --backend both --spawn-args="--fake-runner"  # gRPC vs HTTP
 
 In the spirit of vLLM's `benchmark_serving.py` and JetStream's `benchmark_serving.py`:
 1. Workload: `bench_offline.sharegpt_like` prompt/output lengths (fixed seed, clipped to the
@@ -11,13 +13,18 @@ In the spirit of vLLM's `benchmark_serving.py` and JetStream's `benchmark_servin
    output length (`ignore_eos`, greedy), so runs are comparable.
 2. Arrivals: a Poisson process at `--request-rate` requests/s (exponential gaps, seeded), or all
    at t=0 with `inf`; `--max-concurrency` caps requests in flight on the client side.
-3. Each request is one streamed `Generate`; the client stamps every message. Reported: request
+3. Each request is one streamed `Generate` (`--backend grpc`), or one streamed
+   `POST /v1/completions` (`--backend openai`, over aiohttp like vLLM's benchmark: token ids as
+   the prompt, `stream_options.include_usage` for the token count; a chunk's tokens share its
+   gap); `--backend both` runs the same workload over gRPC, then HTTP, on the same server, and
+   prints their output-throughput ratio. Each backend first serves 16 unmeasured requests. The
+   client stamps every message. Reported: request
    throughput, output and total tok/s, TTFT, inter-token latency (gaps between tokens after the
    first, each token of a multi-token message getting its share), TPOT ((e2e - TTFT) / (output
    - 1) per request) and end-to-end latency as mean / p50 / p99, and goodput: requests/s that met
    the SLO (TTFT <= --slo-ttft and TPOT <= --slo-tpot).
-4. `--spawn` starts `scripts/serve.py` (port 0, plus `--model`, `--load-format` and
-   `--spawn-args`) as a subprocess, waits for health SERVING, runs the benchmark, then stops it
+4. `--spawn` starts `scripts/serve.py` (port 0, `--http-port 0`, plus `--model`,
+   `--load-format` and `--spawn-args`) as a subprocess, waits for health SERVING, runs the benchmark, then stops it
    with SIGTERM. `--load-format dummy` serves random weights made on the device from `--model`'s
    config.json (+ tokenizer): any architecture without its checkpoint.
 Prints a table and one JSON line for BENCHMARKS.md.
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -87,18 +95,74 @@ async def one_request(stub, prompt: list[int], max_tokens: int, timeout: float |
     return res
 
 
+async def one_openai_request(session, url: str, model: str, prompt: list[int], max_tokens: int,
+                             timeout: float | None) -> Result:
+    """One streamed `POST /v1/completions`: the same request as the openai client's
+    `completions.create(..., stream=True)`, over aiohttp (as vLLM's benchmark does: the SDK's
+    per-chunk pydantic objects cost the CPU-sharing client more than the server spends)."""
+    import aiohttp
+
+    res = Result(len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    start = last = time.perf_counter()
+    gaps: list[float] = []
+    try:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data: {"):
+                    continue
+                now = time.perf_counter()
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    if res.ttft is None:
+                        res.ttft = now - start
+                    else:
+                        gaps.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    res.output_len = chunk["usage"]["completion_tokens"]
+    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    res.e2e = time.perf_counter() - start
+    if gaps and res.output_len > 1:  # the tokens after the first, shared by the chunks' gaps
+        per = (res.output_len - 1) / len(gaps)
+        res.itl = [g / per for g in gaps for _ in range(round(per))] or gaps
+    return res
+
+
 async def run(address: str, workload: list[tuple[int, int]], prompts: list[list[int]],
               rate: float, max_concurrency: int | None, seed: int,
-              timeout: float | None) -> tuple[list[Result], float]:
+              timeout: float | None, backend: str = "grpc", http_url: str | None = None,
+              model: str = "") -> tuple[list[Result], float]:
     rng = np.random.default_rng(seed + 2)
     gaps = rng.exponential(1.0 / rate, len(workload)) if np.isfinite(rate) else np.zeros(len(workload))
     limit = asyncio.Semaphore(max_concurrency or len(workload))
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.GenerateServiceStub(channel)
+    async with contextlib.AsyncExitStack() as stack:
+        if backend == "openai":
+            import aiohttp
+
+            session = await stack.enter_async_context(aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0)))
+            url = f"{http_url}/completions"
+
+            def request(prompt, out_len):
+                return one_openai_request(session, url, model, prompt, out_len, timeout)
+        else:
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(address))
+            stub = pb_grpc.GenerateServiceStub(channel)
+
+            def request(prompt, out_len):
+                return one_request(stub, prompt, out_len, timeout)
 
         async def limited(prompt, out_len):
             async with limit:
-                return await one_request(stub, prompt, out_len, timeout)
+                return await request(prompt, out_len)
 
         start = time.perf_counter()
         tasks = []
@@ -136,16 +200,21 @@ def report(results: list[Result], elapsed: float, slo_ttft: float, slo_tpot: flo
     }
 
 
-def spawn_server(extra: str, timeout: float) -> tuple[subprocess.Popen, str]:
-    """Starts scripts/serve.py on a free port; returns (process, address) once it listens."""
+def spawn_server(extra: str, timeout: float) -> tuple[subprocess.Popen, str, str | None]:
+    """Starts scripts/serve.py on free ports; returns (process, gRPC address, HTTP API base URL)
+    once it listens."""
     cmd = [sys.executable, os.path.join(SCRIPTS, "serve.py"), "--port", "0", "--metrics-port", "0",
-           "--host", "127.0.0.1", *shlex.split(extra)]
+           "--http-port", "0", "--host", "127.0.0.1", *shlex.split(extra)]
     print("spawning:", " ".join(cmd), file=sys.stderr)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
     assert proc.stderr is not None
+    http_url = None
     for line in proc.stderr:
         sys.stderr.write("  | " + line)
+        h = re.search(r"HTTP API at (http://[^ ]*/v1)", line)
+        if h:
+            http_url = h.group(1)
         m = re.search(r"listening on [^ ]*:(\d+)", line)
         if m:
             address = f"127.0.0.1:{m.group(1)}"
@@ -157,7 +226,7 @@ def spawn_server(extra: str, timeout: float) -> tuple[subprocess.Popen, str]:
         raise RuntimeError(f"the spawned server exited with {proc.wait()}")
     # Keep draining its log so the pipe never fills up.
     threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-    return proc, address
+    return proc, address, http_url
 
 
 def main() -> None:
@@ -180,6 +249,10 @@ def main() -> None:
     p.add_argument("--slo-tpot", type=float, default=0.2, help="goodput SLO on TPOT, seconds")
     p.add_argument("--timeout", type=float, default=None, help="per-request deadline, seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="grpc", choices=("grpc", "openai", "both"),
+                   help="gRPC Generate, the OpenAI-compatible HTTP API, or both in turn")
+    p.add_argument("--http-url", default=None,
+                   help="base URL of the HTTP API without --spawn (default http://HOST:8080/v1)")
     args = p.parse_args()
 
     proc = None
@@ -189,24 +262,48 @@ def main() -> None:
                            args.spawn_args])
     if not args.spawn and (args.model or args.load_format):
         p.error("--model and --load-format configure the server that --spawn starts")
+    http_url = args.http_url or f"http://{args.host}:8080/v1"
     if args.spawn:
-        proc, address = spawn_server(spawn_args, timeout=600)
+        proc, address, http_url = spawn_server(spawn_args, timeout=600)
+    backends = ("grpc", "openai") if args.backend == "both" else (args.backend,)
+    runs = {}
     try:
         with GenerateClient(address) as client:
             client.wait_ready(timeout=900)
             info = client.model_info()
+        model = _http_model(http_url) if "openai" in backends else ""
         max_len = args.max_model_len or min(info.max_model_len, 1024)
         workload = sharegpt_like(args.num_requests, args.seed, max_len)
         rng = np.random.default_rng(args.seed + 1)
         prompts = [rng.integers(100, min(40000, info.vocab_size), n).tolist() for n, _ in workload]
-        results, elapsed = asyncio.run(run(address, workload, prompts, args.request_rate,
-                                           args.max_concurrency, args.seed, args.timeout))
+        for backend in backends:
+            warm = min(16, len(workload))  # first requests of a backend pay one-off costs
+            asyncio.run(run(address, workload[:warm], prompts[:warm], float("inf"), None,
+                            args.seed, args.timeout, backend, http_url, model))
+            runs[backend] = asyncio.run(run(address, workload, prompts, args.request_rate,
+                                            args.max_concurrency, args.seed, args.timeout,
+                                            backend, http_url, model))
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
+    reports = {b: show(b, *runs[b], info, args, max_len) for b in backends}
+    if len(reports) == 2:
+        ratio = reports["openai"]["output_tok_s"] / reports["grpc"]["output_tok_s"]
+        print(f"HTTP / gRPC output throughput: {ratio:.3f}")
+
+
+def _http_model(http_url: str) -> str:
+    """The model id the HTTP API serves (GET /v1/models)."""
+    import openai
+
+    with openai.OpenAI(base_url=http_url, api_key="none", max_retries=3) as client:
+        return client.models.list().data[0].id
+
+
+def show(backend: str, results: list[Result], elapsed: float, info, args, max_len: int) -> dict:
     r = report(results, elapsed, args.slo_ttft, args.slo_tpot)
-    print(f"model {info.name} ({info.dtype}), {args.num_requests} requests at "
+    print(f"[{backend}] model {info.name} ({info.dtype}), {args.num_requests} requests at "
           f"{args.request_rate} req/s, {r['completed']} ok, {r['failed']} failed, {elapsed:.1f}s")
     print(f"  request throughput {r['request_throughput']:.2f} req/s, output {r['output_tok_s']:.1f} "
           f"tok/s, total {r['total_tok_s']:.1f} tok/s, goodput {r['goodput_req_s']:.2f} req/s")
@@ -216,9 +313,11 @@ def main() -> None:
               f"p99 {s['p99'] * 1e3:9.1f} ms")
     for err in r["errors"]:
         print("  error:", err)
-    print(json.dumps({"bench": "serving", "machine": platform.machine(), "cpus": os.cpu_count(),
-                      "model": info.name, "num_requests": args.num_requests,
-                      "request_rate": str(args.request_rate), "max_len": max_len, **r}))
+    print(json.dumps({"bench": "serving", "backend": backend, "machine": platform.machine(),
+                      "cpus": os.cpu_count(), "model": info.name,
+                      "num_requests": args.num_requests, "request_rate": str(args.request_rate),
+                      "max_len": max_len, **r}))
+    return r
 
 
 if __name__ == "__main__":

@@ -5,13 +5,15 @@
     python scripts/serve.py --trace-dir /tmp/trace --trace-steps 20   # profile 20 busy steps
     python scripts/serve.py --profile-port 9999              # live capture from TensorBoard
     python scripts/serve.py --model cfg_dir --load-format dummy  # random weights from config.json
+    python scripts/serve.py --http-port 8080                 # plus the OpenAI-compatible HTTP API
 
 1. The front end (this process) reads the model's config and tokenizer (no weights, no device)
    and spawns the engine-core process (`jaxinfer.engine.core_client`), which parses the mesh
    (`--mesh tensor=8` style, over every device), loads the weights onto it, builds the engine
    (`EngineConfig` from the flags) and compiles every program. `--engine-in-process` keeps the
    core on a thread of this process instead.
-2. Start the server: health NOT_SERVING until the core says ready, then SERVING; print a
+2. Start the server (with `--http-port` also the OpenAI-compatible HTTP API, `serving/
+   http_server.py`, over the same engine): health NOT_SERVING until the core says ready, then SERVING; print a
    start-up summary and one load line per second while busy.
 3. SIGTERM / SIGINT: health NOT_SERVING, new requests UNAVAILABLE, in-flight streams finish
    within `--grace-period`, then exit 0 (a second signal aborts what is left at once).
@@ -97,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "compiled CPU kernel (decode), 'xla' always uses XLA's dot; "
                         "default 'auto': 'cpu' on a CPU platform where the kernel builds")
     s = p.add_argument_group("server")
+    s.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health, /metrics) on this port over "
+                        "the same engine (0: a free one; default: off)")
+    s.add_argument("--http-host", default=None, help="address of the HTTP API (default: --host)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model id HTTP clients name (default: the checkpoint's name)")
     s.add_argument("--max-queue", type=int, default=256,
                    help="sequences admitted beyond --max-num-seqs before RESOURCE_EXHAUSTED")
     s.add_argument("--grace-period", type=float, default=30.0,
@@ -172,6 +181,10 @@ def summary(server, args, load_s: float, ready_s: float) -> str:
     mesh = ",".join(f"{k}={v}" for k, v in sorted(info.mesh_shape.items())) or "-"
     where = ("engine core in this process" if args.engine_in_process or args.num_processes > 1
              else "engine core in its own process")
+    http = "off (--http-port)"
+    if server.http is not None:
+        http = (f"http://{server.http_host}:{server.http_port}/v1 (OpenAI API, model id "
+                f"{server.http.model_name!r})")
     lines = [
         f"jaxinfer server ready in {ready_s:.1f}s (front end {load_s:.1f}s, engine load + warmup "
         f"{ready_s - load_s:.1f}s, {server.engine_loop.compiled_programs} programs; {where})",
@@ -187,6 +200,7 @@ def summary(server, args, load_s: float, ready_s: float) -> str:
         f"  speculate {args.speculative_config or 'off'}",
         f"  grpc      {args.host}:{server.port} (jaxinfer.v1.GenerateService, health, reflection)",
         f"  metrics   {f'http://{args.host}:{server.metrics_port}/metrics' if server.metrics_port else 'off'}",
+        f"  http      {http}",
     ]
     if args.profile_port is not None:
         lines.append(f"  profiler  port {args.profile_port} (TensorBoard > Profile > Capture)")
@@ -285,7 +299,9 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
     server = GenerateServer(
         model=model, core=client, max_num_seqs=args.max_num_seqs, host=args.host, port=args.port,
         metrics_port=None if args.no_metrics else args.metrics_port, max_queue=args.max_queue,
-        grace_period=args.grace_period, log_interval=args.log_interval)
+        grace_period=args.grace_period, log_interval=args.log_interval,
+        http_port=args.http_port, http_host=args.http_host,
+        served_model_name=args.served_model_name)
     try:
         await server.start()
     except RuntimeError as e:

@@ -71,7 +71,7 @@ def build_core(args: EngineArgs) -> EngineCore:
         model = fake_model(load_model_info(args.model, load_format=args.load_format).tokenizer)
         options = {"num_pages": 4097, **{k: v for k, v in args.options.items() if v is not None}}
         config = EngineConfig(max_model_len=max_model_len or 2048, **options)
-        return EngineCore(model.cfg, None, config,
+        return EngineCore(model.cfg, None, config, tokenizer=model.tokenizer,
                           runner=FakeRunner(step_delay=args.fake_step_delay))
     from jaxinfer.loader import load_model
 
@@ -83,4 +83,4 @@ def build_core(args: EngineArgs) -> EngineCore:
     config = EngineConfig(dtype=model.dtype, max_model_len=max_model_len, mesh=args.mesh,
                           **args.options)
     return EngineCore(model.cfg, model.params, config, attention_backend=args.attention_backend,
-                      linear_backend=args.linear_backend)
+                      linear_backend=args.linear_backend, tokenizer=model.tokenizer)

@@ -5,8 +5,8 @@
    (`DecodeError: String field had bad UTF-8`), before any handler runs; gRPC would answer that
    with a generic error. Parsing here maps it to `InvalidArgument` naming the field
    (`utf8_error_path` walks the wire format to find it).
-2. `sampling_params(proto)` builds `SamplingParams`, reusing its ValueError text with the proto
-   field path ("sampling.top_p must be in (0, 1], got 0.0").
+2. `sampling_params(proto)` builds `SamplingParams` (with its `structured_outputs`), reusing its
+   ValueError text with the proto field path ("sampling.top_p must be in (0, 1], got 0.0").
 3. `encode_input(tokenizer, request)` tokenizes whichever input is set; `check_prompt` checks ids,
    lengths and the chat template, every message naming the field.
 4. `response(delta, ...)` / `merge(...)` build `GenerateResponse`s from `RequestDelta`s.
@@ -27,7 +27,7 @@ from jaxinfer.engine.core import EngineLimits
 from jaxinfer.engine.core import check_prompt as core_check_prompt
 from jaxinfer.engine.output import RequestDelta
 from jaxinfer.engine.runner import TokenLogprobs
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxinfer.tokenizer import Tokenizer
 from serving.protos.jaxinfer.v1 import generate_pb2 as pb
 
@@ -118,9 +118,37 @@ def sampling_params(sp: pb.SamplingParams) -> SamplingParams:
     kwargs["stop_token_ids"] = list(sp.stop_token_ids) or None
     kwargs["ignore_eos"] = sp.ignore_eos
     try:
+        if sp.HasField("structured_outputs"):
+            kwargs["structured_outputs"] = structured_outputs(sp.structured_outputs)
         return SamplingParams(**kwargs)
     except ValueError as e:
         raise InvalidArgument(str(e).replace("SamplingParams.", "sampling.")) from None
+
+
+def proto_field_names(message: str) -> str:
+    """A structured-output error message with the proto's field path
+    ("sampling.structured_outputs.json_schema is invalid: ...")."""
+    if not message.startswith("structured_outputs"):
+        return message
+    for ours, proto in ((".json ", ".json_schema "), (".choice ", ".choice.choices ")):
+        if message.startswith("structured_outputs" + ours):
+            message = "structured_outputs" + proto + message[len("structured_outputs" + ours):]
+    return "sampling." + message
+
+
+def structured_outputs(so: pb.StructuredOutputs) -> StructuredOutputsParams:
+    """`StructuredOutputsParams` of the proto (ValueError naming the field when none is set)."""
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_outputs: one of json_schema, regex, choice, grammar, "
+                         "json_object must be set")
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=so.json_schema)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=list(so.choice.choices))
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=so.json_object)
+    return StructuredOutputsParams(**{kind: getattr(so, kind)})
 
 
 def _chat(messages: pb.ChatMessages, field: str) -> list[dict[str, str]]:
@@ -153,17 +181,24 @@ def encode_input(tokenizer: Tokenizer | None, req: Any, *,
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     if which == "token_ids":
         return list(req.token_ids.ids)
-    messages = _chat(req.messages, "messages")
+    return encode_chat(tokenizer, _chat(req.messages, "messages"), "messages")
+
+
+def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], field: str,
+                **template_kwargs: Any) -> list[int]:
+    """Token ids of a chat rendered with the checkpoint's template plus the generation prompt
+    (both protocols call this)."""
     try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return tokenizer.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
     except ValueError as e:  # TokenizerError: no template, or the template raised
-        raise InvalidArgument(f"messages: {e}") from None
+        raise InvalidArgument(f"{field}: {e}") from None
 
 
-def check_prompt(ids: Sequence[int], field: str, sp: SamplingParams, limits: EngineLimits) -> None:
-    """The engine's prompt checks (`jaxinfer.engine.core.check_prompt`) with the proto field named."""
+def check_prompt(ids: Sequence[int], field: str, sp: SamplingParams, limits: EngineLimits, *,
+                 max_tokens_field: str = "sampling.max_tokens") -> None:
+    """The engine's prompt checks (`jaxinfer.engine.core.check_prompt`) with the field named."""
     try:
-        core_check_prompt(ids, sp, limits, field=field, max_tokens_field="sampling.max_tokens")
+        core_check_prompt(ids, sp, limits, field=field, max_tokens_field=max_tokens_field)
     except ValueError as e:
         raise InvalidArgument(str(e)) from None
 

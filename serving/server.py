@@ -38,8 +38,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jaxinfer.engine.core import EngineLimits
 from jaxinfer.engine.core_client import LoopOptions, ThreadCoreClient
 from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.sampling_params import SamplingParams
 from serving import protocol
 from serving.engine_loop import EngineLoop, EngineUnavailable, Failure, QueueFull, Stream
 from serving.metrics import ServerMetrics
@@ -68,13 +70,17 @@ class GenerateServer:
       grace_period: seconds `shutdown()` lets in-flight streams finish.
       trace_dir, trace_steps: (with `engine`) a JAX profiler trace of the first busy steps.
       log_interval: seconds between load log lines (only while there is load).
+      http_port: also serve the OpenAI-compatible HTTP API (`serving.http_server`) over the same
+        engine on this port (0: a free one; None: no HTTP API); `http_host` defaults to `host`.
+      served_model_name: the model id HTTP clients name (default: the checkpoint's name).
     """
 
     def __init__(self, engine: LLMEngine | None = None, *, model: Any = None, core: Any = None,
                  max_num_seqs: int | None = None, host: str = "127.0.0.1", port: int = 0,
                  metrics_port: int | None = None, max_queue: int = 256, warmup: bool = True,
                  grace_period: float = 30.0, trace_dir: str | None = None, trace_steps: int = 0,
-                 log_interval: float = 1.0) -> None:
+                 log_interval: float = 1.0, http_port: int | None = None,
+                 http_host: str | None = None, served_model_name: str | None = None) -> None:
         if engine is not None:  # the core on a thread of this process
             model, max_num_seqs = engine.model, engine.config.max_num_seqs
             core = ThreadCoreClient(engine.core, LoopOptions(
@@ -85,6 +91,9 @@ class GenerateServer:
         self.host, self.port, self.metrics_port = host, port, metrics_port
         self.grace_period, self.log_interval = grace_period, log_interval
         self.max_queue = max_queue
+        self.http_host, self.http_port = http_host or host, http_port
+        self.served_model_name = served_model_name
+        self.http: Any = None  # the OpenAIServer, once started
         self.metrics = ServerMetrics()
         self.engine_loop = EngineLoop(core, self.tokenizer, self.metrics, max_num_seqs=max_num_seqs,
                                       max_queue=max_queue, eos_token_ids=model.eos_token_ids)
@@ -162,6 +171,12 @@ class GenerateServer:
         self.port = server.add_insecure_port(f"{self.host}:{self.port}")
         await server.start()
         self._server = server
+        if self.http_port is not None:
+            from serving.http_server import OpenAIServer
+
+            self.http = OpenAIServer(self, host=self.http_host, port=self.http_port,
+                                     served_model_name=self.served_model_name)
+            self.http_port = await self.http.start()
         if self.metrics_port is not None:
             self.metrics_port = self.metrics.start_http(self.metrics_port)
         self._tasks.append(self._loop.create_task(self._log_load()))
@@ -243,6 +258,8 @@ class GenerateServer:
             logger.warning("grace period over: aborting %d sequences", self.engine_loop.in_flight)
             self.engine_loop.abort_all()
             await self.engine_loop.wait_idle(5.0)
+        if self.http is not None:
+            await self.http.stop()
         if self._server is not None:
             await self._server.stop(1.0)
         for task in self._tasks:
@@ -276,20 +293,48 @@ class GenerateServer:
         self.metrics.rejected.labels(code.name).inc()
         await context.abort(code, message)
 
+    def check_admission(self) -> None:
+        """Raises EngineUnavailable / QueueFull when no request can be admitted now (checked
+        before any parsing; both protocols call it)."""
+        if self._draining:
+            raise EngineUnavailable("the server is shutting down")
+        if not self.engine_loop.running:
+            raise EngineUnavailable(
+                self.engine_loop.broken or "the server is warming up (compiling); retry shortly")
+        if self.engine_loop.in_flight >= self.engine_loop.max_in_flight:
+            raise QueueFull(f"the server is full ({self.engine_loop.in_flight} sequences in "
+                            f"flight, at most {self.engine_loop.max_in_flight}); retry later")
+
+    def submit(self, ids: list[int], sp: SamplingParams, priority: int, *, field: str,
+               max_tokens_field: str = "sampling.max_tokens") -> Stream:
+        """Checks a tokenized prompt against the engine's limits and admits it (event loop).
+
+        Raises InvalidArgument (naming `field` / `max_tokens_field`), QueueFull, EngineUnavailable.
+        """
+        if self.tokenizer is None and sp.stop:
+            prefix = max_tokens_field.rpartition(".")[0]  # "sampling" (gRPC) or "" (HTTP)
+            raise protocol.InvalidArgument(
+                f"{prefix + '.' if prefix else ''}stop: stop strings need a tokenizer and the "
+                f"server runs with --skip-tokenizer-init; use stop_token_ids")
+        limits = self.limits()
+        protocol.check_prompt(ids, field, sp, limits, max_tokens_field=max_tokens_field)
+        if self._draining:
+            raise EngineUnavailable("the server is shutting down")
+        return self.engine_loop.submit(ids, sp, priority)
+
+    def limits(self) -> EngineLimits:
+        """The engine's prompt limits, the vocabulary capped at the tokenizer's."""
+        limits = self.engine_loop.limits
+        if limits is None:
+            raise EngineUnavailable("the engine is not running")
+        return dataclasses.replace(limits, vocab_size=min(limits.vocab_size, self.vocab_size))
+
     async def _admit(self, data: bytes, context: grpc.aio.ServicerContext, *,
                      once: bool) -> tuple[pb.GenerateRequest, Stream]:
         """Parses, validates, tokenizes and submits a request; aborts the RPC when it cannot."""
-        if self._draining:
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        if not self.engine_loop.running:
-            why = self.engine_loop.broken or "the server is warming up (compiling); retry shortly"
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE, why)
-        if self.engine_loop.in_flight >= self.engine_loop.max_in_flight:  # before any parsing
-            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"the server is full ({self.engine_loop.in_flight} sequences in "
-                               f"flight, at most {self.engine_loop.max_in_flight}); retry later")
         code, message = grpc.StatusCode.INVALID_ARGUMENT, ""
         try:
+            self.check_admission()
             req = protocol.parse(pb.GenerateRequest, data)
             if len(req.request_id) > protocol.MAX_REQUEST_ID_LEN:
                 raise protocol.InvalidArgument(
@@ -299,20 +344,9 @@ class GenerateServer:
                 raise protocol.InvalidArgument(
                     f"sampling.n must be 1 for GenerateOnce (got {sp.n}); stream with Generate")
             ids = await asyncio.to_thread(protocol.encode_input, self.tokenizer, req)
-            if self.tokenizer is None and sp.stop:
-                raise protocol.InvalidArgument("sampling.stop: stop strings need a tokenizer and "
-                                               "the server runs with --skip-tokenizer-init; use "
-                                               "sampling.stop_token_ids")
-            limits = self.engine_loop.limits
-            if limits is None:
-                raise EngineUnavailable("the engine is not running")
-            limits = dataclasses.replace(limits, vocab_size=min(limits.vocab_size, self.vocab_size))
-            protocol.check_prompt(ids, protocol.prompt_field(req), sp, limits)
-            if self._draining:
-                raise EngineUnavailable("the server is shutting down")
-            return req, self.engine_loop.submit(ids, sp, req.priority)
+            return req, self.submit(ids, sp, req.priority, field=protocol.prompt_field(req))
         except ValueError as e:  # InvalidArgument, and the engine's own checks
-            message = str(e)
+            message = protocol.proto_field_names(str(e))
         except QueueFull as e:
             code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
         except EngineUnavailable as e:

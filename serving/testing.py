@@ -2,7 +2,8 @@
 
 1. `FakeRunner` replaces `ModelRunner` behind a real `LLMEngine` (real scheduler, pages, stop
    rules, detokenizer): the token sampled at position p of a request is `fake_token(prompt, p,
-   seed)`, so a test knows every stream exactly, and a step costs microseconds (`step_delay`
+   seed)` (under a structured-output bitmask: the allowed token that value picks), so a test
+   knows every stream exactly, and a step costs microseconds (`step_delay`
    slows it down on purpose; `warmup_gate` holds warmup until a test releases it; a prompt
    holding `poison_token` makes the step raise).
 2. `fake_engine(tokenizer, **engine_options)` builds such an engine over `fake_model`, a
@@ -28,6 +29,7 @@ from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.runner import Launched, TokenLogprobs
 from jaxinfer.engine.scheduler import RunnerOutput, SchedulerOutput
 from jaxinfer.loader import LoadedModel
+from jaxinfer.structured import allowed_ids
 from jaxinfer.tokenizer import Tokenizer
 
 FIRST_FAKE_TOKEN = 1000  # ordinary BPE tokens in SmolLM2's vocabulary: never EOS or special
@@ -125,6 +127,11 @@ class FakeRunner:
                 key = fake_key(req.prompt_token_ids, req.sampling.seed)
                 self._keys[req.request_id] = (req.prompt_token_ids, key)
             tok = fake_token(req.prompt_token_ids, s.start_pos + len(s.token_ids), key=key)
+            k = sched.bitmask_rows.get(req.request_id)
+            if k is not None:  # structured output: a token the grammar allows, as deterministic
+                allowed = allowed_ids(sched.token_bitmask[k], 32 * sched.token_bitmask.shape[1])
+                if len(allowed):
+                    tok = int(allowed[tok % len(allowed)])
             sampled[req.request_id] = tok
             k = req.sampling.logprobs
             if k is not None:

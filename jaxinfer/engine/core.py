@@ -35,6 +35,7 @@ from typing import Any
 import jax
 
 from jaxinfer import sharding as shd
+from jaxinfer import structured
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request
@@ -59,7 +60,8 @@ class EngineLimits:
 
 def check_prompt(ids: Sequence[int], sampling: SamplingParams, limits: EngineLimits, *,
                  field: str = "prompt", max_tokens_field: str = "max_tokens") -> None:
-    """The one prompt-length / vocabulary / page check every entry point calls (ValueError)."""
+    """The one prompt-length / vocabulary / page check every entry point calls (ValueError);
+    a structured-output constraint must compile too."""
     if not ids:
         raise ValueError(f"{field} is empty (no tokens)")
     for i, t in enumerate(ids):
@@ -74,6 +76,8 @@ def check_prompt(ids: Sequence[int], sampling: SamplingParams, limits: EngineLim
     if pages > limits.num_pages:
         raise ValueError(f"{max_tokens_field}: prompt of {n} tokens + max_tokens={m} needs {pages} "
                          f"KV-cache pages, the cache has {limits.num_pages}")
+    if sampling.structured_outputs is not None:
+        structured.validate(sampling.structured_outputs)
 
 
 @dataclasses.dataclass
@@ -177,12 +181,16 @@ class EngineCore:
       runner: use this runner instead of building a `ModelRunner` (tests, host benchmarks).
       draft: the draft model (a `LoadedModel`) of `speculative_config` method "draft_model",
         instead of loading `speculative_config.model`.
+      tokenizer: the model's tokenizer, for structured output's grammars (None: requests with
+        `structured_outputs` are refused).
     """
 
     def __init__(self, cfg: ModelConfig, params: Any, config: EngineConfig, *,
                  attention_backend: str | None = None, linear_backend: str | None = None,
-                 runner: Any = None, draft: Any = None) -> None:
+                 runner: Any = None, draft: Any = None, tokenizer: Any = None) -> None:
         self.cfg = cfg
+        self.structured = (structured.StructuredOutputs(tokenizer, cfg.vocab_size)
+                           if tokenizer is not None else None)
         max_model_len = config.max_model_len or cfg.max_position_embeddings
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
@@ -303,7 +311,10 @@ class EngineCore:
                 "devices": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})"}
 
     def warmup(self) -> int:
-        """Compiles every program a request can need; returns how many exist."""
+        """Compiles every program a request can need (and builds the structured-output
+        tokenizer); returns how many programs exist."""
+        if self.structured is not None:
+            self.structured.prepare()
         n = int(self.runner.warmup())
         if hasattr(self.proposer, "warmup"):  # a draft model's own programs
             n += int(self.proposer.warmup())
@@ -314,6 +325,10 @@ class EngineCore:
         if req.request_id in self._requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         check_prompt(req.prompt_token_ids, req.sampling, self.limits)
+        if req.sampling.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("structured_outputs needs the engine core to have the tokenizer")
+            self.structured.add(req.request_id, req.sampling.structured_outputs)
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling,
                           eos_token_ids=tuple(req.eos_token_ids), priority=req.priority)
         self.scheduler.add_request(request)
@@ -329,6 +344,8 @@ class EngineCore:
         """Ends a request for a reason found outside the core (a stop string); not reported."""
         if self._requests.pop(request_id, None) is not None:
             self.scheduler.finish(request_id, reason, stop_reason)
+            if self.structured is not None:
+                self.structured.remove(request_id)
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._aborted)
@@ -340,22 +357,32 @@ class EngineCore:
         return self.config.async_scheduling and getattr(self.runner, "channel", None) is None
 
     def step(self) -> list[TokenOutput]:
-        """One engine step. If it raises, `failed_request_ids` names the requests it lost."""
+        """One engine step. If it raises, `failed_request_ids` names the requests it lost.
+
+        NOTE: while a structured-output request is unfinished, or requests speculate, steps are
+        synchronous: a grammar's next bitmask needs the token the step before sampled, and
+        proposals are made from known tokens. A step still in flight is first landed.
+        """
         self.failed_request_ids = []
         ready, self._ready = self._ready, []
-        if self._in_flight is not None and self.scheduler.speculating():
-            # Proposals are made from known tokens: let the step in flight land first.
+        constrained = self.structured is not None and self.structured.active
+        if self._in_flight is not None and (constrained or self.scheduler.speculating()):
+            # Proposals are made from known tokens, and a grammar's next mask needs the token
+            # the step in flight samples: let that step land first.
             previous, self._in_flight = self._in_flight, None
             try:
                 ready += self._finish_launched(previous)
             except Exception:
                 self._ready = ready  # not lost: they come with the next call
                 raise
+            constrained = self.structured.active if self.structured is not None else False
         sched = self.scheduler.schedule()
         self.num_steps += bool(sched.scheduled)
-        if not self.async_scheduling or sched.num_spec_tokens:
+        if not self.async_scheduling or sched.num_spec_tokens or constrained:
             try:
                 with self._failing(sched.scheduled):
+                    if constrained:
+                        self._fill_bitmask(sched)
                     out = self.runner.execute(sched)
             except Exception:
                 self._ready = ready
@@ -378,6 +405,15 @@ class EngineCore:
         if previous is None:
             return ready + self._outputs([], RunnerOutput(sampled_token_ids={}))
         return ready + self._finish_launched(previous)
+
+    def _fill_bitmask(self, sched: Any) -> None:
+        """The allowed-token bitmask of every constrained request this step samples."""
+        assert self.structured is not None
+        ids = [s.request.request_id for s in sched.scheduled
+               if s.sample and self.structured.has(s.request.request_id)]
+        if ids:
+            sched.bitmask_rows = {rid: k for k, rid in enumerate(ids)}
+            sched.token_bitmask = self.structured.fill(ids)
 
     def _finish_launched(self, launched: Launched) -> list[TokenOutput]:
         """Waits for a launched step and applies it (a failure also loses the step after it,
@@ -402,7 +438,10 @@ class EngineCore:
 
     def _outputs(self, updates: list[RequestUpdate], out: RunnerOutput) -> list[TokenOutput]:
         outputs = []
+        so = self.structured
         for req in self._aborted:
+            if so is not None:
+                so.remove(req.request_id)
             if self._requests.pop(req.request_id, None) is not None:
                 outputs.append(TokenOutput(req.request_id, [], finished=True, finish_reason="abort",
                                            num_prompt_tokens=req.num_prompt_tokens,
@@ -413,6 +452,8 @@ class EngineCore:
         # so has an update): report them whenever the runner returns them.
         prompt_lps = {rid: lps for rid, lps in out.prompt_logprobs.items() if rid in self._requests}
         live, logprobs = self._requests, out.logprobs
+        if so is not None and not so.active:
+            so = None  # no matcher to advance: keep the hot loop as it was
         for upd in updates:  # NOTE: a hot loop (one pass per sampled request per step)
             req = upd.request
             rid = req.request_id
@@ -420,6 +461,11 @@ class EngineCore:
                 continue  # finished outside (a stop string) while this step ran
             self.num_generated += len(upd.new_token_ids)
             done = upd.finished
+            if so is not None and so.has(rid):
+                if done:
+                    so.remove(rid)
+                else:
+                    so.advance(rid, list(upd.new_token_ids))
             lps = None
             if logprobs and rid in logprobs:  # accepted proposals' first, cut where a stop cut
                 lps = (out.draft_logprobs.get(rid, []) + [logprobs[rid]])[:len(upd.new_token_ids)]

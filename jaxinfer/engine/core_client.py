@@ -349,8 +349,13 @@ class ProcessCoreClient:
             return
         self._stopping.set()
         if self.process.is_alive():
-            with contextlib.suppress(Exception):  # the socket may be gone already
-                self.send(["shutdown"])
+            import msgpack
+            import zmq
+
+            # NOTE: never block: a core that is exiting (it failed to start) has no socket left,
+            # and a PUSH socket without a peer would wait for one forever.
+            with contextlib.suppress(Exception), self._lock:  # no peer: zmq.Again
+                self._out.send(msgpack.packb(["shutdown"], use_bin_type=True), zmq.NOBLOCK)
             self.process.join(timeout)
             if self.process.is_alive():
                 logger.warning("engine core process did not stop in %.0fs; terminating", timeout)

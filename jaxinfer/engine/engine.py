@@ -65,7 +65,8 @@ class LLMEngine:
         self.model, self.tokenizer, self.cfg = model, model.tokenizer, model.cfg
         self.core = EngineCore(model.cfg, model.params, config or EngineConfig(dtype=model.dtype),
                                attention_backend=attention_backend,
-                               linear_backend=linear_backend, runner=runner, draft=draft)
+                               linear_backend=linear_backend, runner=runner, draft=draft,
+                               tokenizer=model.tokenizer)
         self.config, self.max_model_len = self.core.config, self.core.max_model_len
         self.mesh = self.core.mesh
         self.outputs = OutputProcessor(self.tokenizer)

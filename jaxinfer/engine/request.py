@@ -104,11 +104,12 @@ class Request:
 
     @property
     def may_speculate(self) -> bool:
-        """False with penalties: the runner counts output tokens as it computes them, and
-        proposed tokens that are rejected must not count."""
+        """False with penalties (the runner counts output tokens as it computes them, and
+        proposed tokens that are rejected must not count) and with structured output (a
+        proposal's grammar mask would need the matcher advanced over unverified tokens)."""
         sp = self.sampling
         return (sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0
-                and sp.presence_penalty == 0.0)
+                and sp.presence_penalty == 0.0 and sp.structured_outputs is None)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,7 +11,9 @@ Flow of `execute(SchedulerOutput) -> RunnerOutput`:
      `[S, page bucket]`, not `[S, max_model_len / page_size]`.
   3. Build every input with a handful of vectorized numpy gathers and scatters over the step's
      rows: the ragged `StepInputs`, the penalty bookkeeping and the sampling metadata (gathered
-     again only when the step's rows or their parameters changed).
+     again only when the step's rows or their parameters changed), and the structured-output
+     token bitmask (all ones but the rows of constrained requests, which the engine core filled
+     in `SchedulerOutput.token_bitmask`).
   4. One transfer of that tree (on one device packed into a numpy buffer per dtype that the jitted
      call moves itself, unpacked by static slices inside the program: `_pack`; on a mesh one
      sharded `device_put`), one jitted step (forward + penalty-state update + sampler + logprobs,
@@ -83,6 +85,7 @@ from jaxinfer.sampling import SamplingMetadata, SamplingRows, compute_logprobs, 
 from jaxinfer.sampling_params import MAX_LOGPROBS
 from jaxinfer.spec_decode import rejection
 from jaxinfer.step import StepInputs
+from jaxinfer.structured import bitmask_width
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,7 @@ class BatchExtras:
     # Verify rows of a speculative step (W = 0 otherwise); sample_rows then has S + W entries.
     spec_seq: jax.Array  # i32[W] result row (sequence) of each verify row (padding -> 0)
     spec_positions: jax.Array  # i32[W] position the verify row's sampled token takes
+    token_bitmask: jax.Array  # i32[S, ceil(V / 32)] structured output's allowed tokens (-1: all)
 
 
 @struct.dataclass
@@ -187,12 +191,16 @@ def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_tokens:
         # Each row's sampled token goes at position kv_len: its random counter (batch-invariant).
         positions = step.kv_lens.reshape(-1)  # i32[S]
         num_seqs = positions.shape[0]
+        bitmask = extras.token_bitmask  # i32[S, ceil(V / 32)]
         if extras.spec_seq.shape[0]:  # verify rows: their sequence's penalty rows, own positions
             positions = jnp.concatenate([positions, extras.spec_positions])
             prompt_mask = jnp.concatenate([prompt_mask, prompt_mask[extras.spec_seq]])
             output_counts = jnp.concatenate([output_counts, output_counts[extras.spec_seq]])
+            # NOTE: constrained requests never speculate: verify rows allow every token
+            bitmask = jnp.concatenate([bitmask, jnp.full((extras.spec_seq.shape[0],
+                                                          bitmask.shape[1]), -1, bitmask.dtype)])
         out = sample(row_logits, meta, prompt_mask, output_counts, positions,
-                     num_logprobs=MAX_LOGPROBS)
+                     num_logprobs=MAX_LOGPROBS, token_bitmask=bitmask)
     prompt = compute_logprobs(logits, extras.target_ids, MAX_LOGPROBS) if all_logits else None
     next_tokens = jnp.zeros_like(prev_tokens).at[:num_seqs].set(out.token_ids[:num_seqs])
     return (out, prompt), kv_caches, state, next_tokens
@@ -350,6 +358,7 @@ class ModelRunner:
         self._wants_prompt_lps = np.zeros(max_num_seqs + 1, bool)
         self._last_sample = np.full(max_num_seqs + 1, -1, np.int32)  # row of _prev_tokens, -1: none
         self._sampling = SamplingRows(max_num_seqs)
+        self.bitmask_width = bitmask_width(cfg.vocab_size)
         self._meta_cache: tuple[int, np.ndarray, SamplingMetadata, bool] | None = None
         self._seeds: dict[str, int] = {}  # NOTE: kept across preemption (resamples identically)
         self._rng = random.Random()
@@ -493,7 +502,14 @@ class ModelRunner:
         self._release(sched.preempted, finished=False)
         if not sched.scheduled:
             return None
-        return self._prepare(sched.scheduled)
+        prepared = self._prepare(sched.scheduled)
+        if sched.bitmask_rows:  # structured output: each constrained row's allowed tokens
+            bitmask = prepared.inputs["extras"].token_bitmask
+            for rid, slot in zip(prepared.plan.sample_ids, prepared.plan.sample_slots.tolist()):
+                k = sched.bitmask_rows.get(rid)
+                if k is not None:
+                    bitmask[slot] = sched.token_bitmask[k]
+        return prepared
 
     def run(self, prepared: Prepared) -> tuple[Any, Any, Any]:
         """Device half: one transfer in, the jitted step, one transfer out of what the step needs:
@@ -758,7 +774,9 @@ class ModelRunner:
         extras = BatchExtras(token_seq=token_seq, token_is_output=token_is_output, seq_rows=seq_rows,
                              reset_rows=reset_rows, sample_rows=sample_rows,
                              target_ids=np.zeros(n_groups * t, np.int32), feed_rows=feed_rows,
-                             spec_seq=spec_seq, spec_positions=spec_positions)
+                             spec_seq=spec_seq, spec_positions=spec_positions,
+                             token_bitmask=np.full((n_groups * s_bucket, self.bitmask_width), -1,
+                                                   np.int32))
         return step, extras, slot.astype(np.int32), tok_lo.astype(np.int32)
 
     def _unpack(self, plan: UnpackPlan, token_ids: np.ndarray, out: Any, prompt: Any) -> RunnerOutput:

@@ -113,6 +113,10 @@ class SchedulerOutput:
     num_batched_tokens: int
     preempted: list[str]  # request ids preempted this step: drop their per-request state
     finished: list[str]  # request ids finished or aborted since the last schedule()
+    # Structured output (filled by the engine core): request id -> its row of `token_bitmask`,
+    # i32[len(bitmask_rows), ceil(V / 32)] the tokens each may sample this step.
+    bitmask_rows: dict[str, int] = dataclasses.field(default_factory=dict)
+    token_bitmask: Any = None
 
     @property
     def num_decodes(self) -> int:

@@ -1,0 +1,419 @@
+"""`OpenAIServer`: the OpenAI-compatible HTTP API (FastAPI on uvicorn), a second protocol over the
+same `EngineLoop` as the gRPC server, in the same process and on the same event loop.
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both streamed as server-sent
+events ending in `data: [DONE]` when `stream` is true), `GET /v1/models`, `GET /health` (200 once
+warmed up, 503 before and while shutting down), `GET /metrics` (the gRPC server's Prometheus
+registry).
+
+1. `GenerateServer.start()` builds this server once the engine core has loaded, binds the port
+   and serves on the running event loop (uvicorn's signal handling is off: the gRPC server's
+   handlers drain both protocols).
+2. A request body is parsed by the pydantic models of `openai_protocol`; the admission checks,
+   prompt checks and submit are `GenerateServer.check_admission` / `submit` (the gRPC path's own),
+   the chat template is `protocol.encode_chat`, tokenization runs off the event loop.
+3. Deltas of the request's streams (one per prompt; n samples each) are read from their queues;
+   a client behind the engine gets every delta waiting for it in one chunk.
+4. A client that disconnects (streaming or not) cancels the handler; its `finally` aborts the
+   request in the engine, which frees its pages at the next step.
+
+Errors are OpenAI error objects: 400 (bad input, naming the field), 404 (unknown model), 429
+(queue full), 503 (warming up, shutting down, engine broken), 500 (this request failed). A failure
+after a stream has started is sent as a last `data: {"error": ...}` event before `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from jaxinfer.engine.output import RequestDelta, Usage
+from serving import openai_protocol as oai
+from serving import protocol
+from serving.engine_loop import EngineUnavailable, Failure, QueueFull, Stream
+
+if TYPE_CHECKING:
+    from serving.server import GenerateServer
+
+logger = logging.getLogger(__name__)
+
+_GRPC_NAMES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
+               500: "INTERNAL", 503: "UNAVAILABLE"}
+_FAILURE_STATUS = {grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+                   grpc.StatusCode.INVALID_ARGUMENT: 400}
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling (the gRPC server's handlers drain both)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # noqa: ANN201 - uvicorn's signature
+        yield
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class OpenAIServer:
+    """The HTTP front end of a `GenerateServer`'s engine (see the module docstring).
+
+    Args:
+      server: the gRPC server whose `EngineLoop`, tokenizer, metrics and lifecycle are shared.
+      host, port: where to listen (`port=0`: a free port; `start()` returns it).
+      served_model_name: the model id clients name (default: the checkpoint's name).
+    """
+
+    def __init__(self, server: GenerateServer, *, host: str = "127.0.0.1", port: int = 0,
+                 served_model_name: str | None = None) -> None:
+        self.server = server
+        self.host, self.port = host, port
+        self.model_name = served_model_name or server.model.name
+        self.tokenizer = server.tokenizer
+        self.app = self._build_app()
+        self._uvicorn: _Uvicorn | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Binds the port and serves on the running loop; returns the port."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.bind((self.host, self.port))
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning",
+                                access_log=False, lifespan="off", timeout_graceful_shutdown=2)
+        self._uvicorn = _Uvicorn(config)
+        self._task = asyncio.get_running_loop().create_task(self._uvicorn.serve(sockets=[sock]))
+        while not self._uvicorn.started:
+            if self._task.done():
+                self._task.result()  # raises why it stopped
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        logger.info("OpenAI-compatible HTTP API at http://%s:%d/v1 (model id %r)", self.host,
+                    self.port, self.model_name)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._uvicorn is not None and self._task is not None:
+            self._uvicorn.should_exit = True
+            with contextlib.suppress(Exception):
+                await self._task
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="jaxinfer OpenAI-compatible API", docs_url=None, redoc_url=None,
+                      openapi_url=None)
+
+        @app.exception_handler(HTTPError)
+        async def on_error(request: Request, e: HTTPError) -> JSONResponse:
+            return self._error(e)
+
+        @app.get("/health")
+        async def health() -> Response:
+            if self.server.ready:
+                return Response(status_code=200)
+            why = self.server.engine_loop.broken or "not ready (warming up or shutting down)"
+            return JSONResponse(oai.error_body(503, why), status_code=503)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(self.server.metrics.registry),
+                            media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/v1/models")
+        async def models() -> JSONResponse:
+            return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(model_id: str) -> JSONResponse:
+            self._check_model(model_id)
+            return JSONResponse(self._model_card())
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self._handle(request, oai.CompletionRequest, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            return await self._handle(request, oai.ChatCompletionRequest, chat=True)
+
+        return app
+
+    def _model_card(self) -> dict[str, Any]:
+        info = self.server.engine_loop.info
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "jaxinfer",
+                "root": self.server.model.name,
+                "max_model_len": info.get("capacity", {}).get("max_model_len")}
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.model_name, self.server.model.name):
+            raise HTTPError(404, f"The model `{name}` does not exist (this server serves "
+                                 f"`{self.model_name}`)", "model")
+
+    def _error(self, e: HTTPError) -> JSONResponse:
+        self.server.metrics.rejected.labels(_GRPC_NAMES.get(e.status, "INTERNAL")).inc()
+        return JSONResponse(oai.error_body(e.status, e.message, e.param), status_code=e.status)
+
+    async def _parse(self, request: Request, cls: type[oai._Request]) -> Any:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise HTTPError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the request body must be a JSON object")
+        try:
+            return cls.model_validate(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+            raise HTTPError(400, f"{loc}: {err['msg']}", loc or None) from None
+
+    async def _handle(self, request: Request, cls: type[oai._Request], *, chat: bool) -> Response:
+        try:
+            self.server.check_admission()
+        except EngineUnavailable as e:
+            raise HTTPError(503, str(e)) from None
+        except QueueFull as e:
+            raise HTTPError(429, str(e)) from None
+        req = await self._parse(request, cls)
+        self._check_model(req.model)
+        streams, prompt_lens = await self._admit(req, chat=chat)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        meta = {"id": rid, "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = (self._chat_events(req, streams, meta, include_usage) if chat
+                      else self._completion_events(req, streams, meta, include_usage))
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        collect = asyncio.ensure_future(self._collect(req, streams, meta, chat=chat))
+        watch = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not collect.done():  # the client went away: its streams are aborted
+                collect.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collect
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=499)
+        return JSONResponse(collect.result(), headers={"X-Request-Id": rid})
+
+    async def _admit(self, req: Any, *, chat: bool) -> tuple[list[Stream], list[int]]:
+        """Tokenizes, validates and submits the request's prompts; returns their streams."""
+        unsupported = req.unsupported()
+        if unsupported:
+            raise HTTPError(400, f"{unsupported[0]} is not supported by this server",
+                            unsupported[0].split()[0])
+        if self.tokenizer is None:
+            raise HTTPError(400, "this server has no tokenizer")
+        try:
+            if chat:
+                field = "messages"
+                kwargs = req.chat_template_kwargs or {}
+                prompts = [await asyncio.to_thread(protocol.encode_chat, self.tokenizer,
+                                                   req.chat(), "messages", **kwargs)]
+            else:
+                field = "prompt"
+                prompts = [p if isinstance(p, list) else await asyncio.to_thread(
+                    self._encode_text, p) for p in req.prompts()]
+            limits = self.server.limits()
+            logprobs = _logprobs(req, chat)
+            max_field = "max_tokens"
+            asked = req.max_tokens
+            if chat and req.max_completion_tokens is not None:
+                asked, max_field = req.max_completion_tokens, "max_completion_tokens"
+            streams: list[Stream] = []
+            try:
+                for ids in prompts:
+                    max_tokens = asked
+                    if max_tokens is None:  # up to the context (chat) or the OpenAI default (16)
+                        room = min(limits.max_model_len - len(ids),
+                                   limits.num_pages * limits.page_size - len(ids) + 1)
+                        max_tokens = max(room, 1) if chat else min(16, max(room, 1))
+                    sp = oai.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+                    if chat and asked is None:
+                        max_field = "messages"  # too long a chat leaves no room to generate
+                    streams.append(self.server.submit(ids, sp, req.priority, field=field,
+                                                      max_tokens_field=max_field))
+            except BaseException:
+                for s in streams:
+                    self.server.engine_loop.cancel(s)
+                raise
+            return streams, [len(ids) for ids in prompts]
+        except ValueError as e:  # InvalidArgument, and the engine loop's own checks
+            message = oai.field_names(req, str(e))
+            raise HTTPError(400, message, _param(message)) from None
+        except QueueFull as e:
+            raise HTTPError(429, str(e)) from None
+        except EngineUnavailable as e:
+            raise HTTPError(503, str(e)) from None
+
+    def _encode_text(self, text: str) -> list[int]:
+        if not text:
+            raise protocol.InvalidArgument("prompt is empty")
+        return self.tokenizer.encode(text)
+
+    async def _deltas(self, streams: list[Stream]) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """(prompt index, delta) of every sample of every stream until all have finished;
+        aborts what is unfinished when left early. A `Failure` raises `HTTPError`."""
+        unfinished = [s.n for s in streams]
+        getters: dict[asyncio.Future, int] = {}
+        try:
+            while any(unfinished):
+                if len(streams) == 1:
+                    p, item = 0, await streams[0].queue.get()
+                else:
+                    for i, s in enumerate(streams):
+                        if unfinished[i] and i not in getters.values():
+                            getters[asyncio.ensure_future(s.queue.get())] = i
+                    done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
+                    fut = next(iter(done))
+                    p, item = getters.pop(fut), fut.result()
+                if isinstance(item, Failure):
+                    raise HTTPError(_FAILURE_STATUS.get(item.code, 500), item.message)
+                queue = streams[p].queue
+                while not item.finished and not queue.empty():  # coalesce what is waiting
+                    nxt = queue._queue[0]  # noqa: SLF001 - peek: a Failure is not merged
+                    if isinstance(nxt, Failure) or nxt.index != item.index:
+                        break
+                    item.merge(queue.get_nowait())
+                unfinished[p] -= bool(item.finished)
+                yield p, item
+        finally:
+            for fut in getters:
+                fut.cancel()
+            for i, s in enumerate(streams):
+                if unfinished[i]:
+                    self.server.engine_loop.cancel(s)
+
+    async def _collect(self, req: Any, streams: list[Stream], meta: dict[str, Any], *,
+                       chat: bool) -> dict[str, Any]:
+        n = req.n
+        choices = [{"text": "", "lps": [], "finish": None} for _ in range(n * len(streams))]
+        usages: list[list[Usage | None]] = [[None] * n for _ in streams]
+        async with contextlib.aclosing(self._deltas(streams)) as deltas:
+            async for p, d in deltas:
+                c = choices[p * n + d.index]
+                c["text"] += d.new_text
+                c["lps"] += d.logprobs or []
+                if d.finished:
+                    c["finish"] = d.finish_reason
+                    usages[p][d.index] = d.usage
+        out = []
+        for i, c in enumerate(choices):
+            if chat:
+                lps = ({"content": oai.chat_logprobs(self.tokenizer, c["lps"])}
+                       if req.logprobs else None)
+                out.append({"index": i, "message": {"role": "assistant", "content": c["text"]},
+                            "logprobs": lps, "finish_reason": c["finish"]})
+            else:
+                lps = (oai.completion_logprobs(self.tokenizer, c["lps"], 0)
+                       if req.logprobs is not None else None)
+                out.append({"index": i, "text": c["text"], "logprobs": lps,
+                            "finish_reason": c["finish"]})
+        obj = "chat.completion" if chat else "text_completion"
+        return {**meta, "object": obj, "choices": out, "usage": oai.sum_usage(usages)}
+
+    async def _completion_events(self, req: oai.CompletionRequest, streams: list[Stream],
+                                 meta: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+        n = req.n
+        usages: list[list[Usage | None]] = [[None] * n for _ in streams]
+        offsets = [0] * (n * len(streams))
+        base = {**meta, "object": "text_completion"}
+        try:
+            async with contextlib.aclosing(self._deltas(streams)) as deltas:
+                async for p, d in deltas:
+                    if not (d.new_text or d.finished or d.logprobs):
+                        continue
+                    i = p * n + d.index
+                    lps = None
+                    if req.logprobs is not None:
+                        lps = oai.completion_logprobs(self.tokenizer, d.logprobs or [], offsets[i])
+                    offsets[i] += len(d.new_text)
+                    if d.finished:
+                        usages[p][d.index] = d.usage
+                    yield _sse({**base, "choices": [{
+                        "index": i, "text": d.new_text, "logprobs": lps,
+                        "finish_reason": d.finish_reason if d.finished else None}],
+                        "usage": None})
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": oai.sum_usage(usages)})
+        except HTTPError as e:
+            yield _sse(oai.error_body(e.status, e.message))
+        yield "data: [DONE]\n\n"
+
+    async def _chat_events(self, req: oai.ChatCompletionRequest, streams: list[Stream],
+                           meta: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+        n = req.n
+        usages: list[list[Usage | None]] = [[None] * n for _ in streams]
+        base = {**meta, "object": "chat.completion.chunk"}
+        for i in range(n * len(streams)):
+            yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                     "content": ""},
+                                             "logprobs": None, "finish_reason": None}],
+                        "usage": None})
+        try:
+            async with contextlib.aclosing(self._deltas(streams)) as deltas:
+                async for p, d in deltas:
+                    if not (d.new_text or d.finished or d.logprobs):
+                        continue
+                    lps = None
+                    if req.logprobs:
+                        lps = {"content": oai.chat_logprobs(self.tokenizer, d.logprobs or [])}
+                    if d.finished:
+                        usages[p][d.index] = d.usage
+                    delta = {"content": d.new_text} if d.new_text else {}
+                    yield _sse({**base, "choices": [{
+                        "index": p * n + d.index, "delta": delta, "logprobs": lps,
+                        "finish_reason": d.finish_reason if d.finished else None}],
+                        "usage": None})
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": oai.sum_usage(usages)})
+        except HTTPError as e:
+            yield _sse(oai.error_body(e.status, e.message))
+        yield "data: [DONE]\n\n"
+
+
+def _logprobs(req: Any, chat: bool) -> int | None:
+    """SamplingParams.logprobs of a request: completions' `logprobs`; chat's `top_logprobs`
+    when `logprobs` is true."""
+    if not chat:
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise protocol.InvalidArgument("top_logprobs needs logprobs to be true")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _param(message: str) -> str | None:
+    head = message.split(" ", 1)[0].rstrip(":")
+    return head if head.replace("_", "").replace(".", "").isalnum() else None
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client has gone away (its body is read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
