@@ -9,11 +9,17 @@ Flow:
 3. Every GGUF tensor name is mapped once, up front, to its HF name for the file's architecture
    (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`); an unknown name, an
    unsupported architecture or an unsupported quantization type fails here, naming it.
-4. `GGUFCheckpoint.tensor(hf_name)` dequantizes that one tensor from the memory map with our own
-   numpy kernels (`dequantize`) into float32, then undoes what llama.cpp's converter changed:
+4. `GGUFCheckpoint.tensor(hf_name)` dequantizes that one tensor from the memory map
+   (`dequantize`) into float32, then undoes what llama.cpp's converter changed:
    the rotary row permutation of Q/K for the `llama` architecture, and the `+1` it folds into
    Gemma's RMSNorm weights. The result equals the HF checkpoint's tensor (up to quantization).
-5. `GGUFCheckpoint.hf_config()` derives a HF `config.json`-style dict from the metadata.
+5. `GGUFCheckpoint.quantized(hf_name, fmt)` is the loader's path when `quantization` is set: a
+   block-quantized tensor requantized to int8 / fp8 per row, a chunk of rows at a time (exactly,
+   by folding the block scales, for the symmetric formats where the scales allow it).
+6. `GGUFCheckpoint.hf_config()` derives a HF `config.json`-style dict from the metadata.
+
+Dequantizers: ours (numpy, below) for the formats where they measured faster than the `gguf`
+library's `gguf.quants`, the library's for the others (`_KERNELS`, `LIBRARY_TYPES`).
 
 Layout: GGUF lists dimensions fastest first (`ne[0]` is the contiguous one), so the numpy shape is
 the reversed GGUF shape, which for a linear layer is HF's `[out, in]`. Quantized types pack each
@@ -34,6 +40,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
+from checkpoints import quantize as qlib
 from checkpoints.errors import CheckpointError
 
 GGMLType = gguf.GGMLQuantizationType
@@ -117,6 +124,20 @@ def _dq_q8_0(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 34]
     return d * np.ascontiguousarray(blocks[:, 2:34]).view(np.int8).astype(np.float32)
 
 
+def _ints_q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # u8[n_blocks, 18]
+    return _f16(blocks, 0)[:, 0], _low_high_nibbles(blocks[:, 2:18]).reshape(-1, 32).astype(np.int8) - 8
+
+
+def _ints_q5_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # u8[n_blocks, 22]
+    high = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")
+    q = (_low_high_nibbles(blocks[:, 6:22]).reshape(-1, 32) | (high << 4)).astype(np.int8) - 16
+    return _f16(blocks, 0)[:, 0], q
+
+
+def _ints_q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # u8[n_blocks, 34]
+    return _f16(blocks, 0)[:, 0], np.ascontiguousarray(blocks[:, 2:34]).view(np.int8)
+
+
 def _dq_q2_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 84]
     n_blocks = blocks.shape[0]
     scales = blocks[:, 0:16].reshape(n_blocks, 16, 1)  # low nibble scale, high nibble min
@@ -196,9 +217,21 @@ def _dq_bf16(blocks: np.ndarray) -> np.ndarray:  # u8[n, 2]
     return (np.ascontiguousarray(blocks).view("<u2").astype(np.uint32) << 16).view(np.float32)
 
 
-_KERNELS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
+def _library_kernel(qtype: GGMLType) -> Callable[[np.ndarray], np.ndarray]:
+    """`gguf.quants.dequantize` for one type, as a block kernel."""
+
+    def kernel(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, block_bytes]
+        return gguf.quants.dequantize(blocks, qtype).astype(np.float32, copy=False)
+
+    return kernel
+
+
+# NOTE: which dequantizer each type uses (scripts/bench_gguf_dequant.py, BENCHMARKS.md): ours where
+# it measured faster than `gguf.quants` (1.2-3x on every block format it has, 5x on BF16), the
+# library where it is not slower (F16) or where we have no kernel of our own (the IQ, TQ and FP4
+# families). Q8_K and F64 are ours alone: the library cannot dequantize them.
+_OWN_KERNELS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
     GGMLType.F32: _float_kernel("<f4"),
-    GGMLType.F16: _float_kernel("<f2"),
     GGMLType.F64: _float_kernel("<f8"),
     GGMLType.BF16: _dq_bf16,
     GGMLType.Q4_0: _dq_q4_0,
@@ -213,7 +246,19 @@ _KERNELS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
     GGMLType.Q6_K: _dq_q6_k,
     GGMLType.Q8_K: _dq_q8_k,
 }
+LIBRARY_TYPES = tuple(getattr(GGMLType, name) for name in (
+    "F16", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+    "TQ1_0", "TQ2_0", "MXFP4", "NVFP4") if hasattr(GGMLType, name))
+_KERNELS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
+    **_OWN_KERNELS, **{t: _library_kernel(t) for t in LIBRARY_TYPES}}
 SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(_KERNELS)
+_FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.F64})
+# Block formats whose values are d_b * (integer): (block scales f32[n_blocks], ints i8[n_blocks, 32]).
+_SYMMETRIC: dict[GGMLType, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]] = {
+    GGMLType.Q4_0: _ints_q4_0,
+    GGMLType.Q5_0: _ints_q5_0,
+    GGMLType.Q8_0: _ints_q8_0,
+}
 
 
 def _type_name(ggml_type: int | GGMLType) -> str:
@@ -484,6 +529,42 @@ class GGUFCheckpoint:
         if entry.norm_offset:
             w -= np.float32(entry.norm_offset)
         return w
+
+    def quantized(self, hf_name: str, fmt: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """A 2-D block-quantized tensor requantized to `fmt` ("int8" | "fp8") with one scale per row
+        (HF layout: data [out, in], scale f32[out]), a chunk of rows at a time, never whole in
+        float32. Rows of symmetric blocks (Q8_0, Q4_0, Q5_0) fold their block scales exactly into
+        int8 where they can (`checkpoints.quantize.fold_block_scales`). None for tensors stored as
+        floats and for 1-D ones: read those with `tensor`.
+        """
+        entry = self._entries.get(hf_name)
+        if entry is None:
+            raise GGUFError(f"{self.path}: no tensor named {hf_name!r}")
+        if entry.qtype in _FLOAT_TYPES or len(entry.shape) != 2 or entry.norm_offset:
+            return None
+        what = f"{self.path}: tensor {entry.gguf_name!r} ({entry.qtype.name}, shape {entry.shape})"
+        rows, cols = entry.shape
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[entry.qtype]
+        raw = np.ascontiguousarray(self._reader.tensors[entry.index].data).reshape(-1).view(np.uint8)
+        if raw.size != rows * cols // block_size * block_bytes:
+            raise GGUFError(f"{what}: holds {raw.size} bytes, expected {rows * cols // block_size * block_bytes}")
+        by_row = raw.reshape(rows, cols // block_size * block_bytes)
+
+        def read_rows(start: int, stop: int) -> np.ndarray:
+            return dequantize(by_row[start:stop], entry.qtype, (stop - start, cols))
+
+        read_blocks = None
+        if entry.qtype in _SYMMETRIC:
+            def read_blocks(start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+                d, ints = _SYMMETRIC[entry.qtype](by_row[start:stop].reshape(-1, block_bytes))
+                n = stop - start
+                return ints.reshape(n, -1, block_size), d.reshape(n, -1)
+
+        data, scale = qlib.requantize_rows(read_rows, rows, fmt, read_blocks)
+        if entry.unpermute_heads is not None:
+            data = _undo_rotary_permutation(data, entry.unpermute_heads, what)
+            scale = _undo_rotary_permutation(scale, entry.unpermute_heads, what)
+        return data, scale
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(HF name, float32 array) for every tensor, reading one at a time."""

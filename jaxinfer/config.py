@@ -334,10 +334,16 @@ class EngineConfig:
     # on the device), so host work overlaps device work; one speculative decode step is wasted
     # per request that stops on EOS / a stop token. Multi-host runs step synchronously.
     async_scheduling: bool = True
+    # Weight-only quantization of the linear weights and the embedding: None, "int8" or "fp8"
+    # (float8_e4m3fn), one f32 scale per output channel (see `jaxinfer.quantization`).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.quantization not in (None, "int8", "fp8"):
+            raise ValueError(f"quantization={self.quantization!r} is not supported; choose one of "
+                             f"('int8', 'fp8') (or None)")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

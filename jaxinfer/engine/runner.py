@@ -57,6 +57,7 @@ from jaxinfer.engine.request import PENDING_TOKEN
 from jaxinfer.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from jaxinfer.models import llama
 from jaxinfer.params import DTYPES
+from jaxinfer.quantization import quantization_of
 from jaxinfer.sampling import SamplingMetadata, compute_logprobs, sample
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxinfer.step import StepInputs, build_step_arrays
@@ -223,11 +224,12 @@ class ModelRunner:
                                       jnp.zeros((rows, cfg.vocab_size), jnp.int32))
         else:
             rules = shd.model_rules(cfg, par)
+            specs = llama.param_specs(cfg, quantization=quantization_of(params))
             if par.pipeline > 1:  # layers stacked by stage (see jaxinfer.pipeline)
-                self.params = pipeline.place_params(params, llama.param_specs(cfg), mesh, rules)
+                self.params = pipeline.place_params(params, specs, mesh, rules)
             else:
                 self.params = jax.device_put(  # a no-op for params the loader already placed
-                    params, params_lib.shardings(llama.param_specs(cfg), mesh, rules))
+                    params, params_lib.shardings(specs, mesh, rules))
             cache_sharding = NamedSharding(mesh, llama.kv_cache_spec(cfg, par))
             self._replicated = NamedSharding(mesh, PartitionSpec())
             self._step_sharding = (NamedSharding(mesh, PartitionSpec(shd.DATA)) if self.data > 1

@@ -36,12 +36,14 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, PartitionSpec
 
+from checkpoints import quantize as qlib
 from jaxinfer import layers, moe
 from jaxinfer import pipeline as pipeline_lib
 from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.moe import MoEParams
 from jaxinfer.params import ParamSpec, checked_array, map_specs, partition_specs
+from jaxinfer.quantization import QArray, quantization_of, quantize_specs
 from jaxinfer.sharding import (
     DATA,
     EXPERT,
@@ -100,15 +102,19 @@ class Params:
     lm_head: Any = None  # [E, V]; None when tied to the embedding
 
 
-def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
-    """Every weight declared once: shape, dtype, logical axes, init."""
+def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32, quantization: str | None = None) -> Params:
+    """Every weight declared once: shape, dtype, logical axes, init; with `quantization` ("int8" |
+    "fp8") the linear weights and the embedding are `QArray`s of (data, scale) specs."""
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hq, hkv, v = cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
     # Gemma's norms multiply by (1 + w): a neutral init is zeros there, ones elsewhere.
     norm_init = "zeros" if cfg.norm_offset else "ones"
 
-    def w(shape, axes, scale=0.02):
-        return ParamSpec(tuple(shape), dtype, tuple(axes), "normal", scale)
+    def w(shape, axes, quant_axis=None, scale=0.02):
+        return ParamSpec(tuple(shape), dtype, tuple(axes), "normal", scale, quant_axis)
+
+    def linear(shape, axes, quant_axis=0):  # contracted over `quant_axis` (the input dim)
+        return w(shape, axes, quant_axis)
 
     def norm(size, axis="norm"):
         return ParamSpec((size,), dtype, (axis,), norm_init)
@@ -116,14 +122,14 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
     def sparse_mlp() -> MoEParams:
         x, fm = cfg.num_experts, cfg.moe_intermediate_size
         return MoEParams(router=w((e, x), ("embed", None)),
-                         gate_up=w((x, e, 2, fm), ("experts", "embed", None, "expert_mlp")),
-                         down=w((x, fm, e), ("experts", "expert_mlp", "embed")))
+                         gate_up=linear((x, e, 2, fm), ("experts", "embed", None, "expert_mlp"), 1),
+                         down=linear((x, fm, e), ("experts", "expert_mlp", "embed"), 1))
 
     def layer(i: int) -> LayerParams:
         attn = AttentionParams(
-            q=w((e, hq * d), ("embed", "q_heads")),
-            kv=w((e, 2, hkv * d), ("embed", None, "kv_heads")),
-            o=w((hq * d, e), ("q_heads", "embed")),
+            q=linear((e, hq * d), ("embed", "q_heads")),
+            kv=linear((e, 2, hkv * d), ("embed", None, "kv_heads")),
+            o=linear((hq * d, e), ("q_heads", "embed")),
             q_bias=w((hq * d,), ("q_heads",)) if cfg.qkv_bias else None,
             kv_bias=w((2, hkv * d), (None, "kv_heads")) if cfg.qkv_bias else None,
             o_bias=w((e,), ("embed",)) if cfg.o_bias else None,
@@ -131,19 +137,31 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
             k_norm=norm(d, "head_dim") if cfg.qk_norm else None,
         )
         mlp = (sparse_mlp() if cfg.is_moe_layer(i) else
-               MLPParams(gate_up=w((e, 2, f), ("embed", None, "mlp")), down=w((f, e), ("mlp", "embed"))))
+               MLPParams(gate_up=linear((e, 2, f), ("embed", None, "mlp")),
+                         down=linear((f, e), ("mlp", "embed"))))
         return LayerParams(
             attn_norm=norm(e), attn=attn, mlp_norm=norm(e), mlp=mlp,
             post_attn_norm=norm(e) if cfg.sandwich_norm else None,
             post_mlp_norm=norm(e) if cfg.sandwich_norm else None,
         )
 
-    return Params(
-        embed=w((v, e), ("vocab", "embed")),
+    specs = Params(
+        # NOTE: quantized per vocab row (contracted over embed): a row's scale serves both the
+        # lookup and, when tied, that vocab column of the LM head.
+        embed=linear((v, e), ("vocab", "embed"), 1),
         layers=tuple(layer(i) for i in range(cfg.num_layers)),
         final_norm=norm(e),
-        lm_head=None if cfg.tie_word_embeddings else w((e, v), ("embed", "vocab")),
+        lm_head=None if cfg.tie_word_embeddings else linear((e, v), ("embed", "vocab")),
     )
+    return quantize_specs(specs, quantization)
+
+
+def _ident(x):
+    return x
+
+
+def _transpose(x):  # HF linear [out, in] -> ours [in, out]
+    return x.T
 
 
 def _hf_name_map(cfg: ModelConfig, names: Iterable[str] = ()) -> dict[str, tuple]:
@@ -153,12 +171,7 @@ def _hf_name_map(cfg: ModelConfig, names: Iterable[str] = ()) -> dict[str, tuple
     when it is a tuple, at that index of the leaf (one expert of a stacked expert leaf). `names` (the
     checkpoint's) picks between the per-expert and the fused expert layouts of MoE checkpoints.
     """
-    def ident(x):
-        return x
-
-    def transpose(x):  # HF linear [out, in] -> ours [in, out]
-        return x.T
-
+    ident, transpose = _ident, _transpose
     out = {
         "model.embed_tokens.weight": (("embed",), ident),
         "model.norm.weight": (("final_norm",), ident),
@@ -227,9 +240,9 @@ def _hf_moe_names(cfg: ModelConfig, i: int, names: Iterable[str]) -> dict[str, t
     out = {p + "gate.weight": (L + ("router",), lambda t: t.T)}
     for j in range(x):
         q = f"{p}experts.{j}."
-        out[q + parts[0] + ".weight"] = (L + ("gate_up",), lambda t: t.T, (j, slice(None), 0))
-        out[q + parts[1] + ".weight"] = (L + ("gate_up",), lambda t: t.T, (j, slice(None), 1))
-        out[q + parts[2] + ".weight"] = (L + ("down",), lambda t: t.T, (j,))
+        out[q + parts[0] + ".weight"] = (L + ("gate_up",), _transpose, (j, slice(None), 0))
+        out[q + parts[1] + ".weight"] = (L + ("gate_up",), _transpose, (j, slice(None), 1))
+        out[q + parts[2] + ".weight"] = (L + ("down",), _transpose, (j,))
     return out
 
 
@@ -260,13 +273,18 @@ def params_from_hf(
     get_tensor: Callable[[str], np.ndarray],
     dtype: Any = jnp.float32,
     put: Callable[[np.ndarray, ParamSpec], Any] | None = None,
+    quantization: str | None = None,
+    get_quantized: Callable[[str, str], tuple[np.ndarray, np.ndarray] | None] | None = None,
 ) -> Params:
     """Fills the params tree from HF-named tensors; every mismatch raises naming the tensor.
 
-    `put(host_array, spec)` places each weight (e.g. `jax.device_put` onto its sharding).
+    `put(host_array, spec)` places each weight (e.g. `jax.device_put` onto its sharding). With
+    `quantization` the weights that take it are quantized on the host, one tensor (or fused slot)
+    at a time; `get_quantized(name, fmt)`, when given, returns a tensor the source already holds
+    quantized as (data [out, in], scale f32[out]) in HF layout (None: read it with `get_tensor`).
     """
     put = put or (lambda x, spec: jnp.asarray(x))
-    specs = param_specs(cfg, dtype)
+    specs = param_specs(cfg, dtype, quantization)
     names = list(names)
     name_map = _hf_name_map(cfg, names)
     unexpected = [n for n in names if n not in name_map and not _IGNORED.match(n)
@@ -279,30 +297,98 @@ def params_from_hf(
         raise ValueError(f"checkpoint is missing tensors: {missing[:8]}"
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
     params = map_specs(lambda s: None, specs)
-    fused: dict[tuple, np.ndarray] = {}  # path -> host buffer being filled slot by slot
+    fused: dict[tuple, Any] = {}  # path -> host buffer (a QArray of two when quantized) being filled
     parts_left: dict[tuple, int] = {}  # path -> slots not yet filled
     for path, _, *slot in name_map.values():
         if slot:
             parts_left[path] = parts_left.get(path, 0) + 1
     for name, (path, transform, *slot) in name_map.items():
         spec = _get_path(specs, path)
+        quantized = isinstance(spec, QArray)
+        shape = spec.data.shape if quantized else spec.shape
+        index = None
+        if slot:
+            index = slot[0] if isinstance(slot[0], tuple) else (..., slot[0], slice(None))
+            index = _full_index(index, len(shape))
+        if quantized:
+            value = _quantized_part(name, spec, index, transform, get_tensor, get_quantized)
+        else:
+            part = spec
+            if slot:
+                part_shape = np.broadcast_to(np.empty((), np.int8), shape)[index].shape
+                part = dataclasses.replace(spec, shape=part_shape, logical_axes=(None,) * len(part_shape))
+            raw = np.asarray(get_tensor(name))
+            try:
+                value = transform(raw)
+            except ValueError:
+                raise ValueError(f"tensor {name!r} has shape {raw.shape}, which does not fit {shape}") from None
+            value = checked_array(name, value, part)
+        if not slot:
+            params = _set_path(params, path, _put_leaf(put, value, spec))
+            continue
+        if quantized:
+            buf = fused.setdefault(path, QArray(np.empty(spec.data.shape, spec.data.dtype),
+                                                np.empty(spec.scale.shape, spec.scale.dtype)))
+            buf.data[index] = value.data
+            buf.scale[_drop_axis(index, spec.data.quant_axis)] = value.scale
+        else:
+            buf = fused.setdefault(path, np.empty(spec.shape, spec.dtype))
+            buf[index] = value
+        parts_left[path] -= 1
+        if not parts_left[path]:  # NOTE: slots never overlap; a leaf is placed once all are in
+            params = _set_path(params, path, _put_leaf(put, fused.pop(path), spec))
+    return params
+
+
+def _put_leaf(put: Callable[[np.ndarray, ParamSpec], Any], value: Any, spec: Any) -> Any:
+    if isinstance(spec, QArray):
+        return QArray(data=put(value.data, spec.data), scale=put(value.scale, spec.scale))
+    return put(value, spec)
+
+
+def _full_index(index: tuple, ndim: int) -> tuple:
+    """`index` with its Ellipsis expanded into slices: one entry per axis of an `ndim` array."""
+    if Ellipsis not in index:
+        return tuple(index) + (slice(None),) * (ndim - len(index))
+    at = index.index(Ellipsis)
+    fill = (slice(None),) * (ndim - len(index) + 1)
+    return tuple(index[:at]) + fill + tuple(index[at + 1:])
+
+
+def _drop_axis(index: tuple, axis: int) -> tuple:
+    return tuple(x for i, x in enumerate(index) if i != axis)
+
+
+def _quantized_part(name: str, spec: QArray, index: tuple | None, transform: Callable,
+                    get_tensor: Callable[[str], np.ndarray],
+                    get_quantized: Callable[[str, str], Any] | None) -> QArray:
+    """One HF tensor as the quantized piece `index` (None: all) of the leaf `spec` (host arrays)."""
+    fmt = quantization_of(spec)
+    axis = spec.data.quant_axis
+    shape = spec.data.shape
+    if index is not None:
+        shape = np.broadcast_to(np.empty((), np.int8), shape)[index].shape
+        axis -= sum(isinstance(x, int) for x in index[:axis])  # integer entries drop their axes
+    # A source's own quantized rows ([out, in], scaled per out row) fit a 2-D piece contracted
+    # over HF's `in`: axis 0 after the transpose of a linear weight, axis 1 of an embedding.
+    native = None
+    if get_quantized is not None and len(shape) == 2 and (transform, axis) in ((_transpose, 0), (_ident, 1)):
+        native = get_quantized(name, fmt)
+    if native is not None:
+        data, scale = native
+        data = transform(data)
+    else:
         raw = np.asarray(get_tensor(name))
         try:
             value = transform(raw)
         except ValueError:
-            raise ValueError(f"tensor {name!r} has shape {raw.shape}, which does not fit {spec.shape}") from None
-        if not slot:
-            params = _set_path(params, path, put(checked_array(name, value, spec), spec))
-            continue
-        index = slot[0] if isinstance(slot[0], tuple) else (..., slot[0], slice(None))
-        part_shape = np.broadcast_to(np.empty((), np.int8), spec.shape)[index].shape
-        part = dataclasses.replace(spec, shape=part_shape, logical_axes=(None,) * len(part_shape))
-        buf = fused.setdefault(path, np.empty(spec.shape, spec.dtype))
-        buf[index] = checked_array(name, value, part)
-        parts_left[path] -= 1
-        if not parts_left[path]:  # NOTE: slots never overlap; a leaf is placed once all are in
-            params = _set_path(params, path, put(fused.pop(path), spec))
-    return params
+            raise ValueError(f"tensor {name!r} has shape {raw.shape}, which does not fit {shape}") from None
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {shape}")
+        data, scale = qlib.quantize(value, fmt, axis)
+    if tuple(data.shape) != tuple(shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(data.shape)}, expected {shape}")
+    return QArray(data=np.asarray(data, spec.data.dtype), scale=np.asarray(scale, np.float32))
 
 
 def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x: jax.Array,
@@ -372,17 +458,19 @@ def _decoder_layer(p: LayerParams, cfg: ModelConfig, window: int | None, h: jax.
     return h, kv_cache
 
 
-def embed_tokens(embed: jax.Array, cfg: ModelConfig, token_ids: jax.Array,
-                 par: Parallel = SINGLE) -> jax.Array:
-    """Rows of `embed` [V/par.dense, E] for token_ids i32[T] -> [T, E] (vocab-parallel on a mesh:
-    each shard looks up the ids in its vocab range, zeros elsewhere, one all-reduce)."""
+def embed_tokens(embed: jax.Array | QArray, cfg: ModelConfig, token_ids: jax.Array,
+                 par: Parallel = SINGLE, dtype: Any = None) -> jax.Array:
+    """Rows of `embed` [V/par.dense, E] for token_ids i32[T] -> [T, E] of `dtype` (default: the
+    embedding's; a quantized one needs it), vocab-parallel on a mesh: each shard looks up the ids
+    in its vocab range, zeros elsewhere, one all-reduce."""
+    dtype = dtype or embed.dtype
     if par.dense == 1:
-        h = jnp.take(embed, token_ids, axis=0)
+        h = layers.embed_rows(embed, token_ids, dtype)
     else:
         rows = embed.shape[0]
         local = token_ids - par.dense_index() * rows
         mine = (local >= 0) & (local < rows)
-        h = jnp.take(embed, jnp.where(mine, local, 0), axis=0)
+        h = layers.embed_rows(embed, jnp.where(mine, local, 0), dtype)
         h = par.psum(jnp.where(mine[:, None], h, jnp.zeros((), h.dtype)), EXPERT, TENSOR)
     if cfg.embed_scale:
         h = h * jnp.asarray(cfg.hidden_size**0.5, h.dtype)
@@ -405,7 +493,7 @@ def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
     if par.pipeline > 1:
         return _forward_pipelined(params, cfg, step, kv_caches, kernels, par)
     with jax.named_scope("embed"):
-        h = embed_tokens(params.embed, cfg, step.token_ids, par)
+        h = embed_tokens(params.embed, cfg, step.token_ids, par, params.final_norm.dtype)
     with jax.named_scope("rope_tables"):
         cos, sin = layers.rope_cos_sin(cfg, step.positions)
     new_caches = []
@@ -425,7 +513,8 @@ def _forward_pipelined(params: Params, cfg: ModelConfig, step: StepInputs,
     dim, `params.layers` and `kv_caches` are this device's stage blocks; logits [M*N, V/dense]."""
     m, t = step.token_ids.shape
     with jax.named_scope("embed"):
-        h = embed_tokens(params.embed, cfg, step.token_ids.reshape(-1), par).reshape(m, t, -1)
+        h = embed_tokens(params.embed, cfg, step.token_ids.reshape(-1), par,
+                         params.final_norm.dtype).reshape(m, t, -1)
     with jax.named_scope("rope_tables"):
         cos, sin = (x.reshape(m, t, *x.shape[1:])
                     for x in layers.rope_cos_sin(cfg, step.positions.reshape(-1)))
@@ -474,7 +563,7 @@ def forward(
     if par.is_single:
         return _forward_local(params, cfg, step, kv_caches, kernels, Parallel())
     rules = model_rules(cfg, par)
-    specs = param_specs(cfg)
+    specs = param_specs(cfg, quantization=quantization_of(params))
     if par.pipeline > 1:  # layers stacked by stage, caches per stage position [S, data*P, ...]
         specs = pipeline_lib.stack_stages(specs, par.pipeline)
     param_specs_ = partition_specs(specs, rules)
