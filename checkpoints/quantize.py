@@ -43,7 +43,10 @@ def quantize(w: Any, fmt: str, axis: int, xp: Any = np) -> tuple[Any, Any]:
     check_format(fmt)
     wf = xp.asarray(w).astype(xp.float32)
     absmax = xp.max(xp.abs(wf), axis=axis)
-    scale = xp.where(absmax > 0, absmax / xp.float32(QMAX[fmt]), xp.float32(1.0)).astype(xp.float32)
+    # NOTE: times the f32 reciprocal, not divided by qmax: XLA rewrites a division by a constant
+    # that way, and the host and device quantizers must agree bit for bit.
+    inv = np.float32(1.0) / np.float32(QMAX[fmt])
+    scale = xp.where(absmax > 0, absmax * inv, xp.float32(1.0)).astype(xp.float32)
     scaled = wf / xp.expand_dims(scale, axis)
     if fmt == "int8":
         data = xp.clip(xp.rint(scaled), -127, 127).astype(xp.int8)
