@@ -34,9 +34,10 @@ from jaxinfer import layers, quantization
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.loader import load_model
+from jaxinfer.loader import load_from_source, load_model, open_source
 from jaxinfer.models import llama
 from jaxinfer.quantization import QArray
+from jaxinfer.tokenizer import Tokenizer
 from pallas_kernels import cpu_linear
 from tests.model_utils import PagedStepper, hf_config_dict, rel_err
 
@@ -161,10 +162,17 @@ def test_fold_block_scales_exact_and_refused():
     assert qlib.fold_block_scales(ints, scales, "fp8") is None
 
 
-def test_gguf_loads_quantized(tmp_path):
+def test_gguf_loads_quantized(tmp_path, monkeypatch):
     """A tiny llama GGUF (Q/K permuted, mixed block types) through the loader: int8 leaves whose
     values are the float load's within one grid step; fused q/kv and gate/up slots in place."""
-    from tests.test_gguf import _gguf_name, _permute_like_llama_cpp, _tiny_hf_weights, _tiny_kv, _type_for, _write_gguf
+    from tests.test_gguf import (
+        _gguf_name,
+        _permute_like_llama_cpp,
+        _tiny_hf_weights,
+        _tiny_kv,
+        _type_for,
+        _write_gguf,
+    )
 
     hf = _tiny_hf_weights()
     tensors = {}
@@ -177,8 +185,8 @@ def test_gguf_loads_quantized(tmp_path):
         qtype = T.Q8_0 if ".k_proj." in name else _type_for(name)
         tensors[_gguf_name(name)] = (stored, qtype)
     path = _write_gguf(tmp_path / "tiny.gguf", "llama", _tiny_kv("llama"), tensors)
-    tok_kv = {"tokenizer.ggml.model": "llama"}
-    assert tok_kv
+    # The tiny file's toy vocabulary is no real tokenizer: only the params are compared.
+    monkeypatch.setattr(Tokenizer, "from_gguf_metadata", classmethod(lambda cls, *a, **k: None))
     floats = _load_params(path, None)
     quant = _load_params(path, "int8")
     assert quantization.quantization_of(quant) == "int8"
@@ -196,16 +204,8 @@ def test_gguf_loads_quantized(tmp_path):
 
 
 def _load_params(path, fmt):
-    from jaxinfer.loader import load_from_source, open_source
-    from jaxinfer.tokenizer import Tokenizer
-
     kind, handle = open_source(str(path))
-    orig = Tokenizer.from_gguf_metadata
-    try:  # the tiny file's toy vocabulary is no real tokenizer: params only
-        Tokenizer.from_gguf_metadata = classmethod(lambda cls, *a, **k: None)
-        return load_from_source(str(path), kind, handle, quantization=fmt).params
-    finally:
-        Tokenizer.from_gguf_metadata = orig
+    return load_from_source(str(path), kind, handle, quantization=fmt).params
 
 
 def test_specs_declare_data_and_scale():
@@ -312,8 +312,8 @@ def test_scales_apply_after_the_dot(fmt):
 @pytest.mark.slow
 @pytest.mark.parametrize("spec,family", [("tensor=4", "llama"), ("expert=2,tensor=2", "mixtral")])
 def test_sharded_quantized_equals_single_device(spec, family):
-    from tests.test_parallel import _steps, mesh_of
     from jaxinfer.step import StepInputs
+    from tests.test_parallel import _steps, mesh_of
 
     cfg = ModelConfig.from_hf({**hf_config_dict(family), "num_key_value_heads": 4})
     specs = llama.param_specs(cfg)
