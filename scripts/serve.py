@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: float32 on CPU, bfloat16 on accelerators")
+    p.add_argument("--quantization", choices=["int8", "fp8"], default=None,
+                   help="weight-only quantization of the linear weights and the embedding (one "
+                        "scale per output channel), applied at load")
     e = p.add_argument_group("engine")
     e.add_argument("--page-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=64)
@@ -148,8 +151,9 @@ def build_engine(args: argparse.Namespace):
                            max_model_len=max_model_len or 2048, **options), sizes
     from jaxinfer.loader import load_model
 
-    model = load_model(args.model, dtype=args.dtype, mesh=mesh)
-    config = EngineConfig(dtype=model.dtype, max_model_len=max_model_len, mesh=args.mesh, **options)
+    model = load_model(args.model, dtype=args.dtype, mesh=mesh, quantization=args.quantization)
+    config = EngineConfig(dtype=model.dtype, max_model_len=max_model_len, mesh=args.mesh,
+                          quantization=model.quantization, **options)
     if args.max_model_len is None and max_model_len:  # our CPU default, not the user's: cap it
         config = dataclasses.replace(
             config, max_model_len=min(max_model_len, model.cfg.max_position_embeddings))
