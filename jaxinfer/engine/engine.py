@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 
+from jaxinfer import attention
 from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.page_allocator import PageAllocator
@@ -108,8 +109,9 @@ class LLMEngine:
         data, shards = sizes[shd.DATA], shd.Parallel(**sizes).dense
         # Bytes one page takes on one device (its share of the KV heads).
         kv_heads = shd.kv_cache_heads(self.cfg.num_kv_heads, shards) // shards
-        page_bytes = (config.page_size * 2 * kv_heads * self.cfg.head_dim
-                      * self.cfg.num_layers * (4 if config.dtype == "float32" else 2))
+        row_bytes = attention.kv_cache_bytes_per_row(
+            self.cfg.head_dim, 4 if config.dtype == "float32" else 2, config.kv_cache_dtype)
+        page_bytes = config.page_size * 2 * kv_heads * row_bytes * self.cfg.num_layers
         pages_for_all = (config.max_num_seqs // data) * -(-max_model_len // config.page_size) + 1
         num_pages = config.num_pages
         if num_pages is None:  # per device = per replica, then the total over replicas
@@ -133,7 +135,8 @@ class LLMEngine:
                                   max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   dtype=config.dtype, attention_backend=attention_backend,
-                                  linear_backend=linear_backend, mesh=self.mesh)
+                                  linear_backend=linear_backend, mesh=self.mesh,
+                                  kv_cache_dtype=config.kv_cache_dtype)
         self._in_flight: Launched | None = None  # async scheduling: the step still running
         self._ready: list[RequestDelta] = []  # deltas of a step finished while the next one failed
         # Child request ids a failed `step()` lost (set when it raises; the server fails them).
@@ -152,13 +155,22 @@ class LLMEngine:
             f"; KV replicated: {self.cfg.num_kv_heads} KV heads < {shards} attention shards, each "
             f"shard keeps a copy of the one its query heads need")
         logger.info(
-            "KV cache: %d pages x %d tokens = %d tokens (%.1f MiB); max_model_len %d -> up to %.1f "
+            "KV cache (%s): %d pages x %d tokens = %d tokens (%.1f MiB); max_model_len %d -> up to %.1f "
             "concurrent full-length requests; max_num_seqs %d, max_num_batched_tokens %d; mesh %s: "
             "%d data replica(s) of %d pages, per device %.1f MiB params + %.1f MiB KV%s",
-            usable, config.page_size, usable * config.page_size, self.runner.kv_cache_bytes / 2**20,
+            self._kv_storage(row_bytes), usable, config.page_size, usable * config.page_size,
+            self.runner.kv_cache_bytes / 2**20,
             max_model_len, usable * config.page_size / max_model_len, config.max_num_seqs,
             config.max_num_batched_tokens, config.mesh or "single device", data,
             self.allocator.num_pages, held["params"] / 2**20, held["kv_cache"] / 2**20, replicated)
+
+    def _kv_storage(self, row_bytes: int) -> str:
+        """How the cache is stored, and for fp8 the token capacity gained over the model dtype."""
+        if self.config.kv_cache_dtype != "fp8":
+            return self.config.dtype
+        dtype_row = self.cfg.head_dim * (4 if self.config.dtype == "float32" else 2)
+        return (f"fp8 e4m3 + one exponent byte per {self.cfg.head_dim}-value row: "
+                f"{dtype_row / row_bytes:.2f}x the tokens of {self.config.dtype} in the same memory")
 
     def capacity(self) -> dict[str, int]:
         usable = sum(a.num_usable_pages for a in self.allocators)

@@ -189,8 +189,9 @@ class ModelRunner:
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  dtype: str = "float32", attention_backend: str | None = None,
                  linear_backend: str | None = None, token_buckets: tuple[int, ...] | None = None,
-                 mesh: Any = None) -> None:
-        """`num_pages` and `max_num_seqs` are totals over the data replicas (each gets 1/data)."""
+                 mesh: Any = None, kv_cache_dtype: str = "auto") -> None:
+        """`num_pages` and `max_num_seqs` are totals over the data replicas (each gets 1/data);
+        `kv_cache_dtype="fp8"` stores the cache as `reference.Fp8KVCache` (see jaxinfer.attention)."""
         par = shd.Parallel.from_mesh(mesh)
         self.mesh = None if par.is_single else mesh  # NOTE: one device keeps the plain program
         self.data = par.data
@@ -216,10 +217,19 @@ class ModelRunner:
         kv_heads = shd.kv_cache_heads(cfg.num_kv_heads, par.dense)
         shape = attention.kv_cache_shape(attention_backend, num_pages, page_size, kv_heads,
                                          cfg.head_dim)
+        attention.check_kv_cache_dtype(attention.resolve_backend(attention_backend), kv_cache_dtype)
+        if kv_cache_dtype == "fp8" and par.pipeline > 1:
+            raise ValueError("kv_cache_dtype='fp8' is not supported with a pipeline mesh axis > 1")
+        self.kv_cache_dtype = kv_cache_dtype
+
+        def new_caches():
+            return tuple(attention.new_kv_cache(shape, DTYPES[dtype], kv_cache_dtype)
+                         for _ in range(cfg.num_layers))
+
         rows = max_num_seqs + 1  # the last row is a spare that padding writes into
         if self.mesh is None:
             self.params = params
-            self.kv_caches = tuple(jnp.zeros(shape, DTYPES[dtype]) for _ in range(cfg.num_layers))
+            self.kv_caches = new_caches()
             self.state = PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
                                       jnp.zeros((rows, cfg.vocab_size), jnp.int32))
         else:
@@ -230,12 +240,12 @@ class ModelRunner:
             else:
                 self.params = jax.device_put(  # a no-op for params the loader already placed
                     params, params_lib.shardings(specs, mesh, rules))
-            cache_sharding = NamedSharding(mesh, llama.kv_cache_spec(cfg, par))
+            cache_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                                          llama.kv_cache_specs(cfg, par, new_caches()[0]))
             self._replicated = NamedSharding(mesh, PartitionSpec())
             self._step_sharding = (NamedSharding(mesh, PartitionSpec(shd.DATA)) if self.data > 1
                                    else self._replicated)
-            zeros = jax.jit(lambda: tuple(jnp.zeros(shape, DTYPES[dtype]) for _ in range(cfg.num_layers)),
-                            out_shardings=(cache_sharding,) * cfg.num_layers)
+            zeros = jax.jit(new_caches, out_shardings=(cache_sharding,) * cfg.num_layers)
             self.kv_caches = zeros() if par.pipeline == 1 else pipeline.stage_kv_caches(
                 cfg.num_layers, par.pipeline, shape, DTYPES[dtype], mesh, llama.kv_cache_spec(cfg, par))
             self.state = jax.jit(lambda: PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
@@ -268,7 +278,7 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(c.size * c.dtype.itemsize for c in self.kv_caches)
+        return sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(self.kv_caches))
 
     def bytes_per_device(self) -> dict[str, int]:
         """Parameter and KV-cache bytes held by the first device."""

@@ -55,6 +55,7 @@ from jaxinfer.sharding import (
     model_rules,
 )
 from jaxinfer.step import StepInputs
+from pallas_kernels.ragged_paged_attention.reference import Fp8KVCache
 
 SINGLE = Parallel()  # one device: every axis size 1
 
@@ -537,6 +538,15 @@ def kv_cache_spec(cfg: ModelConfig, par: Parallel) -> PartitionSpec:
     return PartitionSpec(DATA, None, dense_axes(cfg, par), None)
 
 
+def kv_cache_specs(cfg: ModelConfig, par: Parallel, cache: Any) -> Any:
+    """`kv_cache_spec` for one layer's cache pytree: an fp8 cache's exponents [data*P, page, 2*Hkv']
+    split like its values."""
+    spec = kv_cache_spec(cfg, par)
+    if isinstance(cache, Fp8KVCache):
+        return Fp8KVCache(spec, PartitionSpec(*spec[:3]))
+    return spec
+
+
 def forward(
     params: Params,
     cfg: ModelConfig,
@@ -569,7 +579,7 @@ def forward(
     param_specs_ = partition_specs(specs, rules)
     stacked = par.data > 1
     step_spec = PartitionSpec(DATA) if stacked else PartitionSpec()
-    cache_spec = kv_cache_spec(cfg, par)
+    cache_spec = kv_cache_specs(cfg, par, kv_caches[0])
     if par.pipeline > 1:
         cache_spec = PartitionSpec(PIPELINE, *cache_spec)
     cache_specs = tuple(cache_spec for _ in kv_caches)
