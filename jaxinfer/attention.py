@@ -4,9 +4,9 @@
    a kernel: "auto" picks by platform (gpu -> "gpu", tpu -> "tpu", cpu -> the compiled "cpu"
    kernel when it builds on this machine, else "reference", with a warning saying why). On a CPU
    platform the "gpu" and "tpu" kernels run in Pallas interpret mode; "cpu" runs only there.
-   `None` (every engine's default) is "auto" on a CPU platform and "reference" elsewhere: the
-   Pallas kernels have passed their interpret-mode and lowering tests but have not yet run on
-   GPU/TPU hardware, so they stay opt-in there.
+   `None` (every engine's default) is "auto" on CPU and GPU platforms (the GPU kernel ran on an
+   H100 on 2026-11-24: correct, and 2.5-50x faster than the reference) and "reference" on TPU,
+   where the Mosaic kernel stays opt-in until it has run on a TPU.
 2. `update_kv_cache` scatters this step's K/V into their slots (`slot_mapping`); every backend
    shares it and the cache layout (`kv_cache_shape`). `kv_cache_dtype="fp8"` makes the cache a
    `reference.Fp8KVCache` (float8_e4m3fn values, one power-of-two scale per slot and K/V head);
@@ -43,7 +43,7 @@ def resolve_backend(backend: str | None, platform: str | None = None) -> str:
     """The concrete backend for `backend` (None: the default) on `platform` (default: JAX's)."""
     platform = platform or jax.default_backend()
     if backend is None:
-        backend = "auto" if platform == "cpu" else "reference"
+        backend = "reference" if platform == "tpu" else "auto"
     check_backend(backend)
     if backend == "cpu" and platform != "cpu":
         raise ValueError(f"attention_backend 'cpu' runs on the CPU platform only, not {platform!r}")

@@ -17,7 +17,7 @@ from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine, Usage
 from jaxinfer.engine.runner import TokenLogprobs
-from jaxinfer.loader import load_model
+from jaxinfer.loader import check_load_format, load_model
 from jaxinfer.sampling_params import SamplingParams
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype"}
@@ -72,17 +72,21 @@ class LLM:
       model: a GGUF file, a Hugging Face model dir, or an orbax checkpoint dir written by
         `scripts/convert.py`; None is the embedded SmolLM2-135M-Instruct.
       dtype: "float32" or "bfloat16"; default float32 on CPU, bfloat16 on accelerators.
+      load_format: "auto" loads the checkpoint's weights; "dummy" (vLLM's name) builds random
+        weights of the right shapes, dtype and shardings on the devices from the model's config
+        (a directory with `config.json` and the tokenizer files is enough): for benchmarks.
       **engine_options: `EngineConfig` fields (page_size, num_pages, kv_cache_memory,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, mesh,
         long_prefill_token_threshold, quantization), `attention_backend` and `linear_backend`.
         `quantization="int8"` (or "fp8") stores the linear weights and the embedding quantized
-        with per-output-channel scales, applied at load (see `jaxinfer.loader.load_model`). `mesh="tensor=4"`
+        with per-output-channel scales, applied at load (see `jaxinfer.loader.load_model`);
+        `kv_cache_dtype="fp8"` stores the paged KV cache as float8_e4m3fn. `mesh="tensor=4"`
         (the same string as `serve.py --mesh`) loads the weights straight onto the mesh, sharded by
         the rules; see README "Serving on a mesh".
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
-                 **engine_options: Any) -> None:
+                 load_format: str = "auto", **engine_options: Any) -> None:
         backend = engine_options.pop("attention_backend", None)
         linear_backend = engine_options.pop("linear_backend", None)
         unknown = set(engine_options) - _ENGINE_OPTIONS
@@ -90,8 +94,10 @@ class LLM:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(_ENGINE_OPTIONS)}")
         quantization = engine_options.pop("quantization", None)
         EngineConfig(quantization=quantization)  # a bad value fails before loading, naming the field
+        check_load_format(load_format)
         mesh = shd.make_mesh(engine_options.get("mesh") or None)  # a bad mesh fails before loading
-        self.model = load_model(model, dtype=dtype, mesh=mesh, quantization=quantization)
+        self.model = load_model(model, dtype=dtype, mesh=mesh, quantization=quantization,
+                                load_format=load_format)
         config = EngineConfig(dtype=self.model.dtype, quantization=self.model.quantization,
                               **engine_options)
         self.engine = LLMEngine(self.model, config, attention_backend=backend,

@@ -15,12 +15,20 @@
    checkpoint restores as it is. On a pipeline mesh the params come back stacked by stage (`jaxinfer.pipeline`):
    orbax restores each layer onto its stage's devices, HF/GGUF tensors are read to the host and
    each device receives only its slices.
+4. `load_format="dummy"` (vLLM's name) reads only the source's config (a `config.json`, or a GGUF
+   file's metadata) and tokenizer (`Tokenizer.placeholder` when the directory has none), and
+   fills the params tree with random weights of the declared shapes and dtype (int8 / fp8 leaves
+   with `quantization=`)
+   (`params.init_on_device`: jitted programs, sharded on the mesh, nothing on the host); the init
+   scale (std 0.02, unit norms) keeps logits finite. For benchmarking any architecture without
+   its weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any
 
@@ -41,13 +49,21 @@ from jaxinfer.models import llama
 from jaxinfer.tokenizer import Tokenizer
 
 GGUF_TOKENIZER_FILE = "gguf_tokenizer.json"  # tokenizer.* metadata of a converted GGUF model
+log = logging.getLogger(__name__)
+LOAD_FORMATS = ("auto", "dummy")  # "auto": the source's weights; "dummy": random weights
+DUMMY_SEED = 0
+
+
+def check_load_format(load_format: str) -> None:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
 
 
 @dataclasses.dataclass
 class LoadedModel:
     name: str
     path: str
-    source: str  # "gguf" | "hf" | "orbax"
+    source: str  # "gguf" | "hf" | "orbax" | "dummy"
     cfg: ModelConfig
     hf_config: dict[str, Any]
     params: Any
@@ -113,6 +129,36 @@ def load_tokenizer(kind: str, handle: Any, path: str) -> Tokenizer:
     return Tokenizer.from_path(path)
 
 
+def source_hf_config(path: str, kind: str, handle: Any) -> dict[str, Any]:
+    """The HF-style config of an opened source."""
+    if kind == "orbax":
+        return load_hf_config(path)
+    return handle.hf_config() if kind == "gguf" else handle.config
+
+
+def load_model_info(model: str | os.PathLike | None = None, *,
+                    load_format: str = "auto") -> LoadedModel:
+    """Config and tokenizer of a model without its weights (`params` None; no device touched):
+    what a serving front end needs while the engine-core process loads the weights."""
+    check_load_format(load_format)
+    path = resolve_model_path(model)
+    name = os.path.basename(os.path.normpath(path))
+    if load_format == "dummy":
+        hf_config, tokenizer = _dummy_source(path)
+        return LoadedModel(name=name, path=path, source="dummy", cfg=ModelConfig.from_hf(hf_config),
+                           hf_config=hf_config, params=None, tokenizer=tokenizer, dtype="")
+    kind, handle = open_source(path)
+    try:
+        hf_config = source_hf_config(path, kind, handle)
+        cfg = ModelConfig.from_hf(hf_config)
+        tokenizer = load_tokenizer(kind, handle, path)
+    finally:
+        if kind == "hf":
+            handle.close()
+    return LoadedModel(name=name, path=path, source=kind, cfg=cfg, hf_config=hf_config,
+                       params=None, tokenizer=tokenizer, dtype="")
+
+
 def _resolve_dtype(dtype: str | None) -> str:
     dtype = dtype or default_dtype()
     if dtype not in params_lib.DTYPES:
@@ -121,24 +167,33 @@ def _resolve_dtype(dtype: str | None) -> str:
 
 
 def load_model(model: str | os.PathLike | None = None, *, dtype: str | None = None,
-               mesh: jax.sharding.Mesh | None = None, quantization: str | None = None) -> LoadedModel:
+               mesh: jax.sharding.Mesh | None = None, quantization: str | None = None,
+               load_format: str = "auto") -> LoadedModel:
     """Loads a GGUF file, a HF dir or an orbax checkpoint dir (None: the embedded default model).
 
     Args:
-      model: the source path, or None for the embedded SmolLM2-135M-Instruct.
+      model: the source path, or None for the embedded SmolLM2-135M-Instruct. With
+        `load_format="dummy"` a directory holding only `config.json` and the tokenizer files is
+        enough.
       dtype: "float32" or "bfloat16"; None is `default_dtype()`.
       mesh: where the params go; None is a one-device mesh.
       quantization: None, "int8" or "fp8": store the linear weights and the embedding quantized
         (weight-only, one scale per output channel), quantized on the host as they are read
         (GGUF blocks requantized without a float32 copy of the tensor). An orbax checkpoint
-        saved quantized loads in its own format when this is None.
+        saved quantized loads in its own format when this is None. With `load_format="dummy"`
+        the random weights are created quantized.
+      load_format: "auto" reads the source's weights; "dummy" creates random weights of the same
+        shapes, dtype and shardings on the devices (step 4 of the module docstring).
 
     Returns:
       The config, params (on `mesh`) and tokenizer.
     """
     quant.check_quantization(quantization)  # a bad value fails before anything is read
+    check_load_format(load_format)
     path = resolve_model_path(model)
     dtype = _resolve_dtype(dtype)
+    if load_format == "dummy":
+        return load_dummy(path, dtype=dtype, mesh=mesh, quantization=quantization)
     kind, handle = open_source(path)
     return load_from_source(path, kind, handle, dtype=dtype, mesh=mesh, quantization=quantization)
 
@@ -154,6 +209,54 @@ def orbax_quantization(path: str) -> str | None:
     return None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", GGUF_TOKENIZER_FILE)
+
+
+def _dummy_source(path: str) -> tuple[dict[str, Any], Tokenizer]:
+    """(HF-style config, tokenizer) of a GGUF file (its metadata only) or a model directory; a
+    directory without tokenizer files gets `Tokenizer.placeholder` (ids render as `<id>`)."""
+    if os.path.isfile(path):
+        kind, handle = open_source(path)  # a file is a GGUF or an error naming it
+        return handle.hf_config(), load_tokenizer(kind, handle, path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"load_format='dummy' needs a config.json in {path!r} (or a GGUF file)")
+    hf_config = load_hf_config(path)
+    if any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return hf_config, load_tokenizer("hf", None, path)
+    log.warning("%r has no tokenizer files: token ids render as '<id>' (load_format='dummy')", path)
+    vocab = ModelConfig.from_hf(hf_config).vocab_size
+    eos = hf_config.get("eos_token_id")
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return hf_config, Tokenizer.placeholder(
+        vocab, bos_token_id=hf_config.get("bos_token_id"),
+        eos_token_ids=[i for i in eos_ids if 0 <= i < vocab],
+        source=f"placeholder vocabulary of {path}")
+
+
+def load_dummy(path: str, *, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None,
+               quantization: str | None = None) -> LoadedModel:
+    """Step 4 of the module docstring: the source's config and tokenizer, random weights (stored
+    quantized when `quantization` is given)."""
+    quant.check_quantization(quantization)
+    dtype = _resolve_dtype(dtype)
+    hf_config, tokenizer = _dummy_source(path)
+    cfg = ModelConfig.from_hf(hf_config)
+    specs = llama.param_specs(cfg, params_lib.DTYPES[dtype], quantization)
+    if mesh is None:
+        mesh = shd.make_mesh(None)
+    rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
+    key = jax.random.PRNGKey(DUMMY_SEED)
+    if dict(mesh.shape).get(shd.PIPELINE, 1) > 1:  # each layer on its stage, then stacked
+        targets = pipeline.canonical_targets(specs, mesh, rules)
+        params = params_lib.init_on_device(specs, key, jax.tree.map(lambda t: t.sharding, targets))
+        params = pipeline.to_stacked(params, specs, mesh, delete_sources=True, rules=rules)
+    else:
+        params = params_lib.init_on_device(specs, key, params_lib.shardings(specs, mesh, rules))
+    name = os.path.basename(os.path.normpath(path))
+    return LoadedModel(name=name, path=path, source="dummy", cfg=cfg, hf_config=hf_config,
+                       params=params, tokenizer=tokenizer, dtype=dtype, quantization=quantization)
+
+
 def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = None,
                      mesh: jax.sharding.Mesh | None = None,
                      quantization: str | None = None) -> LoadedModel:
@@ -161,10 +264,7 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
     quant.check_quantization(quantization)
     dtype = _resolve_dtype(dtype)
     jdtype = params_lib.DTYPES[dtype]
-    if kind == "orbax":
-        hf_config = load_hf_config(path)
-    else:
-        hf_config = handle.hf_config() if kind == "gguf" else handle.config
+    hf_config = source_hf_config(path, kind, handle)
     cfg = ModelConfig.from_hf(hf_config)
     tokenizer = load_tokenizer(kind, handle, path)
     saved = orbax_quantization(path) if kind == "orbax" else None

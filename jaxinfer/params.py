@@ -3,7 +3,8 @@
 1. A model describes every weight with a `ParamSpec` (shape, dtype, logical axis names, init) in a
    pytree whose structure is the params tree itself (dataclasses of specs).
 2. From that one declaration we derive: the abstract tree (`abstract`), the sharding tree for a
-   mesh (`shardings`), random weights for tests (`init_random`), and checkpoint restore targets
+   mesh (`shardings`), random weights (`init_random`; `init_on_device` builds them in one jitted
+   program straight into their shardings: `load_format="dummy"`), and checkpoint restore targets
    (abstract + shardings).
 3. Loaders fill the same tree with arrays (`checked_array` verifies each against its spec).
 """
@@ -69,23 +70,45 @@ def partition_specs(specs: Any, rules: dict | None = None) -> Any:
     return map_specs(lambda s: shd.logical_to_spec(s.logical_axes, rules), specs)
 
 
+def _init_leaf(s: ParamSpec, key: jax.Array) -> jax.Array:
+    if s.init == "ones":
+        return jnp.ones(s.shape, s.dtype)
+    if s.init == "zeros":
+        return jnp.zeros(s.shape, s.dtype)
+    if s.init == "constant":
+        return jnp.full(s.shape, s.scale, s.dtype)
+    x = s.scale * jax.random.normal(key, s.shape, jnp.float32)
+    if jnp.issubdtype(s.dtype, jnp.integer):  # quantized data: the symmetric int8 grid
+        x = jnp.clip(jnp.rint(x), -127, 127)
+    return x.astype(s.dtype)
+
+
 def init_random(specs: Any, key: jax.Array) -> Any:
     """Random weights for tests: each leaf gets its own key folded from its path."""
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
-    out = []
-    for i, s in enumerate(leaves):
-        if s.init == "ones":
-            out.append(jnp.ones(s.shape, s.dtype))
-        elif s.init == "zeros":
-            out.append(jnp.zeros(s.shape, s.dtype))
-        elif s.init == "constant":
-            out.append(jnp.full(s.shape, s.scale, s.dtype))
-        else:
-            k = jax.random.fold_in(key, i)
-            x = s.scale * jax.random.normal(k, s.shape, jnp.float32)
-            if jnp.issubdtype(s.dtype, jnp.integer):  # quantized data: the symmetric int8 grid
-                x = jnp.clip(jnp.rint(x), -127, 127)
-            out.append(x.astype(s.dtype))
+    return jax.tree.unflatten(
+        treedef, [_init_leaf(s, jax.random.fold_in(key, i)) for i, s in enumerate(leaves)])
+
+
+def init_on_device(specs: Any, key: jax.Array, shardings: Any) -> Any:
+    """`init_random`'s values, computed by jitted programs whose outputs land in `shardings` (a tree
+    of `jax.sharding.Sharding` matching `specs`): no weight is materialized on the host, and each
+    device computes only its own shards (JAX's partitionable threefry).
+
+    NOTE: one program per set of devices (a pipeline stage's layers live on its devices only).
+    """
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    targets = treedef.flatten_up_to(shardings)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, sharding in enumerate(targets):
+        groups.setdefault(tuple(sorted(d.id for d in sharding.device_set)), []).append(i)
+    out: list[Any] = [None] * len(leaves)
+    for idx in groups.values():
+        def init(k, idx=tuple(idx)):
+            return [_init_leaf(leaves[i], jax.random.fold_in(k, i)) for i in idx]
+
+        for i, x in zip(idx, jax.jit(init, out_shardings=[targets[i] for i in idx])(key)):
+            out[i] = x
     return jax.tree.unflatten(treedef, out)
 
 

@@ -1,6 +1,7 @@
 """Sampler: one jitted program turns a batch of logits into tokens, whatever mix of per-row params.
 
-Every per-request knob is a row of an array in `SamplingMetadata`, so a single compiled program
+Every per-request knob is a row of an array in `SamplingMetadata` (gathered from the persistent
+`SamplingRows` of a runner's batch), so a single compiled program
 serves any mix of greedy, top-k, top-p, min-p and penalised rows; `lax.cond`s on "does any row need
 this" skip the costly stages for batches that do not. Flow of `sample`:
   1. Penalties (repetition on prompt-or-output tokens, then frequency and presence on output
@@ -12,21 +13,26 @@ this" skip the costly stages for batches that do not. Flow of `sample`:
      `w = exp((x - max) / temperature)` in [0, 1] are zeroed outside top-k. Min-p keeps
      `w >= min_p`, a lower bound the draws below start from (it is relative to the top token, so it
      commutes with top-p's renormalisation).
-  4. Top-p without sorting, by rejection: draw `j` from the weights above a pivot (inverse CDF over
-     block sums, one uniform per round); `j` is in the nucleus iff the mass strictly above `w[j]`
-     is < top_p * (top-k mass). A rejected draw becomes the pivot, so later draws come from
-     strictly likelier tokens, still a superset of the nucleus: the accepted token follows the
-     exact renormalised nucleus distribution. The pass that draws the next candidate also measures
-     the mass above the current one, so each round is one pass over `[S, V]`; rows without top-p
-     accept their first draw. With top_p = 0.9 a first draw is accepted with probability >= 0.9;
-     64-row batches of Zipf-like rows took 3-4 passes in all.
+  4. The draw is an exponential race: token i arrives at E_i / w_i with E_i ~ Exp(1) from a
+     keyed hash of its id, the earliest wins (i.e. Gumbel-max: P(i) = w_i / sum w). Top-p without
+     sorting, by rejection: the first arrival `j` above a pivot is in the nucleus iff the mass
+     strictly above `w[j]` is < top_p * (top-k mass); a rejected `j` becomes the pivot and the race
+     is re-read among strictly likelier tokens (still a superset of the nucleus). The same arrival
+     times serve every round: by memorylessness the later arrivals are fresh exponentials, and the
+     accepted token is exactly the first arrival inside the nucleus, i.e. a draw from the
+     renormalised nucleus. The pass that reads the next candidate also measures the mass above the
+     current one, so each round is one pass over `[S, V]`; rows without top-p accept their first
+     draw. With top_p = 0.9 a first draw is accepted with probability >= 0.9.
   5. Logprobs of the chosen token and the top-`num_logprobs` under the raw model distribution,
      only when some row asks for them.
 
-Randomness: row `s` draws round `r` from `fold_in(fold_in(key(seed[s]), step[s]), r)`, so its token
-depends only on its own logits, parameters, seed and step, never on the rest of the batch.
-NOTE: programs compiled for different batch sizes may sum a row in a different order, so a draw
-landing within float rounding of a boundary between two tokens can differ between them.
+Randomness is batch-invariant: row `s` races on arrival times hashed from its token ids and two
+words of `fold_in(key(seed[s]), position[s])`, where `position` is where the sampled token goes in
+its sequence. Its token depends only on its own logits,
+parameters, seed and position (so a preempted request that recomputes resamples the same tokens).
+Programs compiled for different batch sizes may compute a row's logits with different rounding
+(~1e-5); an argmax of elementwise scores moves on that only at true near-ties (two arrivals that
+close), unlike an inverse CDF over a 49k-entry running sum.
 
 NOTE: on XLA:CPU (jaxlib 0.10.2) sorting a [64, 49152] f32 array takes ~0.8 s, `argmax` ~13 ms and
 a full-row reduction about twice a two-stage one, so nothing here sorts a row and every row max,
@@ -34,8 +40,6 @@ sum, argmax and top-k goes through `BLOCK`-wide vocabulary blocks.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -45,7 +49,7 @@ from jax import lax
 
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 
-BLOCK = 128  # vocabulary block for blocked max / top-k / inverse-CDF
+BLOCK = 128  # vocabulary block for blocked max / top-k / argmax / sums
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
 TOP_K_CANDIDATES = 64  # top_k up to this uses one blocked lax.top_k; larger k bisects
 MAX_ROUNDS = 64  # rejection rounds before a row falls back to its top token (~never)
@@ -64,75 +68,118 @@ class SamplingMetadata:
     frequency_penalty: jax.Array  # f32[S] (0 = off)
     presence_penalty: jax.Array  # f32[S] (0 = off)
     seed: jax.Array  # u32[S, 2] threefry key data (hi, lo) of the row's 64-bit seed
-    step: jax.Array  # i32[S] tokens this request has generated so far
-    suppress_ids: jax.Array  # i32[S, E] ids forbidden this step, -1 padded
+    suppress_ids: jax.Array  # i32[S, E] ids forbidden while position < suppress_until, -1 padded
+    suppress_until: jax.Array  # i32[S] first position at which suppress_ids may be sampled again
     wants_logprobs: jax.Array  # bool[S] the row's request asked for `logprobs`
 
     @staticmethod
     def from_params(
         params: list[SamplingParams],
         seeds: list[int],
-        steps: list[int],
         suppress: list[list[int]],
         pad_to: int,
         *,
+        suppress_until: list[int] | None = None,
         suppress_width: int = SUPPRESS_WIDTH,
     ) -> SamplingMetadata:
-        """Builds the metadata on the host (numpy fields; `jax.device_put` it once per step).
+        """Builds the metadata of `pad_to` rows on the host (numpy fields).
 
         Args:
           params: one `SamplingParams` per sampled row.
           seeds: each row's seed in [0, 2**64) (the caller draws one for requests without a seed).
-          steps: tokens each row's request has generated so far.
-          suppress: ids each row must not sample this step.
+          suppress: ids each row must not sample.
           pad_to: number of rows; rows past `len(params)` are greedy and harmless.
+          suppress_until: per row, the first position at which its `suppress` ids are allowed
+            again (default: never).
           suppress_width: static width E of `suppress_ids`.
-
-        NOTE: a row suppressing more distinct ids than `suppress_width` doubles E until they fit,
-        which compiles one more program; size `suppress_width` for the usual stop lists.
         """
         n = len(params)
-        if not len(seeds) == len(steps) == len(suppress) == n:
+        if not len(seeds) == len(suppress) == n:
             raise ValueError(
-                f"params, seeds, steps and suppress need one entry per row; got "
-                f"{n}, {len(seeds)}, {len(steps)}, {len(suppress)}"
+                f"params, seeds and suppress need one entry per row; got "
+                f"{n}, {len(seeds)}, {len(suppress)}"
             )
         if pad_to < n:
             raise ValueError(f"pad_to={pad_to} is smaller than the number of rows {n}")
-        if any(not 0 <= s < 2**64 for s in seeds):
-            raise ValueError(f"seeds must be integers in [0, 2**64), got {seeds}")
-        if any(i < 0 for ids in suppress for i in ids):
+        until = [np.iinfo(np.int32).max] * n if suppress_until is None else suppress_until
+        rows = SamplingRows(pad_to, suppress_width=suppress_width)
+        for row, (p, seed, ids, u) in enumerate(zip(params, seeds, suppress, until, strict=True)):
+            rows.set(row, p, seed, ids, u)
+        return rows.gather(np.arange(pad_to))
+
+
+class SamplingRows:
+    """Sampling parameters of a persistent batch: host columns with one row per slot, patched in
+    place when a request takes or leaves a slot; `gather(slots)` builds a step's metadata.
+
+    NOTE: row `num_rows` is a spare that always holds the padding defaults (greedy, no penalties);
+    gather it for padding rows. A row suppressing more distinct ids than the width doubles the
+    width of every row, which compiles one more program: size `suppress_width` for the usual stop
+    lists.
+    """
+
+    def __init__(self, num_rows: int, *, suppress_width: int = SUPPRESS_WIDTH) -> None:
+        rows = num_rows + 1
+        self.num_rows = num_rows
+        self.temperature = np.zeros(rows, np.float32)
+        self.top_k = np.zeros(rows, np.int32)
+        self.top_p = np.ones(rows, np.float32)
+        self.min_p = np.zeros(rows, np.float32)
+        self.repetition_penalty = np.ones(rows, np.float32)
+        self.frequency_penalty = np.zeros(rows, np.float32)
+        self.presence_penalty = np.zeros(rows, np.float32)
+        self.seed = np.zeros((rows, 2), np.uint32)
+        self.suppress_ids = np.full((rows, suppress_width), -1, np.int32)
+        self.suppress_until = np.zeros(rows, np.int32)
+        self.wants_logprobs = np.zeros(rows, np.bool_)
+        self.version = 0  # bumped on every change (callers cache gathered metadata by it)
+
+    def set(self, row: int, params: SamplingParams, seed: int, suppress: list[int],
+            suppress_until: int) -> None:
+        """Row `row` now samples with `params` and `seed` (in [0, 2**64)), never choosing an id in
+        `suppress` at a position below `suppress_until`."""
+        if not 0 <= row < self.num_rows:
+            raise ValueError(f"row {row} is outside [0, {self.num_rows})")
+        if not 0 <= seed < 2**64:
+            raise ValueError(f"seeds must be integers in [0, 2**64), got {seed}")
+        ids = sorted(set(suppress))
+        if any(i < 0 for i in ids):
             raise ValueError(f"suppress ids must be non-negative, got {suppress}")
-        suppress = [sorted(set(ids)) for ids in suppress]
-        width = suppress_width
-        while width < max((len(ids) for ids in suppress), default=0):
+        width = self.suppress_ids.shape[1]
+        while width < len(ids):
             width *= 2
+        if width > self.suppress_ids.shape[1]:
+            wide = np.full((self.num_rows + 1, width), -1, np.int32)
+            wide[:, : self.suppress_ids.shape[1]] = self.suppress_ids
+            self.suppress_ids = wide
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.presence_penalty[row] = params.presence_penalty
+        self.seed[row] = (seed >> 32, seed & 0xFFFFFFFF)
+        self.suppress_ids[row] = -1
+        self.suppress_ids[row, : len(ids)] = ids
+        self.suppress_until[row] = suppress_until if ids else 0
+        self.wants_logprobs[row] = params.logprobs is not None
+        self.version += 1
 
-        def column(value: float, dtype: type, get: Callable[[SamplingParams], float]) -> np.ndarray:
-            out = np.full(pad_to, value, dtype)
-            out[:n] = [get(p) for p in params]
-            return out
-
-        seed = np.zeros((pad_to, 2), np.uint32)
-        seed[:n, 0] = [s >> 32 for s in seeds]
-        seed[:n, 1] = [s & 0xFFFFFFFF for s in seeds]
-        step = np.zeros(pad_to, np.int32)
-        step[:n] = steps
-        suppress_ids = np.full((pad_to, width), -1, np.int32)
-        for row, ids in enumerate(suppress):
-            suppress_ids[row, : len(ids)] = ids
+    def gather(self, slots: np.ndarray) -> SamplingMetadata:  # slots: i32[S] rows, spare = padding
+        """The metadata of a step whose sampled row i is persistent row `slots[i]` (numpy fields)."""
         return SamplingMetadata(
-            temperature=column(0.0, np.float32, lambda p: p.temperature),
-            top_k=column(0, np.int32, lambda p: p.top_k),
-            top_p=column(1.0, np.float32, lambda p: p.top_p),
-            min_p=column(0.0, np.float32, lambda p: p.min_p),
-            repetition_penalty=column(1.0, np.float32, lambda p: p.repetition_penalty),
-            frequency_penalty=column(0.0, np.float32, lambda p: p.frequency_penalty),
-            presence_penalty=column(0.0, np.float32, lambda p: p.presence_penalty),
-            seed=seed,
-            step=step,
-            suppress_ids=suppress_ids,
-            wants_logprobs=column(False, np.bool_, lambda p: p.logprobs is not None),
+            temperature=self.temperature[slots],
+            top_k=self.top_k[slots],
+            top_p=self.top_p[slots],
+            min_p=self.min_p[slots],
+            repetition_penalty=self.repetition_penalty[slots],
+            frequency_penalty=self.frequency_penalty[slots],
+            presence_penalty=self.presence_penalty[slots],
+            seed=self.seed[slots],
+            suppress_ids=self.suppress_ids[slots],
+            suppress_until=self.suppress_until[slots],
+            wants_logprobs=self.wants_logprobs[slots],
         )
 
 
@@ -307,34 +354,44 @@ def _top_k_threshold(
         return lax.cond(jnp.any(large), bisect, lambda: threshold)
 
 
-def _first_above(
-    cum: jax.Array,  # f32[S, N] inclusive cumulative mass
-    mass: jax.Array,  # f32[S, N]
-    target: jax.Array,  # f32[S] in [0, cum[:, -1])
+def _mix32(x: jax.Array) -> jax.Array:  # u32[...] -> u32[...], a bijective avalanche hash
+    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _race_times(
+    words: jax.Array,  # u32[S, 2] per-row key words for this round
+    shape: tuple[int, int],  # (S, Vp)
 ) -> jax.Array:
-    """i32[S] first index whose cumulative mass exceeds target; rounding never picks a massless one."""
-    last = jnp.max(jnp.where(mass > 0, lax.iota(jnp.int32, cum.shape[1]), 0), axis=1)
-    return jnp.minimum(jnp.sum(cum <= target[:, None], axis=1), last)
+    """f32[S, Vp] i.i.d. Exp(1) arrival times, a pure function of (row key, token id).
+
+    Each token's uniform is a keyed hash of its id (two rounds of `_mix32` around the row's two
+    threefry words), so a row's times depend on nothing but its key: no batch-shaped random state.
+    """
+    ids = lax.broadcasted_iota(jnp.uint32, shape, 1)
+    bits = _mix32(_mix32(ids ^ words[:, :1]) + words[:, 1:])
+    u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
+    return -jnp.log(u)
 
 
 def _draw(
     w: jax.Array,  # f32[S, Vp] weights, 0 outside the top-k set
     pivot: jax.Array,  # f32[S] draw only among w > pivot
-    u: jax.Array,  # f32[S] uniform in [0, 1)
+    speed: jax.Array,  # f32[S, Vp] w / E: inverse arrival times of the row's race
 ) -> tuple[jax.Array, jax.Array]:
-    """Inverse-CDF draw from w restricted to w > pivot; returns (token i32[S], mass above f32[S])."""
-    blocks = _blocks(w)
-    above = jnp.where(blocks > pivot[:, None, None], blocks, 0.0)
-    block_mass = jnp.sum(above, axis=2)  # f32[S, NB]
-    cum = jnp.cumsum(block_mass, axis=1)
-    total = cum[:, -1]
-    target = u * total
-    block = _first_above(cum, block_mass, target)
-    target = target - jnp.take_along_axis(cum - block_mass, block[:, None], axis=1)[:, 0]
-    mass = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # f32[S, BLOCK]
-    mass = jnp.where(mass > pivot[:, None], mass, 0.0)
-    offset = _first_above(jnp.cumsum(mass, axis=1), mass, target)
-    return block * BLOCK + offset, total
+    """First arrival of the exponential race among w > pivot: token i arrives at E_i / w_i, which
+    picks i with probability w_i / sum(w > pivot). Returns (token i32[S], mass above pivot f32[S]).
+
+    NOTE: the winner is an argmax of elementwise values, so float noise in the logits (~1e-5
+    between programs compiled for different batch shapes) changes it only when two tokens'
+    arrival times are that close; inverse-CDF sampling compares a running sum over the whole
+    vocabulary to the draw and flipped on such noise (issue 14).
+    """
+    eligible = w > pivot[:, None]
+    score = jnp.where(eligible, speed, -1.0)  # f32[S, Vp]
+    token = _argmax(score, _blocks(score).max(axis=2))
+    return token, _row_sum(jnp.where(eligible, w, 0.0))
 
 
 def _sample_rows(
@@ -342,6 +399,7 @@ def _sample_rows(
     block_max: jax.Array,  # f32[S, NB]
     vocab: int,
     meta: SamplingMetadata,
+    positions: jax.Array,  # i32[S] position of the token each row samples (its random counter)
     active: jax.Array,  # bool[S] rows that sample (non-greedy)
     fallback: jax.Array,  # i32[S] token for a row that runs out of rounds (its top token)
 ) -> jax.Array:
@@ -363,16 +421,19 @@ def _sample_rows(
         # Min-p keeps w >= min_p: the draws' first pivot is the largest float below min_p.
         min_p_pivot = jnp.nextafter(jnp.where(active, meta.min_p, 0.0), -1.0)
 
-    keys = jax.vmap(
-        lambda seed, step: jax.random.fold_in(
-            jax.random.wrap_key_data(seed, impl="threefry2x32"), step
-        )
-    )(meta.seed, meta.step)
+    with jax.named_scope("race"):
+        words = jax.vmap(
+            lambda seed, pos: jax.random.bits(
+                jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), pos),
+                (2,),
+                jnp.uint32,
+            )
+        )(meta.seed, positions)  # u32[S, 2]
+        speed = w / _race_times(words, w.shape)  # f32[S, Vp]
 
     def round_(state):
         r, pivot, cand, token, done = state
-        u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, r)))(keys)
-        draw, mass_above = _draw(w, pivot, u)
+        draw, mass_above = _draw(w, pivot, speed)
         # Judge last round's candidate: pivot == w[cand], so mass_above is the mass strictly above it.
         judged = ~done & (r > 0) & (mass_above < top_p_mass)
         token = jnp.where(judged, cand, token)
@@ -403,15 +464,15 @@ def _edit_logits(
     meta: SamplingMetadata,
     prompt_mask: jax.Array,  # bool[S, V]
     output_counts: jax.Array,  # i32[S, V]
+    suppressing: jax.Array,  # bool[S] the row's suppress_ids apply at this position
 ) -> jax.Array:
     """Penalties, then suppressed ids to -inf."""
     s, vocab = logits.shape
     x = apply_penalties(logits, meta, prompt_mask, output_counts)
     with jax.named_scope("suppress"):
         ids = meta.suppress_ids
-        ids = jnp.where(
-            (ids >= 0) & (ids < vocab), ids, vocab
-        )  # padding -> out of range -> dropped
+        # padding and rows not suppressing now -> out of range -> dropped
+        ids = jnp.where((ids >= 0) & (ids < vocab) & suppressing[:, None], ids, vocab)
         return x.at[jnp.arange(s)[:, None], ids].set(-jnp.inf, mode="drop")
 
 
@@ -420,6 +481,7 @@ def sample(
     meta: SamplingMetadata,
     prompt_mask: jax.Array,  # bool[S, V] token appears in the prompt
     output_counts: jax.Array,  # i32[S, V] occurrences in the output so far
+    positions: jax.Array,  # i32[S] position the sampled token takes in its sequence
     *,
     num_logprobs: int = MAX_LOGPROBS,
 ) -> SamplerOutput:
@@ -427,9 +489,11 @@ def sample(
 
     Args:
       logits: raw model logits of each row's last position.
-      meta: per-row parameters (`SamplingMetadata.from_params`).
+      meta: per-row parameters (`SamplingMetadata.from_params` or `SamplingRows.gather`).
       prompt_mask: which tokens the row's prompt contains (repetition penalty).
       output_counts: how often each token occurs in the row's output (all three penalties).
+      positions: where the sampled token goes (= tokens before it): the row's random counter with
+        its seed, and the clock of `suppress_until`.
       num_logprobs: width of the returned top-k logprobs (static).
 
     Returns:
@@ -440,13 +504,16 @@ def sample(
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[1]
+    suppressing = positions < meta.suppress_until
     edits = jnp.any(
         (meta.repetition_penalty != 1.0)
         | (meta.frequency_penalty != 0.0)
         | (meta.presence_penalty != 0.0)
-    ) | jnp.any(meta.suppress_ids >= 0)
+    ) | jnp.any((meta.suppress_ids >= 0) & suppressing[:, None])
     x = lax.cond(
-        edits, lambda: _edit_logits(logits, meta, prompt_mask, output_counts), lambda: logits
+        edits,
+        lambda: _edit_logits(logits, meta, prompt_mask, output_counts, suppressing),
+        lambda: logits,
     )
     x = _pad_vocab(x)
     with jax.named_scope("greedy"):
@@ -457,7 +524,9 @@ def sample(
         jnp.all(greedy),
         lambda: greedy_ids,
         lambda: jnp.where(
-            greedy, greedy_ids, _sample_rows(x, block_max, vocab, meta, ~greedy, greedy_ids)
+            greedy,
+            greedy_ids,
+            _sample_rows(x, block_max, vocab, meta, positions, ~greedy, greedy_ids),
         ),
     )
     token_ids = jnp.minimum(token_ids, vocab - 1)  # NaN logits must not yield an id past the vocab

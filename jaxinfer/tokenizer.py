@@ -455,6 +455,28 @@ class Tokenizer:
             chat_template=metadata.get("tokenizer.chat_template"),
         )
 
+    @classmethod
+    def placeholder(
+        cls,
+        vocab_size: int,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        source: str = "placeholder vocabulary",
+    ) -> Tokenizer:
+        """A vocabulary of `vocab_size` pieces `<0>`, `<1>`, ... (whitespace-separated; unknown
+        words encode to id 0): for models built from a config alone (`load_format="dummy"`
+        without tokenizer files), which are fed token ids and whose text is only a rendering.
+        """
+        if vocab_size < 1:
+            raise TokenizerError(f"{source}: vocab_size must be >= 1, got {vocab_size}")
+        tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+            {f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        return cls(_TokenizersBackend(tok, source), bos_token_id=bos_token_id,
+                   eos_token_ids=eos_token_ids, pad_token_id=None, unk_token_id=0,
+                   add_bos_token=False, add_eos_token=False, chat_template=None)
+
     @property
     def special_token_ids(self) -> frozenset[int]:
         """Ids `decode(..., skip_special_tokens=True)` drops."""
@@ -570,8 +592,15 @@ class Tokenizer:
 
     def detokenizer(
         self, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
-    ) -> IncrementalDetokenizer:
-        """A streaming decoder for the ids generated after `prompt_ids`."""
+    ) -> IncrementalDetokenizer | StreamDetokenizer:
+        """A streaming decoder for the ids generated after `prompt_ids` (`add` / `flush`).
+
+        `tokenizers` vocabularies (tokenizer.json, GGUF BPE) stream through the library's
+        `DecodeStream` (one incremental decode per token); SentencePiece ones re-decode a
+        sliding window of ids.
+        """
+        if isinstance(self._backend, _TokenizersBackend):
+            return StreamDetokenizer(self, prompt_ids, skip_special_tokens=skip_special_tokens)
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens=skip_special_tokens)
 
     def _check_ids(self, ids: Sequence[int]) -> list[int]:
@@ -631,6 +660,44 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)
         self._released_text = self._decode(self._ids)
         return delta
+
+
+class StreamDetokenizer:
+    """`IncrementalDetokenizer`'s contract over `tokenizers.decoders.DecodeStream`.
+
+    The stream starts from the last few prompt ids (so a first word keeps its leading space);
+    ids that do not complete a character yet are remembered, so `flush` can release them as
+    U+FFFD when the request ends.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._tok = tokenizer._backend.tok
+        self._skip = skip_special_tokens
+        context = tokenizer._check_ids(list(prompt_ids)[-_DETOKENIZER_PROMPT_CONTEXT:])
+        self._stream = decoders.DecodeStream(context, skip_special_tokens=skip_special_tokens)
+        self._held: list[int] = []  # ids fed since the last text came out
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated id; return the text it completes (often "", never half a character)."""
+        (tid,) = self._tokenizer._check_ids([token_id])
+        text = self._stream.step(self._tok, tid)
+        if text is None:
+            self._held.append(tid)
+            return ""
+        self._held.clear()
+        return text
+
+    def flush(self) -> str:
+        """Return whatever is still held back (incomplete bytes come out as U+FFFD)."""
+        held, self._held = self._held, []
+        return self._tok.decode(held, skip_special_tokens=self._skip) if held else ""
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -3,6 +3,7 @@
     python scripts/bench_generate.py [--model PATH] [--prompt-len 128] [--decode-tokens 64] [--runs 5]
                                      [--linear-backend cpu,xla] [--scheduling async,sync]
                                      [--quantization none,int8] [--llama-cpp BUILD_DIR]
+                                     [--load-format dummy]
 
 1. jaxinfer: an `LLM` with one sequence slot (one per `--quantization`, `--linear-backend` and
    `--scheduling`, their requests taking turns); a warm-up request compiles the programs first.
@@ -19,6 +20,8 @@
 4. The weight-read roofline of this machine, measured in the same run: a jitted XLA reduction
    streams a buffer twice the size of the weights (so no cache holds it) and the decode roofline is
    that read bandwidth divided by the weights' bytes (every decode step reads every weight once).
+`--load-format dummy` benchmarks any architecture from its `config.json` (+ tokenizer) with random
+weights made on the device; the HF and llama.cpp peers are skipped then (they lack those weights).
 Prints a table (tokens/s) and one JSON line for BENCHMARKS.md.
 """
 
@@ -42,11 +45,19 @@ from jaxinfer import LLM, SamplingParams
 def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str]]):
     """One engine per (quantization, linear backend, scheduling); their runs interleave, so a slow
     phase of a noisy machine hits every configuration alike."""
-    llms = [LLM(args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.decode_tokens + 16,
+    max_len = args.prompt_len + args.decode_tokens + 16
+    # NOTE: pages for the one sequence slot, not most of the device's memory (the default): the
+    # read-bandwidth probe allocates its own buffer afterwards. No prefix caching: every run
+    # repeats the prompt, which would otherwise be served from the cache after run 0.
+    llms = [LLM(args.model, dtype=args.dtype, load_format=args.load_format,
+                max_model_len=max_len, page_size=16, num_pages=-(-max_len // 16) + 2,
+                enable_prefix_caching=False,
                 max_num_seqs=1, max_num_batched_tokens=max(args.prompt_len, 16),
                 linear_backend=backend, async_scheduling=scheduling == "async",
                 quantization=None if quant == "none" else quant)
             for quant, backend, scheduling in configs]
+    vocab = llms[0].model.cfg.vocab_size
+    prompt_ids = [t % vocab for t in prompt_ids]  # any architecture (--load-format dummy)
     sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
     times = [([], []) for _ in configs]  # (prefill, decode) seconds per run
     for run in range(args.runs + 1):  # run 0 compiles
@@ -138,6 +149,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="'dummy': random weights from --model's config.json (no peers)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=5)
@@ -161,10 +174,18 @@ def main() -> None:
                                              for b in args.linear_backend.split(",")
                                              for m in args.scheduling.split(",")])
     ours = runs[0]
-    hf = None if args.no_hf or (args.model and not args.model.endswith(".gguf")) else bench_hf(args, prompt_ids, path)
-    lcpp = bench_llama_cpp(args.llama_cpp, path, args) if args.llama_cpp and path.endswith(".gguf") else None
+    dummy = args.load_format == "dummy"
+    if dummy and not args.no_hf:
+        print("hf-transformers and llama.cpp peers skipped: --load-format dummy has no weights for them")
+    hf = None if dummy or args.no_hf or (args.model and not args.model.endswith(".gguf")) else bench_hf(args, prompt_ids, path)
+    lcpp = (bench_llama_cpp(args.llama_cpp, path, args)
+            if args.llama_cpp and path.endswith(".gguf") and not dummy else None)
     nbytes = ours[2]
-    bandwidth = read_bandwidth(2 * nbytes)
+    # twice the weights outruns every cache; on an accelerator 4 GiB does too (tens of MB of L2)
+    import jax
+
+    probe = 2 * nbytes if jax.default_backend() == "cpu" else min(2 * nbytes, 4 << 30)
+    bandwidth = read_bandwidth(probe)
     roofline = bandwidth / nbytes
     print(f"{'':34s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'weight MB':>10s}")
     for r in runs:
@@ -176,6 +197,7 @@ def main() -> None:
     print(f"{'roofline':34s} {'':14s} {roofline:13.1f}  ({nbytes / 1e6:.0f} MB of weights "
           f"at the measured {bandwidth / 1e9:.1f} GB/s read bandwidth)")
     print(json.dumps({"bench": "generate", "machine": platform.machine(), "cpus": os.cpu_count(),
+                      "load_format": args.load_format,
                       "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
                       "runs": args.runs,
                       "jaxinfer": {r[3]: {"prefill_tok_s": round(r[0], 1), "decode_tok_s": round(r[1], 1),

@@ -1,6 +1,7 @@
 """Offline throughput: N requests submitted at once, ShareGPT-like lengths, HF static batching as peer.
 
     python scripts/bench_offline.py [--num-requests 256] [--max-num-seqs 64] [--hf-requests 64]
+                                    [--model PATH] [--load-format dummy]
 
 1. Lengths: prompt and output lengths drawn from log-normal distributions shaped like ShareGPT
    conversations (fixed seed), clipped to the context; prompts are random token ids and every
@@ -11,6 +12,8 @@
    the first `--hf-requests` requests (greedy, `min_new_tokens = max_new_tokens` = the batch's
    longest output, which is what static batching costs); output tok/s counts only the tokens each
    request asked for.
+`--load-format dummy`: random weights made on the device from `--model`'s config.json (+ tokenizer),
+any architecture without its checkpoint; the HF peer is skipped then.
 Prints a table and one JSON line for BENCHMARKS.md.
 """
 
@@ -108,6 +111,8 @@ def run_hf(model_path, workload, prompts, batch):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="'dummy': random weights from --model's config.json (no HF peer)")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--hf-requests", type=int, default=64, help="requests given to HF (0 = skip)")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -121,7 +126,7 @@ def main() -> None:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="jaxinfer waits for each step's tokens before scheduling the next")
     args = p.parse_args()
-    model = load_model(args.model)
+    model = load_model(args.model, load_format=args.load_format)
     workload = sharegpt_like(args.num_requests, args.seed, args.max_model_len)
     if args.prompt_len or args.output_len:
         workload = [(args.prompt_len or p, args.output_len or o) for p, o in workload]

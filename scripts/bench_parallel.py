@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--meshes", default=DEFAULT_MESHES, help="';'-separated mesh strings")
     p.add_argument("--model", default=None, help="a checkpoint path (default: random tiny Llama)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="'dummy': random weights from --model's config.json, made on the devices")
     p.add_argument("--moe", action="store_true", help="random Mixtral-style model (8 experts, top-2)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
@@ -64,7 +66,7 @@ def build_model(args: argparse.Namespace):
     if args.model:
         from jaxinfer.loader import load_model
 
-        model = load_model(args.model, dtype=args.dtype)
+        model = load_model(args.model, dtype=args.dtype, load_format=args.load_format)
         return model.cfg, model.params
     hf = dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden,
               intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
@@ -124,7 +126,7 @@ def bench_mesh(cfg, params, spec: str, args: argparse.Namespace) -> dict:
                 req = Request(f"r{r}-{j}", prompt, sp)
                 pages = list(range(1 + j * pages_per_seq, 1 + (j + 1) * pages_per_seq))
                 scheduled.append(ScheduledRequest(req, prompt[start:start + tokens_each], start,
-                                                  pages, True, r))
+                                                  pages, True, r, is_new=True, page_table=pages))
         return runner.prepare(SchedulerOutput(scheduled, len(scheduled) * tokens_each, [], []))
 
     prefill = inputs(1, args.prefill_len, 0)

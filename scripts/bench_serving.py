@@ -3,6 +3,7 @@
     python scripts/bench_serving.py --port 50051 --num-requests 200 --request-rate 4
     python scripts/bench_serving.py --spawn --num-requests 64 --request-rate inf
     python scripts/bench_serving.py --spawn --spawn-args="--fake-runner" --num-requests 512
+    python scripts/bench_serving.py --spawn --model cfg_dir --load-format dummy  # random weights
 
 In the spirit of vLLM's `benchmark_serving.py` and JetStream's `benchmark_serving.py`:
 1. Workload: `bench_offline.sharegpt_like` prompt/output lengths (fixed seed, clipped to the
@@ -15,8 +16,10 @@ In the spirit of vLLM's `benchmark_serving.py` and JetStream's `benchmark_servin
    first, each token of a multi-token message getting its share), TPOT ((e2e - TTFT) / (output
    - 1) per request) and end-to-end latency as mean / p50 / p99, and goodput: requests/s that met
    the SLO (TTFT <= --slo-ttft and TPOT <= --slo-tpot).
-4. `--spawn` starts `scripts/serve.py` (port 0, plus `--spawn-args`) as a subprocess, waits for
-   health SERVING, runs the benchmark, then stops it with SIGTERM.
+4. `--spawn` starts `scripts/serve.py` (port 0, plus `--model`, `--load-format` and
+   `--spawn-args`) as a subprocess, waits for health SERVING, runs the benchmark, then stops it
+   with SIGTERM. `--load-format dummy` serves random weights made on the device from `--model`'s
+   config.json (+ tokenizer): any architecture without its checkpoint.
 Prints a table and one JSON line for BENCHMARKS.md.
 """
 
@@ -164,6 +167,9 @@ def main() -> None:
     p.add_argument("--spawn", action="store_true", help="start scripts/serve.py for this run")
     p.add_argument("--spawn-args", default="",
                    help="extra serve.py flags for --spawn (write --spawn-args=\"--flag ...\")")
+    p.add_argument("--model", default=None, help="serve.py --model for --spawn")
+    p.add_argument("--load-format", default=None, choices=("auto", "dummy"),
+                   help="serve.py --load-format for --spawn ('dummy': random weights)")
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrival rate in requests/s (inf: all at once)")
@@ -178,8 +184,13 @@ def main() -> None:
 
     proc = None
     address = f"{args.host}:{args.port}"
+    spawn_args = " ".join([*(["--model", shlex.quote(args.model)] if args.model else []),
+                           *(["--load-format", args.load_format] if args.load_format else []),
+                           args.spawn_args])
+    if not args.spawn and (args.model or args.load_format):
+        p.error("--model and --load-format configure the server that --spawn starts")
     if args.spawn:
-        proc, address = spawn_server(args.spawn_args, timeout=600)
+        proc, address = spawn_server(spawn_args, timeout=600)
     try:
         with GenerateClient(address) as client:
             client.wait_ready(timeout=900)

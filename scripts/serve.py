@@ -4,11 +4,15 @@
     python scripts/serve.py --model path/to/model.gguf --port 50051 --metrics-port 8000
     python scripts/serve.py --trace-dir /tmp/trace --trace-steps 20   # profile 20 busy steps
     python scripts/serve.py --profile-port 9999              # live capture from TensorBoard
+    python scripts/serve.py --model cfg_dir --load-format dummy  # random weights from config.json
 
-1. Parse the mesh (`--mesh tensor=8` style, over every device), load the weights onto it and
-   build the engine (`EngineConfig` from the flags).
-2. Start the server: health NOT_SERVING while the engine thread compiles every program, then
-   SERVING; print a start-up summary and one load line per second while busy.
+1. The front end (this process) reads the model's config and tokenizer (no weights, no device)
+   and spawns the engine-core process (`jaxinfer.engine.core_client`), which parses the mesh
+   (`--mesh tensor=8` style, over every device), loads the weights onto it, builds the engine
+   (`EngineConfig` from the flags) and compiles every program. `--engine-in-process` keeps the
+   core on a thread of this process instead.
+2. Start the server: health NOT_SERVING until the core says ready, then SERVING; print a
+   start-up summary and one load line per second while busy.
 3. SIGTERM / SIGINT: health NOT_SERVING, new requests UNAVAILABLE, in-flight streams finish
    within `--grace-period`, then exit 0 (a second signal aborts what is left at once).
 4. Multi-host (`--coordinator-address host:port --num-processes N --process-id i`, one process
@@ -22,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
-import os
 import re
 import sys
 import time
@@ -33,6 +35,7 @@ import _path  # noqa: F401
 
 logger = logging.getLogger("serve")
 
+LOAD_FORMATS = ("auto", "dummy")  # jaxinfer.loader.LOAD_FORMATS (not imported: no JAX before startup)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
@@ -56,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: float32 on CPU, bfloat16 on accelerators")
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="'auto': the checkpoint's weights; 'dummy': random weights of the right "
+                        "shapes, made on the devices from --model's config.json (or GGUF metadata) "
+                        "and tokenizer, for benchmarking without the weights")
     p.add_argument("--quantization", choices=["int8", "fp8"], default=None,
                    help="weight-only quantization of the linear weights and the embedding (one "
                         "scale per output channel), applied at load")
@@ -83,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--attention-backend", default=None,
                    choices=("auto", "reference", "cpu", "gpu", "tpu"),
                    help="'auto': the platform's kernel (compiled C++ on CPU, Pallas on GPU/TPU); "
-                        "default: 'auto' on CPU, 'reference' on GPU/TPU")
+                        "default: 'auto' on CPU and GPU, 'reference' on TPU")
     e.add_argument("--linear-backend", default=None, choices=("auto", "xla", "cpu"),
                    help="dense products: 'cpu' runs steps of <= 8 float32 token rows through the "
                         "compiled CPU kernel (decode), 'xla' always uses XLA's dot; "
@@ -97,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve at once and compile programs on first use")
     s.add_argument("--log-interval", type=float, default=1.0,
                    help="seconds between load log lines while busy")
+    s.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine core on a thread of the server process (default: a process "
+                        "of its own, so the gRPC front end never shares the GIL with the step loop; "
+                        "multi-host serving always runs it in process)")
     s.add_argument("--fake-runner", action="store_true",
                    help="no model compute: tokens are a function of prompt and position "
                         "(tests, and measuring the server's own overhead)")
@@ -124,63 +135,51 @@ def _mesh(spec: str):
     return sharding.make_mesh(spec or None), sizes
 
 
-def build_engine(args: argparse.Namespace):
-    """Loads the model (or only its tokenizer, with --fake-runner) and builds the engine."""
-    import jax
+def engine_args(args: argparse.Namespace):
+    """The flags that shape the engine, as the data the engine-core process is built from."""
+    from serving.launch import EngineArgs
 
-    from jaxinfer.config import EngineConfig
-    from jaxinfer.engine.engine import LLMEngine
-
-    mesh, sizes = _mesh(args.mesh)
-    max_model_len = args.max_model_len
-    if max_model_len is None and jax.default_backend() == "cpu":
-        max_model_len = 2048
     options = dict(page_size=args.page_size, num_pages=args.num_pages,
                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    enable_prefix_caching=not args.no_prefix_caching,
                    async_scheduling=not args.no_async_scheduling,
-                   long_prefill_token_threshold=args.long_prefill_token_threshold)
-    if args.fake_runner:
-        from jaxinfer.loader import load_tokenizer, open_source, resolve_model_path
-        from serving.testing import FakeRunner, fake_engine
-
-        path = resolve_model_path(args.model)
-        kind, handle = open_source(path)
-        tokenizer = load_tokenizer(kind, handle, path)
-        options["num_pages"] = options["num_pages"] or 4097
-        runner = FakeRunner(step_delay=args.fake_step_delay)
-        return fake_engine(tokenizer, runner, name=f"fake:{os.path.basename(path)}",
-                           max_model_len=max_model_len or 2048, **options), sizes
-    from jaxinfer.loader import load_model
-
-    model = load_model(args.model, dtype=args.dtype, mesh=mesh, quantization=args.quantization)
-    config = EngineConfig(dtype=model.dtype, max_model_len=max_model_len, mesh=args.mesh,
-                          quantization=model.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                          **options)
-    if args.max_model_len is None and max_model_len:  # our CPU default, not the user's: cap it
-        config = dataclasses.replace(
-            config, max_model_len=min(max_model_len, model.cfg.max_position_embeddings))
-    return LLMEngine(model, config, attention_backend=args.attention_backend,
-                     linear_backend=args.linear_backend), sizes
+                   long_prefill_token_threshold=args.long_prefill_token_threshold,
+                   kv_cache_dtype=args.kv_cache_dtype)
+    return EngineArgs(model=args.model, dtype=args.dtype, mesh=args.mesh,
+                      max_model_len=args.max_model_len, options=options,
+                      attention_backend=args.attention_backend, linear_backend=args.linear_backend,
+                      fake_runner=args.fake_runner, fake_step_delay=args.fake_step_delay,
+                      load_format=args.load_format, quantization=args.quantization)
 
 
-def summary(server, engine, args, load_s: float, ready_s: float) -> str:
-    import jax
+def loop_options(args: argparse.Namespace):
+    from jaxinfer.engine.core_client import LoopOptions
 
+    return LoopOptions(warmup=not args.no_warmup, trace_dir=args.trace_dir,
+                       trace_steps=args.trace_steps if args.trace_dir else 0,
+                       profile_port=args.profile_port)
+
+
+def summary(server, args, load_s: float, ready_s: float) -> str:
     info = server.model_info
-    cfg = engine.cfg
+    core = server.engine_loop.info
+    cfg = server.model.cfg
     cap = info.capacity
-    devices = jax.devices()
     mesh = ",".join(f"{k}={v}" for k, v in sorted(info.mesh_shape.items())) or "-"
+    where = ("engine core in this process" if args.engine_in_process or args.num_processes > 1
+             else "engine core in its own process")
     lines = [
-        f"jaxinfer server ready in {ready_s:.1f}s (load {load_s:.1f}s, warmup "
-        f"{ready_s - load_s:.1f}s, {server.engine_loop.compiled_programs} programs)",
+        f"jaxinfer server ready in {ready_s:.1f}s (front end {load_s:.1f}s, engine load + warmup "
+        f"{ready_s - load_s:.1f}s, {server.engine_loop.compiled_programs} programs; {where})",
         f"  model     {info.name} ({info.architecture}, {cfg.num_params() / 1e6:.1f}M params, "
-        f"{info.dtype}{', FAKE RUNNER' if args.fake_runner else ''})",
-        f"  devices   {devices[0].platform} x{len(devices)} ({devices[0].device_kind}); mesh {mesh}; "
+        f"{info.dtype}{f', {args.quantization} weights' if args.quantization else ''}"
+        f"{', FAKE RUNNER' if args.fake_runner else ''}"
+        f"{', DUMMY WEIGHTS' if args.load_format == 'dummy' and not args.fake_runner else ''})",
+        f"  devices   {core.get('devices', '?')}; mesh {mesh}; "
         f"attention {info.attention_backend}; linear {info.linear_backend}",
-        f"  kv cache  {cap.num_pages} pages x {info.page_size} tokens = {cap.max_tokens} tokens; "
+        f"  kv cache  {cap.num_pages} pages x {info.page_size} tokens = {cap.max_tokens} tokens"
+        f"{' (fp8)' if args.kv_cache_dtype == 'fp8' else ''}; "
         f"max_model_len {info.max_model_len}",
         f"  batching  max_num_seqs {cap.max_num_seqs}, max_num_batched_tokens "
         f"{cap.max_num_batched_tokens}, max_queue {cap.max_queue}",
@@ -195,8 +194,8 @@ def summary(server, engine, args, load_s: float, ready_s: float) -> str:
 
 
 # Flags that shape the engine: in multi-host mode every process uses process 0's values.
-ENGINE_FLAGS = ("model", "dtype", "page_size", "max_num_seqs", "max_num_batched_tokens",
-                "max_model_len", "kv_cache_memory", "num_pages", "no_prefix_caching", "mesh",
+ENGINE_FLAGS = ("model", "dtype", "load_format", "quantization", "kv_cache_dtype", "page_size",
+                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "num_pages", "no_prefix_caching", "mesh",
                 "attention_backend", "linear_backend", "no_warmup", "long_prefill_token_threshold",
                 "no_async_scheduling")
 
@@ -214,7 +213,7 @@ def start_multihost(args: argparse.Namespace):
     flags = None
     if multihost.is_leader():
         if args.num_pages is None and args.kv_cache_memory is None:
-            from jaxinfer.engine.engine import default_kv_cache_memory
+            from jaxinfer.engine.core import default_kv_cache_memory
 
             # NOTE: free memory differs per host; the KV cache must not, so process 0 decides.
             args.kv_cache_memory = default_kv_cache_memory()
@@ -232,54 +231,67 @@ def start_multihost(args: argparse.Namespace):
     return channel
 
 
-def engine_identity(engine) -> tuple[str, tuple]:
+def engine_identity(core) -> tuple[str, tuple]:
     """What must be equal on every process for them to compile the same programs."""
     return ("the engine (model config, engine config, token buckets)",
-            (engine.cfg, engine.config, engine.runner.token_buckets))
+            (core.cfg, core.config, core.runner.token_buckets))
 
 
 def follow(args: argparse.Namespace, channel) -> int:
     """Processes other than 0: build the same engine, run what process 0 sends, exit 0."""
     from jaxinfer.engine import multihost
+    from serving.launch import build_core
 
-    engine, _ = build_engine(args)
-    multihost.check_same_everywhere(*engine_identity(engine))
+    core = build_core(engine_args(args))
+    multihost.check_same_everywhere(*engine_identity(core))
     logger.info("process %d follows process 0", args.process_id)
-    steps = multihost.follow(engine.runner, channel)
+    steps = multihost.follow(core.runner, channel)
     logger.info("process %d: process 0 shut down after %d steps; exiting", args.process_id, steps)
     return 0
 
 
 async def serve(args: argparse.Namespace, channel=None) -> int:
-    t0 = time.perf_counter()
-    engine, mesh_shape = await asyncio.to_thread(build_engine, args)
-    load_s = time.perf_counter() - t0
-    if channel is not None:
-        from jaxinfer.engine import multihost
+    """Process 0: the gRPC front end; the engine core in its own process (default) or, with
+    --engine-in-process and on multi-host, on a thread of this one."""
+    from jaxinfer.engine.core_client import CoreSpec, ProcessCoreClient, ThreadCoreClient
+    from serving.launch import build_core, frontend_model
 
-        await asyncio.to_thread(multihost.check_same_everywhere, *engine_identity(engine))
-        multihost.attach_leader(engine.runner, channel)
+    t0 = time.perf_counter()
+    eargs = engine_args(args)
+    model = await asyncio.to_thread(frontend_model, eargs)
+    if channel is None and not args.engine_in_process:
+        client = ProcessCoreClient(CoreSpec(build_core, {"args": eargs}, loop_options(args)))
+    else:
+        core = await asyncio.to_thread(build_core, eargs)
+        if channel is not None:
+            from jaxinfer.engine import multihost
+
+            await asyncio.to_thread(multihost.check_same_everywhere, *engine_identity(core))
+            multihost.attach_leader(core.runner, channel)
+        client = ThreadCoreClient(core, loop_options(args))
+    load_s = time.perf_counter() - t0
     try:
-        return await _serve(args, engine, mesh_shape, t0, load_s)
+        return await _serve(args, model, client, t0, load_s)
     finally:
         if channel is not None:
             channel.shutdown()  # the engine thread has stopped: no step can interleave
 
 
-async def _serve(args: argparse.Namespace, engine, mesh_shape, t0: float, load_s: float) -> int:
+async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: float) -> int:
     from serving.server import GenerateServer
 
-    if args.profile_port is not None:
-        import jax
-
-        jax.profiler.start_server(args.profile_port)
     server = GenerateServer(
-        engine, host=args.host, port=args.port,
+        model=model, core=client, max_num_seqs=args.max_num_seqs, host=args.host, port=args.port,
         metrics_port=None if args.no_metrics else args.metrics_port, max_queue=args.max_queue,
-        warmup=not args.no_warmup, grace_period=args.grace_period, trace_dir=args.trace_dir,
-        trace_steps=args.trace_steps if args.trace_dir else 0, mesh_shape=mesh_shape,
-        log_interval=args.log_interval)
-    await server.start()
+        grace_period=args.grace_period, log_interval=args.log_interval)
+    try:
+        await server.start()
+    except RuntimeError as e:
+        why = str(e)
+        if "failed to start: " in why:  # the engine's arguments: a usage error
+            print(f"error: {why.split('failed to start: ', 1)[1]}", file=sys.stderr)
+            return 2
+        raise
     server.install_signal_handlers()
     ready = asyncio.create_task(server.wait_ready())
     stopped = asyncio.create_task(server.wait_for_termination())
@@ -291,7 +303,7 @@ async def _serve(args: argparse.Namespace, engine, mesh_shape, t0: float, load_s
         await server.shutdown(0)
         return 1
     else:
-        logger.info("%s", summary(server, engine, args, load_s, time.perf_counter() - t0))
+        logger.info("%s", summary(server, args, load_s, time.perf_counter() - t0))
     await stopped
     return 0
 

@@ -1,30 +1,30 @@
-"""`EngineLoop`: one thread stepping `LLMEngine`, fanning deltas out to per-request asyncio queues.
+"""`EngineLoop`: the serving front end's half of the engine: requests out to the engine core,
+token outputs back in, detokenized and fanned out to per-request asyncio queues.
 
-1. `start(loop)` starts the engine thread. Its first job is `runner.warmup()` (every program
-   compiled) when asked; then `on_ready` is called on the event loop.
-2. The thread steps the engine while it has work and sleeps on an event otherwise; `submit` and
-   `cancel` (called on the event loop) set the event. Every request submitted before a step
-   starts joins that step's batch, so concurrent streams share engine steps.
-3. After each step the thread stamps the time, updates the load gauges, and hands the whole
-   step's deltas to the event loop in one `loop.call_soon_threadsafe`. There `_dispatch` puts
-   each delta on its request's `asyncio.Queue`, records token timings, and retires the request
-   when all its samples have finished.
+The engine core (scheduler + runner + device) runs in a process of its own
+(`ProcessCoreClient`, what `scripts/serve.py` uses) or on a thread of this one
+(`ThreadCoreClient`: multi-host leaders, tests); this module does not care which.
+
+1. `start(loop)` starts the core. It loads the model ("loaded": capacity and limits), compiles
+   every program (when asked) and says "ready"; the front end then admits requests (`on_ready`).
+2. `submit` (event loop) splits a request into its samples, opens their detokenizers and stop
+   matchers (`OutputProcessor`) and sends them to the core in one message.
+3. Each "step" message of the core (one per engine step) is handled on the event loop: its token
+   outputs become text deltas, stop strings found in the text finish their samples in the core,
+   each delta goes on its request's `asyncio.Queue`, token timings and load gauges are recorded,
+   and a request is retired when all its samples have finished.
 4. Admission is bounded: at most `max_num_seqs + max_queue` sequences (a request counts `n`) are
    in flight; beyond that `submit` raises `QueueFull` (RESOURCE_EXHAUSTED).
-5. `cancel` aborts the request in the engine; the next step frees its pages (the thread is woken
-   for it even when otherwise idle).
+5. `cancel` aborts the request in the core; its next step frees the pages.
 
-Failures. An exception raised by one request's handling on the event loop (building its
-responses) fails that request alone with INTERNAL and aborts it in the engine. An exception
-raised by `engine.step()` loses that step's deltas for every request it scheduled (their token
-streams would now have a gap), so exactly those requests fail with INTERNAL and are aborted;
-requests that were waiting carry on. The engine does its detokenization inside `step()`, so a
-detokenization error is such a step failure. After `max_step_failures` consecutive failing
-steps the engine is declared broken (a donated KV cache lost on the device, say): every request
-fails and the server stops serving.
+Failures. An exception raised by one request's handling here fails that request alone with
+INTERNAL and aborts it in the core. A step that raises in the core loses the requests it
+scheduled: exactly those fail with INTERNAL (the core aborts them); the rest carry on. When the
+core is broken (warmup failed, too many consecutive failing steps, its process died) every
+request fails and the server stops serving.
 
-NOTE: all request bookkeeping (`_streams`, `_in_flight`) lives on the event loop thread; the
-engine thread touches only the engine, the metrics, and `call_soon_threadsafe`.
+NOTE: all request bookkeeping lives on the event loop thread; core messages arrive on a receiver
+thread and are posted to the loop with `call_soon_threadsafe`.
 NOTE: engine request ids are the server's own ("r17"), never the client's, which need not be
 unique; with n > 1 the engine names samples "r17#i", hence no "#" in our ids.
 """
@@ -36,15 +36,18 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from jaxinfer.engine.engine import LLMEngine, RequestDelta
+from jaxinfer.engine.core import EngineLimits
+from jaxinfer.engine.core_client import Message, request_to_wire, wire_outputs
+from jaxinfer.engine.engine import split_samples
+from jaxinfer.engine.output import OutputProcessor, RequestDelta
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.tokenizer import Tokenizer
 from serving.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ class Stream:
     n: int
     arrival: float
     queue: asyncio.Queue
+    children: list[str] = dataclasses.field(default_factory=list)
     remaining: int = 0
     cancelled: bool = False
     first: dict[int, float] = dataclasses.field(default_factory=dict)  # sample -> first token time
@@ -79,64 +83,57 @@ class Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, *, max_queue: int = 256,
-                 warmup: bool = True, trace_dir: str | None = None, trace_steps: int = 0,
-                 max_step_failures: int = 3) -> None:
+    """Front end of one engine core (see the module docstring).
+
+    Args:
+      client: a `ProcessCoreClient` or `ThreadCoreClient` (not started).
+      tokenizer: detokenizes outputs (None: token ids only, text stays empty).
+      max_num_seqs: the core's batch size (admission bound with `max_queue`).
+    """
+
+    def __init__(self, client: Any, tokenizer: Tokenizer | None, metrics: ServerMetrics, *,
+                 max_num_seqs: int, max_queue: int = 256) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-        self.engine, self.metrics = engine, metrics
+        self.client, self.metrics = client, metrics
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
         self.max_queue = max_queue
-        self.max_in_flight = engine.config.max_num_seqs + max_queue
-        self.warmup = warmup
-        self.trace_dir, self.trace_steps = trace_dir, trace_steps
-        self.max_step_failures = max_step_failures
+        self.max_in_flight = max_num_seqs + max_queue
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_ready: Callable[[int], None] | None = None
         self.on_broken: Callable[[str], None] | None = None
-        self.running = False  # warmed up and stepping
+        self.running = False  # warmed up and serving
         self.broken: str | None = None
+        self.info: dict[str, Any] = {}  # the core's "ready" facts
+        self.limits: EngineLimits | None = None
         self.compiled_programs = 0
+        self.outputs = OutputProcessor(tokenizer)
         self._streams: dict[str, Stream] = {}
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._ids = itertools.count()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._scheduled: list[str] = []
-        self._generated = 0  # tokens generated (engine thread), for the throughput window
-        self._snapshot = {"running": 0, "waiting": 0, "pages_used": 0}
-        self._trace_state = "pending" if trace_dir and trace_steps > 0 else "off"
-        self._traced = 0
-        self._wrap_schedule()
-
-    def _wrap_schedule(self) -> None:
-        """Records which requests each step scheduled, to know whom a failing step hurts."""
-        scheduler = self.engine.scheduler
-        original = scheduler.schedule
-
-        def schedule() -> Any:
-            out = original()
-            self._scheduled = [s.request.request_id for s in out.scheduled]
-            return out
-
-        scheduler.schedule = schedule
+        self._generated = 0  # tokens generated, for the throughput window
+        self._stats: dict[str, int] = {"running": 0, "waiting": 0, "pages_used": 0}
+        self._stopped = False
+        self._loaded = asyncio.Event()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self._thread.start()
+        self.client.start(self._from_core)
 
     @property
     def in_flight(self) -> int:
         return self._in_flight
 
     def snapshot(self) -> dict[str, int]:
-        return {**self._snapshot, "in_flight": self._in_flight, "generated": self._generated}
+        return {"running": self._stats.get("running", 0), "waiting": self._stats.get("waiting", 0),
+                "pages_used": self._stats.get("pages_used", 0), "in_flight": self._in_flight,
+                "generated": self._generated}
 
     def submit(self, ids: list[int], sampling: SamplingParams, priority: int) -> Stream:
-        """Admits a request (event loop thread); raises QueueFull, EngineUnavailable, ValueError."""
+        """Admits a request (event loop thread); raises QueueFull, EngineUnavailable."""
         if self.broken is not None:
             raise EngineUnavailable(f"the engine failed: {self.broken}")
         if not self.running:
@@ -148,28 +145,29 @@ class EngineLoop:
             raise QueueFull(f"the server is full ({self._in_flight} sequences in flight, at most "
                             f"{self.max_in_flight}); retry later")
         engine_id = f"r{next(self._ids)}"
+        core_reqs, specs = split_samples(engine_id, ids, sampling, eos_token_ids=self.eos_token_ids,
+                                         priority=priority)
         stream = Stream(engine_id, sampling.n, time.perf_counter(), asyncio.Queue(),
-                         remaining=sampling.n)
-        self.engine.add_request(ids, sampling, request_id=engine_id, priority=priority)
+                        children=[r.request_id for r in core_reqs], remaining=sampling.n)
+        self.outputs.add(engine_id, specs)
+        self.client.send(["add", [request_to_wire(r) for r in core_reqs]])
         self._streams[engine_id] = stream
         self._in_flight += sampling.n
         self._idle.clear()
         self.metrics.in_flight.set(self._in_flight)
-        self._wake.set()
         return stream
 
     def cancel(self, stream: Stream) -> None:
         """The client went away (cancelled, deadline): abort it; the next step frees its pages."""
         if stream.engine_id in self._streams and not stream.cancelled:
             stream.cancelled = True
-            self.engine.abort(stream.engine_id)
-            self._wake.set()
+            self._send(["abort", stream.children])
 
     def abort_all(self) -> None:
         """Server-side abort of every request (shutdown): they finish with ABORTED."""
-        for engine_id in list(self._streams):
-            self.engine.abort(engine_id)
-        self._wake.set()
+        ids = [c for s in self._streams.values() for c in s.children]
+        if ids:
+            self._send(["abort", ids])
 
     async def wait_idle(self, timeout: float | None) -> bool:
         try:
@@ -177,6 +175,92 @@ class EngineLoop:
             return True
         except asyncio.TimeoutError:
             return False
+
+    def fail_request(self, stream: Stream, message: str) -> None:
+        """One request's own processing raised: INTERNAL for it, everyone else carries on."""
+        self._fail([stream.engine_id], grpc.StatusCode.INTERNAL, message)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops the core (call off the event loop: it joins a thread or a process)."""
+        self._stopped = True
+        self.client.stop(timeout)
+
+    def _send(self, msg: Message) -> None:
+        if self.broken is None and not self._stopped:
+            self.client.send(msg)
+
+    def _from_core(self, msg: Message) -> None:
+        """Called on the receiver (or core) thread: hand the message to the event loop."""
+        now = time.perf_counter()
+        if self.loop is not None and not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self.loop.call_soon_threadsafe(self._on_message, msg, now)
+
+    def _on_message(self, msg: Message, now: float) -> None:
+        kind = msg[0]
+        if kind == "step":
+            self._on_step(msg, now)
+        elif kind == "ready":
+            self._on_ready(msg[1])
+        elif kind == "loaded":
+            self._on_loaded(msg[1])
+        elif kind == "broken":
+            self._on_broken(msg[1])
+        else:
+            logger.error("unknown message from the engine core: %r", kind)
+
+    async def wait_loaded(self) -> None:
+        """Waits until the core has its model on the devices (raises RuntimeError if it failed)."""
+        await self._loaded.wait()
+        if self.broken is not None:
+            raise RuntimeError(f"the engine did not start: {self.broken}")
+
+    def _on_loaded(self, info: dict[str, Any]) -> None:
+        self.info = info
+        self.limits = EngineLimits(**info["limits"])
+        self.metrics.pages_total.set(info["capacity"]["num_pages"])
+        self._loaded.set()
+
+    def _on_ready(self, info: dict[str, Any]) -> None:
+        self.info = info
+        self.limits = EngineLimits(**info["limits"])
+        self.compiled_programs = int(info.get("compiled_programs", 0))
+        logger.info("engine core ready: %d programs compiled", self.compiled_programs)
+        self.metrics.compiled_programs.set(self.compiled_programs)
+        self.metrics.pages_total.set(info["capacity"]["num_pages"])
+        self.running = True
+        if self.on_ready is not None:
+            self.on_ready(self.compiled_programs)
+
+    def _on_broken(self, why: str) -> None:
+        if self.broken is not None:
+            return
+        logger.error("engine broken: %s; failing every request", why)
+        self.broken, self.running = why, False
+        self._loaded.set()
+        self._fail(list(self._streams), grpc.StatusCode.INTERNAL, f"the engine failed: {why}")
+        if self.on_broken is not None:
+            self.on_broken(why)
+
+    def _on_step(self, msg: Message, now: float) -> None:
+        outputs, lost, error, stats = wire_outputs(msg), msg[2], msg[3], msg[4]
+        self._stats = stats
+        m = self.metrics
+        m.running.set(stats["running"])
+        m.waiting.set(stats["waiting"])
+        m.pages_used.set(stats["pages_used"])
+        m.compiled_programs.set(stats.get("compiled_programs", self.compiled_programs))
+        if "step_s" in stats:
+            m.step_time.observe(stats["step_s"])
+        if lost:
+            if error and error.startswith("engine step failed"):
+                m.step_failures.inc()
+            self._fail(self.outputs.parents_of(lost), grpc.StatusCode.INTERNAL,
+                       error or "the engine lost this request")
+        deltas, stopped = self.outputs.process(outputs)
+        if stopped:
+            self._send(["finish", [[cid, stop] for cid, stop in stopped]])
+        self._dispatch(deltas, now)
 
     def _retire(self, stream: Stream) -> None:
         if self._streams.pop(stream.engine_id, None) is not None:
@@ -186,6 +270,7 @@ class EngineLoop:
                 self._idle.set()
 
     def _fail(self, engine_ids: list[str], code: grpc.StatusCode, message: str) -> None:
+        aborts = []
         for engine_id in engine_ids:
             stream = self._streams.get(engine_id)
             if stream is None:
@@ -193,13 +278,10 @@ class EngineLoop:
             stream.queue.put_nowait(Failure(code, message))
             for _ in range(stream.remaining):
                 self.metrics.requests.labels("error").inc()
-            self.engine.abort(engine_id)
+            aborts += self.outputs.drop(engine_id)
             self._retire(stream)
-        self._wake.set()
-
-    def fail_request(self, stream: Stream, message: str) -> None:
-        """One request's own processing raised: INTERNAL for it, everyone else carries on."""
-        self._fail([stream.engine_id], grpc.StatusCode.INTERNAL, message)
+        if aborts:
+            self._send(["abort", aborts])
 
     def _dispatch(self, deltas: list[RequestDelta], now: float) -> None:
         for d in deltas:
@@ -220,6 +302,7 @@ class EngineLoop:
     def _record(self, stream: Stream, d: RequestDelta, now: float) -> None:
         m, i = self.metrics, d.index
         if d.new_token_ids:
+            self._generated += len(d.new_token_ids)
             m.generation_tokens.inc(len(d.new_token_ids))
             if i not in stream.first:
                 stream.first[i] = now
@@ -235,125 +318,3 @@ class EngineLoop:
             usage = d.usage
             m.observe_finish(reason or "abort", usage.prompt_tokens if usage else 0,
                              usage.cached_prompt_tokens if usage else 0)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        if self._trace_state == "on":
-            self._stop_trace()
-
-    def _post(self, fn: Callable[..., None], *args: Any) -> None:
-        if self.loop is not None and not self.loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                self.loop.call_soon_threadsafe(fn, *args)
-
-    def _run(self) -> None:
-        try:
-            if self.warmup:
-                start = time.perf_counter()
-                self.compiled_programs = int(self.engine.runner.warmup())
-                logger.info("warmup: %d programs compiled in %.1fs", self.compiled_programs,
-                            time.perf_counter() - start)
-            else:
-                self.compiled_programs = int(getattr(self.engine.runner, "num_compiled", 0))
-        except Exception as e:  # noqa: BLE001
-            logger.exception("warmup failed")
-            self.broken = f"warmup failed: {type(e).__name__}: {e}"
-            if self.on_broken is not None:
-                self._post(self.on_broken, self.broken)
-            return
-        self.metrics.compiled_programs.set(self.compiled_programs)
-        self.metrics.pages_total.set(self.engine.allocator.num_usable_pages)
-        self.running = True
-        if self.on_ready is not None:
-            self._post(self.on_ready, self.compiled_programs)
-        failures = 0
-        while not self._stop.is_set():
-            self._wake.clear()
-            if not self.engine.has_unfinished():
-                self._wake.wait(1.0)
-                continue
-            ok, progressed = self._step()
-            failures = 0 if ok else failures + 1
-            if failures >= self.max_step_failures:
-                self.broken = f"{failures} consecutive engine steps failed"
-                logger.error("engine broken: %s; failing every request", self.broken)
-                self.running = False
-                self._post(self._fail_all, self.broken)
-                if self.on_broken is not None:
-                    self._post(self.on_broken, self.broken)
-                return
-            if not progressed:
-                # Nothing scheduled and nothing emitted (e.g. only aborts of finished requests
-                # were queued): back off instead of spinning.
-                self._wake.wait(0.05)
-
-    def _fail_all(self, why: str) -> None:
-        self._fail(list(self._streams), grpc.StatusCode.INTERNAL, f"the engine failed: {why}")
-
-    def _step(self) -> tuple[bool, bool]:
-        """One engine step; returns (succeeded, made progress)."""
-        if self._trace_state == "pending":
-            self._start_trace()
-        self._scheduled = []
-        start = time.perf_counter()
-        try:
-            deltas = self.engine.step()
-        except Exception as e:  # noqa: BLE001
-            self.metrics.step_failures.inc()
-            # NOTE: with async scheduling a failed step can also lose the one launched before it.
-            lost = self.engine.failed_request_ids or self._scheduled
-            victims = sorted({rid.split("#", 1)[0] for rid in lost})
-            logger.exception("engine step failed; failing the %d requests it scheduled: %s",
-                             len(victims), victims)
-            for rid in victims:
-                self.engine.abort(rid)
-            self._post(self._fail, victims, grpc.StatusCode.INTERNAL,
-                       f"engine step failed: {type(e).__name__}: {e}")
-            return False, True
-        now = time.perf_counter()
-        self.metrics.step_time.observe(now - start)
-        self._generated += sum(len(d.new_token_ids) for d in deltas)
-        sched, alloc = self.engine.scheduler, self.engine.allocator
-        used = alloc.num_usable_pages - alloc.num_free_pages
-        self._snapshot = {"running": sched.num_running, "waiting": sched.num_waiting,
-                          "pages_used": used}
-        self.metrics.running.set(sched.num_running)
-        self.metrics.waiting.set(sched.num_waiting)
-        self.metrics.pages_used.set(used)
-        # Without warmup, programs compile on first use: keep the gauge current.
-        self.metrics.compiled_programs.set(
-            getattr(self.engine.runner, "num_compiled", self.compiled_programs))
-        if self._trace_state == "on" and self._scheduled:
-            self._traced += 1
-            if self._traced >= self.trace_steps:
-                self._stop_trace()
-        if deltas:
-            self._post(self._dispatch, deltas, now)
-        return True, bool(deltas or self._scheduled)
-
-    def _start_trace(self) -> None:
-        import jax
-
-        try:
-            jax.profiler.start_trace(self.trace_dir)
-        except Exception:  # noqa: BLE001 - a profiler problem must not take the server down
-            logger.exception("could not start a profiler trace in %s", self.trace_dir)
-            self._trace_state = "off"
-            return
-        self._trace_state = "on"
-        logger.info("tracing the next %d engine steps into %s", self.trace_steps, self.trace_dir)
-
-    def _stop_trace(self) -> None:
-        import jax
-
-        self._trace_state = "done"
-        try:
-            jax.profiler.stop_trace()
-        except Exception:  # noqa: BLE001
-            logger.exception("could not stop the profiler trace")
-            return
-        logger.info("profiler trace of %d steps written to %s (open with: tensorboard --logdir %s)",
-                    self._traced, self.trace_dir, self.trace_dir)

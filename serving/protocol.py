@@ -23,7 +23,9 @@ from typing import Any
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 
-from jaxinfer.engine.engine import RequestDelta
+from jaxinfer.engine.core import EngineLimits
+from jaxinfer.engine.core import check_prompt as core_check_prompt
+from jaxinfer.engine.output import RequestDelta
 from jaxinfer.engine.runner import TokenLogprobs
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
@@ -153,24 +155,12 @@ def encode_input(tokenizer: Tokenizer, req: Any, *, add_special_tokens: bool = T
         raise InvalidArgument(f"messages: {e}") from None
 
 
-def check_prompt(ids: Sequence[int], field: str, sp: SamplingParams, *, vocab_size: int,
-                 max_model_len: int, page_size: int, num_pages: int) -> None:
-    """Prompt-level checks the engine also does, here with the proto field named."""
-    if not ids:
-        raise InvalidArgument(f"{field} is empty (no tokens)")
-    for i, t in enumerate(ids):
-        if not 0 <= t < vocab_size:
-            raise InvalidArgument(f"{field}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
-    if len(ids) + sp.max_tokens > max_model_len:
-        raise InvalidArgument(
-            f"sampling.max_tokens: prompt of {len(ids)} tokens + max_tokens={sp.max_tokens} exceeds "
-            f"max_model_len={max_model_len}")
-    # The last sampled token is never computed: at most len + max_tokens - 1 tokens hold K/V.
-    pages = -(-(len(ids) + sp.max_tokens - 1) // page_size)
-    if pages > num_pages:
-        raise InvalidArgument(
-            f"sampling.max_tokens: prompt of {len(ids)} tokens + max_tokens={sp.max_tokens} needs "
-            f"{pages} KV-cache pages, the cache has {num_pages}")
+def check_prompt(ids: Sequence[int], field: str, sp: SamplingParams, limits: EngineLimits) -> None:
+    """The engine's prompt checks (`jaxinfer.engine.core.check_prompt`) with the proto field named."""
+    try:
+        core_check_prompt(ids, sp, limits, field=field, max_tokens_field="sampling.max_tokens")
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
 
 
 def prompt_field(req: pb.GenerateRequest) -> str:

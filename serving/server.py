@@ -1,19 +1,21 @@
-"""`GenerateServer`: the `jaxinfer.v1.GenerateService` gRPC server (grpc.aio) over one `LLMEngine`.
+"""`GenerateServer`: the `jaxinfer.v1.GenerateService` gRPC server (grpc.aio), the front end of
+one engine core (in its own process, or on a thread of this one).
 
-A thin translation layer (see `engine_loop.py` for the engine thread and `protocol.py` for the
-proto <-> engine mapping):
+A thin translation layer (see `engine_loop.py` for the front end's half of the engine and
+`protocol.py` for the proto <-> engine mapping):
 
 1. `start()` binds the port with health NOT_SERVING, starts serving health checks, reflection,
-   `Tokenize` and `GetModelInfo` at once, and starts the engine thread, which compiles every
-   program (`runner.warmup()`); then health turns SERVING and `Generate` is admitted.
+   `Tokenize` and `GetModelInfo` at once, and starts the engine core, which compiles every
+   program; when it says ready, health turns SERVING and `Generate` is admitted.
 2. `Generate` parses the raw request bytes, validates them, tokenizes off the event loop, submits
-   to the engine loop and streams one `GenerateResponse` per delta from the request's queue.
+   to the engine loop and streams the request's deltas from its queue: one `GenerateResponse`
+   per step, or one for every delta waiting when the client reads slower than the engine steps.
    `GenerateOnce` folds the same deltas into one message.
 3. Client cancellation or an expired deadline cancels the handler; its `finally` aborts the
    request in the engine, which frees its pages at the next step.
 4. `shutdown(grace)` (SIGTERM / SIGINT in `scripts/serve.py`): health NOT_SERVING, new requests
    UNAVAILABLE, in-flight streams finish for up to `grace` seconds; whatever is left is aborted
-   (streams end with finish_reason ABORTED), then the server and the engine thread stop.
+   (streams end with finish_reason ABORTED), then the server and the engine core stop.
 
 Status codes: INVALID_ARGUMENT (message names the field), RESOURCE_EXHAUSTED (queue full),
 UNAVAILABLE (warming up, shutting down, engine broken), INTERNAL (this request failed; others
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -32,10 +35,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-import jax
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jaxinfer.engine.core_client import LoopOptions, ThreadCoreClient
 from jaxinfer.engine.engine import LLMEngine
 from serving import protocol
 from serving.engine_loop import EngineLoop, EngineUnavailable, Failure, QueueFull, Stream
@@ -50,41 +53,45 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def _mesh_shape(params: Any) -> dict[str, int]:
-    for leaf in jax.tree.leaves(params):
-        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
-        if mesh is not None:
-            return {str(k): int(v) for k, v in mesh.shape.items()}
-    return {}
-
-
 class GenerateServer:
     """The gRPC front end of one engine.
 
     Args:
-      engine: the engine; its runner is warmed up on the engine thread when `warmup`.
+      engine: an in-process engine; its core then runs on a thread of this process (warmed up
+        there when `warmup`). Or, instead:
+      model, core, max_num_seqs: the served model's name/config/tokenizer (no params needed), a
+        not yet started core client (`ProcessCoreClient`: the core in its own process), and the
+        core's batch size.
       host, port: where to listen (`port=0` picks a free port; `start()` returns it).
       metrics_port: Prometheus `/metrics` HTTP port (0: a free one; None: no metrics server).
       max_queue: sequences admitted beyond `max_num_seqs` before RESOURCE_EXHAUSTED.
       grace_period: seconds `shutdown()` lets in-flight streams finish.
-      trace_dir, trace_steps: write a JAX profiler trace of the first `trace_steps` busy steps.
-      mesh_shape: reported by GetModelInfo (with the runner's resolved attention backend).
+      trace_dir, trace_steps: (with `engine`) a JAX profiler trace of the first busy steps.
       log_interval: seconds between load log lines (only while there is load).
     """
 
-    def __init__(self, engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, engine: LLMEngine | None = None, *, model: Any = None, core: Any = None,
+                 max_num_seqs: int | None = None, host: str = "127.0.0.1", port: int = 0,
                  metrics_port: int | None = None, max_queue: int = 256, warmup: bool = True,
                  grace_period: float = 30.0, trace_dir: str | None = None, trace_steps: int = 0,
-                 mesh_shape: dict[str, int] | None = None,
                  log_interval: float = 1.0) -> None:
-        self.engine, self.tokenizer = engine, engine.tokenizer
+        if engine is not None:  # the core on a thread of this process
+            model, max_num_seqs = engine.model, engine.config.max_num_seqs
+            core = ThreadCoreClient(engine.core, LoopOptions(
+                warmup=warmup, trace_dir=trace_dir, trace_steps=trace_steps))
+        if model is None or core is None or max_num_seqs is None:
+            raise ValueError("GenerateServer needs an engine, or model + core + max_num_seqs")
+        self.engine, self.model, self.tokenizer = engine, model, model.tokenizer
         self.host, self.port, self.metrics_port = host, port, metrics_port
         self.grace_period, self.log_interval = grace_period, log_interval
+        self.max_queue = max_queue
         self.metrics = ServerMetrics()
-        self.engine_loop = EngineLoop(engine, self.metrics, max_queue=max_queue, warmup=warmup,
-                                      trace_dir=trace_dir, trace_steps=trace_steps)
-        self.vocab_size = min(engine.cfg.vocab_size, self.tokenizer.vocab_size)
-        self.model_info = self._model_info(mesh_shape, max_queue)
+        self.engine_loop = EngineLoop(core, self.tokenizer, self.metrics, max_num_seqs=max_num_seqs,
+                                      max_queue=max_queue)
+        self.vocab_size = model.cfg.vocab_size
+        if self.tokenizer is not None:
+            self.vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
+        self.model_info = self._model_info()
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -94,35 +101,49 @@ class GenerateServer:
         self._stopped: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
 
-    def _model_info(self, mesh_shape: dict[str, int] | None, max_queue: int) -> pb.ModelInfo:
-        e, cfg = self.engine, self.engine.cfg
+    def _model_info(self) -> pb.ModelInfo:
+        """What GetModelInfo answers; the engine's numbers are filled in once the core is ready."""
+        cfg, info = self.model.cfg, self.engine_loop.info
         arch = cfg.model_type
-        archs = (e.model.hf_config or {}).get("architectures") or []
+        archs = (self.model.hf_config or {}).get("architectures") or []
         if archs:
             arch = f"{arch} ({archs[0]})"
-        cap = e.capacity()
-        return pb.ModelInfo(
-            name=e.model.name, architecture=arch, dtype=e.config.dtype,
-            max_model_len=e.max_model_len, vocab_size=cfg.vocab_size,
-            mesh_shape=mesh_shape if mesh_shape is not None else _mesh_shape(e.model.params),
-            page_size=e.config.page_size,
-            capacity=pb.Capacity(num_pages=cap["num_pages"], max_tokens=cap["max_tokens"],
-                                 max_num_seqs=e.config.max_num_seqs,
-                                 max_num_batched_tokens=e.config.max_num_batched_tokens,
-                                 max_queue=max_queue),
-            eos_token_ids=list(self.tokenizer.eos_token_ids),
-            has_chat_template=self.tokenizer.chat_template is not None,
-            attention_backend=e.runner.attention_backend,
-            linear_backend=e.runner.linear_backend)
+        msg = pb.ModelInfo(
+            name=self.model.name, architecture=arch, vocab_size=cfg.vocab_size,
+            eos_token_ids=list(self.tokenizer.eos_token_ids) if self.tokenizer else [],
+            has_chat_template=bool(self.tokenizer and self.tokenizer.chat_template is not None))
+        if info:
+            cap = info["capacity"]
+            msg.dtype = info["dtype"]
+            msg.max_model_len = cap["max_model_len"]
+            msg.mesh_shape.update(info["mesh_shape"])
+            msg.page_size = info["page_size"]
+            msg.capacity.CopyFrom(pb.Capacity(
+                num_pages=cap["num_pages"], max_tokens=cap["max_tokens"],
+                max_num_seqs=info["max_num_seqs"],
+                max_num_batched_tokens=info["max_num_batched_tokens"], max_queue=self.max_queue))
+            msg.attention_backend = info["attention_backend"]
+            msg.linear_backend = info["linear_backend"]
+        return msg
 
     @property
     def ready(self) -> bool:
         return self.engine_loop.running and not self._draining
 
     async def start(self) -> int:
-        """Listens and starts the engine thread (warmup runs there); returns the bound port."""
+        """Starts the engine core, and once its model is loaded listens (health NOT_SERVING until
+        its warmup is done); returns the bound port. Raises RuntimeError if the core fails to
+        start."""
         self._loop = asyncio.get_running_loop()
         self._ready, self._stopped = asyncio.Event(), asyncio.Event()
+        self.engine_loop.on_ready = self._on_ready
+        self.engine_loop.on_broken = self._on_broken
+        self.engine_loop.start(self._loop)
+        try:
+            await self.engine_loop.wait_loaded()  # a model that cannot load: no port is bound
+        except RuntimeError:
+            await asyncio.to_thread(self.engine_loop.stop)
+            raise
         # NOTE: SO_REUSEPORT off, so a second server on a busy port fails instead of sharing it.
         # NOTE: gRPC itself bounds concurrent RPCs (RESOURCE_EXHAUSTED beyond), so requests still
         # being parsed and tokenized cannot pile up either; the slack covers health checks,
@@ -141,9 +162,6 @@ class GenerateServer:
         self._server = server
         if self.metrics_port is not None:
             self.metrics_port = self.metrics.start_http(self.metrics_port)
-        self.engine_loop.on_ready = self._on_ready
-        self.engine_loop.on_broken = self._on_broken
-        self.engine_loop.start(self._loop)
         self._tasks.append(self._loop.create_task(self._log_load()))
         logger.info("gRPC %s listening on %s:%d%s", SERVICE_NAME, self.host, self.port,
                     f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "")
@@ -151,6 +169,7 @@ class GenerateServer:
 
     def _on_ready(self, programs: int) -> None:
         assert self._loop is not None and self._ready is not None
+        self.model_info = self._model_info()
         self.metrics.ready.set(1)
 
         async def serving() -> None:
@@ -278,10 +297,11 @@ class GenerateServer:
                 raise protocol.InvalidArgument(
                     f"sampling.n must be 1 for GenerateOnce (got {sp.n}); stream with Generate")
             ids = await asyncio.to_thread(protocol.encode_input, self.tokenizer, req)
-            protocol.check_prompt(ids, protocol.prompt_field(req), sp, vocab_size=self.vocab_size,
-                                  max_model_len=self.engine.max_model_len,
-                                  page_size=self.engine.config.page_size,
-                                  num_pages=self.engine.allocator.num_usable_pages)
+            limits = self.engine_loop.limits
+            if limits is None:
+                raise EngineUnavailable("the engine is not running")
+            limits = dataclasses.replace(limits, vocab_size=min(limits.vocab_size, self.vocab_size))
+            protocol.check_prompt(ids, protocol.prompt_field(req), sp, limits)
             if self._draining:
                 raise EngineUnavailable("the server is shutting down")
             return req, self.engine_loop.submit(ids, sp, req.priority)
@@ -306,6 +326,12 @@ class GenerateServer:
                 item = await stream.queue.get()
                 if isinstance(item, Failure):
                     await context.abort(item.code, item.message)
+                # A client behind the engine gets the deltas waiting for it in one message.
+                while not item.finished and not stream.queue.empty():
+                    nxt = stream.queue._queue[0]  # noqa: SLF001 - peek: a Failure is not merged
+                    if isinstance(nxt, Failure) or nxt.index != item.index:
+                        break
+                    item.merge(stream.queue.get_nowait())
                 try:
                     msg = protocol.response(item, req.request_id)
                 except Exception as e:  # noqa: BLE001 - this request fails, the others go on
@@ -352,9 +378,9 @@ class GenerateServer:
     async def _log_load(self) -> None:
         """One line per `log_interval` while there is load; keeps the throughput gauge current."""
         window: collections.deque[tuple[float, int]] = collections.deque(maxlen=6)
-        usable = self.engine.allocator.num_usable_pages
         while True:
             await asyncio.sleep(self.log_interval)
+            usable = self.engine_loop.info.get("capacity", {}).get("num_pages", 0)
             snap = self.engine_loop.snapshot()
             now = time.perf_counter()
             window.append((now, snap["generated"]))

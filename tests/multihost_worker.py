@@ -92,8 +92,9 @@ def main() -> int:
     steps: list[list[int]] = []
 
     def record(prepared, results) -> None:
-        rows = [row for row, _, _ in prepared.places]  # each scheduled request's result row
-        steps.append(np.asarray(results[0].token_ids)[rows].tolist())
+        seq_rows = prepared.inputs["extras"].seq_rows  # padding rows hold the spare row
+        rows = np.flatnonzero(seq_rows < engine.runner.max_num_seqs)  # the scheduled requests' rows
+        steps.append(np.asarray(results[0])[rows].tolist())
 
     if multihost.is_leader():
         runner = multihost.attach_leader(engine.runner, channel)

@@ -42,9 +42,12 @@ def test_step_updates_cache_in_place(num_tokens, num_seqs, pages_per_seq):
     assert _cache_copies(num_tokens, num_seqs, pages_per_seq) == 0
 
 
-@pytest.mark.parametrize("t_bucket,all_logits", [(1, False), (8, False), (8, True)])
-def test_runner_step_updates_donated_state_in_place(t_bucket, all_logits):
-    """The whole runner program (forward + penalty bookkeeping + sampler) copies no big buffer."""
+@pytest.mark.parametrize("t_bucket,all_logits,page_bucket",
+                         [(1, False, None), (8, False, None), (8, True, None), (1, False, 2),
+                          (8, False, 4)])
+def test_runner_step_updates_donated_state_in_place(t_bucket, all_logits, page_bucket):
+    """The whole runner program (forward + penalty bookkeeping + sampler) copies no big buffer,
+    also with page tables narrower than max_model_len (page buckets)."""
     from jaxinfer.engine.runner import ModelRunner
     from jaxinfer.params import init_random
 
@@ -52,7 +55,7 @@ def test_runner_step_updates_donated_state_in_place(t_bucket, all_logits):
     params = init_random(llama.param_specs(cfg), jax.random.PRNGKey(0))
     runner = ModelRunner(cfg, params, page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_model_len=256,
                          max_num_seqs=8, max_num_batched_tokens=8)
-    hlo = runner.lower(t_bucket, all_logits).compile().as_text()
+    hlo = runner.lower(t_bucket, all_logits, page_bucket).compile().as_text()
     entry = hlo[hlo.find("ENTRY"):]
     big = [f"[{NUM_PAGES},{PAGE_SIZE},", f"[9,{cfg.vocab_size}]"]  # KV cache, penalty rows
     copies = [line for line in entry.splitlines() if " copy(" in line and any(b in line for b in big)]

@@ -104,7 +104,8 @@ def first_new(tokens: list[int], at_least: int) -> int:
 def test_no_compilation_after_warmup(engine, vocab_size) -> None:
     rng = np.random.default_rng(1)
     n_programs = engine.runner.warmup()
-    assert n_programs == 2 * len(engine.runner.token_buckets)  # with and without prompt logprobs
+    # with and without prompt logprobs, per token bucket and page bucket
+    assert n_programs == 2 * len(engine.runner.token_buckets) * len(engine.runner.page_buckets)
     before = engine.runner.compiled_program_count()
 
     compiles: list[str] = []

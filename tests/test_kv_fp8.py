@@ -109,7 +109,7 @@ def test_engine_fp8_capacity_log_and_tokens(backend, caplog):
 
     model = eu.tiny_model(eu.load_vocab())
     budget = 64 * 1024
-    with caplog.at_level(logging.INFO, logger="jaxinfer.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="jaxinfer.engine.core"):
         fp8 = _engine(model, "fp8", backend, kv_cache_memory=budget, max_num_seqs=64)
     f32 = _engine(model, "auto", backend, kv_cache_memory=budget, max_num_seqs=64)
     cfg = model.cfg

@@ -359,7 +359,8 @@ def test_data_parallel_scheduler_spreads_requests_and_keeps_pages_per_replica():
     assert {s.request.request_id: s.replica for s in out.scheduled} == {
         "r0": 0, "r1": 1, "r2": 1, "r3": 0}
     for s in out.scheduled:  # page ids come from the request's own replica pool
-        assert all(allocs[s.replica].refcount(p) > 0 for p in s.page_ids)
+        assert s.is_new and list(s.new_page_ids) == s.request.page_ids
+        assert all(allocs[s.replica].refcount(p) > 0 for p in s.new_page_ids)
 
     for _ in range(20):  # run to completion
         if not sched.has_unfinished():

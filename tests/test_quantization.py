@@ -373,3 +373,41 @@ def test_quantized_engine_greedy_tokens_match_float():
     assert quantization.quantization_of(engine.runner.params) == "int8"
     agree = sum(a[:3] == b[:3] for a, b in zip(got, want))
     assert agree == len(prompts), (got, want)
+
+
+def test_serve_flags_reach_the_core_and_dummy_weights_quantize(tmp_path):
+    """`serve.py --quantization int8 --kv-cache-dtype fp8` travels in `EngineArgs` (plain data,
+    picklable for the engine-core process) and builds a core with int8 leaves and an fp8 cache;
+    `load_format="dummy"` creates the int8 leaves directly (random grid values, positive scales)."""
+    import importlib
+    import json
+    import pickle
+    import sys
+
+    from pallas_kernels.ragged_paged_attention.reference import Fp8KVCache
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict("smollm2")))
+    sys.path.insert(0, "scripts")
+    try:
+        serve = importlib.import_module("serve")
+    finally:
+        sys.path.remove("scripts")
+    args = serve.build_parser().parse_args(
+        ["--model", str(tmp_path), "--load-format", "dummy", "--quantization", "int8",
+         "--kv-cache-dtype", "fp8", "--page-size", "4", "--num-pages", "16", "--max-model-len",
+         "32", "--max-num-seqs", "2", "--max-num-batched-tokens", "8"])
+    assert {"quantization", "kv_cache_dtype"} <= set(serve.ENGINE_FLAGS)
+    from serving.launch import build_core
+
+    eargs = pickle.loads(pickle.dumps(serve.engine_args(args)))
+    core = build_core(eargs)
+    assert core.config.quantization == "int8" and core.config.kv_cache_dtype == "fp8"
+    assert core.info()["quantization"] == "int8" and core.info()["kv_cache_dtype"] == "fp8"
+    assert quantization.quantization_of(core.runner.params) == "int8"
+    assert all(isinstance(c, Fp8KVCache) for c in core.runner.kv_caches)
+    down = core.runner.params.layers[0].mlp.down
+    data = np.asarray(down.data)
+    assert data.dtype == np.int8 and np.abs(data).max() == 127 and data.std() > 30
+    assert np.all(np.asarray(down.scale) > 0)
+    with pytest.raises(SystemExit):
+        serve.build_parser().parse_args(["--quantization", "int3"])

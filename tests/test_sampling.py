@@ -28,7 +28,7 @@ def run(
     params: list[SamplingParams],
     *,
     seeds: list[int] | None = None,
-    steps: list[int] | None = None,
+    positions: list[int] | None = None,
     suppress: list[list[int]] | None = None,
     prompt_mask: np.ndarray | None = None,  # bool[S, V]
     output_counts: np.ndarray | None = None,  # i32[S, V]
@@ -36,9 +36,9 @@ def run(
 ) -> sampling.SamplerOutput:
     n, vocab = len(params), logits.shape[1]
     pad_to = pad_to or next(b for b in BUCKETS if b >= n)
-    meta = SamplingMetadata.from_params(
-        params, seeds or list(range(n)), steps or [0] * n, suppress or [[]] * n, pad_to
-    )
+    meta = SamplingMetadata.from_params(params, seeds or list(range(n)), suppress or [[]] * n, pad_to)
+    pos = np.zeros(pad_to, np.int32)
+    pos[:n] = positions or [0] * n
 
     def padded(a: np.ndarray | None, dtype: type) -> np.ndarray:
         out = np.zeros((pad_to, vocab), dtype)
@@ -47,7 +47,8 @@ def run(
         return out
 
     out = SAMPLE(
-        padded(logits, np.float32), meta, padded(prompt_mask, bool), padded(output_counts, np.int32)
+        padded(logits, np.float32), meta, padded(prompt_mask, bool), padded(output_counts, np.int32),
+        pos,
     )
     return jax.tree.map(lambda a: np.asarray(a)[:n], out)
 
@@ -130,7 +131,8 @@ def test_from_params_pads_rows_with_greedy_defaults() -> None:
             presence_penalty=-0.5,
         )
     ]
-    meta = SamplingMetadata.from_params(params, [2**40 + 7], [3], [[2, 9]], pad_to=3)
+    meta = SamplingMetadata.from_params(params, [2**40 + 7], [[2, 9]], pad_to=3,
+                                        suppress_until=[12])
     np.testing.assert_allclose(meta.temperature, [0.7, 0, 0])
     np.testing.assert_array_equal(meta.top_k, [5, 0, 0])
     np.testing.assert_allclose(meta.top_p, [0.9, 1, 1])
@@ -139,31 +141,31 @@ def test_from_params_pads_rows_with_greedy_defaults() -> None:
     np.testing.assert_allclose(meta.frequency_penalty, [0.5, 0, 0])
     np.testing.assert_allclose(meta.presence_penalty, [-0.5, 0, 0])
     np.testing.assert_array_equal(meta.seed, [[256, 7], [0, 0], [0, 0]])
-    np.testing.assert_array_equal(meta.step, [3, 0, 0])
+    np.testing.assert_array_equal(meta.suppress_until, [12, 0, 0])
     assert meta.suppress_ids.shape == (3, sampling.SUPPRESS_WIDTH)
     np.testing.assert_array_equal(
         meta.suppress_ids[:, :3], [[2, 9, -1], [-1, -1, -1], [-1, -1, -1]]
     )
-    wide = SamplingMetadata.from_params(params, [0], [0], [list(range(9))], pad_to=1)
+    wide = SamplingMetadata.from_params(params, [0], [list(range(9))], pad_to=1)
     assert wide.suppress_ids.shape == (1, 2 * sampling.SUPPRESS_WIDTH)
-    repeated = SamplingMetadata.from_params(params, [0], [0], [[4] * 12], pad_to=1)
+    repeated = SamplingMetadata.from_params(params, [0], [[4] * 12], pad_to=1)
     np.testing.assert_array_equal(repeated.suppress_ids[0, :2], [4, -1])
 
 
 def test_from_params_rejects_bad_input() -> None:
     p = [SamplingParams()]
     with pytest.raises(ValueError, match="pad_to"):
-        SamplingMetadata.from_params(p * 2, [0, 1], [0, 0], [[], []], pad_to=1)
+        SamplingMetadata.from_params(p * 2, [0, 1], [[], []], pad_to=1)
     with pytest.raises(ValueError, match="one entry per row"):
-        SamplingMetadata.from_params(p, [0, 1], [0], [[]], pad_to=2)
+        SamplingMetadata.from_params(p, [0, 1], [[]], pad_to=2)
     with pytest.raises(ValueError, match="seeds"):
-        SamplingMetadata.from_params(p, [-1], [0], [[]], pad_to=1)
+        SamplingMetadata.from_params(p, [-1], [[]], pad_to=1)
     with pytest.raises(ValueError, match="suppress"):
-        SamplingMetadata.from_params(p, [0], [0], [[-3]], pad_to=1)
+        SamplingMetadata.from_params(p, [0], [[-3]], pad_to=1)
 
 
 def test_row_key_is_jax_random_key_of_seed() -> None:
-    meta = SamplingMetadata.from_params([SamplingParams()], [12345], [0], [[]], pad_to=1)
+    meta = SamplingMetadata.from_params([SamplingParams()], [12345], [[]], pad_to=1)
     expected = jax.random.key_data(jax.random.key(12345))
     np.testing.assert_array_equal(meta.seed[0], expected)
 
@@ -204,7 +206,7 @@ def test_penalties_match_numpy() -> None:
         SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4),
         SamplingParams(repetition_penalty=0.8, frequency_penalty=-1.5, presence_penalty=2.0),
     ]
-    meta = SamplingMetadata.from_params(params, [0] * s, [0] * s, [[]] * s, s)
+    meta = SamplingMetadata.from_params(params, [0] * s, [[]] * s, s)
     got = np.asarray(
         apply_penalties(jnp.asarray(logits), meta, prompt_mask, counts.astype(np.int32))
     )
@@ -450,7 +452,7 @@ def mixed_inputs(vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def test_mixed_batch_gives_each_row_what_it_gets_alone() -> None:
     logits, prompt_mask, counts = mixed_inputs(V)
-    seeds, steps, suppress = (
+    seeds, positions, suppress = (
         [11, 22, 33, 44, 55, 66, 77],
         [0, 1, 2, 3, 4, 5, 6],
         [[], [], [1], [], [], [], [0]],
@@ -459,7 +461,7 @@ def test_mixed_batch_gives_each_row_what_it_gets_alone() -> None:
         logits,
         MIXED,
         seeds=seeds,
-        steps=steps,
+        positions=positions,
         suppress=suppress,
         prompt_mask=prompt_mask,
         output_counts=counts,
@@ -470,7 +472,7 @@ def test_mixed_batch_gives_each_row_what_it_gets_alone() -> None:
             logits[row : row + 1],
             MIXED[row : row + 1],
             seeds=seeds[row : row + 1],
-            steps=steps[row : row + 1],
+            positions=positions[row : row + 1],
             suppress=suppress[row : row + 1],
             prompt_mask=prompt_mask[row : row + 1],
             output_counts=counts[row : row + 1],
@@ -484,11 +486,12 @@ def test_mixed_batch_gives_each_row_what_it_gets_alone() -> None:
         np.testing.assert_allclose(together.topk_logprobs[row], alone.topk_logprobs[0], rtol=1e-6)
 
 
-def test_same_seed_and_step_give_the_same_token_whatever_the_batch() -> None:
+def test_same_seed_and_position_give_the_same_token_whatever_the_batch() -> None:
     logits, prompt_mask, counts = mixed_inputs(V)
-    seeds, steps = [5, 6, 7, 8, 9, 10, 11], [3, 3, 3, 9, 9, 9, 0]
+    seeds, positions = [5, 6, 7, 8, 9, 10, 11], [3, 3, 3, 9, 9, 9, 0]
     base = run(
-        logits, MIXED, seeds=seeds, steps=steps, prompt_mask=prompt_mask, output_counts=counts
+        logits, MIXED, seeds=seeds, positions=positions, prompt_mask=prompt_mask,
+        output_counts=counts,
     ).token_ids
     perm = np.random.default_rng(8).permutation(len(MIXED))
     extra = [SamplingParams(temperature=1.0, top_p=0.3)] * 3  # other rows change which branches run
@@ -498,7 +501,7 @@ def test_same_seed_and_step_give_the_same_token_whatever_the_batch() -> None:
         logits2,
         [MIXED[i] for i in perm] + extra,
         seeds=[seeds[i] for i in perm] + [1, 2, 3],
-        steps=[steps[i] for i in perm] + [0, 0, 0],
+        positions=[positions[i] for i in perm] + [0, 0, 0],
         prompt_mask=np.concatenate([prompt_mask[perm], np.zeros((3, V), bool)]),
         output_counts=np.concatenate([counts[perm], np.zeros((3, V), np.int32)]),
         pad_to=16,
@@ -506,13 +509,13 @@ def test_same_seed_and_step_give_the_same_token_whatever_the_batch() -> None:
     np.testing.assert_array_equal(shuffled[: len(MIXED)], base[perm])
 
 
-def test_different_seeds_or_steps_give_different_tokens() -> None:
+def test_different_seeds_or_positions_give_different_tokens() -> None:
     logits = np.zeros((64, 1000), np.float32)  # uniform: tokens differ unless the keys agree
     p = [SamplingParams(temperature=1.0)] * 64
     by_seed = run(logits, p, seeds=list(range(64))).token_ids
-    by_step = run(logits, p, seeds=[7] * 64, steps=list(range(64))).token_ids
-    same = run(logits, p, seeds=[7] * 64, steps=[5] * 64).token_ids
-    assert len(set(by_seed.tolist())) > 55 and len(set(by_step.tolist())) > 55
+    by_pos = run(logits, p, seeds=[7] * 64, positions=list(range(64))).token_ids
+    same = run(logits, p, seeds=[7] * 64, positions=[5] * 64).token_ids
+    assert len(set(by_seed.tolist())) > 55 and len(set(by_pos.tolist())) > 55
     assert len(set(same.tolist())) == 1
 
 
@@ -533,7 +536,46 @@ def test_one_compiled_program_serves_every_mix() -> None:
     cache_sizes = []
     for i, params in enumerate(mixes):
         suppress = [[0, 1] if i % 2 else []] * s
-        meta = SamplingMetadata.from_params(params, list(range(s)), [i] * s, suppress, s)
-        jax.block_until_ready(SAMPLE(logits, meta, prompt_mask, counts))
+        meta = SamplingMetadata.from_params(params, list(range(s)), suppress, s)
+        jax.block_until_ready(SAMPLE(logits, meta, prompt_mask, counts, np.full(s, i, np.int32)))
         cache_sizes.append(SAMPLE._cache_size())
     assert len(set(cache_sizes)) == 1, cache_sizes  # only the first call may have compiled
+
+
+def test_suppression_lasts_until_its_position() -> None:
+    logits = np.full((4, V), -9.0, np.float32)
+    logits[:, :3] = [3.0, 2.0, 1.0]
+    params = [SamplingParams(temperature=0.0)] * 4
+    meta = SamplingMetadata.from_params(params, [0] * 4, [[0]] * 4, 4, suppress_until=[10] * 4)
+    zeros = np.zeros((4, V), np.int32)
+    out = SAMPLE(logits, meta, zeros.astype(bool), zeros, np.array([8, 9, 10, 11], np.int32))
+    np.testing.assert_array_equal(out.token_ids, [1, 1, 0, 0])
+
+
+def test_race_times_are_exponential_and_keyed() -> None:
+    words = jnp.asarray(np.random.default_rng(11).integers(0, 2**32, (8, 2), dtype=np.uint32))
+    times = np.asarray(sampling._race_times(words, (8, 4096)))
+    u = np.exp(-times).ravel()  # uniform on (0, 1) if the times are Exp(1)
+    counts = np.bincount((u * 64).astype(int), minlength=64)
+    expected = u.size / 64
+    chi2 = np.sum((counts - expected) ** 2 / expected)
+    assert chi2 < 63 + 5 * np.sqrt(2 * 63), chi2
+    assert abs(times.mean() - 1.0) < 0.02
+    assert np.corrcoef(times[0], times[1])[0, 1] < 0.05  # rows with different keys: independent
+    np.testing.assert_array_equal(np.asarray(sampling._race_times(words[:1], (1, 4096)))[0], times[0])
+
+
+def test_float_noise_in_the_logits_does_not_move_the_sample() -> None:
+    """Programs for different batch shapes round a row's logits differently (~1e-5 relative, issue
+    14): a flat 49k vocabulary at temperature 0.8 must give the same tokens with 10x that noise.
+    (The inverse-CDF draw this replaced changed 8 of these 64 rows; 2 at 1e-5.)"""
+    rng = np.random.default_rng(12)
+    s, vocab = 64, 49152
+    logits = (rng.standard_normal((s, vocab)) * 3).astype(np.float32)
+    noisy = logits + (rng.standard_normal((s, vocab)) * 1e-4 * np.abs(logits)).astype(np.float32)
+    params = ([SamplingParams(temperature=0.8)] * (s // 2)
+              + [SamplingParams(temperature=0.8, top_p=0.95)] * (s // 2))
+    a = run(logits, params, seeds=list(range(1000, 1000 + s)), positions=[5] * s).token_ids
+    b = run(noisy, params, seeds=list(range(1000, 1000 + s)), positions=[5] * s).token_ids
+    np.testing.assert_array_equal(a, b)
+    assert len(set(a.tolist())) > s * 0.9  # really sampled, not a near-greedy row

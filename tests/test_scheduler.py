@@ -75,6 +75,7 @@ class FakeRunner:
         ]
         self.script = script or {}  # request id -> output tokens, instead of token_at
         self.last: dict[str, tuple[int, int]] = {}  # request id -> (position, token) sampled
+        self.tables: dict[str, list[int]] = {}  # page tables rebuilt from the schedule's diffs
 
     def token(self, req: Request, pos: int) -> int:
         """The token at `pos`: known on the host, or sampled by the previous step."""
@@ -92,6 +93,12 @@ class FakeRunner:
         assert len(set(ids)) == len(ids)
         kinds = [s.is_decode for s in out.scheduled]
         assert kinds == sorted(kinds, reverse=True), "decodes must come before prefills"
+        for rid in out.finished + out.preempted:
+            self.tables.pop(rid, None)
+        for s in out.scheduled:
+            rid = s.request.request_id
+            assert s.is_new == (rid not in self.tables), "a row joins exactly when it is new"
+            self.tables[rid] = ([] if s.is_new else self.tables[rid]) + list(s.new_page_ids)
         for s in out.scheduled:
             req, end = s.request, s.start_pos + len(s.token_ids)
             known = req.all_token_ids[s.start_pos : end]
@@ -100,13 +107,16 @@ class FakeRunner:
             assert len(s.token_ids) - len(known) <= 1, "only a decode's token may be pending"
             if req.status is RequestStatus.RUNNING:  # (not aborted since it was scheduled)
                 assert s.sample == (end == req.num_tokens - 1 and req.num_pending_tokens > 0)
-            assert len(s.page_ids) == -(-end // ps) and 0 not in s.page_ids
+            table = self.tables[req.request_id]
+            assert table == list(s.page_table[: -(-end // ps)]), "diffs rebuild the page table"
+            assert len(table) == -(-end // ps) and 0 not in table
             for pos in range(s.start_pos, end):
-                self.cache[s.page_ids[pos // ps]][pos % ps] = self.token(req, pos)
+                self.cache[table[pos // ps]][pos % ps] = self.token(req, pos)
         sampled = {}
         for s in out.scheduled:
             req, end = s.request, s.start_pos + len(s.token_ids)
-            seen = [self.cache[s.page_ids[p // ps]][p % ps] for p in range(end)]
+            table = self.tables[req.request_id]
+            seen = [self.cache[table[p // ps]][p % ps] for p in range(end)]
             assert seen == [self.token(req, p) for p in range(end)], req.request_id
             if s.sample:
                 rid = req.request_id
@@ -169,17 +179,20 @@ def test_chunked_prefill_exact_slices_and_page_tables() -> None:
     sched.add_request(req)
     runner = FakeRunner(sched)
     outs = run_to_end(sched, runner)
-    got = [(s.start_pos, s.token_ids, len(s.page_ids), s.sample) for o in outs for s in o.scheduled]
+    got = [(s.start_pos, s.token_ids, len(s.new_page_ids), s.is_new, s.sample)
+           for o in outs for s in o.scheduled]
     out_ids = req.output_token_ids
+    # Diffs: the first chunk brings the whole table, later ones only the pages they add.
     assert got == [
-        (0, prompt[0:8], 2, False),
-        (8, prompt[8:16], 4, False),
-        (16, prompt[16:21], 6, True),
-        (21, out_ids[0:1], 6, True),
-        (22, out_ids[1:2], 6, True),
+        (0, prompt[0:8], 2, True, False),
+        (8, prompt[8:16], 2, False, False),
+        (16, prompt[16:21], 2, False, True),
+        (21, out_ids[0:1], 0, False, True),
+        (22, out_ids[1:2], 0, False, True),
     ]
-    tables = [s.page_ids for o in outs for s in o.scheduled]
-    assert all(t[: len(tables[0])] == tables[0] for t in tables)
+    tables = [list(s.page_table) for o in outs for s in o.scheduled]
+    assert all(t == tables[0] for t in tables)  # one live list, never copied
+    assert sum((list(s.new_page_ids) for o in outs for s in o.scheduled), []) == tables[0]
     assert req.finish_reason == "length" and req.status is RequestStatus.FINISHED_LENGTH
     assert outs[-1].finished == [] and sched.schedule().finished == ["a"]
 

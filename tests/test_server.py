@@ -116,13 +116,43 @@ def test_stream_is_exact(client, tok):
     ids = tok.encode("The sea is")
     msgs = _collect(client.generate("The sea is", request_id="sea", max_tokens=12))[0]
     expected = fake_stream(ids, 12)
-    assert [list(m.token_ids) for m in msgs] == [[t] for t in expected]  # one token per step
+    # One token per step, or several in one message when the client was behind the engine.
+    assert [t for m in msgs for t in m.token_ids] == expected and all(m.token_ids for m in msgs)
     assert _text(msgs) == tok.decode(expected)
     assert all(m.request_id == "sea" and m.index == 0 for m in msgs)
-    assert [m.finish_reason for m in msgs] == [0] * 11 + [LENGTH]
+    assert [m.finish_reason for m in msgs] == [0] * (len(msgs) - 1) + [LENGTH]
     assert not any(m.HasField("usage") for m in msgs[:-1])
     u = msgs[-1].usage
     assert (u.prompt_tokens, u.completion_tokens) == (len(ids), 12)
+
+
+def test_deltas_waiting_for_a_reader_go_out_as_one_message(tok):
+    """A stream whose handler is behind the engine (deltas of several steps queued) sends them
+    as one message, exactly; a later sample's delta and the failure marker are not merged."""
+    from jaxinfer.engine.output import RequestDelta, Usage
+    from jaxinfer.engine.runner import TokenLogprobs
+    from serving.engine_loop import Stream
+
+    server = GenerateServer(fake_engine(tok))
+
+    async def run(items):
+        stream = Stream("r0", 2, 0.0, asyncio.Queue(), children=["r0#0", "r0#1"], remaining=2)
+        for item in items:
+            stream.queue.put_nowait(item)
+        return [m async for m in server._responses(pb.GenerateRequest(request_id="x"), stream, None)]
+
+    toks = [1000 + i for i in range(6)]
+    deltas = [RequestDelta("r0", 0, [t], f"<{t}>", logprobs=[TokenLogprobs(t, -1.0, {t: -1.0})])
+              for t in toks]
+    deltas[-1].finished, deltas[-1].finish_reason = True, "length"
+    deltas[-1].usage = Usage(3, 6, 0)
+    other = RequestDelta("r0", 1, [7], "<7>", finished=True, finish_reason="stop",
+                         usage=Usage(3, 1, 0))
+    msgs = asyncio.run(run([*deltas[:3], other, *deltas[3:]]))
+    assert [(m.index, list(m.token_ids)) for m in msgs] == [(0, toks[:3]), (1, [7]), (0, toks[3:])]
+    assert msgs[0].text == "".join(f"<{t}>" for t in toks[:3])
+    assert [lp.token_id for lp in msgs[2].logprobs] == toks[3:]
+    assert msgs[2].finish_reason == LENGTH and msgs[2].usage.completion_tokens == 6
 
 
 def test_inputs_and_generate_once_match_offline_engine(client, tok):

@@ -1,23 +1,31 @@
 """ModelRunner: the only module that calls JAX on the hot path.
 
 Flow of `execute(SchedulerOutput) -> RunnerOutput`:
-  1. Pick the smallest token bucket that holds the step's tokens (the sequence bucket follows
-     from it), so the set of compiled programs is fixed and `warmup()` builds all of them.
-  2. Build every input on the host in numpy: the ragged `StepInputs`, per-row sampling metadata,
-     and the penalty bookkeeping (which persistent row each request owns, which rows to clear).
-  3. One transfer of that tree (on one device packed into a numpy buffer per dtype that the jitted
+  1. Patch the persistent input batch from the schedule's diffs: every running request owns a row
+     (also its penalty-state row) of host numpy arrays - page table, prompt length, sampling
+     columns (`SamplingRows`) - filled when it joins (`is_new`), extended by its new pages, dropped
+     when it finishes or is preempted. Nothing is rebuilt per step from Python objects.
+  2. Pick the smallest token bucket that holds the step's tokens (the sequence bucket follows
+     from it) and the smallest page bucket that holds its longest page table, so the set of
+     compiled programs is fixed and `warmup()` builds all of them; `page_indices` is
+     `[S, page bucket]`, not `[S, max_model_len / page_size]`.
+  3. Build every input with a handful of vectorized numpy gathers and scatters over the step's
+     rows: the ragged `StepInputs`, the penalty bookkeeping and the sampling metadata (gathered
+     again only when the step's rows or their parameters changed).
+  4. One transfer of that tree (on one device packed into a numpy buffer per dtype that the jitted
      call moves itself, unpacked by static slices inside the program: `_pack`; on a mesh one
      sharded `device_put`), one jitted step (forward + penalty-state update + sampler + logprobs,
-     KV cache and state donated), one `jax.device_get` of the results.
-  4. Unpack into plain Python: sampled ids, logprobs, prompt logprobs per request.
-`execute` does all four; `launch` (1-3 without waiting) + `collect` (wait, 4) let the engine
+     KV cache and state donated), one `jax.device_get` of only what the step needs: the sampled
+     ids, plus logprob arrays only when some row asked for them.
+  5. Unpack into plain Python: sampled ids, logprobs, prompt logprobs per request.
+`execute` does all five; `launch` (1-4 without waiting) + `collect` (wait, 5) let the engine
 schedule and launch the next step while this one runs (async scheduling): a decode token that
 the still-running step samples is then a `PENDING_TOKEN` on the host, and the program takes it
 from the previous program's sampled ids on the device (`BatchExtras.feed_rows`; every program
 returns its sampled ids padded to a fixed `[R]`, the next one's `prev_tokens` input).
 
 On a mesh (`mesh=`, see `llama.forward`) params and KV cache are placed by the sharding rules;
-with `data` > 1 step 2 builds one ragged `StepInputs` per data replica (its own page pool, page
+with `data` > 1 step 3 builds one ragged `StepInputs` per data replica (its own page pool, page
 ids local to it), all padded to the same token/sequence buckets, stacked on a leading `[data]`
 dim; sampling metadata, penalty rows and results are flat over `data * seq_bucket` rows.
 With `pipeline` = S > 1 each replica's sequences are further split into S micro-batches of whole
@@ -58,9 +66,9 @@ from jaxinfer.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerO
 from jaxinfer.models import llama
 from jaxinfer.params import DTYPES
 from jaxinfer.quantization import quantization_of
-from jaxinfer.sampling import SamplingMetadata, compute_logprobs, sample
-from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
-from jaxinfer.step import StepInputs, build_step_arrays
+from jaxinfer.sampling import SamplingMetadata, SamplingRows, compute_logprobs, sample
+from jaxinfer.sampling_params import MAX_LOGPROBS
+from jaxinfer.step import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +93,30 @@ class PenaltyState:
 
 
 @dataclasses.dataclass
+class UnpackPlan:
+    """Where a step's results go (host only: followers of a multi-host leader never see it)."""
+
+    sample_ids: list[str]  # requests that sample, in the order of sample_slots
+    sample_slots: np.ndarray  # i32[n] their result rows
+    logprob_rows: list[tuple[str, int, int]]  # (request id, result row, k) asking for logprobs
+    # (request id, token rows lo, hi, start position, prompt length, k) asking for prompt logprobs
+    prompt_rows: list[tuple[str, int, int, int, int, int]]
+    target_ids: np.ndarray  # i32[T] the prompt token each token row predicts
+
+
+@dataclasses.dataclass
 class Prepared:
     """A step's host inputs (`ModelRunner.prepare`): numpy pytrees plus the program's static key."""
 
     inputs: dict  # {"step": StepInputs, "extras": BatchExtras, "meta": SamplingMetadata} of numpy
     all_logits: bool  # the prompt-logprob variant of the program
     bucket: int  # token bucket
-    places: list[tuple[int, int, int]]  # per scheduled request: (result row, token rows lo, hi)
+    page_bucket: int  # width of page_indices
+    fetch_logprobs: bool  # some row asked for logprobs: fetch the sampler's logprob arrays too
+    plan: UnpackPlan | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "plan": None}  # NOTE: a multi-host follower runs, never unpacks
 
 
 @dataclasses.dataclass
@@ -99,8 +124,8 @@ class Launched:
     """A step running on the device (`ModelRunner.launch`): its results, not yet fetched."""
 
     sched: SchedulerOutput
-    results: tuple[Any, Any]  # device arrays: (sampler output, prompt logprobs or None)
-    places: list[tuple[int, int, int]]
+    results: Any  # device arrays: (sampled ids, sampler output or None, prompt logprobs or None)
+    plan: Any
 
 
 @dataclasses.dataclass
@@ -138,7 +163,9 @@ def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_tokens:
         logits = logits.reshape(-1, logits.shape[-1])  # [data * rows, V]
     with jax.named_scope("sampler"):
         row_logits = jnp.take(logits, extras.sample_rows, axis=0) if all_logits else logits
-        out = sample(row_logits, meta, prompt_mask, output_counts, num_logprobs=MAX_LOGPROBS)
+        # Each row's sampled token goes at position kv_len: its random counter (batch-invariant).
+        out = sample(row_logits, meta, prompt_mask, output_counts, step.kv_lens.reshape(-1),
+                     num_logprobs=MAX_LOGPROBS)
     prompt = compute_logprobs(logits, extras.target_ids, MAX_LOGPROBS) if all_logits else None
     next_tokens = jnp.zeros_like(prev_tokens).at[:out.token_ids.shape[0]].set(out.token_ids)
     return (out, prompt), kv_caches, state, next_tokens
@@ -176,6 +203,20 @@ def _packed_step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_
                  inputs["meta"], all_logits=all_logits, **backends)
 
 
+def default_page_buckets(pages_per_seq: int, *, floor: int = 64) -> tuple[int, ...]:
+    """pages_per_seq, then quarters of it while they hold at least `floor` pages.
+
+    A step's `page_indices` is `[S, bucket]`: with 128K tokens of context in 16-token pages a full
+    table is 8192 ids per sequence (8 MiB to build and move per 256-sequence step), while short
+    sequences need few. Quarters keep the compiled-program count small (x1 up to 255 pages,
+    x2 up to 1023, ...); below `floor` pages a table costs too little to be worth a program.
+    """
+    buckets = [pages_per_seq]
+    while buckets[-1] // 4 >= floor:
+        buckets.append(buckets[-1] // 4)
+    return tuple(sorted(buckets))
+
+
 def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     """1, 2, 4, ... up to the token budget (which is always the last bucket)."""
     buckets = [1 << i for i in range(max(1, math.ceil(math.log2(max_num_batched_tokens))))]
@@ -189,8 +230,10 @@ class ModelRunner:
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  dtype: str = "float32", attention_backend: str | None = None,
                  linear_backend: str | None = None, token_buckets: tuple[int, ...] | None = None,
-                 mesh: Any = None, kv_cache_dtype: str = "auto") -> None:
+                 page_buckets: tuple[int, ...] | None = None, mesh: Any = None,
+                 kv_cache_dtype: str = "auto") -> None:
         """`num_pages` and `max_num_seqs` are totals over the data replicas (each gets 1/data);
+        `page_buckets` are the widths of `page_indices` (default `default_page_buckets`);
         `kv_cache_dtype="fp8"` stores the cache as `reference.Fp8KVCache` (see jaxinfer.attention)."""
         par = shd.Parallel.from_mesh(mesh)
         self.mesh = None if par.is_single else mesh  # NOTE: one device keeps the plain program
@@ -204,6 +247,10 @@ class ModelRunner:
         if self.token_buckets[-1] < max_num_batched_tokens:
             raise ValueError(f"largest token bucket {self.token_buckets[-1]} is below "
                              f"max_num_batched_tokens={max_num_batched_tokens}")
+        self.page_buckets = tuple(sorted(set(page_buckets or default_page_buckets(self.pages_per_seq))))
+        if self.page_buckets[-1] != self.pages_per_seq or self.page_buckets[0] < 1:
+            raise ValueError(f"page_buckets={self.page_buckets} must be >= 1 and end at "
+                             f"max_model_len / page_size = {self.pages_per_seq}")
         if par.pipeline > 1:
             # NOTE: a 1-token micro-batch takes the reference attention's single-token loop, which
             # reads the cache as a loop operand; the next tick's KV write into that cache then makes
@@ -256,10 +303,18 @@ class ModelRunner:
         zeros = functools.partial(jnp.zeros, self.num_sample_rows, jnp.int32)
         self._prev_tokens = zeros() if self.mesh is None else jax.jit(
             zeros, out_shardings=self._replicated)()
-        self._last_rows: dict[str, int] = {}  # request id -> its row of _prev_tokens
+        # The persistent input batch: row r of every array belongs to the request in _rows with
+        # value r (the same row as its penalty state); row max_num_seqs is the padding spare.
+        self._rows: dict[str, int] = {}  # request id -> its row
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-        self._rows: dict[str, int] = {}
-        self._seeds: dict[str, int] = {}
+        self._page_table = np.zeros((max_num_seqs + 1, self.pages_per_seq), np.int32)
+        self._num_pages = np.zeros(max_num_seqs + 1, np.int32)  # filled entries of each table
+        self._prompt_len = np.zeros(max_num_seqs + 1, np.int32)
+        self._wants_prompt_lps = np.zeros(max_num_seqs + 1, bool)
+        self._last_sample = np.full(max_num_seqs + 1, -1, np.int32)  # row of _prev_tokens, -1: none
+        self._sampling = SamplingRows(max_num_seqs)
+        self._meta_cache: tuple[int, np.ndarray, SamplingMetadata, bool] | None = None
+        self._seeds: dict[str, int] = {}  # NOTE: kept across preemption (resamples identically)
         self._rng = random.Random()
         self.attention_backend = attention_backend = attention.resolve_backend(attention_backend)
         self.linear_backend = linear_backend = layers.resolve_linear_backend(linear_backend)
@@ -274,7 +329,7 @@ class ModelRunner:
                                 static_argnames=("cfg", "all_logits"),
                                 donate_argnames=("kv_caches", "state"))
         self.num_compiled = 0
-        self._compiled: set[tuple[int, int, bool]] = set()
+        self._compiled: set[tuple[int, int, bool]] = set()  # (token bucket, page bucket, logits)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -299,28 +354,68 @@ class ModelRunner:
                 return b
         raise ValueError(f"step of {n} tokens exceeds the largest bucket {self.token_buckets[-1]}")
 
+
+    def page_bucket(self, n: int) -> int:
+        for b in self.page_buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"a page table of {n} pages exceeds max_model_len / page_size = "
+                         f"{self.pages_per_seq}")
+
     def _release(self, request_ids: list[str], *, finished: bool) -> None:
-        """Frees penalty rows; a preempted request keeps its seed so it resamples identically."""
+        """Frees rows; a preempted request keeps its seed so it resamples identically."""
         for rid in request_ids:
             row = self._rows.pop(rid, None)
             if row is not None:
                 self._free_rows.append(row)
+                self._last_sample[row] = -1
             if finished:
                 self._seeds.pop(rid, None)
 
-    def _row_of(self, rid: str) -> tuple[int, bool]:
-        if rid in self._rows:
-            return self._rows[rid], False
-        row = self._free_rows.pop()
-        self._rows[rid] = row
-        return row, True
+    def _join(self, s: ScheduledRequest) -> int:
+        """Fills a row for a request that (re)joins the batch; returns the row."""
+        req = s.request
+        rid, sp = req.request_id, req.sampling
+        row = self._rows.get(rid)
+        if row is None:
+            if not self._free_rows:
+                raise RuntimeError(f"request {rid!r}: no free row (more than max_num_seqs="
+                                   f"{self.max_num_seqs} running requests)")
+            row = self._rows[rid] = self._free_rows.pop()
+        pages, old = len(s.new_page_ids), int(self._num_pages[row])
+        if pages > self.pages_per_seq:
+            raise ValueError(f"request {rid!r}: page table of {pages} pages exceeds "
+                             f"max_model_len / page_size = {self.pages_per_seq}")
+        self._page_table[row, :pages] = s.new_page_ids
+        self._page_table[row, pages:old] = 0
+        self._num_pages[row] = pages
+        self._prompt_len[row] = req.num_prompt_tokens
+        self._wants_prompt_lps[row] = sp.prompt_logprobs is not None
+        self._last_sample[row] = -1
+        seed = self._seeds.get(rid)
+        if seed is None:
+            seed = self._seeds[rid] = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+        suppress: list[int] = []
+        if sp.min_tokens:  # stop ids (and EOS) are forbidden until min_tokens outputs exist
+            suppress = list(sp.stop_token_ids or []) + ([] if sp.ignore_eos else list(req.eos_token_ids))
+        self._sampling.set(row, sp, seed, suppress, req.num_prompt_tokens + sp.min_tokens)
+        return row
+
+    def _extend(self, row: int, s: ScheduledRequest) -> None:
+        """Appends a running request's newly allocated pages to its row's page table."""
+        old = int(self._num_pages[row])
+        new = old + len(s.new_page_ids)
+        if new > self.pages_per_seq:
+            raise ValueError(f"request {s.request.request_id!r}: page table of {new} pages exceeds "
+                             f"max_model_len / page_size = {self.pages_per_seq}")
+        self._page_table[row, old:new] = s.new_page_ids
+        self._num_pages[row] = new
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         prepared = self.prepare(sched)
         if prepared is None:
             return RunnerOutput(sampled_token_ids={})
-        out, prompt = self.run(prepared)
-        return self._unpack(sched.scheduled, out, prompt, prepared.places)
+        return self._unpack(prepared.plan, *self.run(prepared))
 
     def launch(self, sched: SchedulerOutput) -> Launched | None:
         """`execute` without waiting: the step is on the device when this returns (None: nothing
@@ -328,20 +423,21 @@ class ModelRunner:
         prepared = self.prepare(sched)
         if prepared is None:
             return None
-        results = self._call(prepared.inputs, prepared.all_logits)
-        self._note_compiled(prepared.bucket, prepared.all_logits)
-        return Launched(sched, results, prepared.places)
+        results = self._wanted(prepared, self._call(prepared.inputs, prepared.all_logits))
+        self._note_compiled(prepared)
+        return Launched(sched, results, prepared.plan)
 
     def collect(self, launched: Launched) -> RunnerOutput:
         """Waits for a launched step and unpacks its results."""
-        out, prompt = jax.device_get(launched.results)
-        return self._unpack(launched.sched.scheduled, out, prompt, launched.places)
+        return self._unpack(launched.plan, *jax.device_get(launched.results))
 
     def prepare(self, sched: SchedulerOutput) -> Prepared | None:
-        """Host half of a step: row bookkeeping and every input as numpy (None: nothing to run).
+        """Host half of a step: patches the persistent batch and builds every input as numpy
+        (None: nothing to run).
 
-        NOTE: the result is plain numpy plus two Python scalars, so a multi-host driver can build
-        it on one process and broadcast it; `run` on every process then does the device half.
+        NOTE: apart from its unpacking plan (which stays on this process) the result is plain numpy
+        plus Python scalars, so a multi-host driver can build it on one process and broadcast it;
+        `run` on every process then does the device half.
         """
         self._release(sched.finished, finished=True)
         self._release(sched.preempted, finished=False)
@@ -349,14 +445,21 @@ class ModelRunner:
             return None
         return self._prepare(sched.scheduled)
 
-    def run(self, prepared: Prepared) -> tuple[Any, Any]:
-        """Device half: one transfer in, the jitted step, one transfer out (numpy results)."""
-        out, prompt = self._call(prepared.inputs, prepared.all_logits)
-        self._note_compiled(prepared.bucket, prepared.all_logits)
-        return multihost.device_get((out, prompt))  # NOTE: results may span other processes
+    def run(self, prepared: Prepared) -> tuple[Any, Any, Any]:
+        """Device half: one transfer in, the jitted step, one transfer out of what the step needs:
+        (sampled ids, sampler output or None, prompt logprobs or None) as numpy."""
+        results = self._wanted(prepared, self._call(prepared.inputs, prepared.all_logits))
+        self._note_compiled(prepared)
+        return multihost.device_get(results)  # NOTE: results may span other processes
 
-    def _note_compiled(self, bucket: int, all_logits: bool) -> None:
-        key = (bucket, self.seq_bucket(bucket), all_logits)
+    @staticmethod
+    def _wanted(prepared: Prepared, results: tuple[Any, Any]) -> tuple[Any, Any, Any]:
+        """Only the device arrays the host will read: no logprob arrays unless a row asked."""
+        out, prompt = results
+        return out.token_ids, out if prepared.fetch_logprobs else None, prompt
+
+    def _note_compiled(self, prepared: Prepared) -> None:
+        key = (prepared.bucket, prepared.page_bucket, prepared.all_logits)
         if key not in self._compiled:
             self._compiled.add(key)
             self.num_compiled = len(self._compiled)
@@ -387,158 +490,241 @@ class ModelRunner:
         shardings["step"] = jax.tree.map(lambda _: self._step_sharding, inputs["step"])
         return multihost.device_put_global(inputs, shardings)  # jax.device_put on one process
 
+    def _groups(self, scheduled: list[ScheduledRequest], q_lens: np.ndarray) -> np.ndarray | None:
+        """i32[n] ragged group (replica-major, then micro-batch) of each scheduled sequence;
+        None when there is one group."""
+        if self.data == 1 and self.microbatches == 1:
+            return None
+        replica = np.array([s.replica for s in scheduled], np.int32)
+        if self.microbatches == 1:
+            return replica
+        group = np.zeros(len(scheduled), np.int32)
+        for r in range(self.data):  # whole sequences per micro-batch (pipeline.split_microbatches)
+            idx = np.flatnonzero(replica == r)
+            for m, mb in enumerate(pipeline.split_microbatches(q_lens[idx].tolist(), self.microbatches)):
+                group[idx[mb]] = r * self.microbatches + m
+        return group
+
     def _prepare(self, scheduled: list[ScheduledRequest]) -> Prepared:
-        data = self.data * self.microbatches  # ragged groups: replica-major, then micro-batch
-        groups: list[list[int]] = [[] for _ in range(self.data)]
-        for i, s in enumerate(scheduled):
-            groups[s.replica].append(i)
-        if self.microbatches > 1:  # whole sequences per micro-batch (see pipeline.split_microbatches)
-            groups = [[g[k] for k in mb] for g in groups for mb in pipeline.split_microbatches(
-                [len(scheduled[i].token_ids) for i in g], self.microbatches)]
-        n_tok = max(sum(len(scheduled[i].token_ids) for i in g) for g in groups)
-        t_bucket = self.token_bucket(n_tok)
-        s_bucket = self.seq_bucket(t_bucket)
-        all_logits = any(s.request.sampling.prompt_logprobs is not None
-                         and s.start_pos < s.request.num_prompt_tokens for s in scheduled)
-        n_rows = t_bucket if all_logits else s_bucket  # logits rows per replica
-
-        spare = self.max_num_seqs
-        token_seq = np.full(data * t_bucket, data * s_bucket, np.int32)
-        token_is_output = np.zeros(data * t_bucket, bool)
-        seq_rows = np.full(data * s_bucket, spare, np.int32)
-        reset_rows = np.zeros(data * s_bucket, bool)
-        sample_rows = np.zeros(data * s_bucket, np.int32)
-        target_ids = np.zeros(data * t_bucket, np.int32)
-        feed_rows = np.full(data * t_bucket, -1, np.int32)
-        last_rows: dict[str, int] = {}
-        # NOTE: sampling rows are flat over replicas (row r*s_bucket + j); gaps are padding rows.
-        params = [SamplingParams(temperature=0.0)] * (data * s_bucket)
-        seeds, steps = [0] * (data * s_bucket), [0] * (data * s_bucket)
-        suppress: list[list[int]] = [[] for _ in range(data * s_bucket)]
-        places: list[tuple[int, int, int]] = [(0, 0, 0)] * len(scheduled)
-        per_replica = []
-        for r, group in enumerate(groups):
-            reqs = [scheduled[i] for i in group]
-            cu = np.cumsum([0] + [len(s.token_ids) for s in reqs])
-            if reqs:
-                arrays = build_step_arrays(
-                    [(s.token_ids, s.start_pos, s.page_ids) for s in reqs], self.page_size,
-                    num_tokens=t_bucket, num_seqs=s_bucket, pages_per_seq=self.pages_per_seq,
-                    logits_rows=list(range(int(cu[-1]))) if all_logits else list(cu[1:] - 1),
-                    num_logits=n_rows)
-            else:
-                arrays = self._idle_arrays(t_bucket, n_rows)
-            per_replica.append(arrays)
-            for j, (i, s) in enumerate(zip(group, reqs)):
-                req = s.request
-                g = r * s_bucket + j
-                lo, hi = r * t_bucket + cu[j], r * t_bucket + cu[j + 1]
-                places[i] = (g, int(lo), int(hi))
-                row, fresh = self._row_of(req.request_id)
-                seq_rows[g], reset_rows[g] = row, fresh or s.start_pos == 0
-                token_seq[lo:hi] = g
-                if s.token_ids[-1] == PENDING_TOKEN:  # sampled by the previous step, still on device
-                    if req.request_id not in self._last_rows or PENDING_TOKEN in s.token_ids[:-1]:
-                        raise RuntimeError(f"request {req.request_id!r}: pending token not sampled "
-                                           f"by the previous step")
-                    feed_rows[hi - 1] = self._last_rows[req.request_id]
+        with jax.named_scope("patch_rows"):
+            rows, starts, q_lens, tokens, samples, joined, sample_ids = [], [], [], [], [], [], []
+            for s in scheduled:
+                rid = s.request.request_id
+                if s.is_new:
+                    row = self._join(s)
+                else:
+                    row = self._rows.get(rid)
+                    if row is None:
+                        raise RuntimeError(f"request {rid!r} is scheduled as running but has no row "
+                                           f"(its first schedule was not prepared)")
+                    if s.new_page_ids:
+                        self._extend(row, s)
+                rows.append(row)
+                starts.append(s.start_pos)
+                q_lens.append(len(s.token_ids))
+                tokens += s.token_ids
+                samples.append(s.sample)
+                joined.append(s.is_new)
                 if s.sample:
-                    last_rows[req.request_id] = g
-                token_is_output[lo:hi] = np.arange(s.start_pos, s.start_pos + (hi - lo)) >= req.num_prompt_tokens
-                sample_rows[g] = hi - 1
-                if all_logits:
-                    nxt = req.token_slice(s.start_pos + 1, s.start_pos + 1 + (hi - lo))
-                    target_ids[lo:lo + len(nxt)] = nxt
-                sp = req.sampling
-                if req.request_id not in self._seeds:
-                    self._seeds[req.request_id] = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
-                # Index of the output token this row samples (pending ones counted, the row's own
-                # included: the scheduler adds it when it schedules a sampling chunk).
-                n_out = req.num_output_tokens + req.num_pending_tokens - int(s.sample)
-                params[g], seeds[g], steps[g] = sp, self._seeds[req.request_id], n_out
-                if n_out < sp.min_tokens:
-                    suppress[g] = list(sp.stop_token_ids or []) + ([] if sp.ignore_eos else list(req.eos_token_ids))
-        last = max((g for g, _, _ in places), default=-1) + 1
-        meta = SamplingMetadata.from_params(params[:last], seeds[:last], steps[:last], suppress[:last],
-                                            pad_to=data * s_bucket)
+                    sample_ids.append(rid)
+        rows_a = np.array(rows, np.int32)
+        starts_a = np.array(starts, np.int32)
+        q_a = np.array(q_lens, np.int32)
+        tokens_a = np.array(tokens, np.int32)
+        sample_a = np.array(samples, bool)
+        group = self._groups(scheduled, q_a)
+        if group is None:
+            order, n_tok = None, int(q_a.sum())
+        else:
+            order = np.argsort(group, kind="stable")
+            n_tok = int(np.bincount(group, weights=q_a).max())
+        t_bucket = self.token_bucket(n_tok)
+        p_bucket = self.page_bucket(int(((starts_a + q_a + self.page_size - 1) // self.page_size).max()))
+        all_logits = bool((self._wants_prompt_lps[rows_a] & (starts_a < self._prompt_len[rows_a])).any())
+        if order is not None:  # tokens of the sequences in group order
+            src = np.cumsum(q_a) - q_a
+            src = np.repeat(src[order], q_a[order]) + _ranks(q_a[order])
+            tokens_a = tokens_a[src]
+            rows_a, starts_a, q_a, group = rows_a[order], starts_a[order], q_a[order], group[order]
+            sample_a, joined_a = sample_a[order], np.array(joined, bool)[order]
+        else:
+            joined_a = np.array(joined, bool)
+        step, extras, slot, tok_lo = self._arrays(t_bucket, p_bucket, all_logits, rows_a, starts_a,
+                                                  q_a, tokens_a, joined_a, group)
+        if order is not None:  # back to scheduled order
+            slot[order], tok_lo[order] = slot.copy(), tok_lo.copy()
+            rows_a, starts_a, q_a, sample_a = (np.array(rows, np.int32), np.array(starts, np.int32),
+                                               np.array(q_lens, np.int32), np.array(samples, bool))
+        # Rows whose pending token this step samples: the next step feeds it from _prev_tokens.
+        self._last_sample.fill(-1)
+        self._last_sample[rows_a[sample_a]] = slot[sample_a]
+
+        version = self._sampling.version
+        cache = self._meta_cache
+        if cache is not None and cache[0] == version and np.array_equal(cache[1], extras.seq_rows):
+            meta, fetch_logprobs = cache[2], cache[3]
+        else:
+            meta = self._sampling.gather(extras.seq_rows)
+            fetch_logprobs = bool(meta.wants_logprobs.any())
+            self._meta_cache = (version, extras.seq_rows, meta, fetch_logprobs)
+
+        logprob_rows, prompt_rows = [], []
+        if fetch_logprobs:
+            for i in np.flatnonzero(self._sampling.wants_logprobs[rows_a] & sample_a).tolist():
+                s = scheduled[i]
+                logprob_rows.append((s.request.request_id, int(slot[i]), s.request.sampling.logprobs))
+        if all_logits:
+            for i in np.flatnonzero(self._wants_prompt_lps[rows_a]).tolist():
+                s = scheduled[i]
+                req, lo = s.request, int(tok_lo[i])
+                nxt = req.prompt_token_ids[s.start_pos + 1:s.start_pos + 1 + len(s.token_ids)]
+                extras.target_ids[lo:lo + len(nxt)] = nxt
+                prompt_rows.append((req.request_id, lo, lo + len(s.token_ids), s.start_pos,
+                                    req.num_prompt_tokens, req.sampling.prompt_logprobs))
+        plan = UnpackPlan(sample_ids, slot[sample_a], logprob_rows, prompt_rows, extras.target_ids)
+        return Prepared({"step": step, "extras": extras, "meta": meta}, all_logits, t_bucket,
+                        p_bucket, fetch_logprobs, plan)
+
+    def _arrays(self, t_bucket: int, p_bucket: int, all_logits: bool,
+                rows: np.ndarray,  # i32[n] persistent row of each sequence
+                starts: np.ndarray,  # i32[n] tokens already in the cache
+                q_lens: np.ndarray,  # i32[n] tokens computed this step
+                tokens: np.ndarray,  # i32[sum(q_lens)] their ids (PENDING_TOKEN: fed on device)
+                joined: np.ndarray,  # bool[n] the row's request joined this step
+                group: np.ndarray | None,  # i32[n] ragged group, non-decreasing (None: all 0)
+                ) -> tuple[StepInputs, BatchExtras, np.ndarray, np.ndarray]:
+        """The step's inputs for sequences in group order, by vectorized gathers and scatters.
+
+        Returns (StepInputs, BatchExtras, each sequence's result row i32[n], each sequence's first
+        flat token row i32[n]).
+        """
+        n_groups = self.data * self.microbatches  # replica-major, then micro-batch
+        t, s_bucket, ps = t_bucket, self.seq_bucket(t_bucket), self.page_size
+        n = len(rows)
+        before = np.cumsum(q_lens) - q_lens  # i32[n] tokens of earlier sequences (all groups)
+        if group is None:
+            group = np.zeros(n, np.int32)
+            first = np.zeros(n, np.int64)
+        else:
+            first = np.searchsorted(group, group)  # i64[n] index of the group's first sequence
+        in_group = before - before[first]  # i32[n] tokens of earlier sequences in the group
+        slot = group * s_bucket + (np.arange(n) - first)  # i32[n] flat sequence (result) row
+        tok_lo = group * t + in_group  # i32[n] flat row of the sequence's first token
+        seq_of = np.repeat(np.arange(n), q_lens)  # i32[T_real] sequence of each token
+        offset = _ranks(q_lens)  # i32[T_real] index of each token within its sequence
+        tok = tok_lo[seq_of] + offset  # i32[T_real] flat token row
+        pos = starts[seq_of] + offset  # i32[T_real] absolute position
+        row_of = rows[seq_of]
+        kv_end = starts + q_lens
+
+        token_ids = np.zeros(n_groups * t, np.int32)
+        token_ids[tok] = np.where(tokens == PENDING_TOKEN, 0, tokens)
+        positions = np.zeros(n_groups * t, np.int32)
+        positions[tok] = pos
+        slot_mapping = np.full(n_groups * t, -1, np.int32)
+        slot_mapping[tok] = self._page_table[row_of, pos // ps] * ps + pos % ps
+        kv_lens = np.zeros(n_groups * s_bucket, np.int32)
+        kv_lens[slot] = kv_end
+        page_indices = np.zeros((n_groups * s_bucket, p_bucket), np.int32)
+        page_indices[slot] = self._page_table[rows, :p_bucket]
+        group_tokens = np.bincount(group, weights=q_lens, minlength=n_groups).astype(np.int32)
+        cu_q_lens = np.repeat(group_tokens, s_bucket + 1).reshape(n_groups, s_bucket + 1)
+        cu_q_lens[:, 0] = 0
+        cu_q_lens.reshape(-1)[group * (s_bucket + 1) + (np.arange(n) - first) + 1] = in_group + q_lens
+        num_seqs = np.bincount(group, minlength=n_groups).astype(np.int32).reshape(n_groups, 1)
+        if all_logits:
+            every = np.arange(t, dtype=np.int32)
+            logits_indices = np.where(every < group_tokens[:, None], every, 0).astype(np.int32)
+        else:
+            logits_indices = np.zeros(n_groups * s_bucket, np.int32)
+            logits_indices[slot] = in_group + q_lens - 1
+
+        token_seq = np.full(n_groups * t, n_groups * s_bucket, np.int32)
+        token_seq[tok] = slot[seq_of]
+        token_is_output = np.zeros(n_groups * t, bool)
+        token_is_output[tok] = pos >= self._prompt_len[row_of]
+        seq_rows = np.full(n_groups * s_bucket, self.max_num_seqs, np.int32)
+        seq_rows[slot] = rows
+        reset_rows = np.zeros(n_groups * s_bucket, bool)
+        reset_rows[slot] = joined
+        sample_rows = np.zeros(n_groups * s_bucket, np.int32)
+        sample_rows[slot] = tok_lo + q_lens - 1
+        feed_rows = np.full(n_groups * t, -1, np.int32)
+        pending = tokens == PENDING_TOKEN
+        if pending.any():
+            feed = self._last_sample[row_of[pending]]
+            bad = (feed < 0) | (pos[pending] != kv_end[seq_of[pending]] - 1)
+            if bad.any():
+                rid = next(r for r, v in self._rows.items() if v == row_of[pending][bad][0])
+                raise RuntimeError(f"request {rid!r}: pending token not sampled by the previous step")
+            feed_rows[tok[pending]] = feed
+
+        lead = tuple(d for d in (self.data, self.microbatches) if d > 1)  # [data?, M?, ...]
+        step = StepInputs(
+            token_ids=token_ids.reshape(lead + (t,)), positions=positions.reshape(lead + (t,)),
+            slot_mapping=slot_mapping.reshape(lead + (t,)),
+            kv_lens=kv_lens.reshape(lead + (s_bucket,)),
+            page_indices=page_indices.reshape(lead + (s_bucket, p_bucket)),
+            cu_q_lens=cu_q_lens.reshape(lead + (s_bucket + 1,)),
+            num_seqs=num_seqs.reshape(lead + (1,)),
+            logits_indices=logits_indices.reshape(lead + (-1,)))
         extras = BatchExtras(token_seq=token_seq, token_is_output=token_is_output, seq_rows=seq_rows,
-                             reset_rows=reset_rows, sample_rows=sample_rows, target_ids=target_ids,
-                             feed_rows=feed_rows)
-        self._last_rows = last_rows
-        step = StepInputs(**self._stack(per_replica))
-        return Prepared({"step": step, "extras": extras, "meta": meta}, all_logits, t_bucket, places)
+                             reset_rows=reset_rows, sample_rows=sample_rows,
+                             target_ids=np.zeros(n_groups * t, np.int32), feed_rows=feed_rows)
+        return step, extras, slot.astype(np.int32), tok_lo.astype(np.int32)
 
-    def _stack(self, per_replica: list[dict]) -> dict:
-        if len(per_replica) == 1:
-            return per_replica[0]
-        lead = tuple(n for n in (self.data, self.microbatches) if n > 1)  # [data?, M?, ...]
-        return {k: np.stack([a[k] for a in per_replica]).reshape(lead + per_replica[0][k].shape)
-                for k in per_replica[0]}
-
-    def _idle_arrays(self, t_bucket: int, n_rows: int) -> dict:
-        """One replica's step arrays that compute nothing (no sequences, no cache writes)."""
-        arrays = build_step_arrays([([0], 0, [0])], self.page_size, num_tokens=t_bucket,
-                                   num_seqs=self.seq_bucket(t_bucket),
-                                   pages_per_seq=self.pages_per_seq, num_logits=n_rows)
-        arrays["slot_mapping"][:] = -1  # write nothing
-        arrays["num_seqs"][:] = 0
-        return arrays
-
-    def _unpack(self, scheduled: list[ScheduledRequest], out: Any, prompt: Any,
-                places: list[tuple[int, int, int]]) -> RunnerOutput:
-        sampled, logprobs, prompt_lps = {}, {}, {}
-        for s, (i, lo, hi) in zip(scheduled, places):
-            req, sp = s.request, s.request.sampling
-            rid = req.request_id
-            if s.sample:
-                tok = int(out.token_ids[i])
-                sampled[rid] = tok
-                if sp.logprobs is not None:
-                    k = sp.logprobs
-                    logprobs[rid] = TokenLogprobs(tok, float(out.logprobs[i]), dict(zip(
-                        out.topk_ids[i, :k].tolist(), out.topk_logprobs[i, :k].tolist())))
-            if prompt is not None and sp.prompt_logprobs is not None:
-                chosen, top_ids, top_lps = prompt
-                k = sp.prompt_logprobs
-                entries = {}
-                for t in range(lo, hi):
-                    pos = s.start_pos + (t - lo) + 1  # the prompt position this row predicts
-                    if pos >= req.num_prompt_tokens:
-                        break
-                    entries[pos] = TokenLogprobs(req.prompt_token_ids[pos], float(chosen[t]), dict(
-                        zip(top_ids[t, :k].tolist(), top_lps[t, :k].tolist())))
-                prompt_lps[rid] = entries
+    def _unpack(self, plan: UnpackPlan, token_ids: np.ndarray, out: Any, prompt: Any) -> RunnerOutput:
+        sampled = dict(zip(plan.sample_ids, token_ids[plan.sample_slots].tolist()))
+        logprobs, prompt_lps = {}, {}
+        for rid, i, k in plan.logprob_rows:
+            logprobs[rid] = TokenLogprobs(sampled[rid], float(out.logprobs[i]), dict(zip(
+                out.topk_ids[i, :k].tolist(), out.topk_logprobs[i, :k].tolist())))
+        for rid, lo, hi, start, num_prompt, k in plan.prompt_rows:
+            chosen, top_ids, top_lps = prompt
+            entries = {}
+            for t in range(lo, hi):
+                pos = start + (t - lo) + 1  # the prompt position this row predicts
+                if pos >= num_prompt:
+                    break
+                entries[pos] = TokenLogprobs(int(plan.target_ids[t]), float(chosen[t]), dict(
+                    zip(top_ids[t, :k].tolist(), top_lps[t, :k].tolist())))
+            prompt_lps[rid] = entries
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps)
 
-    def _idle_inputs(self, t_bucket: int, all_logits: bool) -> dict:
+    def _idle_inputs(self, t_bucket: int, all_logits: bool, p_bucket: int) -> dict:
         """Inputs of a step that computes nothing (no sequences): used to compile a bucket."""
-        s_bucket, data = self.seq_bucket(t_bucket), self.data * self.microbatches
-        n_rows = t_bucket if all_logits else s_bucket
-        arrays = self._stack([self._idle_arrays(t_bucket, n_rows) for _ in range(data)])
-        extras = BatchExtras(
-            token_seq=np.full(data * t_bucket, data * s_bucket, np.int32),
-            token_is_output=np.zeros(data * t_bucket, bool),
-            seq_rows=np.full(data * s_bucket, self.max_num_seqs, np.int32),
-            reset_rows=np.zeros(data * s_bucket, bool), sample_rows=np.zeros(data * s_bucket, np.int32),
-            target_ids=np.zeros(data * t_bucket, np.int32),
-            feed_rows=np.full(data * t_bucket, -1, np.int32))
-        meta = SamplingMetadata.from_params([], [], [], [], pad_to=data * s_bucket)
-        return {"step": StepInputs(**arrays), "extras": extras, "meta": meta}
+        none = np.zeros(0, np.int32)
+        step, extras, _, _ = self._arrays(t_bucket, p_bucket, all_logits, none, none, none, none,
+                                          np.zeros(0, bool), None if self.data * self.microbatches == 1
+                                          else none)
+        rows = np.full(extras.seq_rows.shape, self.max_num_seqs, np.int32)
+        return {"step": step, "extras": extras, "meta": self._sampling.gather(rows)}
 
-    def lower(self, t_bucket: int, all_logits: bool = False) -> Any:
-        """The bucket's step program, lowered (for HLO inspection and tests)."""
-        args, kwargs = self._args(self._idle_inputs(t_bucket, all_logits), all_logits)
+    def lower(self, t_bucket: int, all_logits: bool = False, page_bucket: int | None = None) -> Any:
+        """The bucket's step program, lowered (for HLO inspection and tests); the page bucket
+        defaults to the largest."""
+        p_bucket = page_bucket or self.pages_per_seq
+        args, kwargs = self._args(self._idle_inputs(t_bucket, all_logits, p_bucket), all_logits)
         return self._jit.lower(*args, **kwargs)
 
     def warmup(self) -> int:
-        """Compiles every (token bucket, logits variant) program; returns how many were built."""
+        """Compiles every (token bucket, page bucket, logits variant) program; returns how many
+        were built."""
         start = time.perf_counter()
-        self._last_rows = {}  # NOTE: warmup programs overwrite the previous sampled ids
+        self._last_sample.fill(-1)  # NOTE: warmup programs overwrite the previous sampled ids
         for t_bucket in self.token_buckets:
-            for all_logits in (False, True):
-                out, _ = self._call(self._idle_inputs(t_bucket, all_logits), all_logits)
-                jax.block_until_ready(out)
-                self._note_compiled(t_bucket, all_logits)
+            for p_bucket in self.page_buckets:
+                for all_logits in (False, True):
+                    inputs = self._idle_inputs(t_bucket, all_logits, p_bucket)
+                    out, _ = self._call(inputs, all_logits)
+                    jax.block_until_ready(out)
+                    self._note_compiled(Prepared(inputs, all_logits, t_bucket, p_bucket, False))
         logger.info("warmup compiled %d programs in %.1fs", self.num_compiled,
                     time.perf_counter() - start)
         return self.num_compiled
+
+
+def _ranks(counts: np.ndarray) -> np.ndarray:
+    """i32[sum(counts)] 0, 1, ..., counts[0]-1, 0, 1, ..., counts[1]-1, ..."""
+    total = int(counts.sum())
+    return (np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)).astype(np.int32)

@@ -19,7 +19,9 @@ catching up to `num_tokens`, and one loop decides how many of its tokens to comp
    penalties, whose token counts the runner builds from the tokens it computes), the rest is chunked to
    the token budget, pages are allocated. The first request that does not fit stops admission
    (strict order, no preemption to admit).
-4. `scheduled` lists decodes first, then prefill chunks.
+4. `scheduled` lists decodes first, then prefill chunks. Each entry is a diff for the runner's
+   persistent batch: a request that (re)joins (`is_new`) carries its whole page table, a running
+   one only the pages allocated for this step; finished and preempted ids say which rows to drop.
 5. Data parallelism: with one `PageAllocator` per data replica, every replica has its own page
    pool and its own budgets (`max_num_seqs / replicas` sequences, `max_num_batched_tokens`
    tokens: the runner pads every replica's step to the same bucket). A request is admitted to
@@ -49,6 +51,7 @@ import bisect
 import collections
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 from jaxinfer.engine.page_allocator import PageAllocator
@@ -57,12 +60,25 @@ from jaxinfer.engine.request import FINISH_REASONS, Request, RequestStatus
 
 @dataclasses.dataclass
 class ScheduledRequest:
+    """One request's share of a step, as a diff against what the runner already holds.
+
+    A request that (re)joins the batch (`is_new`: first scheduled since admission or resumption)
+    comes with its whole page table in `new_page_ids`; a running one only with the pages allocated
+    for this step (usually none). The runner keeps each row's page table and sampling parameters
+    between steps and patches them from these diffs.
+    """
+
     request: Request
     token_ids: list[int]  # all_token_ids[start_pos : start_pos + len(token_ids)]
     start_pos: int  # num_computed_tokens before this step
-    page_ids: list[int]  # the whole page table (a copy), covering start_pos + len(token_ids)
+    new_page_ids: Sequence[int]  # pages the runner has not seen (the whole table when is_new)
     sample: bool  # the chunk reaches the end of the known tokens: sample one new token
     replica: int = 0  # data replica whose pages (ids local to its pool) hold the request
+    is_new: bool = False  # the request (re)joins the batch: its row is built from scratch
+    # NOTE: the request's live page list, not a copy: it only grows at the end while the request
+    # holds it (a release swaps in a new list), so its first cdiv(start_pos + len(token_ids),
+    # page_size) pages stay this step's table.
+    page_table: Sequence[int] = ()
 
     @property
     def is_decode(self) -> bool:
@@ -238,7 +254,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 stopped.add(r)  # it preempted itself: its replica schedules nothing more
                 continue
-            self._schedule_tokens(req, n, need, scheduled)
+            self._schedule_tokens(req, n, need, scheduled, False)
             budgets[r] -= n
             i += 1
 
@@ -268,7 +284,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self._replica[req.request_id] = r
             bisect.insort(self._running, req, key=self._key)
-            self._schedule_tokens(req, n, need, scheduled)
+            self._schedule_tokens(req, n, need, scheduled, True)
             budgets[r] -= n
 
         scheduled.sort(key=lambda s: not s.is_decode)  # stable: decodes first
@@ -325,7 +341,7 @@ class Scheduler:
         return self._order[req.request_id]
 
     def _schedule_tokens(
-        self, req: Request, n: int, need: int, scheduled: list[ScheduledRequest]
+        self, req: Request, n: int, need: int, scheduled: list[ScheduledRequest], is_new: bool
     ) -> None:
         if n < 1:
             raise RuntimeError(f"request {req.request_id!r} has no token to compute")
@@ -335,7 +351,12 @@ class Scheduler:
         start = req.num_computed_tokens
         tokens = req.token_slice(start, start + n)
         sample = start + n == req.num_tokens
-        scheduled.append(ScheduledRequest(req, tokens, start, list(req.page_ids), sample, r))
+        if is_new:
+            new_pages: Sequence[int] = list(req.page_ids)
+        else:
+            new_pages = req.page_ids[-need:] if need > 0 else ()
+        scheduled.append(ScheduledRequest(req, tokens, start, new_pages, sample, r, is_new,
+                                          req.page_ids))
         req.num_computed_tokens = start + n
         req.num_pending_tokens += sample
         # NOTE: offered before the step runs (its K/V is written before any later step reads it),
@@ -351,8 +372,10 @@ class Scheduler:
 
     def forget_pages(self, scheduled: list[ScheduledRequest]) -> None:
         """A step holding these failed: none of their pages may serve a prefix-cache hit."""
+        page_size = self.allocator.page_size
         for s in scheduled:
-            self.allocators[s.replica].forget(s.page_ids)
+            end = s.start_pos + len(s.token_ids)
+            self.allocators[s.replica].forget(s.page_table[: _cdiv(end, page_size)])
 
     def _last_token_pending(self, req: Request) -> bool:
         """The request's pending token will finish it by length: nothing more to schedule."""

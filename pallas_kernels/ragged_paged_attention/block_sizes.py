@@ -16,9 +16,19 @@ Both kernels (`gpu.py`, `tpu.py`) share this plumbing; only the kernel bodies di
 4. `gather_query_blocks` lays q out as `[W, Hkv, block_q * G_pad, D]` (one contiguous block per
    work item and KV head: the G query heads of a KV head are rows next to each other), and
    `scatter_query_blocks` gathers each token's rows back out of the kernel's output blocks.
+5. Split-K decode (GPU, flash-decoding): `split_work_table` gives each decode-class sequence
+   `min(its KV blocks, budget // live decode sequences)` work items, each walking a contiguous,
+   balanced share of the sequence's KV blocks (`split_range`), where budget =
+   ceil(`decode_programs` / Hkv). `decode_programs` comes from `decode_programs_for`:
+   `DECODE_PROGRAMS_PER_CORE` programs per streaming multiprocessor of the default GPU (132 SMs
+   on an H100 when no GPU is attached). The split count is a traced value, so one compiled program
+   serves batch 1 (many splits per sequence) and batch 256 (one split each) alike; the grid is
+   the static bound max(class blocks, budget). `combine_splits` merges the partial results by
+   their log-sum-exp.
 
-Legend: T = query tokens, S = sequences, W = work items (query blocks), R = rows of a query block,
-Hkv = KV heads, G = query heads per KV head (G_pad: padded to a power of two on GPU), D = head_dim.
+Legend: T = query tokens, S = sequences, W = work items (query blocks, or KV splits of a query
+block), R = rows of a query block, Hkv = KV heads, G = query heads per KV head (G_pad: padded to a
+power of two on GPU), D = head_dim.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ class KernelBlocks:
     pages_per_block: int
     num_warps: int = 4
     num_stages: int = 2
+    decode_programs: int = 0  # GPU split-K: programs the decode class aims for (0: no split)
 
 
 # NOTE: not yet measured on hardware (no GPU/TPU in the session that wrote this); the values follow
@@ -73,6 +84,30 @@ DEFAULT_KEYS = {"gpu": 64, "tpu": 512}
 MAX_DEFAULT_PAGES = {"gpu": 64, "tpu": 32}
 MIN_KEYS = {"gpu": 16, "tpu": 1}  # Triton's dot needs every dimension >= 16
 DEFAULTS = {"gpu": BlockSizes(64, 16, 0), "tpu": BlockSizes(128, 8, 0)}
+
+# NOTE: split-K decode aims for this many programs per SM: a decode program is small (4 warps, a
+# 16-row tile), so several stay resident per SM and hide each other's page-gather latency; 4 per SM
+# is the usual flash-decoding choice, not yet measured here (re-tune with bench_attention.py).
+DECODE_PROGRAMS_PER_CORE = 4
+H100_SMS = 132  # the streaming multiprocessors assumed when no GPU is attached (lowering, tests)
+
+
+def decode_programs_for(backend: str) -> int:
+    """The split-K program target of `backend` (0: the backend never splits).
+
+    SMs come from the abstract device of an enclosing `jax.sharding.use_abstract_mesh` (lowering
+    ahead of time for a GPU), else from the attached GPU, else `H100_SMS`.
+    """
+    if backend != "gpu":
+        return 0
+    cores = None
+    abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if abstract is not None and abstract.platform in ("gpu", "cuda", "rocm"):
+        cores = abstract.num_cores
+    else:
+        dev = jax.devices()[0]
+        cores = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
+    return DECODE_PROGRAMS_PER_CORE * int(cores or H100_SMS)
 
 
 def next_pow2(n: int) -> int:
@@ -105,7 +140,8 @@ def get_block_sizes(backend: str, *, head_dim: int, page_size: int, dtype, group
         block_q, decode_block_q = next_pow2(block_q), next_pow2(decode_block_q) if decode_block_q else 0
     cap = next_pow2(pages_per_seq) if pow2 else pages_per_seq
     pages = max(1, min(entry.pages_per_block, cap), -(-MIN_KEYS[backend] // page_size))
-    return KernelBlocks(block_q, decode_block_q, pages, entry.num_warps, entry.num_stages)
+    return KernelBlocks(block_q, decode_block_q, pages, entry.num_warps, entry.num_stages,
+                        decode_programs_for(backend) if decode_block_q else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,3 +234,89 @@ def scatter_query_blocks(
     w = jnp.clip(starts[seq] + local // cls.block_q, 0, w_max - 1)
     blocks = out_blocks.reshape(w_max, hkv, cls.block_q, gp, d)
     return blocks[w, :, local % cls.block_q], mine
+
+
+def key_range(kv_len, q_len, first, n_valid, *, page_size: int, sliding_window: int | None):
+    """Keys a query block sees: (position of its first token, exclusive key end, first page).
+
+    `first` is the block's first token within the sequence, `n_valid` its real tokens; the window
+    start is rounded down to a page, so whole pages before every row's window are skipped.
+    """
+    first_pos = kv_len - q_len + first
+    key_end = first_pos + n_valid
+    page_lo = 0
+    if sliding_window is not None:
+        page_lo = jnp.maximum(first_pos - sliding_window + 1, 0) // page_size
+    return first_pos, key_end, page_lo
+
+
+def split_range(num_blocks, split, num_splits):
+    """The KV blocks [lo, hi) of split `split` of `num_splits`: balanced shares, none empty when
+    num_splits <= num_blocks."""
+    return split * num_blocks // num_splits, (split + 1) * num_blocks // num_splits
+
+
+def split_budget(blocks: KernelBlocks, num_kv_heads: int) -> int:
+    """Work items (per KV head) the decode class may use: ceil(decode_programs / Hkv)."""
+    return -(-blocks.decode_programs // num_kv_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitTable:
+    """Decode-class work items with their KV splits (every array i32[W])."""
+
+    seq: jax.Array  # the item's sequence; -1 past the live items
+    split: jax.Array  # which split of the sequence's KV blocks
+    num_splits: jax.Array  # how many splits the sequence has
+    block: jax.Array  # the class block (output block) the item contributes to; W for dead items
+
+
+def split_work_table(
+    cu_q_lens: jax.Array,  # i32[S+1]
+    kv_lens: jax.Array,  # i32[S]
+    num_seqs: jax.Array,  # i32[1]
+    cls: QueryClass,
+    *,
+    budget: int,
+    num_work: int,
+    page_size: int,
+    block_k: int,
+    sliding_window: int | None,
+) -> SplitTable:
+    """The decode class's work items, each sequence split over its KV blocks (step 5 above).
+
+    NOTE: a decode-class sequence holds one query block (q_len <= block_q). With n live sequences
+    each gets at most max(1, budget // n) splits, so the items never exceed max(n, budget) <=
+    num_work, the static grid bound the caller passes (>= max(cls.num_work, budget)).
+    """
+    member, starts, _ = _class_blocks(cu_q_lens, num_seqs, cls)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[S]
+    _, key_end, page_lo = key_range(kv_lens, q_lens, 0, q_lens, page_size=page_size,
+                                    sliding_window=sliding_window)
+    kv_blocks = (key_end - page_lo * page_size + block_k - 1) // block_k  # i32[S]
+    live = jnp.maximum(member.sum(), 1)
+    per_seq = jnp.clip(jnp.minimum(kv_blocks, budget // live), 1, None)
+    splits = jnp.where(member, per_seq, 0).astype(jnp.int32)
+    ends = jnp.cumsum(splits).astype(jnp.int32)
+    w = jnp.arange(num_work, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), ends.shape[0] - 1).astype(jnp.int32)
+    ok = w < ends[-1]
+    return SplitTable(seq=jnp.where(ok, seq, -1),
+                      split=jnp.where(ok, w - (ends - splits)[seq], 0),
+                      num_splits=jnp.where(ok, splits[seq], 1),
+                      block=jnp.where(ok, starts[seq], cls.num_work))
+
+
+def combine_splits(
+    out: jax.Array,  # f32[W, Hkv, R, D] each item's output, normalized over its own keys
+    lse: jax.Array,  # f32[W, Hkv, R] log-sum-exp of each item's scores (very negative: no keys)
+    block: jax.Array,  # i32[W] the class block each item belongs to (num_blocks: dead item)
+    num_blocks: int,
+) -> jax.Array:  # f32[num_blocks, Hkv, R, D]
+    """Flash-decoding merge: out_b = sum_i exp(lse_i - M_b) out_i / sum_i exp(lse_i - M_b) over
+    the items i of block b, M_b = max_i lse_i. Items with no visible key weigh exp(-1e30 - M) = 0."""
+    m = jax.ops.segment_max(lse, block, num_segments=num_blocks + 1)  # f32[B+1, Hkv, R]
+    wgt = jnp.exp(lse - m[block])  # f32[W, Hkv, R]
+    den = jax.ops.segment_sum(wgt, block, num_segments=num_blocks + 1)
+    num = jax.ops.segment_sum(wgt[..., None] * out, block, num_segments=num_blocks + 1)
+    return (num / jnp.where(den > 0, den, 1.0)[..., None])[:num_blocks]

@@ -12,12 +12,19 @@ Flow of `ragged_paged_attention`:
   4. One `pallas_call` per class, grid `(W, Hkv)`. A program reads its sequence's lengths, works
      out the key range its rows can see (causal end, sliding-window start rounded down to a page),
      and walks it in blocks of `pages_per_block` pages: the page ids come from scalar-indexed loads
-     of the page table, keys and values are row gathers `kv[page * page_size + offset, 2h(+1), :]`.
+     of the page table, keys and values are row gathers `kv[page * page_size + offset, 2h(+1), :]`
+     (one load serves all G query heads of the KV head: they are rows of the same tile).
      Scores get the soft-cap, then the causal / length / window mask, then an online-softmax
      update (f32 statistics and accumulator; sinks seed the running max and denominator).
-  5. The output blocks are gathered back to token order; padding tokens get zeros.
+  5. Split-K decode (flash-decoding): when `blocks.decode_programs > 0` the decode class's work
+     items are KV splits (`block_sizes.split_work_table`): a sequence's KV blocks are shared out
+     over up to budget // live-sequences programs, so one long decode still fills the GPU. Each
+     split writes its f32 output normalized over its own keys plus the log-sum-exp of its scores
+     (sinks counted once, in split 0); `block_sizes.combine_splits` merges the splits.
+  6. The output blocks are gathered back to token order; padding tokens get zeros.
 
-NOTE: work items past a class's live blocks exit at once, and their output blocks are never read.
+NOTE: work items past a class's live blocks exit at once, and their output blocks are never read
+(with split-K they are combined into a discarded extra block).
 NOTE: masked values are zeroed and masked probabilities are exactly 0, so NaN-filled unused pages
 and slots never reach the output; page ids are clamped into range before they address memory.
 
@@ -49,13 +56,16 @@ MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
 def _kernel(
     work_seq_ref,  # i32[W]
     work_qblk_ref,  # i32[W]
+    work_split_ref,  # i32[W] or None (no split-K): the item's split of its sequence's KV blocks
+    work_nsplit_ref,  # i32[W] or None: the number of splits of the item's sequence
     kv_lens_ref,  # i32[S]
     cu_q_lens_ref,  # i32[S+1]
     pages_ref,  # i32[S * pages_per_row] (page table flattened, padded by one KV block of columns)
     q_ref,  # [R, D] this work item's rows for this KV head
     sinks_ref,  # f32[R] or None
     kv_ref,  # [P * page_size, 2*Hkv, D] the cache, one row per slot
-    o_ref,  # [R, D]
+    o_ref,  # [R, D] (f32 and normalized over the split's keys with split-K)
+    lse_ref=None,  # f32[R] with split-K: log-sum-exp of the split's scores (MASK_VALUE: none)
     *,
     block_q: int,
     group: int,
@@ -79,21 +89,25 @@ def _kernel(
         kv_len = kv_lens_ref[s]
         first = work_qblk_ref[w] * block_q  # first query token of the block, within the sequence
         n_valid = jnp.minimum(q_len - first, block_q)
-        first_pos = kv_len - q_len + first
-        key_end = first_pos + n_valid  # exclusive: no row sees a key past the block's last token
-        page_lo = 0
-        if sliding_window is not None:
-            page_lo = jnp.maximum(first_pos - sliding_window + 1, 0) // page_size
+        # key_end is exclusive: no row sees a key past the block's last token
+        first_pos, key_end, page_lo = bs.key_range(kv_len, q_len, first, n_valid,
+                                                   page_size=page_size,
+                                                   sliding_window=sliding_window)
         num_blocks = pl.cdiv(key_end - page_lo * page_size, block_k)
+        if work_split_ref is None:
+            lo, hi, seed = 0, num_blocks, True
+        else:
+            split = work_split_ref[w]
+            lo, hi = bs.split_range(num_blocks, split, work_nsplit_ref[w])
+            seed = split == 0  # the sinks' virtual key is counted by one split only
 
         q_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group  # i32[R]
         q = q_ref[...]
-        if sinks_ref is None:
-            m0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
-            l0 = jnp.zeros((rows,), jnp.float32)
-        else:
-            m0 = sinks_ref[...].astype(jnp.float32)
-            l0 = jnp.ones((rows,), jnp.float32)
+        m0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
+        l0 = jnp.zeros((rows,), jnp.float32)
+        if sinks_ref is not None:
+            m0 = jnp.where(seed, sinks_ref[...].astype(jnp.float32), m0)
+            l0 = jnp.where(seed, 1.0, l0)
         acc0 = jnp.zeros((rows, d), jnp.float32)
         offs = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # i32[K]
 
@@ -122,8 +136,10 @@ def _kernel(
                                      preferred_element_type=jnp.float32)  # [R, D]
             return m_new, l, alpha[:, None] * acc + pv
 
-        _, l, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, l0, acc0))
+        m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, acc0))
         o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+        if lse_ref is not None:
+            lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), MASK_VALUE)
 
 
 def _run_class(q, kv_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows, cls, *,
@@ -132,27 +148,49 @@ def _run_class(q, kv_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows,
     """One pallas_call over one query class; returns (out [T, Hkv, Gp, D], bool[T] membership)."""
     t, hkv, gp, d = q.shape
     rows = cls.block_q * gp
+    split_k = blocks.decode_programs > 0 and cls.max_q_len <= blocks.decode_block_q
     with jax.named_scope("rpa_work_table"):
-        seq, qblk = bs.work_table(cu_q_lens, num_seqs, cls)
+        if split_k:
+            num_work = max(cls.num_work, bs.split_budget(blocks, hkv))
+            table = bs.split_work_table(
+                cu_q_lens, kv_lens, num_seqs, cls, budget=bs.split_budget(blocks, hkv),
+                num_work=num_work, page_size=page_size,
+                block_k=blocks.pages_per_block * page_size, sliding_window=sliding_window)
+            seq, qblk = table.seq, jnp.zeros_like(table.seq)
+            split_args = (table.split, table.num_splits)
+        else:
+            num_work = cls.num_work
+            seq, qblk = bs.work_table(cu_q_lens, num_seqs, cls)
+            split_args = (None, None)
         q_blocks = bs.gather_query_blocks(q, cu_q_lens, seq, qblk, cls.block_q)  # [W, Hkv, R, D]
     kernel = functools.partial(
         _kernel, block_q=cls.block_q, group=gp, page_size=page_size,
         pages_per_block=blocks.pages_per_block, pages_per_row=pages_per_row, num_pages=num_pages,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     whole = pl.BlockSpec()
+    split_specs = [whole, whole] if split_k else [None, None]
     q_spec = pl.BlockSpec((None, None, rows, d), lambda w, h: (w, h, 0, 0))
     sinks_spec = None if sinks_rows is None else pl.BlockSpec((None, rows), lambda w, h: (h, 0))
+    out_shape = jax.ShapeDtypeStruct((num_work, hkv, rows, d), q.dtype)
+    out_spec = q_spec
+    if split_k:
+        out_shape = (jax.ShapeDtypeStruct((num_work, hkv, rows, d), jnp.float32),
+                     jax.ShapeDtypeStruct((num_work, hkv, rows), jnp.float32))
+        out_spec = (q_spec, pl.BlockSpec((None, None, rows), lambda w, h: (w, h, 0)))
     out_blocks = pl.pallas_call(
         kernel,
-        grid=(cls.num_work, hkv),
-        in_specs=[whole, whole, whole, whole, whole, q_spec, sinks_spec, whole],
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct((cls.num_work, hkv, rows, d), q.dtype),
+        grid=(num_work, hkv),
+        in_specs=[whole, whole, *split_specs, whole, whole, whole, q_spec, sinks_spec, whole],
+        out_specs=out_spec,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         interpret=interpret,
-        name=f"ragged_paged_attention_bq{cls.block_q}",
-    )(seq, qblk, kv_lens, cu_q_lens, pages_flat, q_blocks, sinks_rows, kv_rows)
+        name=f"ragged_paged_attention_bq{cls.block_q}{'_split_k' if split_k else ''}",
+    )(seq, qblk, *split_args, kv_lens, cu_q_lens, pages_flat, q_blocks, sinks_rows, kv_rows)
+    if split_k:
+        with jax.named_scope("rpa_combine_splits"):
+            out_blocks = bs.combine_splits(*out_blocks, table.block, cls.num_work).astype(q.dtype)
     with jax.named_scope("rpa_unblock"):
         return bs.scatter_query_blocks(out_blocks, cu_q_lens, num_seqs, cls, t)
 

@@ -1,0 +1,370 @@
+"""`EngineCore`: scheduler + runner + device, token ids in and token ids out (no text).
+
+This is the half of the engine that a serving front end runs in its own process
+(`jaxinfer.engine.core_client`); `LLMEngine` runs it in-process under the same output processor.
+
+1. `add(CoreRequest)` hands a tokenized, validated child request (one sample) to the scheduler;
+   `abort(id)` and `finish(id, "stop", stop_string)` end one (the front end finishes requests
+   whose stop strings it matched in the detokenized text).
+2. `step()` is schedule -> launch/execute -> update. With `EngineConfig.async_scheduling` (the
+   default on one process) it schedules and launches step N+1 first and only then waits for step
+   N and applies its update (vLLM v1's async scheduling): each call returns the outputs of the
+   step launched by the previous call.
+3. The step's `RequestUpdate`s become `TokenOutput`s (new ids, logprobs, finish reason, usage
+   counters): plain data that `to_wire` / `from_wire` turn into msgpack-able lists.
+4. A failing step raises after naming the requests it lost in `failed_request_ids`; the pages
+   they were to write leave the prefix cache. The caller fails exactly those.
+
+`stats()`, `warmup()` and the injectable `runner` are the public surface serving uses; nothing
+outside this module reads the scheduler's or the allocators' fields.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+
+from jaxinfer import attention
+from jaxinfer import sharding as shd
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine.page_allocator import PageAllocator
+from jaxinfer.engine.request import Request
+from jaxinfer.engine.runner import Launched, ModelRunner, TokenLogprobs
+from jaxinfer.engine.scheduler import RequestUpdate, RunnerOutput, Scheduler
+from jaxinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    """What a prompt is checked against (the front end gets these from the core at start)."""
+
+    vocab_size: int
+    max_model_len: int
+    page_size: int
+    num_pages: int  # usable pages of one data replica (a request lives in one replica)
+
+
+def check_prompt(ids: Sequence[int], sampling: SamplingParams, limits: EngineLimits, *,
+                 field: str = "prompt", max_tokens_field: str = "max_tokens") -> None:
+    """The one prompt-length / vocabulary / page check every entry point calls (ValueError)."""
+    if not ids:
+        raise ValueError(f"{field} is empty (no tokens)")
+    for i, t in enumerate(ids):
+        if not 0 <= t < limits.vocab_size:
+            raise ValueError(f"{field}[{i}] = {t} is outside the vocabulary [0, {limits.vocab_size})")
+    n, m = len(ids), sampling.max_tokens
+    if n + m > limits.max_model_len:
+        raise ValueError(f"{max_tokens_field}: prompt of {n} tokens + max_tokens={m} exceeds "
+                         f"max_model_len={limits.max_model_len}")
+    # The last sampled token is never computed: at most n + m - 1 tokens hold K/V.
+    pages = -(-(n + m - 1) // limits.page_size)
+    if pages > limits.num_pages:
+        raise ValueError(f"{max_tokens_field}: prompt of {n} tokens + max_tokens={m} needs {pages} "
+                         f"KV-cache pages, the cache has {limits.num_pages}")
+
+
+@dataclasses.dataclass
+class CoreRequest:
+    """One sample of one request, as the core sees it (ids only)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+
+
+@dataclasses.dataclass
+class TokenOutput:
+    """What one step added to one child request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: TokenLogprobs | None = None  # of the (one) new token, when asked
+    prompt_logprobs: dict[int, TokenLogprobs] | None = None  # position -> logprobs, when asked
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+def _lp_wire(lp: TokenLogprobs | None) -> list | None:
+    return None if lp is None else [lp.token_id, lp.logprob, list(lp.top.items())]
+
+
+def _lp_unwire(w: list | None) -> TokenLogprobs | None:
+    return None if w is None else TokenLogprobs(w[0], w[1], dict(w[2]))
+
+
+def to_wire(out: TokenOutput) -> list:
+    """A msgpack-able list (the engine-core process sends these, one message per step)."""
+    plp = None if out.prompt_logprobs is None else [
+        [p, _lp_wire(lp)] for p, lp in out.prompt_logprobs.items()]
+    return [out.request_id, out.new_token_ids, _lp_wire(out.logprobs), plp, out.finished,
+            out.finish_reason, out.stop_reason, out.num_prompt_tokens, out.num_output_tokens,
+            out.num_cached_tokens]
+
+
+def from_wire(w: list) -> TokenOutput:
+    plp = None if w[3] is None else {p: _lp_unwire(lp) for p, lp in w[3]}
+    return TokenOutput(w[0], list(w[1]), _lp_unwire(w[2]), plp, *w[4:])
+
+
+def default_kv_cache_memory() -> int:
+    """Bytes for the KV cache when the user gives neither num_pages nor kv_cache_memory."""
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(0.85 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    try:  # CPU: a quarter of the available host memory, at most 4 GiB
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 4 << 30
+    return min(avail // 4, 4 << 30)
+
+
+class EngineCore:
+    """Scheduler + runner over one model's params.
+
+    Args:
+      cfg: the model's architecture numbers.
+      params: the params tree (None with an injected `runner`, e.g. a fake one).
+      config: engine knobs; `num_pages` None sizes the cache from `kv_cache_memory` / the device.
+      runner: use this runner instead of building a `ModelRunner` (tests, host benchmarks).
+    """
+
+    def __init__(self, cfg: ModelConfig, params: Any, config: EngineConfig, *,
+                 attention_backend: str | None = None, linear_backend: str | None = None,
+                 runner: Any = None) -> None:
+        self.cfg = cfg
+        max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        sizes = shd.check_mesh(cfg, config.mesh, num_devices=len(jax.devices()),
+                               max_num_seqs=config.max_num_seqs, num_pages=config.num_pages)
+        self.mesh = shd.make_mesh(config.mesh or None)
+        data, shards = sizes[shd.DATA], shd.Parallel(**sizes).dense
+        # Bytes one page takes on one device (its share of the KV heads).
+        kv_heads = shd.kv_cache_heads(cfg.num_kv_heads, shards) // shards
+        row_bytes = attention.kv_cache_bytes_per_row(
+            cfg.head_dim, 4 if config.dtype == "float32" else 2, config.kv_cache_dtype)
+        page_bytes = config.page_size * 2 * kv_heads * row_bytes * cfg.num_layers
+        pages_for_all = (config.max_num_seqs // data) * -(-max_model_len // config.page_size) + 1
+        num_pages = config.num_pages
+        if num_pages is None:  # per device = per replica, then the total over replicas
+            budget = config.kv_cache_memory or default_kv_cache_memory()
+            num_pages = min(budget // page_bytes, pages_for_all)
+            if num_pages < 2:
+                raise ValueError(f"kv_cache_memory={budget} bytes holds fewer than 2 pages of "
+                                 f"{page_bytes} bytes; give more memory or a smaller page_size")
+            num_pages *= data
+        self.config = dataclasses.replace(config, num_pages=int(num_pages),
+                                          max_model_len=max_model_len)
+        self.max_model_len = max_model_len
+        self.allocators = [PageAllocator(self.config.num_pages // data, config.page_size,
+                                         config.enable_prefix_caching) for _ in range(data)]
+        self.scheduler = Scheduler(self.allocators, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=max_model_len,
+                                   long_prefill_token_threshold=config.long_prefill_token_threshold)
+        if runner is None:
+            runner = ModelRunner(cfg, params, page_size=config.page_size,
+                                 num_pages=self.config.num_pages, max_model_len=max_model_len,
+                                 max_num_seqs=config.max_num_seqs,
+                                 max_num_batched_tokens=config.max_num_batched_tokens,
+                                 dtype=config.dtype, attention_backend=attention_backend,
+                                 linear_backend=linear_backend, mesh=self.mesh,
+                                 kv_cache_dtype=config.kv_cache_dtype)
+        self.runner = runner
+        self._in_flight: Launched | None = None  # async scheduling: the step still running
+        self._ready: list[TokenOutput] = []  # outputs of a step finished while the next one failed
+        self._aborted: list[Request] = []
+        self._requests: dict[str, Request] = {}  # every child request added and not yet reported
+        # Child request ids a failed `step()` lost (set when it raises; the caller fails them).
+        self.failed_request_ids: list[str] = []
+        self.num_steps = 0
+        self.num_generated = 0
+        if params is not None and runner is not None and hasattr(runner, "bytes_per_device"):
+            self._log_capacity(data, shards, row_bytes)
+
+    def _log_capacity(self, data: int, shards: int, row_bytes: int) -> None:
+        usable = sum(a.num_usable_pages for a in self.allocators)
+        held = self.runner.bytes_per_device()
+        c = self.config
+        replicated = "" if shd.kv_heads_split(self.cfg.num_kv_heads, shards) else (
+            f"; KV replicated: {self.cfg.num_kv_heads} KV heads < {shards} attention shards, each "
+            f"shard keeps a copy of the one its query heads need")
+        logger.info(
+            "KV cache (%s): %d pages x %d tokens = %d tokens (%.1f MiB); max_model_len %d -> up to "
+            "%.1f concurrent full-length requests; max_num_seqs %d, max_num_batched_tokens %d; mesh "
+            "%s: %d data replica(s) of %d pages, per device %.1f MiB params + %.1f MiB KV%s",
+            self._kv_storage(row_bytes), usable, c.page_size, usable * c.page_size, self.runner.kv_cache_bytes / 2**20,
+            self.max_model_len, usable * c.page_size / self.max_model_len, c.max_num_seqs,
+            c.max_num_batched_tokens, c.mesh or "single device", data,
+            self.allocators[0].num_pages, held["params"] / 2**20, held["kv_cache"] / 2**20,
+            replicated)
+
+    def _kv_storage(self, row_bytes: int) -> str:
+        """How the cache is stored, and for fp8 the token capacity gained over the model dtype."""
+        if self.config.kv_cache_dtype != "fp8":
+            return self.config.dtype
+        dtype_row = self.cfg.head_dim * (4 if self.config.dtype == "float32" else 2)
+        return (f"fp8 e4m3 + one exponent byte per {self.cfg.head_dim}-value row: "
+                f"{dtype_row / row_bytes:.2f}x the tokens of {self.config.dtype} in the same memory")
+
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(self.cfg.vocab_size, self.max_model_len, self.config.page_size,
+                            self.allocators[0].num_usable_pages)
+
+    def capacity(self) -> dict[str, int]:
+        usable = sum(a.num_usable_pages for a in self.allocators)
+        return {"num_pages": usable, "page_size": self.config.page_size,
+                "max_tokens": usable * self.config.page_size, "max_model_len": self.max_model_len}
+
+    def stats(self) -> dict[str, int]:
+        """Load numbers over every data replica (what serving reports and logs)."""
+        usable = sum(a.num_usable_pages for a in self.allocators)
+        free = sum(a.num_free_pages for a in self.allocators)
+        return {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
+                "pages_total": usable, "pages_used": usable - free,
+                "compiled_programs": int(getattr(self.runner, "num_compiled", 0)),
+                "steps": self.num_steps, "generated": self.num_generated}
+
+    def info(self) -> dict[str, Any]:
+        """Static facts a front end reports (msgpack-able)."""
+        devices = jax.devices()
+        return {"capacity": self.capacity(), "limits": dataclasses.asdict(self.limits),
+                "max_num_seqs": self.config.max_num_seqs,
+                "max_num_batched_tokens": self.config.max_num_batched_tokens,
+                "page_size": self.config.page_size, "dtype": self.config.dtype,
+                "quantization": self.config.quantization,
+                "kv_cache_dtype": self.config.kv_cache_dtype,
+                "attention_backend": str(getattr(self.runner, "attention_backend", "")),
+                "linear_backend": str(getattr(self.runner, "linear_backend", "")),
+                "mesh_shape": {str(k): int(v) for k, v in self.mesh.shape.items()}
+                if self.config.mesh else {},
+                "devices": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})"}
+
+    def warmup(self) -> int:
+        """Compiles every program a request can need; returns how many exist."""
+        return int(self.runner.warmup())
+
+    def add(self, req: CoreRequest) -> None:
+        """Queues one child request (validated by the caller with `check_prompt`)."""
+        if req.request_id in self._requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        check_prompt(req.prompt_token_ids, req.sampling, self.limits)
+        request = Request(req.request_id, list(req.prompt_token_ids), req.sampling,
+                          eos_token_ids=tuple(req.eos_token_ids), priority=req.priority)
+        self.scheduler.add_request(request)
+        self._requests[req.request_id] = request
+
+    def abort(self, request_id: str) -> None:
+        """Aborts one child request; the next `step()` reports it finished with "abort"."""
+        req = self._requests.get(request_id)
+        if req is not None and self.scheduler.abort(request_id):
+            self._aborted.append(req)
+
+    def finish(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> None:
+        """Ends a request for a reason found outside the core (a stop string); not reported."""
+        if self._requests.pop(request_id, None) is not None:
+            self.scheduler.finish(request_id, reason, stop_reason)
+
+    def has_unfinished(self) -> bool:
+        return (self.scheduler.has_unfinished() or bool(self._aborted)
+                or self._in_flight is not None or bool(self._ready))
+
+    @property
+    def async_scheduling(self) -> bool:
+        # NOTE: a multi-host leader broadcasts each `runner.run` to its followers: synchronous.
+        return self.config.async_scheduling and getattr(self.runner, "channel", None) is None
+
+    def step(self) -> list[TokenOutput]:
+        """One engine step. If it raises, `failed_request_ids` names the requests it lost."""
+        self.failed_request_ids = []
+        sched = self.scheduler.schedule()
+        self.num_steps += bool(sched.scheduled)
+        if not self.async_scheduling:
+            with self._failing(sched.scheduled):
+                out = self.runner.execute(sched)
+            return self._outputs(self.scheduler.update(sched, out), out)
+        previous, self._in_flight = self._in_flight, None
+        ready, self._ready = self._ready, []
+        try:
+            with self._failing(sched.scheduled):
+                self._in_flight = self.runner.launch(sched)
+        except Exception:
+            lost, self._ready = self.failed_request_ids, ready
+            if previous is not None:  # not lost: its outputs come with the next call
+                try:
+                    self._ready += self._finish_launched(previous)
+                except Exception:  # noqa: BLE001 - the launch's exception is the one raised
+                    logger.exception("the step before the failed one failed too")
+                    lost = lost + self.failed_request_ids
+            self.failed_request_ids = lost
+            raise
+        if previous is None:
+            return ready + self._outputs([], RunnerOutput(sampled_token_ids={}))
+        return ready + self._finish_launched(previous)
+
+    def _finish_launched(self, launched: Launched) -> list[TokenOutput]:
+        """Waits for a launched step and applies it (a failure also loses the step after it,
+        which ran on its outputs)."""
+        after, self._in_flight = self._in_flight, None
+        with self._failing(launched.sched.scheduled + (after.sched.scheduled if after else [])):
+            out = self.runner.collect(launched)
+        self._in_flight = after
+        return self._outputs(self.scheduler.update(launched.sched, out), out)
+
+    @contextlib.contextmanager
+    def _failing(self, scheduled: list[Any]) -> Iterator[None]:
+        """On an exception: these requests are lost (the caller aborts them), and pages they were
+        to write leave the prefix cache (a failed step may not have written K/V others would
+        reuse)."""
+        try:
+            yield
+        except Exception:
+            self.scheduler.forget_pages(scheduled)
+            self.failed_request_ids = list(dict.fromkeys(s.request.request_id for s in scheduled))
+            raise
+
+    def _outputs(self, updates: list[RequestUpdate], out: RunnerOutput) -> list[TokenOutput]:
+        outputs = []
+        for req in self._aborted:
+            if self._requests.pop(req.request_id, None) is not None:
+                outputs.append(TokenOutput(req.request_id, [], finished=True, finish_reason="abort",
+                                           num_prompt_tokens=req.num_prompt_tokens,
+                                           num_output_tokens=req.num_output_tokens,
+                                           num_cached_tokens=req.num_cached_tokens))
+        self._aborted = []
+        # NOTE: every prefill chunk brings prompt logprobs, but only the last one samples (and
+        # so has an update): report them whenever the runner returns them.
+        prompt_lps = {rid: lps for rid, lps in out.prompt_logprobs.items() if rid in self._requests}
+        for upd in updates:
+            req = upd.request
+            if req.request_id not in self._requests:
+                continue  # finished outside (a stop string) while this step ran
+            self.num_generated += len(upd.new_token_ids)
+            outputs.append(TokenOutput(
+                req.request_id, list(upd.new_token_ids), out.logprobs.get(req.request_id),
+                prompt_lps.pop(req.request_id, None), upd.finished,
+                req.finish_reason if upd.finished else None,
+                req.stop_reason if upd.finished else None, req.num_prompt_tokens,
+                req.num_output_tokens, req.num_cached_tokens))
+            if upd.finished:
+                del self._requests[req.request_id]
+        for rid, lps in prompt_lps.items():  # a prefill chunk that did not sample yet
+            outputs.append(TokenOutput(rid, [], prompt_logprobs=lps))
+        return outputs

@@ -1,0 +1,136 @@
+"""Engine host time per step: every host path of `LLMEngine.step()` runs, the device does not.
+
+    python scripts/bench_host.py                              # 1, 64, 256 sequences; prompts 128, 1024
+    python scripts/bench_host.py --seqs 256 --prompt-lens 128 --steps 200
+
+1. The runner is a real `ModelRunner` over the default model's vocabulary and a one-layer,
+   tiny-width config whose jitted step program is replaced by outputs of the program's own
+   shapes (`jax.eval_shape`, once per bucket): input building, packing, the transfer-free call,
+   unpacking, the scheduler, the output processor (detokenizer, stop strings) all run as served.
+2. For each (sequences, prompt length, stop strings) case, that many requests are added and
+   prefilled, then `--steps` decode steps are timed one by one; p50 / p99 / mean host ms per
+   step are printed as a table (and as JSON lines with --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import _path  # noqa: F401
+import jax
+import numpy as np
+
+from jaxinfer import params as params_lib
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.loader import LoadedModel, load_model_info
+from jaxinfer.models import llama
+from jaxinfer.sampling_params import SamplingParams
+
+FILL_TOKEN = 1000  # the id every fake sample takes (an ordinary SmolLM2 token, never EOS)
+
+
+class HostOnlyRunner(ModelRunner):
+    """`ModelRunner` with its device program replaced by zero-cost outputs of the same shapes."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        real, shapes = self._jit, {}
+
+        def fake(*args, **kwargs):
+            key = (repr(sorted(kwargs.items())),
+                   tuple((np.shape(x), str(getattr(x, "dtype", type(x))))
+                         for x in jax.tree.leaves(args[2:])))
+            if key not in shapes:
+                shapes[key] = real.eval_shape(*args, **kwargs)
+
+            def fill(s):
+                v = FILL_TOKEN if np.issubdtype(s.dtype, np.integer) else 0
+                return np.full(s.shape, v, s.dtype)
+
+            return jax.tree.map(fill, shapes[key])
+
+        self._jit = fake
+
+
+def make_engine(args, model: LoadedModel, max_num_seqs: int, max_len: int) -> LLMEngine:
+    hf = dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+              max_position_embeddings=1 << 20, vocab_size=model.tokenizer.vocab_size)
+    cfg = ModelConfig.from_hf(hf)
+    params = params_lib.init_random(llama.param_specs(cfg), jax.random.key(0))
+    tiny = LoadedModel(name="host-bench", path="<none>", source="none", cfg=cfg, hf_config=hf,
+                       params=params, tokenizer=model.tokenizer, dtype="float32")
+    pages = max_num_seqs * -(-max_len // args.page_size) + 1
+    config = EngineConfig(page_size=args.page_size, num_pages=pages, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=max_len, dtype="float32")
+    engine = LLMEngine(tiny, config)
+    engine.runner = HostOnlyRunner(
+        cfg, params, page_size=args.page_size, num_pages=pages, max_model_len=max_len,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    return engine
+
+
+def run_case(args, model: LoadedModel, seqs: int, prompt_len: int, stops: bool) -> dict:
+    max_len = prompt_len + args.steps + 64
+    engine = make_engine(args, model, max(seqs, 1), max_len)
+    rng = np.random.default_rng(0)
+    stop = ["\n\nUser:", "###", "<|im_end|>"] if stops else None
+    sp = SamplingParams(max_tokens=args.steps + 32, temperature=0.8, top_p=0.95, seed=1,
+                        ignore_eos=True, stop=stop)
+    for i in range(seqs):
+        ids = rng.integers(1000, 20000, prompt_len).tolist()
+        engine.add_request(ids, sp, request_id=f"b{i}")
+    # Prefill everything (and compile the fake's shapes), then time decode steps only.
+    while engine.scheduler.num_waiting or engine.core.scheduler.num_running < seqs:
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {"seqs": seqs, "prompt_len": prompt_len, "stop_strings": stops,
+            "p50_ms": statistics.median(times), "p99_ms": times[min(len(times) - 1,
+                                                                    int(0.99 * len(times)))],
+            "mean_ms": statistics.fmean(times)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", default="1,64,256", help="running sequences per case")
+    p.add_argument("--prompt-lens", default="128,1024")
+    p.add_argument("--steps", type=int, default=100, help="decode steps timed per case")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--no-stop-cases", action="store_true", help="only cases without stop strings")
+    p.add_argument("--json", action="store_true", help="also print one JSON line per case")
+    args = p.parse_args(argv)
+    model = load_model_info(None)
+    rows = []
+    for seqs in [int(x) for x in args.seqs.split(",")]:
+        for plen in [int(x) for x in args.prompt_lens.split(",")]:
+            for stops in (False,) if args.no_stop_cases else (False, True):
+                rows.append(run_case(args, model, seqs, plen, stops))
+                if args.json:
+                    print(json.dumps(rows[-1]), flush=True)
+    print(f"\nhost ms per engine step ({jax.default_backend()}, {args.steps} decode steps per case)")
+    print("| seqs | prompt | stop strings | p50 ms | p99 ms | mean ms |")
+    print("| ---: | ---: | :---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['seqs']} | {r['prompt_len']} | {'yes' if r['stop_strings'] else 'no'} | "
+              f"{r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['mean_ms']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""What `scripts/serve.py` builds, in which process.
+
+1. `EngineArgs` holds everything that shapes the engine (plain data: it travels to the spawned
+   engine-core process).
+2. `frontend_model(args)`: the front end's view of the model, its config and tokenizer without
+   weights (no device is touched in the front-end process).
+3. `build_core(args)` (the `CoreSpec` factory, run in the engine-core process, or in this one for
+   multi-host and `--engine-in-process`): loads the weights onto the mesh and builds the
+   `EngineCore`; with `fake_runner` a `FakeRunner` stands in for the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine.core import EngineCore
+from jaxinfer.loader import LoadedModel
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    model: str | None = None
+    dtype: str | None = None
+    mesh: str = ""
+    max_model_len: int | None = None  # None: 2048 on CPU (capped by the model), else the model's
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # EngineConfig fields
+    attention_backend: str | None = None
+    linear_backend: str | None = None
+    fake_runner: bool = False
+    fake_step_delay: float = 0.0
+    load_format: str = "auto"  # "dummy": random weights from the config
+    quantization: str | None = None  # "int8" | "fp8": weight-only, applied at load
+
+
+def frontend_model(args: EngineArgs) -> LoadedModel:
+    """Name, config and tokenizer of the served model, without weights."""
+    from jaxinfer.loader import load_model_info
+
+    info = load_model_info(args.model, load_format=args.load_format)
+    if args.fake_runner:
+        from serving.testing import fake_model
+
+        return fake_model(info.tokenizer, name=f"fake:{os.path.basename(info.path)}")
+    return info
+
+
+def build_core(args: EngineArgs) -> EngineCore:
+    """Loads the model onto its mesh and builds the engine core (the device's process)."""
+    import jax
+
+    from jaxinfer import sharding
+
+    max_model_len = args.max_model_len
+    if max_model_len is None and jax.default_backend() == "cpu":
+        max_model_len = 2048
+    sharding.parse_mesh(args.mesh)
+    mesh = sharding.make_mesh(args.mesh or None)  # raises saying what to change
+    if args.fake_runner:
+        from jaxinfer.loader import load_model_info
+        from serving.testing import FakeRunner, fake_model
+
+        model = fake_model(load_model_info(args.model, load_format=args.load_format).tokenizer)
+        options = {"num_pages": 4097, **{k: v for k, v in args.options.items() if v is not None}}
+        config = EngineConfig(max_model_len=max_model_len or 2048, **options)
+        return EngineCore(model.cfg, None, config,
+                          runner=FakeRunner(step_delay=args.fake_step_delay))
+    from jaxinfer.loader import load_model
+
+    model = load_model(args.model, dtype=args.dtype, mesh=mesh, load_format=args.load_format,
+                       quantization=args.quantization)
+    if args.max_model_len is None and max_model_len:  # our CPU default, not the user's: cap it
+        max_model_len = min(max_model_len, model.cfg.max_position_embeddings)
+    config = EngineConfig(dtype=model.dtype, max_model_len=max_model_len, mesh=args.mesh,
+                          quantization=model.quantization, **args.options)
+    return EngineCore(model.cfg, model.params, config, attention_backend=args.attention_backend,
+                      linear_backend=args.linear_backend)

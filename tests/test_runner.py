@@ -1,0 +1,184 @@
+"""Runner tests for the host path (issue 14): the persistent input batch, page buckets, fetching only
+what a step needs, and seeded sampling that does not depend on the batch.
+
+1. A small random Llama (512-token vocabulary, so programs compile fast) driven by the real
+   `Scheduler`: the runner's vectorized step arrays equal `build_step_arrays` built from scratch,
+   rows join / advance / leave, and page buckets change no token.
+2. The engine test model (SmolLM2's 49k vocabulary): 64 seeded requests give the same tokens alone,
+   batched 64 at once, and joining a batch mid-way (prefill chunks beside decodes).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from engine_utils import collect, generate, load_vocab, make_engine, random_prompt, run, tiny_model
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.page_allocator import PageAllocator
+from jaxinfer.engine.request import Request
+from jaxinfer.engine.runner import ModelRunner, default_page_buckets
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.models import llama
+from jaxinfer.params import init_random
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.step import build_step_arrays
+
+SMALL = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+             num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=512,
+             max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+PAGE_SIZE, MAX_MODEL_LEN = 4, 64  # 16 pages per sequence
+
+
+@pytest.fixture(scope="module")
+def small():
+    cfg = ModelConfig.from_hf(SMALL)
+    params = init_random(llama.param_specs(cfg), jax.random.key(0))
+    params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)  # far from greedy ties
+    return cfg, params
+
+
+def small_runner(small, **kw) -> ModelRunner:
+    cfg, params = small
+    # NOTE: one token bucket, so only the page buckets multiply the programs to compile.
+    return ModelRunner(cfg, params, page_size=PAGE_SIZE, num_pages=65, max_model_len=MAX_MODEL_LEN,
+                       max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(16,), **kw)
+
+
+def drive(runner: ModelRunner, requests: list[tuple[int, Request]], on_prepared=None,
+          abort: tuple[int, str] | None = None) -> dict[str, list[int]]:
+    """Adds each request at its step, runs schedule -> runner -> update until done (synchronous);
+    `abort` = (step, request id). Returns every request's output ids."""
+    sched = Scheduler(PageAllocator(runner.num_pages, PAGE_SIZE, enable_prefix_caching=False),
+                      max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=16,
+                      max_model_len=MAX_MODEL_LEN)
+    pending = sorted(requests, key=lambda x: x[0])
+    step = 0
+    while pending or sched.has_unfinished():
+        while pending and pending[0][0] <= step:
+            sched.add_request(pending.pop(0)[1])
+        if abort is not None and abort[0] == step:
+            sched.abort(abort[1])
+        out = sched.schedule()
+        prepared = runner.prepare(out)
+        if prepared is not None:
+            if on_prepared is not None:
+                on_prepared(out, prepared)
+            sched.update(out, runner._unpack(prepared.plan, *runner.run(prepared)))
+        step += 1
+        assert step < 200
+    runner.prepare(sched.schedule())  # report the last finished requests: rows freed
+    assert not runner._rows and len(runner._free_rows) == runner.max_num_seqs
+    return {r.request_id: r.output_token_ids for _, r in requests}
+
+
+def req(rid: str, prompt: list[int], max_tokens: int = 6, **kw) -> Request:
+    return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                               ignore_eos=True, **kw))
+
+
+def test_default_page_buckets() -> None:
+    assert default_page_buckets(32) == (32,)
+    assert default_page_buckets(256) == (64, 256)
+    assert default_page_buckets(8192) == (128, 512, 2048, 8192)  # 128K tokens in 16-token pages
+
+
+def test_step_arrays_equal_a_from_scratch_build(small) -> None:
+    """Each step's vectorized arrays equal `build_step_arrays` over the scheduled chunks, while
+    rows join, grow pages, and leave (an abort) and decodes share steps with prefill chunks."""
+    runner = small_runner(small, page_buckets=(2, 4, 16))
+    rng = np.random.default_rng(0)
+    reqs = [(0, req("a", rng.integers(0, 512, 5).tolist(), 12)),
+            (1, req("b", rng.integers(0, 512, 22).tolist(), 4)),
+            (3, req("c", rng.integers(0, 512, 9).tolist(), 8)),
+            (4, req("d", rng.integers(0, 512, 3).tolist(), 10))]
+    seen_buckets = set()
+
+    def check(out, prepared) -> None:
+        step = prepared.inputs["step"]
+        t, (s, p) = step.token_ids.shape[0], step.page_indices.shape
+        seqs = [(x.token_ids, x.start_pos, list(x.page_table)) for x in out.scheduled]
+        need = max(-(-(start + len(toks)) // PAGE_SIZE) for toks, start, _ in seqs)
+        assert p == min(b for b in runner.page_buckets if b >= need)
+        seen_buckets.add(p)
+        want = build_step_arrays([(toks, start, pages[:p]) for toks, start, pages in seqs],
+                                 PAGE_SIZE, num_tokens=t, num_seqs=s, pages_per_seq=p,
+                                 num_logits=s)
+        for name, value in want.items():
+            np.testing.assert_array_equal(getattr(step, name), value, err_msg=name)
+        extras = prepared.inputs["extras"]
+        rows = [runner._rows[x.request.request_id] for x in out.scheduled]
+        np.testing.assert_array_equal(extras.seq_rows[:len(rows)], rows)
+        np.testing.assert_array_equal(extras.reset_rows[:len(rows)],
+                                      [x.is_new for x in out.scheduled])
+
+    got = drive(runner, reqs, check, abort=(6, "b"))
+    assert seen_buckets == {2, 4, 16}
+    # Page buckets change nothing the model computes: the widest alone gives the same tokens (the
+    # same runner, so its compiled programs are reused), and so does each request alone.
+    runner.page_buckets = (16,)
+    assert drive(runner, reqs_again(reqs), abort=(6, "b")) == got
+    alone = {r.request_id: drive(runner, [(0, x)])[r.request_id]
+             for (_, r), (_, x) in zip(reqs, reqs_again(reqs)) if r.request_id != "b"}
+    assert {k: v for k, v in got.items() if k != "b"} == alone
+
+
+def reqs_again(reqs: list[tuple[int, Request]]) -> list[tuple[int, Request]]:
+    return [(t, Request(r.request_id, r.prompt_token_ids, r.sampling)) for t, r in reqs]
+
+
+def test_fetches_logprobs_only_when_asked_and_reuses_unchanged_metadata(small) -> None:
+    runner = small_runner(small)
+    results, metas = [], []
+
+    def record(out, prepared) -> None:
+        metas.append((len(out.scheduled), prepared.inputs["meta"], prepared.fetch_logprobs))
+
+    original = runner.run
+
+    def run(prepared):
+        fetched = original(prepared)
+        results.append(fetched)
+        return fetched
+
+    runner.run = run
+    drive(runner, [(0, req("plain", [5, 6, 7], 5)), (2, req("plain2", [8, 9], 5))], record)
+    assert all(out is None and prompt is None for _, out, prompt in results)  # ids only
+    # The sampling metadata is gathered again only when a row joins or leaves.
+    fresh = [i == 0 or m is not metas[i - 1][1] for i, (_, m, _) in enumerate(metas)]
+    assert fresh == [True, False, True, False, False, True, False], fresh  # joins at 2, leaves at 5
+    results.clear()
+    drive(runner, [(0, req("lp", [5, 6, 7], 3, logprobs=2)), (0, req("plain", [8, 9], 3))])
+    assert all(out is not None and out.topk_ids.shape[1] >= 2 for _, out, _ in results)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(load_vocab())
+
+
+def seeded(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=8, ignore_eos=True)
+
+
+@pytest.mark.slow
+def test_seeded_tokens_are_the_same_alone_batched_and_joining_mid_batch(model) -> None:
+    """64 seeds at temperature 0.8 over a 49k vocabulary: the same tokens alone, in a batch of 64
+    (other programs, other rounding of the logits) and joining a running batch (prefill chunks in
+    steps with decodes)."""
+    n = 64
+    engine = make_engine(model, max_num_seqs=n, max_num_batched_tokens=64, num_pages=n * 4 + 1)
+    rng = np.random.default_rng(5)
+    prompts = [random_prompt(rng, 8, model.cfg.vocab_size) for _ in range(n)]
+    alone = [generate(engine, prompts[i], seeded(i), request_id=f"a{i}").token_ids for i in range(n)]
+    batched = run(engine, [(f"b{i}", prompts[i], seeded(i)) for i in range(n)])
+    assert [batched[f"b{i}"][0].token_ids for i in range(n)] == alone
+    for i in range(n // 2):
+        engine.add_request(prompts[i], seeded(i), request_id=f"m{i}")
+    deltas = [d for _ in range(3) for d in engine.step()]
+    for i in range(n // 2, n):
+        engine.add_request(prompts[i], seeded(i), request_id=f"m{i}")
+    mixed = collect(deltas + list(engine.stream()))
+    assert [mixed[(f"m{i}", 0)].token_ids for i in range(n)] == alone
+    assert len({tuple(t) for t in alone}) == n
