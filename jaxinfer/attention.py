@@ -10,7 +10,8 @@
 2. `update_kv_cache` scatters this step's K/V into their slots (`slot_mapping`); every backend
    shares it and the cache layout (`kv_cache_shape`). `kv_cache_dtype="fp8"` makes the cache a
    `reference.Fp8KVCache` (float8_e4m3fn values, one power-of-two scale per slot and K/V head);
-   `FP8_KV_BACKENDS` read it, the others are refused naming the field (`check_kv_cache_dtype`).
+   `FP8_KV_BACKENDS` (every backend today) read it; a backend missing there is refused naming the
+   field (`check_kv_cache_dtype`).
 3. The chosen backend's `ragged_paged_attention` attends every query token to its own sequence's
    pages. The pure-JAX reference is the oracle every kernel is tested against.
 """
@@ -28,8 +29,9 @@ from pallas_kernels.ragged_paged_attention import KERNELS, cpu, reference
 
 BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
 KV_CACHE_DTYPES = ("auto", "fp8")
-# The backends that read an fp8 cache (`reference.Fp8KVCache`).
-FP8_KV_BACKENDS = ("reference", "cpu")
+# The backends that read an fp8 cache (`reference.Fp8KVCache`): all of today's; a backend added
+# later is refused with kv_cache_dtype='fp8' until it is listed here.
+FP8_KV_BACKENDS = ("reference", "cpu", "gpu", "tpu")
 _AUTO = {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
 log = logging.getLogger(__name__)
 

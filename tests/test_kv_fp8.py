@@ -4,8 +4,11 @@
    (int8 exponent) that brings its absolute max under 448; round trip within e4m3's precision,
    zero rows stay zero, padding tokens are dropped.
 2. Attention: the reference over an fp8 cache equals the reference over the float cache holding
-   the same (dequantized) values; the compiled CPU kernel equals the reference on fp8 caches.
-3. Backends that cannot read it are refused naming the field; bad values are refused.
+   the same (dequantized) values; the compiled CPU kernel, the GPU kernel (its decode program
+   with and without split-K, and its prefill program) and the TPU kernel (interpret mode) equal
+   the reference on fp8 caches, f32 and bf16 queries; both lower for their platform.
+3. A backend not listed as reading it is refused naming the field (today every backend reads
+   it), as is a pipeline mesh; bad values are refused.
 4. The engine: an fp8 cache holds ~2x the tokens of bf16 (~4x of f32) in the same memory, says
    so in its capacity log line, and generates the float cache's greedy tokens on a tiny model.
 """
@@ -18,12 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from jaxinfer import attention
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
-from pallas_kernels.ragged_paged_attention import cpu, reference
+from pallas_kernels.ragged_paged_attention import KERNELS, block_sizes, cpu, reference
 from pallas_kernels.ragged_paged_attention.reference import Fp8KVCache
+from tests.test_kernels import BASE, SCENARIOS, SMALL_BLOCKS, Shape, make_batch, tol
 
 P, PS, H, D, HQ = 16, 4, 2, 64, 8
 
@@ -83,11 +88,65 @@ def test_attention_reads_fp8_like_the_float_values():
     assert 0 < np.abs(got - exact).max() <= 0.1 * np.abs(exact).max()  # fp8's rounding, bounded
 
 
-def test_unreadable_backends_and_bad_values_are_named():
-    for backend in ("gpu", "tpu"):
-        with pytest.raises(ValueError, match=f"kv_cache_dtype='fp8' is not readable by attention_backend '{backend}'"):
-            attention.check_kv_cache_dtype(backend, "fp8")
-    attention.check_kv_cache_dtype("reference", "fp8")
+KERNEL_CASES = {  # name -> (backend, blocks): the GPU decode program with and without split-K
+    "gpu_split_k": ("gpu", SMALL_BLOCKS),
+    "gpu": ("gpu", block_sizes.KernelBlocks(block_q=2, decode_block_q=1, pages_per_block=2)),
+    "tpu": ("tpu", SMALL_BLOCKS),
+}
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode on a CPU platform")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_kernels_read_fp8_like_the_reference(case, dtype):
+    """Decodes and prefill chunks in one batch (both of a kernel's programs) over a NaN-poisoned
+    cache quantized to fp8: the kernel == the reference over the dequantized values."""
+    backend, blocks = KERNEL_CASES[case]
+    args = make_batch(BASE, *SCENARIOS["mixed"], seed=5, dtype=dtype)
+    data, exponent = reference.quantize_kv_rows(args[1])
+    fp8 = Fp8KVCache(data, exponent)
+    values = reference.dequantize_kv_rows(data, exponent)
+    kw = dict(sm_scale=0.125, soft_cap=20.0)
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(reference.ragged_paged_attention(args[0], values, *args[2:], **kw), np.float32)
+    interpret = pltpu.InterpretParams() if backend == "tpu" else True
+    got = KERNELS[backend](args[0], fp8, *args[2:], interpret=interpret, blocks=blocks, **kw)
+    assert got.dtype == dtype
+    got = np.asarray(got, np.float32)
+    assert np.isfinite(got).all()
+    bound = tol(dtype)
+    assert np.linalg.norm(got - want) <= bound * np.linalg.norm(want)
+    assert np.max(np.abs(got - want)) <= bound * np.max(np.abs(want))
+
+
+@pytest.mark.parametrize("backend,platform,marker", [("gpu", "cuda", "triton"),
+                                                     ("tpu", "tpu", "tpu_custom_call")])
+def test_kernels_lower_fp8_for_their_platform(backend, platform, marker):
+    """Triton / Mosaic lowering of an 8B-shaped call on an fp8 cache with the table's blocks."""
+    shape = Shape(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, pages_per_seq=16,
+                  num_pages=64, num_tokens=64, max_seqs=8)
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
+            make_batch(shape, [1, 1, 1, 30], [40, 17, 200, 64], dtype=jnp.bfloat16)]
+    args[1] = Fp8KVCache(jax.ShapeDtypeStruct(args[1].shape, jnp.float8_e4m3fn),
+                         jax.ShapeDtypeStruct(args[1].shape[:3], jnp.int8))
+    if backend == "gpu":  # NOTE: Triton lowering reads the target GPU from the abstract mesh
+        device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                             platform="cuda")
+        mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
+                                         abstract_device=device)
+        with jax.sharding.use_abstract_mesh(mesh):
+            lowered = KERNELS[backend].trace(*args, sm_scale=0.088).lower(lowering_platforms=(platform,))
+    else:
+        lowered = KERNELS[backend].trace(*args, sm_scale=0.088).lower(lowering_platforms=(platform,))
+    assert lowered.as_text().count(marker) >= 2  # a decode-class and a prefill-class call
+
+
+def test_unreadable_backends_and_bad_values_are_named(monkeypatch):
+    for backend in attention.KERNELS:
+        attention.check_kv_cache_dtype(backend, "fp8")  # every backend of today reads it
+    monkeypatch.setattr(attention, "FP8_KV_BACKENDS", ("reference", "cpu", "gpu"))
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not readable by attention_backend 'tpu'"):
+        attention.check_kv_cache_dtype("tpu", "fp8")
     attention.check_kv_cache_dtype("tpu", "auto")
     with pytest.raises(ValueError, match="kv_cache_dtype='fp16' is not supported"):
         EngineConfig(kv_cache_dtype="fp16")
@@ -128,10 +187,14 @@ def test_engine_fp8_capacity_log_and_tokens(backend, caplog):
     assert [got[str(i)][0].token_ids for i in range(2)] == [want[str(i)][0].token_ids for i in range(2)]
 
 
-def test_engine_rejects_fp8_on_a_backend_that_cannot_read_it():
+def test_engine_rejects_fp8_on_a_backend_that_cannot_read_it(monkeypatch):
     from tests import engine_utils as eu
 
     model = eu.tiny_model(eu.load_vocab())
+    monkeypatch.setattr(attention, "FP8_KV_BACKENDS", ("reference", "cpu", "gpu"))
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not readable by attention_backend 'tpu'"):
         _engine(model, "fp8", "tpu", num_pages=8)
-    assert jax.default_backend() == "cpu"
+    if jax.device_count() >= 2:
+        with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported with a pipeline"):
+            _engine(model, "fp8", "reference", num_pages=8,
+                    mesh=f"pipeline=2,tensor={jax.device_count() // 2}")
