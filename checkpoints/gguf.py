@@ -7,8 +7,9 @@ Flow:
    size first, so a truncated file fails naming the tensor instead of deep inside numpy.
 2. The key/value metadata becomes plain Python values (arrays become lists, tokenizer arrays too).
 3. Every GGUF tensor name is mapped once, up front, to its HF name for the file's architecture
-   (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`); an unknown name, an
-   unsupported architecture or an unsupported quantization type fails here, naming it.
+   (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`) by the `gguf` library's
+   tensor-name map (`_names`); an unknown name, an unsupported architecture or an unsupported
+   quantization type fails here, naming it.
 4. `GGUFCheckpoint.tensor(hf_name)` dequantizes that one tensor from the memory map
    (`dequantize`) into float32, then undoes what llama.cpp's converter changed:
    the rotary row permutation of Q/K for the `llama` architecture, and the `+1` it folds into
@@ -30,6 +31,7 @@ size and its byte count).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -306,85 +308,57 @@ def dequantize(raw: np.ndarray, ggml_type: int | GGMLType, shape: tuple[int, ...
 
 @dataclasses.dataclass(frozen=True)
 class _Arch:
-    """How one GGUF `general.architecture` maps onto its HF model."""
+    """How one GGUF `general.architecture` maps onto its HF model (tensor names: `_names`)."""
 
     hf_class: str
-    layer_names: dict[str, str]  # GGUF per-layer part -> HF name under model.layers.N.
     biases: frozenset[str]  # GGUF parts that may carry a .bias
     permute_qk: bool  # llama.cpp interleaved the rotary halves of Q/K rows
     norm_offset: float  # llama.cpp stored RMSNorm weights as (w + norm_offset)
     hidden_act: str
 
 
-_CORE_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _ATTN_BIASES = frozenset({"attn_q", "attn_k", "attn_v", "attn_output"})
 _ARCHS: dict[str, _Arch] = {
     # Mistral checkpoints are stored by llama.cpp as `llama` too.
-    "llama": _Arch(
-        hf_class="LlamaForCausalLM",
-        layer_names={**_CORE_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"},
-        biases=_ATTN_BIASES | {"ffn_gate", "ffn_up", "ffn_down"},
-        permute_qk=True,
-        norm_offset=0.0,
-        hidden_act="silu",
-    ),
-    "qwen2": _Arch(
-        hf_class="Qwen2ForCausalLM",
-        layer_names={**_CORE_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"},
-        biases=frozenset({"attn_q", "attn_k", "attn_v"}),
-        permute_qk=False,
-        norm_offset=0.0,
-        hidden_act="silu",
-    ),
-    "qwen3": _Arch(
-        hf_class="Qwen3ForCausalLM",
-        layer_names={
-            **_CORE_LAYER_NAMES,
-            "ffn_norm": "post_attention_layernorm",
-            "attn_q_norm": "self_attn.q_norm",
-            "attn_k_norm": "self_attn.k_norm",
-        },
-        biases=_ATTN_BIASES,
-        permute_qk=False,
-        norm_offset=0.0,
-        hidden_act="silu",
-    ),
-    "gemma": _Arch(
-        hf_class="GemmaForCausalLM",
-        layer_names={**_CORE_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"},
-        biases=_ATTN_BIASES,
-        permute_qk=False,
-        norm_offset=1.0,
-        hidden_act="gelu_pytorch_tanh",
-    ),
-    "gemma2": _Arch(
-        hf_class="Gemma2ForCausalLM",
-        layer_names={
-            **_CORE_LAYER_NAMES,
-            "post_attention_norm": "post_attention_layernorm",
-            "ffn_norm": "pre_feedforward_layernorm",
-            "post_ffw_norm": "post_feedforward_layernorm",
-        },
-        biases=_ATTN_BIASES,
-        permute_qk=False,
-        norm_offset=1.0,
-        hidden_act="gelu_pytorch_tanh",
-    ),
+    "llama": _Arch("LlamaForCausalLM", _ATTN_BIASES | {"ffn_gate", "ffn_up", "ffn_down"},
+                   permute_qk=True, norm_offset=0.0, hidden_act="silu"),
+    "qwen2": _Arch("Qwen2ForCausalLM", frozenset({"attn_q", "attn_k", "attn_v"}),
+                   permute_qk=False, norm_offset=0.0, hidden_act="silu"),
+    "qwen3": _Arch("Qwen3ForCausalLM", _ATTN_BIASES, permute_qk=False, norm_offset=0.0,
+                   hidden_act="silu"),
+    "gemma": _Arch("GemmaForCausalLM", _ATTN_BIASES, permute_qk=False, norm_offset=1.0,
+                   hidden_act="gelu_pytorch_tanh"),
+    "gemma2": _Arch("Gemma2ForCausalLM", _ATTN_BIASES, permute_qk=False, norm_offset=1.0,
+                    hidden_act="gelu_pytorch_tanh"),
 }
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
+# The HF tensor names (per layer: under model.layers.N.) our dense families read. Which GGUF name
+# each has in an architecture (or none) is the `gguf` library's tensor-name map's answer: e.g.
+# `post_attention_layernorm` is `ffn_norm` in llama but `post_attention_norm` in gemma2.
+_HF_LAYER_NAMES = (
+    "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+    "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj",
+    "mlp.down_proj", "post_attention_layernorm", "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+_HF_GLOBAL_NAMES = ("model.embed_tokens", "model.norm", "lm_head")
+
+
+@functools.cache
+def _names(arch: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(GGUF per-layer part -> HF name under model.layers.N., GGUF global -> HF name) of `arch`,
+    from `gguf.get_tensor_name_map` (HF -> GGUF) inverted over the names our families read."""
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    tmap = gguf.get_tensor_name_map(model_arch, 1)
+    layer, global_ = {}, {}
+    for hf in _HF_LAYER_NAMES:
+        if (name := tmap.get_name(f"model.layers.0.{hf}")) is not None:
+            layer[name.removeprefix("blk.0.")] = hf
+    for hf in _HF_GLOBAL_NAMES:
+        if (name := tmap.get_name(hf)) is not None:
+            global_[name] = hf
+    return layer, global_
+
+
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 # llama.cpp's per-dimension rotary frequency divisors for Llama 3.x rope scaling: not an HF
@@ -729,18 +703,19 @@ class GGUFCheckpoint:
         return params
 
 
-def _map_tensor_name(gguf_name: str, rules: _Arch) -> str | None:
+def _map_tensor_name(gguf_name: str, arch: str) -> str | None:
     """The HF name of a GGUF tensor, or None when the architecture has no such tensor."""
+    layer_names, global_names = _names(arch)
     if m := _LAYER_TENSOR.fullmatch(gguf_name):
         layer, part, kind = m.groups()
-        hf_part = rules.layer_names.get(part)
-        if hf_part is None or (kind == "bias" and part not in rules.biases):
+        hf_part = layer_names.get(part)
+        if hf_part is None or (kind == "bias" and part not in _ARCHS[arch].biases):
             return None
         return f"model.layers.{int(layer)}.{hf_part}.{kind}"
     if m := _GLOBAL_TENSOR.fullmatch(gguf_name):
         part, kind = m.groups()
-        if part in _GLOBAL_NAMES and kind == "weight":
-            return f"{_GLOBAL_NAMES[part]}.{kind}"
+        if part in global_names and kind == "weight":
+            return f"{global_names[part]}.{kind}"
     return None
 
 
@@ -810,7 +785,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     for index, t in enumerate(reader.tensors):
         if t.name == _ROPE_FREQS and arch == "llama":
             continue
-        hf_name = _map_tensor_name(t.name, rules)
+        hf_name = _map_tensor_name(t.name, arch)
         if hf_name is None:
             raise GGUFError(f"{path}: unknown tensor {t.name!r} for architecture {arch!r}")
         if t.tensor_type not in SUPPORTED_TYPES:

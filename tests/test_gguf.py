@@ -630,3 +630,19 @@ def test_unknown_hf_name_and_error_type(tiny_llama):
     with pytest.raises(GGUFError, match="no tensor named 'model.layers.9.mlp.up_proj.weight'"):
         ckpt.tensor("model.layers.9.mlp.up_proj.weight")
     assert issubclass(GGUFError, CheckpointError) and issubclass(GGUFError, ValueError)
+
+
+def test_tensor_names_come_from_the_gguf_library_map():
+    """The GGUF -> HF names are the `gguf` library's tensor-name map inverted: one name, an
+    architecture-specific meaning (gemma2's `ffn_norm` is the pre-feedforward norm)."""
+    from checkpoints.gguf import _names
+
+    llama_layer, llama_global = _names("llama")
+    assert llama_layer["ffn_norm"] == "post_attention_layernorm"
+    assert llama_layer["attn_q"] == "self_attn.q_proj" and "attn_q_norm" not in llama_layer
+    assert llama_global == {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                            "output": "lm_head"}
+    gemma2_layer, _ = _names("gemma2")
+    assert gemma2_layer["ffn_norm"] == "pre_feedforward_layernorm"
+    assert gemma2_layer["post_attention_norm"] == "post_attention_layernorm"
+    assert _names("qwen3")[0]["attn_k_norm"] == "self_attn.k_norm"
