@@ -176,17 +176,6 @@ def _dq_q4_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 144]
     return (y - (dmin * mn.astype(np.float32))[:, :, None]).reshape(n_blocks, 256)
 
 
-def _dq_q5_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 176]
-    n_blocks = blocks.shape[0]
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    sc, mn = _k4_scales_and_mins(blocks[:, 4:16])
-    low = _low_high_nibbles(blocks[:, 48:176].reshape(n_blocks, 4, 32)).reshape(n_blocks, 8, 32)
-    high = _bits_per_plane(blocks[:, 16:48])  # bit s of qh byte l: fifth bit of sub-block s
-    q = (low | (high << 4)).astype(np.float32)
-    y = (d * sc.astype(np.float32))[:, :, None] * q
-    return (y - (dmin * mn.astype(np.float32))[:, :, None]).reshape(n_blocks, 256)
-
-
 def _dq_q6_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 210]
     n_blocks = blocks.shape[0]
     # Per 128-value half n: 64 ql bytes and 32 qh bytes. Group g (32 values) takes nibble g // 2 of
@@ -229,9 +218,10 @@ def _library_kernel(qtype: GGMLType) -> Callable[[np.ndarray], np.ndarray]:
 
 
 # NOTE: which dequantizer each type uses (scripts/bench_gguf_dequant.py, BENCHMARKS.md): ours where
-# it measured faster than `gguf.quants` (1.2-3x on every block format it has, 5x on BF16), the
-# library where it is not slower (F16) or where we have no kernel of our own (the IQ, TQ and FP4
-# families). Q8_K and F64 are ours alone: the library cannot dequantize them.
+# it measured faster than `gguf.quants` (1.2-7x on the block formats below, 4x on BF16), the
+# library where ours was not faster (F16: equal; Q5_K: the library 1.2-1.5x faster) or where we
+# have no kernel of our own (the IQ, TQ and FP4 families). Q8_K and F64 are ours alone: the
+# library cannot dequantize them.
 _OWN_KERNELS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
     GGMLType.F32: _float_kernel("<f4"),
     GGMLType.F64: _float_kernel("<f8"),
@@ -244,12 +234,11 @@ _OWN_KERNELS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
     GGMLType.Q2_K: _dq_q2_k,
     GGMLType.Q3_K: _dq_q3_k,
     GGMLType.Q4_K: _dq_q4_k,
-    GGMLType.Q5_K: _dq_q5_k,
     GGMLType.Q6_K: _dq_q6_k,
     GGMLType.Q8_K: _dq_q8_k,
 }
 LIBRARY_TYPES = tuple(getattr(GGMLType, name) for name in (
-    "F16", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+    "F16", "Q5_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
     "TQ1_0", "TQ2_0", "MXFP4", "NVFP4") if hasattr(GGMLType, name))
 _KERNELS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
     **_OWN_KERNELS, **{t: _library_kernel(t) for t in LIBRARY_TYPES}}

@@ -21,7 +21,15 @@ import _path  # noqa: F401
 import gguf
 import numpy as np
 
-from checkpoints.gguf import _OWN_KERNELS, LIBRARY_TYPES, _float_kernel
+from checkpoints.gguf import (
+    _OWN_KERNELS,
+    LIBRARY_TYPES,
+    _bits_per_plane,
+    _f16,
+    _float_kernel,
+    _k4_scales_and_mins,
+    _low_high_nibbles,
+)
 
 T = gguf.GGMLQuantizationType
 # Byte offsets of the f16 super-block scales of the K-quants (random bytes elsewhere).
@@ -39,6 +47,18 @@ def stored(w: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarray:
         d = rng.uniform(1e-3, 2e-2, raw.shape[:2]).astype(np.float16)
         raw[:, :, at:at + 2] = d[..., None].view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(w.shape[0], -1)
+
+
+def q5_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 176]
+    n_blocks = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _k4_scales_and_mins(blocks[:, 4:16])
+    low = _low_high_nibbles(blocks[:, 48:176].reshape(n_blocks, 4, 32)).reshape(n_blocks, 8, 32)
+    high = _bits_per_plane(blocks[:, 16:48])  # bit s of qh byte l: fifth bit of sub-block s
+    q = (low | (high << 4)).astype(np.float32)
+    y = (d * sc.astype(np.float32))[:, :, None] * q
+    return (y - (dmin * mn.astype(np.float32))[:, :, None]).reshape(n_blocks, 256)
+
 
 
 def best(fn, runs: int) -> float:
@@ -61,8 +81,9 @@ def main() -> None:
     w = rng.standard_normal((args.rows, args.cols)).astype(np.float32)
     types = (T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
              T.Q6_K)
-    # Our F16 kernel (a numpy view and cast) is kept here to show why the library's is used.
-    own = {**_OWN_KERNELS, T.F16: _float_kernel("<f2")}
+    # Our F16 and Q5_K kernels are kept here (not in checkpoints.gguf) to show why the library's
+    # are used.
+    own = {**_OWN_KERNELS, T.F16: _float_kernel("<f2"), T.Q5_K: q5_k}
     rows = []
     print(f"{'type':6s} {'ours ms':>8s} {'gguf ms':>8s} {'gguf/ours':>10s} {'equal':>6s} {'used':>8s}")
     for qtype in types:
