@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 import datetime
 import json
 import os
@@ -539,6 +540,20 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """The text one token stands for, special tokens included ("<|im_end|>", " the")."""
         return self.decode([token_id], skip_special_tokens=False)
+
+    def warm(self) -> None:
+        """Does once what a server's first request would pay for: compiles the chat template
+        (its error, if any, is left for the chat requests to report) and runs encode, decode and
+        one streaming detokenizer."""
+        ids = self.encode("Hello, world.")
+        self.decode(ids)
+        detokenizer = self.detokenizer(ids[:1])
+        for token_id in ids[1:]:
+            detokenizer.add(token_id)
+        detokenizer.flush()
+        if self.chat_template is not None:
+            with contextlib.suppress(TokenizerError):
+                self.encode_chat([{"role": "user", "content": "Hello."}])
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any

@@ -144,6 +144,8 @@ class GenerateServer:
         except RuntimeError:
             await asyncio.to_thread(self.engine_loop.stop)
             raise
+        if self.tokenizer is not None:
+            self.tokenizer.warm()  # chat template compiled before the first chat request
         # NOTE: SO_REUSEPORT off, so a second server on a busy port fails instead of sharing it.
         # NOTE: gRPC itself bounds concurrent RPCs (RESOURCE_EXHAUSTED beyond), so requests still
         # being parsed and tokenized cannot pile up either; the slack covers health checks,

@@ -182,3 +182,18 @@ def test_seeded_tokens_are_the_same_alone_batched_and_joining_mid_batch(model) -
     mixed = collect(deltas + list(engine.stream()))
     assert [mixed[(f"m{i}", 0)].token_ids for i in range(n)] == alone
     assert len({tuple(t) for t in alone}) == n
+
+
+@pytest.mark.parametrize("committed", [True, False], ids=["placed-params", "host-params"])
+def test_warmup_leaves_nothing_to_compile(small, committed) -> None:
+    """Loaders place params on the device (committed arrays): the initial KV cache and state must
+    then look like the step's own outputs, or the first program warmup builds is built again by
+    the first real step of its bucket."""
+    cfg, params = small
+    if committed:
+        params = jax.device_put(params, jax.devices()[0])
+    runner = small_runner((cfg, params))
+    runner.warmup()
+    before = runner.compiled_program_count()
+    drive(runner, [(0, req("a", [5, 6, 7], max_tokens=3)), (1, req("b", list(range(40, 52))))])
+    assert runner.compiled_program_count() == before

@@ -496,3 +496,15 @@ def test_error_config_token_not_in_vocab(spm_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
     with pytest.raises(TokenizerError, match=r"eos_token '<\|nope\|>'"):
         Tokenizer.from_path(tmp_path)
+
+
+def test_warm_compiles_the_chat_template_and_survives_a_broken_one(smollm_path: Path) -> None:
+    tok = Tokenizer.from_path(smollm_path)
+    assert tok._compiled_template is None
+    tok.warm()
+    assert tok._compiled_template is not None
+    tok.chat_template = "{% for m in messages %}{{ m.content "  # does not compile
+    tok._compiled_template = None
+    tok.warm()  # the chat requests report it, not the server's start-up
+    with pytest.raises(TokenizerError, match="does not compile"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])

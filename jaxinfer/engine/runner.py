@@ -275,10 +275,15 @@ class ModelRunner:
 
         rows = max_num_seqs + 1  # the last row is a spare that padding writes into
         if self.mesh is None:
-            self.params = params
-            self.kv_caches = new_caches()
-            self.state = PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
-                                      jnp.zeros((rows, cfg.vocab_size), jnp.int32))
+            # NOTE: everything the program takes is committed to the one device: outputs of a call
+            # with a committed input are committed, so uncommitted initial caches would give the
+            # first compiled program a signature no later call has (a recompile after warmup).
+            device = _device_of(params)
+            self.params = jax.device_put(params, device)
+            self.kv_caches = jax.device_put(new_caches(), device)
+            self.state = jax.device_put(PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
+                                                     jnp.zeros((rows, cfg.vocab_size), jnp.int32)),
+                                        device)
         else:
             rules = shd.model_rules(cfg, par)
             specs = llama.param_specs(cfg, quantization=quantization_of(params))
@@ -301,7 +306,7 @@ class ModelRunner:
         # Sampled-id rows of the largest program (every program pads its ids to this many).
         self.num_sample_rows = self.data * self.microbatches * self.seq_bucket(self.token_buckets[-1])
         zeros = functools.partial(jnp.zeros, self.num_sample_rows, jnp.int32)
-        self._prev_tokens = zeros() if self.mesh is None else jax.jit(
+        self._prev_tokens = jax.device_put(zeros(), device) if self.mesh is None else jax.jit(
             zeros, out_shardings=self._replicated)()
         # The persistent input batch: row r of every array belongs to the request in _rows with
         # value r (the same row as its penalty state); row max_num_seqs is the padding spare.
@@ -722,6 +727,14 @@ class ModelRunner:
         logger.info("warmup compiled %d programs in %.1fs", self.num_compiled,
                     time.perf_counter() - start)
         return self.num_compiled
+
+
+def _device_of(params: Any) -> jax.Device:
+    """The device the (single-device) params live on; the default device for host arrays."""
+    for leaf in jax.tree.leaves(params):
+        if isinstance(leaf, jax.Array):
+            return next(iter(leaf.devices()))
+    return jax.devices()[0]
 
 
 def _ranks(counts: np.ndarray) -> np.ndarray:
