@@ -87,9 +87,15 @@ def _yarn(rope: RopeConfig, dim: int, base: np.float32, max_pos: int) -> tuple[n
     return inv_freq.astype(np.float32), attention_factor
 
 
-def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos/sin f32[T, head_dim // 2] for the given absolute positions i32[T]."""
-    inv_freq, scale = rope_frequencies(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+def rope_cos_sin(cfg: ModelConfig, positions: jax.Array, rope: RopeConfig | None = None,
+                 head_dim: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos/sin f32[T, rotary_dim // 2] for the given absolute positions i32[T].
+
+    `rope` defaults to `cfg.rope`, the rotated width to `cfg.head_dim` (DeepSeek's MLA rotates
+    only its `qk_rope_head_dim` slice; Gemma 3's local layers have their own `cfg.local_rope`).
+    """
+    inv_freq, scale = rope_frequencies(rope or cfg.rope, head_dim or cfg.head_dim,
+                                       cfg.max_position_embeddings)
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 

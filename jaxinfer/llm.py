@@ -75,6 +75,9 @@ class LLM:
       load_format: "auto" loads the checkpoint's weights; "dummy" (vLLM's name) builds random
         weights of the right shapes, dtype and shardings on the devices from the model's config
         (a directory with `config.json` and the tokenizer files is enough): for benchmarks.
+      skip_tokenizer_init: load no tokenizer (a checkpoint without one loads): prompts are token
+        ids, outputs carry token ids with empty text, generation stops at the config's
+        `eos_token_id` or `stop_token_ids`; text prompts, `stop` strings and `chat` raise.
       **engine_options: `EngineConfig` fields (page_size, num_pages, kv_cache_memory,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, mesh,
         long_prefill_token_threshold, quantization), `attention_backend` and `linear_backend`.
@@ -86,7 +89,8 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
-                 load_format: str = "auto", **engine_options: Any) -> None:
+                 load_format: str = "auto", skip_tokenizer_init: bool = False,
+                 **engine_options: Any) -> None:
         backend = engine_options.pop("attention_backend", None)
         linear_backend = engine_options.pop("linear_backend", None)
         unknown = set(engine_options) - _ENGINE_OPTIONS
@@ -97,7 +101,7 @@ class LLM:
         check_load_format(load_format)
         mesh = shd.make_mesh(engine_options.get("mesh") or None)  # a bad mesh fails before loading
         self.model = load_model(model, dtype=dtype, mesh=mesh, quantization=quantization,
-                                load_format=load_format)
+                                load_format=load_format, skip_tokenizer_init=skip_tokenizer_init)
         config = EngineConfig(dtype=self.model.dtype, quantization=self.model.quantization,
                               **engine_options)
         self.engine = LLMEngine(self.model, config, attention_backend=backend,
@@ -120,6 +124,9 @@ class LLM:
                 rid = f"gen-{next(self._ids)}"
                 if isinstance(prompt, str) and not prompt:
                     raise ValueError("prompt is empty")
+                if isinstance(prompt, str) and self.tokenizer is None:
+                    raise ValueError("LLM(skip_tokenizer_init=True) takes prompts as token ids, "
+                                     "not text")
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 self.engine.add_request(ids, sp, request_id=rid)
                 order.append(rid)
@@ -148,5 +155,7 @@ class LLM:
     def chat(self, messages: list[dict[str, str]],
              sampling: SamplingParams | None = None) -> RequestOutput:
         """Renders the checkpoint's chat template (with the generation prompt) and generates."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init=True")
         ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         return self.generate([ids], sampling)[0]

@@ -7,7 +7,8 @@
    unsupported architecture is reported as such.
 3. `load_from_source` (what `load_model` calls after step 2; `checkpoints.convert` calls it with
    the handle it already holds) builds the `ModelConfig` from the source's HF-style config and the
-   tokenizer (before any weight is read, so a missing tokenizer fails fast), then fills the params
+   tokenizer (before any weight is read, so a missing tokenizer fails fast; none at all with
+   `skip_tokenizer_init`), then fills the params
    tree tensor by tensor (HF and GGUF sources) or restores it from orbax straight into the target
    shardings. With `quantization` ("int8" | "fp8") HF and GGUF tensors are quantized on the host
    as they are read (GGUF block formats requantized row chunk by row chunk, no float32 copy), a
@@ -45,7 +46,7 @@ from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
 from jaxinfer.default_model import default_model_path
 from jaxinfer.engine import multihost
-from jaxinfer.models import llama
+from jaxinfer.models import family_of
 from jaxinfer.tokenizer import Tokenizer
 
 GGUF_TOKENIZER_FILE = "gguf_tokenizer.json"  # tokenizer.* metadata of a converted GGUF model
@@ -67,9 +68,18 @@ class LoadedModel:
     cfg: ModelConfig
     hf_config: dict[str, Any]
     params: Any
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None when loaded with skip_tokenizer_init
     dtype: str
     quantization: str | None = None  # "int8" | "fp8": weight-only, see jaxinfer.quantization
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The tokenizer's end-of-sequence ids; without a tokenizer, the config's `eos_token_id`."""
+        if self.tokenizer is not None:
+            return tuple(self.tokenizer.eos_token_ids)
+        eos = (self.hf_config or {}).get("eos_token_id")
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return tuple(int(e) for e in eos)
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> str:
@@ -136,22 +146,23 @@ def source_hf_config(path: str, kind: str, handle: Any) -> dict[str, Any]:
     return handle.hf_config() if kind == "gguf" else handle.config
 
 
-def load_model_info(model: str | os.PathLike | None = None, *,
-                    load_format: str = "auto") -> LoadedModel:
+def load_model_info(model: str | os.PathLike | None = None, *, load_format: str = "auto",
+                    skip_tokenizer_init: bool = False) -> LoadedModel:
     """Config and tokenizer of a model without its weights (`params` None; no device touched):
-    what a serving front end needs while the engine-core process loads the weights."""
+    what a serving front end needs while the engine-core process loads the weights (no
+    tokenizer with `skip_tokenizer_init`)."""
     check_load_format(load_format)
     path = resolve_model_path(model)
     name = os.path.basename(os.path.normpath(path))
     if load_format == "dummy":
-        hf_config, tokenizer = _dummy_source(path)
+        hf_config, tokenizer = _dummy_source(path, skip_tokenizer_init)
         return LoadedModel(name=name, path=path, source="dummy", cfg=ModelConfig.from_hf(hf_config),
                            hf_config=hf_config, params=None, tokenizer=tokenizer, dtype="")
     kind, handle = open_source(path)
     try:
         hf_config = source_hf_config(path, kind, handle)
         cfg = ModelConfig.from_hf(hf_config)
-        tokenizer = load_tokenizer(kind, handle, path)
+        tokenizer = None if skip_tokenizer_init else load_tokenizer(kind, handle, path)
     finally:
         if kind == "hf":
             handle.close()
@@ -168,7 +179,7 @@ def _resolve_dtype(dtype: str | None) -> str:
 
 def load_model(model: str | os.PathLike | None = None, *, dtype: str | None = None,
                mesh: jax.sharding.Mesh | None = None, quantization: str | None = None,
-               load_format: str = "auto") -> LoadedModel:
+               load_format: str = "auto", skip_tokenizer_init: bool = False) -> LoadedModel:
     """Loads a GGUF file, a HF dir or an orbax checkpoint dir (None: the embedded default model).
 
     Args:
@@ -184,6 +195,8 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | None = No
         the random weights are created quantized.
       load_format: "auto" reads the source's weights; "dummy" creates random weights of the same
         shapes, dtype and shardings on the devices (step 4 of the module docstring).
+      skip_tokenizer_init: load no tokenizer (vLLM's name): token ids in and out, so a checkpoint
+        without tokenizer files loads; `tokenizer` is then None.
 
     Returns:
       The config, params (on `mesh`) and tokenizer.
@@ -193,9 +206,11 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | None = No
     path = resolve_model_path(model)
     dtype = _resolve_dtype(dtype)
     if load_format == "dummy":
-        return load_dummy(path, dtype=dtype, mesh=mesh, quantization=quantization)
+        return load_dummy(path, dtype=dtype, mesh=mesh, quantization=quantization,
+                          skip_tokenizer_init=skip_tokenizer_init)
     kind, handle = open_source(path)
-    return load_from_source(path, kind, handle, dtype=dtype, mesh=mesh, quantization=quantization)
+    return load_from_source(path, kind, handle, dtype=dtype, mesh=mesh, quantization=quantization,
+                            skip_tokenizer_init=skip_tokenizer_init)
 
 
 def orbax_quantization(path: str) -> str | None:
@@ -212,15 +227,19 @@ def orbax_quantization(path: str) -> str | None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", GGUF_TOKENIZER_FILE)
 
 
-def _dummy_source(path: str) -> tuple[dict[str, Any], Tokenizer]:
+def _dummy_source(path: str, skip_tokenizer_init: bool = False
+                  ) -> tuple[dict[str, Any], Tokenizer | None]:
     """(HF-style config, tokenizer) of a GGUF file (its metadata only) or a model directory; a
-    directory without tokenizer files gets `Tokenizer.placeholder` (ids render as `<id>`)."""
+    directory without tokenizer files gets `Tokenizer.placeholder` (ids render as `<id>`), and
+    `skip_tokenizer_init` none at all."""
     if os.path.isfile(path):
         kind, handle = open_source(path)  # a file is a GGUF or an error naming it
-        return handle.hf_config(), load_tokenizer(kind, handle, path)
+        return handle.hf_config(), None if skip_tokenizer_init else load_tokenizer(kind, handle, path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"load_format='dummy' needs a config.json in {path!r} (or a GGUF file)")
     hf_config = load_hf_config(path)
+    if skip_tokenizer_init:
+        return hf_config, None
     if any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return hf_config, load_tokenizer("hf", None, path)
     log.warning("%r has no tokenizer files: token ids render as '<id>' (load_format='dummy')", path)
@@ -234,14 +253,14 @@ def _dummy_source(path: str) -> tuple[dict[str, Any], Tokenizer]:
 
 
 def load_dummy(path: str, *, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None,
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, skip_tokenizer_init: bool = False) -> LoadedModel:
     """Step 4 of the module docstring: the source's config and tokenizer, random weights (stored
     quantized when `quantization` is given)."""
     quant.check_quantization(quantization)
     dtype = _resolve_dtype(dtype)
-    hf_config, tokenizer = _dummy_source(path)
+    hf_config, tokenizer = _dummy_source(path, skip_tokenizer_init)
     cfg = ModelConfig.from_hf(hf_config)
-    specs = llama.param_specs(cfg, params_lib.DTYPES[dtype], quantization)
+    specs = family_of(cfg).param_specs(cfg, params_lib.DTYPES[dtype], quantization)
     if mesh is None:
         mesh = shd.make_mesh(None)
     rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
@@ -259,22 +278,24 @@ def load_dummy(path: str, *, dtype: str | None = None, mesh: jax.sharding.Mesh |
 
 def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = None,
                      mesh: jax.sharding.Mesh | None = None,
-                     quantization: str | None = None) -> LoadedModel:
+                     quantization: str | None = None,
+                     skip_tokenizer_init: bool = False) -> LoadedModel:
     """Step 3 of the module docstring, for a source `open_source(path)` has opened."""
     quant.check_quantization(quantization)
     dtype = _resolve_dtype(dtype)
     jdtype = params_lib.DTYPES[dtype]
     hf_config = source_hf_config(path, kind, handle)
     cfg = ModelConfig.from_hf(hf_config)
-    tokenizer = load_tokenizer(kind, handle, path)
+    tokenizer = None if skip_tokenizer_init else load_tokenizer(kind, handle, path)
     saved = orbax_quantization(path) if kind == "orbax" else None
     if saved and quantization and saved != quantization:
         raise CheckpointError(f"{path!r} is saved with quantization={saved!r}; it cannot load as "
                               f"quantization={quantization!r} (convert the float source instead)")
     quantization = quantization or saved
-    float_specs = llama.param_specs(cfg, jdtype)
-    specs = llama.param_specs(cfg, jdtype, quantization)
-    restored_specs = llama.param_specs(cfg, jdtype, saved)  # orbax: what the checkpoint holds
+    family = family_of(cfg)
+    float_specs = family.param_specs(cfg, jdtype)
+    specs = family.param_specs(cfg, jdtype, quantization)
+    restored_specs = family.param_specs(cfg, jdtype, saved)  # orbax: what the checkpoint holds
     if mesh is None:
         mesh = shd.make_mesh(None)
 
@@ -296,7 +317,7 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
             return multihost.device_put_global(x, shd.named_sharding(mesh, spec.logical_axes, rules))
 
         try:
-            params = llama.params_from_hf(
+            params = family.params_from_hf(
                 cfg, handle.tensor_names(), handle.tensor, jdtype, put, quantization,
                 get_quantized=handle.quantized if kind == "gguf" else None)
         except CheckpointError:

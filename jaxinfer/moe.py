@@ -1,12 +1,14 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE) with expert parallelism.
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, DeepSeek-V2/V3) with expert parallelism.
 
 Runs per device inside the model's `shard_map` (manual SPMD) on local shards: experts split on the
 `expert` mesh axis, each expert's F split on `tensor`, the router replicated. With every axis of
 `par` at 1 it is the plain single-device block, with no collectives.
 
-1. Route (`route`): router logits in f32 over all X experts, softmax, `jax.lax.top_k`, optional
-   renormalisation of the k weights. Padding tokens (`valid` False) get the sentinel expert id X
-   and weight 0, so they never reach an expert.
+1. Route (`route`): router logits in f32 over all X experts, softmax (or DeepSeek-V3's sigmoid),
+   optionally limited to the best `topk_group` of `n_group` expert groups (DeepSeek), `jax.lax.top_k`
+   (on the scores plus V3's correction bias, which picks experts but does not weight them),
+   optional renormalisation of the k weights, then `routed_scaling_factor`. Padding tokens
+   (`valid` False) get the sentinel expert id X and weight 0, so they never reach an expert.
 2. Dispatch, one of (`moe_mlp(..., dispatch=)`, rule in `choose_dispatch`):
    a. "replicated": every device holds all T tokens; it keeps the assignments of its own
       X_local experts (ids `par.index(EXPERT) * X_local + [0, X_local)`), the rest are unrouted.
@@ -61,6 +63,7 @@ class MoEParams:
     router: Any  # [E, X]  replicated
     gate_up: Any  # [X, E, 2, F]  gate and up projections of every expert fused (or a QArray)
     down: Any  # [X, F, E]  (or a QArray)
+    router_bias: Any = None  # f32[X] DeepSeek-V3's e_score_correction_bias (expert choice only)
 
 
 @struct.dataclass
@@ -69,19 +72,52 @@ class Routing:
     experts: jax.Array  # i32[T, k]  global expert ids; X (no expert) for padding tokens
 
 
-def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, valid: jax.Array) -> Routing:
-    """Top-k routing of `x` [T, E] over all experts (f32), padding tokens unrouted."""
+def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, valid: jax.Array,
+          bias: jax.Array | None = None) -> Routing:
+    """Top-k routing of `x` [T, E] over all experts (f32), padding tokens unrouted.
+
+    `bias` f32[X] (DeepSeek-V3) is added to the scores that choose the experts, not to the weights.
+    """
     with jax.named_scope("router"):
         logits = jnp.einsum("te,ex->tx", x.astype(jnp.float32), router.astype(jnp.float32))
-        probs = jax.nn.softmax(logits, axis=-1)
-        weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+        if cfg.scoring_func == "sigmoid":
+            probs = jax.nn.sigmoid(logits)
+        else:
+            probs = jax.nn.softmax(logits, axis=-1)
+        choice = probs if bias is None else probs + bias.astype(jnp.float32)
+        if cfg.topk_method != "greedy" and cfg.n_group > 1:
+            choice = _limit_to_groups(choice, cfg)
+        if choice is probs:
+            weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+        else:
+            _, experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+            weights = jnp.take_along_axis(probs, experts, axis=-1)
         if cfg.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        if cfg.routed_scaling_factor != 1.0:
+            weights = weights * cfg.routed_scaling_factor
         valid = valid[:, None]
         return Routing(
             weights=jnp.where(valid, weights, 0.0),
             experts=jnp.where(valid, experts, cfg.num_experts).astype(jnp.int32),
         )
+
+
+def _limit_to_groups(choice: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """choice f32[T, X] with every expert outside the token's best `topk_group` groups at -inf.
+
+    A group's rank: its best expert (V2 "group_limited_greedy") or its best two summed (V3
+    "noaux_tc"). NOTE: a group of experts is a contiguous id range X/n_group wide.
+    """
+    t, x = choice.shape
+    grouped = choice.reshape(t, cfg.n_group, x // cfg.n_group)
+    if cfg.topk_method == "noaux_tc":
+        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # f32[T, n_group]
+    else:
+        group_score = jnp.max(grouped, axis=-1)
+    _, best = jax.lax.top_k(group_score, cfg.topk_group)  # i32[T, topk_group]
+    keep = jnp.any(best[:, :, None] == jnp.arange(cfg.n_group)[None, None, :], axis=1)
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, x)
 
 
 def group_sizes(local_ids: jax.Array, num_local: int) -> jax.Array:
@@ -202,7 +238,7 @@ def _grouped_ffn(rows: jax.Array, local_ids: jax.Array, p: MoEParams, act: str) 
 def _replicated(x, p, cfg, par, valid):
     t, k = x.shape[0], cfg.num_experts_per_tok
     num_local = p.gate_up.shape[0]
-    r = route(x, p.router, cfg, valid)
+    r = route(x, p.router, cfg, valid, p.router_bias)
     local = (r.experts - par.index(EXPERT) * num_local).reshape(
         t * k
     )  # assignment (t, j) at row t*k + j
@@ -239,7 +275,7 @@ def _padded_a2a(x, p, cfg, par, valid):
     x_l, valid_l, start = _local_tokens(x, valid, par)
     t_l = x_l.shape[0]
     cap = t_l * min(k, num_local)
-    r = route(x_l, p.router, cfg, valid_l)
+    r = route(x_l, p.router, cfg, valid_l, p.router_bias)
     with jax.named_scope("dispatch"):
         eid = r.experts.reshape(t_l * k)
         dest = jnp.where(eid < cfg.num_experts, eid // num_local, ep)  # ep: unrouted
@@ -271,7 +307,7 @@ def _ragged_a2a(x, p, cfg, par, valid):
     x_l, valid_l, start = _local_tokens(x, valid, par)
     t_l = x_l.shape[0]
     a = t_l * k
-    r = route(x_l, p.router, cfg, valid_l)
+    r = route(x_l, p.router, cfg, valid_l, p.router_bias)
     with jax.named_scope("dispatch"):
         eid = r.experts.reshape(a)
         order = jnp.argsort(eid, stable=True)  # unrouted (id X) last

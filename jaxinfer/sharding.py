@@ -156,7 +156,13 @@ def check_mesh(cfg, spec: str | dict[str, int] | None, *, num_devices: int | Non
                           f"{where}/num_kv_heads times)")
     if moe and t > 1:
         divides("moe_intermediate_size", cfg.moe_intermediate_size, TENSOR)
-    if sizes[PIPELINE] > 1:
+    shared = getattr(cfg, "num_shared_experts", 0) * getattr(cfg, "moe_intermediate_size", 0)
+    if shared and dense > 1:  # DeepSeek's shared experts: one gated MLP split like a dense one
+        divides("n_shared_experts*moe_intermediate_size", shared, where, dense)
+    if sizes[PIPELINE] > 1 and getattr(cfg, "is_mla", False):
+        errors.append(f"{cfg.model_type} runs no pipeline stages (its dense and MoE layers differ "
+                      f"in kind); use pipeline=1 with the data, expert and tensor axes")
+    elif sizes[PIPELINE] > 1:
         divides("num_layers", cfg.num_layers, PIPELINE)
     if sizes[EXPERT] > 1 and moe:
         divides("num_experts", cfg.num_experts, EXPERT)

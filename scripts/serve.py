@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=["int8", "fp8"], default=None,
                    help="weight-only quantization of the linear weights and the embedding (one "
                         "scale per output channel), applied at load")
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer (a checkpoint without one serves): requests send "
+                        "token_ids, responses carry token ids with empty text")
     e = p.add_argument_group("engine")
     e.add_argument("--page-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=64)
@@ -150,7 +153,8 @@ def engine_args(args: argparse.Namespace):
                       max_model_len=args.max_model_len, options=options,
                       attention_backend=args.attention_backend, linear_backend=args.linear_backend,
                       fake_runner=args.fake_runner, fake_step_delay=args.fake_step_delay,
-                      load_format=args.load_format, quantization=args.quantization)
+                      load_format=args.load_format, quantization=args.quantization,
+                      skip_tokenizer_init=args.skip_tokenizer_init)
 
 
 def loop_options(args: argparse.Namespace):
@@ -194,7 +198,8 @@ def summary(server, args, load_s: float, ready_s: float) -> str:
 
 
 # Flags that shape the engine: in multi-host mode every process uses process 0's values.
-ENGINE_FLAGS = ("model", "dtype", "load_format", "quantization", "kv_cache_dtype", "page_size",
+ENGINE_FLAGS = ("model", "dtype", "load_format", "quantization", "kv_cache_dtype",
+                "skip_tokenizer_init", "page_size",
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "num_pages", "no_prefix_caching", "mesh",
                 "attention_backend", "linear_backend", "no_warmup", "long_prefill_token_threshold",
                 "no_async_scheduling")

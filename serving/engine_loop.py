@@ -89,15 +89,19 @@ class EngineLoop:
       client: a `ProcessCoreClient` or `ThreadCoreClient` (not started).
       tokenizer: detokenizes outputs (None: token ids only, text stays empty).
       max_num_seqs: the core's batch size (admission bound with `max_queue`).
+      eos_token_ids: ids that end a sample (None: the tokenizer's; none without a tokenizer).
     """
 
     def __init__(self, client: Any, tokenizer: Tokenizer | None, metrics: ServerMetrics, *,
-                 max_num_seqs: int, max_queue: int = 256) -> None:
+                 max_num_seqs: int, max_queue: int = 256,
+                 eos_token_ids: tuple[int, ...] | None = None) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.client, self.metrics = client, metrics
         self.tokenizer = tokenizer
-        self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
+        if eos_token_ids is None:
+            eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
+        self.eos_token_ids = tuple(eos_token_ids)
         self.max_queue = max_queue
         self.max_in_flight = max_num_seqs + max_queue
         self.loop: asyncio.AbstractEventLoop | None = None

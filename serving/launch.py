@@ -33,13 +33,20 @@ class EngineArgs:
     fake_step_delay: float = 0.0
     load_format: str = "auto"  # "dummy": random weights from the config
     quantization: str | None = None  # "int8" | "fp8": weight-only, applied at load
+    skip_tokenizer_init: bool = False  # no tokenizer: token ids in and out
+
+    def __post_init__(self) -> None:
+        if self.fake_runner and self.skip_tokenizer_init:
+            raise ValueError("fake_runner takes its vocabulary from the tokenizer: it cannot run "
+                             "with skip_tokenizer_init")
 
 
 def frontend_model(args: EngineArgs) -> LoadedModel:
     """Name, config and tokenizer of the served model, without weights."""
     from jaxinfer.loader import load_model_info
 
-    info = load_model_info(args.model, load_format=args.load_format)
+    info = load_model_info(args.model, load_format=args.load_format,
+                           skip_tokenizer_init=args.skip_tokenizer_init)
     if args.fake_runner:
         from serving.testing import fake_model
 
@@ -69,8 +76,9 @@ def build_core(args: EngineArgs) -> EngineCore:
                           runner=FakeRunner(step_delay=args.fake_step_delay))
     from jaxinfer.loader import load_model
 
+    # NOTE: the core handles token ids only: it never needs the tokenizer (the front end has it).
     model = load_model(args.model, dtype=args.dtype, mesh=mesh, load_format=args.load_format,
-                       quantization=args.quantization)
+                       quantization=args.quantization, skip_tokenizer_init=True)
     if args.max_model_len is None and max_model_len:  # our CPU default, not the user's: cap it
         max_model_len = min(max_model_len, model.cfg.max_position_embeddings)
     config = EngineConfig(dtype=model.dtype, max_model_len=max_model_len, mesh=args.mesh,

@@ -134,13 +134,18 @@ def _chat(messages: pb.ChatMessages, field: str) -> list[dict[str, str]]:
     return out
 
 
-def encode_input(tokenizer: Tokenizer, req: Any, *, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of a GenerateRequest's or TokenizeRequest's `input` oneof."""
+def encode_input(tokenizer: Tokenizer | None, req: Any, *,
+                 add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a GenerateRequest's or TokenizeRequest's `input` oneof (with no tokenizer,
+    skip_tokenizer_init: only `token_ids`)."""
     which = req.WhichOneof("input")
     text_field = "prompt" if isinstance(req, pb.GenerateRequest) else "text"
     if which is None:
         fields = ("prompt, token_ids or messages" if text_field == "prompt" else "text or messages")
         raise InvalidArgument(f"input: one of {fields} must be set")
+    if tokenizer is None and which != "token_ids":
+        raise InvalidArgument(f"{which}: the server runs with --skip-tokenizer-init (no tokenizer); "
+                              f"send token_ids")
     if which == text_field:
         text = getattr(req, text_field)
         if not text:

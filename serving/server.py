@@ -87,7 +87,7 @@ class GenerateServer:
         self.max_queue = max_queue
         self.metrics = ServerMetrics()
         self.engine_loop = EngineLoop(core, self.tokenizer, self.metrics, max_num_seqs=max_num_seqs,
-                                      max_queue=max_queue)
+                                      max_queue=max_queue, eos_token_ids=model.eos_token_ids)
         self.vocab_size = model.cfg.vocab_size
         if self.tokenizer is not None:
             self.vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
@@ -110,7 +110,7 @@ class GenerateServer:
             arch = f"{arch} ({archs[0]})"
         msg = pb.ModelInfo(
             name=self.model.name, architecture=arch, vocab_size=cfg.vocab_size,
-            eos_token_ids=list(self.tokenizer.eos_token_ids) if self.tokenizer else [],
+            eos_token_ids=list(self.model.eos_token_ids),
             has_chat_template=bool(self.tokenizer and self.tokenizer.chat_template is not None))
         if info:
             cap = info["capacity"]
@@ -299,6 +299,10 @@ class GenerateServer:
                 raise protocol.InvalidArgument(
                     f"sampling.n must be 1 for GenerateOnce (got {sp.n}); stream with Generate")
             ids = await asyncio.to_thread(protocol.encode_input, self.tokenizer, req)
+            if self.tokenizer is None and sp.stop:
+                raise protocol.InvalidArgument("sampling.stop: stop strings need a tokenizer and "
+                                               "the server runs with --skip-tokenizer-init; use "
+                                               "sampling.stop_token_ids")
             limits = self.engine_loop.limits
             if limits is None:
                 raise EngineUnavailable("the engine is not running")
@@ -367,6 +371,9 @@ class GenerateServer:
         try:
             req = protocol.parse(pb.TokenizeRequest, data)
             add = req.add_special_tokens if req.HasField("add_special_tokens") else True
+            if self.tokenizer is None:
+                raise protocol.InvalidArgument("Tokenize needs a tokenizer; the server runs with "
+                                               "--skip-tokenizer-init")
             ids = await asyncio.to_thread(protocol.encode_input, self.tokenizer, req,
                                           add_special_tokens=add)
             pieces = [self.tokenizer.id_to_piece(i) for i in ids]

@@ -47,9 +47,15 @@ def default_tokenizer() -> Tokenizer | None:
     return Tokenizer.from_gguf_metadata(read_gguf(path).metadata, source=path)
 
 
-def fake_token(prompt: Sequence[int], position: int, seed: int | None = None) -> int:
-    """The token a FakeRunner samples at `position` (= tokens before it) of a request."""
-    key = zlib.crc32(repr((list(prompt), seed or 0)).encode())
+def fake_key(prompt: Sequence[int], seed: int | None = None) -> int:
+    return zlib.crc32(repr((list(prompt), seed or 0)).encode())
+
+
+def fake_token(prompt: Sequence[int], position: int, seed: int | None = None,
+               key: int | None = None) -> int:
+    """The token a FakeRunner samples at `position` (= tokens before it) of a request; `key` is
+    `fake_key(prompt, seed)` when the caller has it."""
+    key = fake_key(prompt, seed) if key is None else key
     return FIRST_FAKE_TOKEN + (key + 7919 * position) % FAKE_TOKEN_SPAN
 
 
@@ -76,6 +82,9 @@ class FakeRunner:
         self.num_compiled = 0
         self.steps = 0
         self.max_batch = 0  # most sequences one step has computed
+        # request id -> (its prompt list, fake_key): hashing a long prompt every step would make
+        # the fake, not the engine, the cost a server benchmark measures
+        self._keys: dict[str, tuple[list[int], int]] = {}
 
     def warmup(self) -> int:
         if self.warmup_gate is not None:
@@ -103,13 +112,19 @@ class FakeRunner:
             for s in sched.scheduled:
                 if self.poison_token in s.request.prompt_token_ids:
                     raise RuntimeError(f"poisoned request {s.request.request_id}")
+        for rid in sched.finished:
+            self._keys.pop(rid, None)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         for s in sched.scheduled:
             if not s.sample:
                 continue
             req = s.request
-            tok = fake_token(req.prompt_token_ids, s.start_pos + len(s.token_ids), req.sampling.seed)
+            prompt, key = self._keys.get(req.request_id, (None, 0))
+            if prompt is not req.prompt_token_ids:
+                key = fake_key(req.prompt_token_ids, req.sampling.seed)
+                self._keys[req.request_id] = (req.prompt_token_ids, key)
+            tok = fake_token(req.prompt_token_ids, s.start_pos + len(s.token_ids), key=key)
             sampled[req.request_id] = tok
             k = req.sampling.logprobs
             if k is not None:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import llama
+from jaxinfer.models import family_of
 from jaxinfer.step import StepInputs, build_step_arrays
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -32,6 +32,13 @@ FAMILIES: dict[str, dict] = {
     "gemma2": dict(model_type="gemma2", num_hidden_layers=4, tie_word_embeddings=True,
                    sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=50.0,
                    final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh"),
+    # 2 sliding : 1 global (sliding_window_pattern=3); local and global RoPE bases differ, the
+    # global one linearly scaled; QK-norm, sandwich norms, query_pre_attn_scalar.
+    "gemma3": dict(model_type="gemma3_text", num_hidden_layers=4, tie_word_embeddings=True,
+                   sliding_window=8, sliding_window_pattern=3, query_pre_attn_scalar=24,
+                   rope_theta=1e6, rope_local_base_freq=100.0,
+                   rope_scaling=dict(rope_type="linear", factor=4.0),
+                   hidden_activation="gelu_pytorch_tanh"),
 }
 
 
@@ -49,8 +56,28 @@ MOE_FAMILIES: dict[str, dict] = {
 }
 
 
+# DeepSeek (MLA + MoE with shared experts; tests/test_deepseek.py): layer 0 dense
+# (first_k_dense_replace), layers 1-2 sparse. V3: q_lora, sigmoid + correction bias, noaux_tc groups,
+# YaRN with mscale (softmax scale included), routed scaling. V2: no q_lora (V2-Lite), softmax,
+# group-limited greedy, two shared experts.
+_MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, head_dim=8, v_head_dim=16, num_hidden_layers=3, first_k_dense_replace=1,
+            moe_intermediate_size=32, num_experts_per_tok=2)
+DEEPSEEK_FAMILIES: dict[str, dict] = {
+    "deepseek_v3": dict(model_type="deepseek_v3", **_MLA, q_lora_rank=24, n_routed_experts=8,
+                        n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, rope_scaling=dict(
+                            rope_type="yarn", factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+                            original_max_position_embeddings=64, beta_fast=32, beta_slow=1)),
+    "deepseek_v2": dict(model_type="deepseek_v2", **_MLA, q_lora_rank=None, n_routed_experts=8,
+                        n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                        n_shared_experts=2, routed_scaling_factor=1.5, norm_topk_prob=False),
+}
+
+
 def hf_config_dict(family: str) -> dict:
-    return {**BASE, **(FAMILIES.get(family) or MOE_FAMILIES[family])}
+    return {**BASE, **(FAMILIES.get(family) or MOE_FAMILIES.get(family)
+                       or DEEPSEEK_FAMILIES[family])}
 
 
 def make_hf_model(family: str, seed: int = 0, **overrides):
@@ -74,12 +101,15 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
                 p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: HF inits it to zeros
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
     return model, config
 
 
 def params_from_torch(model, cfg: ModelConfig, dtype=jnp.float32):
     sd = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-    return llama.params_from_hf(cfg, sd.keys(), sd.__getitem__, dtype)
+    return family_of(cfg).params_from_hf(cfg, sd.keys(), sd.__getitem__, dtype)
 
 
 def hf_logits(model, token_ids: list[int]) -> np.ndarray:
@@ -94,9 +124,11 @@ class PagedStepper:
     """Runs ragged steps over a NaN-poisoned paged cache; pages handed out in shuffled order."""
 
     def __init__(self, params, cfg: ModelConfig, *, page_size: int = 4, num_pages: int = 64,
-                 seed: int = 0, dtype=jnp.float32):
+                 seed: int = 0, dtype=jnp.float32, attention_backend: str | None = None):
         self.params, self.cfg, self.page_size = params, cfg, page_size
-        shape = (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+        self.attention_backend = attention_backend
+        self.family = family_of(cfg)
+        shape = self.family.kv_cache_shape(cfg, "reference", num_pages, page_size)
         self.caches = tuple(jnp.full(shape, jnp.nan, dtype) for _ in range(cfg.num_layers))
         self.free = list(np.random.default_rng(seed).permutation(num_pages))
         self.pages: dict[int, list[int]] = {}
@@ -122,7 +154,10 @@ class PagedStepper:
                                    pages_per_seq=max(self.pages_per_seq, max(len(p) for _, _, p in seqs)),
                                    logits_rows=list(range(n)), num_logits=t_bucket)
         step = StepInputs(**{k: jnp.asarray(v) for k, v in arrays.items()})
-        logits, self.caches = llama.forward_jit(self.params, self.cfg, step, self.caches)
+        # NOTE: the backend goes as a keyword only when asked for: tests/test_kernels.py swaps
+        # forward_jit for a 4-argument function that fixes its own.
+        kw = {} if self.attention_backend is None else {"attention_backend": self.attention_backend}
+        logits, self.caches = self.family.forward_jit(self.params, self.cfg, step, self.caches, **kw)
         logits = np.asarray(logits)
         out, t = [], 0
         for toks, _, _ in seqs:
@@ -138,3 +173,53 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
 
 def jax_devices_count() -> int:
     return len(jax.devices())
+
+
+def check_dummy_load(family: str, root, mesh: str = "", generate: str | None = None) -> None:
+    """`load_format="dummy"` from a directory holding only the config.json of a tiny HF `family`
+    checkpoint: the real load's tree, shapes, dtypes and shardings on `mesh`, finite random
+    values. `generate="placeholder"`: `LLM` over it (one device) generates in-vocabulary ids with
+    finite logprobs, rendered as `<id>`; `generate="ids"`: the same with `skip_tokenizer_init`,
+    empty text."""
+    import shutil
+
+    from jaxinfer import sharding as shd
+    from jaxinfer.llm import LLM
+    from jaxinfer.loader import load_model
+    from jaxinfer.sampling_params import SamplingParams
+
+    model, _ = make_hf_model(family)
+    real_dir, bare = root / "real", root / "config_only"
+    model.save_pretrained(real_dir, safe_serialization=True)
+    bare.mkdir()
+    shutil.copy(real_dir / "config.json", bare / "config.json")
+    mesh_obj = shd.make_mesh(mesh or None)
+    real = load_model(real_dir, dtype="float32", mesh=mesh_obj, skip_tokenizer_init=True)
+    dummy = load_model(bare, dtype="float32", mesh=mesh_obj, load_format="dummy",
+                       skip_tokenizer_init=True)
+    assert dummy.cfg == real.cfg and dummy.tokenizer is None and dummy.source == "dummy"
+    got = jax.tree_util.tree_flatten_with_path(dummy.params)[0]
+    want = jax.tree_util.tree_flatten_with_path(real.params)[0]
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (path, x), (_, y) in zip(got, want):
+        name = jax.tree_util.keystr(path)
+        assert (x.shape, x.dtype) == (y.shape, y.dtype), name
+        assert x.sharding.is_equivalent_to(y.sharding, x.ndim), name
+        v = np.asarray(x)
+        assert np.isfinite(v).all(), name
+        if v.ndim > 1:
+            assert v.std() > 0, name
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    engine = dict(page_size=4, num_pages=16, max_model_len=32, max_num_seqs=2,
+                  max_num_batched_tokens=8)
+    vocab = real.cfg.vocab_size
+    if generate is None:
+        return
+    llm = LLM(str(bare), load_format="dummy", skip_tokenizer_init=generate == "ids", **engine)
+    for o in llm.generate([[5, 6, 7], [9, 10]], sp):
+        assert len(o.token_ids) == 4 and all(0 <= t < vocab for t in o.token_ids)
+        assert all(np.isfinite(v) for lp in o.logprobs for v in lp.values())
+        if generate == "ids":
+            assert o.text == ""
+        else:
+            assert o.text.split() == [f"<{t}>" for t in o.token_ids]

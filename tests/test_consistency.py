@@ -19,7 +19,7 @@ from tests.model_utils import PagedStepper, hf_config_dict
 TOL = 1e-5  # relative to the logit scale: same math, different blocking
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma2"])
+@pytest.fixture(scope="module", params=["llama", "gemma2", "gemma3"])
 def model(request):
     cfg = ModelConfig.from_hf(hf_config_dict(request.param))
     params = init_random(llama.param_specs(cfg), jax.random.PRNGKey(0))

@@ -236,7 +236,7 @@ def test_cancel_mid_stream_frees_pages(srv, client, monkeypatch):
     monkeypatch.setattr(loop, "cancel", cancel)
     call = client.stub.Generate(build_request([1000] * 40, max_tokens=400, ignore_eos=True))
     got = [next(call) for _ in range(3)]
-    assert all(len(m.token_ids) == 1 for m in got)
+    assert all(m.token_ids for m in got)  # one or more (steps merge while the reader is behind)
     assert engine.allocator.num_free_pages < engine.allocator.num_usable_pages
     call.cancel()
     _wait_pages_free(engine, timeout=2.0)

@@ -30,13 +30,13 @@ from typing import Any
 
 import jax
 
-from jaxinfer import attention
 from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner import Launched, ModelRunner, TokenLogprobs
 from jaxinfer.engine.scheduler import RequestUpdate, RunnerOutput, Scheduler
+from jaxinfer.models import family_of
 from jaxinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -155,11 +155,13 @@ class EngineCore:
                                max_num_seqs=config.max_num_seqs, num_pages=config.num_pages)
         self.mesh = shd.make_mesh(config.mesh or None)
         data, shards = sizes[shd.DATA], shd.Parallel(**sizes).dense
-        # Bytes one page takes on one device (its share of the KV heads).
-        kv_heads = shd.kv_cache_heads(cfg.num_kv_heads, shards) // shards
-        row_bytes = attention.kv_cache_bytes_per_row(
-            cfg.head_dim, 4 if config.dtype == "float32" else 2, config.kv_cache_dtype)
-        page_bytes = config.page_size * 2 * kv_heads * row_bytes * cfg.num_layers
+        # Bytes one page takes on one device (its share of the KV heads, as fp8 rows with
+        # kv_cache_dtype='fp8'; MLA: the latent rows).
+        itemsize = 4 if config.dtype == "float32" else 2
+        family = family_of(cfg)
+        token_bytes = family.kv_cache_bytes_per_token(cfg, shd.Parallel(**sizes), itemsize,
+                                                      config.kv_cache_dtype)
+        page_bytes = config.page_size * token_bytes
         pages_for_all = (config.max_num_seqs // data) * -(-max_model_len // config.page_size) + 1
         num_pages = config.num_pages
         if num_pages is None:  # per device = per replica, then the total over replicas
@@ -196,32 +198,38 @@ class EngineCore:
         self.num_steps = 0
         self.num_generated = 0
         if params is not None and runner is not None and hasattr(runner, "bytes_per_device"):
-            self._log_capacity(data, shards, row_bytes)
+            gain = family.kv_cache_bytes_per_token(cfg, shd.Parallel(**sizes), itemsize) / token_bytes
+            self._log_capacity(data, shards, gain)
 
-    def _log_capacity(self, data: int, shards: int, row_bytes: int) -> None:
+    def _log_capacity(self, data: int, shards: int, gain: float) -> None:
         usable = sum(a.num_usable_pages for a in self.allocators)
         held = self.runner.bytes_per_device()
         c = self.config
-        replicated = "" if shd.kv_heads_split(self.cfg.num_kv_heads, shards) else (
-            f"; KV replicated: {self.cfg.num_kv_heads} KV heads < {shards} attention shards, each "
-            f"shard keeps a copy of the one its query heads need")
+        if self.cfg.is_mla:  # one latent row per token, shared by all heads
+            replicated = f"; MLA latent rows whole on each of the {shards} attention shard(s)"
+        elif shd.kv_heads_split(self.cfg.num_kv_heads, shards):
+            replicated = ""
+        else:
+            replicated = (
+                f"; KV replicated: {self.cfg.num_kv_heads} KV heads < {shards} attention shards, each "
+                f"shard keeps a copy of the one its query heads need")
         logger.info(
             "KV cache (%s): %d pages x %d tokens = %d tokens (%.1f MiB); max_model_len %d -> up to "
             "%.1f concurrent full-length requests; max_num_seqs %d, max_num_batched_tokens %d; mesh "
             "%s: %d data replica(s) of %d pages, per device %.1f MiB params + %.1f MiB KV%s",
-            self._kv_storage(row_bytes), usable, c.page_size, usable * c.page_size, self.runner.kv_cache_bytes / 2**20,
+            self._kv_storage(gain), usable, c.page_size, usable * c.page_size,
+            self.runner.kv_cache_bytes / 2**20,
             self.max_model_len, usable * c.page_size / self.max_model_len, c.max_num_seqs,
             c.max_num_batched_tokens, c.mesh or "single device", data,
             self.allocators[0].num_pages, held["params"] / 2**20, held["kv_cache"] / 2**20,
             replicated)
 
-    def _kv_storage(self, row_bytes: int) -> str:
-        """How the cache is stored, and for fp8 the token capacity gained over the model dtype."""
+    def _kv_storage(self, gain: float) -> str:
+        """How the cache is stored, and for fp8 the token capacity `gain` over the model dtype."""
         if self.config.kv_cache_dtype != "fp8":
             return self.config.dtype
-        dtype_row = self.cfg.head_dim * (4 if self.config.dtype == "float32" else 2)
         return (f"fp8 e4m3 + one exponent byte per {self.cfg.head_dim}-value row: "
-                f"{dtype_row / row_bytes:.2f}x the tokens of {self.config.dtype} in the same memory")
+                f"{gain:.2f}x the tokens of {self.config.dtype} in the same memory")
 
     @property
     def limits(self) -> EngineLimits:
@@ -352,19 +360,21 @@ class EngineCore:
         # NOTE: every prefill chunk brings prompt logprobs, but only the last one samples (and
         # so has an update): report them whenever the runner returns them.
         prompt_lps = {rid: lps for rid, lps in out.prompt_logprobs.items() if rid in self._requests}
-        for upd in updates:
+        live, logprobs = self._requests, out.logprobs
+        for upd in updates:  # NOTE: a hot loop (one pass per sampled request per step)
             req = upd.request
-            if req.request_id not in self._requests:
+            rid = req.request_id
+            if rid not in live:
                 continue  # finished outside (a stop string) while this step ran
             self.num_generated += len(upd.new_token_ids)
+            done = upd.finished
             outputs.append(TokenOutput(
-                req.request_id, list(upd.new_token_ids), out.logprobs.get(req.request_id),
-                prompt_lps.pop(req.request_id, None), upd.finished,
-                req.finish_reason if upd.finished else None,
-                req.stop_reason if upd.finished else None, req.num_prompt_tokens,
-                req.num_output_tokens, req.num_cached_tokens))
-            if upd.finished:
-                del self._requests[req.request_id]
+                rid, upd.new_token_ids, logprobs.get(rid) if logprobs else None,
+                prompt_lps.pop(rid, None) if prompt_lps else None, done,
+                req.finish_reason if done else None, req.stop_reason if done else None,
+                len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens))
+            if done:
+                del live[rid]
         for rid, lps in prompt_lps.items():  # a prefill chunk that did not sample yet
             outputs.append(TokenOutput(rid, [], prompt_logprobs=lps))
         return outputs

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import queue
@@ -124,6 +125,10 @@ def run_core_loop(core: EngineCore, recv: Callable[[float | None], list[Message]
         send(["broken", f"warmup failed: {type(e).__name__}: {e}"])
         return
     send(["ready", {**core.info(), "compiled_programs": programs}])
+    # NOTE: what loading and compiling left behind (params' Python trees, traced programs) lives
+    # as long as the core: out of the cyclic collector's way, its full passes stay short.
+    gc.collect()
+    gc.freeze()
     tracer = _Tracer(options.trace_dir, options.trace_steps)
     failures, stalled = 0, False
     try:

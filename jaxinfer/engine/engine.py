@@ -114,18 +114,18 @@ class LLMEngine:
         """Validates, tokenizes and queues a request; returns its id. Bad input raises ValueError."""
         sampling = sampling or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if self.tokenizer is None and (isinstance(prompt, str) or sampling.stop):
+            raise ValueError("the model was loaded with skip_tokenizer_init=True: pass the prompt "
+                             "as token ids and stop on token ids (stop_token_ids), not strings")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer (skip_tokenizer_init): "
-                                 "give the prompt as token ids")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
         self.validate_prompt(ids, sampling)
-        eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else ()
-        children = split_samples(request_id, ids, sampling, eos_token_ids=eos, priority=priority)
+        children = split_samples(request_id, ids, sampling, eos_token_ids=self.model.eos_token_ids,
+                                 priority=priority)
         with self._live_ids_lock:
             keys = {request_id, *(c.request_id for c in children[0])}
             if keys & self._live_ids:

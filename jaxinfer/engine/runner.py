@@ -34,6 +34,9 @@ sequences (`pipeline.split_microbatches`), each its own ragged step: the step's 
 The sampler sees only the rows being sampled, vocab-sharded; XLA gathers those rows (never the
 logits of every token, which the model does not compute outside prompt-logprob programs).
 
+The model family (`models.family_of`) gives the forward, the parameter specs and the KV cache's
+shape (from its attention backend) and sharding.
+
 Penalty state lives on the device: `prompt_mask bool[R, V]` and `output_counts i32[R, V]`, one row
 per running request. It is updated inside the step from the tokens being computed (a token at a
 position past the prompt is an output token), so a preempted request that recomputes everything
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import random
@@ -63,7 +67,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine import multihost
 from jaxinfer.engine.request import PENDING_TOKEN
 from jaxinfer.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
-from jaxinfer.models import llama
+from jaxinfer.models import family_of
 from jaxinfer.params import DTYPES
 from jaxinfer.quantization import quantization_of
 from jaxinfer.sampling import SamplingMetadata, SamplingRows, compute_logprobs, sample
@@ -156,9 +160,9 @@ def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_tokens:
             extras.token_is_output.astype(jnp.int32), mode="drop")
         state = PenaltyState(state.prompt_mask.at[extras.seq_rows].set(prompt_mask),
                              state.output_counts.at[extras.seq_rows].set(output_counts))
-    logits, kv_caches = llama.forward(params, cfg, step, kv_caches,
-                                      attention_backend=attention_backend,
-                                      linear_backend=linear_backend, mesh=mesh)
+    logits, kv_caches = family_of(cfg).forward(params, cfg, step, kv_caches,
+                                               attention_backend=attention_backend,
+                                               linear_backend=linear_backend, mesh=mesh)
     if stacked:
         logits = logits.reshape(-1, logits.shape[-1])  # [data * rows, V]
     with jax.named_scope("sampler"):
@@ -261,10 +265,9 @@ class ModelRunner:
             raise ValueError(f"num_pages={num_pages} and max_num_seqs={max_num_seqs} must be "
                              f"multiples of data={self.data} (each replica gets an equal share)")
         self.seqs_per_replica = max_num_seqs // self.data
-        kv_heads = shd.kv_cache_heads(cfg.num_kv_heads, par.dense)
-        shape = attention.kv_cache_shape(attention_backend, num_pages, page_size, kv_heads,
-                                         cfg.head_dim)
-        attention.check_kv_cache_dtype(attention.resolve_backend(attention_backend), kv_cache_dtype)
+        family = family_of(cfg)
+        shape = family.kv_cache_shape(cfg, attention_backend, num_pages, page_size, par)
+        family.check_kv_cache_dtype(cfg, attention.resolve_backend(attention_backend), kv_cache_dtype)
         if kv_cache_dtype == "fp8" and par.pipeline > 1:
             raise ValueError("kv_cache_dtype='fp8' is not supported with a pipeline mesh axis > 1")
         self.kv_cache_dtype = kv_cache_dtype
@@ -286,20 +289,20 @@ class ModelRunner:
                                         device)
         else:
             rules = shd.model_rules(cfg, par)
-            specs = llama.param_specs(cfg, quantization=quantization_of(params))
+            specs = family.param_specs(cfg, quantization=quantization_of(params))
             if par.pipeline > 1:  # layers stacked by stage (see jaxinfer.pipeline)
                 self.params = pipeline.place_params(params, specs, mesh, rules)
             else:
                 self.params = jax.device_put(  # a no-op for params the loader already placed
                     params, params_lib.shardings(specs, mesh, rules))
             cache_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
-                                          llama.kv_cache_specs(cfg, par, new_caches()[0]))
+                                          family.kv_cache_specs(cfg, par, new_caches()[0]))
             self._replicated = NamedSharding(mesh, PartitionSpec())
             self._step_sharding = (NamedSharding(mesh, PartitionSpec(shd.DATA)) if self.data > 1
                                    else self._replicated)
             zeros = jax.jit(new_caches, out_shardings=(cache_sharding,) * cfg.num_layers)
             self.kv_caches = zeros() if par.pipeline == 1 else pipeline.stage_kv_caches(
-                cfg.num_layers, par.pipeline, shape, DTYPES[dtype], mesh, llama.kv_cache_spec(cfg, par))
+                cfg.num_layers, par.pipeline, shape, DTYPES[dtype], mesh, family.kv_cache_spec(cfg, par))
             self.state = jax.jit(lambda: PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
                                                       jnp.zeros((rows, cfg.vocab_size), jnp.int32)),
                                  out_shardings=self._replicated)()
@@ -512,26 +515,25 @@ class ModelRunner:
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> Prepared:
         with jax.named_scope("patch_rows"):
-            rows, starts, q_lens, tokens, samples, joined, sample_ids = [], [], [], [], [], [], []
+            rows, row_of = [], self._rows.get
             for s in scheduled:
-                rid = s.request.request_id
                 if s.is_new:
                     row = self._join(s)
                 else:
-                    row = self._rows.get(rid)
+                    row = row_of(s.request.request_id)
                     if row is None:
-                        raise RuntimeError(f"request {rid!r} is scheduled as running but has no row "
-                                           f"(its first schedule was not prepared)")
+                        raise RuntimeError(f"request {s.request.request_id!r} is scheduled as "
+                                           f"running but has no row (its first schedule was not "
+                                           f"prepared)")
                     if s.new_page_ids:
                         self._extend(row, s)
                 rows.append(row)
-                starts.append(s.start_pos)
-                q_lens.append(len(s.token_ids))
-                tokens += s.token_ids
-                samples.append(s.sample)
-                joined.append(s.is_new)
-                if s.sample:
-                    sample_ids.append(rid)
+            starts = [s.start_pos for s in scheduled]
+            q_lens = [len(s.token_ids) for s in scheduled]
+            tokens = list(itertools.chain.from_iterable(s.token_ids for s in scheduled))
+            samples = [s.sample for s in scheduled]
+            joined = [s.is_new for s in scheduled]
+            sample_ids = [s.request.request_id for s in scheduled if s.sample]
         rows_a = np.array(rows, np.int32)
         starts_a = np.array(starts, np.int32)
         q_a = np.array(q_lens, np.int32)

@@ -55,10 +55,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxinfer.engine.page_allocator import PageAllocator
-from jaxinfer.engine.request import FINISH_REASONS, Request, RequestStatus
+from jaxinfer.engine.request import FINISH_REASONS, PENDING_TOKEN, Request, RequestStatus
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step, as a diff against what the runner already holds.
 
@@ -109,7 +109,7 @@ class RunnerOutput:
     prompt_logprobs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestUpdate:
     request: Request
     new_token_ids: list[int]
@@ -227,35 +227,43 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budgets = [self.max_num_batched_tokens] * len(self.allocators)  # tokens per replica
-        scheduled: list[ScheduledRequest] = []
+        decodes: list[ScheduledRequest] = []  # NOTE: decodes first, then prefill chunks
+        chunks: list[ScheduledRequest] = []
         preempted: list[str] = []
         stopped: set[int] = set()
-        page_size = self.allocator.page_size
+        page_size, max_chunk, max_len = self.allocator.page_size, self._max_chunk, self.max_model_len
+        running, replica_of = self._running, self._replica
 
+        # NOTE: the hot loop of a decode-heavy server (one pass per running request per step):
+        # Request's properties are inlined here.
         i = 0
-        while i < len(self._running):
-            req = self._running[i]
-            r = self._replica[req.request_id]
-            if budgets[r] <= 0 or r in stopped:
+        while i < len(running):
+            req = running[i]
+            r = replica_of[req.request_id]
+            budget = budgets[r]
+            if budget <= 0 or r in stopped:
                 i += 1
                 continue
-            if self._last_token_pending(req):
-                i += 1  # finishes by length when its pending token arrives
+            num_out, pending = len(req.output_token_ids), req.num_pending_tokens
+            total = len(req.prompt_token_ids) + num_out + pending
+            if pending and (num_out + pending >= req.sampling.max_tokens or total >= max_len):
+                i += 1  # its pending token finishes it by length: nothing more to schedule
                 continue
-            alloc = self.allocators[r]
-            n = min(req.num_tokens - req.num_computed_tokens, budgets[r], self._max_chunk)
-            need = _cdiv(req.num_computed_tokens + n, page_size) - len(req.page_ids)
-            while need > alloc.num_free_pages:
-                victim = [q for q in self._running if self._replica[q.request_id] == r][-1]
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    break
-            if req.status is not RequestStatus.RUNNING:
-                stopped.add(r)  # it preempted itself: its replica schedules nothing more
-                continue
-            self._schedule_tokens(req, n, need, scheduled, False)
-            budgets[r] -= n
+            n = min(total - req.num_computed_tokens, budget, max_chunk)
+            need = -(-(req.num_computed_tokens + n) // page_size) - len(req.page_ids)
+            if need > 0:
+                alloc = self.allocators[r]
+                while need > alloc.num_free_pages:
+                    victim = [q for q in running if replica_of[q.request_id] == r][-1]
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is req:
+                        break
+                if req.status is not RequestStatus.RUNNING:
+                    stopped.add(r)  # it preempted itself: its replica schedules nothing more
+                    continue
+            self._schedule_tokens(req, n, need, decodes, chunks, False)
+            budgets[r] = budget - n
             i += 1
 
         while not preempted and (self._preempted or self._waiting):
@@ -284,17 +292,13 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self._replica[req.request_id] = r
             bisect.insort(self._running, req, key=self._key)
-            self._schedule_tokens(req, n, need, scheduled, True)
+            self._schedule_tokens(req, n, need, decodes, chunks, True)
             budgets[r] -= n
 
-        scheduled.sort(key=lambda s: not s.is_decode)  # stable: decodes first
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(
-            scheduled=scheduled,
-            num_batched_tokens=sum(len(s.token_ids) for s in scheduled),
-            preempted=preempted,
-            finished=finished,
-        )
+        used = sum(self.max_num_batched_tokens - b for b in budgets)
+        return SchedulerOutput(scheduled=decodes + chunks, num_batched_tokens=used,
+                               preempted=preempted, finished=finished)
 
     def _least_loaded(self, budgets: list[int]) -> int | None:
         """The replica a new request goes to: token budget and a sequence slot left, then the
@@ -311,62 +315,70 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestUpdate]:
         """Apply one step's runner output. Requests aborted/finished since `schedule` are skipped."""
         updates: list[RequestUpdate] = []
-        for s in sched.scheduled:
+        sampled, running = out.sampled_token_ids, RequestStatus.RUNNING
+        for s in sched.scheduled:  # NOTE: a hot loop: Request's properties are inlined
             req = s.request
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue
             computed = s.start_pos + len(s.token_ids)  # every one of these tokens is known now
-            if computed > req.num_known_tokens or (s.sample and req.num_pending_tokens < 1):
+            outputs = req.output_token_ids
+            known = len(req.prompt_token_ids) + len(outputs)
+            if computed > known or (s.sample and req.num_pending_tokens < 1):
                 raise RuntimeError(
                     f"request {req.request_id!r}: update for tokens up to {computed} with "
-                    f"{req.num_known_tokens} known and {req.num_pending_tokens} pending "
+                    f"{known} known and {req.num_pending_tokens} pending "
                     f"(update applied twice or out of order?)"
                 )
-            self._offer_full_pages(req, computed)  # a page completed by a pending token
+            alloc = self.allocators[s.replica]
+            if alloc.enable_prefix_caching and computed >= (len(req.page_hashes) + 1) * alloc.page_size:
+                # a page completed by a pending token
+                alloc.register_full_pages(req.all_token_ids, req.page_ids, computed, req.page_hashes)
             if not s.sample:
                 continue
             try:
-                token = out.sampled_token_ids[req.request_id]
+                token = sampled[req.request_id]
             except KeyError:
                 raise KeyError(f"runner returned no sampled token for {req.request_id!r}") from None
             req.num_pending_tokens -= 1
-            req.output_token_ids.append(token)
+            outputs.append(token)
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self._finish(req, *reason)
-            updates.append(RequestUpdate(req, [token], req.is_finished))
+            updates.append(RequestUpdate(req, [token], reason is not None))
         return updates
 
     def _key(self, req: Request) -> tuple[int, float, int]:
         return self._order[req.request_id]
 
-    def _schedule_tokens(
-        self, req: Request, n: int, need: int, scheduled: list[ScheduledRequest], is_new: bool
-    ) -> None:
+    def _schedule_tokens(self, req: Request, n: int, need: int, decodes: list[ScheduledRequest],
+                         chunks: list[ScheduledRequest], is_new: bool) -> None:
         if n < 1:
             raise RuntimeError(f"request {req.request_id!r} has no token to compute")
-        r = self._replica[req.request_id]
+        r = self._replica[req.request_id] if len(self.allocators) > 1 else 0
+        alloc = self.allocators[r]
         if need > 0:
-            req.page_ids.extend(self.allocators[r].allocate(need))
+            req.page_ids.extend(alloc.allocate(need))
         start = req.num_computed_tokens
-        tokens = req.token_slice(start, start + n)
-        sample = start + n == req.num_tokens
+        num_prompt = len(req.prompt_token_ids)
+        known = num_prompt + len(req.output_token_ids)
+        end = start + n
+        sample = end == known + req.num_pending_tokens
+        if n == 1 and start >= num_prompt:  # a decode: its one token is an output (or pending)
+            tokens = [req.output_token_ids[start - num_prompt] if start < known else PENDING_TOKEN]
+        else:
+            tokens = req.token_slice(start, end)
         if is_new:
             new_pages: Sequence[int] = list(req.page_ids)
         else:
             new_pages = req.page_ids[-need:] if need > 0 else ()
-        scheduled.append(ScheduledRequest(req, tokens, start, new_pages, sample, r, is_new,
-                                          req.page_ids))
-        req.num_computed_tokens = start + n
+        (decodes if sample and n == 1 and start >= num_prompt else chunks).append(
+            ScheduledRequest(req, tokens, start, new_pages, sample, r, is_new, req.page_ids))
+        req.num_computed_tokens = end
         req.num_pending_tokens += sample
         # NOTE: offered before the step runs (its K/V is written before any later step reads it),
         # so the next schedule can already share these pages; pages a failed step should have
         # written are taken back by `forget_pages`.
-        self._offer_full_pages(req, min(start + n, req.num_known_tokens))
-
-    def _offer_full_pages(self, req: Request, computed: int) -> None:
-        """Registers the request's full pages among its first `computed` (known) tokens."""
-        alloc = self.allocators[self._replica[req.request_id]]
+        computed = end if end < known else known
         if alloc.enable_prefix_caching and computed >= (len(req.page_hashes) + 1) * alloc.page_size:
             alloc.register_full_pages(req.all_token_ids, req.page_ids, computed, req.page_hashes)
 
@@ -413,12 +425,12 @@ class Scheduler:
         self._finished_ids.append(req.request_id)
 
     def _stop_reason(self, req: Request, token: int) -> tuple[str, int | None] | None:
-        sp = req.sampling
-        if req.num_output_tokens >= sp.min_tokens:
+        sp, num_out = req.sampling, len(req.output_token_ids)
+        if num_out >= sp.min_tokens:
             if sp.stop_token_ids and token in sp.stop_token_ids:
                 return "stop", token
             if not sp.ignore_eos and token in req.eos_token_ids:
                 return "stop", None
-        if req.num_output_tokens >= sp.max_tokens or req.num_known_tokens >= self.max_model_len:
+        if num_out >= sp.max_tokens or len(req.prompt_token_ids) + num_out >= self.max_model_len:
             return "length", None
         return None

@@ -1,7 +1,8 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, SmolLM2.
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, SmolLM2.
 
 One decoder, switched by `ModelConfig` fields (QKV bias, QK-norm, (1+w) norms, embedding scale,
-GeGLU, sandwich norms, soft-caps, per-layer sliding windows).
+GeGLU, sandwich norms, soft-caps, per-layer sliding windows, a separate RoPE for the sliding-window
+layers as in Gemma 3).
 
 1. `param_specs(cfg, dtype)` declares every weight once (shape, dtype, logical axes). Linear
    weights are stored `[in, out]` (split per head where heads matter) so no weight is transposed
@@ -37,6 +38,7 @@ from flax import struct
 from jax.sharding import Mesh, PartitionSpec
 
 from checkpoints import quantize as qlib
+from jaxinfer import attention as attention_lib
 from jaxinfer import layers, moe
 from jaxinfer import pipeline as pipeline_lib
 from jaxinfer.attention import attention
@@ -51,6 +53,7 @@ from jaxinfer.sharding import (
     TENSOR,
     Parallel,
     dense_axes,
+    kv_cache_heads,
     kv_heads_split,
     model_rules,
 )
@@ -284,60 +287,121 @@ def params_from_hf(
     at a time; `get_quantized(name, fmt)`, when given, returns a tensor the source already holds
     quantized as (data [out, in], scale f32[out]) in HF layout (None: read it with `get_tensor`).
     """
-    put = put or (lambda x, spec: jnp.asarray(x))
-    specs = param_specs(cfg, dtype, quantization)
     names = list(names)
-    name_map = _hf_name_map(cfg, names)
-    unexpected = [n for n in names if n not in name_map and not _IGNORED.match(n)
-                  and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    if cfg.model_type == "gemma3_text":
+        names, source_name = _gemma3_text_view(names)
+        get_tensor = _renamed(get_tensor, source_name)
+        get_quantized = get_quantized and _renamed(get_quantized, source_name)
+    return fill_params(
+        param_specs(cfg, dtype, quantization), _hf_name_map(cfg, names), names, get_tensor, put,
+        what=cfg.model_type, get_quantized=get_quantized,
+        skip=lambda n: bool(_IGNORED.match(n)) or (cfg.tie_word_embeddings and n == "lm_head.weight"))
+
+
+# The multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration): its text model under these
+# prefixes (hub files / transformers 5 in memory), beside vision tensors we do not serve.
+_GEMMA3_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                         "language_model.lm_head.": "lm_head."}
+_GEMMA3_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                  "model.multi_modal_projector.")
+
+
+def _gemma3_text_view(names: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The text model's tensor names of a multimodal Gemma 3 checkpoint (a text-only checkpoint
+    passes through unchanged) and each one's name in the checkpoint; vision tensors are left out."""
+    renamed: dict[str, str] = {}
+    for name in names:
+        if name.startswith(_GEMMA3_VISION):
+            continue
+        new = next((to + name[len(frm):] for frm, to in _GEMMA3_TEXT_PREFIXES.items()
+                    if name.startswith(frm)), name)
+        renamed[new] = name
+    return list(renamed), renamed
+
+
+def _renamed(get: Callable[..., Any], source_name: dict[str, str]) -> Callable[..., Any]:
+    """`get` (a tensor reader taking the name first) called with each name's checkpoint name."""
+    return lambda name, *args: get(source_name.get(name, name), *args)
+
+
+def fill_params(
+    specs: Any,
+    name_map: dict[str, tuple | list[tuple]],
+    names: list[str],
+    get_tensor: Callable[[str], np.ndarray],
+    put: Callable[[np.ndarray, ParamSpec], Any] | None,
+    *,
+    what: str,
+    skip: Callable[[str], bool],
+    get_quantized: Callable[[str, str], tuple[np.ndarray, np.ndarray] | None] | None = None,
+) -> Any:
+    """The spec tree `specs` filled from the checkpoint tensors `names` through `name_map`.
+
+    `name_map[name]` is one entry `(path, transform[, slot])` (see `_hf_name_map`) or a list of
+    them (one tensor feeding several leaves); names `skip` accepts are ignored. `QArray` specs are
+    filled quantized (see `params_from_hf`, whose `get_quantized` this takes). Raises on
+    unexpected, missing or mis-shaped tensors, naming them.
+    """
+    put = put or (lambda x, spec: jnp.asarray(x))
+    unexpected = [n for n in names if n not in name_map and not skip(n)]
     if unexpected:
-        raise ValueError(f"unexpected tensors in checkpoint for {cfg.model_type}: {unexpected[:8]}"
+        raise ValueError(f"unexpected tensors in checkpoint for {what}: {unexpected[:8]}"
                          + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
     missing = [n for n in name_map if n not in set(names)]
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {missing[:8]}"
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    entries = {n: e if isinstance(e, list) else [e] for n, e in name_map.items()}
     params = map_specs(lambda s: None, specs)
     fused: dict[tuple, Any] = {}  # path -> host buffer (a QArray of two when quantized) being filled
     parts_left: dict[tuple, int] = {}  # path -> slots not yet filled
-    for path, _, *slot in name_map.values():
+    for path, _, *slot in (e for es in entries.values() for e in es):
         if slot:
             parts_left[path] = parts_left.get(path, 0) + 1
-    for name, (path, transform, *slot) in name_map.items():
-        spec = _get_path(specs, path)
-        quantized = isinstance(spec, QArray)
-        shape = spec.data.shape if quantized else spec.shape
-        index = None
-        if slot:
-            index = slot[0] if isinstance(slot[0], tuple) else (..., slot[0], slice(None))
-            index = _full_index(index, len(shape))
-        if quantized:
-            value = _quantized_part(name, spec, index, transform, get_tensor, get_quantized)
-        else:
-            part = spec
+    for name, targets in entries.items():
+        raw: list[np.ndarray] = []  # the float tensor, read once when a target needs it
+
+        def read(name=name, raw=raw) -> np.ndarray:
+            if not raw:
+                raw.append(np.asarray(get_tensor(name)))
+            return raw[0]
+
+        for path, transform, *slot in targets:
+            spec = _get_path(specs, path)
+            quantized = isinstance(spec, QArray)
+            shape = spec.data.shape if quantized else spec.shape
+            index = None
             if slot:
-                part_shape = np.broadcast_to(np.empty((), np.int8), shape)[index].shape
-                part = dataclasses.replace(spec, shape=part_shape, logical_axes=(None,) * len(part_shape))
-            raw = np.asarray(get_tensor(name))
-            try:
-                value = transform(raw)
-            except ValueError:
-                raise ValueError(f"tensor {name!r} has shape {raw.shape}, which does not fit {shape}") from None
-            value = checked_array(name, value, part)
-        if not slot:
-            params = _set_path(params, path, _put_leaf(put, value, spec))
-            continue
-        if quantized:
-            buf = fused.setdefault(path, QArray(np.empty(spec.data.shape, spec.data.dtype),
-                                                np.empty(spec.scale.shape, spec.scale.dtype)))
-            buf.data[index] = value.data
-            buf.scale[_drop_axis(index, spec.data.quant_axis)] = value.scale
-        else:
-            buf = fused.setdefault(path, np.empty(spec.shape, spec.dtype))
-            buf[index] = value
-        parts_left[path] -= 1
-        if not parts_left[path]:  # NOTE: slots never overlap; a leaf is placed once all are in
-            params = _set_path(params, path, _put_leaf(put, fused.pop(path), spec))
+                index = slot[0] if isinstance(slot[0], tuple) else (..., slot[0], slice(None))
+                index = _full_index(index, len(shape))
+            if quantized:
+                value = _quantized_part(name, spec, index, transform, read, get_quantized)
+            else:
+                part = spec
+                if slot:
+                    part_shape = np.broadcast_to(np.empty((), np.int8), shape)[index].shape
+                    part = dataclasses.replace(spec, shape=part_shape,
+                                               logical_axes=(None,) * len(part_shape))
+                try:
+                    value = transform(read())
+                except ValueError:
+                    raise ValueError(f"tensor {name!r} has shape {read().shape}, which does not fit "
+                                     f"{shape}") from None
+                value = checked_array(name, value, part)
+            if not slot:
+                params = _set_path(params, path, _put_leaf(put, value, spec))
+                continue
+            if quantized:
+                buf = fused.setdefault(path, QArray(np.empty(spec.data.shape, spec.data.dtype),
+                                                    np.empty(spec.scale.shape, spec.scale.dtype)))
+                buf.data[index] = value.data
+                buf.scale[_drop_axis(index, spec.data.quant_axis)] = value.scale
+            else:
+                buf = fused.setdefault(path, np.empty(spec.shape, spec.dtype))
+                buf[index] = value
+            parts_left[path] -= 1
+            if not parts_left[path]:  # NOTE: slots never overlap; a leaf is placed once all are in
+                params = _set_path(params, path, _put_leaf(put, fused.pop(path), spec))
     return params
 
 
@@ -361,7 +425,7 @@ def _drop_axis(index: tuple, axis: int) -> tuple:
 
 
 def _quantized_part(name: str, spec: QArray, index: tuple | None, transform: Callable,
-                    get_tensor: Callable[[str], np.ndarray],
+                    read: Callable[[], np.ndarray],
                     get_quantized: Callable[[str, str], Any] | None) -> QArray:
     """One HF tensor as the quantized piece `index` (None: all) of the leaf `spec` (host arrays)."""
     fmt = quantization_of(spec)
@@ -379,7 +443,7 @@ def _quantized_part(name: str, spec: QArray, index: tuple | None, transform: Cal
         data, scale = native
         data = transform(data)
     else:
-        raw = np.asarray(get_tensor(name))
+        raw = read()
         try:
             value = transform(raw)
         except ValueError:
@@ -418,6 +482,10 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
         q = q.reshape(t, hq, d)
         k = k.reshape(t, hkv, d)
         v = v.reshape(t, hkv, d)
+    if cfg.local_rope is not None:  # Gemma 3: [global | local] tables, picked by the layer's kind
+        half = cfg.head_dim // 2
+        pick = slice(half, None) if window is not None else slice(0, half)
+        cos, sin = cos[:, pick], sin[:, pick]
     if cfg.qk_norm:
         with jax.named_scope("qk_norm"):
             q = layers.rms_norm(q, p.q_norm, cfg.rms_norm_eps, cfg.norm_offset)
@@ -488,6 +556,16 @@ def final_logits(params: Params, cfg: ModelConfig, h: jax.Array, linear: str = "
     return layers.soft_cap(logits.astype(jnp.float32), cfg.final_logit_softcap)
 
 
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin f32[T, D/2] for positions i32[T]; with `cfg.local_rope` (Gemma 3) f32[T, D]: the
+    global layers' half, then the sliding-window layers' half (each layer slices its own)."""
+    cos, sin = layers.rope_cos_sin(cfg, positions)
+    if cfg.local_rope is None:
+        return cos, sin
+    cos_l, sin_l = layers.rope_cos_sin(cfg, positions, rope=cfg.local_rope)
+    return jnp.concatenate([cos, cos_l], axis=-1), jnp.concatenate([sin, sin_l], axis=-1)
+
+
 def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
                    kv_caches: tuple[jax.Array, ...], kernels: Kernels, par: Parallel):
     """The model on local shards (the whole model when `par` is all ones)."""
@@ -496,7 +574,7 @@ def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
     with jax.named_scope("embed"):
         h = embed_tokens(params.embed, cfg, step.token_ids, par, params.final_norm.dtype)
     with jax.named_scope("rope_tables"):
-        cos, sin = layers.rope_cos_sin(cfg, step.positions)
+        cos, sin = rope_tables(cfg, step.positions)
     new_caches = []
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
@@ -518,7 +596,7 @@ def _forward_pipelined(params: Params, cfg: ModelConfig, step: StepInputs,
                          params.final_norm.dtype).reshape(m, t, -1)
     with jax.named_scope("rope_tables"):
         cos, sin = (x.reshape(m, t, *x.shape[1:])
-                    for x in layers.rope_cos_sin(cfg, step.positions.reshape(-1)))
+                    for x in rope_tables(cfg, step.positions.reshape(-1)))
 
     def layer_fn(p, window, x, mb_step, mb_cos, mb_sin, kv_cache):
         return _decoder_layer(p, cfg, window, x, mb_step, mb_cos, mb_sin, kv_cache, kernels, par)
@@ -529,6 +607,28 @@ def _forward_pipelined(params: Params, cfg: ModelConfig, step: StepInputs,
     with jax.named_scope("logits"):
         logits = final_logits(params, cfg, h.reshape(-1, h.shape[-1]), kernels.linear)
     return logits, caches
+
+
+def kv_cache_shape(cfg: ModelConfig, backend: str | None, num_pages: int, page_size: int,
+                   par: Parallel = SINGLE) -> tuple[int, ...]:
+    """A layer's global cache shape, from the attention backend (`[P, page, 2*Hkv', D]`)."""
+    kv_heads = kv_cache_heads(cfg.num_kv_heads, par.dense)
+    return attention_lib.kv_cache_shape(backend, num_pages, page_size, kv_heads, cfg.head_dim)
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, par: Parallel, itemsize: int,
+                             kv_cache_dtype: str = "auto") -> int:
+    """Cache bytes one token takes on one device, over all layers (its share of the KV heads):
+    rows of `itemsize`-byte values, or fp8 rows with their exponent byte."""
+    kv_heads = kv_cache_heads(cfg.num_kv_heads, par.dense) // par.dense
+    row_bytes = attention_lib.kv_cache_bytes_per_row(cfg.head_dim, itemsize, kv_cache_dtype)
+    return 2 * kv_heads * row_bytes * cfg.num_layers
+
+
+def check_kv_cache_dtype(cfg: ModelConfig, backend: str, kv_cache_dtype: str) -> None:
+    """Raises naming `kv_cache_dtype` when it is unknown or the resolved `backend` cannot read it."""
+    del cfg
+    attention_lib.check_kv_cache_dtype(backend, kv_cache_dtype)
 
 
 def kv_cache_spec(cfg: ModelConfig, par: Parallel) -> PartitionSpec:
