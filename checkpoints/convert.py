@@ -6,7 +6,8 @@ Layout written to `dst`, which `jaxinfer.loader.load_model(dst)` and `LLM(dst)` 
     dst/config.json           the HF-style config the model was built from (`LoadedModel.hf_config`)
     dst/tokenizer.json, ...   HF sources: the tokenizer files the source dir has (`TOKENIZER_FILES`)
     dst/gguf_tokenizer.json   GGUF sources: the `tokenizer.*` metadata plus `general.architecture`
-    dst/jaxinfer.json         {"source": absolute path, "source_kind": "hf" | "gguf", "dtype": ...}
+    dst/jaxinfer.json         {"source": absolute path, "source_kind": "hf" | "gguf", "dtype": ...,
+                               "quantization": None | "int8" | "fp8"}
 
 Flow:
 1. `dst` must be missing or an empty directory; a non-empty one is replaced only with
@@ -33,6 +34,7 @@ from typing import Any
 
 from checkpoints.errors import CheckpointError
 from checkpoints.orbax_io import PARAMS_DIR, save_params
+from checkpoints.quantize import check_format as check_quantization
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.loader import (
@@ -84,9 +86,12 @@ def _gguf_tokenizer_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _write_checkpoint(out: Path, src_path: str, kind: str, handle: Any, dtype: str) -> None:
-    model = load_from_source(src_path, kind, handle, dtype=dtype, mesh=shd.make_mesh(None))
-    info = {"source": os.path.abspath(src_path), "source_kind": kind, "dtype": dtype}
+def _write_checkpoint(out: Path, src_path: str, kind: str, handle: Any, dtype: str,
+                      quantization: str | None) -> None:
+    model = load_from_source(src_path, kind, handle, dtype=dtype, mesh=shd.make_mesh(None),
+                             quantization=quantization)
+    info = {"source": os.path.abspath(src_path), "source_kind": kind, "dtype": dtype,
+            "quantization": quantization}
     extra: dict[str, str] = {
         CONFIG_FILE: json.dumps(model.hf_config, indent=2) + "\n",
         INFO_FILE: json.dumps(info, indent=2) + "\n",
@@ -123,6 +128,7 @@ def convert(
     dtype: str | None = None,
     *,
     force: bool = False,
+    quantization: str | None = None,
 ) -> str:
     """Converts a HF dir or a GGUF file into an orbax checkpoint dir that `load_model` loads.
 
@@ -132,10 +138,13 @@ def convert(
       dst: the checkpoint dir to write; must be missing or empty unless `force`.
       dtype: "float32" (default) or "bfloat16", the dtype the params are stored in.
       force: replace the checkpoint entries of a non-empty `dst` (other files stay).
+      quantization: None, "int8" or "fp8": store the quantizable weights quantized (see
+        `jaxinfer.quantization`); `load_model(dst)` then loads them in that format.
 
     Returns:
       The absolute path of `dst`.
     """
+    check_quantization(quantization)
     src_path = resolve_model_path(src)
     dtype = dtype or DEFAULT_DTYPE
     if dtype not in params_lib.DTYPES:
@@ -151,7 +160,7 @@ def convert(
     tmp.mkdir()
     try:
         logger.info("converting %s (%s) to %s in %s", src_path, kind, dst, dtype)
-        _write_checkpoint(tmp, src_path, kind, handle, dtype)
+        _write_checkpoint(tmp, src_path, kind, handle, dtype, quantization)
         _move_into_place(tmp, dst)
     finally:
         if tmp.exists():

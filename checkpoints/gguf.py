@@ -7,13 +7,20 @@ Flow:
    size first, so a truncated file fails naming the tensor instead of deep inside numpy.
 2. The key/value metadata becomes plain Python values (arrays become lists, tokenizer arrays too).
 3. Every GGUF tensor name is mapped once, up front, to its HF name for the file's architecture
-   (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`); an unknown name, an
-   unsupported architecture or an unsupported quantization type fails here, naming it.
-4. `GGUFCheckpoint.tensor(hf_name)` dequantizes that one tensor from the memory map with our own
-   numpy kernels (`dequantize`) into float32, then undoes what llama.cpp's converter changed:
+   (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`) by the `gguf` library's
+   tensor-name map (`_names`); an unknown name, an unsupported architecture or an unsupported
+   quantization type fails here, naming it.
+4. `GGUFCheckpoint.tensor(hf_name)` dequantizes that one tensor from the memory map
+   (`dequantize`) into float32, then undoes what llama.cpp's converter changed:
    the rotary row permutation of Q/K for the `llama` architecture, and the `+1` it folds into
    Gemma's RMSNorm weights. The result equals the HF checkpoint's tensor (up to quantization).
-5. `GGUFCheckpoint.hf_config()` derives a HF `config.json`-style dict from the metadata.
+5. `GGUFCheckpoint.quantized(hf_name, fmt)` is the loader's path when `quantization` is set: a
+   block-quantized tensor requantized to int8 / fp8 per row, a chunk of rows at a time (exactly,
+   by folding the block scales, for the symmetric formats where the scales allow it).
+6. `GGUFCheckpoint.hf_config()` derives a HF `config.json`-style dict from the metadata.
+
+Dequantizers: ours (numpy, below) for the formats where they measured faster than the `gguf`
+library's `gguf.quants`, the library's for the others (`_KERNELS`, `LIBRARY_TYPES`).
 
 Layout: GGUF lists dimensions fastest first (`ne[0]` is the contiguous one), so the numpy shape is
 the reversed GGUF shape, which for a linear layer is HF's `[out, in]`. Quantized types pack each
@@ -24,6 +31,7 @@ size and its byte count).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -34,6 +42,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
+from checkpoints import quantize as qlib
 from checkpoints.errors import CheckpointError
 
 GGMLType = gguf.GGMLQuantizationType
@@ -117,6 +126,20 @@ def _dq_q8_0(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 34]
     return d * np.ascontiguousarray(blocks[:, 2:34]).view(np.int8).astype(np.float32)
 
 
+def _ints_q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # u8[n_blocks, 18]
+    return _f16(blocks, 0)[:, 0], _low_high_nibbles(blocks[:, 2:18]).reshape(-1, 32).astype(np.int8) - 8
+
+
+def _ints_q5_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # u8[n_blocks, 22]
+    high = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")
+    q = (_low_high_nibbles(blocks[:, 6:22]).reshape(-1, 32) | (high << 4)).astype(np.int8) - 16
+    return _f16(blocks, 0)[:, 0], q
+
+
+def _ints_q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # u8[n_blocks, 34]
+    return _f16(blocks, 0)[:, 0], np.ascontiguousarray(blocks[:, 2:34]).view(np.int8)
+
+
 def _dq_q2_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 84]
     n_blocks = blocks.shape[0]
     scales = blocks[:, 0:16].reshape(n_blocks, 16, 1)  # low nibble scale, high nibble min
@@ -153,17 +176,6 @@ def _dq_q4_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 144]
     return (y - (dmin * mn.astype(np.float32))[:, :, None]).reshape(n_blocks, 256)
 
 
-def _dq_q5_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 176]
-    n_blocks = blocks.shape[0]
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    sc, mn = _k4_scales_and_mins(blocks[:, 4:16])
-    low = _low_high_nibbles(blocks[:, 48:176].reshape(n_blocks, 4, 32)).reshape(n_blocks, 8, 32)
-    high = _bits_per_plane(blocks[:, 16:48])  # bit s of qh byte l: fifth bit of sub-block s
-    q = (low | (high << 4)).astype(np.float32)
-    y = (d * sc.astype(np.float32))[:, :, None] * q
-    return (y - (dmin * mn.astype(np.float32))[:, :, None]).reshape(n_blocks, 256)
-
-
 def _dq_q6_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 210]
     n_blocks = blocks.shape[0]
     # Per 128-value half n: 64 ql bytes and 32 qh bytes. Group g (32 values) takes nibble g // 2 of
@@ -196,9 +208,22 @@ def _dq_bf16(blocks: np.ndarray) -> np.ndarray:  # u8[n, 2]
     return (np.ascontiguousarray(blocks).view("<u2").astype(np.uint32) << 16).view(np.float32)
 
 
-_KERNELS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
+def _library_kernel(qtype: GGMLType) -> Callable[[np.ndarray], np.ndarray]:
+    """`gguf.quants.dequantize` for one type, as a block kernel."""
+
+    def kernel(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, block_bytes]
+        return gguf.quants.dequantize(blocks, qtype).astype(np.float32, copy=False)
+
+    return kernel
+
+
+# NOTE: which dequantizer each type uses (scripts/bench_gguf_dequant.py, BENCHMARKS.md): ours where
+# it measured faster than `gguf.quants` (1.2-7x on the block formats below, 4x on BF16), the
+# library where ours was not faster (F16: equal; Q5_K: the library 1.2-1.5x faster) or where we
+# have no kernel of our own (the IQ, TQ and FP4 families). Q8_K and F64 are ours alone: the
+# library cannot dequantize them.
+_OWN_KERNELS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
     GGMLType.F32: _float_kernel("<f4"),
-    GGMLType.F16: _float_kernel("<f2"),
     GGMLType.F64: _float_kernel("<f8"),
     GGMLType.BF16: _dq_bf16,
     GGMLType.Q4_0: _dq_q4_0,
@@ -209,11 +234,22 @@ _KERNELS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
     GGMLType.Q2_K: _dq_q2_k,
     GGMLType.Q3_K: _dq_q3_k,
     GGMLType.Q4_K: _dq_q4_k,
-    GGMLType.Q5_K: _dq_q5_k,
     GGMLType.Q6_K: _dq_q6_k,
     GGMLType.Q8_K: _dq_q8_k,
 }
+LIBRARY_TYPES = tuple(getattr(GGMLType, name) for name in (
+    "F16", "Q5_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+    "TQ1_0", "TQ2_0", "MXFP4", "NVFP4") if hasattr(GGMLType, name))
+_KERNELS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
+    **_OWN_KERNELS, **{t: _library_kernel(t) for t in LIBRARY_TYPES}}
 SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(_KERNELS)
+_FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.F64})
+# Block formats whose values are d_b * (integer): (block scales f32[n_blocks], ints i8[n_blocks, 32]).
+_SYMMETRIC: dict[GGMLType, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]] = {
+    GGMLType.Q4_0: _ints_q4_0,
+    GGMLType.Q5_0: _ints_q5_0,
+    GGMLType.Q8_0: _ints_q8_0,
+}
 
 
 def _type_name(ggml_type: int | GGMLType) -> str:
@@ -261,85 +297,57 @@ def dequantize(raw: np.ndarray, ggml_type: int | GGMLType, shape: tuple[int, ...
 
 @dataclasses.dataclass(frozen=True)
 class _Arch:
-    """How one GGUF `general.architecture` maps onto its HF model."""
+    """How one GGUF `general.architecture` maps onto its HF model (tensor names: `_names`)."""
 
     hf_class: str
-    layer_names: dict[str, str]  # GGUF per-layer part -> HF name under model.layers.N.
     biases: frozenset[str]  # GGUF parts that may carry a .bias
     permute_qk: bool  # llama.cpp interleaved the rotary halves of Q/K rows
     norm_offset: float  # llama.cpp stored RMSNorm weights as (w + norm_offset)
     hidden_act: str
 
 
-_CORE_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _ATTN_BIASES = frozenset({"attn_q", "attn_k", "attn_v", "attn_output"})
 _ARCHS: dict[str, _Arch] = {
     # Mistral checkpoints are stored by llama.cpp as `llama` too.
-    "llama": _Arch(
-        hf_class="LlamaForCausalLM",
-        layer_names={**_CORE_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"},
-        biases=_ATTN_BIASES | {"ffn_gate", "ffn_up", "ffn_down"},
-        permute_qk=True,
-        norm_offset=0.0,
-        hidden_act="silu",
-    ),
-    "qwen2": _Arch(
-        hf_class="Qwen2ForCausalLM",
-        layer_names={**_CORE_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"},
-        biases=frozenset({"attn_q", "attn_k", "attn_v"}),
-        permute_qk=False,
-        norm_offset=0.0,
-        hidden_act="silu",
-    ),
-    "qwen3": _Arch(
-        hf_class="Qwen3ForCausalLM",
-        layer_names={
-            **_CORE_LAYER_NAMES,
-            "ffn_norm": "post_attention_layernorm",
-            "attn_q_norm": "self_attn.q_norm",
-            "attn_k_norm": "self_attn.k_norm",
-        },
-        biases=_ATTN_BIASES,
-        permute_qk=False,
-        norm_offset=0.0,
-        hidden_act="silu",
-    ),
-    "gemma": _Arch(
-        hf_class="GemmaForCausalLM",
-        layer_names={**_CORE_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"},
-        biases=_ATTN_BIASES,
-        permute_qk=False,
-        norm_offset=1.0,
-        hidden_act="gelu_pytorch_tanh",
-    ),
-    "gemma2": _Arch(
-        hf_class="Gemma2ForCausalLM",
-        layer_names={
-            **_CORE_LAYER_NAMES,
-            "post_attention_norm": "post_attention_layernorm",
-            "ffn_norm": "pre_feedforward_layernorm",
-            "post_ffw_norm": "post_feedforward_layernorm",
-        },
-        biases=_ATTN_BIASES,
-        permute_qk=False,
-        norm_offset=1.0,
-        hidden_act="gelu_pytorch_tanh",
-    ),
+    "llama": _Arch("LlamaForCausalLM", _ATTN_BIASES | {"ffn_gate", "ffn_up", "ffn_down"},
+                   permute_qk=True, norm_offset=0.0, hidden_act="silu"),
+    "qwen2": _Arch("Qwen2ForCausalLM", frozenset({"attn_q", "attn_k", "attn_v"}),
+                   permute_qk=False, norm_offset=0.0, hidden_act="silu"),
+    "qwen3": _Arch("Qwen3ForCausalLM", _ATTN_BIASES, permute_qk=False, norm_offset=0.0,
+                   hidden_act="silu"),
+    "gemma": _Arch("GemmaForCausalLM", _ATTN_BIASES, permute_qk=False, norm_offset=1.0,
+                   hidden_act="gelu_pytorch_tanh"),
+    "gemma2": _Arch("Gemma2ForCausalLM", _ATTN_BIASES, permute_qk=False, norm_offset=1.0,
+                    hidden_act="gelu_pytorch_tanh"),
 }
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
+# The HF tensor names (per layer: under model.layers.N.) our dense families read. Which GGUF name
+# each has in an architecture (or none) is the `gguf` library's tensor-name map's answer: e.g.
+# `post_attention_layernorm` is `ffn_norm` in llama but `post_attention_norm` in gemma2.
+_HF_LAYER_NAMES = (
+    "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+    "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj",
+    "mlp.down_proj", "post_attention_layernorm", "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+_HF_GLOBAL_NAMES = ("model.embed_tokens", "model.norm", "lm_head")
+
+
+@functools.cache
+def _names(arch: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(GGUF per-layer part -> HF name under model.layers.N., GGUF global -> HF name) of `arch`,
+    from `gguf.get_tensor_name_map` (HF -> GGUF) inverted over the names our families read."""
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    tmap = gguf.get_tensor_name_map(model_arch, 1)
+    layer, global_ = {}, {}
+    for hf in _HF_LAYER_NAMES:
+        if (name := tmap.get_name(f"model.layers.0.{hf}")) is not None:
+            layer[name.removeprefix("blk.0.")] = hf
+    for hf in _HF_GLOBAL_NAMES:
+        if (name := tmap.get_name(hf)) is not None:
+            global_[name] = hf
+    return layer, global_
+
+
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 # llama.cpp's per-dimension rotary frequency divisors for Llama 3.x rope scaling: not an HF
@@ -484,6 +492,42 @@ class GGUFCheckpoint:
         if entry.norm_offset:
             w -= np.float32(entry.norm_offset)
         return w
+
+    def quantized(self, hf_name: str, fmt: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """A 2-D block-quantized tensor requantized to `fmt` ("int8" | "fp8") with one scale per row
+        (HF layout: data [out, in], scale f32[out]), a chunk of rows at a time, never whole in
+        float32. Rows of symmetric blocks (Q8_0, Q4_0, Q5_0) fold their block scales exactly into
+        int8 where they can (`checkpoints.quantize.fold_block_scales`). None for tensors stored as
+        floats and for 1-D ones: read those with `tensor`.
+        """
+        entry = self._entries.get(hf_name)
+        if entry is None:
+            raise GGUFError(f"{self.path}: no tensor named {hf_name!r}")
+        if entry.qtype in _FLOAT_TYPES or len(entry.shape) != 2 or entry.norm_offset:
+            return None
+        what = f"{self.path}: tensor {entry.gguf_name!r} ({entry.qtype.name}, shape {entry.shape})"
+        rows, cols = entry.shape
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[entry.qtype]
+        raw = np.ascontiguousarray(self._reader.tensors[entry.index].data).reshape(-1).view(np.uint8)
+        if raw.size != rows * cols // block_size * block_bytes:
+            raise GGUFError(f"{what}: holds {raw.size} bytes, expected {rows * cols // block_size * block_bytes}")
+        by_row = raw.reshape(rows, cols // block_size * block_bytes)
+
+        def read_rows(start: int, stop: int) -> np.ndarray:
+            return dequantize(by_row[start:stop], entry.qtype, (stop - start, cols))
+
+        read_blocks = None
+        if entry.qtype in _SYMMETRIC:
+            def read_blocks(start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+                d, ints = _SYMMETRIC[entry.qtype](by_row[start:stop].reshape(-1, block_bytes))
+                n = stop - start
+                return ints.reshape(n, -1, block_size), d.reshape(n, -1)
+
+        data, scale = qlib.requantize_rows(read_rows, rows, fmt, read_blocks)
+        if entry.unpermute_heads is not None:
+            data = _undo_rotary_permutation(data, entry.unpermute_heads, what)
+            scale = _undo_rotary_permutation(scale, entry.unpermute_heads, what)
+        return data, scale
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(HF name, float32 array) for every tensor, reading one at a time."""
@@ -648,18 +692,19 @@ class GGUFCheckpoint:
         return params
 
 
-def _map_tensor_name(gguf_name: str, rules: _Arch) -> str | None:
+def _map_tensor_name(gguf_name: str, arch: str) -> str | None:
     """The HF name of a GGUF tensor, or None when the architecture has no such tensor."""
+    layer_names, global_names = _names(arch)
     if m := _LAYER_TENSOR.fullmatch(gguf_name):
         layer, part, kind = m.groups()
-        hf_part = rules.layer_names.get(part)
-        if hf_part is None or (kind == "bias" and part not in rules.biases):
+        hf_part = layer_names.get(part)
+        if hf_part is None or (kind == "bias" and part not in _ARCHS[arch].biases):
             return None
         return f"model.layers.{int(layer)}.{hf_part}.{kind}"
     if m := _GLOBAL_TENSOR.fullmatch(gguf_name):
         part, kind = m.groups()
-        if part in _GLOBAL_NAMES and kind == "weight":
-            return f"{_GLOBAL_NAMES[part]}.{kind}"
+        if part in global_names and kind == "weight":
+            return f"{global_names[part]}.{kind}"
     return None
 
 
@@ -729,7 +774,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     for index, t in enumerate(reader.tensors):
         if t.name == _ROPE_FREQS and arch == "llama":
             continue
-        hf_name = _map_tensor_name(t.name, rules)
+        hf_name = _map_tensor_name(t.name, arch)
         if hf_name is None:
             raise GGUFError(f"{path}: unknown tensor {t.name!r} for architecture {arch!r}")
         if t.tensor_type not in SUPPORTED_TYPES:

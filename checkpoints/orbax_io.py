@@ -210,6 +210,20 @@ def _check_against_metadata(params_dir: Path, target_leaves: list[tuple[str, Any
         )
 
 
+def saved_leaves(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Leaf path -> (shape, dtype) of the checkpoint `save_params` wrote at `path`, read from its
+    metadata only (e.g. to tell a quantized checkpoint from a float one before restoring)."""
+    params_dir = Path(path) / PARAMS_DIR
+    if not is_orbax_checkpoint(path):
+        raise CheckpointError(f"{params_dir} is not a finished Orbax checkpoint")
+    with ocp.StandardCheckpointer() as checkpointer:
+        tree = getattr(checkpointer.metadata(params_dir.absolute()).item_metadata, "tree", None)
+    if tree is None:
+        raise CheckpointError(f"checkpoint {params_dir} has no readable pytree metadata")
+    return {name: (tuple(meta.shape), np.dtype(meta.dtype)) for name, meta in _named_leaves(tree)
+            if getattr(meta, "shape", None) is not None and getattr(meta, "dtype", None) is not None}
+
+
 def restore_params(path: str | os.PathLike, target: Any) -> Any:
     """Restores the params saved by `save_params` straight into the target's shardings.
 

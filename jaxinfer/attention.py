@@ -8,7 +8,10 @@
    H100 on 2026-11-24: correct, and 2.5-50x faster than the reference) and "reference" on TPU,
    where the Mosaic kernel stays opt-in until it has run on a TPU.
 2. `update_kv_cache` scatters this step's K/V into their slots (`slot_mapping`); every backend
-   shares it and the cache layout (`kv_cache_shape`).
+   shares it and the cache layout (`kv_cache_shape`). `kv_cache_dtype="fp8"` makes the cache a
+   `reference.Fp8KVCache` (float8_e4m3fn values, one power-of-two scale per slot and K/V head);
+   `FP8_KV_BACKENDS` (every backend today) read it; a backend missing there is refused naming the
+   field (`check_kv_cache_dtype`).
 3. The chosen backend's `ragged_paged_attention` attends every query token to its own sequence's
    pages. The pure-JAX reference is the oracle every kernel is tested against.
 """
@@ -25,6 +28,10 @@ from jaxinfer.step import StepInputs
 from pallas_kernels.ragged_paged_attention import KERNELS, cpu, reference
 
 BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
+KV_CACHE_DTYPES = ("auto", "fp8")
+# The backends that read an fp8 cache (`reference.Fp8KVCache`): all of today's; a backend added
+# later is refused with kv_cache_dtype='fp8' until it is listed here.
+FP8_KV_BACKENDS = ("reference", "cpu", "gpu", "tpu")
 _AUTO = {"gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
 log = logging.getLogger(__name__)
 
@@ -58,6 +65,25 @@ def _cpu_or_reference() -> str:
     return "reference"
 
 
+def check_kv_cache_dtype(backend: str, kv_cache_dtype: str) -> None:
+    """Raises naming `kv_cache_dtype` when it is unknown or the (resolved) backend cannot read it."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; choose one of {KV_CACHE_DTYPES}")
+    if kv_cache_dtype == "fp8" and backend not in FP8_KV_BACKENDS:
+        raise ValueError(f"kv_cache_dtype='fp8' is not readable by attention_backend {backend!r}; "
+                         f"use one of {FP8_KV_BACKENDS} or kv_cache_dtype='auto'")
+
+
+def new_kv_cache(shape: tuple[int, ...], dtype, kv_cache_dtype: str = "auto"):
+    """An empty cache of `shape` (`kv_cache_shape`): the model dtype, or an `Fp8KVCache`."""
+    return reference.new_kv_cache(shape, dtype, kv_cache_dtype)
+
+
+def kv_cache_bytes_per_row(head_dim: int, dtype_bytes: int, kv_cache_dtype: str) -> int:
+    """Bytes of one (slot, K-or-V head) row: head_dim values (+ the fp8 row's exponent byte)."""
+    return head_dim + 1 if kv_cache_dtype == "fp8" else head_dim * dtype_bytes
+
+
 def kv_cache_shape(backend: str | None, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """NOTE: every backend shares the reference layout [P, page_size, 2*Hkv, D] (K even, V odd)."""
     resolve_backend(backend)
@@ -75,7 +101,7 @@ def attention(
     q: jax.Array,  # [T, Hq, D]
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
-    kv_cache: jax.Array,  # [P, page_size, 2*Hkv, D]
+    kv_cache: jax.Array | reference.Fp8KVCache,  # [P, page_size, 2*Hkv, D]
     step: StepInputs,
     *,
     sm_scale: float,
@@ -86,6 +112,8 @@ def attention(
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (out [T, Hq, D], updated kv_cache)."""
     backend = resolve_backend(backend)
+    if isinstance(kv_cache, reference.Fp8KVCache):
+        check_kv_cache_dtype(backend, "fp8")
     with jax.named_scope("kv_write"):
         kv_cache = reference.update_kv_cache(kv_cache, k, v, step.slot_mapping)
     with jax.named_scope("paged_attention"):

@@ -554,6 +554,12 @@ class EngineConfig:
     # Speculative decoding (`jaxinfer.spec_decode.SpeculativeConfig`; a dict or JSON string is
     # parsed): e.g. {"method": "ngram", "num_speculative_tokens": 4}. None: off.
     speculative_config: Any = None
+    # Weight-only quantization of the linear weights and the embedding: None, "int8" or "fp8"
+    # (float8_e4m3fn), one f32 scale per output channel (see `jaxinfer.quantization`).
+    quantization: str | None = None
+    # The paged KV cache's storage: "auto" (the model dtype) or "fp8" (float8_e4m3fn values with a
+    # power-of-two scale per slot and K/V head: (D + 1) bytes a row instead of 2 * D in bf16).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         from jaxinfer.spec_decode.config import SpeculativeConfig  # NOTE: no JAX there either
@@ -562,6 +568,12 @@ class EngineConfig:
                            SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.quantization not in (None, "int8", "fp8"):
+            raise ValueError(f"quantization={self.quantization!r} is not supported; choose one of "
+                             f"('int8', 'fp8') (or None)")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
+                             f"('auto', 'fp8')")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

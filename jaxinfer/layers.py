@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig, RopeConfig
+from jaxinfer.quantization import QArray
 from pallas_kernels import cpu_linear
 
 log = logging.getLogger(__name__)
@@ -156,28 +157,61 @@ def _cpu_linear_builds() -> bool:
     return reason is None
 
 
-def dense(x: jax.Array, *weights: jax.Array, backend: str = "xla") -> tuple[jax.Array, ...]:
+def dense(x: jax.Array, *weights: jax.Array | QArray, backend: str = "xla") -> tuple[jax.Array, ...]:
     """x [T, E] times each weight [E, ...] (contracting E) -> ([T, ...], ...).
 
+    A weight may be a `QArray` (int8 / fp8 data with one scale per output channel, [...]): the
+    product runs on the stored values and the scales multiply its output, after the contraction.
     With backend "cpu" a step of at most `cpu_linear.MAX_ROWS` float32 rows runs every weight in
-    one call of the compiled kernel; anything else is XLA's dot (same contraction as
-    `einsum("te,e...->t...")`).
+    one call of the compiled kernel (float32 or int8 weights, all of one kind); anything else is
+    XLA's dot (same contraction as `einsum("te,e...->t...")`).
     """
     if backend == "cpu" and _kernel_fits(x, weights):
-        flat = [w.reshape(w.shape[0], -1) for w in weights]
-        outs = cpu_linear.linear(x, *flat)
+        if isinstance(weights[0], QArray):
+            flat = [w.data.reshape(w.shape[0], -1) for w in weights]
+            scales = [w.scale.reshape(-1) for w in weights]
+            outs = cpu_linear.linear(x, *flat, scales=tuple(scales))
+        else:
+            outs = cpu_linear.linear(x, *(w.reshape(w.shape[0], -1) for w in weights))
         return tuple(y.reshape(x.shape[0], *w.shape[1:]) for y, w in zip(outs, weights))
-    return tuple(jnp.tensordot(x, w, axes=1) for w in weights)
+    return tuple(_xla_dense(x, w) for w in weights)
 
 
-def dense_transposed(x: jax.Array, w: jax.Array, backend: str = "xla") -> jax.Array:
+def _xla_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
+    if not isinstance(w, QArray):
+        return jnp.tensordot(x, w, axes=1)
+    # NOTE: the stored values are converted to x's dtype right at the dot, whose f32 output is
+    # then scaled per output channel: on GPU XLA fuses that convert into the GEMM (no converted
+    # weight in memory); XLA:CPU materializes it (measured: BENCHMARKS.md), which is why decode
+    # rows take the CPU kernel.
+    y = jnp.tensordot(x, w.data.astype(x.dtype), axes=1, preferred_element_type=jnp.float32)
+    return (y * w.scale).astype(x.dtype)
+
+
+def dense_transposed(x: jax.Array, w: jax.Array | QArray, backend: str = "xla") -> jax.Array:
     """x [T, E] times w [N, E] contracting E -> [T, N] (a tied embedding used as LM head)."""
     if backend == "cpu" and _kernel_fits(x, (w,)):
+        if isinstance(w, QArray):
+            return cpu_linear.linear(x, w.data, transposed=True, scales=(w.scale,))[0]
         return cpu_linear.linear(x, w, transposed=True)[0]
+    if isinstance(w, QArray):
+        y = jnp.einsum("te,ne->tn", x, w.data.astype(x.dtype), preferred_element_type=jnp.float32)
+        return (y * w.scale).astype(x.dtype)
     return jnp.einsum("te,ne->tn", x, w)
 
 
-def _kernel_fits(x: jax.Array, weights: tuple[jax.Array, ...]) -> bool:
-    return (x.ndim == 2 and x.shape[0] <= cpu_linear.MAX_ROWS
-            and len(weights) <= cpu_linear.MAX_WEIGHTS
-            and all(a.dtype == jnp.float32 for a in (x, *weights)))
+def embed_rows(embed: jax.Array | QArray, ids: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
+    """Rows `ids` i32[T] of an embedding [V, E] (quantized: per-row scales) -> [T, E] of `dtype`."""
+    if isinstance(embed, QArray):
+        rows = jnp.take(embed.data, ids, axis=0).astype(jnp.float32)
+        return (rows * jnp.take(embed.scale, ids, axis=0)[:, None]).astype(dtype)
+    return jnp.take(embed, ids, axis=0)
+
+
+def _kernel_fits(x: jax.Array, weights: tuple[jax.Array | QArray, ...]) -> bool:
+    if not (x.ndim == 2 and x.shape[0] <= cpu_linear.MAX_ROWS and x.dtype == jnp.float32
+            and len(weights) <= cpu_linear.MAX_WEIGHTS):
+        return False
+    if all(isinstance(w, QArray) for w in weights):
+        return all(w.data.dtype == jnp.int8 for w in weights)
+    return all(not isinstance(w, QArray) and w.dtype == jnp.float32 for w in weights)

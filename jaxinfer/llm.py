@@ -80,7 +80,10 @@ class LLM:
         `eos_token_id` or `stop_token_ids`; text prompts, `stop` strings and `chat` raise.
       **engine_options: `EngineConfig` fields (page_size, num_pages, kv_cache_memory,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, mesh,
-        long_prefill_token_threshold), `attention_backend` and `linear_backend`. `mesh="tensor=4"`
+        long_prefill_token_threshold, quantization), `attention_backend` and `linear_backend`.
+        `quantization="int8"` (or "fp8") stores the linear weights and the embedding quantized
+        with per-output-channel scales, applied at load (see `jaxinfer.loader.load_model`);
+        `kv_cache_dtype="fp8"` stores the paged KV cache as float8_e4m3fn. `mesh="tensor=4"`
         (the same string as `serve.py --mesh`) loads the weights straight onto the mesh, sharded by
         the rules; see README "Serving on a mesh".
     """
@@ -93,11 +96,14 @@ class LLM:
         unknown = set(engine_options) - _ENGINE_OPTIONS
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(_ENGINE_OPTIONS)}")
+        quantization = engine_options.pop("quantization", None)
+        EngineConfig(quantization=quantization)  # a bad value fails before loading, naming the field
         check_load_format(load_format)
         mesh = shd.make_mesh(engine_options.get("mesh") or None)  # a bad mesh fails before loading
-        self.model = load_model(model, dtype=dtype, mesh=mesh, load_format=load_format,
-                                skip_tokenizer_init=skip_tokenizer_init)
-        config = EngineConfig(dtype=self.model.dtype, **engine_options)
+        self.model = load_model(model, dtype=dtype, mesh=mesh, quantization=quantization,
+                                load_format=load_format, skip_tokenizer_init=skip_tokenizer_init)
+        config = EngineConfig(dtype=self.model.dtype, quantization=self.model.quantization,
+                              **engine_options)
         self.engine = LLMEngine(self.model, config, attention_backend=backend,
                                 linear_backend=linear_backend)
         self.tokenizer = self.model.tokenizer

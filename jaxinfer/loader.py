@@ -10,12 +10,16 @@
    tokenizer (before any weight is read, so a missing tokenizer fails fast; none at all with
    `skip_tokenizer_init`), then fills the params
    tree tensor by tensor (HF and GGUF sources) or restores it from orbax straight into the target
-   shardings. On a pipeline mesh the params come back stacked by stage (`jaxinfer.pipeline`):
+   shardings. With `quantization` ("int8" | "fp8") HF and GGUF tensors are quantized on the host
+   as they are read (GGUF block formats requantized row chunk by row chunk, no float32 copy), a
+   float orbax checkpoint is quantized on device after its restore, and a quantized orbax
+   checkpoint restores as it is. On a pipeline mesh the params come back stacked by stage (`jaxinfer.pipeline`):
    orbax restores each layer onto its stage's devices, HF/GGUF tensors are read to the host and
    each device receives only its slices.
 4. `load_format="dummy"` (vLLM's name) reads only the source's config (a `config.json`, or a GGUF
    file's metadata) and tokenizer (`Tokenizer.placeholder` when the directory has none), and
-   fills the params tree with random weights of the declared shapes and dtype
+   fills the params tree with random weights of the declared shapes and dtype (int8 / fp8 leaves
+   with `quantization=`)
    (`params.init_on_device`: jitted programs, sharded on the mesh, nothing on the host); the init
    scale (std 0.02, unit norms) keeps logits finite. For benchmarking any architecture without
    its weights.
@@ -34,9 +38,10 @@ import jax
 from checkpoints.errors import CheckpointError
 from checkpoints.gguf import read_gguf
 from checkpoints.hf import HFCheckpoint, load_hf_config
-from checkpoints.orbax_io import PARAMS_DIR, is_orbax_checkpoint, restore_params
+from checkpoints.orbax_io import PARAMS_DIR, is_orbax_checkpoint, restore_params, saved_leaves
 from jaxinfer import params as params_lib
 from jaxinfer import pipeline
+from jaxinfer import quantization as quant
 from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
 from jaxinfer.default_model import default_model_path
@@ -65,6 +70,7 @@ class LoadedModel:
     params: Any
     tokenizer: Tokenizer | None  # None when loaded with skip_tokenizer_init
     dtype: str
+    quantization: str | None = None  # "int8" | "fp8": weight-only, see jaxinfer.quantization
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -172,8 +178,8 @@ def _resolve_dtype(dtype: str | None) -> str:
 
 
 def load_model(model: str | os.PathLike | None = None, *, dtype: str | None = None,
-               mesh: jax.sharding.Mesh | None = None, load_format: str = "auto",
-               skip_tokenizer_init: bool = False) -> LoadedModel:
+               mesh: jax.sharding.Mesh | None = None, quantization: str | None = None,
+               load_format: str = "auto", skip_tokenizer_init: bool = False) -> LoadedModel:
     """Loads a GGUF file, a HF dir or an orbax checkpoint dir (None: the embedded default model).
 
     Args:
@@ -182,6 +188,11 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | None = No
         enough.
       dtype: "float32" or "bfloat16"; None is `default_dtype()`.
       mesh: where the params go; None is a one-device mesh.
+      quantization: None, "int8" or "fp8": store the linear weights and the embedding quantized
+        (weight-only, one scale per output channel), quantized on the host as they are read
+        (GGUF blocks requantized without a float32 copy of the tensor). An orbax checkpoint
+        saved quantized loads in its own format when this is None. With `load_format="dummy"`
+        the random weights are created quantized.
       load_format: "auto" reads the source's weights; "dummy" creates random weights of the same
         shapes, dtype and shardings on the devices (step 4 of the module docstring).
       skip_tokenizer_init: load no tokenizer (vLLM's name): token ids in and out, so a checkpoint
@@ -190,14 +201,27 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | None = No
     Returns:
       The config, params (on `mesh`) and tokenizer.
     """
+    quant.check_quantization(quantization)  # a bad value fails before anything is read
     check_load_format(load_format)
     path = resolve_model_path(model)
     dtype = _resolve_dtype(dtype)
     if load_format == "dummy":
-        return load_dummy(path, dtype=dtype, mesh=mesh, skip_tokenizer_init=skip_tokenizer_init)
+        return load_dummy(path, dtype=dtype, mesh=mesh, quantization=quantization,
+                          skip_tokenizer_init=skip_tokenizer_init)
     kind, handle = open_source(path)
-    return load_from_source(path, kind, handle, dtype=dtype, mesh=mesh,
+    return load_from_source(path, kind, handle, dtype=dtype, mesh=mesh, quantization=quantization,
                             skip_tokenizer_init=skip_tokenizer_init)
+
+
+def orbax_quantization(path: str) -> str | None:
+    """The format an orbax checkpoint was saved in: None (float) or "int8" / "fp8"."""
+    found = {dtype for name, (_, dtype) in saved_leaves(path).items() if name.endswith(".data")}
+    for fmt, dtype in quant.STORAGE.items():
+        if found == {dtype}:
+            return fmt
+    if found:
+        raise CheckpointError(f"{path!r}: quantized leaves of mixed dtypes {sorted(map(str, found))}")
+    return None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", GGUF_TOKENIZER_FILE)
@@ -229,12 +253,14 @@ def _dummy_source(path: str, skip_tokenizer_init: bool = False
 
 
 def load_dummy(path: str, *, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None,
-               skip_tokenizer_init: bool = False) -> LoadedModel:
-    """Step 4 of the module docstring: the source's config and tokenizer, random weights."""
+               quantization: str | None = None, skip_tokenizer_init: bool = False) -> LoadedModel:
+    """Step 4 of the module docstring: the source's config and tokenizer, random weights (stored
+    quantized when `quantization` is given)."""
+    quant.check_quantization(quantization)
     dtype = _resolve_dtype(dtype)
     hf_config, tokenizer = _dummy_source(path, skip_tokenizer_init)
     cfg = ModelConfig.from_hf(hf_config)
-    specs = family_of(cfg).param_specs(cfg, params_lib.DTYPES[dtype])
+    specs = family_of(cfg).param_specs(cfg, params_lib.DTYPES[dtype], quantization)
     if mesh is None:
         mesh = shd.make_mesh(None)
     rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
@@ -247,20 +273,29 @@ def load_dummy(path: str, *, dtype: str | None = None, mesh: jax.sharding.Mesh |
         params = params_lib.init_on_device(specs, key, params_lib.shardings(specs, mesh, rules))
     name = os.path.basename(os.path.normpath(path))
     return LoadedModel(name=name, path=path, source="dummy", cfg=cfg, hf_config=hf_config,
-                       params=params, tokenizer=tokenizer, dtype=dtype)
+                       params=params, tokenizer=tokenizer, dtype=dtype, quantization=quantization)
 
 
 def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = None,
                      mesh: jax.sharding.Mesh | None = None,
+                     quantization: str | None = None,
                      skip_tokenizer_init: bool = False) -> LoadedModel:
     """Step 3 of the module docstring, for a source `open_source(path)` has opened."""
+    quant.check_quantization(quantization)
     dtype = _resolve_dtype(dtype)
     jdtype = params_lib.DTYPES[dtype]
     hf_config = source_hf_config(path, kind, handle)
     cfg = ModelConfig.from_hf(hf_config)
     tokenizer = None if skip_tokenizer_init else load_tokenizer(kind, handle, path)
+    saved = orbax_quantization(path) if kind == "orbax" else None
+    if saved and quantization and saved != quantization:
+        raise CheckpointError(f"{path!r} is saved with quantization={saved!r}; it cannot load as "
+                              f"quantization={quantization!r} (convert the float source instead)")
+    quantization = quantization or saved
     family = family_of(cfg)
-    specs = family.param_specs(cfg, jdtype)
+    float_specs = family.param_specs(cfg, jdtype)
+    specs = family.param_specs(cfg, jdtype, quantization)
+    restored_specs = family.param_specs(cfg, jdtype, saved)  # orbax: what the checkpoint holds
     if mesh is None:
         mesh = shd.make_mesh(None)
 
@@ -268,10 +303,12 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
     rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
 
     if kind == "orbax" and stages > 1:  # each layer restored onto its own stage's devices
-        params = restore_params(path, pipeline.canonical_targets(specs, mesh, rules))
+        params = restore_params(path, pipeline.canonical_targets(restored_specs, mesh, rules))
     elif kind == "orbax":
-        params = restore_params(path, params_lib.abstract(specs, mesh, rules))
-    else:
+        params = restore_params(path, params_lib.abstract(restored_specs, mesh, rules))
+    if kind == "orbax" and quantization != saved:  # a float checkpoint, quantized where it lies
+        params = quant.quantize_params(params, float_specs, quantization)
+    if kind != "orbax":
         def put(x, spec):
             if stages > 1:  # NOTE: host arrays; `to_stacked` sends each device only its slices
                 return x
@@ -280,7 +317,9 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
             return multihost.device_put_global(x, shd.named_sharding(mesh, spec.logical_axes, rules))
 
         try:
-            params = family.params_from_hf(cfg, handle.tensor_names(), handle.tensor, jdtype, put)
+            params = family.params_from_hf(
+                cfg, handle.tensor_names(), handle.tensor, jdtype, put, quantization,
+                get_quantized=handle.quantized if kind == "gguf" else None)
         except CheckpointError:
             raise
         except ValueError as e:  # missing, unexpected or mis-shaped tensors: name the checkpoint
@@ -292,4 +331,4 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
         params = pipeline.to_stacked(params, specs, mesh, delete_sources=True, rules=rules)
     name = os.path.basename(os.path.normpath(path))
     return LoadedModel(name=name, path=path, source=kind, cfg=cfg, hf_config=hf_config,
-                       params=params, tokenizer=tokenizer, dtype=dtype)
+                       params=params, tokenizer=tokenizer, dtype=dtype, quantization=quantization)

@@ -29,12 +29,17 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: Any
     logical_axes: tuple[str | None, ...]
-    init: str = "normal"  # "normal" (std = scale) | "ones" | "zeros"
+    init: str = "normal"  # "normal" (std = scale) | "ones" | "zeros" | "constant" (= scale)
     scale: float = 0.02
+    # The contraction axis of a weight that `quantization=` may store quantized (one scale per
+    # output channel, see `jaxinfer.quantization`); None for weights kept in the model dtype.
+    quant_axis: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.shape) != len(self.logical_axes):
             raise ValueError(f"shape {self.shape} and logical axes {self.logical_axes} differ in rank")
+        if self.quant_axis is not None and not 0 <= self.quant_axis < len(self.shape):
+            raise ValueError(f"quant_axis {self.quant_axis} is outside shape {self.shape}")
 
 
 def is_spec(x: Any) -> bool:
@@ -70,7 +75,12 @@ def _init_leaf(s: ParamSpec, key: jax.Array) -> jax.Array:
         return jnp.ones(s.shape, s.dtype)
     if s.init == "zeros":
         return jnp.zeros(s.shape, s.dtype)
-    return (s.scale * jax.random.normal(key, s.shape, jnp.float32)).astype(s.dtype)
+    if s.init == "constant":
+        return jnp.full(s.shape, s.scale, s.dtype)
+    x = s.scale * jax.random.normal(key, s.shape, jnp.float32)
+    if jnp.issubdtype(s.dtype, jnp.integer):  # quantized data: the symmetric int8 grid
+        x = jnp.clip(jnp.rint(x), -127, 127)
+    return x.astype(s.dtype)
 
 
 def init_random(specs: Any, key: jax.Array) -> Any:

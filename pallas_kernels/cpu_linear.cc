@@ -14,6 +14,10 @@
 //   end, so the result does not depend on which thread ran which part.
 // - [N_i, K] ("nk", a tied embedding used as LM head): each output is a dot product over one
 //   contiguous weight row; the N rows are cut into contiguous parts, no reduction.
+// Weights are float32, or int8 with one f32 scale per output channel (`quantization="int8"`):
+// an int8 weight is read as bytes (a quarter of the f32 stream), widened to f32 in registers
+// (16 values per vpmovsxbd + vcvtdq2ps) and multiplied like a float one; the scales multiply the
+// finished outputs (kn: after the partials are summed, nk: each dot product).
 // All arithmetic in f32. Parts (a few per core, so a helper that joins late still takes its
 // share) are claimed from an atomic counter by the caller and by helpers; the caller returns
 // once every part is done (a helper that starts late finds nothing left and only touches the
@@ -26,8 +30,8 @@
 
 #include <immintrin.h>
 
-#ifndef __AVX512F__
-#error "the CPU linear kernel needs AVX-512 (this CPU or compiler lacks it): XLA's dot is used instead"
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__)
+#error "the CPU linear kernel needs AVX-512 F/BW/VL (this CPU or compiler lacks it): XLA's dot is used instead"
 #endif
 
 #include <algorithm>
@@ -56,30 +60,39 @@ constexpr int64_t kParallelMinWork = 1 << 16;
 constexpr int64_t kMinRowsPerPart = 64;
 
 struct Weight {
-  const float* w;
-  float* y;        // [T, n]
+  const void* w;       // float or int8, [K, n] or [n, K]
+  const float* scale;  // [n] for int8 weights, else null
+  float* y;            // [T, n]
   int64_t n;
-  float* partial;  // [parts - 1, T, n] for the kn layout
+  float* partial;      // [parts - 1, T, n] for the kn layout
 };
 
 struct Problem {
   const float* x;  // [T, K]
   int64_t t_len, k_len;
   bool transposed;
+  bool int8;  // every weight of the call is int8 (with scales) or every one is float
   int num_weights;
   Weight weights[kMaxWeights];
   int parts;
 };
 
-// y[t, :] = x[t, k0:k1] @ W[k0:k1, :] (overwrites y), W row-major [K, N].
-void KnRange(const float* x, int64_t t_len, int64_t k_len, const float* w, int64_t n_len, float* y,
+// 16 consecutive weights from p (masked), widened to f32.
+inline __m512 Load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 Load16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+// y[t, :] = x[t, k0:k1] @ W[k0:k1, :] (overwrites y), W row-major [K, N] of float or int8.
+template <typename T>
+void KnRange(const float* x, int64_t t_len, int64_t k_len, const T* w, int64_t n_len, float* y,
              int64_t k0, int64_t k1) {
   std::memset(y, 0, t_len * n_len * sizeof(float));
   const __mmask16 tail = static_cast<__mmask16>((1u << (n_len % 16)) - 1);
   const int64_t n_full = n_len / 16 * 16;
   int64_t k = k0;
   for (; k + 8 <= k1; k += 8) {
-    const float* r = w + k * n_len;
+    const T* r = w + k * n_len;
     for (int64_t t = 0; t < t_len; ++t) {
       const float* xt = x + t * k_len + k;
       const __m512 a0 = _mm512_set1_ps(xt[0]), a1 = _mm512_set1_ps(xt[1]);
@@ -89,25 +102,26 @@ void KnRange(const float* x, int64_t t_len, int64_t k_len, const float* w, int64
       float* yt = y + t * n_len;
       // Two independent chains of four products each, then one read-modify-write of y.
       auto body = [&](int64_t n, __mmask16 m) {
-        __m512 p = _mm512_mul_ps(a0, _mm512_maskz_loadu_ps(m, r + n));
-        __m512 q = _mm512_mul_ps(a4, _mm512_maskz_loadu_ps(m, r + 4 * n_len + n));
-        p = _mm512_fmadd_ps(a1, _mm512_maskz_loadu_ps(m, r + n_len + n), p);
-        q = _mm512_fmadd_ps(a5, _mm512_maskz_loadu_ps(m, r + 5 * n_len + n), q);
-        p = _mm512_fmadd_ps(a2, _mm512_maskz_loadu_ps(m, r + 2 * n_len + n), p);
-        q = _mm512_fmadd_ps(a6, _mm512_maskz_loadu_ps(m, r + 6 * n_len + n), q);
-        p = _mm512_fmadd_ps(a3, _mm512_maskz_loadu_ps(m, r + 3 * n_len + n), p);
-        q = _mm512_fmadd_ps(a7, _mm512_maskz_loadu_ps(m, r + 7 * n_len + n), q);
+        __m512 p = _mm512_mul_ps(a0, Load16(r + n, m));
+        __m512 q = _mm512_mul_ps(a4, Load16(r + 4 * n_len + n, m));
+        p = _mm512_fmadd_ps(a1, Load16(r + n_len + n, m), p);
+        q = _mm512_fmadd_ps(a5, Load16(r + 5 * n_len + n, m), q);
+        p = _mm512_fmadd_ps(a2, Load16(r + 2 * n_len + n, m), p);
+        q = _mm512_fmadd_ps(a6, Load16(r + 6 * n_len + n, m), q);
+        p = _mm512_fmadd_ps(a3, Load16(r + 3 * n_len + n, m), p);
+        q = _mm512_fmadd_ps(a7, Load16(r + 7 * n_len + n, m), q);
         _mm512_mask_storeu_ps(yt + n, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, yt + n), _mm512_add_ps(p, q)));
       };
-      // Rows k..k+7 are one contiguous block of 8 * N floats, read here as 8 interleaved row
+      // Rows k..k+7 are one contiguous block of 8 * N weights, read here as 8 interleaved row
       // streams, too short for the hardware prefetcher when N is small: the next block is
-      // prefetched into L2 front to back, 8 lines per 16 columns, so it is in when its turn comes
-      // (+8% on the model's layer chain; 2 or 4 blocks ahead, or into L1, measured slower).
+      // prefetched into L2 front to back, 8 * 16 weights (2 * sizeof(T) lines) per 16 columns,
+      // so it is in when its turn comes (+8% on the model's f32 layer chain; 2 or 4 blocks ahead,
+      // or into L1, measured slower).
       if (t == 0 && k + 16 <= k1) {
-        const float* ahead = r + 8 * n_len;
+        const char* ahead = reinterpret_cast<const char*>(r + 8 * n_len);
         for (int64_t n = 0; n < n_full; n += 16) {
-          for (int j = 0; j < 8; ++j)
-            _mm_prefetch(reinterpret_cast<const char*>(ahead + 8 * n + 16 * j), _MM_HINT_T1);
+          for (int j = 0; j < static_cast<int>(2 * sizeof(T)); ++j)
+            _mm_prefetch(ahead + 8 * n * sizeof(T) + 64 * j, _MM_HINT_T1);
           body(n, 0xffff);
         }
       } else {
@@ -117,35 +131,39 @@ void KnRange(const float* x, int64_t t_len, int64_t k_len, const float* w, int64
     }
   }
   for (; k < k1; ++k) {
-    const float* r = w + k * n_len;
+    const T* r = w + k * n_len;
     for (int64_t t = 0; t < t_len; ++t) {
       const float a = x[t * k_len + k];
-      for (int64_t n = 0; n < n_len; ++n) y[t * n_len + n] += a * r[n];
+      for (int64_t n = 0; n < n_len; ++n) y[t * n_len + n] += a * static_cast<float>(r[n]);
     }
   }
 }
 
-inline float Dot(const float* a, const float* b, int64_t k_len, __mmask16 tail) {
+template <typename T>
+inline float Dot(const float* a, const T* b, int64_t k_len, __mmask16 tail) {
   __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= k_len; k += 32) {
-    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), s0);
-    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k + 16), _mm512_loadu_ps(b + k + 16), s1);
+    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), Load16(b + k, 0xffff), s0);
+    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k + 16), Load16(b + k + 16, 0xffff), s1);
   }
-  for (; k + 16 <= k_len; k += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), s0);
-  if (tail) s1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + k), _mm512_maskz_loadu_ps(tail, b + k), s1);
+  for (; k + 16 <= k_len; k += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), Load16(b + k, 0xffff), s0);
+  if (tail) s1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + k), Load16(b + k, tail), s1);
   return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
 }
 
-// y[t, n0:n1] = x[t, :] . W[n, :] for W row-major [N, K].
-void NkRange(const float* x, int64_t t_len, int64_t k_len, const float* w, int64_t n_len, float* y,
-             int64_t n0, int64_t n1) {
+// y[t, n0:n1] = x[t, :] . W[n, :] (times scale[n] when given) for W row-major [N, K].
+template <typename T>
+void NkRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const float* scale,
+             int64_t n_len, float* y, int64_t n0, int64_t n1) {
   const __mmask16 tail = static_cast<__mmask16>((1u << (k_len % 16)) - 1);
   for (int64_t n = n0; n < n1; ++n) {
-    const float* r = w + n * k_len;
-    for (int64_t k = 0; k < k_len; k += 16)  // 4 rows ahead, into L2
-      _mm_prefetch(reinterpret_cast<const char*>(r + 4 * k_len + k), _MM_HINT_T1);
-    for (int64_t t = 0; t < t_len; ++t) y[t * n_len + n] = Dot(x + t * k_len, r, k_len, tail);
+    const T* r = w + n * k_len;
+    const char* ahead = reinterpret_cast<const char*>(r + 4 * k_len);  // 4 rows ahead, into L2
+    for (int64_t b = 0; b < k_len * static_cast<int64_t>(sizeof(T)); b += 64)
+      _mm_prefetch(ahead + b, _MM_HINT_T1);
+    const float s = scale ? scale[n] : 1.0f;
+    for (int64_t t = 0; t < t_len; ++t) y[t * n_len + n] = s * Dot(x + t * k_len, r, k_len, tail);
   }
 }
 
@@ -156,12 +174,18 @@ void RunPart(const Problem& pb, int p) {
     if (pb.transposed) {
       const int64_t chunk = (wt.n + pb.parts - 1) / pb.parts;
       const int64_t n0 = std::min(wt.n, p * chunk), n1 = std::min(wt.n, n0 + chunk);
-      NkRange(pb.x, pb.t_len, pb.k_len, wt.w, wt.n, wt.y, n0, n1);
+      if (pb.int8)
+        NkRange(pb.x, pb.t_len, pb.k_len, static_cast<const int8_t*>(wt.w), wt.scale, wt.n, wt.y, n0, n1);
+      else
+        NkRange(pb.x, pb.t_len, pb.k_len, static_cast<const float*>(wt.w), nullptr, wt.n, wt.y, n0, n1);
     } else {
       const int64_t chunk = (pb.k_len + 8 * pb.parts - 1) / (8 * pb.parts) * 8;
       const int64_t k0 = std::min(pb.k_len, p * chunk), k1 = std::min(pb.k_len, k0 + chunk);
       float* y = p == 0 ? wt.y : wt.partial + (p - 1) * pb.t_len * wt.n;
-      KnRange(pb.x, pb.t_len, pb.k_len, wt.w, wt.n, y, k0, k1);
+      if (pb.int8)
+        KnRange(pb.x, pb.t_len, pb.k_len, static_cast<const int8_t*>(wt.w), wt.n, y, k0, k1);
+      else
+        KnRange(pb.x, pb.t_len, pb.k_len, static_cast<const float*>(wt.w), wt.n, y, k0, k1);
     }
   }
 }
@@ -230,13 +254,15 @@ void Help(std::shared_ptr<Shared> sh, uint64_t generation) {
   box.lingering.fetch_sub(1);
 }
 
-ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
-                  ffi::RemainingRets outs, bool transposed) {
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                  ffi::RemainingRets outs, bool transposed, bool int8) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("cpu_linear: x must be 2-D [T, K]");
-  const int64_t nw = static_cast<int64_t>(weights.size());
-  if (nw < 1 || nw > kMaxWeights || static_cast<int64_t>(outs.size()) != nw)
-    return ffi::Error::InvalidArgument("cpu_linear: 1 to 8 weights, one output each");
+  // args: the weights, then (int8) one scale vector per weight.
+  const int64_t nargs = static_cast<int64_t>(args.size());
+  const int64_t nw = int8 ? nargs / 2 : nargs;
+  if (nw < 1 || nw > kMaxWeights || static_cast<int64_t>(outs.size()) != nw || (int8 && nargs != 2 * nw))
+    return ffi::Error::InvalidArgument("cpu_linear: 1 to 8 weights (int8: each with its scales), one output each");
 
   auto sh = std::make_shared<Shared>();
   Problem& pb = sh->pb;
@@ -244,20 +270,31 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
   pb.t_len = xd[0];
   pb.k_len = xd[1];
   pb.transposed = transposed;
+  pb.int8 = int8;
   pb.num_weights = static_cast<int>(nw);
   int64_t work = 0, out_floats = 0;
   for (int64_t i = 0; i < nw; ++i) {
-    auto w = weights.get<ffi::Buffer<ffi::F32>>(i);
+    auto w = args.get<ffi::AnyBuffer>(i);
     auto y = outs.get<ffi::Buffer<ffi::F32>>(i);
-    if (!w.has_value() || !y.has_value())
-      return ffi::Error::InvalidArgument("cpu_linear: weights and outputs must be float32");
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("cpu_linear: bad weight or output");
+    const ffi::DataType want = int8 ? ffi::DataType::S8 : ffi::DataType::F32;
+    if (w->element_type() != want)
+      return ffi::Error::InvalidArgument(int8 ? "cpu_linear: int8 weights expected" : "cpu_linear: float32 weights expected");
     const auto wd = w->dimensions();
     const auto yd = (*y)->dimensions();
+    if (wd.size() != 2) return ffi::Error::InvalidArgument("cpu_linear: weights must be 2-D");
     const int64_t n = transposed ? wd[0] : wd[1];
     const int64_t k = transposed ? wd[1] : wd[0];
-    if (wd.size() != 2 || k != pb.k_len || yd.size() != 2 || yd[0] != pb.t_len || yd[1] != n)
+    if (k != pb.k_len || yd.size() != 2 || yd[0] != pb.t_len || yd[1] != n)
       return ffi::Error::InvalidArgument("cpu_linear: weight / output shapes do not match x");
-    pb.weights[i] = {w->typed_data(), (*y)->typed_data(), n, nullptr};
+    const float* scale = nullptr;
+    if (int8) {
+      auto s = args.get<ffi::Buffer<ffi::F32>>(nw + i);
+      if (!s.has_value() || s->element_count() != static_cast<size_t>(n))
+        return ffi::Error::InvalidArgument("cpu_linear: each int8 weight needs f32 scales, one per output");
+      scale = s->typed_data();
+    }
+    pb.weights[i] = {w->untyped_data(), scale, (*y)->typed_data(), n, nullptr};
     work += pb.t_len * pb.k_len * n;
     out_floats += pb.t_len * n;
   }
@@ -292,6 +329,9 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
         const float* src = wt.partial + (p - 1) * size;
         for (int64_t j = 0; j < size; ++j) wt.y[j] += src[j];
       }
+      if (wt.scale)
+        for (int64_t t = 0; t < pb.t_len; ++t)
+          for (int64_t j = 0; j < wt.n; ++j) wt.y[t * wt.n + j] *= wt.scale[j];
     }
   return ffi::Error::Success();
 }
@@ -304,4 +344,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCpuLinear, Linear,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<bool>("transposed"));
+                                  .Attr<bool>("transposed")
+                                  .Attr<bool>("int8"));

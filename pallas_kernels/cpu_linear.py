@@ -7,11 +7,13 @@ intra-op pool.
 
 1. `KERNEL` (`pallas_kernels.cpu_build`) compiles `cpu_linear.cc` on first use and registers it for
    the "cpu" platform; `available()` / `unavailable_reason()` say whether that worked (the kernel
-   needs AVX-512).
+   needs AVX-512 F/BW/VL).
 2. `linear(x, *weights)` -> one `x @ w` per weight, all in one call (weights sharing one input are
    streamed back to back: q and the fused k/v projections). `transposed=True` takes weights
-   stored `[N, K]` (a tied embedding as LM head). float32 only; any shapes, but it pays off only
-   for few rows (`MAX_ROWS`): `jaxinfer.layers.dense` picks it for those and XLA's dot otherwise.
+   stored `[N, K]` (a tied embedding as LM head). float32 weights, or int8 weights with one f32
+   scale per output column (`scales=`, `quantization="int8"`: a quarter of the bytes to stream,
+   widened in registers). Any shapes, but it pays off only for few rows (`MAX_ROWS`):
+   `jaxinfer.layers.dense` picks it for those and XLA's dot otherwise.
 """
 
 from __future__ import annotations
@@ -34,16 +36,27 @@ MAX_WEIGHTS = 8
 
 
 @functools.partial(jax.jit, static_argnames=("transposed",))
-def linear(x: jax.Array, *weights: jax.Array, transposed: bool = False) -> tuple[jax.Array, ...]:
-    """x f32[T, K]; each weight f32[K, N_i] (or [N_i, K] when `transposed`) -> (f32[T, N_i], ...)."""
+def linear(x: jax.Array, *weights: jax.Array, transposed: bool = False,
+           scales: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, ...]:
+    """x f32[T, K]; each weight f32[K, N_i] (or [N_i, K] when `transposed`) -> (f32[T, N_i], ...).
+
+    With `scales` (one f32[N_i] per weight) the weights are int8 and output column n of weight i
+    is multiplied by `scales[i][n]` (`x @ (w * scale)` for per-output-channel quantized weights).
+    """
     if not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"linear takes 1 to {MAX_WEIGHTS} weights, got {len(weights)}")
     if x.ndim != 2:
         raise ValueError(f"x must be [T, K], got shape {x.shape}")
-    for i, w in enumerate((x, *weights)):
-        if w.dtype != jnp.float32:
-            raise ValueError(f"the CPU linear kernel takes float32 only, got {w.dtype} "
-                             f"for {'x' if i == 0 else f'weight {i - 1}'}")
+    if x.dtype != jnp.float32:
+        raise ValueError(f"the CPU linear kernel takes float32 x only, got {x.dtype}")
+    int8 = scales is not None
+    want = jnp.int8 if int8 else jnp.float32
+    if int8 and len(scales) != len(weights):
+        raise ValueError(f"{len(weights)} int8 weights need as many scale vectors, got {len(scales)}")
+    for i, w in enumerate(weights):
+        if w.dtype != want:
+            raise ValueError(f"the CPU linear kernel takes {jnp.dtype(want).name} weight {i} "
+                             f"{'(scales given)' if int8 else '(no scales given)'}, got {w.dtype}")
     k = x.shape[1]
     outs = []
     for i, w in enumerate(weights):
@@ -51,6 +64,9 @@ def linear(x: jax.Array, *weights: jax.Array, transposed: bool = False) -> tuple
         if w.ndim != 2 or w_k != k:
             raise ValueError(f"weight {i} of shape {w.shape} does not fit x of shape {x.shape} "
                              f"(transposed={transposed})")
+        if int8 and (scales[i].shape != (n,) or scales[i].dtype != jnp.float32):
+            raise ValueError(f"scales {i} must be f32[{n}], got {scales[i].dtype}{list(scales[i].shape)}")
         outs.append(jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     library()
-    return tuple(jax.ffi.ffi_call(KERNEL.target, outs)(x, *weights, transposed=transposed))
+    args = (*weights, *scales) if int8 else weights
+    return tuple(jax.ffi.ffi_call(KERNEL.target, outs)(x, *args, transposed=transposed, int8=int8))

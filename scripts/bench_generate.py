@@ -2,10 +2,11 @@
 
     python scripts/bench_generate.py [--model PATH] [--prompt-len 128] [--decode-tokens 64] [--runs 5]
                                      [--linear-backend cpu,xla] [--scheduling async,sync]
-                                     [--llama-cpp BUILD_DIR] [--load-format dummy]
+                                     [--quantization none,int8] [--llama-cpp BUILD_DIR]
+                                     [--load-format dummy]
 
-1. jaxinfer: an `LLM` with one sequence slot (one per `--linear-backend` and `--scheduling`,
-   their requests taking turns); a warm-up request compiles the programs first.
+1. jaxinfer: an `LLM` with one sequence slot (one per `--quantization`, `--linear-backend` and
+   `--scheduling`, their requests taking turns); a warm-up request compiles the programs first.
    Prefill = time from adding the request to the engine step that returns its first token (the
    whole prompt in one step); decode = median time between the steps that return the following
    tokens (with async scheduling a step returns the token of the step launched before it).
@@ -41,9 +42,9 @@ from _hf_peer import hf_model_from_gguf
 from jaxinfer import LLM, SamplingParams
 
 
-def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str]]):
-    """One engine per (linear backend, scheduling); their runs interleave, so a slow phase of a
-    noisy machine hits every configuration alike."""
+def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str]]):
+    """One engine per (quantization, linear backend, scheduling); their runs interleave, so a slow
+    phase of a noisy machine hits every configuration alike."""
     max_len = args.prompt_len + args.decode_tokens + 16
     # NOTE: pages for the one sequence slot, not most of the device's memory (the default): the
     # read-bandwidth probe allocates its own buffer afterwards. No prefix caching: every run
@@ -52,8 +53,9 @@ def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str]]):
                 max_model_len=max_len, page_size=16, num_pages=-(-max_len // 16) + 2,
                 enable_prefix_caching=False,
                 max_num_seqs=1, max_num_batched_tokens=max(args.prompt_len, 16),
-                linear_backend=backend, async_scheduling=scheduling == "async")
-            for backend, scheduling in configs]
+                linear_backend=backend, async_scheduling=scheduling == "async",
+                quantization=None if quant == "none" else quant)
+            for quant, backend, scheduling in configs]
     vocab = llms[0].model.cfg.vocab_size
     prompt_ids = [t % vocab for t in prompt_ids]  # any architecture (--load-format dummy)
     sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
@@ -71,8 +73,8 @@ def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str]]):
                 prefill.append(stamps[0] - start)
                 decode.append(statistics.median(np.diff(stamps)))
     return [(args.prompt_len / statistics.median(prefill), 1 / statistics.median(decode),
-             weight_bytes(llm), f"{llm.engine.runner.linear_backend}, {scheduling}")
-            for llm, (prefill, decode), (_, scheduling) in zip(llms, times, configs)]
+             weight_bytes(llm), f"{quant}, {llm.engine.runner.linear_backend}, {scheduling}")
+            for llm, (prefill, decode), (quant, _, scheduling) in zip(llms, times, configs)]
 
 
 def read_bandwidth(nbytes: int, runs: int = 9) -> float:
@@ -158,6 +160,9 @@ def main() -> None:
                         "(one jaxinfer row each)")
     p.add_argument("--scheduling", default="async",
                    help="engine scheduling, comma-separated: async, sync (one jaxinfer row each)")
+    p.add_argument("--quantization", default="none",
+                   help="weight quantization(s), comma-separated: none, int8, fp8 (one jaxinfer "
+                        "row each; the roofline row uses the first one's weight bytes)")
     p.add_argument("--llama-cpp", metavar="BUILD_DIR", default=None,
                    help="also run llama.cpp's llama-bench from this build directory (GGUF models only)")
     args = p.parse_args()
@@ -165,7 +170,8 @@ def main() -> None:
 
     path = args.model or default_model_path()
     prompt_ids = [int(x) for x in np.random.default_rng(0).integers(100, 40000, args.prompt_len)]
-    runs = bench_jaxinfer(args, prompt_ids, [(b, m) for b in args.linear_backend.split(",")
+    runs = bench_jaxinfer(args, prompt_ids, [(q, b, m) for q in args.quantization.split(",")
+                                             for b in args.linear_backend.split(",")
                                              for m in args.scheduling.split(",")])
     ours = runs[0]
     dummy = args.load_format == "dummy"
@@ -181,20 +187,21 @@ def main() -> None:
     probe = 2 * nbytes if jax.default_backend() == "cpu" else min(2 * nbytes, 4 << 30)
     bandwidth = read_bandwidth(probe)
     roofline = bandwidth / nbytes
-    print(f"{'':28s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
+    print(f"{'':34s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'weight MB':>10s}")
     for r in runs:
-        print(f"{'jaxinfer (' + r[3] + ')':28s} {r[0]:14.1f} {r[1]:13.1f}")
+        print(f"{'jaxinfer (' + r[3] + ')':34s} {r[0]:14.1f} {r[1]:13.1f} {r[2] / 1e6:10.0f}")
     if hf:
-        print(f"{'hf-transformers':28s} {hf[0]:14.1f} {hf[1]:13.1f}")
+        print(f"{'hf-transformers':34s} {hf[0]:14.1f} {hf[1]:13.1f}")
     if lcpp:
-        print(f"{'llama.cpp':28s} {lcpp[0]:14.1f} {lcpp[1]:13.1f}")
-    print(f"{'roofline':28s} {'':14s} {roofline:13.1f}  ({nbytes / 1e6:.0f} MB of weights "
+        print(f"{'llama.cpp':34s} {lcpp[0]:14.1f} {lcpp[1]:13.1f}")
+    print(f"{'roofline':34s} {'':14s} {roofline:13.1f}  ({nbytes / 1e6:.0f} MB of weights "
           f"at the measured {bandwidth / 1e9:.1f} GB/s read bandwidth)")
     print(json.dumps({"bench": "generate", "machine": platform.machine(), "cpus": os.cpu_count(),
                       "load_format": args.load_format,
                       "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
                       "runs": args.runs,
-                      "jaxinfer": {r[3]: {"prefill_tok_s": round(r[0], 1), "decode_tok_s": round(r[1], 1)}
+                      "jaxinfer": {r[3]: {"prefill_tok_s": round(r[0], 1), "decode_tok_s": round(r[1], 1),
+                                          "weight_bytes": r[2]}
                                    for r in runs},
                       "hf": hf and {"prefill_tok_s": round(hf[0], 1), "decode_tok_s": round(hf[1], 1)},
                       "llama_cpp": lcpp and {"prefill_tok_s": round(lcpp[0], 1),

@@ -1,6 +1,6 @@
 """Convert a Hugging Face dir or a GGUF file into a jaxinfer orbax checkpoint dir.
 
-    python scripts/convert.py SRC DST [--dtype float32|bfloat16] [--force]
+    python scripts/convert.py SRC DST [--dtype float32|bfloat16] [--quantization int8|fp8] [--force]
 
 1. Parse the arguments (SRC: a HF model dir or a `.gguf` file; DST: the checkpoint dir).
 2. Run `checkpoints.convert.convert`, which writes DST/params, DST/config.json, the tokenizer and
@@ -33,12 +33,19 @@ def main(argv: list[str] | None = None) -> int:
         help="dtype the params are stored in (default: float32, lossless)",
     )
     parser.add_argument(
+        "--quantization",
+        choices=["int8", "fp8"],
+        default=None,
+        help="store the linear weights and the embedding quantized (loads back quantized)",
+    )
+    parser.add_argument(
         "--force", action="store_true", help="replace the checkpoint in a non-empty DST"
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        dst = convert(args.src, args.dst, args.dtype, force=args.force)
+        dst = convert(args.src, args.dst, args.dtype, force=args.force,
+                      quantization=args.quantization)
     except (OSError, ValueError) as e:  # CheckpointError, TokenizerError, UnsupportedConfigError
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'auto': the checkpoint's weights; 'dummy': random weights of the right "
                         "shapes, made on the devices from --model's config.json (or GGUF metadata) "
                         "and tokenizer, for benchmarking without the weights")
+    p.add_argument("--quantization", choices=["int8", "fp8"], default=None,
+                   help="weight-only quantization of the linear weights and the embedding (one "
+                        "scale per output channel), applied at load")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer (a checkpoint without one serves): requests send "
                         "token_ids, responses carry token ids with empty text")
@@ -77,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="bytes for the KV cache, e.g. 2GiB (default: most of free device memory)")
     e.add_argument("--num-pages", type=int, default=None, help="KV-cache pages (overrides memory)")
+    e.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="KV-cache storage: the model dtype, or fp8 (e4m3 with a power-of-two scale "
+                        "per slot and head: about twice the tokens of bf16 in the same memory)")
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="wait for each step's tokens before scheduling the next (default: the next "
@@ -157,12 +163,14 @@ def engine_args(args: argparse.Namespace):
                    enable_prefix_caching=not args.no_prefix_caching,
                    async_scheduling=not args.no_async_scheduling,
                    long_prefill_token_threshold=args.long_prefill_token_threshold,
-                   speculative_config=spec.to_dict() if spec else None)
+                   speculative_config=spec.to_dict() if spec else None,
+                   kv_cache_dtype=args.kv_cache_dtype)
     return EngineArgs(model=args.model, dtype=args.dtype, mesh=args.mesh,
                       max_model_len=args.max_model_len, options=options,
                       attention_backend=args.attention_backend, linear_backend=args.linear_backend,
                       fake_runner=args.fake_runner, fake_step_delay=args.fake_step_delay,
-                      load_format=args.load_format, skip_tokenizer_init=args.skip_tokenizer_init)
+                      load_format=args.load_format, quantization=args.quantization,
+                      skip_tokenizer_init=args.skip_tokenizer_init)
 
 
 def loop_options(args: argparse.Namespace):
@@ -189,11 +197,13 @@ def summary(server, args, load_s: float, ready_s: float) -> str:
         f"jaxinfer server ready in {ready_s:.1f}s (front end {load_s:.1f}s, engine load + warmup "
         f"{ready_s - load_s:.1f}s, {server.engine_loop.compiled_programs} programs; {where})",
         f"  model     {info.name} ({info.architecture}, {cfg.num_params() / 1e6:.1f}M params, "
-        f"{info.dtype}{', FAKE RUNNER' if args.fake_runner else ''}"
+        f"{info.dtype}{f', {args.quantization} weights' if args.quantization else ''}"
+        f"{', FAKE RUNNER' if args.fake_runner else ''}"
         f"{', DUMMY WEIGHTS' if args.load_format == 'dummy' and not args.fake_runner else ''})",
         f"  devices   {core.get('devices', '?')}; mesh {mesh}; "
         f"attention {info.attention_backend}; linear {info.linear_backend}",
-        f"  kv cache  {cap.num_pages} pages x {info.page_size} tokens = {cap.max_tokens} tokens; "
+        f"  kv cache  {cap.num_pages} pages x {info.page_size} tokens = {cap.max_tokens} tokens"
+        f"{' (fp8)' if args.kv_cache_dtype == 'fp8' else ''}; "
         f"max_model_len {info.max_model_len}",
         f"  batching  max_num_seqs {cap.max_num_seqs}, max_num_batched_tokens "
         f"{cap.max_num_batched_tokens}, max_queue {cap.max_queue}",
@@ -210,7 +220,8 @@ def summary(server, args, load_s: float, ready_s: float) -> str:
 
 
 # Flags that shape the engine: in multi-host mode every process uses process 0's values.
-ENGINE_FLAGS = ("model", "dtype", "load_format", "skip_tokenizer_init", "page_size",
+ENGINE_FLAGS = ("model", "dtype", "load_format", "quantization", "kv_cache_dtype",
+                "skip_tokenizer_init", "page_size",
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "num_pages", "no_prefix_caching", "mesh",
                 "attention_backend", "linear_backend", "no_warmup", "long_prefill_token_threshold",
                 "no_async_scheduling", "speculative_config")

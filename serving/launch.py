@@ -32,6 +32,7 @@ class EngineArgs:
     fake_runner: bool = False
     fake_step_delay: float = 0.0
     load_format: str = "auto"  # "dummy": random weights from the config
+    quantization: str | None = None  # "int8" | "fp8": weight-only, applied at load
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in and out
 
     def __post_init__(self) -> None:
@@ -77,10 +78,10 @@ def build_core(args: EngineArgs) -> EngineCore:
 
     # NOTE: the core handles token ids only: it never needs the tokenizer (the front end has it).
     model = load_model(args.model, dtype=args.dtype, mesh=mesh, load_format=args.load_format,
-                       skip_tokenizer_init=True)
+                       quantization=args.quantization, skip_tokenizer_init=True)
     if args.max_model_len is None and max_model_len:  # our CPU default, not the user's: cap it
         max_model_len = min(max_model_len, model.cfg.max_position_embeddings)
     config = EngineConfig(dtype=model.dtype, max_model_len=max_model_len, mesh=args.mesh,
-                          **args.options)
+                          quantization=model.quantization, **args.options)
     return EngineCore(model.cfg, model.params, config, attention_backend=args.attention_backend,
                       linear_backend=args.linear_backend, tokenizer=model.tokenizer)

@@ -106,7 +106,8 @@ def test_hf_to_orbax_restores_identical_params(tiny: dict[str, Any], tiny_orbax:
         "chat_template.jinja",
     }
     info = json.loads((tiny_orbax / "jaxinfer.json").read_text())
-    assert info == {"source": str(tiny["single"]), "source_kind": "hf", "dtype": "float32"}
+    assert info == {"source": str(tiny["single"]), "source_kind": "hf", "dtype": "float32",
+                    "quantization": None}
     source_config = json.loads((tiny["single"] / "config.json").read_text())
     assert json.loads((tiny_orbax / "config.json").read_text()) == source_config
 
@@ -127,6 +128,22 @@ def test_sharded_hf_checkpoint_converts_identically(tiny: dict[str, Any], tmp_pa
     _assert_params_equal(load_model(tiny["sharded"], dtype="float32").params, tiny["params"])
     dst = convert(tiny["sharded"], tmp_path / "sharded")
     _assert_params_equal(load_model(dst, dtype="float32").params, tiny["params"])
+
+
+def test_quantized_conversion_loads_back_quantized(tiny: dict[str, Any], tiny_orbax: Path,
+                                                   tmp_path: Path) -> None:
+    """An int8 conversion restores as int8 without asking; a float one quantizes at load to the
+    same bits as the HF source loaded with quantization="int8"; formats cannot be switched."""
+    dst = Path(convert(tiny["single"], tmp_path / "int8", quantization="int8"))
+    assert json.loads((dst / "jaxinfer.json").read_text())["quantization"] == "int8"
+    from_hf = load_model(tiny["single"], dtype="float32", quantization="int8")
+    restored = load_model(dst, dtype="float32")
+    assert restored.quantization == from_hf.quantization == "int8"
+    _assert_params_equal(restored.params, from_hf.params)
+    _assert_params_equal(load_model(tiny_orbax, dtype="float32", quantization="int8").params,
+                         from_hf.params)
+    with pytest.raises(CheckpointError, match="quantization='int8'.*quantization='fp8'"):
+        load_model(dst, quantization="fp8")
 
 
 def test_bfloat16_conversion_is_cast_once(tiny: dict[str, Any], tmp_path: Path) -> None:

@@ -53,6 +53,25 @@ def test_matches_numpy(t, k, ns):
     np.testing.assert_allclose(yt, _ref(x, ws[0]), rtol=0, atol=TOL * np.abs(_ref(x, ws[0])).max())
 
 
+@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("k,ns", [(7, (3,)), (100, (37, 1)), (576, (576, 384)), (1536, (576,)),
+                                  (129, (1000,))])
+def test_int8_weights_match_numpy(t, k, ns):
+    """int8 weights with per-output-column scales: x @ (q * s), kn and nk layouts, several weights."""
+    rng = np.random.default_rng(t * 1000 + k)
+    x = rng.standard_normal((t, k), dtype=np.float32)
+    qs = [rng.integers(-127, 128, (k, n)).astype(np.int8) for n in ns]
+    ss = [rng.uniform(1e-3, 2e-2, n).astype(np.float32) for n in ns]
+    outs = cpu_linear.linear(jnp.asarray(x), *map(jnp.asarray, qs), scales=tuple(map(jnp.asarray, ss)))
+    for y, q, s in zip(outs, qs, ss):
+        ref = _ref(x, q) * s
+        np.testing.assert_allclose(y, ref, rtol=0, atol=TOL * np.abs(ref).max())
+    (yt,) = cpu_linear.linear(jnp.asarray(x), jnp.asarray(qs[0].T.copy()), transposed=True,
+                              scales=(jnp.asarray(ss[0]),))
+    ref = _ref(x, qs[0]) * ss[0]
+    np.testing.assert_allclose(yt, ref, rtol=0, atol=TOL * np.abs(ref).max())
+
+
 def test_large_weights_split_over_threads_are_deterministic():
     """Big enough to be split into parts (K rows / N rows per thread): same bits every call."""
     rng = np.random.default_rng(0)
@@ -72,10 +91,18 @@ def test_large_weights_split_over_threads_are_deterministic():
 def test_bad_inputs_raise():
     x = jnp.ones((2, 8), jnp.float32)
     w = jnp.ones((8, 4), jnp.float32)
-    with pytest.raises(ValueError, match="float32 only.*bfloat16.*weight 0"):
+    with pytest.raises(ValueError, match="float32 weight 0.*bfloat16"):
         cpu_linear.linear(x, w.astype(jnp.bfloat16))
-    with pytest.raises(ValueError, match="float32 only.*x"):
+    with pytest.raises(ValueError, match="float32 x only.*bfloat16"):
         cpu_linear.linear(x.astype(jnp.bfloat16), w)
+    with pytest.raises(ValueError, match="float32 weight 0 \\(no scales given\\), got int8"):
+        cpu_linear.linear(x, w.astype(jnp.int8))
+    with pytest.raises(ValueError, match="int8 weight 0 \\(scales given\\), got float32"):
+        cpu_linear.linear(x, w, scales=(jnp.ones((4,), jnp.float32),))
+    with pytest.raises(ValueError, match=r"scales 0 must be f32\[4\]"):
+        cpu_linear.linear(x, w.astype(jnp.int8), scales=(jnp.ones((5,), jnp.float32),))
+    with pytest.raises(ValueError, match="2 int8 weights need as many scale vectors, got 1"):
+        cpu_linear.linear(x, w.astype(jnp.int8), w.astype(jnp.int8), scales=(jnp.ones((4,), jnp.float32),))
     with pytest.raises(ValueError, match=r"weight 1 of shape \(9, 4\) does not fit x"):
         cpu_linear.linear(x, w, jnp.ones((9, 4), jnp.float32))
     with pytest.raises(ValueError, match="1 to 8 weights"):

@@ -98,8 +98,8 @@ def test_q8_k_by_hand():
 
 
 def test_dequantize_rejects_bad_requests():
-    with pytest.raises(GGUFError, match="IQ2_XXS"):
-        dequantize(np.zeros(66, dtype=np.uint8), T.IQ2_XXS, (256,))
+    with pytest.raises(GGUFError, match="Q8_1"):
+        dequantize(np.zeros(40, dtype=np.uint8), T.Q8_1, (32,))
     with pytest.raises(GGUFError, match="unknown GGML type id 99"):
         dequantize(np.zeros(4, dtype=np.uint8), 99, (1,))
     with pytest.raises(GGUFError, match="needs 34 bytes, got 33"):
@@ -267,8 +267,8 @@ def _write_gguf(path: Path, arch: str, kv: dict, tensors: dict[str, tuple[np.nda
             writer.add_tensor(name, array.astype(np.float32))
         elif qtype == T.F16:
             writer.add_tensor(name, array.astype(np.float16))
-        elif qtype == T.IQ2_XXS:  # raw bytes of the right size: we never decode them
-            n_bytes = array.size // 256 * gguf.GGML_QUANT_SIZES[qtype][1]
+        elif qtype == T.Q8_1:  # raw bytes of the right size: we never decode them
+            n_bytes = array.size // gguf.GGML_QUANT_SIZES[qtype][0] * gguf.GGML_QUANT_SIZES[qtype][1]
             raw = np.zeros((array.shape[0], n_bytes // array.shape[0]), dtype=np.uint8)
             writer.add_tensor(name, raw, raw_dtype=qtype)
         else:
@@ -605,9 +605,9 @@ def test_unknown_tensor_is_named(tmp_path, extra_tensor):
 
 def test_unsupported_quant_type_is_named(tmp_path):
     tensors = {_gguf_name(n): (w, T.F32) for n, w in _tiny_hf_weights().items()}
-    tensors["blk.0.ffn_up.weight"] = (np.zeros((96, 256), dtype=np.float32), T.IQ2_XXS)
-    path = _write_gguf(tmp_path / "iq2.gguf", "llama", _tiny_kv("llama"), tensors)
-    with pytest.raises(GGUFError, match="'blk.0.ffn_up.weight' has unsupported type IQ2_XXS"):
+    tensors["blk.0.ffn_up.weight"] = (np.zeros((96, 256), dtype=np.float32), T.Q8_1)
+    path = _write_gguf(tmp_path / "q8_1.gguf", "llama", _tiny_kv("llama"), tensors)
+    with pytest.raises(GGUFError, match="'blk.0.ffn_up.weight' has unsupported type Q8_1"):
         read_gguf(path)
 
 
@@ -630,3 +630,19 @@ def test_unknown_hf_name_and_error_type(tiny_llama):
     with pytest.raises(GGUFError, match="no tensor named 'model.layers.9.mlp.up_proj.weight'"):
         ckpt.tensor("model.layers.9.mlp.up_proj.weight")
     assert issubclass(GGUFError, CheckpointError) and issubclass(GGUFError, ValueError)
+
+
+def test_tensor_names_come_from_the_gguf_library_map():
+    """The GGUF -> HF names are the `gguf` library's tensor-name map inverted: one name, an
+    architecture-specific meaning (gemma2's `ffn_norm` is the pre-feedforward norm)."""
+    from checkpoints.gguf import _names
+
+    llama_layer, llama_global = _names("llama")
+    assert llama_layer["ffn_norm"] == "post_attention_layernorm"
+    assert llama_layer["attn_q"] == "self_attn.q_proj" and "attn_q_norm" not in llama_layer
+    assert llama_global == {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                            "output": "lm_head"}
+    gemma2_layer, _ = _names("gemma2")
+    assert gemma2_layer["ffn_norm"] == "pre_feedforward_layernorm"
+    assert gemma2_layer["post_attention_norm"] == "post_attention_layernorm"
+    assert _names("qwen3")[0]["attn_k_norm"] == "self_attn.k_norm"

@@ -329,9 +329,11 @@ def test_llm_and_serve_load_a_checkpoint_onto_the_mesh(tmp_path):
     args = serve.build_parser().parse_args(
         ["--model", path, "--mesh", "tensor=8", "--page-size", "4", "--num-pages", "32",
          "--max-model-len", "32", "--max-num-seqs", "2", "--max-num-batched-tokens", "8"])
-    engine, sizes = serve.build_engine(args)
-    assert sizes[T] == 8 and engine.mesh.shape[T] == 8
-    assert _spec(engine.runner.params.embed) == (T,)
+    from serving.launch import build_core
+
+    core = build_core(serve.engine_args(args))  # what the engine-core process builds
+    assert core.mesh.shape[T] == 8 and core.info()["mesh_shape"][T] == 8
+    assert _spec(core.runner.params.embed) == (T,)
 
 
 def test_data_parallel_scheduler_spreads_requests_and_keeps_pages_per_replica():

@@ -199,9 +199,13 @@ class EngineCore:
                                max_num_seqs=config.max_num_seqs, num_pages=config.num_pages)
         self.mesh = shd.make_mesh(config.mesh or None)
         data, shards = sizes[shd.DATA], shd.Parallel(**sizes).dense
-        # Bytes one page takes on one device (its share of the KV heads; MLA: the latent rows).
-        page_bytes = config.page_size * family_of(cfg).kv_cache_bytes_per_token(
-            cfg, shd.Parallel(**sizes), 4 if config.dtype == "float32" else 2)
+        # Bytes one page takes on one device (its share of the KV heads, as fp8 rows with
+        # kv_cache_dtype='fp8'; MLA: the latent rows).
+        itemsize = 4 if config.dtype == "float32" else 2
+        family = family_of(cfg)
+        token_bytes = family.kv_cache_bytes_per_token(cfg, shd.Parallel(**sizes), itemsize,
+                                                      config.kv_cache_dtype)
+        page_bytes = config.page_size * token_bytes
         pages_for_all = (config.max_num_seqs // data) * -(-max_model_len // config.page_size) + 1
         num_pages = config.num_pages
         if num_pages is None:  # per device = per replica, then the total over replicas
@@ -238,7 +242,7 @@ class EngineCore:
                                  dtype=config.dtype, attention_backend=attention_backend,
                                  linear_backend=linear_backend, mesh=self.mesh,
                                  num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                                 spec_max_seqs=spec_seqs)
+                                 spec_max_seqs=spec_seqs, kv_cache_dtype=config.kv_cache_dtype)
         self.runner = runner
         self._in_flight: Launched | None = None  # async scheduling: the step still running
         self._ready: list[TokenOutput] = []  # outputs of a step finished while the next one failed
@@ -249,9 +253,10 @@ class EngineCore:
         self.num_steps = 0
         self.num_generated = 0
         if params is not None and runner is not None and hasattr(runner, "bytes_per_device"):
-            self._log_capacity(data, shards)
+            gain = family.kv_cache_bytes_per_token(cfg, shd.Parallel(**sizes), itemsize) / token_bytes
+            self._log_capacity(data, shards, gain)
 
-    def _log_capacity(self, data: int, shards: int) -> None:
+    def _log_capacity(self, data: int, shards: int, gain: float) -> None:
         usable = sum(a.num_usable_pages for a in self.allocators)
         held = self.runner.bytes_per_device()
         c = self.config
@@ -264,14 +269,22 @@ class EngineCore:
                 f"; KV replicated: {self.cfg.num_kv_heads} KV heads < {shards} attention shards, each "
                 f"shard keeps a copy of the one its query heads need")
         logger.info(
-            "KV cache: %d pages x %d tokens = %d tokens (%.1f MiB); max_model_len %d -> up to %.1f "
-            "concurrent full-length requests; max_num_seqs %d, max_num_batched_tokens %d; mesh %s: "
-            "%d data replica(s) of %d pages, per device %.1f MiB params + %.1f MiB KV%s",
-            usable, c.page_size, usable * c.page_size, self.runner.kv_cache_bytes / 2**20,
+            "KV cache (%s): %d pages x %d tokens = %d tokens (%.1f MiB); max_model_len %d -> up to "
+            "%.1f concurrent full-length requests; max_num_seqs %d, max_num_batched_tokens %d; mesh "
+            "%s: %d data replica(s) of %d pages, per device %.1f MiB params + %.1f MiB KV%s",
+            self._kv_storage(gain), usable, c.page_size, usable * c.page_size,
+            self.runner.kv_cache_bytes / 2**20,
             self.max_model_len, usable * c.page_size / self.max_model_len, c.max_num_seqs,
             c.max_num_batched_tokens, c.mesh or "single device", data,
             self.allocators[0].num_pages, held["params"] / 2**20, held["kv_cache"] / 2**20,
             replicated)
+
+    def _kv_storage(self, gain: float) -> str:
+        """How the cache is stored, and for fp8 the token capacity `gain` over the model dtype."""
+        if self.config.kv_cache_dtype != "fp8":
+            return self.config.dtype
+        return (f"fp8 e4m3 + one exponent byte per {self.cfg.head_dim}-value row: "
+                f"{gain:.2f}x the tokens of {self.config.dtype} in the same memory")
 
     @property
     def limits(self) -> EngineLimits:
@@ -304,6 +317,8 @@ class EngineCore:
                 "max_num_seqs": self.config.max_num_seqs,
                 "max_num_batched_tokens": self.config.max_num_batched_tokens,
                 "page_size": self.config.page_size, "dtype": self.config.dtype,
+                "quantization": self.config.quantization,
+                "kv_cache_dtype": self.config.kv_cache_dtype,
                 "attention_backend": str(getattr(self.runner, "attention_backend", "")),
                 "linear_backend": str(getattr(self.runner, "linear_backend", "")),
                 "mesh_shape": {str(k): int(v) for k, v in self.mesh.shape.items()}

@@ -81,6 +81,7 @@ from jaxinfer.engine.request import PENDING_TOKEN
 from jaxinfer.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 from jaxinfer.models import family_of
 from jaxinfer.params import DTYPES
+from jaxinfer.quantization import quantization_of
 from jaxinfer.sampling import SamplingMetadata, SamplingRows, compute_logprobs, sample
 from jaxinfer.sampling_params import MAX_LOGPROBS
 from jaxinfer.spec_decode import rejection
@@ -266,11 +267,13 @@ class ModelRunner:
                  dtype: str = "float32", attention_backend: str | None = None,
                  linear_backend: str | None = None, token_buckets: tuple[int, ...] | None = None,
                  page_buckets: tuple[int, ...] | None = None, mesh: Any = None,
-                 num_speculative_tokens: int = 0, spec_max_seqs: int = 0) -> None:
+                 num_speculative_tokens: int = 0, spec_max_seqs: int = 0,
+                 kv_cache_dtype: str = "auto") -> None:
         """`num_pages` and `max_num_seqs` are totals over the data replicas (each gets 1/data);
         `page_buckets` are the widths of `page_indices` (default `default_page_buckets`);
         `num_speculative_tokens` K and `spec_max_seqs` size the verify-row buckets (K, 2K, 4K..
-        up to K x spec_max_seqs) that `warmup` compiles."""
+        up to K x spec_max_seqs) that `warmup` compiles; `kv_cache_dtype="fp8"` stores the cache
+        as `reference.Fp8KVCache` (see jaxinfer.attention)."""
         par = shd.Parallel.from_mesh(mesh)
         self.mesh = None if par.is_single else mesh  # NOTE: one device keeps the plain program
         self.data = par.data
@@ -313,6 +316,15 @@ class ModelRunner:
         self.seqs_per_replica = max_num_seqs // self.data
         family = family_of(cfg)
         shape = family.kv_cache_shape(cfg, attention_backend, num_pages, page_size, par)
+        family.check_kv_cache_dtype(cfg, attention.resolve_backend(attention_backend), kv_cache_dtype)
+        if kv_cache_dtype == "fp8" and par.pipeline > 1:
+            raise ValueError("kv_cache_dtype='fp8' is not supported with a pipeline mesh axis > 1")
+        self.kv_cache_dtype = kv_cache_dtype
+
+        def new_caches():
+            return tuple(attention.new_kv_cache(shape, DTYPES[dtype], kv_cache_dtype)
+                         for _ in range(cfg.num_layers))
+
         rows = max_num_seqs + 1  # the last row is a spare that padding writes into
         if self.mesh is None:
             # NOTE: everything the program takes is committed to the one device: outputs of a call
@@ -320,24 +332,24 @@ class ModelRunner:
             # first compiled program a signature no later call has (a recompile after warmup).
             device = _device_of(params)
             self.params = jax.device_put(params, device)
-            self.kv_caches = jax.device_put(
-                tuple(jnp.zeros(shape, DTYPES[dtype]) for _ in range(cfg.num_layers)), device)
+            self.kv_caches = jax.device_put(new_caches(), device)
             self.state = jax.device_put(PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
                                                      jnp.zeros((rows, cfg.vocab_size), jnp.int32)),
                                         device)
         else:
             rules = shd.model_rules(cfg, par)
+            specs = family.param_specs(cfg, quantization=quantization_of(params))
             if par.pipeline > 1:  # layers stacked by stage (see jaxinfer.pipeline)
-                self.params = pipeline.place_params(params, family.param_specs(cfg), mesh, rules)
+                self.params = pipeline.place_params(params, specs, mesh, rules)
             else:
                 self.params = jax.device_put(  # a no-op for params the loader already placed
-                    params, params_lib.shardings(family.param_specs(cfg), mesh, rules))
-            cache_sharding = NamedSharding(mesh, family.kv_cache_spec(cfg, par))
+                    params, params_lib.shardings(specs, mesh, rules))
+            cache_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                                          family.kv_cache_specs(cfg, par, new_caches()[0]))
             self._replicated = NamedSharding(mesh, PartitionSpec())
             self._step_sharding = (NamedSharding(mesh, PartitionSpec(shd.DATA)) if self.data > 1
                                    else self._replicated)
-            zeros = jax.jit(lambda: tuple(jnp.zeros(shape, DTYPES[dtype]) for _ in range(cfg.num_layers)),
-                            out_shardings=(cache_sharding,) * cfg.num_layers)
+            zeros = jax.jit(new_caches, out_shardings=(cache_sharding,) * cfg.num_layers)
             self.kv_caches = zeros() if par.pipeline == 1 else pipeline.stage_kv_caches(
                 cfg.num_layers, par.pipeline, shape, DTYPES[dtype], mesh, family.kv_cache_spec(cfg, par))
             self.state = jax.jit(lambda: PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
@@ -380,7 +392,7 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(c.size * c.dtype.itemsize for c in self.kv_caches)
+        return sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(self.kv_caches))
 
     def bytes_per_device(self) -> dict[str, int]:
         """Parameter and KV-cache bytes held by the first device."""

@@ -1,9 +1,12 @@
 """DeepSeek-V2 / V3: multi-head latent attention (MLA) and fine-grained MoE with shared experts.
 
-1. `param_specs(cfg, dtype)` declares every weight once. MLA keeps the checkpoint's low-rank
-   projections: `q` (or `q_a` -> norm -> `q_b` with `q_lora_rank`), `kv_a` (hidden -> latent L +
-   rope key R), and splits `kv_b_proj` at load into `w_uk [H, Dn, L]` and `w_uv [H, L, Dv]`, stored
-   in the layouts their contractions want.
+1. `param_specs(cfg, dtype, quantization)` declares every weight once. MLA keeps the checkpoint's
+   low-rank projections: `q` (or `q_a` -> norm -> `q_b` with `q_lora_rank`), `kv_a` (hidden ->
+   latent L + rope key R), and splits `kv_b_proj` at load into `w_uk [H, Dn, L]` and
+   `w_uv [H, L, Dv]`, stored in the layouts their contractions want. With `quantization` the
+   projections, MLPs, experts, embedding and LM head are `QArray`s (as in `llama.param_specs`);
+   `w_uk` / `w_uv` (absorbed by einsum), norms and the router stay in the model dtype.
+   The latent cache is kept in the model dtype: `kv_cache_dtype='fp8'` is refused.
 2. `params_from_hf` maps HF tensor names onto that tree (`llama.fill_params`). Where the checkpoint
    lays rotary dims out as (x0, x1) pairs (`cfg.rope_interleave`), the rope columns of `q`/`q_b`
    and `kv_a` are permuted at load to (evens | odds), so the shared half-split RoPE gives the same
@@ -46,6 +49,7 @@ from jaxinfer.models import llama
 from jaxinfer.models.llama import SINGLE, Kernels, MLPParams, Params
 from jaxinfer.moe import MoEParams
 from jaxinfer.params import ParamSpec, partition_specs
+from jaxinfer.quantization import quantization_of, quantize_specs
 from jaxinfer.sharding import DATA, EXPERT, TENSOR, Parallel, dense_axes, model_rules
 from jaxinfer.step import StepInputs
 
@@ -74,31 +78,36 @@ class LayerParams:
     shared: MLPParams | None = None  # the shared experts of a MoE layer, as one gated MLP
 
 
-def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
-    """Every weight declared once: shape, dtype, logical axes, init."""
+def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32, quantization: str | None = None) -> Params:
+    """Every weight declared once: shape, dtype, logical axes, init; with `quantization` ("int8" |
+    "fp8") the weights read through `layers.dense` / the experts are `QArray`s."""
     e, h, v = cfg.hidden_size, cfg.num_heads, cfg.vocab_size
     dn, r, lat, dv, lq = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
                           cfg.v_head_dim, cfg.q_lora_rank)
 
-    def w(shape, axes, scale=0.02):
-        return ParamSpec(tuple(shape), dtype, tuple(axes), "normal", scale)
+    def w(shape, axes, scale=0.02, quant_axis=None):
+        return ParamSpec(tuple(shape), dtype, tuple(axes), "normal", scale, quant_axis)
+
+    def linear(shape, axes, quant_axis=0):  # contracted over `quant_axis` (the input dim)
+        return w(shape, axes, quant_axis=quant_axis)
 
     def norm(size):
         return ParamSpec((size,), dtype, ("norm",), "ones")
 
     def gated(f) -> MLPParams:
-        return MLPParams(gate_up=w((e, 2, f), ("embed", None, "mlp")), down=w((f, e), ("mlp", "embed")))
+        return MLPParams(gate_up=linear((e, 2, f), ("embed", None, "mlp")),
+                         down=linear((f, e), ("mlp", "embed")))
 
     def layer(i: int) -> LayerParams:
         attn = MLAParams(
-            kv_a=w((e, lat + r), ("embed", None)), kv_a_norm=norm(lat),
+            kv_a=linear((e, lat + r), ("embed", None)), kv_a_norm=norm(lat),
             w_uk=w((h, dn, lat), ("q_heads", None, None), 0.1),
             w_uv=w((h, lat, dv), ("q_heads", None, None), 0.1),
-            o=w((h * dv, e), ("q_heads", "embed")),
-            q=None if lq else w((e, h * (dn + r)), ("embed", "q_heads")),
-            q_a=w((e, lq), ("embed", None)) if lq else None,
+            o=linear((h * dv, e), ("q_heads", "embed")),
+            q=None if lq else linear((e, h * (dn + r)), ("embed", "q_heads")),
+            q_a=linear((e, lq), ("embed", None)) if lq else None,
             q_a_norm=norm(lq) if lq else None,
-            q_b=w((lq, h * (dn + r)), (None, "q_heads")) if lq else None,
+            q_b=linear((lq, h * (dn + r)), (None, "q_heads")) if lq else None,
         )
         if not cfg.is_moe_layer(i):
             return LayerParams(attn_norm=norm(e), attn=attn, mlp_norm=norm(e),
@@ -106,19 +115,20 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
         x, fm = cfg.num_experts, cfg.moe_intermediate_size
         sparse = MoEParams(
             router=w((e, x), ("embed", None)),
-            gate_up=w((x, e, 2, fm), ("experts", "embed", None, "expert_mlp")),
-            down=w((x, fm, e), ("experts", "expert_mlp", "embed")),
+            gate_up=linear((x, e, 2, fm), ("experts", "embed", None, "expert_mlp"), 1),
+            down=linear((x, fm, e), ("experts", "expert_mlp", "embed"), 1),
             router_bias=(ParamSpec((x,), jnp.float32, (None,), "zeros")
                          if cfg.topk_method == "noaux_tc" else None))
         shared = gated(fm * cfg.num_shared_experts) if cfg.num_shared_experts else None
         return LayerParams(attn_norm=norm(e), attn=attn, mlp_norm=norm(e), mlp=sparse, shared=shared)
 
-    return Params(
-        embed=w((v, e), ("vocab", "embed")),
+    specs = Params(
+        embed=linear((v, e), ("vocab", "embed"), 1),  # NOTE: one scale per vocab row
         layers=tuple(layer(i) for i in range(cfg.num_layers)),
         final_norm=norm(e),
-        lm_head=w((e, v), ("embed", "vocab")),
+        lm_head=linear((e, v), ("embed", "vocab")),
     )
+    return quantize_specs(specs, quantization)
 
 
 def _rope_perm(r: int, interleave: bool) -> np.ndarray:
@@ -198,8 +208,11 @@ def params_from_hf(
     get_tensor: Callable[[str], np.ndarray],
     dtype: Any = jnp.float32,
     put: Callable[[np.ndarray, ParamSpec], Any] | None = None,
+    quantization: str | None = None,
+    get_quantized: Callable[[str, str], tuple[np.ndarray, np.ndarray] | None] | None = None,
 ) -> Params:
-    """Fills the params tree from HF-named tensors; every mismatch raises naming the tensor."""
+    """Fills the params tree from HF-named tensors; every mismatch raises naming the tensor.
+    `quantization` / `get_quantized`: as in `llama.params_from_hf`."""
     names = list(names)
     mtp = range(cfg.num_layers, cfg.num_layers + cfg.num_nextn_predict_layers)
 
@@ -207,8 +220,9 @@ def params_from_hf(
         m = _LAYER.match(name)
         return bool(llama._IGNORED.match(name)) or (m is not None and int(m.group(1)) in mtp)
 
-    return llama.fill_params(param_specs(cfg, dtype), _hf_name_map(cfg, names), names, get_tensor,
-                             put, what=cfg.model_type, skip=skip)
+    return llama.fill_params(param_specs(cfg, dtype, quantization), _hf_name_map(cfg, names), names,
+                             get_tensor, put, what=cfg.model_type, skip=skip,
+                             get_quantized=get_quantized)
 
 
 def _mla_block(p: MLAParams, cfg: ModelConfig, x: jax.Array, step: StepInputs, cos: jax.Array,
@@ -270,7 +284,7 @@ def _decoder_layer(p: LayerParams, cfg: ModelConfig, h: jax.Array, step: StepInp
 def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
                    kv_caches: tuple[jax.Array, ...], kernels: Kernels, par: Parallel):
     with jax.named_scope("embed"):
-        h = llama.embed_tokens(params.embed, cfg, step.token_ids, par)
+        h = llama.embed_tokens(params.embed, cfg, step.token_ids, par, params.final_norm.dtype)
     with jax.named_scope("rope_tables"):
         cos, sin = layers.rope_cos_sin(cfg, step.positions, head_dim=cfg.qk_rope_head_dim)
     new_caches = []
@@ -291,16 +305,32 @@ def kv_cache_shape(cfg: ModelConfig, backend: str | None, num_pages: int, page_s
     return mla.kv_cache_shape(backend, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
 
-def kv_cache_bytes_per_token(cfg: ModelConfig, par: Parallel, itemsize: int) -> int:
+def kv_cache_bytes_per_token(cfg: ModelConfig, par: Parallel, itemsize: int,
+                             kv_cache_dtype: str = "auto") -> int:
     """(kv_lora_rank + qk_rope_head_dim) x dtype bytes x layers, on every device."""
     del par
+    check_kv_cache_dtype(cfg, None, kv_cache_dtype)
     return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize * cfg.num_layers
+
+
+def check_kv_cache_dtype(cfg: ModelConfig, backend: str | None, kv_cache_dtype: str) -> None:
+    """The latent cache is stored in the model dtype: anything but 'auto' raises naming the field."""
+    del backend
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for {cfg.model_type} "
+                         f"(MLA latent cache, kept in the model dtype); use kv_cache_dtype='auto'")
 
 
 def kv_cache_spec(cfg: ModelConfig, par: Parallel) -> PartitionSpec:
     """A layer's cache [data*P, page, L + R]: pages per data replica, replicated elsewhere."""
     del cfg, par
     return PartitionSpec(DATA, None, None)
+
+
+def kv_cache_specs(cfg: ModelConfig, par: Parallel, cache: Any) -> PartitionSpec:
+    """`kv_cache_spec` for one layer's cache pytree (always one array: no fp8 latent cache)."""
+    del cache
+    return kv_cache_spec(cfg, par)
 
 
 def forward(
@@ -322,7 +352,8 @@ def forward(
     if par.pipeline > 1:
         raise ValueError(f"{cfg.model_type}: pipeline parallelism is not supported (dense and MoE "
                          f"layers differ in kind); use the data, expert and tensor axes")
-    param_specs_ = partition_specs(param_specs(cfg), model_rules(cfg, par))
+    param_specs_ = partition_specs(param_specs(cfg, quantization=quantization_of(params)),
+                                   model_rules(cfg, par))
     stacked = par.data > 1
     step_spec = PartitionSpec(DATA) if stacked else PartitionSpec()
     cache_specs = tuple(kv_cache_spec(cfg, par) for _ in kv_caches)

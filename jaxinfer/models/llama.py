@@ -37,6 +37,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, PartitionSpec
 
+from checkpoints import quantize as qlib
 from jaxinfer import attention as attention_lib
 from jaxinfer import layers, moe
 from jaxinfer import pipeline as pipeline_lib
@@ -44,6 +45,7 @@ from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.moe import MoEParams
 from jaxinfer.params import ParamSpec, checked_array, map_specs, partition_specs
+from jaxinfer.quantization import QArray, quantization_of, quantize_specs
 from jaxinfer.sharding import (
     DATA,
     EXPERT,
@@ -56,6 +58,7 @@ from jaxinfer.sharding import (
     model_rules,
 )
 from jaxinfer.step import StepInputs
+from pallas_kernels.ragged_paged_attention.reference import Fp8KVCache
 
 SINGLE = Parallel()  # one device: every axis size 1
 
@@ -103,15 +106,19 @@ class Params:
     lm_head: Any = None  # [E, V]; None when tied to the embedding
 
 
-def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
-    """Every weight declared once: shape, dtype, logical axes, init."""
+def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32, quantization: str | None = None) -> Params:
+    """Every weight declared once: shape, dtype, logical axes, init; with `quantization` ("int8" |
+    "fp8") the linear weights and the embedding are `QArray`s of (data, scale) specs."""
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hq, hkv, v = cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size
     # Gemma's norms multiply by (1 + w): a neutral init is zeros there, ones elsewhere.
     norm_init = "zeros" if cfg.norm_offset else "ones"
 
-    def w(shape, axes, scale=0.02):
-        return ParamSpec(tuple(shape), dtype, tuple(axes), "normal", scale)
+    def w(shape, axes, quant_axis=None, scale=0.02):
+        return ParamSpec(tuple(shape), dtype, tuple(axes), "normal", scale, quant_axis)
+
+    def linear(shape, axes, quant_axis=0):  # contracted over `quant_axis` (the input dim)
+        return w(shape, axes, quant_axis)
 
     def norm(size, axis="norm"):
         return ParamSpec((size,), dtype, (axis,), norm_init)
@@ -119,14 +126,14 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
     def sparse_mlp() -> MoEParams:
         x, fm = cfg.num_experts, cfg.moe_intermediate_size
         return MoEParams(router=w((e, x), ("embed", None)),
-                         gate_up=w((x, e, 2, fm), ("experts", "embed", None, "expert_mlp")),
-                         down=w((x, fm, e), ("experts", "expert_mlp", "embed")))
+                         gate_up=linear((x, e, 2, fm), ("experts", "embed", None, "expert_mlp"), 1),
+                         down=linear((x, fm, e), ("experts", "expert_mlp", "embed"), 1))
 
     def layer(i: int) -> LayerParams:
         attn = AttentionParams(
-            q=w((e, hq * d), ("embed", "q_heads")),
-            kv=w((e, 2, hkv * d), ("embed", None, "kv_heads")),
-            o=w((hq * d, e), ("q_heads", "embed")),
+            q=linear((e, hq * d), ("embed", "q_heads")),
+            kv=linear((e, 2, hkv * d), ("embed", None, "kv_heads")),
+            o=linear((hq * d, e), ("q_heads", "embed")),
             q_bias=w((hq * d,), ("q_heads",)) if cfg.qkv_bias else None,
             kv_bias=w((2, hkv * d), (None, "kv_heads")) if cfg.qkv_bias else None,
             o_bias=w((e,), ("embed",)) if cfg.o_bias else None,
@@ -134,19 +141,31 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
             k_norm=norm(d, "head_dim") if cfg.qk_norm else None,
         )
         mlp = (sparse_mlp() if cfg.is_moe_layer(i) else
-               MLPParams(gate_up=w((e, 2, f), ("embed", None, "mlp")), down=w((f, e), ("mlp", "embed"))))
+               MLPParams(gate_up=linear((e, 2, f), ("embed", None, "mlp")),
+                         down=linear((f, e), ("mlp", "embed"))))
         return LayerParams(
             attn_norm=norm(e), attn=attn, mlp_norm=norm(e), mlp=mlp,
             post_attn_norm=norm(e) if cfg.sandwich_norm else None,
             post_mlp_norm=norm(e) if cfg.sandwich_norm else None,
         )
 
-    return Params(
-        embed=w((v, e), ("vocab", "embed")),
+    specs = Params(
+        # NOTE: quantized per vocab row (contracted over embed): a row's scale serves both the
+        # lookup and, when tied, that vocab column of the LM head.
+        embed=linear((v, e), ("vocab", "embed"), 1),
         layers=tuple(layer(i) for i in range(cfg.num_layers)),
         final_norm=norm(e),
-        lm_head=None if cfg.tie_word_embeddings else w((e, v), ("embed", "vocab")),
+        lm_head=None if cfg.tie_word_embeddings else linear((e, v), ("embed", "vocab")),
     )
+    return quantize_specs(specs, quantization)
+
+
+def _ident(x):
+    return x
+
+
+def _transpose(x):  # HF linear [out, in] -> ours [in, out]
+    return x.T
 
 
 def _hf_name_map(cfg: ModelConfig, names: Iterable[str] = ()) -> dict[str, tuple]:
@@ -156,12 +175,7 @@ def _hf_name_map(cfg: ModelConfig, names: Iterable[str] = ()) -> dict[str, tuple
     when it is a tuple, at that index of the leaf (one expert of a stacked expert leaf). `names` (the
     checkpoint's) picks between the per-expert and the fused expert layouts of MoE checkpoints.
     """
-    def ident(x):
-        return x
-
-    def transpose(x):  # HF linear [out, in] -> ours [in, out]
-        return x.T
-
+    ident, transpose = _ident, _transpose
     out = {
         "model.embed_tokens.weight": (("embed",), ident),
         "model.norm.weight": (("final_norm",), ident),
@@ -230,9 +244,9 @@ def _hf_moe_names(cfg: ModelConfig, i: int, names: Iterable[str]) -> dict[str, t
     out = {p + "gate.weight": (L + ("router",), lambda t: t.T)}
     for j in range(x):
         q = f"{p}experts.{j}."
-        out[q + parts[0] + ".weight"] = (L + ("gate_up",), lambda t: t.T, (j, slice(None), 0))
-        out[q + parts[1] + ".weight"] = (L + ("gate_up",), lambda t: t.T, (j, slice(None), 1))
-        out[q + parts[2] + ".weight"] = (L + ("down",), lambda t: t.T, (j,))
+        out[q + parts[0] + ".weight"] = (L + ("gate_up",), _transpose, (j, slice(None), 0))
+        out[q + parts[1] + ".weight"] = (L + ("gate_up",), _transpose, (j, slice(None), 1))
+        out[q + parts[2] + ".weight"] = (L + ("down",), _transpose, (j,))
     return out
 
 
@@ -263,17 +277,24 @@ def params_from_hf(
     get_tensor: Callable[[str], np.ndarray],
     dtype: Any = jnp.float32,
     put: Callable[[np.ndarray, ParamSpec], Any] | None = None,
+    quantization: str | None = None,
+    get_quantized: Callable[[str, str], tuple[np.ndarray, np.ndarray] | None] | None = None,
 ) -> Params:
     """Fills the params tree from HF-named tensors; every mismatch raises naming the tensor.
 
-    `put(host_array, spec)` places each weight (e.g. `jax.device_put` onto its sharding).
+    `put(host_array, spec)` places each weight (e.g. `jax.device_put` onto its sharding). With
+    `quantization` the weights that take it are quantized on the host, one tensor (or fused slot)
+    at a time; `get_quantized(name, fmt)`, when given, returns a tensor the source already holds
+    quantized as (data [out, in], scale f32[out]) in HF layout (None: read it with `get_tensor`).
     """
     names = list(names)
     if cfg.model_type == "gemma3_text":
-        names, get_tensor = _gemma3_text_view(names, get_tensor)
+        names, source_name = _gemma3_text_view(names)
+        get_tensor = _renamed(get_tensor, source_name)
+        get_quantized = get_quantized and _renamed(get_quantized, source_name)
     return fill_params(
-        param_specs(cfg, dtype), _hf_name_map(cfg, names), names, get_tensor, put,
-        what=cfg.model_type,
+        param_specs(cfg, dtype, quantization), _hf_name_map(cfg, names), names, get_tensor, put,
+        what=cfg.model_type, get_quantized=get_quantized,
         skip=lambda n: bool(_IGNORED.match(n)) or (cfg.tie_word_embeddings and n == "lm_head.weight"))
 
 
@@ -285,9 +306,9 @@ _GEMMA3_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower
                   "model.multi_modal_projector.")
 
 
-def _gemma3_text_view(names: list[str], get_tensor: Callable[[str], np.ndarray]):
-    """The text model's tensors of a multimodal Gemma 3 checkpoint under the text model's names
-    (a text-only checkpoint passes through unchanged); vision tensors are left out."""
+def _gemma3_text_view(names: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The text model's tensor names of a multimodal Gemma 3 checkpoint (a text-only checkpoint
+    passes through unchanged) and each one's name in the checkpoint; vision tensors are left out."""
     renamed: dict[str, str] = {}
     for name in names:
         if name.startswith(_GEMMA3_VISION):
@@ -295,7 +316,12 @@ def _gemma3_text_view(names: list[str], get_tensor: Callable[[str], np.ndarray])
         new = next((to + name[len(frm):] for frm, to in _GEMMA3_TEXT_PREFIXES.items()
                     if name.startswith(frm)), name)
         renamed[new] = name
-    return list(renamed), lambda name: get_tensor(renamed.get(name, name))
+    return list(renamed), renamed
+
+
+def _renamed(get: Callable[..., Any], source_name: dict[str, str]) -> Callable[..., Any]:
+    """`get` (a tensor reader taking the name first) called with each name's checkpoint name."""
+    return lambda name, *args: get(source_name.get(name, name), *args)
 
 
 def fill_params(
@@ -307,11 +333,13 @@ def fill_params(
     *,
     what: str,
     skip: Callable[[str], bool],
+    get_quantized: Callable[[str, str], tuple[np.ndarray, np.ndarray] | None] | None = None,
 ) -> Any:
     """The spec tree `specs` filled from the checkpoint tensors `names` through `name_map`.
 
     `name_map[name]` is one entry `(path, transform[, slot])` (see `_hf_name_map`) or a list of
-    them (one tensor feeding several leaves); names `skip` accepts are ignored. Raises on
+    them (one tensor feeding several leaves); names `skip` accepts are ignored. `QArray` specs are
+    filled quantized (see `params_from_hf`, whose `get_quantized` this takes). Raises on
     unexpected, missing or mis-shaped tensors, naming them.
     """
     put = put or (lambda x, spec: jnp.asarray(x))
@@ -325,32 +353,107 @@ def fill_params(
                          + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
     entries = {n: e if isinstance(e, list) else [e] for n, e in name_map.items()}
     params = map_specs(lambda s: None, specs)
-    fused: dict[tuple, np.ndarray] = {}  # path -> host buffer being filled slot by slot
+    fused: dict[tuple, Any] = {}  # path -> host buffer (a QArray of two when quantized) being filled
     parts_left: dict[tuple, int] = {}  # path -> slots not yet filled
     for path, _, *slot in (e for es in entries.values() for e in es):
         if slot:
             parts_left[path] = parts_left.get(path, 0) + 1
     for name, targets in entries.items():
-        raw = np.asarray(get_tensor(name))
+        raw: list[np.ndarray] = []  # the float tensor, read once when a target needs it
+
+        def read(name=name, raw=raw) -> np.ndarray:
+            if not raw:
+                raw.append(np.asarray(get_tensor(name)))
+            return raw[0]
+
         for path, transform, *slot in targets:
             spec = _get_path(specs, path)
-            try:
-                value = transform(raw)
-            except ValueError:
-                raise ValueError(f"tensor {name!r} has shape {raw.shape}, which does not fit "
-                                 f"{spec.shape}") from None
+            quantized = isinstance(spec, QArray)
+            shape = spec.data.shape if quantized else spec.shape
+            index = None
+            if slot:
+                index = slot[0] if isinstance(slot[0], tuple) else (..., slot[0], slice(None))
+                index = _full_index(index, len(shape))
+            if quantized:
+                value = _quantized_part(name, spec, index, transform, read, get_quantized)
+            else:
+                part = spec
+                if slot:
+                    part_shape = np.broadcast_to(np.empty((), np.int8), shape)[index].shape
+                    part = dataclasses.replace(spec, shape=part_shape,
+                                               logical_axes=(None,) * len(part_shape))
+                try:
+                    value = transform(read())
+                except ValueError:
+                    raise ValueError(f"tensor {name!r} has shape {read().shape}, which does not fit "
+                                     f"{shape}") from None
+                value = checked_array(name, value, part)
             if not slot:
-                params = _set_path(params, path, put(checked_array(name, value, spec), spec))
+                params = _set_path(params, path, _put_leaf(put, value, spec))
                 continue
-            index = slot[0] if isinstance(slot[0], tuple) else (..., slot[0], slice(None))
-            part_shape = np.broadcast_to(np.empty((), np.int8), spec.shape)[index].shape
-            part = dataclasses.replace(spec, shape=part_shape, logical_axes=(None,) * len(part_shape))
-            buf = fused.setdefault(path, np.empty(spec.shape, spec.dtype))
-            buf[index] = checked_array(name, value, part)
+            if quantized:
+                buf = fused.setdefault(path, QArray(np.empty(spec.data.shape, spec.data.dtype),
+                                                    np.empty(spec.scale.shape, spec.scale.dtype)))
+                buf.data[index] = value.data
+                buf.scale[_drop_axis(index, spec.data.quant_axis)] = value.scale
+            else:
+                buf = fused.setdefault(path, np.empty(spec.shape, spec.dtype))
+                buf[index] = value
             parts_left[path] -= 1
             if not parts_left[path]:  # NOTE: slots never overlap; a leaf is placed once all are in
-                params = _set_path(params, path, put(fused.pop(path), spec))
+                params = _set_path(params, path, _put_leaf(put, fused.pop(path), spec))
     return params
+
+
+def _put_leaf(put: Callable[[np.ndarray, ParamSpec], Any], value: Any, spec: Any) -> Any:
+    if isinstance(spec, QArray):
+        return QArray(data=put(value.data, spec.data), scale=put(value.scale, spec.scale))
+    return put(value, spec)
+
+
+def _full_index(index: tuple, ndim: int) -> tuple:
+    """`index` with its Ellipsis expanded into slices: one entry per axis of an `ndim` array."""
+    if Ellipsis not in index:
+        return tuple(index) + (slice(None),) * (ndim - len(index))
+    at = index.index(Ellipsis)
+    fill = (slice(None),) * (ndim - len(index) + 1)
+    return tuple(index[:at]) + fill + tuple(index[at + 1:])
+
+
+def _drop_axis(index: tuple, axis: int) -> tuple:
+    return tuple(x for i, x in enumerate(index) if i != axis)
+
+
+def _quantized_part(name: str, spec: QArray, index: tuple | None, transform: Callable,
+                    read: Callable[[], np.ndarray],
+                    get_quantized: Callable[[str, str], Any] | None) -> QArray:
+    """One HF tensor as the quantized piece `index` (None: all) of the leaf `spec` (host arrays)."""
+    fmt = quantization_of(spec)
+    axis = spec.data.quant_axis
+    shape = spec.data.shape
+    if index is not None:
+        shape = np.broadcast_to(np.empty((), np.int8), shape)[index].shape
+        axis -= sum(isinstance(x, int) for x in index[:axis])  # integer entries drop their axes
+    # A source's own quantized rows ([out, in], scaled per out row) fit a 2-D piece contracted
+    # over HF's `in`: axis 0 after the transpose of a linear weight, axis 1 of an embedding.
+    native = None
+    if get_quantized is not None and len(shape) == 2 and (transform, axis) in ((_transpose, 0), (_ident, 1)):
+        native = get_quantized(name, fmt)
+    if native is not None:
+        data, scale = native
+        data = transform(data)
+    else:
+        raw = read()
+        try:
+            value = transform(raw)
+        except ValueError:
+            raise ValueError(f"tensor {name!r} has shape {raw.shape}, which does not fit {shape}") from None
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {shape}")
+        data, scale = qlib.quantize(value, fmt, axis)
+    if tuple(data.shape) != tuple(shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(data.shape)}, expected {shape}")
+    return QArray(data=np.asarray(data, spec.data.dtype), scale=np.asarray(scale, np.float32))
 
 
 def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x: jax.Array,
@@ -424,17 +527,19 @@ def _decoder_layer(p: LayerParams, cfg: ModelConfig, window: int | None, h: jax.
     return h, kv_cache
 
 
-def embed_tokens(embed: jax.Array, cfg: ModelConfig, token_ids: jax.Array,
-                 par: Parallel = SINGLE) -> jax.Array:
-    """Rows of `embed` [V/par.dense, E] for token_ids i32[T] -> [T, E] (vocab-parallel on a mesh:
-    each shard looks up the ids in its vocab range, zeros elsewhere, one all-reduce)."""
+def embed_tokens(embed: jax.Array | QArray, cfg: ModelConfig, token_ids: jax.Array,
+                 par: Parallel = SINGLE, dtype: Any = None) -> jax.Array:
+    """Rows of `embed` [V/par.dense, E] for token_ids i32[T] -> [T, E] of `dtype` (default: the
+    embedding's; a quantized one needs it), vocab-parallel on a mesh: each shard looks up the ids
+    in its vocab range, zeros elsewhere, one all-reduce."""
+    dtype = dtype or embed.dtype
     if par.dense == 1:
-        h = jnp.take(embed, token_ids, axis=0)
+        h = layers.embed_rows(embed, token_ids, dtype)
     else:
         rows = embed.shape[0]
         local = token_ids - par.dense_index() * rows
         mine = (local >= 0) & (local < rows)
-        h = jnp.take(embed, jnp.where(mine, local, 0), axis=0)
+        h = layers.embed_rows(embed, jnp.where(mine, local, 0), dtype)
         h = par.psum(jnp.where(mine[:, None], h, jnp.zeros((), h.dtype)), EXPERT, TENSOR)
     if cfg.embed_scale:
         h = h * jnp.asarray(cfg.hidden_size**0.5, h.dtype)
@@ -467,7 +572,7 @@ def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
     if par.pipeline > 1:
         return _forward_pipelined(params, cfg, step, kv_caches, kernels, par)
     with jax.named_scope("embed"):
-        h = embed_tokens(params.embed, cfg, step.token_ids, par)
+        h = embed_tokens(params.embed, cfg, step.token_ids, par, params.final_norm.dtype)
     with jax.named_scope("rope_tables"):
         cos, sin = rope_tables(cfg, step.positions)
     new_caches = []
@@ -487,7 +592,8 @@ def _forward_pipelined(params: Params, cfg: ModelConfig, step: StepInputs,
     dim, `params.layers` and `kv_caches` are this device's stage blocks; logits [M*N, V/dense]."""
     m, t = step.token_ids.shape
     with jax.named_scope("embed"):
-        h = embed_tokens(params.embed, cfg, step.token_ids.reshape(-1), par).reshape(m, t, -1)
+        h = embed_tokens(params.embed, cfg, step.token_ids.reshape(-1), par,
+                         params.final_norm.dtype).reshape(m, t, -1)
     with jax.named_scope("rope_tables"):
         cos, sin = (x.reshape(m, t, *x.shape[1:])
                     for x in rope_tables(cfg, step.positions.reshape(-1)))
@@ -510,10 +616,19 @@ def kv_cache_shape(cfg: ModelConfig, backend: str | None, num_pages: int, page_s
     return attention_lib.kv_cache_shape(backend, num_pages, page_size, kv_heads, cfg.head_dim)
 
 
-def kv_cache_bytes_per_token(cfg: ModelConfig, par: Parallel, itemsize: int) -> int:
-    """Cache bytes one token takes on one device, over all layers (its share of the KV heads)."""
+def kv_cache_bytes_per_token(cfg: ModelConfig, par: Parallel, itemsize: int,
+                             kv_cache_dtype: str = "auto") -> int:
+    """Cache bytes one token takes on one device, over all layers (its share of the KV heads):
+    rows of `itemsize`-byte values, or fp8 rows with their exponent byte."""
     kv_heads = kv_cache_heads(cfg.num_kv_heads, par.dense) // par.dense
-    return 2 * kv_heads * cfg.head_dim * cfg.num_layers * itemsize
+    row_bytes = attention_lib.kv_cache_bytes_per_row(cfg.head_dim, itemsize, kv_cache_dtype)
+    return 2 * kv_heads * row_bytes * cfg.num_layers
+
+
+def check_kv_cache_dtype(cfg: ModelConfig, backend: str, kv_cache_dtype: str) -> None:
+    """Raises naming `kv_cache_dtype` when it is unknown or the resolved `backend` cannot read it."""
+    del cfg
+    attention_lib.check_kv_cache_dtype(backend, kv_cache_dtype)
 
 
 def kv_cache_spec(cfg: ModelConfig, par: Parallel) -> PartitionSpec:
@@ -521,6 +636,15 @@ def kv_cache_spec(cfg: ModelConfig, par: Parallel) -> PartitionSpec:
     (K/V interleaved, so each shard keeps whole (K, V) pairs) over the attention's shards
     (`dense_axes`: tensor, or expert x tensor)."""
     return PartitionSpec(DATA, None, dense_axes(cfg, par), None)
+
+
+def kv_cache_specs(cfg: ModelConfig, par: Parallel, cache: Any) -> Any:
+    """`kv_cache_spec` for one layer's cache pytree: an fp8 cache's exponents [data*P, page, 2*Hkv']
+    split like its values."""
+    spec = kv_cache_spec(cfg, par)
+    if isinstance(cache, Fp8KVCache):
+        return Fp8KVCache(spec, PartitionSpec(*spec[:3]))
+    return spec
 
 
 def forward(
@@ -549,13 +673,13 @@ def forward(
     if par.is_single:
         return _forward_local(params, cfg, step, kv_caches, kernels, Parallel())
     rules = model_rules(cfg, par)
-    specs = param_specs(cfg)
+    specs = param_specs(cfg, quantization=quantization_of(params))
     if par.pipeline > 1:  # layers stacked by stage, caches per stage position [S, data*P, ...]
         specs = pipeline_lib.stack_stages(specs, par.pipeline)
     param_specs_ = partition_specs(specs, rules)
     stacked = par.data > 1
     step_spec = PartitionSpec(DATA) if stacked else PartitionSpec()
-    cache_spec = kv_cache_spec(cfg, par)
+    cache_spec = kv_cache_specs(cfg, par, kv_caches[0])
     if par.pipeline > 1:
         cache_spec = PartitionSpec(PIPELINE, *cache_spec)
     cache_specs = tuple(cache_spec for _ in kv_caches)

@@ -7,7 +7,8 @@ straight from the cache, with every core of XLA's intra-op pool.
 1. `KERNEL` (`pallas_kernels.cpu_build`) compiles `cpu_kernel.cc` on first use with the machine's
    C++ compiler against jaxlib's FFI headers and registers it as a custom call for the "cpu"
    platform. `available()` says whether that worked (and `unavailable_reason()` why not).
-2. `ragged_paged_attention` has the reference's signature and emits the custom call; `blocks` is
+2. `ragged_paged_attention` has the reference's signature and emits the custom call (a float32
+   or bfloat16 cache, or an fp8 `reference.Fp8KVCache`); `blocks` is
    accepted for signature parity with the Pallas kernels and must be None (the kernel's tiles are
    fixed in the C++ source).
 """
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.cpu_build import CppKernel
-from pallas_kernels.ragged_paged_attention.reference import check_inputs
+from pallas_kernels.ragged_paged_attention.reference import Fp8KVCache, check_inputs
 
 KERNEL = CppKernel(Path(__file__).with_name("cpu_kernel.cc"), "JaxinferRaggedPagedAttention",
                    "jaxinfer_ragged_paged_attention_cpu")
@@ -33,7 +34,7 @@ library, unavailable_reason, available = KERNEL.library, KERNEL.unavailable_reas
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "blocks"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    kv_cache: jax.Array,  # [P, page_size, 2*Hkv, D]
+    kv_cache: jax.Array | Fp8KVCache,  # [P, page_size, 2*Hkv, D]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S+1]
@@ -50,8 +51,9 @@ def ragged_paged_attention(
     if blocks is not None:
         raise ValueError("the CPU kernel has fixed tiles: blocks must be None")
     check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+    fp8 = isinstance(kv_cache, Fp8KVCache)
     for name, x in (("q", q), ("kv_cache", kv_cache)):
-        if x.dtype not in DTYPES:
+        if x.dtype not in DTYPES and not (fp8 and name == "kv_cache"):
             raise ValueError(f"the CPU kernel takes float32 or bfloat16 {name}, got {x.dtype}")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
@@ -63,6 +65,9 @@ def ragged_paged_attention(
     library()
     sink_arr = jnp.zeros((hq,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     call = jax.ffi.ffi_call(KERNEL.target, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sink_arr,
+    # An fp8 cache passes its values and its exponents; a float one a placeholder exponent.
+    data, exponents = ((kv_cache.data, kv_cache.exponent) if fp8 else
+                       (kv_cache, jnp.zeros((1,), jnp.int8)))
+    return call(q, data, exponents, kv_lens, page_indices, cu_q_lens, num_seqs, sink_arr,
                 sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
                 soft_cap=np.float32(soft_cap or 0.0), has_sinks=sinks is not None)

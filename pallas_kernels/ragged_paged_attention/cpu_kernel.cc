@@ -15,6 +15,8 @@
 // Per item, keys go in blocks of kKeyBlock read in place from the cache (bf16 converted to f32
 // scratch first): scores as dot products over head_dim, an online-softmax update with a
 // polynomial exp, then P @ V over head_dim. All arithmetic in f32; q, cache and output may be f32 or bf16.
+// An fp8 cache (`kv_cache_dtype="fp8"`: float8_e4m3fn values plus an int8 exponent per slot and
+// K/V head, value = e4m3 * 2^exponent) is widened into the same scratch through a 256-entry table.
 
 #include <algorithm>
 #include <atomic>
@@ -65,6 +67,20 @@ inline float Load<float>(const float* p, int64_t i) { return p[i]; }
 template <>
 inline float Load<uint16_t>(const uint16_t* p, int64_t i) { return Bf16ToF32(p[i]); }
 
+// float8_e4m3fn bit patterns -> f32 (bias 7, no infinities, S.1111.111 is NaN).
+struct E4m3Table {
+  float v[256];
+  E4m3Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float x = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
+      if (e == 15 && m == 7) x = std::numeric_limits<float>::quiet_NaN();
+      v[b] = (b & 128) ? -x : x;
+    }
+  }
+};
+const E4m3Table kE4m3;
+
 template <typename T>
 inline void Store(T* p, int64_t i, float v);
 template <>
@@ -95,6 +111,7 @@ inline float ExpNonPositive(float x) {
 struct Problem {
   const void* q;
   const void* cache;
+  const int8_t* exponents;  // [P, page_size, 2*Hkv] for an fp8 cache, else nullptr
   void* out;
   const int32_t* kv_lens;
   const int32_t* page_indices;
@@ -237,6 +254,14 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
         if constexpr (std::is_same<CT, float>::value) {
           kp[j] = kv;
           vp[j] = kv + d;
+        } else if constexpr (std::is_same<CT, uint8_t>::value) {
+          const int8_t* ex = pb.exponents + (slot[j] - cache) / d + 2 * head;  // this slot's K, V rows
+          const float ks = std::ldexp(1.0f, ex[0]), vs = std::ldexp(1.0f, ex[1]);
+          float* dst = sc.kv.data() + 2 * j * d;
+          for (int64_t x = 0; x < d; ++x) dst[x] = kE4m3.v[kv[x]] * ks;
+          for (int64_t x = 0; x < d; ++x) dst[d + x] = kE4m3.v[kv[d + x]] * vs;
+          kp[j] = dst;
+          vp[j] = dst + d;
         } else {
           float* dst = sc.kv.data() + 2 * j * d;
           for (int64_t x = 0; x < 2 * d; ++x) dst[x] = Load(kv, x);
@@ -349,7 +374,7 @@ void Run(ffi::ThreadPool& pool, std::shared_ptr<Shared> sh, int64_t work) {
 }
 
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer cache,
-                                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+                                ffi::Buffer<ffi::S8> exponents, ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                                 ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out,
                                 float sm_scale, int64_t sliding_window, float soft_cap,
@@ -361,15 +386,19 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
     return ffi::Error::InvalidArgument("ragged_paged_attention: bad ranks for q, kv_cache or page_indices");
   const auto qt = q.element_type(), ct = cache.element_type();
   const bool q_ok = qt == ffi::DataType::F32 || qt == ffi::DataType::BF16;
-  const bool c_ok = ct == ffi::DataType::F32 || ct == ffi::DataType::BF16;
+  const bool fp8 = ct == ffi::DataType::F8E4M3FN;
+  const bool c_ok = ct == ffi::DataType::F32 || ct == ffi::DataType::BF16 || fp8;
   if (!q_ok || !c_ok || out->element_type() != qt)
-    return ffi::Error::InvalidArgument("ragged_paged_attention: q, kv_cache and out must be float32 or bfloat16");
+    return ffi::Error::InvalidArgument("ragged_paged_attention: q and out must be float32 or bfloat16, kv_cache also float8_e4m3fn");
+  if (fp8 && static_cast<int64_t>(exponents.element_count()) != cd[0] * cd[1] * cd[2])
+    return ffi::Error::InvalidArgument("ragged_paged_attention: an fp8 kv_cache needs one exponent per slot and K/V head");
 
   auto sh = std::make_shared<Shared>();
   Problem& pb = sh->pb;
   const int64_t t_len = qd[0], hq = qd[1], d = qd[2];
   pb.q = q.untyped_data();
   pb.cache = cache.untyped_data();
+  pb.exponents = fp8 ? exponents.typed_data() : nullptr;
   pb.out = out->untyped_data();
   pb.kv_lens = kv_lens.typed_data();
   pb.page_indices = page_indices.typed_data();
@@ -417,7 +446,9 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   std::memset(static_cast<char*>(pb.out) + t_real * row_bytes, 0, (t_len - t_real) * row_bytes);
 
   const bool qf = qt == ffi::DataType::F32, cf = ct == ffi::DataType::F32;
-  if (qf && cf) Run<float, float>(pool, sh, work);
+  if (fp8 && qf) Run<float, uint8_t>(pool, sh, work);
+  else if (fp8) Run<uint16_t, uint8_t>(pool, sh, work);
+  else if (qf && cf) Run<float, float>(pool, sh, work);
   else if (qf) Run<float, uint16_t>(pool, sh, work);
   else if (cf) Run<uint16_t, float>(pool, sh, work);
   else Run<uint16_t, uint16_t>(pool, sh, work);
@@ -431,6 +462,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRaggedPagedAttention, RaggedPagedAttention
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

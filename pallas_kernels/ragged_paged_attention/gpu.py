@@ -22,6 +22,10 @@ Flow of `ragged_paged_attention`:
      split writes its f32 output normalized over its own keys plus the log-sum-exp of its scores
      (sinks counted once, in split 0); `block_sizes.combine_splits` merges the splits.
   6. The output blocks are gathered back to token order; padding tokens get zeros.
+  7. An fp8 cache (`reference.Fp8KVCache`, `kv_cache_dtype="fp8"`) is read as float8_e4m3fn rows
+     plus their int8 exponents (a second gathered ref): the values widen to q's dtype exactly, and
+     the power-of-two scales go where they cost a [K] vector, not a [K, D] tile: K's on the
+     scores' columns, V's on the probabilities before the PV product (both exact: x * 2**e).
 
 NOTE: work items past a class's live blocks exit at once, and their output blocks are never read
 (with split-K they are combined into a discarded extra block).
@@ -43,6 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.ragged_paged_attention import block_sizes as bs
 from pallas_kernels.ragged_paged_attention.reference import (
+    Fp8KVCache,
     check_inputs,
     kv_cache_shape,
     update_kv_cache,
@@ -51,6 +56,12 @@ from pallas_kernels.ragged_paged_attention.reference import (
 __all__ = ["kv_cache_shape", "ragged_paged_attention", "update_kv_cache"]
 
 MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
+
+
+def _pow2(e):  # i8[...] -> f32 2**e, exact for the written range [-126, 127] (the exponent bits)
+    # NOTE: clipped, so a stray -128 / -127 in an unwritten slot cannot become -inf / 0 * inf.
+    return jax.lax.bitcast_convert_type((jnp.clip(e.astype(jnp.int32), -126, 127) + 127) << 23,
+                                        jnp.float32)
 
 
 def _kernel(
@@ -64,6 +75,7 @@ def _kernel(
     q_ref,  # [R, D] this work item's rows for this KV head
     sinks_ref,  # f32[R] or None
     kv_ref,  # [P * page_size, 2*Hkv, D] the cache, one row per slot
+    exp_ref,  # i8[P * page_size, 2*Hkv] or None: an fp8 cache's row exponents
     o_ref,  # [R, D] (f32 and normalized over the split's keys with split-K)
     lse_ref=None,  # f32[R] with split-K: log-sum-exp of the split's scores (MASK_VALUE: none)
     *,
@@ -119,9 +131,14 @@ def _kernel(
             slot = jnp.clip(page, 0, num_pages - 1) * page_size + offs % page_size
             k = kv_ref[slot, 2 * h, :]  # [K, D]
             v = kv_ref[slot, 2 * h + 1, :]
+            k_scale = jnp.full((block_k,), sm_scale, jnp.float32)  # f32[K]
+            if exp_ref is not None:  # fp8 values widen exactly; the row scales go on vectors
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
+                k_scale = k_scale * _pow2(exp_ref[slot, 2 * h])
+                v_scale = _pow2(exp_ref[slot, 2 * h + 1])  # f32[K]
             v = jnp.where((k_pos < key_end)[:, None], v, jnp.zeros_like(v))
             sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32) * sm_scale  # [R, K]
+                                     preferred_element_type=jnp.float32) * k_scale[None, :]  # [R, K]
             if soft_cap is not None:
                 sc = soft_cap * jnp.tanh(sc / soft_cap)
             mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < key_end)
@@ -132,6 +149,8 @@ def _kernel(
             p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
             alpha = jnp.exp(m - m_new)
             l = alpha * l + p.sum(axis=1)
+            if exp_ref is not None:
+                p = p * v_scale[None, :]
             pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                      preferred_element_type=jnp.float32)  # [R, D]
             return m_new, l, alpha[:, None] * acc + pv
@@ -142,7 +161,7 @@ def _kernel(
             lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), MASK_VALUE)
 
 
-def _run_class(q, kv_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows, cls, *,
+def _run_class(q, kv_rows, exp_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows, cls, *,
                blocks, group, page_size, pages_per_row, num_pages, sm_scale, sliding_window,
                soft_cap, interpret):
     """One pallas_call over one query class; returns (out [T, Hkv, Gp, D], bool[T] membership)."""
@@ -180,14 +199,16 @@ def _run_class(q, kv_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows,
     out_blocks = pl.pallas_call(
         kernel,
         grid=(num_work, hkv),
-        in_specs=[whole, whole, *split_specs, whole, whole, whole, q_spec, sinks_spec, whole],
+        in_specs=[whole, whole, *split_specs, whole, whole, whole, q_spec, sinks_spec, whole,
+                  None if exp_rows is None else whole],
         out_specs=out_spec,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_bq{cls.block_q}{'_split_k' if split_k else ''}",
-    )(seq, qblk, *split_args, kv_lens, cu_q_lens, pages_flat, q_blocks, sinks_rows, kv_rows)
+    )(seq, qblk, *split_args, kv_lens, cu_q_lens, pages_flat, q_blocks, sinks_rows, kv_rows,
+      exp_rows)
     if split_k:
         with jax.named_scope("rpa_combine_splits"):
             out_blocks = bs.combine_splits(*out_blocks, table.block, cls.num_work).astype(q.dtype)
@@ -199,7 +220,7 @@ def _run_class(q, kv_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows,
                                              "blocks"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    kv_cache: jax.Array,  # [P, page_size, 2*Hkv, D]
+    kv_cache: jax.Array | Fp8KVCache,  # [P, page_size, 2*Hkv, D]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S+1]
@@ -230,8 +251,10 @@ def ragged_paged_attention(
             raise ValueError(f"the GPU kernel needs a power-of-two {name}, got {n}")
     if sinks is not None and sinks.shape != (hq,):
         raise ValueError(f"sinks must be f32[{hq}], got {sinks.shape}")
-    if blocks is None:
-        blocks = bs.get_block_sizes("gpu", head_dim=d, page_size=page_size, dtype=kv_cache.dtype,
+    fp8 = isinstance(kv_cache, Fp8KVCache)
+    if blocks is None:  # an fp8 cache computes in q's dtype: its tiles are q's
+        blocks = bs.get_block_sizes("gpu", head_dim=d, page_size=page_size,
+                                    dtype=q.dtype if fp8 else kv_cache.dtype,
                                     group=g, pages_per_seq=page_indices.shape[1], pow2=True)
     gp = bs.next_pow2(g)
     s_max, pages_per_seq = page_indices.shape
@@ -240,7 +263,9 @@ def ragged_paged_attention(
         qg = q.reshape(t, hkv, g, d)
         if gp != g:
             qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-        kv_rows = kv_cache.reshape(num_pages * page_size, h2, d)  # free: one row per slot
+        data = kv_cache.data if fp8 else kv_cache
+        kv_rows = data.reshape(num_pages * page_size, h2, d)  # free: one row per slot
+        exp_rows = kv_cache.exponent.reshape(num_pages * page_size, h2) if fp8 else None
         pages_per_row = pages_per_seq + blocks.pages_per_block
         pages_flat = jnp.pad(page_indices, ((0, 0), (0, blocks.pages_per_block))).reshape(-1)
     out = jnp.zeros((t, hkv, gp, d), q.dtype)
@@ -250,7 +275,7 @@ def ragged_paged_attention(
             sg = jnp.pad(sinks.astype(jnp.float32).reshape(hkv, g), ((0, 0), (0, gp - g)))
             sinks_rows = jnp.tile(sg, (1, cls.block_q))  # f32[Hkv, R]
         out_c, mine = _run_class(
-            qg, kv_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows, cls, blocks=blocks,
+            qg, kv_rows, exp_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows, cls, blocks=blocks,
             group=gp, page_size=page_size, pages_per_row=pages_per_row, num_pages=num_pages,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             interpret=interpret)

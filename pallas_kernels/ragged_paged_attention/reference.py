@@ -6,7 +6,9 @@ every sequence's new query tokens (decodes first, then prefill chunks); sequence
 so its query tokens sit at positions `kv_lens[s] - q_len_s ... kv_lens[s] - 1`.
 
 KV cache layout: `[num_pages, page_size, 2 * num_kv_heads, head_dim]`, K of head h at index 2h and
-V at 2h + 1 (interleaved on the heads axis).
+V at 2h + 1 (interleaved on the heads axis). With `kv_cache_dtype="fp8"` the cache is an
+`Fp8KVCache`: that layout in float8_e4m3fn plus an int8 exponent per (slot, K-or-V head) row
+(`new_kv_cache`, written by `update_kv_cache`, read back by the gather in step 2).
 
 Flow of `ragged_paged_attention`:
   1. Map each query token to its sequence and absolute position (tokens past the last sequence are
@@ -26,6 +28,7 @@ d = head_dim, b = key position within the current KV block.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -37,21 +40,85 @@ def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: 
     return (num_pages, page_size, 2 * num_kv_heads, head_dim)
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "exponent"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Fp8KVCache:
+    """A paged KV cache stored as float8_e4m3fn (`kv_cache_dtype="fp8"`), same layout as a float
+    cache plus one power-of-two scale per (slot, K-or-V head) row: row value = data * 2**exponent.
+
+    Writing a row picks the smallest exponent that brings its absolute max under `FP8_MAX`, so the
+    row uses e4m3's whole range (a power of two rescales exactly: only the rounding to e4m3's 3
+    mantissa bits is lost), and one scale byte per row of head_dim bytes keeps the cache at
+    (D + 1) / (2 * D) of bf16's bytes.
+    """
+
+    data: jax.Array  # f8e4m3fn[P, page_size, 2*Hkv, D]
+    exponent: jax.Array  # i8[P, page_size, 2*Hkv]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.data.dtype
+
+
+def new_kv_cache(shape: tuple[int, ...], dtype, kv_cache_dtype: str = "auto") -> jax.Array | Fp8KVCache:
+    """An empty cache of `shape` ([P, page_size, 2*Hkv, D]): zeros of `dtype`, or for "fp8" an
+    `Fp8KVCache` of zeros."""
+    if kv_cache_dtype == "fp8":
+        return Fp8KVCache(jnp.zeros(shape, jnp.float8_e4m3fn), jnp.zeros(shape[:3], jnp.int8))
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; choose 'auto' or 'fp8'")
+    return jnp.zeros(shape, dtype)
+
+
+def quantize_kv_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] -> (f8e4m3fn [..., D], i8 [...]): each row's power-of-two scale and values."""
+    xf = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(xf), axis=-1)
+    # absmax / FP8_MAX = m * 2**e with m in [0.5, 1): |x| / 2**e <= m * FP8_MAX < FP8_MAX.
+    _, e = jnp.frexp(absmax / FP8_MAX)
+    e = jnp.where(absmax > 0, jnp.clip(e, -126, 127), 0)
+    data = jnp.ldexp(xf, -e[..., None]).astype(jnp.float8_e4m3fn)
+    return data, e.astype(jnp.int8)
+
+
+def dequantize_kv_rows(data: jax.Array, exponent: jax.Array) -> jax.Array:
+    """f32 values of fp8 rows `data` [..., D] with their exponents [...]."""
+    return jnp.ldexp(data.astype(jnp.float32), exponent.astype(jnp.int32)[..., None])
+
+
 def update_kv_cache(
-    kv_cache: jax.Array,  # [P, page_size, 2*Hkv, D]
+    kv_cache: jax.Array | Fp8KVCache,  # [P, page_size, 2*Hkv, D]
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # i32[T] flat slot page*page_size + offset; < 0 for padding tokens
-) -> jax.Array:
-    """Writes the step's new K/V into their slots (padding tokens are dropped).
+) -> jax.Array | Fp8KVCache:
+    """Writes the step's new K/V into their slots (padding tokens are dropped); an fp8 cache gets
+    each new (token, head) row quantized with its own power-of-two scale.
 
     NOTE: scatter on the 4-D cache with (page, offset) indices. Scattering into a flattened
     [slots, ...] view made XLA:CPU duplicate the update and copy the whole cache every step.
     """
     num_pages, page_size, h2, d = kv_cache.shape
-    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], h2, d).astype(kv_cache.dtype)
+    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], h2, d)
     page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)  # padding -> dropped
-    new_cache = kv_cache.at[page, slot_mapping % page_size].set(kv, mode="drop")
+    offset = slot_mapping % page_size
+    if isinstance(kv_cache, Fp8KVCache):
+        data, exponent = quantize_kv_rows(kv)
+        new_cache = Fp8KVCache(kv_cache.data.at[page, offset].set(data, mode="drop"),
+                               kv_cache.exponent.at[page, offset].set(exponent, mode="drop"))
+    else:
+        new_cache = kv_cache.at[page, offset].set(kv.astype(kv_cache.dtype), mode="drop")
     # NOTE: the barrier keeps XLA from fusing (duplicating) this update into the attention's page
     # gather, which forced a copy of the whole cache every step.
     return jax.lax.optimization_barrier(new_cache)
@@ -103,7 +170,7 @@ def _online_softmax_step(m, l, acc, s, mask, pv):
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    kv_cache: jax.Array,  # [P, page_size, 2*Hkv, D]
+    kv_cache: jax.Array | Fp8KVCache,  # [P, page_size, 2*Hkv, D]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S+1]
@@ -157,7 +224,11 @@ def ragged_paged_attention(
     def gather(ids, keys):  # ids i32[..., pages] -> K, V f32[..., keys, Hkv, D]
         # NOTE: mode="fill" (out-of-range page ids read zeros, masked anyway); with "clip" XLA:CPU
         # copied the whole cache before the in-place write (tests/test_compiled_step.py).
-        kv = jnp.take(kv_cache, ids, axis=0, mode="fill", fill_value=0)
+        if isinstance(kv_cache, Fp8KVCache):
+            kv = dequantize_kv_rows(jnp.take(kv_cache.data, ids, axis=0, mode="fill", fill_value=0),
+                                    jnp.take(kv_cache.exponent, ids, axis=0, mode="fill", fill_value=0))
+        else:
+            kv = jnp.take(kv_cache, ids, axis=0, mode="fill", fill_value=0)
         kv = kv.reshape(*ids.shape[:-1], keys, hkv, 2, d).astype(jnp.float32)
         return kv[..., 0, :], kv[..., 1, :]
 

@@ -15,6 +15,10 @@ Flow of `ragged_paged_attention`:
   5. Per KV block: K and V are the two halves of the slot's `[pages, page_size, 2, D]`, scores get the
      soft-cap and the causal / length / window mask, then an online-softmax update (f32; sinks
      seed the running max and denominator). The output blocks are gathered back to token order.
+  6. An fp8 cache (`reference.Fp8KVCache`, `kv_cache_dtype="fp8"`): each page copy brings its
+     float8_e4m3fn `[page_size, 2, D]` rows and, from the exponent array (also in HBM), their
+     `[page_size, 2]` int8 exponents into a second two-slot buffer on the same semaphore; K and V
+     widen to f32, take their rows' power-of-two scales (exact) and cast to q's dtype for the MXU.
 
 NOTE: the last KV block may cover pages past the sequence's end: those are not copied, so their
 buffer rows hold stale (or, in interpret mode, NaN) data; masked values are zeroed and masked
@@ -38,6 +42,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention import block_sizes as bs
 from pallas_kernels.ragged_paged_attention.reference import (
+    Fp8KVCache,
     check_inputs,
     kv_cache_shape,
     update_kv_cache,
@@ -53,6 +58,13 @@ def _div(x, n: int):
     return jax.lax.div(x, jnp.int32(n))
 
 
+def _scale_rows(x, e):  # x [K, D] (fp8), e i8[K, 1] -> f32 x * 2**e, exact for e in [-126, 127]
+    # NOTE: clipped, so a stray -128 / -127 in an unwritten slot cannot become -inf / 0 * inf.
+    scale = jax.lax.bitcast_convert_type((jnp.clip(e.astype(jnp.int32), -126, 127) + 127) << 23,
+                                         jnp.float32)
+    return x.astype(jnp.float32) * scale
+
+
 def _kernel(
     work_seq_ref,  # SMEM i32[W]
     work_qblk_ref,  # SMEM i32[W]
@@ -60,7 +72,8 @@ def _kernel(
     cu_q_lens_ref,  # SMEM i32[S+1]
     pages_ref,  # SMEM i32[S * pages_per_row] (page table flattened, padded by one KV block)
     q_ref,  # VMEM [R, D]
-    *rest,  # (sinks VMEM f32[R, 1]?), kv HBM [P, page_size, 2*Hkv, D], o VMEM [R, D], scratch
+    *rest,  # (sinks VMEM f32[R, 1]?), kv HBM [P, page_size, 2*Hkv, D], (exponents HBM
+    # i8[P, page_size, 2*Hkv]?), o VMEM [R, D], scratch
     block_q: int,
     group: int,
     page_size: int,
@@ -71,10 +84,16 @@ def _kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     has_sinks: bool,
+    fp8: bool,
 ):
     sinks_ref = rest[0] if has_sinks else None
-    kv_hbm, o_ref, kv_buf, sems = rest[1:] if has_sinks else rest
-    # kv_buf: VMEM [2 slots, pages_per_block, page_size, 2, D]; sems: DMA semaphores (2,)
+    rest = rest[1:] if has_sinks else rest
+    if fp8:
+        kv_hbm, exp_hbm, o_ref, kv_buf, exp_buf, sems = rest
+    else:
+        (kv_hbm, o_ref, kv_buf, sems), exp_hbm, exp_buf = rest, None, None
+    # kv_buf: VMEM [2 slots, pages_per_block, page_size, 2, D]; exp_buf (fp8): VMEM i8[2 slots,
+    # pages_per_block, page_size, 2]; sems: DMA semaphores (2,)
     w, h = pl.program_id(0), pl.program_id(1)
     s = work_seq_ref[w]
 
@@ -104,6 +123,10 @@ def _kernel(
                 src = kv_hbm.at[:, :, pl.ds(2 * h, 2), :].at[page]  # [page_size, 2, D]
                 copies.append((col < page_end,
                                pltpu.make_async_copy(src, kv_buf.at[slot, j], sems.at[slot])))
+                if fp8:
+                    src = exp_hbm.at[:, :, pl.ds(2 * h, 2)].at[page]  # i8[page_size, 2]
+                    copies.append((col < page_end, pltpu.make_async_copy(
+                        src, exp_buf.at[slot, j], sems.at[slot])))
             return copies
 
         def start(b, slot):
@@ -139,6 +162,11 @@ def _kernel(
             wait(b, slot)
             k = kv_buf[slot, :, :, 0, :].reshape(block_k, d)  # [K, D]
             v = kv_buf[slot, :, :, 1, :].reshape(block_k, d)
+            if fp8:  # values times their rows' 2**exponent, in q's dtype
+                k_exp = exp_buf[slot, :, :, 0].reshape(block_k, 1)  # i8[K, 1]
+                v_exp = exp_buf[slot, :, :, 1].reshape(block_k, 1)
+                k = _scale_rows(k, k_exp).astype(q_ref.dtype)
+                v = _scale_rows(v, v_exp).astype(q_ref.dtype)
             key0 = (page_lo + b * pages_per_block) * page_size
             k_pos = key0 + offs  # i32[R, K]
             key_ok = k_pos < key_end  # every key the block's rows can see was copied
@@ -168,6 +196,7 @@ def _run_class(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows
     """One pallas_call over one query class; returns (out [T, Hkv, G, D], bool[T] membership)."""
     t, hkv, g, d = q.shape
     num_pages, page_size, _, _ = kv_cache.shape
+    fp8 = isinstance(kv_cache, Fp8KVCache)
     rows = cls.block_q * g
     with jax.named_scope("rpa_work_table"):
         seq, qblk = bs.work_table(cu_q_lens, num_seqs, cls)
@@ -176,7 +205,7 @@ def _run_class(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows
         _kernel, block_q=cls.block_q, group=g, page_size=page_size,
         pages_per_block=blocks.pages_per_block, pages_per_row=pages_per_row, num_pages=num_pages,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        has_sinks=sinks_rows is not None)
+        has_sinks=sinks_rows is not None, fp8=fp8)
     q_spec = pl.BlockSpec((None, None, rows, d), lambda w, h, *_: (w, h, 0, 0))
     in_specs = [q_spec]
     operands = [q_blocks]
@@ -184,9 +213,13 @@ def _run_class(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows
         in_specs.append(pl.BlockSpec((None, rows, 1), lambda w, h, *_: (h, 0, 0)))
         operands.append(sinks_rows)
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-    operands.append(kv_cache)
-    scratch = [pltpu.VMEM((2, blocks.pages_per_block, page_size, 2, d), kv_cache.dtype),
-               pltpu.SemaphoreType.DMA((2,))]
+    operands.append(kv_cache.data if fp8 else kv_cache)
+    scratch = [pltpu.VMEM((2, blocks.pages_per_block, page_size, 2, d), kv_cache.dtype)]
+    if fp8:
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        operands.append(kv_cache.exponent)
+        scratch.append(pltpu.VMEM((2, blocks.pages_per_block, page_size, 2), jnp.int8))
+    scratch.append(pltpu.SemaphoreType.DMA((2,)))
     out_blocks = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -205,7 +238,7 @@ def _run_class(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows
                                              "blocks"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    kv_cache: jax.Array,  # [P, page_size, 2*Hkv, D]
+    kv_cache: jax.Array | Fp8KVCache,  # [P, page_size, 2*Hkv, D]
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S+1]
@@ -233,8 +266,9 @@ def ragged_paged_attention(
     g = hq // hkv
     if sinks is not None and sinks.shape != (hq,):
         raise ValueError(f"sinks must be f32[{hq}], got {sinks.shape}")
-    if blocks is None:
-        blocks = bs.get_block_sizes("tpu", head_dim=d, page_size=page_size, dtype=kv_cache.dtype,
+    if blocks is None:  # an fp8 cache computes in q's dtype: its tiles are q's
+        blocks = bs.get_block_sizes("tpu", head_dim=d, page_size=page_size,
+                                    dtype=q.dtype if isinstance(kv_cache, Fp8KVCache) else kv_cache.dtype,
                                     group=g, pages_per_seq=page_indices.shape[1], pow2=False)
     s_max, pages_per_seq = page_indices.shape
     with jax.named_scope("rpa_layout"):
