@@ -92,7 +92,8 @@ def _stack_leaves(*leaves: Any) -> Any:
     first = leaves[0]
     if is_spec(first):
         return ParamSpec((len(leaves),) + tuple(first.shape), first.dtype,
-                         (LAYERS_AXIS,) + tuple(first.logical_axes), first.init, first.scale)
+                         (LAYERS_AXIS,) + tuple(first.logical_axes), first.init, first.scale,
+                         None if first.quant_axis is None else first.quant_axis + 1)
     if isinstance(first, np.ndarray):
         return np.stack(leaves)
     return jnp.stack(leaves)
@@ -124,7 +125,8 @@ def unstack_stages(tree: Any) -> Any:
         if is_spec(leaf):
             if leaf.logical_axes[:1] != (LAYERS_AXIS,):
                 raise ValueError(f"{leaf} has no leading {LAYERS_AXIS!r} axis: not stacked by stage")
-            return ParamSpec(leaf.shape[1:], leaf.dtype, leaf.logical_axes[1:], leaf.init, leaf.scale)
+            return ParamSpec(leaf.shape[1:], leaf.dtype, leaf.logical_axes[1:], leaf.init, leaf.scale,
+                             None if leaf.quant_axis is None else leaf.quant_axis - 1)
         return leaf[s]
 
     layers = tuple(jax.tree.map(lambda x, s=s: pick(x, s), stacked[j], is_leaf=is_spec)
