@@ -22,7 +22,7 @@ generate: $(STAMP)
 	$(PY) scripts/generate.py --chat --prompt "$(PROMPT)"
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
