@@ -13,7 +13,8 @@
      `quantization=` stores; the simulation equals the real int8 run to the printed digit);
    - "mse": one scale per output channel, `r * absmax` with the clip ratio r in [0.5, 1] (step
      0.01) that minimizes the channel's squared rounding error;
-   - "g<N>": one scale per N consecutive input channels (`quantize_groups`, group size N).
+   - "g<N>": one scale per group of consecutive input channels (`quantize_groups`), of N channels
+     where N divides the weight's K, else of gcd(N, K) (the embedding's K = 576 takes g128 as 64).
 3. Prints one row per variant (`--markdown`: the table for BENCHMARKS.md) with the weights'
    relative RMS rounding error, plus a JSON line.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import time
@@ -76,7 +78,8 @@ def simulate(w: np.ndarray, fmt: str, axis: int, scheme: str) -> np.ndarray:
     if scheme == "mse":
         return _mse_channel(w, fmt, axis)
     if scheme.startswith("g") and scheme[1:].isdigit():
-        return qlib.dequantize_groups(*qlib.quantize_groups(w, fmt, axis, int(scheme[1:])), axis)
+        group = math.gcd(int(scheme[1:]), w.shape[axis])
+        return qlib.dequantize_groups(*qlib.quantize_groups(w, fmt, axis, group), axis)
     raise ValueError(f"scheme {scheme!r} is not 'channel', 'mse' or 'g<group size>'")
 
 
