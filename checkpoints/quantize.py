@@ -15,6 +15,11 @@
    scales are all integer multiples of its smallest one, with the products in range, is stored
    as integers times that smallest scale, with no rounding at all; `requantize_rows` re-derives
    the other rows from their dequantized values.
+5. `quantize_groups(w, fmt, axis, group_size)` is the same rule with one scale per group of
+   `group_size` consecutive input channels instead of one per output channel (the scale keeps
+   `axis`, of size K / group_size): what `scripts/simulate_quant.py` measures against the
+   per-channel scales on a real model (BENCHMARKS.md). The model's kernels, specs and loaders
+   take the per-channel layout only.
 """
 
 from __future__ import annotations
@@ -53,6 +58,27 @@ def quantize(w: Any, fmt: str, axis: int, xp: Any = np) -> tuple[Any, Any]:
     else:
         data = xp.clip(scaled, -QMAX[fmt], QMAX[fmt]).astype(STORAGE[fmt])
     return data, scale
+
+
+def quantize_groups(w: Any, fmt: str, axis: int, group_size: int, xp: Any = np) -> tuple[Any, Any]:
+    """(data, scale): `w` [.., K, ..] as `fmt`, one f32 scale per `group_size` consecutive entries
+    along the contraction axis `axis` (scale [.., K // group_size, ..]); `group_size` = K is
+    `quantize` with the scale's `axis` kept at size 1."""
+    shape = tuple(w.shape)
+    k = shape[axis]
+    if group_size < 1 or k % group_size:
+        raise ValueError(f"group_size={group_size} does not divide the contraction axis ({k} of {shape})")
+    grouped = xp.reshape(xp.asarray(w), shape[:axis] + (k // group_size, group_size) + shape[axis + 1:])
+    data, scale = quantize(grouped, fmt, axis + 1, xp)
+    return xp.reshape(data, shape), scale
+
+
+def dequantize_groups(data: Any, scale: Any, axis: int, xp: Any = np) -> Any:
+    """f32 `data * scale` for `quantize_groups`' layout (scale [.., K // group_size, ..])."""
+    shape = tuple(data.shape)
+    groups = scale.shape[axis]
+    grouped = xp.reshape(data, shape[:axis] + (groups, shape[axis] // groups) + shape[axis + 1:])
+    return xp.reshape(dequantize(grouped, scale, axis + 1, xp), shape)
 
 
 def dequantize(data: Any, scale: Any, axis: int, xp: Any = np) -> Any:

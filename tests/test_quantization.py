@@ -1,7 +1,9 @@
 """Weight-only quantization (`quantization="int8" | "fp8"`).
 
 1. The quantizer: per-output-channel round trips within half a grid step (int8) / fp8's relative
-   precision, numpy and JAX agree bit for bit, all-zero channels, bad formats named.
+   precision, numpy and JAX agree bit for bit, all-zero channels, bad formats named; group-wise
+   scales (`quantize_groups`, measured by scripts/simulate_quant.py) beat per-channel ones on
+   outlier rows and keep a GGUF Q8_0 tensor's values.
 2. GGUF: block formats requantized row chunk by row chunk equal quantizing the `gguf` library's
    own dequantization; Q8_0 / Q4_0 rows whose block scales allow it fold exactly (bit for bit
    the library's values); a tiny GGUF loads quantized through the model loader.
@@ -74,6 +76,38 @@ def test_round_trip_int8_and_fp8():
         jd, js = jax.jit(lambda x, f=fmt: qlib.quantize(x, f, 0, xp=jnp))(w)
         np.testing.assert_array_equal(np.asarray(js), scale)
         np.testing.assert_array_equal(np.asarray(jd).astype(np.float32), data.astype(np.float32))
+
+
+def test_group_scales_beat_channel_scales_on_outliers():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((256, 48)).astype(np.float32)  # [K, N], contracted over K (axis 0)
+    w[rng.choice(256, 6, replace=False)] *= 12.0  # a few outlier input channels
+    for fmt in qlib.FORMATS:
+        per_channel = qlib.dequantize(*qlib.quantize(w, fmt, 0), 0)
+        data, scale = qlib.quantize_groups(w, fmt, 0, 32)
+        assert data.dtype == qlib.STORAGE[fmt] and data.shape == w.shape and scale.shape == (8, 48)
+        grouped = qlib.dequantize_groups(data, scale, 0)
+        assert np.square(grouped - w).sum() < 0.5 * np.square(per_channel - w).sum()
+        whole, whole_scale = qlib.quantize_groups(w, fmt, 0, 256)  # one group: per channel
+        np.testing.assert_array_equal(qlib.dequantize_groups(whole, whole_scale, 0), per_channel)
+        jd, js = jax.jit(lambda x, f=fmt: qlib.quantize_groups(x, f, 0, 32, xp=jnp))(w)
+        np.testing.assert_array_equal(np.asarray(js), scale)
+        np.testing.assert_array_equal(np.asarray(jd).astype(np.float32), data.astype(np.float32))
+    with pytest.raises(ValueError, match="group_size=24"):
+        qlib.quantize_groups(w, "int8", 0, 24)
+
+
+def test_group_scales_of_gguf_q8_0_blocks_keep_their_values():
+    """A Q8_0 block is 32 int8 values (one at +-127) times one scale: int8 groups of 32 along the
+    rows hold it again, to f32 rounding of the scale (per-channel scales round it a second time)."""
+    rng = np.random.default_rng(2)
+    w = (rng.standard_normal((16, 128)) * rng.uniform(0.1, 3.0, (16, 4)).repeat(32, 1)).astype(np.float32)
+    stored = gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                                    gguf.GGMLQuantizationType.Q8_0).astype(np.float32)
+    grouped = qlib.dequantize_groups(*qlib.quantize_groups(stored, "int8", 1, 32), 1)
+    np.testing.assert_allclose(grouped, stored, rtol=2e-7, atol=0)
+    per_channel = qlib.dequantize(*qlib.quantize(stored, "int8", 1), 1)
+    assert np.abs(per_channel - stored).max() > 100 * np.abs(grouped - stored).max()
 
 
 @pytest.mark.parametrize("bad", ["int3", "int4", "FP8", ""])
