@@ -13,7 +13,11 @@ This is the half of the engine that a serving front end runs in its own process
    needs every token of a request on the host to propose the next ones, so while the scheduler's
    back-off rule lets it speculate, a step first waits for the one in flight and a step that
    verifies proposals runs synchronously (its outputs come with the same call); above the
-   back-off batch size the engine is asynchronous again.
+   back-off batch size the engine is asynchronous again. A step that samples structured-output
+   rows stays asynchronous: its forward is launched first, then the step before lands (its
+   tokens advance the grammars' matchers), the masks are filled while the device runs the
+   forward, and the sampler program is launched (`ModelRunner.launch(defer_sampling=True)` /
+   `sample`).
 3. The step's `RequestUpdate`s become `TokenOutput`s (new ids, logprobs, finish reason, usage
    counters): plain data that `to_wire` / `from_wire` turn into msgpack-able lists.
 4. A failing step raises after naming the requests it lost in `failed_request_ids`; the pages
@@ -422,7 +426,8 @@ class EngineCore:
         previous, self._in_flight = self._in_flight, None
         try:
             with self._failing(sched.scheduled):
-                self._in_flight = self.runner.launch(sched, defer_sampling=split)
+                self._in_flight = (self.runner.launch(sched, defer_sampling=True) if split
+                                   else self.runner.launch(sched))
         except Exception:
             lost, self._ready = self.failed_request_ids, ready
             if previous is not None:  # not lost: its outputs come with the next call

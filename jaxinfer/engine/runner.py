@@ -26,6 +26,14 @@ the still-running step samples is then a `PENDING_TOKEN` on the host, and the pr
 from the previous program's sampled ids on the device (`BatchExtras.feed_rows`; every program
 returns its sampled ids padded to a fixed `[R]`, the next one's `prev_tokens` input).
 
+Structured output splits a step in two (single device): `launch(sched, defer_sampling=True)`
+runs the same step program with its sampler skipped by a runtime flag (`BatchExtras.
+defer_sampling`: no extra program per bucket), which returns the sampled rows' logits; while it
+runs the engine core fills the grammar masks, and `sample(launched)` runs the sampler program
+(`_sample_step`: one per sequence bucket, compiled by `warmup(structured=True)`) on those logits,
+the penalty rows of the state the step left and the masks; its sampled ids feed the next step
+like the fused program's.
+
 Speculative steps (`ScheduledRequest.num_spec_tokens` = k > 0, one data replica and no
 pipeline): the request's query tokens are its last token and k proposed ones; besides its usual
 sampled row (the token after the last proposal) the program samples W extra "verify" rows, one
