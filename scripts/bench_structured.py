@@ -64,6 +64,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fused", action="store_true", help="also the fused synchronous path")
+    p.add_argument("--runs", default=None, help="comma-separated subset of the runs (with "
+                   "'unconstrained' first): e.g. unconstrained,regex")
     args = p.parse_args()
 
     llm = LLM(args.model, max_num_seqs=args.rows, max_model_len=256,
@@ -82,6 +84,11 @@ def main() -> None:
             "json": (params(grammars["json"]), True)}
     if args.fused:
         runs["regex, fused sync"] = (params(grammars["regex"]), False)
+    if args.runs:
+        names = args.runs.split(",")
+        if names[0] != "unconstrained" or not set(names) <= set(runs):
+            raise SystemExit(f"--runs: 'unconstrained' first, then any of {sorted(runs)}")
+        runs = {name: runs[name] for name in names}
     core = llm.engine.core
     config, runner = core.config, core.runner
 

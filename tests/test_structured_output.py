@@ -12,6 +12,9 @@ to the jitted sampler, and back up through the Python, HTTP and gRPC APIs.
    the KV cache is so small that requests are preempted and recomputed.
 5. HTTP (`response_format`, `structured_outputs`) and gRPC (`sampling.structured_outputs`) over
    a `FakeRunner`, which picks allowed tokens deterministically.
+6. Async scheduling stays on with constrained rows (forward launched, masks filled after the
+   step before lands, then the sampler program): over the fake runner, and over a small random
+   model whose split steps sample exactly what the fused program does.
 """
 
 from __future__ import annotations
@@ -499,6 +502,11 @@ def test_core_stays_async_with_constrained_rows_and_matches_the_fused_path(small
     fused, _, fused_in_flight = _drive_core(core, again(reqs()))
     assert fused_in_flight == 0
     assert {rid[1:]: ids for rid, ids in fused.items()} == split
+    core.runner.split_sampling = True  # synchronous steps, split: the same again
+    sync_split, _, _ = _drive_core(core, [dataclasses.replace(r, request_id="s" + r.request_id)
+                                          for r in reqs()])
+    assert {rid[1:]: ids for rid, ids in sync_split.items()} == split
+    core.runner.split_sampling = False
     solo = {}
     for r in again(reqs(constrained=False)):
         if r.request_id in ("fr1", "fr3"):
