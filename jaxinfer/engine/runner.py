@@ -557,8 +557,9 @@ class ModelRunner:
             if not self.split_sampling or prepared.spec_width:
                 raise RuntimeError("defer_sampling needs one device and no speculative tokens")
             # NOTE: the step program's own sampler then runs on padding rows (greedy, nothing
-            # else: ~4% of a 64-row decode step on XLA:CPU), so no program is compiled for it;
-            # skipping the sampler under a lax.cond instead made every fused step ~1.4x slower.
+            # else: ~15 ms of a ~300 ms 64-row decode step on XLA:CPU), so no program is compiled
+            # for it; skipping the sampler under a lax.cond instead measured every fused step
+            # ~1.4x slower (416 vs 288 ms, separate runs at load 6-7: BENCHMARKS.md).
             inputs = {**inputs, "meta": self._padding_meta(len(inputs["extras"].seq_rows))}
         out, prompt, row_logits = self._call(inputs, prepared.all_logits)
         self._note_compiled(prepared)
