@@ -446,16 +446,20 @@ def _sample_rows(
         return r + 1, pivot, draw, token, done
 
     with jax.named_scope("draw"):
-        s = x.shape[0]
-        init = (
-            jnp.int32(0),
-            min_p_pivot,
-            jnp.zeros((s,), jnp.int32),
-            jnp.zeros((s,), jnp.int32),
-            ~active,
-        )
-        _, _, _, token, done = lax.while_loop(
-            lambda state: (state[0] < MAX_ROUNDS) & ~jnp.all(state[4]), round_, init
+        # Round 0 outside the loop: rows without top-p accept their first draw, and a batch
+        # with no top-p row skips the loop. NOTE: on XLA:CPU the same round inside a while loop
+        # made temperature-1 sampling of [64, 49152] ~2x slower (~150 ms vs ~70 ms a call).
+        draw, _ = _draw(w, min_p_pivot, speed)
+        accept = active & ~needs_top_p
+        done = ~active | accept
+        pivot = jnp.where(done, min_p_pivot, jnp.take_along_axis(w, draw[:, None], axis=1)[:, 0])
+        init = (jnp.int32(1), pivot, draw, jnp.where(accept, draw, 0), done)
+        _, _, _, token, done = lax.cond(
+            jnp.all(done),
+            lambda: init,
+            lambda: lax.while_loop(
+                lambda state: (state[0] < MAX_ROUNDS) & ~jnp.all(state[4]), round_, init
+            ),
         )
         return jnp.where(done, token, fallback)
 

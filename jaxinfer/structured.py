@@ -16,8 +16,11 @@
 NOTE: the matcher state depends only on the output tokens accepted so far, so a preempted
 request (recomputed from its prompt and outputs) and a prefix-cache hit need nothing: the next
 mask is the matcher's current one.
-NOTE: a request's mask needs the token sampled just before, so while any constrained request is
-running the engine core steps synchronously (no async scheduling; see `EngineCore.step`).
+NOTE: a request's mask needs the token sampled just before. A step that samples constrained rows
+therefore runs as two programs (`ModelRunner.launch(defer_sampling=True)`, then `sample`): the
+engine core launches the forward, lands the step before (its tokens `advance` the matchers),
+`fill`s the masks while the device runs the forward, then launches the sampler; async scheduling
+stays on (see `EngineCore.step`).
 """
 
 from __future__ import annotations

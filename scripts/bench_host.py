@@ -58,9 +58,11 @@ class HostOnlyRunner(ModelRunner):
                 v = FILL_TOKEN if np.issubdtype(s.dtype, np.integer) else 0
                 return np.full(s.shape, v, s.dtype)
 
-            results, _, _, next_tokens = shapes[key]
-            # the device state (KV cache, penalty rows) passes through untouched
-            return jax.tree.map(fill, results), args[2], args[3], jax.tree.map(fill, next_tokens)
+            (out, prompt, _), _, _, next_tokens = shapes[key]
+            # the device state (KV cache, penalty rows) passes through untouched; no row logits
+            # (only a step with structured-output rows reads them)
+            return ((jax.tree.map(fill, out), jax.tree.map(fill, prompt), None), args[2], args[3],
+                    jax.tree.map(fill, next_tokens))
 
         self._jit = fake
 

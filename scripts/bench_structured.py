@@ -1,20 +1,21 @@
 """Structured output's cost per engine step: N concurrent decoding rows, unconstrained vs every
-row under a grammar, on the same model, prompts and lengths.
+row under a grammar (a regex, a JSON schema), on the same model, prompts and lengths.
 
     python scripts/bench_structured.py                      # default model, 64 rows, 32 steps
-    python scripts/bench_structured.py --rows 64 --steps 32 --repeats 3
+    python scripts/bench_structured.py --rows 64 --steps 32 --repeats 5
 
 1. N prompts of `--prompt-len` random token ids prefill in one step; then every row decodes
-   `--steps` tokens. Unconstrained rows ignore EOS; constrained rows follow the regex
-   `[a-z ]{4096}` (lowercase words: no row can finish or be forced to EOS within the steps), so
-   both runs compute exactly N x steps tokens.
-2. Each run is done once to compile its programs, then `--repeats` times measured: the mean
-   wall time of the decode steps (every row decoding). Unconstrained steps use async scheduling
-   (the default), and once more synchronous steps; constrained steps are always synchronous
-   (the mask needs the previous token), so the two ratios split structured output's cost into
-   the lost overlap and the masks themselves.
-3. Also reported: the host time of one 64-row mask fill (`StructuredOutputs.fill`, llguidance's
-   thread pool) measured alone, and one JSON line for BENCHMARKS.md.
+   `--steps` tokens at temperature 1. Unconstrained rows ignore EOS; constrained rows follow the
+   regex `[a-z ]{4096}` or a JSON schema (an array of at least 512 {name, age} objects): no row
+   can finish within the steps, so every run computes exactly N x steps tokens.
+2. Runs (engine steps asynchronous, the default): "unconstrained"; "regex" and "json" (each step
+   launches the forward, fills the masks while it runs, then the sampler program); and with
+   `--fused` also "regex, fused sync" (the masks filled before one fused program, synchronous
+   steps: how structured output ran before the split). Each run is done once to compile, then
+   `--repeats` rounds run every run once in turn (interleaved, so load drifts hit all alike); a
+   run's figure is the median over rounds of its mean decode-step wall time.
+3. Also reported: the host time of one N-row mask fill (`StructuredOutputs.fill`, llguidance's
+   thread pool) for each grammar, measured alone, and one JSON line for BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ import numpy as np
 from jaxinfer import LLM, SamplingParams, StructuredOutputsParams
 
 REGEX = "[a-z ]{4096}"
+SCHEMA = {"type": "array", "minItems": 512,
+          "items": {"type": "object", "required": ["name", "age"], "additionalProperties": False,
+                    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}}
 
 
 def decode_step_times(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> list[float]:
@@ -58,54 +62,79 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--fused", action="store_true", help="also the fused synchronous path")
+    p.add_argument("--runs", default=None, help="comma-separated subset of the runs (with "
+                   "'unconstrained' first): e.g. unconstrained,regex")
     args = p.parse_args()
 
     llm = LLM(args.model, max_num_seqs=args.rows, max_model_len=256,
               max_num_batched_tokens=max(256, args.rows * args.prompt_len))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 20000, args.prompt_len).tolist() for _ in range(args.rows)]
-    free = SamplingParams(max_tokens=args.steps, temperature=1.0, seed=1, ignore_eos=True)
-    bound = SamplingParams(max_tokens=args.steps, temperature=1.0, seed=1,
-                           structured_outputs=StructuredOutputsParams(regex=REGEX))
-    results = {}
+    grammars = {"regex": StructuredOutputsParams(regex=REGEX),
+                "json": StructuredOutputsParams(json=SCHEMA)}
+
+    def params(so: StructuredOutputsParams | None) -> SamplingParams:
+        return SamplingParams(max_tokens=args.steps, temperature=1.0, seed=1,
+                              ignore_eos=so is None, structured_outputs=so)
+
+    # name -> (sampling params, split steps and async scheduling)
+    runs = {"unconstrained": (params(None), True), "regex": (params(grammars["regex"]), True),
+            "json": (params(grammars["json"]), True)}
+    if args.fused:
+        runs["regex, fused sync"] = (params(grammars["regex"]), False)
+    if args.runs:
+        names = args.runs.split(",")
+        if names[0] != "unconstrained" or not set(names) <= set(runs):
+            raise SystemExit(f"--runs: 'unconstrained' first, then any of {sorted(runs)}")
+        runs = {name: runs[name] for name in names}
     core = llm.engine.core
-    async_config = core.config
-    for name, sp, sync in (("unconstrained", free, False), ("unconstrained, sync", free, True),
-                           ("constrained", bound, False)):
-        # NOTE: constrained steps are synchronous whatever the config; "sync" turns async
-        # scheduling off for unconstrained steps too, to split the cost in two.
-        core.config = dataclasses.replace(async_config, async_scheduling=not sync)
-        decode_step_times(llm, prompts, sp)  # compile
-        runs = [statistics.mean(decode_step_times(llm, prompts, sp)) for _ in range(args.repeats)]
-        results[name] = min(runs)
-        print(f"{name:20s} decode step {results[name] * 1e3:8.2f} ms "
-              f"(runs: {', '.join(f'{r * 1e3:.2f}' for r in runs)})")
-    core.config = async_config
-    so = llm.engine.core.structured
-    for i in range(args.rows):
-        so.add(f"fill{i}", StructuredOutputsParams(regex=REGEX))
-    ids = [f"fill{i}" for i in range(args.rows)]
-    so.fill(ids)
-    fills = []
-    for _ in range(20):
-        t0 = time.perf_counter()
+    config, runner = core.config, core.runner
+
+    def run(name: str) -> float:
+        sp, split = runs[name]
+        core.config = dataclasses.replace(config, async_scheduling=split)
+        runner.split_sampling = split
+        try:
+            return statistics.mean(decode_step_times(llm, prompts, sp))
+        finally:
+            core.config, runner.split_sampling = config, True
+
+    for name in runs:
+        run(name)  # compile
+    rounds: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name in runs:
+            rounds[name].append(run(name))
+    results = {name: statistics.median(r) for name, r in rounds.items()}
+    for name, r in rounds.items():
+        ratio = results[name] / results["unconstrained"]
+        print(f"{name:20s} decode step {results[name] * 1e3:8.2f} ms  x{ratio:.3f} "
+              f"(rounds: {', '.join(f'{x * 1e3:.1f}' for x in r)})")
+
+    so = core.structured
+    fill_ms = {}
+    for g, constraint in grammars.items():
+        ids = [f"fill-{g}{i}" for i in range(args.rows)]
+        for rid in ids:
+            so.add(rid, constraint)
         so.fill(ids)
-        fills.append(time.perf_counter() - t0)
-    for rid in ids:
-        so.remove(rid)
-    ratio = results["constrained"] / results["unconstrained"]
-    sync_ratio = results["constrained"] / results["unconstrained, sync"]
-    fill_ms = statistics.median(fills) * 1e3
-    print(f"constrained / unconstrained step time: {ratio:.3f} ({(ratio - 1) * 100:+.1f}%); vs "
-          f"unconstrained synchronous steps {sync_ratio:.3f}; {args.rows}-row mask fill alone "
-          f"{fill_ms:.2f} ms")
+        fills = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            so.fill(ids)
+            fills.append(time.perf_counter() - t0)
+        for rid in ids:
+            so.remove(rid)
+        fill_ms[g] = statistics.median(fills) * 1e3
+    print(f"{args.rows}-row mask fill alone: " + ", ".join(f"{g} {ms:.2f} ms" for g, ms in
+                                                         fill_ms.items()))
     print(json.dumps({"bench": "structured", "machine": platform.machine(), "cpus": os.cpu_count(),
-                      "model": llm.model.name, "rows": args.rows, "steps": args.steps,
-                      "unconstrained_step_ms": results["unconstrained"] * 1e3,
-                      "unconstrained_sync_step_ms": results["unconstrained, sync"] * 1e3,
-                      "constrained_step_ms": results["constrained"] * 1e3, "ratio": ratio,
-                      "ratio_vs_sync": sync_ratio,
+                      "load": os.getloadavg()[0], "model": llm.model.name, "rows": args.rows,
+                      "steps": args.steps, "repeats": args.repeats,
+                      "step_ms": {k: v * 1e3 for k, v in results.items()},
+                      "ratio": {k: v / results["unconstrained"] for k, v in results.items()},
                       "mask_fill_ms": fill_ms}))
 
 

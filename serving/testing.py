@@ -76,6 +76,7 @@ class FakeRunner:
 
     attention_backend = "none (fake runner)"
     linear_backend = "none (fake runner)"
+    split_sampling = True  # `launch(defer_sampling=True)`, then `sample` (structured output)
 
     def __init__(self, *, step_delay: float = 0.0, warmup_delay: float = 0.0,
                  warmup_gate: threading.Event | None = None, poison_token: int | None = None) -> None:
@@ -84,23 +85,36 @@ class FakeRunner:
         self.num_compiled = 0
         self.steps = 0
         self.max_batch = 0  # most sequences one step has computed
+        self.deferred_steps = 0  # steps launched with defer_sampling
         # request id -> (its prompt list, fake_key): hashing a long prompt every step would make
         # the fake, not the engine, the cost a server benchmark measures
         self._keys: dict[str, tuple[list[int], int]] = {}
 
-    def warmup(self) -> int:
+    def warmup(self, *, structured: bool = False) -> int:
         if self.warmup_gate is not None:
             self.warmup_gate.wait()
         time.sleep(self.warmup_delay)
         self.num_compiled = 4
         return self.num_compiled
 
-    def launch(self, sched: SchedulerOutput) -> Launched | None:
-        """Async scheduling's half step: computes at once, `collect` hands the output over."""
-        out = self.execute(sched)
-        return Launched(sched, out, []) if sched.scheduled else None
+    def launch(self, sched: SchedulerOutput, *, defer_sampling: bool = False) -> Launched | None:
+        """Async scheduling's half step: computes at once (with `defer_sampling`, in `sample`,
+        under the bitmask filled since), `collect` hands the output over."""
+        if not sched.scheduled:
+            return None
+        if defer_sampling:
+            self.deferred_steps += 1
+            return Launched(sched, None, [], deferred=True)
+        return Launched(sched, self.execute(sched), [])
+
+    def sample(self, launched: Launched) -> None:
+        if launched.deferred is None:
+            raise RuntimeError("sample() needs a step launched with defer_sampling")
+        launched.deferred, launched.results = None, self.execute(launched.sched)
 
     def collect(self, launched: Launched) -> RunnerOutput:
+        if launched.deferred is not None:
+            raise RuntimeError("collect() of a deferred step that was never sampled")
         return launched.results
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

@@ -47,9 +47,10 @@ def small_runner(small, **kw) -> ModelRunner:
 
 
 def drive(runner: ModelRunner, requests: list[tuple[int, Request]], on_prepared=None,
-          abort: tuple[int, str] | None = None) -> dict[str, list[int]]:
+          abort: tuple[int, str] | None = None, split: bool = False) -> dict[str, list[int]]:
     """Adds each request at its step, runs schedule -> runner -> update until done (synchronous);
-    `abort` = (step, request id). Returns every request's output ids."""
+    `abort` = (step, request id); `split`: every step as forward, then sampler (structured
+    output's path). Returns every request's output ids."""
     sched = Scheduler(PageAllocator(runner.num_pages, PAGE_SIZE, enable_prefix_caching=False),
                       max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=16,
                       max_model_len=MAX_MODEL_LEN)
@@ -61,6 +62,13 @@ def drive(runner: ModelRunner, requests: list[tuple[int, Request]], on_prepared=
         if abort is not None and abort[0] == step:
             sched.abort(abort[1])
         out = sched.schedule()
+        if split:
+            launched = runner.launch(out, defer_sampling=True)
+            if launched is not None:
+                runner.sample(launched)
+                sched.update(out, runner.collect(launched))
+            step += 1
+            continue
         prepared = runner.prepare(out)
         if prepared is not None:
             if on_prepared is not None:
@@ -193,7 +201,9 @@ def test_warmup_leaves_nothing_to_compile(small, committed) -> None:
     if committed:
         params = jax.device_put(params, jax.devices()[0])
     runner = small_runner((cfg, params))
-    runner.warmup()
+    runner.warmup(structured=committed)  # structured output's sampler program too
     before = runner.compiled_program_count()
     drive(runner, [(0, req("a", [5, 6, 7], max_tokens=3)), (1, req("b", list(range(40, 52))))])
+    if committed:
+        drive(runner, [(0, req("c", [5, 6, 7], max_tokens=3)), (1, req("d", [8, 9]))], split=True)
     assert runner.compiled_program_count() == before

@@ -12,10 +12,14 @@ to the jitted sampler, and back up through the Python, HTTP and gRPC APIs.
    the KV cache is so small that requests are preempted and recomputed.
 5. HTTP (`response_format`, `structured_outputs`) and gRPC (`sampling.structured_outputs`) over
    a `FakeRunner`, which picks allowed tokens deterministically.
+6. Async scheduling stays on with constrained rows (forward launched, masks filled after the
+   step before lands, then the sampler program): over the fake runner, and over a small random
+   model whose split steps sample exactly what the fused program does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -325,23 +329,30 @@ def test_grpc_structured_outputs(srv):
         c.close()
 
 
-def test_async_engine_steps_synchronously_while_constrained(tok):
-    """An async-scheduling engine finishes its in-flight step before a constrained request's
-    first mask, steps synchronously while it runs, and unconstrained streams stay exact."""
+def test_async_engine_stays_async_while_constrained(tok):
+    """With constrained requests running, each step launches the next one's forward before the
+    previous step's tokens land (a call returns the step before's outputs), the masks are filled
+    after they land, and unconstrained streams stay exact."""
     from jaxinfer.engine.engine import wait_all
     from serving.testing import FakeRunner, fake_engine, fake_stream
 
-    engine = fake_engine(tok, FakeRunner(), page_size=16, num_pages=257, max_model_len=512,
+    runner = FakeRunner()
+    engine = fake_engine(tok, runner, page_size=16, num_pages=257, max_model_len=512,
                          max_num_seqs=8, max_num_batched_tokens=256)
-    assert engine.async_scheduling
-    engine.add_request([1000, 1001], SamplingParams(max_tokens=40, ignore_eos=True),
-                       request_id="free")
-    deltas = []
-    for _ in range(3):
-        deltas += engine.step()
+    assert engine.async_scheduling and engine.core.split_sampling
     bound = SamplingParams(max_tokens=20, n=3, seed=5,
                            structured_outputs=StructuredOutputsParams(choice=CHOICES))
     engine.add_request([1000, 1002], bound, request_id="bound")
+    assert engine.step() == []  # the prefill is in flight: its tokens come with the next call
+    assert runner.deferred_steps == 1
+    first = engine.step()
+    assert sorted(d.index for d in first) == [0, 1, 2] and runner.deferred_steps == 2
+    engine.add_request([1000, 1001], SamplingParams(max_tokens=40, ignore_eos=True),
+                       request_id="free")
+    deltas = list(first)
+    while engine.core.structured.active:
+        deltas += engine.step()
+        assert engine.core._in_flight is not None  # never landed before the next launch
     deltas += wait_all(engine, timeout=30)
     ids = [t for d in deltas if d.request_id == "free" for t in d.new_token_ids]
     assert ids == fake_stream([1000, 1001], 40)
@@ -374,3 +385,131 @@ def test_tokenizer_llguidance_cannot_read_falls_back_to_its_pieces(tmp_path):
     assert allowed_ids(so.fill(["a"])[0], 32).tolist() == [words.index("w7")]
     so.advance("a", [words.index("w7")])
     assert allowed_ids(so.fill(["a"])[0], 32).tolist() == [words.index("</s>")]
+
+
+WORDS = ["<unk>", "<s>", "</s>", "\u2581"] + list("abcdefghijklmnopqrstuvwxyz0123456789")
+SMALL_REGEX = r"(ab|c)[0-9]{2,6}( [a-z]{1,4})?"
+
+
+@pytest.fixture(scope="module")
+def small_tok(tmp_path_factory):
+    """A 512-word WordLevel tokenizer (single characters, then filler words) for the 512-token
+    random model of test_runner, so an `EngineCore` with structured output compiles fast."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    from jaxinfer.tokenizer import Tokenizer
+
+    words = WORDS + [f"w{i}" for i in range(512 - len(WORDS))]
+    hf = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                               unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = tmp_path_factory.mktemp("small_tok")
+    hf.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return Tokenizer.from_path(path), words
+
+
+def _small_core(small_tok):
+    """An async `EngineCore` over test_runner's 512-token random model with one token bucket
+    (two programs to compile: the step and one sampler)."""
+    from test_runner import MAX_MODEL_LEN, PAGE_SIZE, SMALL, small_runner
+
+    from jaxinfer.config import EngineConfig, ModelConfig
+    from jaxinfer.engine.core import EngineCore
+    from jaxinfer.models import llama
+    from jaxinfer.params import init_random
+
+    cfg = ModelConfig.from_hf(SMALL)
+    params = init_random(llama.param_specs(cfg), jax.random.key(0))
+    params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)
+    config = EngineConfig(page_size=PAGE_SIZE, num_pages=13, max_model_len=MAX_MODEL_LEN,
+                          max_num_seqs=4, max_num_batched_tokens=16, enable_prefix_caching=False)
+    return EngineCore(cfg, None, config, runner=small_runner((cfg, params)),
+                      tokenizer=small_tok[0])
+
+
+def _drive_core(core, requests) -> tuple[dict[str, list[int]], dict[str, str], int]:
+    """Runs `requests` (CoreRequest) to the end; returns each one's ids and finish reason, and how
+    many steps ran with a step of the core still in flight after them."""
+    from jaxinfer.engine.scheduler import SchedulerOutput
+
+    for r in requests:
+        core.add(r)
+    ids = {r.request_id: [] for r in requests}
+    reasons, in_flight, preempted = {}, 0, []
+    schedule = core.scheduler.schedule
+
+    def logged() -> SchedulerOutput:
+        out = schedule()
+        preempted.extend(out.preempted)
+        return out
+
+    core.scheduler.schedule = logged
+    try:
+        while core.has_unfinished():
+            for o in core.step():
+                ids[o.request_id] += o.new_token_ids
+                if o.finished:
+                    reasons[o.request_id] = o.finish_reason
+            in_flight += core._in_flight is not None
+    finally:
+        del core.scheduler.schedule
+    return ids, reasons, in_flight if not preempted else -in_flight
+
+
+def test_core_stays_async_with_constrained_rows_and_matches_the_fused_path(small_tok):
+    """A real `ModelRunner` (512-token random model) under an async `EngineCore`: constrained
+    steps run forward, then the sampler after their masks (and the step before) landed, and the
+    core keeps a step in flight; with preemption (13 pages for 4 requests), mixed constrained and
+    seeded unconstrained rows at temperature 1, every constrained output follows its regex and
+    equals what the fused program (mask filled before, synchronous steps) samples, and the
+    unconstrained rows equal their solo outputs."""
+    from jaxinfer.engine.core import CoreRequest
+
+    words = small_tok[1]
+    so = StructuredOutputsParams(regex=SMALL_REGEX)
+
+    def reqs(constrained: bool = True) -> list[CoreRequest]:
+        out = []
+        for i in range(4):
+            bound = constrained and i % 2 == 0
+            sp = SamplingParams(temperature=1.0, seed=100 + i, max_tokens=14, ignore_eos=not bound,
+                                structured_outputs=so if bound else None)
+            out.append(CoreRequest(f"r{i}", [5 + i, 40, 41, 42, 43 + i, 7, 8, 9, 10], sp,
+                                   eos_token_ids=(2,)))
+        return out
+
+    core = _small_core(small_tok)
+    assert core.async_scheduling and core.split_sampling
+    split, reasons, in_flight = _drive_core(core, reqs())
+    assert in_flight < 0, "the test needs preemption: fewer pages"
+    assert -in_flight >= 10  # asynchronous steps all along, constrained rows included
+    for rid in ("r0", "r2"):
+        text = "".join(words[t].replace("\u2581", " ") for t in split[rid][:-1])
+        assert split[rid][-1] == 2 and reasons[rid] == "stop", (rid, split[rid])
+        assert re.fullmatch(SMALL_REGEX, text), (rid, text)
+    programs = core.runner.compiled_program_count()
+
+    # The same core (same compiled programs), synchronous with the mask filled before one program.
+    core.config = dataclasses.replace(core.config, async_scheduling=False)
+    core.runner.split_sampling = False
+    assert not core.split_sampling
+
+    def again(rs: list[CoreRequest]) -> list[CoreRequest]:
+        return [dataclasses.replace(r, request_id="f" + r.request_id) for r in rs]
+
+    fused, _, fused_in_flight = _drive_core(core, again(reqs()))
+    assert fused_in_flight == 0
+    assert {rid[1:]: ids for rid, ids in fused.items()} == split
+    core.runner.split_sampling = True  # synchronous steps, split: the same again
+    sync_split, _, _ = _drive_core(core, [dataclasses.replace(r, request_id="s" + r.request_id)
+                                          for r in reqs()])
+    assert {rid[1:]: ids for rid, ids in sync_split.items()} == split
+    core.runner.split_sampling = False
+    solo = {}
+    for r in again(reqs(constrained=False)):
+        if r.request_id in ("fr1", "fr3"):
+            solo.update(_drive_core(core, [r])[0])
+    assert solo == {"fr1": split["r1"], "fr3": split["r3"]}
+    assert core.runner.compiled_program_count() == programs == 2

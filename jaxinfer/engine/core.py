@@ -13,7 +13,11 @@ This is the half of the engine that a serving front end runs in its own process
    needs every token of a request on the host to propose the next ones, so while the scheduler's
    back-off rule lets it speculate, a step first waits for the one in flight and a step that
    verifies proposals runs synchronously (its outputs come with the same call); above the
-   back-off batch size the engine is asynchronous again.
+   back-off batch size the engine is asynchronous again. A step that samples structured-output
+   rows stays asynchronous: its forward is launched first, then the step before lands (its
+   tokens advance the grammars' matchers), the masks are filled while the device runs the
+   forward, and the sampler program is launched (`ModelRunner.launch(defer_sampling=True)` /
+   `sample`).
 3. The step's `RequestUpdate`s become `TokenOutput`s (new ids, logprobs, finish reason, usage
    counters): plain data that `to_wire` / `from_wire` turn into msgpack-able lists.
 4. A failing step raises after naming the requests it lost in `failed_request_ids`; the pages
@@ -330,7 +334,7 @@ class EngineCore:
         tokenizer); returns how many programs exist."""
         if self.structured is not None:
             self.structured.prepare()
-        n = int(self.runner.warmup())
+        n = int(self.runner.warmup(structured=True) if self.split_sampling else self.runner.warmup())
         if hasattr(self.proposer, "warmup"):  # a draft model's own programs
             n += int(self.proposer.warmup())
         return n
@@ -371,34 +375,50 @@ class EngineCore:
         # NOTE: a multi-host leader broadcasts each `runner.run` to its followers: synchronous.
         return self.config.async_scheduling and getattr(self.runner, "channel", None) is None
 
+    @property
+    def split_sampling(self) -> bool:
+        """Steps sampling structured-output rows run the forward first and the sampler once their
+        masks are filled (`ModelRunner.sample`); without it (a mesh, a multi-host leader, a
+        runner that cannot) they step synchronously with the masks filled before the launch."""
+        return (self.structured is not None and getattr(self.runner, "split_sampling", False)
+                and getattr(self.runner, "channel", None) is None)
+
     def step(self) -> list[TokenOutput]:
         """One engine step. If it raises, `failed_request_ids` names the requests it lost.
 
-        NOTE: while a structured-output request is unfinished, or requests speculate, steps are
-        synchronous: a grammar's next bitmask needs the token the step before sampled, and
-        proposals are made from known tokens. A step still in flight is first landed.
+        NOTE: a step that samples structured-output rows launches its forward, then (while the
+        device runs it) lands the step before, advances the matchers by its tokens, fills the
+        masks and launches the sampler: async scheduling stays on. While requests speculate,
+        steps are synchronous (proposals are made from known tokens): a step still in flight is
+        first landed, as it is for structured output when the runner cannot split a step.
         """
         self.failed_request_ids = []
         ready, self._ready = self._ready, []
-        constrained = self.structured is not None and self.structured.active
-        if self._in_flight is not None and (constrained or self.scheduler.speculating()):
-            # Proposals are made from known tokens, and a grammar's next mask needs the token
-            # the step in flight samples: let that step land first.
+        split = self.split_sampling
+        if self._in_flight is not None and (self.scheduler.speculating() or (
+                not split and self.structured is not None and self.structured.active)):
             previous, self._in_flight = self._in_flight, None
             try:
                 ready += self._finish_launched(previous)
             except Exception:
                 self._ready = ready  # not lost: they come with the next call
                 raise
-            constrained = self.structured.active if self.structured is not None else False
         sched = self.scheduler.schedule()
         self.num_steps += bool(sched.scheduled)
-        if not self.async_scheduling or sched.num_spec_tokens or constrained:
+        constrained = self._constrained(sched)
+        split = split and constrained and not sched.num_spec_tokens
+        if not self.async_scheduling or sched.num_spec_tokens or (constrained and not split):
             try:
                 with self._failing(sched.scheduled):
-                    if constrained:
-                        self._fill_bitmask(sched)
-                    out = self.runner.execute(sched)
+                    if split:
+                        launched = self.runner.launch(sched, defer_sampling=True)
+                        self._fill_bitmask(sched)  # NOTE: overlaps the forward on the device
+                        self.runner.sample(launched)
+                        out = self.runner.collect(launched)
+                    else:
+                        if constrained:
+                            self._fill_bitmask(sched)
+                        out = self.runner.execute(sched)
             except Exception:
                 self._ready = ready
                 raise
@@ -406,7 +426,8 @@ class EngineCore:
         previous, self._in_flight = self._in_flight, None
         try:
             with self._failing(sched.scheduled):
-                self._in_flight = self.runner.launch(sched)
+                self._in_flight = (self.runner.launch(sched, defer_sampling=True) if split
+                                   else self.runner.launch(sched))
         except Exception:
             lost, self._ready = self.failed_request_ids, ready
             if previous is not None:  # not lost: its outputs come with the next call
@@ -417,9 +438,38 @@ class EngineCore:
                     lost = lost + self.failed_request_ids
             self.failed_request_ids = lost
             raise
+        if split:
+            try:
+                return ready + self._sample_launched(previous)
+            except Exception:
+                self._ready = ready + self._ready  # not lost: they come with the next call
+                raise
         if previous is None:
             return ready + self._outputs([], RunnerOutput(sampled_token_ids={}))
         return ready + self._finish_launched(previous)
+
+    def _sample_launched(self, previous: Launched | None) -> list[TokenOutput]:
+        """The host half of a split step whose forward is in flight: lands the step before it
+        (its tokens advance the matchers), fills the masks, launches the sampler."""
+        launched = self._in_flight
+        # NOTE: if the step before fails, this one (which took its tokens) is lost with it.
+        landed = [] if previous is None else self._finish_launched(previous)
+        try:
+            with self._failing(launched.sched.scheduled):
+                self._fill_bitmask(launched.sched)
+                self.runner.sample(launched)
+        except Exception:
+            self._in_flight, self._ready = None, landed  # not lost: they come with the next call
+            raise
+        if previous is None:
+            landed += self._outputs([], RunnerOutput(sampled_token_ids={}))
+        return landed
+
+    def _constrained(self, sched: Any) -> bool:
+        """Some row this step samples belongs to a structured-output request."""
+        so = self.structured
+        return so is not None and so.active and any(
+            s.sample and so.has(s.request.request_id) for s in sched.scheduled)
 
     def _fill_bitmask(self, sched: Any) -> None:
         """The allowed-token bitmask of every constrained request this step samples."""

@@ -26,6 +26,14 @@ the still-running step samples is then a `PENDING_TOKEN` on the host, and the pr
 from the previous program's sampled ids on the device (`BatchExtras.feed_rows`; every program
 returns its sampled ids padded to a fixed `[R]`, the next one's `prev_tokens` input).
 
+Structured output splits a step in two (single device): `launch(sched, defer_sampling=True)`
+runs the same step program (every step program also returns its sampled rows' logits) with
+padding sampling rows (greedy only: no extra program per bucket); while it runs the engine core
+fills the grammar masks, and `sample(launched)` runs the sampler program (`_sample_step`: one
+per sequence bucket, compiled by `warmup(structured=True)`) on those logits, the penalty rows
+of the state the step left, the rows' own parameters and the masks; its sampled ids feed the
+next step instead of the padding rows' ones.
+
 Speculative steps (`ScheduledRequest.num_spec_tokens` = k > 0, one data replica and no
 pipeline): the request's query tokens are its last token and k proposed ones; besides its usual
 sampled row (the token after the last proposal) the program samples W extra "verify" rows, one
@@ -82,7 +90,13 @@ from jaxinfer.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerO
 from jaxinfer.models import family_of
 from jaxinfer.params import DTYPES
 from jaxinfer.quantization import quantization_of
-from jaxinfer.sampling import SamplingMetadata, SamplingRows, compute_logprobs, sample
+from jaxinfer.sampling import (
+    SamplerOutput,
+    SamplingMetadata,
+    SamplingRows,
+    compute_logprobs,
+    sample,
+)
 from jaxinfer.sampling_params import MAX_LOGPROBS
 from jaxinfer.spec_decode import rejection
 from jaxinfer.step import StepInputs
@@ -152,6 +166,8 @@ class Launched:
     sched: SchedulerOutput
     results: Any  # device arrays: (sampled ids, sampler output or None, prompt logprobs or None)
     plan: Any
+    # Launched with `defer_sampling` and not sampled yet: (row logits, prompt logprobs, Prepared)
+    deferred: Any = None
 
 
 @dataclasses.dataclass
@@ -204,7 +220,29 @@ def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_tokens:
                      num_logprobs=MAX_LOGPROBS, token_bitmask=bitmask)
     prompt = compute_logprobs(logits, extras.target_ids, MAX_LOGPROBS) if all_logits else None
     next_tokens = jnp.zeros_like(prev_tokens).at[:num_seqs].set(out.token_ids[:num_seqs])
-    return (out, prompt), kv_caches, state, next_tokens
+    return (out, prompt, row_logits), kv_caches, state, next_tokens
+
+
+def _sample_step(state: PenaltyState, row_logits: jax.Array, inputs: dict, *,
+                 num_sample_rows: int) -> tuple[SamplerOutput, jax.Array]:
+    """The sampler of a step launched with `defer_sampling`, as its own program (one per
+    sequence bucket: it does not depend on the token or page bucket).
+
+    `row_logits` f32[S, V] and `state` come from that step's program; `inputs` holds the host
+    arrays: `meta` (SamplingMetadata of S rows), `seq_rows` i32[S] (penalty-state row of each),
+    `positions` i32[S] (where each sampled token goes) and `token_bitmask` i32[S, ceil(V / 32)].
+    The state already counts the step's tokens, so its rows are the penalty rows the fused
+    program samples with. Returns (sampler output, sampled ids padded to i32[num_sample_rows]:
+    the next program's `prev_tokens`).
+    """
+    seq_rows = inputs["seq_rows"]
+    with jax.named_scope("sampler"):
+        out = sample(row_logits, inputs["meta"], state.prompt_mask[seq_rows],
+                     state.output_counts[seq_rows], inputs["positions"],
+                     num_logprobs=MAX_LOGPROBS, token_bitmask=inputs["token_bitmask"])
+    next_tokens = jnp.zeros(num_sample_rows, jnp.int32).at[:out.token_ids.shape[0]].set(
+        out.token_ids)
+    return out, next_tokens
 
 
 def _pack(inputs: dict) -> tuple[tuple[np.ndarray, ...], tuple]:
@@ -237,6 +275,12 @@ def _packed_step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_
     inputs = _unpack(buffers, layout)
     return _step(params, cfg, kv_caches, state, prev_tokens, inputs["step"], inputs["extras"],
                  inputs["meta"], all_logits=all_logits, **backends)
+
+
+def _packed_sample_step(state: PenaltyState, row_logits: jax.Array, buffers, *, layout: tuple,
+                        num_sample_rows: int) -> tuple[SamplerOutput, jax.Array]:
+    return _sample_step(state, row_logits, _unpack(buffers, layout),
+                        num_sample_rows=num_sample_rows)
 
 
 def default_page_buckets(pages_per_seq: int, *, floor: int = 64) -> tuple[int, ...]:
@@ -386,9 +430,17 @@ class ModelRunner:
                                                   linear_backend=linear_backend, mesh=self.mesh),
                                 static_argnames=("cfg", "all_logits"),
                                 donate_argnames=("kv_caches", "state"))
+        # Steps sampling structured-output rows run the step program up to the rows' logits,
+        # then this one (see `sample`); single device only (on a mesh they sample in the step).
+        self.split_sampling = self.mesh is None
+        self._sample_jit = jax.jit(
+            functools.partial(_packed_sample_step, num_sample_rows=self.num_sample_rows),
+            static_argnames=("layout",))
         self.num_compiled = 0
         # (token bucket, page bucket, logits, verify rows)
         self._compiled: set[tuple[int, int, bool, int]] = set()
+        self._compiled_samplers: set[int] = set()  # sampled rows of each sampler program
+        self._padding_metas: dict[int, SamplingMetadata] = {}
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -488,15 +540,67 @@ class ModelRunner:
             return RunnerOutput(sampled_token_ids={})
         return self._unpack(prepared.plan, *self.run(prepared))
 
-    def launch(self, sched: SchedulerOutput) -> Launched | None:
+    def launch(self, sched: SchedulerOutput, *, defer_sampling: bool = False) -> Launched | None:
         """`execute` without waiting: the step is on the device when this returns (None: nothing
-        was scheduled). Single-process only (a multi-host leader broadcasts `run`)."""
+        was scheduled). Single-process only (a multi-host leader broadcasts `run`).
+
+        With `defer_sampling` (needs `split_sampling`, no speculative tokens) the program keeps
+        the sampled rows' logits instead of sampling them: the caller then fills
+        `sched.token_bitmask` while the device runs it, and `sample(launched)` launches the
+        sampler.
+        """
         prepared = self.prepare(sched)
         if prepared is None:
             return None
-        results = self._wanted(prepared, self._call(prepared.inputs, prepared.all_logits))
+        inputs = prepared.inputs
+        if defer_sampling:
+            if not self.split_sampling or prepared.spec_width:
+                raise RuntimeError("defer_sampling needs one device and no speculative tokens")
+            # NOTE: the step program's own sampler then runs on padding rows (greedy, nothing
+            # else: ~15 ms of a ~300 ms 64-row decode step on XLA:CPU), so no program is compiled
+            # for it; skipping the sampler under a lax.cond instead measured every fused step
+            # ~1.4x slower (416 vs 288 ms, separate runs at load 6-7: BENCHMARKS.md).
+            inputs = {**inputs, "meta": self._padding_meta(len(inputs["extras"].seq_rows))}
+        out, prompt, row_logits = self._call(inputs, prepared.all_logits)
         self._note_compiled(prepared)
-        return Launched(sched, results, prepared.plan)
+        if defer_sampling:
+            return Launched(sched, None, prepared.plan, deferred=(row_logits, prompt, prepared))
+        return Launched(sched, self._wanted(prepared, (out, prompt)), prepared.plan)
+
+    def _padding_meta(self, rows: int) -> SamplingMetadata:
+        """Sampling metadata of `rows` padding rows (greedy, no penalties, no logprobs)."""
+        meta = self._padding_metas.get(rows)
+        if meta is None or meta.suppress_ids.shape != (rows, self._sampling.suppress_ids.shape[1]):
+            meta = self._padding_metas[rows] = self._sampling.gather(
+                np.full(rows, self.max_num_seqs, np.int32))
+        return meta
+
+    def sample(self, launched: Launched) -> None:
+        """Launches the sampler of a step launched with `defer_sampling`, under the bitmask rows
+        of `launched.sched` (`bitmask_rows` / `token_bitmask`, filled since the launch); the
+        sampled ids feed the next step as usual. `collect` then waits for it."""
+        if launched.deferred is None:
+            raise RuntimeError("sample() needs a step launched with defer_sampling")
+        row_logits, prompt, prepared = launched.deferred
+        launched.deferred = None
+        bitmask = np.full((row_logits.shape[0], self.bitmask_width), -1, np.int32)
+        self._place_bitmask(launched.sched, prepared.plan, bitmask)
+        out = self._call_sampler(row_logits, prepared.inputs, bitmask)
+        launched.results = self._wanted(prepared, (out, prompt))
+
+    def _call_sampler(self, row_logits: jax.Array,  # f32[S, V] from the deferred step program
+                      inputs: dict,  # that step's host inputs
+                      bitmask: np.ndarray,  # i32[S, ceil(V / 32)]
+                      ) -> SamplerOutput:
+        """Runs the sampler program of a deferred step (device results)."""
+        host = {"meta": inputs["meta"], "seq_rows": inputs["extras"].seq_rows,
+                "positions": inputs["step"].kv_lens.reshape(-1), "token_bitmask": bitmask}
+        buffers, layout = _pack(host)  # NOTE: one transfer, as for the step program
+        out, self._prev_tokens = self._sample_jit(self.state, row_logits, buffers, layout=layout)
+        if bitmask.shape[0] not in self._compiled_samplers:
+            self._compiled_samplers.add(bitmask.shape[0])
+            self.num_compiled = len(self._compiled) + len(self._compiled_samplers)
+        return out
 
     def collect(self, launched: Launched) -> RunnerOutput:
         """Waits for a launched step and unpacks its results."""
@@ -515,18 +619,26 @@ class ModelRunner:
         if not sched.scheduled:
             return None
         prepared = self._prepare(sched.scheduled)
-        if sched.bitmask_rows:  # structured output: each constrained row's allowed tokens
-            bitmask = prepared.inputs["extras"].token_bitmask
-            for rid, slot in zip(prepared.plan.sample_ids, prepared.plan.sample_slots.tolist()):
-                k = sched.bitmask_rows.get(rid)
-                if k is not None:
-                    bitmask[slot] = sched.token_bitmask[k]
+        self._place_bitmask(sched, prepared.plan, prepared.inputs["extras"].token_bitmask)
         return prepared
+
+    @staticmethod
+    def _place_bitmask(sched: SchedulerOutput, plan: UnpackPlan,
+                       bitmask: np.ndarray,  # i32[rows, ceil(V / 32)] all ones (-1), patched here
+                       ) -> None:
+        """Structured output: each constrained row's allowed tokens into its result row."""
+        if not sched.bitmask_rows or sched.token_bitmask is None:
+            return
+        for rid, slot in zip(plan.sample_ids, plan.sample_slots.tolist()):
+            k = sched.bitmask_rows.get(rid)
+            if k is not None:
+                bitmask[slot] = sched.token_bitmask[k]
 
     def run(self, prepared: Prepared) -> tuple[Any, Any, Any]:
         """Device half: one transfer in, the jitted step, one transfer out of what the step needs:
         (sampled ids, sampler output or None, prompt logprobs or None) as numpy."""
-        results = self._wanted(prepared, self._call(prepared.inputs, prepared.all_logits))
+        out, prompt, _ = self._call(prepared.inputs, prepared.all_logits)
+        results = self._wanted(prepared, (out, prompt))
         self._note_compiled(prepared)
         return multihost.device_get(results)  # NOTE: results may span other processes
 
@@ -540,11 +652,12 @@ class ModelRunner:
         key = (prepared.bucket, prepared.page_bucket, prepared.all_logits, prepared.spec_width)
         if key not in self._compiled:
             self._compiled.add(key)
-            self.num_compiled = len(self._compiled)
+            self.num_compiled = len(self._compiled) + len(self._compiled_samplers)
 
     def compiled_program_count(self) -> int:
-        """Programs in the step function's own jit cache (a recompile would grow it)."""
-        return self._jit._cache_size()
+        """Programs in the step and sampler functions' own jit caches (a recompile would grow
+        them)."""
+        return self._jit._cache_size() + self._sample_jit._cache_size()
 
     def _args(self, inputs: dict, all_logits: bool) -> tuple[tuple, dict]:
         """The step program's arguments for host `inputs`, moved to the device in one transfer."""
@@ -557,11 +670,12 @@ class ModelRunner:
         dev = self._put(inputs)
         return (*head, dev["step"], dev["extras"], dev["meta"]), {"all_logits": all_logits}
 
-    def _call(self, inputs: dict, all_logits: bool) -> tuple[Any, Any]:
-        """Runs the step program on host `inputs` (device results: sampler output, prompt logprobs)."""
+    def _call(self, inputs: dict, all_logits: bool) -> tuple[Any, Any, Any]:
+        """Runs the step program on host `inputs` (device results: sampler output, prompt
+        logprobs, the sampled rows' logits)."""
         args, kwargs = self._args(inputs, all_logits)
-        (out, prompt), self.kv_caches, self.state, self._prev_tokens = self._jit(*args, **kwargs)
-        return out, prompt
+        results, self.kv_caches, self.state, self._prev_tokens = self._jit(*args, **kwargs)
+        return results
 
     def _put(self, inputs: dict) -> dict:
         shardings = jax.tree.map(lambda _: self._replicated, inputs)
@@ -843,16 +957,29 @@ class ModelRunner:
                                   all_logits)
         return self._jit.lower(*args, **kwargs)
 
-    def warmup(self) -> int:
-        """Compiles every (token bucket, page bucket, logits variant) program; returns how many
-        were built."""
+    def warmup(self, *, structured: bool = False) -> int:
+        """Compiles every (token bucket, page bucket, logits variant) program, and with
+        `structured` (and `split_sampling`) the sampler program of each sequence bucket that steps
+        sampling structured-output rows run (`sample`); returns how many were built."""
         start = time.perf_counter()
         self._last_sample.fill(-1)  # NOTE: warmup programs overwrite the previous sampled ids
+        if structured and self.split_sampling:
+            rows_done: set[int] = set()
+            for t_bucket in self.token_buckets:
+                inputs = self._idle_inputs(t_bucket, False, self.page_buckets[0])
+                rows = inputs["extras"].seq_rows.shape[0]
+                if rows in rows_done:
+                    continue
+                rows_done.add(rows)
+                _, _, row_logits = self._call(inputs, False)
+                out = self._call_sampler(row_logits, inputs,
+                                         np.full((rows, self.bitmask_width), -1, np.int32))
+                jax.block_until_ready(out)
         for t_bucket in self.token_buckets:
             for p_bucket in self.page_buckets:
                 for all_logits in (False, True):
                     inputs = self._idle_inputs(t_bucket, all_logits, p_bucket)
-                    out, _ = self._call(inputs, all_logits)
+                    out, _, _ = self._call(inputs, all_logits)
                     jax.block_until_ready(out)
                     self._note_compiled(Prepared(inputs, all_logits, t_bucket, p_bucket, False))
             # Speculative steps of decoding requests only (a step that also prefills compiles
@@ -868,7 +995,7 @@ class ModelRunner:
                     continue
                 for p_bucket in self.page_buckets:
                     inputs = self._idle_inputs(t_bucket, False, p_bucket, w)
-                    out, _ = self._call(inputs, False)
+                    out, _, _ = self._call(inputs, False)
                     jax.block_until_ready(out)
                     self._note_compiled(Prepared(inputs, False, t_bucket, p_bucket, False,
                                                  spec_width=w))
