@@ -519,12 +519,13 @@ class EngineCore:
         live, logprobs = self._requests, out.logprobs
         if so is not None and not so.active:
             so = None  # no matcher to advance: keep the hot loop as it was
+        generated = 0
         for upd in updates:  # NOTE: a hot loop (one pass per sampled request per step)
             req = upd.request
             rid = req.request_id
             if rid not in live:
                 continue  # finished outside (a stop string) while this step ran
-            self.num_generated += len(upd.new_token_ids)
+            generated += len(upd.new_token_ids)
             done = upd.finished
             if so is not None and so.has(rid):
                 if done:
@@ -541,6 +542,7 @@ class EngineCore:
                 len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens))
             if done:
                 del live[rid]
+        self.num_generated += generated
         for rid, lps in prompt_lps.items():  # a prefill chunk that did not sample yet
             outputs.append(TokenOutput(rid, [], prompt_logprobs=lps))
         return outputs

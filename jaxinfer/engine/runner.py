@@ -70,6 +70,7 @@ import functools
 import itertools
 import logging
 import math
+import operator
 import random
 import time
 from typing import Any
@@ -244,6 +245,15 @@ def _sample_step(state: PenaltyState, row_logits: jax.Array, inputs: dict, *,
         out.token_ids)
     return out, next_tokens
 
+
+# ScheduledRequest fields, read for a whole step at a time by `ModelRunner._prepare`
+_REQUEST_ID = operator.attrgetter("request.request_id")
+_IS_NEW = operator.attrgetter("is_new")
+_NEW_PAGE_IDS = operator.attrgetter("new_page_ids")
+_START_POS = operator.attrgetter("start_pos")
+_TOKEN_IDS = operator.attrgetter("token_ids")
+_SAMPLE = operator.attrgetter("sample")
+_NUM_SPEC_TOKENS = operator.attrgetter("num_spec_tokens")
 
 def _pack(inputs: dict) -> tuple[tuple[np.ndarray, ...], tuple]:
     """The step's host inputs as one flat buffer per dtype, plus the static layout that `_unpack`
@@ -699,26 +709,26 @@ class ModelRunner:
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> Prepared:
         with jax.named_scope("patch_rows"):
-            rows, row_of = [], self._rows.get
-            for s in scheduled:
-                if s.is_new:
-                    row = self._join(s)
-                else:
-                    row = row_of(s.request.request_id)
-                    if row is None:
-                        raise RuntimeError(f"request {s.request.request_id!r} is scheduled as "
-                                           f"running but has no row (its first schedule was not "
-                                           f"prepared)")
-                    if s.new_page_ids:
-                        self._extend(row, s)
-                rows.append(row)
-            starts = [s.start_pos for s in scheduled]
-            q_lens = [len(s.token_ids) for s in scheduled]
-            tokens = list(itertools.chain.from_iterable(s.token_ids for s in scheduled))
-            samples = [s.sample for s in scheduled]
-            joined = [s.is_new for s in scheduled]
-            num_spec = [s.num_spec_tokens for s in scheduled]
-            sample_ids = [s.request.request_id for s in scheduled if s.sample]
+            # NOTE: one C-level pass per field (map + attrgetter), not a Python loop per request
+            n = len(scheduled)
+            ids = list(map(_REQUEST_ID, scheduled))
+            joined = list(map(_IS_NEW, scheduled))
+            for i in itertools.compress(range(n), joined):
+                self._join(scheduled[i])
+            rows = list(map(self._rows.get, ids))
+            if None in rows:
+                raise RuntimeError(f"request {ids[rows.index(None)]!r} is scheduled as running but "
+                                   f"has no row (its first schedule was not prepared)")
+            for i in itertools.compress(range(n), map(_NEW_PAGE_IDS, scheduled)):
+                if not joined[i]:
+                    self._extend(rows[i], scheduled[i])
+            starts = list(map(_START_POS, scheduled))
+            token_lists = list(map(_TOKEN_IDS, scheduled))
+            q_lens = list(map(len, token_lists))
+            tokens = list(itertools.chain.from_iterable(token_lists))
+            samples = list(map(_SAMPLE, scheduled))
+            num_spec = list(map(_NUM_SPEC_TOKENS, scheduled))
+            sample_ids = list(itertools.compress(ids, samples))
         rows_a = np.array(rows, np.int32)
         starts_a = np.array(starts, np.int32)
         q_a = np.array(q_lens, np.int32)

@@ -304,26 +304,46 @@ class Scheduler:
         reserved: list[tuple[ScheduledRequest, int]] = []  # (decode, room for proposals)
 
         # NOTE: the hot loop of a decode-heavy server (one pass per running request per step):
-        # Request's properties are inlined here.
+        # Request's properties are inlined here, and a steady decode (one token past the prompt,
+        # no new page, no proposal) is scheduled right here without `_schedule_tokens`.
+        one_replica = len(self.allocators) == 1
+        caching = [a.enable_prefix_caching for a in self.allocators]
         i = 0
         while i < len(running):
             req = running[i]
-            r = replica_of[req.request_id]
+            r = 0 if one_replica else replica_of[req.request_id]
             budget = budgets[r]
             if budget <= 0 or r in stopped:
                 i += 1
                 continue
-            num_out, pending = len(req.output_token_ids), req.num_pending_tokens
-            total = len(req.prompt_token_ids) + num_out + pending
+            outputs, pending = req.output_token_ids, req.num_pending_tokens
+            num_prompt, num_out = len(req.prompt_token_ids), len(outputs)
+            known = num_prompt + num_out
+            total = known + pending
             if pending and (num_out + pending >= req.sampling.max_tokens or total >= max_len):
                 i += 1  # its pending token finishes it by length: nothing more to schedule
                 continue
-            n = min(total - req.num_computed_tokens, budget, max_chunk)
+            start = req.num_computed_tokens
+            n = min(total - start, budget, max_chunk)
             room = self._spec_room(req, n, budget - (len(running) - i - 1)) if speculate else 0
-            need = -(-(req.num_computed_tokens + n + room) // page_size) - len(req.page_ids)
+            pages = req.page_ids
+            need = -(-(start + n + room) // page_size) - len(pages)
+            if n == 1 and need <= 0 and not room and start + 1 == total and start >= num_prompt:
+                decodes.append(ScheduledRequest(
+                    req, [outputs[start - num_prompt] if start < known else PENDING_TOKEN], start,
+                    (), True, r, False, pages))
+                req.num_computed_tokens = total
+                req.num_pending_tokens = pending + 1
+                if caching[r] and (total if total < known else known) >= (
+                        len(req.page_hashes) + 1) * page_size:
+                    self.allocators[r].register_full_pages(req.all_token_ids, pages,
+                                                           min(total, known), req.page_hashes)
+                budgets[r] = budget - 1
+                i += 1
+                continue
             if room and need > self.allocators[r].num_free_pages:  # proposals never preempt
                 room = 0
-                need = -(-(req.num_computed_tokens + n) // page_size) - len(req.page_ids)
+                need = -(-(start + n) // page_size) - len(pages)
             if need > 0:
                 alloc = self.allocators[r]
                 while need > alloc.num_free_pages:
@@ -335,7 +355,7 @@ class Scheduler:
                 if req.status is not RequestStatus.RUNNING:
                     stopped.add(r)  # it preempted itself: its replica schedules nothing more
                     continue
-            self._schedule_tokens(req, n, need, decodes, chunks, False)
+            self._schedule_tokens(req, r, n, need, decodes, chunks, False)
             budgets[r] = budget - n - room
             if room:
                 mine = decodes if decodes and decodes[-1].request is req else chunks
@@ -370,7 +390,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self._replica[req.request_id] = r
             bisect.insort(self._running, req, key=self._key)
-            self._schedule_tokens(req, n, need, decodes, chunks, True)
+            self._schedule_tokens(req, r, n, need, decodes, chunks, True)
             budgets[r] -= n
 
         finished, self._finished_ids = self._finished_ids, []
@@ -425,77 +445,111 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestUpdate]:
         """Apply one step's runner output. Requests aborted/finished since `schedule` are skipped."""
         updates: list[RequestUpdate] = []
-        sampled, running = out.sampled_token_ids, RequestStatus.RUNNING
+        sampled, running, max_len = out.sampled_token_ids, RequestStatus.RUNNING, self.max_model_len
+        caching = [a.enable_prefix_caching for a in self.allocators]
+        page_size = self.allocator.page_size
         for s in sched.scheduled:  # NOTE: a hot loop: Request's properties are inlined
             req = s.request
             if req.status is not running:
                 continue
-            # every one of these tokens is known now (proposed tokens are not the request's)
-            computed = s.start_pos + len(s.token_ids) - s.num_spec_tokens
-            outputs = req.output_token_ids
-            known = len(req.prompt_token_ids) + len(outputs)
-            if computed > known or (s.sample and req.num_pending_tokens < 1):
-                raise RuntimeError(
-                    f"request {req.request_id!r}: update for tokens up to {computed} with "
-                    f"{known} known and {req.num_pending_tokens} pending "
-                    f"(update applied twice or out of order?)"
-                )
-            alloc = self.allocators[s.replica]
-            if alloc.enable_prefix_caching and computed >= (len(req.page_hashes) + 1) * alloc.page_size:
-                # a page completed by a pending token
-                alloc.register_full_pages(req.all_token_ids, req.page_ids, computed, req.page_hashes)
-            if not s.sample:
+            if s.num_spec_tokens or not s.sample:
+                self._update_one(s, sampled, out, updates)
                 continue
+            # A sampling chunk without proposals (every row of a decode-heavy step).
+            outputs = req.output_token_ids
+            num_prompt = len(req.prompt_token_ids)
+            computed = s.start_pos + len(s.token_ids)
+            if computed > num_prompt + len(outputs) or req.num_pending_tokens < 1:
+                self._out_of_order(s)
+            if caching[s.replica] and computed >= (len(req.page_hashes) + 1) * page_size:
+                # a page completed by a pending token
+                self.allocators[s.replica].register_full_pages(
+                    req.all_token_ids, req.page_ids, computed, req.page_hashes)
             try:
                 token = sampled[req.request_id]
             except KeyError:
                 raise KeyError(f"runner returned no sampled token for {req.request_id!r}") from None
-            accepted: list[int] = []
-            if s.num_spec_tokens:
-                accepted = out.accepted_draft_ids.get(req.request_id, [])
-                drafts = s.token_ids[len(s.token_ids) - s.num_spec_tokens:]
-                if accepted != drafts[:len(accepted)]:
-                    raise RuntimeError(f"request {req.request_id!r}: accepted {accepted} is not a "
-                                       f"prefix of the proposed {drafts}")
-                # Roll back: K/V of the rejected proposals stays in the pages, overwritten later.
-                req.num_computed_tokens = computed + len(accepted)
-                st = self.spec_stats
-                st.num_spec_steps += 1
-                st.num_draft_tokens += s.num_spec_tokens
-                st.num_accepted_tokens += len(accepted)
             req.num_pending_tokens -= 1
-            if not accepted:
-                outputs.append(token)
+            outputs.append(token)
+            sp = req.sampling
+            num_out = len(outputs)
+            if (num_out >= sp.max_tokens or num_prompt + num_out >= max_len
+                    or (num_out >= sp.min_tokens and ((not sp.ignore_eos and token in req.eos_token_ids)
+                                                      or (sp.stop_token_ids and token in sp.stop_token_ids)))):
                 reason = self._stop_reason(req, token)
                 if reason is not None:
                     self._finish(req, *reason)
-                updates.append(RequestUpdate(req, [token], reason is not None))
-                continue
-            new: list[int] = []
-            finished = False
-            for tok in accepted + [token]:
-                outputs.append(tok)
-                new.append(tok)
-                reason = self._stop_reason(req, tok)
-                if reason is not None:
-                    self._finish(req, *reason)
-                    finished = True
-                    break
-            done = req.num_computed_tokens  # verified tokens only reach the prefix cache
-            if not finished and alloc.enable_prefix_caching and done >= (
-                    len(req.page_hashes) + 1) * alloc.page_size:
-                alloc.register_full_pages(req.all_token_ids, req.page_ids, done, req.page_hashes)
-            updates.append(RequestUpdate(req, new, finished))
+                    updates.append(RequestUpdate(req, [token], True))
+                    continue
+            updates.append(RequestUpdate(req, [token], False))
         return updates
+
+    @staticmethod
+    def _out_of_order(s: ScheduledRequest) -> None:
+        req = s.request
+        raise RuntimeError(
+            f"request {req.request_id!r}: update for tokens up to "
+            f"{s.start_pos + len(s.token_ids) - s.num_spec_tokens} with {req.num_known_tokens} "
+            f"known and {req.num_pending_tokens} pending (update applied twice or out of order?)")
+
+    def _update_one(self, s: ScheduledRequest, sampled: dict[str, int], out: RunnerOutput,
+                    updates: list[RequestUpdate]) -> None:
+        """`update` of one scheduled request in general (proposals, chunks, prefix caching)."""
+        req = s.request
+        # every one of these tokens is known now (proposed tokens are not the request's)
+        computed = s.start_pos + len(s.token_ids) - s.num_spec_tokens
+        outputs = req.output_token_ids
+        if computed > len(req.prompt_token_ids) + len(outputs) or (
+                s.sample and req.num_pending_tokens < 1):
+            self._out_of_order(s)
+        alloc = self.allocators[s.replica]
+        if alloc.enable_prefix_caching and computed >= (len(req.page_hashes) + 1) * alloc.page_size:
+            # a page completed by a pending token
+            alloc.register_full_pages(req.all_token_ids, req.page_ids, computed, req.page_hashes)
+        if not s.sample:
+            return
+        try:
+            token = sampled[req.request_id]
+        except KeyError:
+            raise KeyError(f"runner returned no sampled token for {req.request_id!r}") from None
+        accepted: list[int] = []
+        if s.num_spec_tokens:
+            accepted = out.accepted_draft_ids.get(req.request_id, [])
+            drafts = s.token_ids[len(s.token_ids) - s.num_spec_tokens:]
+            if accepted != drafts[:len(accepted)]:
+                raise RuntimeError(f"request {req.request_id!r}: accepted {accepted} is not a "
+                                   f"prefix of the proposed {drafts}")
+            # Roll back: K/V of the rejected proposals stays in the pages, overwritten later.
+            req.num_computed_tokens = computed + len(accepted)
+            st = self.spec_stats
+            st.num_spec_steps += 1
+            st.num_draft_tokens += s.num_spec_tokens
+            st.num_accepted_tokens += len(accepted)
+        req.num_pending_tokens -= 1
+        new: list[int] = []
+        finished = False
+        for tok in accepted + [token]:
+            outputs.append(tok)
+            new.append(tok)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self._finish(req, *reason)
+                finished = True
+                break
+        done = req.num_computed_tokens  # verified tokens only reach the prefix cache
+        if accepted and not finished and alloc.enable_prefix_caching and done >= (
+                len(req.page_hashes) + 1) * alloc.page_size:
+            alloc.register_full_pages(req.all_token_ids, req.page_ids, done, req.page_hashes)
+        updates.append(RequestUpdate(req, new, finished))
 
     def _key(self, req: Request) -> tuple[int, float, int]:
         return self._order[req.request_id]
 
-    def _schedule_tokens(self, req: Request, n: int, need: int, decodes: list[ScheduledRequest],
-                         chunks: list[ScheduledRequest], is_new: bool) -> None:
+    def _schedule_tokens(self, req: Request, r: int, n: int, need: int,
+                         decodes: list[ScheduledRequest], chunks: list[ScheduledRequest],
+                         is_new: bool) -> None:
         if n < 1:
             raise RuntimeError(f"request {req.request_id!r} has no token to compute")
-        r = self._replica[req.request_id] if len(self.allocators) > 1 else 0
         alloc = self.allocators[r]
         if need > 0:
             req.page_ids.extend(alloc.allocate(need))
