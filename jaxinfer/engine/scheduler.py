@@ -313,34 +313,34 @@ class Scheduler:
             req = running[i]
             r = 0 if one_replica else replica_of[req.request_id]
             budget = budgets[r]
-            if budget <= 0 or r in stopped:
+            if budget <= 0 or (stopped and r in stopped):
                 i += 1
                 continue
-            outputs, pending = req.output_token_ids, req.num_pending_tokens
+            outputs, pending, start = req.output_token_ids, req.num_pending_tokens, req.num_computed_tokens
             num_prompt, num_out = len(req.prompt_token_ids), len(outputs)
             known = num_prompt + num_out
             total = known + pending
             if pending and (num_out + pending >= req.sampling.max_tokens or total >= max_len):
                 i += 1  # its pending token finishes it by length: nothing more to schedule
                 continue
-            start = req.num_computed_tokens
-            n = min(total - start, budget, max_chunk)
-            room = self._spec_room(req, n, budget - (len(running) - i - 1)) if speculate else 0
             pages = req.page_ids
-            need = -(-(start + n + room) // page_size) - len(pages)
-            if n == 1 and need <= 0 and not room and start + 1 == total and start >= num_prompt:
+            if (start + 1 == total and start >= num_prompt and total <= len(pages) * page_size
+                    and not speculate):
+                # a steady decode: its one token is the last output (or the pending one)
                 decodes.append(ScheduledRequest(
-                    req, [outputs[start - num_prompt] if start < known else PENDING_TOKEN], start,
-                    (), True, r, False, pages))
+                    req, [outputs[-1] if start < known else PENDING_TOKEN], start, (), True, r,
+                    False, pages))
                 req.num_computed_tokens = total
                 req.num_pending_tokens = pending + 1
-                if caching[r] and (total if total < known else known) >= (
-                        len(req.page_hashes) + 1) * page_size:
-                    self.allocators[r].register_full_pages(req.all_token_ids, pages,
-                                                           min(total, known), req.page_hashes)
+                if caching[r] and known >= (len(req.page_hashes) + 1) * page_size:
+                    self.allocators[r].register_full_pages(req.all_token_ids, pages, known,
+                                                           req.page_hashes)
                 budgets[r] = budget - 1
                 i += 1
                 continue
+            n = min(total - start, budget, max_chunk)
+            room = self._spec_room(req, n, budget - (len(running) - i - 1)) if speculate else 0
+            need = -(-(start + n + room) // page_size) - len(pages)
             if room and need > self.allocators[r].num_free_pages:  # proposals never preempt
                 room = 0
                 need = -(-(start + n) // page_size) - len(pages)
