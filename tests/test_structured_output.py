@@ -513,3 +513,41 @@ def test_core_stays_async_with_constrained_rows_and_matches_the_fused_path(small
             solo.update(_drive_core(core, [r])[0])
     assert solo == {"fr1": split["r1"], "fr3": split["r3"]}
     assert core.runner.compiled_program_count() == programs == 2
+
+
+def test_failed_split_step_loses_only_its_constrained_request(tok):
+    """A split step (forward launched, then the masks, then the sampler) that fails in its
+    sampler half loses only its own requests: the step before still delivers with the next call,
+    the failed request's matcher and pages are released when it is aborted, and the engine goes
+    on serving constrained and free requests."""
+    from serving.testing import FakeRunner, fake_engine, fake_stream
+
+    poison = 4242
+    runner = FakeRunner(poison_token=poison)
+    engine = fake_engine(tok, runner, max_num_seqs=4)
+    assert engine.async_scheduling and engine.core.split_sampling
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add_request([1000, 1001], greedy, request_id="a")
+    deltas = engine.step() + engine.step()  # a's prefill, then its last decode launched
+    choice = StructuredOutputsParams(choice=CHOICES)
+    engine.add_request([1000, poison], SamplingParams(max_tokens=8, structured_outputs=choice),
+                       request_id="p")
+    with pytest.raises(RuntimeError, match="poisoned"):
+        engine.step()  # p's split step: its sampler half raises after a's step landed
+    assert runner.deferred_steps == 1
+    assert engine.failed_request_ids == ["p"]
+    engine.abort("p")
+    engine.add_request([1000, 1002], SamplingParams(max_tokens=8, seed=3, structured_outputs=choice),
+                       request_id="ok")
+    for _ in range(40):
+        deltas += engine.step()
+        if not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished()
+    got = {d.request_id: d for d in deltas if d.finished}
+    assert [t for d in deltas if d.request_id == "a" for t in d.new_token_ids] == fake_stream(
+        [1000, 1001], 2)
+    assert got["a"].finish_reason == "length" and got["p"].finish_reason == "abort"
+    assert "".join(d.new_text for d in deltas if d.request_id == "ok") in CHOICES
+    assert not engine.core.structured.active
+    assert engine.allocator.num_free_pages == engine.allocator.num_usable_pages
