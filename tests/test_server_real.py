@@ -66,7 +66,9 @@ def test_streams_equal_offline_engine(srv, model):
         want = offline[str(i)][0]
         assert [t for m in msgs for t in m.token_ids] == want.token_ids, i
         assert "".join(m.text for m in msgs) == want.text, i
-        assert all(len(m.token_ids) == 1 for m in msgs)
+        # NOTE: one message per step, or several steps' tokens merged into one message when the
+        # client is behind (the front end merges a stream's pending deltas): never empty
+        assert all(len(m.token_ids) >= 1 for m in msgs)
         last = msgs[-1]
         assert pb.GenerateResponse.FinishReason.Name(last.finish_reason).lower() == (
             want.finish_reason if want.finish_reason != "abort" else "aborted")
