@@ -14,9 +14,10 @@ Flow:
    (`dequantize`) into float32, then undoes what llama.cpp's converter changed:
    the rotary row permutation of Q/K for the `llama` architecture, and the `+1` it folds into
    Gemma's RMSNorm weights. The result equals the HF checkpoint's tensor (up to quantization).
-5. `GGUFCheckpoint.quantized(hf_name, fmt)` is the loader's path when `quantization` is set: a
-   block-quantized tensor requantized to int8 / fp8 per row, a chunk of rows at a time (exactly,
-   by folding the block scales, for the symmetric formats where the scales allow it).
+5. `GGUFCheckpoint.quantized(hf_name, fmt, groups)` is the loader's path when `quantization` is
+   set: a block-quantized tensor requantized to int8 / fp8 with `groups` scales per row, a chunk
+   of rows at a time (exactly, by folding the block scales, for the symmetric formats where a
+   group's block scales allow it).
 6. `GGUFCheckpoint.hf_config()` derives a HF `config.json`-style dict from the metadata.
 
 Dequantizers: ours (numpy, below) for the formats where they measured faster than the `gguf`
@@ -493,12 +494,12 @@ class GGUFCheckpoint:
             w -= np.float32(entry.norm_offset)
         return w
 
-    def quantized(self, hf_name: str, fmt: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """A 2-D block-quantized tensor requantized to `fmt` ("int8" | "fp8") with one scale per row
-        (HF layout: data [out, in], scale f32[out]), a chunk of rows at a time, never whole in
-        float32. Rows of symmetric blocks (Q8_0, Q4_0, Q5_0) fold their block scales exactly into
-        int8 where they can (`checkpoints.quantize.fold_block_scales`). None for tensors stored as
-        floats and for 1-D ones: read those with `tensor`.
+    def quantized(self, hf_name: str, fmt: str, groups: int = 1) -> tuple[np.ndarray, np.ndarray] | None:
+        """A 2-D block-quantized tensor requantized to `fmt` ("int8" | "fp8") with `groups` scales
+        per row (HF layout: data [out, in], scale f32[out, groups] along `in`), a chunk of rows at
+        a time, never whole in float32. Groups of symmetric blocks (Q8_0, Q4_0, Q5_0) fold their
+        block scales exactly into int8 where they can (`checkpoints.quantize.fold_block_scales`).
+        None for tensors stored as floats and for 1-D ones: read those with `tensor`.
         """
         entry = self._entries.get(hf_name)
         if entry is None:
@@ -523,7 +524,9 @@ class GGUFCheckpoint:
                 n = stop - start
                 return ints.reshape(n, -1, block_size), d.reshape(n, -1)
 
-        data, scale = qlib.requantize_rows(read_rows, rows, fmt, read_blocks)
+        if cols % groups:
+            raise GGUFError(f"{what}: {groups} scale groups do not divide its {cols} columns")
+        data, scale = qlib.requantize_rows(read_rows, rows, fmt, read_blocks, groups)
         if entry.unpermute_heads is not None:
             data = _undo_rotary_permutation(data, entry.unpermute_heads, what)
             scale = _undo_rotary_permutation(scale, entry.unpermute_heads, what)

@@ -1,29 +1,33 @@
-"""Weight-only quantization of one tensor: symmetric, one scale per output channel.
+"""Weight-only quantization of one tensor: symmetric, one scale per group of input channels.
 
 1. `FORMATS` names the stored formats: "int8" (values in [-127, 127]) and "fp8" (`float8_e4m3fn`,
    values in [-448, 448]). `check_format(name, field)` rejects anything else naming the field.
-2. `quantize(w, fmt, axis)` reduces `|w|` over the contraction axis `axis` to one absolute maximum
-   per output channel, stores `scale = absmax / qmax` (1 for an all-zero channel) and
-   `data = w / scale` rounded to the format; `w ~= data * scale` with the scale broadcast back
-   over `axis`. It runs on numpy or JAX arrays (`xp`), so the host loaders and the on-device
-   quantizer (a float orbax checkpoint restored then quantized) share one rule.
-3. `requantize_rows(read_rows, rows, fmt, read_blocks)` builds the same result for a tensor stored
-   row by row in another quantized format (a GGUF block format) without holding it in float32:
-   rows are read a chunk at a time (`ROW_CHUNK` rows) and requantized at once.
-4. `fold_block_scales(ints, block_scales, fmt)` is the exact path for symmetric block formats
-   whose blocks hold `d_b * q` with integer `q` (GGUF Q8_0 / Q4_0 / Q5_0): a row whose block
-   scales are all integer multiples of its smallest one, with the products in range, is stored
-   as integers times that smallest scale, with no rounding at all; `requantize_rows` re-derives
-   the other rows from their dequantized values.
-5. `quantize_groups(w, fmt, axis, group_size)` is the same rule with one scale per group of
-   `group_size` consecutive input channels instead of one per output channel (the scale keeps
-   `axis`, of size K / group_size): what `scripts/simulate_quant.py` measures against the
-   per-channel scales on a real model (BENCHMARKS.md). The model's kernels, specs and loaders
-   take the per-channel layout only.
+2. `num_groups(k, fmt)` is how many scales a weight contracted over `k` input channels gets per
+   output channel: int8 one per `GROUP_SIZE["int8"]` (128) consecutive input channels (the group
+   size of GPTQ / AWQ checkpoints; gcd(k, 128) where k has no such factor, e.g. 64 for k = 576;
+   one group when that would fall below `MIN_GROUP`), fp8 one per output channel (its 3-bit
+   mantissa already keeps each value's relative precision, and a per-channel scale keeps the
+   dot a plain fp8 GEMM on GPU). Groups pay on real weights: BENCHMARKS.md "simulate_quant".
+3. `quantize(w, fmt, axis, groups)` cuts the contraction axis `axis` into `groups` groups of
+   consecutive entries, reduces `|w|` over each to one absolute maximum per (group, output
+   channel), stores `scale = absmax / qmax` (1 for an all-zero group) and `data = w / scale`
+   rounded to the format. The scale has `w`'s shape with `axis` of size `groups` (1: one scale per
+   output channel); `dequantize` broadcasts it back. It runs on numpy or JAX arrays (`xp`), so the
+   host loaders and the on-device quantizer (a float orbax checkpoint restored then quantized)
+   share one rule.
+4. `requantize_rows(read_rows, rows, fmt, read_blocks, groups)` builds the same result for a
+   tensor stored row by row in another quantized format (a GGUF block format) without holding it
+   in float32: rows are read a chunk at a time (`ROW_CHUNK` rows) and requantized at once.
+5. `fold_block_scales(ints, block_scales, fmt)` is the exact path for symmetric block formats
+   whose blocks hold `d_b * q` with integer `q` (GGUF Q8_0 / Q4_0 / Q5_0): a group of blocks whose
+   scales are all integer multiples of the group's smallest one, with the products in range, is
+   stored as integers times that smallest scale, with no rounding at all; `requantize_rows`
+   re-derives the other groups from their dequantized values.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +37,9 @@ import numpy as np
 FORMATS = ("int8", "fp8")
 QMAX = {"int8": 127.0, "fp8": 448.0}
 STORAGE = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
+# Input channels per scale (None: one scale per output channel), and the smallest group used.
+GROUP_SIZE: dict[str, int | None] = {"int8": 128, "fp8": None}
+MIN_GROUP = 32
 ROW_CHUNK = 256
 
 
@@ -43,75 +50,81 @@ def check_format(fmt: str | None, field: str = "quantization") -> str | None:
     raise ValueError(f"{field}={fmt!r} is not supported; choose one of {FORMATS} (or None)")
 
 
-def quantize(w: Any, fmt: str, axis: int, xp: Any = np) -> tuple[Any, Any]:
-    """(data, scale): `w` [..] as `fmt` with f32 scales of `w`'s shape without `axis`."""
+def num_groups(k: int, fmt: str) -> int:
+    """Scales per output channel of a weight of `fmt` contracted over `k` input channels."""
+    size = GROUP_SIZE[check_format(fmt)]
+    if not size:
+        return 1
+    group = math.gcd(k, size)
+    return k // group if group >= min(MIN_GROUP, size) else 1
+
+
+def quantize(w: Any, fmt: str, axis: int, groups: int = 1, xp: Any = np) -> tuple[Any, Any]:
+    """(data, scale): `w` [.., K, ..] as `fmt` (data of `w`'s shape) with f32 scales
+    [.., groups, ..]: one per `K // groups` consecutive entries along `axis` and output channel."""
     check_format(fmt)
-    wf = xp.asarray(w).astype(xp.float32)
-    absmax = xp.max(xp.abs(wf), axis=axis)
+    shape = tuple(w.shape)
+    k = shape[axis]
+    if groups < 1 or k % groups:
+        raise ValueError(f"{groups} groups do not divide the contraction axis ({k} of {shape})")
+    wf = xp.reshape(xp.asarray(w).astype(xp.float32), shape[:axis] + (groups, k // groups) + shape[axis + 1:])
+    absmax = xp.max(xp.abs(wf), axis=axis + 1)
     # NOTE: times the f32 reciprocal, not divided by qmax: XLA rewrites a division by a constant
     # that way, and the host and device quantizers must agree bit for bit.
     inv = np.float32(1.0) / np.float32(QMAX[fmt])
     scale = xp.where(absmax > 0, absmax * inv, xp.float32(1.0)).astype(xp.float32)
-    scaled = wf / xp.expand_dims(scale, axis)
+    scaled = wf / xp.expand_dims(scale, axis + 1)
     if fmt == "int8":
         data = xp.clip(xp.rint(scaled), -127, 127).astype(xp.int8)
     else:
         data = xp.clip(scaled, -QMAX[fmt], QMAX[fmt]).astype(STORAGE[fmt])
-    return data, scale
-
-
-def quantize_groups(w: Any, fmt: str, axis: int, group_size: int, xp: Any = np) -> tuple[Any, Any]:
-    """(data, scale): `w` [.., K, ..] as `fmt`, one f32 scale per `group_size` consecutive entries
-    along the contraction axis `axis` (scale [.., K // group_size, ..]); `group_size` = K is
-    `quantize` with the scale's `axis` kept at size 1."""
-    shape = tuple(w.shape)
-    k = shape[axis]
-    if group_size < 1 or k % group_size:
-        raise ValueError(f"group_size={group_size} does not divide the contraction axis ({k} of {shape})")
-    grouped = xp.reshape(xp.asarray(w), shape[:axis] + (k // group_size, group_size) + shape[axis + 1:])
-    data, scale = quantize(grouped, fmt, axis + 1, xp)
     return xp.reshape(data, shape), scale
 
 
-def dequantize_groups(data: Any, scale: Any, axis: int, xp: Any = np) -> Any:
-    """f32 `data * scale` for `quantize_groups`' layout (scale [.., K // group_size, ..])."""
+def dequantize(data: Any, scale: Any, axis: int, xp: Any = np) -> Any:
+    """f32 `data * scale`, each of the scale's `scale.shape[axis]` groups broadcast over its
+    consecutive entries along `axis`."""
     shape = tuple(data.shape)
     groups = scale.shape[axis]
     grouped = xp.reshape(data, shape[:axis] + (groups, shape[axis] // groups) + shape[axis + 1:])
-    return xp.reshape(dequantize(grouped, scale, axis + 1, xp), shape)
-
-
-def dequantize(data: Any, scale: Any, axis: int, xp: Any = np) -> Any:
-    """f32 `data * scale` with the scale broadcast over `axis`."""
-    return data.astype(xp.float32) * xp.expand_dims(scale, axis)
+    return xp.reshape(grouped.astype(xp.float32) * xp.expand_dims(scale, axis + 1), shape)
 
 
 def requantize_rows(read_rows: Callable[[int, int], np.ndarray], rows: int, fmt: str,
                     read_blocks: Callable[[int, int], tuple[np.ndarray, np.ndarray]] | None = None,
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """(data [rows, cols], scale f32[rows]) of a row-major tensor stored in another quantized
-    format, one chunk of `ROW_CHUNK` rows at a time (never the whole tensor in float32).
+                    groups: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(data [rows, cols], scale f32[rows, groups]) of a row-major tensor stored in another
+    quantized format, one chunk of `ROW_CHUNK` rows at a time (never the whole tensor in float32).
 
     Args:
       read_rows: (start, stop) -> f32[stop - start, cols], the rows dequantized.
       rows: the number of rows (output channels).
       fmt: "int8" | "fp8".
       read_blocks: for symmetric block formats, (start, stop) -> (ints i8[stop - start, blocks,
-        block_size], block scales f32[stop - start, blocks]): rows that `fold_block_scales` can
+        block_size], block scales f32[stop - start, blocks]): groups that `fold_block_scales` can
         store exactly are taken from there, the others are re-derived from `read_rows`.
+      groups: scales per row (`num_groups`); a group spans whole blocks for the exact path.
     """
     datas, scales = [], []
     for start in range(0, rows, ROW_CHUNK):
         stop = min(rows, start + ROW_CHUNK)
-        folded = fold_block_scales(*read_blocks(start, stop), fmt) if read_blocks else None
+        n = stop - start
+        folded = None
+        if read_blocks is not None:
+            ints, block_scales = read_blocks(start, stop)
+            blocks, block_size = ints.shape[1:]
+            if blocks % groups == 0:  # whole blocks per group: fold each group like a row
+                folded = fold_block_scales(ints.reshape(n * groups, blocks // groups, block_size),
+                                           block_scales.reshape(n * groups, -1), fmt)
         if folded is not None and folded[2].all():
-            d, s = folded[0], folded[1]
+            d, s = folded[0].reshape(n, -1), folded[1].reshape(n, groups)
         else:
-            d, s = quantize(read_rows(start, stop), fmt, axis=1)
+            d, s = quantize(read_rows(start, stop), fmt, axis=1, groups=groups)
             if folded is not None:
-                exact = folded[2]
-                d = np.where(exact[:, None], folded[0], d)
-                s = np.where(exact, folded[1], s)
+                exact = folded[2].reshape(n, groups)
+                cols = d.shape[1]
+                d = np.where(np.repeat(exact, cols // groups, axis=1), folded[0].reshape(n, cols), d)
+                s = np.where(exact, folded[1].reshape(n, groups), s)
         datas.append(d)
         scales.append(s)
     return np.concatenate(datas), np.concatenate(scales)

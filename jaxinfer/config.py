@@ -555,7 +555,8 @@ class EngineConfig:
     # parsed): e.g. {"method": "ngram", "num_speculative_tokens": 4}. None: off.
     speculative_config: Any = None
     # Weight-only quantization of the linear weights and the embedding: None, "int8" or "fp8"
-    # (float8_e4m3fn), one f32 scale per output channel (see `jaxinfer.quantization`).
+    # (float8_e4m3fn); int8 keeps one f32 scale per output channel and group of 128 input
+    # channels, fp8 one per output channel (see `jaxinfer.quantization`).
     quantization: str | None = None
     # The paged KV cache's storage: "auto" (the model dtype) or "fp8" (float8_e4m3fn values with a
     # power-of-two scale per slot and K/V head: (D + 1) bytes a row instead of 2 * D in bf16).

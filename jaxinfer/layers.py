@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from checkpoints import quantize as qlib
 from jaxinfer.config import ModelConfig, RopeConfig
 from jaxinfer.quantization import QArray
 from pallas_kernels import cpu_linear
@@ -160,16 +161,17 @@ def _cpu_linear_builds() -> bool:
 def dense(x: jax.Array, *weights: jax.Array | QArray, backend: str = "xla") -> tuple[jax.Array, ...]:
     """x [T, E] times each weight [E, ...] (contracting E) -> ([T, ...], ...).
 
-    A weight may be a `QArray` (int8 / fp8 data with one scale per output channel, [...]): the
-    product runs on the stored values and the scales multiply its output, after the contraction.
-    With backend "cpu" a step of at most `cpu_linear.MAX_ROWS` float32 rows runs every weight in
-    one call of the compiled kernel (float32 or int8 weights, all of one kind); anything else is
-    XLA's dot (same contraction as `einsum("te,e...->t...")`).
+    A weight may be a `QArray` (int8 / fp8 data with scales [G, ...]: one per output channel and
+    group of E // G input channels): the product runs on the stored values, each group's scales
+    applied to that group's share of the product (see `_xla_dense`). With backend "cpu" a step of
+    at most `cpu_linear.MAX_ROWS` float32 rows runs every weight in one call of the compiled kernel
+    (float32 or int8 weights, all of one kind); anything else is XLA's dot (same contraction as
+    `einsum("te,e...->t...")`).
     """
-    if backend == "cpu" and _kernel_fits(x, weights):
+    if backend == "cpu" and _kernel_fits(x, weights, axis=0):
         if isinstance(weights[0], QArray):
             flat = [w.data.reshape(w.shape[0], -1) for w in weights]
-            scales = [w.scale.reshape(-1) for w in weights]
+            scales = [w.scale.reshape(w.scale.shape[0], -1) for w in weights]  # f32[G, N]
             outs = cpu_linear.linear(x, *flat, scales=tuple(scales))
         else:
             outs = cpu_linear.linear(x, *(w.reshape(w.shape[0], -1) for w in weights))
@@ -177,41 +179,77 @@ def dense(x: jax.Array, *weights: jax.Array | QArray, backend: str = "xla") -> t
     return tuple(_xla_dense(x, w) for w in weights)
 
 
+def _per_group_products(x: jax.Array, e: int, groups: int) -> bool:
+    """Whether x [T, e] times a weight of `groups` scale groups is best done as one product per
+    group (partial sums [T, G, N] f32, scaled and summed): when those partial sums take no more
+    memory than a 16-bit copy of the scaled weight [e, N] would (T * G * 4 <= e * 2), i.e. for
+    decode-sized T; larger T (prefill) dequantizes the weight into the dot's operand instead."""
+    return x.shape[0] * groups * 2 <= e
+
+
 def _xla_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
     if not isinstance(w, QArray):
         return jnp.tensordot(x, w, axes=1)
-    # NOTE: the stored values are converted to x's dtype right at the dot, whose f32 output is
-    # then scaled per output channel: on GPU XLA fuses that convert into the GEMM (no converted
-    # weight in memory); XLA:CPU materializes it (measured: BENCHMARKS.md), which is why decode
-    # rows take the CPU kernel.
-    y = jnp.tensordot(x, w.data.astype(x.dtype), axes=1, preferred_element_type=jnp.float32)
-    return (y * w.scale).astype(x.dtype)
+    t, e = x.shape
+    groups = w.scale.shape[0]
+    data = w.data.reshape(e, -1)  # [E, N]
+    scale = w.scale.reshape(groups, -1)  # f32[G, N]
+    out_shape = (t, *w.shape[1:])
+    if groups == 1:
+        # NOTE: the stored values are converted to x's dtype right at the dot, whose f32 output is
+        # then scaled per output channel: on GPU XLA fuses that convert into the GEMM (no converted
+        # weight in memory); XLA:CPU materializes it (measured: BENCHMARKS.md), which is why
+        # decode rows take the CPU kernel.
+        y = jnp.dot(x, data.astype(x.dtype), preferred_element_type=jnp.float32)
+        return (y * scale[0]).astype(x.dtype).reshape(out_shape)
+    if _per_group_products(x, e, groups):
+        # t: token rows, G: scale groups, g: input channels of a group, n: output channels.
+        parts = jnp.einsum("tGg,Ggn->tGn", x.reshape(t, groups, -1),
+                           data.reshape(groups, -1, data.shape[1]).astype(x.dtype),
+                           preferred_element_type=jnp.float32)
+        return jnp.einsum("tGn,Gn->tn", parts, scale).astype(x.dtype).reshape(out_shape)
+    weight = qlib.dequantize(data, scale, 0, xp=jnp).astype(x.dtype)
+    return jnp.dot(x, weight, preferred_element_type=jnp.float32).astype(x.dtype).reshape(out_shape)
 
 
 def dense_transposed(x: jax.Array, w: jax.Array | QArray, backend: str = "xla") -> jax.Array:
-    """x [T, E] times w [N, E] contracting E -> [T, N] (a tied embedding used as LM head)."""
-    if backend == "cpu" and _kernel_fits(x, (w,)):
+    """x [T, E] times w [N, E] contracting E -> [T, N] (a tied embedding used as LM head; quantized:
+    scales [N, G])."""
+    if backend == "cpu" and _kernel_fits(x, (w,), axis=1):
         if isinstance(w, QArray):
             return cpu_linear.linear(x, w.data, transposed=True, scales=(w.scale,))[0]
         return cpu_linear.linear(x, w, transposed=True)[0]
-    if isinstance(w, QArray):
+    if not isinstance(w, QArray):
+        return jnp.einsum("te,ne->tn", x, w)
+    t, e = x.shape
+    groups = w.scale.shape[1]
+    if groups == 1:
         y = jnp.einsum("te,ne->tn", x, w.data.astype(x.dtype), preferred_element_type=jnp.float32)
-        return (y * w.scale).astype(x.dtype)
-    return jnp.einsum("te,ne->tn", x, w)
+        return (y * w.scale[:, 0]).astype(x.dtype)
+    if _per_group_products(x, e, groups):
+        # t: token rows, n: vocab rows, G: scale groups, g: embedding channels of a group.
+        parts = jnp.einsum("tGg,nGg->tnG", x.reshape(t, groups, -1),
+                           w.data.reshape(w.shape[0], groups, -1).astype(x.dtype),
+                           preferred_element_type=jnp.float32)
+        return jnp.einsum("tnG,nG->tn", parts, w.scale).astype(x.dtype)
+    weight = qlib.dequantize(w.data, w.scale, 1, xp=jnp).astype(x.dtype)
+    return jnp.einsum("te,ne->tn", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def embed_rows(embed: jax.Array | QArray, ids: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
-    """Rows `ids` i32[T] of an embedding [V, E] (quantized: per-row scales) -> [T, E] of `dtype`."""
+    """Rows `ids` i32[T] of an embedding [V, E] (quantized: scales [V, G]) -> [T, E] of `dtype`."""
     if isinstance(embed, QArray):
-        rows = jnp.take(embed.data, ids, axis=0).astype(jnp.float32)
-        return (rows * jnp.take(embed.scale, ids, axis=0)[:, None]).astype(dtype)
+        return qlib.dequantize(jnp.take(embed.data, ids, axis=0), jnp.take(embed.scale, ids, axis=0),
+                               1, xp=jnp).astype(dtype)
     return jnp.take(embed, ids, axis=0)
 
 
-def _kernel_fits(x: jax.Array, weights: tuple[jax.Array | QArray, ...]) -> bool:
+def _kernel_fits(x: jax.Array, weights: tuple[jax.Array | QArray, ...], axis: int) -> bool:
+    """Whether the compiled kernel takes x times `weights` (contracted over their axis `axis`)."""
     if not (x.ndim == 2 and x.shape[0] <= cpu_linear.MAX_ROWS and x.dtype == jnp.float32
             and len(weights) <= cpu_linear.MAX_WEIGHTS):
         return False
     if all(isinstance(w, QArray) for w in weights):
-        return all(w.data.dtype == jnp.int8 for w in weights)
+        return all(w.data.dtype == jnp.int8 and cpu_linear.groups_fit(x.shape[1], w.scale.shape[axis])
+                   for w in weights)
     return all(not isinstance(w, QArray) and w.dtype == jnp.float32 for w in weights)

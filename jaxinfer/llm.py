@@ -82,7 +82,8 @@ class LLM:
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, mesh,
         long_prefill_token_threshold, quantization), `attention_backend` and `linear_backend`.
         `quantization="int8"` (or "fp8") stores the linear weights and the embedding quantized
-        with per-output-channel scales, applied at load (see `jaxinfer.loader.load_model`);
+        with group-wise (int8: 128 input channels) or per-output-channel (fp8) scales, applied
+        at load (see `jaxinfer.loader.load_model`);
         `kv_cache_dtype="fp8"` stores the paged KV cache as float8_e4m3fn. `mesh="tensor=4"`
         (the same string as `serve.py --mesh`) loads the weights straight onto the mesh, sharded by
         the rules; see README "Serving on a mesh".

@@ -264,6 +264,7 @@ def load_dummy(path: str, *, dtype: str | None = None, mesh: jax.sharding.Mesh |
     if mesh is None:
         mesh = shd.make_mesh(None)
     rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
+    quant.check_group_splits(specs, mesh, rules)
     key = jax.random.PRNGKey(DUMMY_SEED)
     if dict(mesh.shape).get(shd.PIPELINE, 1) > 1:  # each layer on its stage, then stacked
         targets = pipeline.canonical_targets(specs, mesh, rules)
@@ -301,6 +302,7 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
 
     stages = dict(mesh.shape).get(shd.PIPELINE, 1)
     rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
+    quant.check_group_splits(specs, mesh, rules)
 
     if kind == "orbax" and stages > 1:  # each layer restored onto its own stage's devices
         params = restore_params(path, pipeline.canonical_targets(restored_specs, mesh, rules))

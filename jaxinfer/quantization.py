@@ -3,22 +3,29 @@
 1. A weight a model declares with `ParamSpec(..., quant_axis=a)` (its contraction axis: the input
    dim of a linear weight, `embed` of the embedding) becomes, under `quantize_specs(specs, fmt)`,
    a `QArray` of two specs: `data` (the weight's shape and logical axes, stored as int8 or
-   float8_e4m3fn) and `scale` (f32, one per output channel: the weight's shape and logical axes
-   without axis `a`). Everything derived from the specs (abstract tree, shardings, shard_map
-   specs, orbax restore targets, random init) follows, the scale sharded like the outputs it
-   scales. Norms, biases and the MoE router (`quant_axis=None`) stay in the model dtype.
+   float8_e4m3fn) and `scale` (f32: the weight's shape with axis `a` cut to G groups, G =
+   `checkpoints.quantize.num_groups(K, fmt)`: int8 one scale per 128 input channels, fp8 G = 1,
+   one per output channel). Grouped scales are for weights contracted over their first axis (the
+   linear weights) or their last (the embedding, also the tied LM head); the MoE experts' stacked
+   weights keep G = 1 (their ragged grouped product has no per-group form). Everything derived
+   from the specs (abstract tree, shardings, shard_map specs, orbax restore targets, random init)
+   follows: the scale is sharded like the weight (a G = 1 axis replicated). Norms, biases and the
+   MoE router (`quant_axis=None`) stay in the model dtype.
 2. Loaders fill those leaves with `checkpoints.quantize.quantize` on the host (HF tensors, GGUF
    blocks requantized row chunk by row chunk); `quantize_params` does it on device for a float
    params tree (a float orbax checkpoint loaded with `quantization=`, random test weights).
 3. The math (`jaxinfer.layers.dense`, `embed_rows`, the MoE experts) multiplies by the stored
-   values and applies the scales to the product's output channels, after the contraction:
-   `x @ (q * s) = (x @ q) * s` since `s` is constant along the contraction.
+   values; one scale per output channel (G = 1) multiplies the product's outputs after the
+   contraction (`x @ (q * s) = (x @ q) * s`, `s` constant along it). Grouped scales: the compiled
+   CPU kernel applies each group's scales to that group's partial sums; XLA's path scales the
+   converted weight into the dot's operand (a fusion on GPU, see `layers._xla_dense`).
 4. `quantization_of(params)` reads the format back from a params tree (its leaf dtypes), so the
    model's `shard_map` specs and the runner's placement derive the same tree without a flag.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -26,6 +33,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from checkpoints import quantize as qlib
+from jaxinfer import sharding as shd
 from jaxinfer.params import ParamSpec, is_spec
 
 FORMATS = qlib.FORMATS
@@ -35,11 +43,11 @@ STORAGE = {fmt: jnp.dtype(dt) for fmt, dt in qlib.STORAGE.items()}
 
 @struct.dataclass
 class QArray:
-    """A weight stored quantized: `data` (the weight's shape) times `scale` (one per output channel:
-    the weight's shape without its contraction axis), broadcast back over that axis."""
+    """A weight stored quantized: `data` (the weight's shape) times `scale` (the weight's shape with
+    its contraction axis cut to G groups), each group's scale broadcast over its input channels."""
 
     data: Any  # i8 | f8e4m3fn[weight shape]; as a spec it keeps the weight's quant_axis
-    scale: Any  # f32[weight shape without the contraction axis]
+    scale: Any  # f32[weight shape with the contraction axis of size G]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -54,16 +62,28 @@ def is_quantized(x: Any) -> bool:
     return isinstance(x, QArray)
 
 
+def num_groups(spec: ParamSpec, fmt: str) -> int:
+    """G for one float weight spec: `qlib.num_groups` for weights contracted over their first or
+    last axis, 1 for the others (the stacked MoE experts)."""
+    a = spec.quant_axis
+    if a not in (0, len(spec.shape) - 1) or len(spec.shape) < 2:
+        return 1
+    return qlib.num_groups(spec.shape[a], fmt)
+
+
 def quantized_spec(spec: ParamSpec, fmt: str) -> QArray:
     """The (data, scale) specs of one weight declared with a `quant_axis`."""
     a = spec.quant_axis
-    keep = [i for i in range(len(spec.shape)) if i != a]
+    groups = num_groups(spec, fmt)
     # Random init (tests, dummy weights): data uniform over the grid; scale chosen so that
     # data * scale has about the float spec's std (uniform ints in [-127, 127] have std ~73).
     data_std = 73.0 if fmt == "int8" else 1.0
     data = ParamSpec(spec.shape, STORAGE[fmt], spec.logical_axes, "normal", data_std, a)
-    scale = ParamSpec(tuple(spec.shape[i] for i in keep), jnp.float32,
-                      tuple(spec.logical_axes[i] for i in keep), "constant", spec.scale / data_std)
+    shape = spec.shape[:a] + (groups,) + spec.shape[a + 1:]
+    # NOTE: a single group is replicated (a size-1 axis splits over nothing); G groups split like
+    # the input channels they scale, so a sharded contraction axis needs G divisible by its shards.
+    axes = spec.logical_axes[:a] + ((spec.logical_axes[a] if groups > 1 else None),) + spec.logical_axes[a + 1:]
+    scale = ParamSpec(shape, jnp.float32, axes, "constant", spec.scale / data_std)
     return QArray(data=data, scale=scale)
 
 
@@ -93,6 +113,25 @@ def quantization_of(params: Any) -> str | None:
     return None
 
 
+def check_group_splits(specs: Any, mesh: jax.sharding.Mesh, rules: dict | None = None) -> None:
+    """Raises a ValueError naming the first quantized weight of `specs` whose scale groups do not
+    split over the mesh shards of the input channels they scale (e.g. int8 o_proj of a 576-wide
+    attention: 9 groups of 64, which tensor=2 cannot split)."""
+    sizes = dict(mesh.shape)
+    for path, q in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_quantized)[0]:
+        if not is_quantized(q):
+            continue
+        for n, axes in zip(q.scale.shape, shd.logical_to_spec(q.scale.logical_axes, rules)):
+            names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            shards = math.prod(sizes.get(a, 1) for a in names)
+            if n % shards:
+                raise ValueError(
+                    f"quantization: weight {jax.tree_util.keystr(path)} has {n} scale groups along "
+                    f"its input channels, which do not split over mesh axes {names} of size "
+                    f"{shards}; use a mesh whose size there divides {n} (int8 keeps one scale per "
+                    f"{qlib.GROUP_SIZE['int8']} input channels)")
+
+
 def quantize_params(params: Any, specs: Any, fmt: str | None) -> Any:
     """Quantizes the float leaves of `params` that `specs` (the float spec tree) marks with a
     `quant_axis`, on their devices, keeping each result on the input's sharding."""
@@ -104,7 +143,7 @@ def quantize_params(params: Any, specs: Any, fmt: str | None) -> Any:
     def one(spec: ParamSpec, w: Any) -> Any:
         if not _takes_quantization(spec):
             return w
-        data, scale = _quantize_jit(w, fmt, spec.quant_axis)
+        data, scale = _quantize_jit(w, fmt, spec.quant_axis, num_groups(spec, fmt))
         return QArray(data=data, scale=scale)
 
     out = jax.tree.map(one, specs, params, is_leaf=is_spec)
@@ -117,11 +156,11 @@ def _check_leaf(spec: ParamSpec, x: Any) -> None:
         raise ValueError(f"quantized leaf {x.shape} {x.dtype} != spec {spec.shape} {spec.dtype}")
 
 
-def _quantize_impl(w: jax.Array, fmt: str, axis: int) -> tuple[jax.Array, jax.Array]:
-    return qlib.quantize(w, fmt, axis, xp=jnp)
+def _quantize_impl(w: jax.Array, fmt: str, axis: int, groups: int) -> tuple[jax.Array, jax.Array]:
+    return qlib.quantize(w, fmt, axis, groups, xp=jnp)
 
 
-_quantize_jit = jax.jit(_quantize_impl, static_argnames=("fmt", "axis"))
+_quantize_jit = jax.jit(_quantize_impl, static_argnames=("fmt", "axis", "groups"))
 
 
 def dequantize(q: QArray, axis: int, dtype: Any = jnp.float32) -> jax.Array:

@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "shapes, made on the devices from --model's config.json (or GGUF metadata) "
                         "and tokenizer, for benchmarking without the weights")
     p.add_argument("--quantization", choices=["int8", "fp8"], default=None,
-                   help="weight-only quantization of the linear weights and the embedding (one "
-                        "scale per output channel), applied at load")
+                   help="weight-only quantization of the linear weights and the embedding (int8: "
+                        "a scale per output channel and 128 input channels; fp8: per output "
+                        "channel), applied at load")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer (a checkpoint without one serves): requests send "
                         "token_ids, responses carry token ids with empty text")

@@ -9,12 +9,14 @@
    LM head), "layers", "attn", "mlp") by `dequantize(quantize(w))` under `scheme`, in the model's
    float dtype, and runs eval_quant's measurements on them (greedy agreement in the first 8 and
    all tokens, logprob drift of the reference continuations, perplexity of `TEXT`):
-   - "channel": one absmax scale per output channel, `checkpoints.quantize.quantize` (what
-     `quantization=` stores; the simulation equals the real int8 run to the printed digit);
+   - "channel": one absmax scale per output channel, `checkpoints.quantize.quantize` with one
+     group (what `quantization=` stored before 2026-11-24's group-wise int8, and still stores
+     for fp8 and the MoE experts);
    - "mse": one scale per output channel, `r * absmax` with the clip ratio r in [0.5, 1] (step
      0.01) that minimizes the channel's squared rounding error;
-   - "g<N>": one scale per group of consecutive input channels (`quantize_groups`), of N channels
-     where N divides the weight's K, else of gcd(N, K) (the embedding's K = 576 takes g128 as 64).
+   - "g<N>": one scale per group of consecutive input channels, of N channels where N divides the
+     weight's K, else of gcd(N, K) (the embedding's K = 576 takes g128 as 64); "g128" is what
+     `quantization="int8"` stores now (`checkpoints.quantize.num_groups`).
 3. Prints one row per variant (`--markdown`: the table for BENCHMARKS.md) with the weights'
    relative RMS rounding error, plus a JSON line.
 """
@@ -78,8 +80,8 @@ def simulate(w: np.ndarray, fmt: str, axis: int, scheme: str) -> np.ndarray:
     if scheme == "mse":
         return _mse_channel(w, fmt, axis)
     if scheme.startswith("g") and scheme[1:].isdigit():
-        group = math.gcd(int(scheme[1:]), w.shape[axis])
-        return qlib.dequantize_groups(*qlib.quantize_groups(w, fmt, axis, group), axis)
+        groups = w.shape[axis] // math.gcd(int(scheme[1:]), w.shape[axis])
+        return qlib.dequantize(*qlib.quantize(w, fmt, axis, groups), axis)
     raise ValueError(f"scheme {scheme!r} is not 'channel', 'mse' or 'g<group size>'")
 
 

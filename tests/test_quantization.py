@@ -64,15 +64,15 @@ def test_round_trip_int8_and_fp8():
     for fmt in qlib.FORMATS:
         data, scale = qlib.quantize(w, fmt, axis=0)
         assert data.dtype == qlib.STORAGE[fmt] and data.shape == w.shape
-        assert scale.dtype == np.float32 and scale.shape == (3, 40)
-        assert scale[1, 7] == 1.0 and not np.any(data[:, 1, 7].astype(np.float32))
+        assert scale.dtype == np.float32 and scale.shape == (1, 3, 40)
+        assert scale[0, 1, 7] == 1.0 and not np.any(data[:, 1, 7].astype(np.float32))
         back = qlib.dequantize(data, scale, axis=0)
         err = np.abs(back - w)
         if fmt == "int8":
-            assert np.all(err <= 0.5 * scale[None] + 1e-7)
+            assert np.all(err <= 0.5 * scale + 1e-7)
             assert np.abs(data.astype(np.int32)).max() == 127
         else:  # e4m3: 3 mantissa bits, relative error <= 2^-4 (normal range)
-            assert np.all(err <= 2.0**-4 * np.abs(w) + scale[None] * 2.0**-9)
+            assert np.all(err <= 2.0**-4 * np.abs(w) + scale * 2.0**-9)
         jd, js = jax.jit(lambda x, f=fmt: qlib.quantize(x, f, 0, xp=jnp))(w)
         np.testing.assert_array_equal(np.asarray(js), scale)
         np.testing.assert_array_equal(np.asarray(jd).astype(np.float32), data.astype(np.float32))
@@ -84,17 +84,24 @@ def test_group_scales_beat_channel_scales_on_outliers():
     w[rng.choice(256, 6, replace=False)] *= 12.0  # a few outlier input channels
     for fmt in qlib.FORMATS:
         per_channel = qlib.dequantize(*qlib.quantize(w, fmt, 0), 0)
-        data, scale = qlib.quantize_groups(w, fmt, 0, 32)
+        data, scale = qlib.quantize(w, fmt, 0, groups=8)
         assert data.dtype == qlib.STORAGE[fmt] and data.shape == w.shape and scale.shape == (8, 48)
-        grouped = qlib.dequantize_groups(data, scale, 0)
+        grouped = qlib.dequantize(data, scale, 0)
         assert np.square(grouped - w).sum() < 0.5 * np.square(per_channel - w).sum()
-        whole, whole_scale = qlib.quantize_groups(w, fmt, 0, 256)  # one group: per channel
-        np.testing.assert_array_equal(qlib.dequantize_groups(whole, whole_scale, 0), per_channel)
-        jd, js = jax.jit(lambda x, f=fmt: qlib.quantize_groups(x, f, 0, 32, xp=jnp))(w)
+        first = qlib.dequantize(*qlib.quantize(w[:32], fmt, 0), 0)  # group 0 alone, one scale
+        np.testing.assert_array_equal(grouped[:32], first)
+        jd, js = jax.jit(lambda x, f=fmt: qlib.quantize(x, f, 0, 8, xp=jnp))(w)
         np.testing.assert_array_equal(np.asarray(js), scale)
         np.testing.assert_array_equal(np.asarray(jd).astype(np.float32), data.astype(np.float32))
-    with pytest.raises(ValueError, match="group_size=24"):
-        qlib.quantize_groups(w, "int8", 0, 24)
+    with pytest.raises(ValueError, match="24 groups do not divide"):
+        qlib.quantize(w, "int8", 0, 24)
+
+
+def test_num_groups():
+    """int8: one scale per 128 input channels (gcd(K, 128) when K lacks that factor, one group
+    below 32 channels); fp8: one per output channel."""
+    assert [qlib.num_groups(k, "int8") for k in (576, 1536, 4096, 64, 128, 1000, 96)] == [9, 12, 32, 1, 1, 1, 3]
+    assert qlib.num_groups(4096, "fp8") == 1
 
 
 def test_group_scales_of_gguf_q8_0_blocks_keep_their_values():
@@ -104,7 +111,7 @@ def test_group_scales_of_gguf_q8_0_blocks_keep_their_values():
     w = (rng.standard_normal((16, 128)) * rng.uniform(0.1, 3.0, (16, 4)).repeat(32, 1)).astype(np.float32)
     stored = gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
                                     gguf.GGMLQuantizationType.Q8_0).astype(np.float32)
-    grouped = qlib.dequantize_groups(*qlib.quantize_groups(stored, "int8", 1, 32), 1)
+    grouped = qlib.dequantize(*qlib.quantize(stored, "int8", 1, groups=4), 1)
     np.testing.assert_allclose(grouped, stored, rtol=2e-7, atol=0)
     per_channel = qlib.dequantize(*qlib.quantize(stored, "int8", 1), 1)
     assert np.abs(per_channel - stored).max() > 100 * np.abs(grouped - stored).max()
@@ -140,8 +147,9 @@ def _stored_bytes(w: np.ndarray, qtype: T) -> np.ndarray:
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K,
                                    T.Q5_K, T.Q6_K])
 def test_gguf_block_formats_requantize_like_the_library(tmp_path, monkeypatch, qtype):
-    """Every GGUF block format -> int8 / fp8 per row: equal to quantizing the library's own
-    dequantization of the same bytes (exactly, or exactly folded for symmetric formats)."""
+    """Every GGUF block format -> int8 / fp8 with 1 or 2 scales per row: equal to quantizing the
+    library's own dequantization of the same bytes (exactly, or exactly folded for symmetric
+    formats, group by group)."""
     from tests.test_gguf import _gguf_name, _tiny_hf_weights, _tiny_kv, _write_gguf
 
     hf = _tiny_hf_weights(seed=3)
@@ -151,6 +159,11 @@ def test_gguf_block_formats_requantize_like_the_library(tmp_path, monkeypatch, q
     tensors = {_gguf_name(n): (w, T.F32) for n, w in hf.items()}
     name = "model.layers.0.mlp.down_proj.weight"
     w = hf[name]
+    # Rows 0-31: every 32-block of a 128-column group peaks at the same value (so the symmetric
+    # formats give them one block scale) and the two groups' peaks differ by a non-integer ratio:
+    # those rows fold exactly with two groups per row, not with one.
+    w[:32] *= 0.1
+    w[:32, ::32] = np.repeat(np.array([[3.0, 3.0 * 1.37]], np.float32), 4, axis=1)
     tensors[_gguf_name(name)] = (w, qtype)
     kv = _tiny_kv("qwen2")  # qwen2: no Q/K row permutation to undo
     kv["qwen2.feed_forward_length"] = 256
@@ -164,20 +177,22 @@ def test_gguf_block_formats_requantize_like_the_library(tmp_path, monkeypatch, q
     lib = gguf.quants.dequantize(stored, qtype)
     assert ckpt.quantized("model.norm.weight", "int8") is None  # 1-D: read as float
     assert ckpt.quantized("model.layers.0.self_attn.q_proj.weight", "int8") is None  # stored F32
-    for fmt in qlib.FORMATS:
-        data, scale = ckpt.quantized(name, fmt)
-        assert data.dtype == qlib.STORAGE[fmt] and data.shape == w.shape and scale.shape == (64,)
+    for fmt, groups in [(f, g) for f in qlib.FORMATS for g in (1, 2)]:
+        data, scale = ckpt.quantized(name, fmt, groups)
+        assert data.dtype == qlib.STORAGE[fmt] and data.shape == w.shape and scale.shape == (64, groups)
         back = qlib.dequantize(data, scale, axis=1)
+        want_d, want_s = qlib.quantize(lib, fmt, axis=1, groups=groups)
         if fmt == "int8" and qtype in (T.Q8_0, T.Q4_0, T.Q5_0):
-            folded = qlib.fold_block_scales(
-                np.rint(lib.reshape(64, -1, 32) / _block_scales(ckpt, name, 64)[:, :, None]).astype(np.int8),
-                _block_scales(ckpt, name, 64), fmt)[2]
-            np.testing.assert_array_equal(back[folded], lib[folded])  # folded rows: exact
-            want_d, want_s = qlib.quantize(lib, fmt, axis=1)
-            np.testing.assert_array_equal(data[~folded], want_d[~folded])
+            d = _block_scales(ckpt, name, 64)  # f32[64, 8]: four blocks of 32 per group of 128
+            ints = np.rint(lib.reshape(64, -1, 32) / d[:, :, None]).astype(np.int8)
+            folded = qlib.fold_block_scales(ints.reshape(64 * groups, -1, 32), d.reshape(64 * groups, -1),
+                                            fmt)[2].reshape(64, groups)  # bool[row, group]
+            assert folded[:32].all() == (groups == 2) and not folded[32:].any()
+            cols = np.repeat(folded, 256 // groups, axis=1)
+            np.testing.assert_array_equal(back[cols], lib[cols])  # folded groups: exact
+            np.testing.assert_array_equal(data[~cols], want_d[~cols])
             np.testing.assert_array_equal(scale[~folded], want_s[~folded])
         else:
-            want_d, want_s = qlib.quantize(lib, fmt, axis=1)
             np.testing.assert_array_equal(scale, want_s)
             np.testing.assert_array_equal(data.astype(np.float32), want_d.astype(np.float32))
 
@@ -239,7 +254,7 @@ def test_gguf_loads_quantized(tmp_path, monkeypatch):
             np.testing.assert_array_equal(np.asarray(q), np.asarray(f))
             continue
         back = np.asarray(quantization.dequantize(q, s.quant_axis))
-        step = np.expand_dims(np.asarray(q.scale), s.quant_axis)
+        step = qlib.dequantize(np.ones(q.data.shape, np.int8), np.asarray(q.scale), s.quant_axis)
         assert np.all(np.abs(back - np.asarray(f)) <= 0.5 * step + 1e-6)
 
 
@@ -248,16 +263,32 @@ def _load_params(path, fmt):
     return load_from_source(str(path), kind, handle, quantization=fmt).params
 
 
-def test_specs_declare_data_and_scale():
+@pytest.fixture
+def small_groups(monkeypatch):
+    """int8 scales per 16 input channels (the tiny models' K of 64-128 are below the real 128):
+    G = 4 for K = 64, 8 for K = 128, divisible by 4 shards of a contraction axis."""
+    monkeypatch.setitem(qlib.GROUP_SIZE, "int8", 16)
+    monkeypatch.setattr(qlib, "MIN_GROUP", 16)
+
+
+def test_specs_declare_data_and_scale(monkeypatch):
     cfg = ModelConfig.from_hf(hf_config_dict("mixtral"))
     specs = llama.param_specs(cfg, quantization="int8")
     q = specs.layers[0].attn.kv
     assert isinstance(q, QArray) and q.data.dtype == jnp.int8 and q.data.shape == (64, 2, 32)
-    assert q.scale.shape == (2, 32) and q.scale.logical_axes == (None, "kv_heads")
+    assert q.scale.shape == (1, 2, 32) and q.scale.logical_axes == (None, None, "kv_heads")
     e = specs.embed
-    assert e.scale.shape == (cfg.vocab_size,) and e.scale.logical_axes == ("vocab",)
+    assert e.scale.shape == (cfg.vocab_size, 1) and e.scale.logical_axes == ("vocab", None)
     gu = specs.layers[0].mlp.gate_up
-    assert gu.scale.shape == (8, 2, 64) and gu.scale.logical_axes == ("experts", None, "expert_mlp")
+    assert gu.scale.shape == (8, 1, 2, 64) and gu.scale.logical_axes == ("experts", None, None, "expert_mlp")
+    monkeypatch.setitem(qlib.GROUP_SIZE, "int8", 32)  # groups of 32 of the tiny K = 64
+    grouped = llama.param_specs(cfg, quantization="int8")
+    assert grouped.layers[0].attn.kv.scale.shape == (2, 2, 32)
+    assert grouped.layers[0].attn.o.scale.logical_axes == ("q_heads", "embed")  # split like o's rows
+    assert grouped.embed.scale.shape == (cfg.vocab_size, 2)
+    assert grouped.embed.scale.logical_axes == ("vocab", "embed")
+    assert grouped.layers[0].mlp.gate_up.scale.shape == (8, 1, 2, 64)  # experts: per channel
+    assert llama.param_specs(cfg, quantization="fp8").layers[0].attn.kv.scale.shape == (1, 2, 32)
     assert not isinstance(specs.layers[0].mlp.router, QArray)  # the router stays float
     assert not isinstance(specs.final_norm, QArray)
     assert quantization.quantization_of(specs) == "int8"
@@ -303,13 +334,20 @@ def _run(params, cfg, linear_backend="xla") -> list[np.ndarray]:
 @pytest.mark.parametrize("family", ["smollm2", "mixtral", "deepseek_v3"] + [
     pytest.param(f, marks=pytest.mark.slow)
     for f in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "deepseek_v2")])
-def test_quantized_logits_within_bound_of_float(family):
+@pytest.mark.parametrize("groups", ["default", "small"])
+def test_quantized_logits_within_bound_of_float(family, groups, request):
     """Quantized math == the float model on the dequantized weights (1e-4: scales applied after
-    the dot change only the rounding), and within `BOUND` (`FAMILY_BOUND`) of the float model."""
+    the dot change only the rounding), and within `BOUND` (`FAMILY_BOUND`) of the float model;
+    with the tiny models' default (one group) and with int8 groups of 16."""
+    if groups == "small":
+        request.getfixturevalue("small_groups")
     cfg, ref = _family_params(family, None, mult=1.0)
     want = _run(ref, cfg)
     for fmt in qlib.FORMATS:
         _, params = _family_params(family, fmt, mult=1.0)
+        k = params.layers[0].attn.o.data.shape[0]
+        want_groups = k // 16 if groups == "small" and fmt == "int8" else 1
+        assert params.layers[0].attn.o.scale.shape[0] == want_groups
         got = _run(params, cfg)
         errs = [rel_err(g, w) for g, w in zip(got, want)]
         assert 0 < max(errs) <= FAMILY_BOUND.get(family, BOUND)[fmt], (family, fmt, errs)
@@ -350,20 +388,27 @@ def test_deepseek_hf_tensors_quantize_at_load_and_fp8_latent_cache_is_refused():
 
 @pytest.mark.skipif(not cpu_linear.available(), reason="the CPU linear kernel does not build here")
 @pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow), "smollm2"])
-def test_cpu_kernel_on_int8_matches_xla(family):  # untied head; tied (transposed) head
+@pytest.mark.parametrize("groups", ["default", "small"])
+def test_cpu_kernel_on_int8_matches_xla(family, groups, request):  # untied head; tied (transposed) head
+    if groups == "small":
+        request.getfixturevalue("small_groups")
     cfg, params = _family_params(family, "int8")
     for w, g in zip(_run(params, cfg, "xla"), _run(params, cfg, "cpu")):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.abs(w).max())
 
 
 def test_dense_uses_the_kernel_for_int8_only_on_few_float32_rows():
-    q = QArray(jnp.ones((64, 2, 48), jnp.int8), jnp.ones((2, 48), jnp.float32))
+    q = QArray(jnp.ones((64, 2, 48), jnp.int8), jnp.ones((1, 2, 48), jnp.float32))
     for t, dtype, want in [(1, jnp.float32, True), (8, jnp.float32, True), (9, jnp.float32, False),
                            (4, jnp.bfloat16, False)]:
         x = jnp.ones((t, 64), dtype)
         text = jax.jit(lambda x, w: layers.dense(x, w, backend="cpu")).lower(x, q).as_text()
         assert (cpu_linear.KERNEL.target in text) == (want and cpu_linear.available()), (t, dtype)
-    fp8 = QArray(jnp.ones((64, 2, 48), jnp.float8_e4m3fn), jnp.ones((2, 48), jnp.float32))
+    for groups, want in [(2, True), (4, True), (8, False)]:  # the kernel's groups are 16k channels
+        g = QArray(jnp.ones((64, 2, 48), jnp.int8), jnp.ones((groups, 2, 48), jnp.float32))
+        text = jax.jit(lambda x, w: layers.dense(x, w, backend="cpu")).lower(jnp.ones((1, 64)), g).as_text()
+        assert (cpu_linear.KERNEL.target in text) == (want and cpu_linear.available()), groups
+    fp8 = QArray(jnp.ones((64, 2, 48), jnp.float8_e4m3fn), jnp.ones((1, 2, 48), jnp.float32))
     text = jax.jit(lambda x, w: layers.dense(x, w, backend="cpu")).lower(jnp.ones((1, 64)), fp8).as_text()
     assert cpu_linear.KERNEL.target not in text  # fp8 weights take XLA's dot on the CPU
 
@@ -374,7 +419,7 @@ def test_scales_apply_after_the_dot(fmt):
     pattern XLA:GPU fuses into its GEMM) and every multiply has the output's shape, never the
     weight's: no scaled weight copy is built."""
     x = jnp.ones((16, 512), jnp.bfloat16)
-    q = QArray(jnp.ones((512, 1024), quantization.STORAGE[fmt]), jnp.ones((1024,), jnp.float32))
+    q = QArray(jnp.ones((512, 1024), quantization.STORAGE[fmt]), jnp.ones((1, 1024), jnp.float32))
     text = jax.jit(lambda x, w: layers.dense(x, w)[0]).lower(x, q).as_text()
     assert re.search(r"stablehlo.convert %arg1 : \(tensor<512x1024x\w+>\) -> tensor<512x1024xbf16>", text)
     assert re.search(r"dot_general %\w+, %\w+.*tensor<512x1024xbf16>\) -> tensor<16x1024xf32>", text)
@@ -382,9 +427,38 @@ def test_scales_apply_after_the_dot(fmt):
     assert multiplies and all(shape == "16x1024" for shape in multiplies), multiplies
 
 
+def test_group_scales_of_decode_rows_apply_to_partial_sums():
+    """Grouped int8 scales (G = 4 of 128 channels) on decode-sized rows: one product per group
+    (a dot batched over the groups, on the converted weight), the scales applied to its [T, G, N]
+    partial sums: no weight-sized multiply. Prefill-sized rows scale the weight into the dot's
+    operand instead (partial sums would outgrow a weight copy). Both equal the dequantized dot."""
+    rng = np.random.default_rng(0)
+    q = QArray(jnp.asarray(rng.integers(-127, 128, (512, 1024)), jnp.int8),
+               jnp.asarray(rng.uniform(1e-3, 1e-2, (4, 1024)), jnp.float32))
+    weight = quantization.dequantize(q, 0)
+    for t, batched in [(16, True), (256, False)]:
+        x = jnp.asarray(rng.standard_normal((t, 512)), jnp.float32)
+        text = jax.jit(lambda x, w: layers.dense(x, w)[0]).lower(x, q).as_text()
+        multiplies = re.findall(r"stablehlo.multiply .* : tensor<([0-9x]+)x\w+>", text)
+        weight_sized = [m for m in multiplies if np.prod([int(d) for d in m.split("x")]) == 512 * 1024]
+        assert bool(weight_sized) != batched, (t, multiplies)
+        assert bool(re.search(r"dot_general .*batching_dims.*tensor<4x128x1024x", text)) == batched, t
+        np.testing.assert_allclose(layers.dense(x, q)[0], x @ weight, rtol=2e-5, atol=2e-5)
+    qt = QArray(q.data.T, q.scale.T)  # the tied-head layout [N, K], scales [N, G]
+    for t in (3, 256):
+        x = jnp.asarray(rng.standard_normal((t, 512)), jnp.float32)
+        np.testing.assert_allclose(layers.dense_transposed(x, qt), x @ weight, rtol=2e-5, atol=2e-5)
+    rows = layers.embed_rows(qt, jnp.asarray([5, 0, 1023]), jnp.float32)
+    np.testing.assert_array_equal(rows, weight.T[np.array([5, 0, 1023])])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("spec,family", [("tensor=4", "llama"), ("expert=2,tensor=2", "mixtral")])
-def test_sharded_quantized_equals_single_device(spec, family):
+@pytest.mark.parametrize("spec,family,groups", [("tensor=4", "llama", "default"), ("tensor=4", "llama", "small"),
+                                                ("expert=2,tensor=2", "mixtral", "small")])
+def test_sharded_quantized_equals_single_device(spec, family, groups, request):
+    """Also with int8 groups split over the shards of o_proj's and down_proj's input channels."""
+    if groups == "small":
+        request.getfixturevalue("small_groups")
     from jaxinfer.step import StepInputs
     from tests.test_parallel import _steps, mesh_of
 
@@ -399,7 +473,10 @@ def test_sharded_quantized_equals_single_device(spec, family):
     sharded = jax.device_put(params, params_lib.shardings(qspecs, mesh, rules))
     kv = sharded.layers[0].attn.kv
     assert kv.data.sharding.spec == jax.sharding.PartitionSpec(None, None, shd.dense_axes(cfg, par))
-    assert kv.scale.sharding.spec == jax.sharding.PartitionSpec(None, shd.dense_axes(cfg, par))
+    assert kv.scale.sharding.spec == jax.sharding.PartitionSpec(None, None, shd.dense_axes(cfg, par))
+    o = sharded.layers[0].attn.o.scale
+    assert o.shape[0] == (4 if groups == "small" else 1)
+    assert o.sharding.spec == jax.sharding.PartitionSpec(shd.dense_axes(cfg, par) if groups == "small" else None, None)
     gshape = (16, 4, 2 * cfg.num_kv_heads, cfg.head_dim)
     caches = tuple(jax.device_put(jnp.zeros(gshape), jax.sharding.NamedSharding(mesh, llama.kv_cache_spec(cfg, par)))
                    for _ in range(cfg.num_layers))
@@ -428,6 +505,20 @@ def test_orbax_round_trip_and_float_checkpoint_quantized_at_load(tmp_path):
     np.testing.assert_array_equal(np.asarray(dev.scale), host_s)
     assert np.asarray(dev.data).view(np.uint8).tobytes() == host_d.view(np.uint8).tobytes()
     assert dev.data.dtype == ml_dtypes.float8_e4m3fn
+
+
+def test_orbax_round_trip_of_grouped_int8(tmp_path, small_groups):
+    cfg, floats = _family_params("smollm2", None)
+    params = quantization.quantize_params(floats, llama.param_specs(cfg), "int8")
+    assert params.layers[0].mlp.down.scale.shape == (8, 64)
+    save_params(tmp_path / "g", params)
+    back = restore_params(tmp_path / "g", params_lib.abstract(llama.param_specs(cfg, quantization="int8"),
+                                                              shd.make_mesh(None)))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    host_d, host_s = qlib.quantize(np.asarray(floats.layers[1].mlp.down), "int8", 0, groups=8)
+    np.testing.assert_array_equal(np.asarray(params.layers[1].mlp.down.scale), host_s)
+    np.testing.assert_allclose(np.asarray(params.layers[1].mlp.down.data, np.int32), host_d, rtol=0, atol=1)
 
 
 @pytest.mark.slow
@@ -484,3 +575,15 @@ def test_serve_flags_reach_the_core_and_dummy_weights_quantize(tmp_path):
     assert np.all(np.asarray(down.scale) > 0)
     with pytest.raises(SystemExit):
         serve.build_parser().parse_args(["--quantization", "int3"])
+
+
+def test_scale_groups_that_do_not_split_over_the_mesh_are_named(monkeypatch):
+    from tests.test_parallel import mesh_of
+
+    cfg = ModelConfig.from_hf({**hf_config_dict("llama"), "num_key_value_heads": 4})
+    mesh = mesh_of("tensor=4", 4)
+    rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
+    quantization.check_group_splits(llama.param_specs(cfg, quantization="int8"), mesh, rules)  # G = 1
+    monkeypatch.setitem(qlib.GROUP_SIZE, "int8", 32)  # o_proj: 2 groups of 32 over 4 shards
+    with pytest.raises(ValueError, match=r"\.attn\.o has 2 scale groups .* mesh axes \('tensor',\) of size 4"):
+        quantization.check_group_splits(llama.param_specs(cfg, quantization="int8"), mesh, rules)

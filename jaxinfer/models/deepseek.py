@@ -209,7 +209,7 @@ def params_from_hf(
     dtype: Any = jnp.float32,
     put: Callable[[np.ndarray, ParamSpec], Any] | None = None,
     quantization: str | None = None,
-    get_quantized: Callable[[str, str], tuple[np.ndarray, np.ndarray] | None] | None = None,
+    get_quantized: Callable[[str, str, int], tuple[np.ndarray, np.ndarray] | None] | None = None,
 ) -> Params:
     """Fills the params tree from HF-named tensors; every mismatch raises naming the tensor.
     `quantization` / `get_quantized`: as in `llama.params_from_hf`."""

@@ -278,14 +278,15 @@ def params_from_hf(
     dtype: Any = jnp.float32,
     put: Callable[[np.ndarray, ParamSpec], Any] | None = None,
     quantization: str | None = None,
-    get_quantized: Callable[[str, str], tuple[np.ndarray, np.ndarray] | None] | None = None,
+    get_quantized: Callable[[str, str, int], tuple[np.ndarray, np.ndarray] | None] | None = None,
 ) -> Params:
     """Fills the params tree from HF-named tensors; every mismatch raises naming the tensor.
 
     `put(host_array, spec)` places each weight (e.g. `jax.device_put` onto its sharding). With
     `quantization` the weights that take it are quantized on the host, one tensor (or fused slot)
-    at a time; `get_quantized(name, fmt)`, when given, returns a tensor the source already holds
-    quantized as (data [out, in], scale f32[out]) in HF layout (None: read it with `get_tensor`).
+    at a time; `get_quantized(name, fmt, groups)`, when given, returns a tensor the source already
+    holds quantized as (data [out, in], scale f32[out, groups]) in HF layout (None: read it with
+    `get_tensor`).
     """
     names = list(names)
     if cfg.model_type == "gemma3_text":
@@ -333,7 +334,7 @@ def fill_params(
     *,
     what: str,
     skip: Callable[[str], bool],
-    get_quantized: Callable[[str, str], tuple[np.ndarray, np.ndarray] | None] | None = None,
+    get_quantized: Callable[[str, str, int], tuple[np.ndarray, np.ndarray] | None] | None = None,
 ) -> Any:
     """The spec tree `specs` filled from the checkpoint tensors `names` through `name_map`.
 
@@ -395,7 +396,7 @@ def fill_params(
                 buf = fused.setdefault(path, QArray(np.empty(spec.data.shape, spec.data.dtype),
                                                     np.empty(spec.scale.shape, spec.scale.dtype)))
                 buf.data[index] = value.data
-                buf.scale[_drop_axis(index, spec.data.quant_axis)] = value.scale
+                buf.scale[index] = value.scale  # NOTE: slots index axes other than the contraction
             else:
                 buf = fused.setdefault(path, np.empty(spec.shape, spec.dtype))
                 buf[index] = value
@@ -420,28 +421,25 @@ def _full_index(index: tuple, ndim: int) -> tuple:
     return tuple(index[:at]) + fill + tuple(index[at + 1:])
 
 
-def _drop_axis(index: tuple, axis: int) -> tuple:
-    return tuple(x for i, x in enumerate(index) if i != axis)
-
-
 def _quantized_part(name: str, spec: QArray, index: tuple | None, transform: Callable,
                     read: Callable[[], np.ndarray],
-                    get_quantized: Callable[[str, str], Any] | None) -> QArray:
+                    get_quantized: Callable[[str, str, int], Any] | None) -> QArray:
     """One HF tensor as the quantized piece `index` (None: all) of the leaf `spec` (host arrays)."""
     fmt = quantization_of(spec)
     axis = spec.data.quant_axis
+    groups = spec.scale.shape[axis]
     shape = spec.data.shape
     if index is not None:
         shape = np.broadcast_to(np.empty((), np.int8), shape)[index].shape
         axis -= sum(isinstance(x, int) for x in index[:axis])  # integer entries drop their axes
-    # A source's own quantized rows ([out, in], scaled per out row) fit a 2-D piece contracted
-    # over HF's `in`: axis 0 after the transpose of a linear weight, axis 1 of an embedding.
+    # A source's own quantized rows ([out, in], scales [out, G] along `in`) fit a 2-D piece
+    # contracted over HF's `in`: axis 0 after the transpose of a linear weight, axis 1 of an
+    # embedding.
     native = None
     if get_quantized is not None and len(shape) == 2 and (transform, axis) in ((_transpose, 0), (_ident, 1)):
-        native = get_quantized(name, fmt)
+        native = get_quantized(name, fmt, groups)
     if native is not None:
-        data, scale = native
-        data = transform(data)
+        data, scale = map(transform, native)
     else:
         raw = read()
         try:
@@ -450,7 +448,7 @@ def _quantized_part(name: str, spec: QArray, index: tuple | None, transform: Cal
             raise ValueError(f"tensor {name!r} has shape {raw.shape}, which does not fit {shape}") from None
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {shape}")
-        data, scale = qlib.quantize(value, fmt, axis)
+        data, scale = qlib.quantize(value, fmt, axis, groups)
     if tuple(data.shape) != tuple(shape):
         raise ValueError(f"tensor {name!r} has shape {tuple(data.shape)}, expected {shape}")
     return QArray(data=np.asarray(data, spec.data.dtype), scale=np.asarray(scale, np.float32))
