@@ -177,28 +177,44 @@ inline float Dot(const float* a, const T* b, int64_t k_len, __mmask16 tail) {
   return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
 }
 
-// sum over groups grp of s[grp] * (a[grp*g : (grp+1)*g] . b[same]), g a multiple of 16: each group's
+// a[0:16V] . b[0:16V] as 16 lane sums, one multiply-add chain (V = 0: `vecs` vectors, known at
+// run time only). The groups of a row are independent chains, so they overlap.
+template <int V>
+inline __m512 GroupSum(const float* a, const int8_t* b, int64_t vecs) {
+  const int64_t v_len = V ? V : vecs;
+  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(a), Load16(b, 0xffff));
+  for (int64_t v = 1; v < v_len; ++v)
+    sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + 16 * v), Load16(b + 16 * v, 0xffff), sum);
+  return sum;
+}
+
+// sum over groups grp of s[grp] * (a[grp*g : (grp+1)*g] . b[same]), g = 16 * vecs: each group's
 // products summed in registers, then multiply-added with its broadcast scale into one of two
 // running totals (even / odd groups), in a fixed order.
-inline float GroupDot(const float* a, const int8_t* b, const float* s, int64_t groups, int64_t g) {
+template <int V>
+inline float GroupDot(const float* a, const int8_t* b, const float* s, int64_t groups, int64_t vecs) {
+  const int64_t g = 16 * (V ? V : vecs);
   __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-  for (int64_t grp = 0; grp < groups; ++grp) {
-    const int64_t k1 = (grp + 1) * g;
-    int64_t k = grp * g;
-    __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(a + k), Load16(b + k, 0xffff));
-    __m512 s1 = _mm512_setzero_ps();
-    for (k += 16; k + 32 <= k1; k += 32) {
-      s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), Load16(b + k, 0xffff), s1);
-      s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k + 16), Load16(b + k + 16, 0xffff), s0);
-    }
-    if (k < k1) s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), Load16(b + k, 0xffff), s1);
-    const __m512 sum = _mm512_add_ps(s0, s1);
-    if (grp % 2 == 0)
-      even = _mm512_fmadd_ps(sum, _mm512_set1_ps(s[grp]), even);
-    else
-      odd = _mm512_fmadd_ps(sum, _mm512_set1_ps(s[grp]), odd);
+  int64_t grp = 0;
+  for (; grp + 2 <= groups; grp += 2) {
+    even = _mm512_fmadd_ps(GroupSum<V>(a + grp * g, b + grp * g, vecs), _mm512_set1_ps(s[grp]), even);
+    odd = _mm512_fmadd_ps(GroupSum<V>(a + (grp + 1) * g, b + (grp + 1) * g, vecs),
+                          _mm512_set1_ps(s[grp + 1]), odd);
   }
+  if (grp < groups)
+    even = _mm512_fmadd_ps(GroupSum<V>(a + grp * g, b + grp * g, vecs), _mm512_set1_ps(s[grp]), even);
   return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+}
+
+// GroupDot with the group loop unrolled for the common group sizes (16, 32, 64, 128).
+inline float GroupDotAny(const float* a, const int8_t* b, const float* s, int64_t groups, int64_t vecs) {
+  switch (vecs) {
+    case 1: return GroupDot<1>(a, b, s, groups, vecs);
+    case 2: return GroupDot<2>(a, b, s, groups, vecs);
+    case 4: return GroupDot<4>(a, b, s, groups, vecs);
+    case 8: return GroupDot<8>(a, b, s, groups, vecs);
+    default: return GroupDot<0>(a, b, s, groups, vecs);
+  }
 }
 
 // y[t, n0:n1] = x[t, :] . W[n, :] for W row-major [N, K]: float (scale null), or int8 with
@@ -215,7 +231,7 @@ void NkRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const flo
     if constexpr (std::is_same_v<T, int8_t>) {
       if (groups > 1) {
         for (int64_t t = 0; t < t_len; ++t)
-          y[t * n_len + n] = GroupDot(x + t * k_len, r, scale + n * groups, groups, k_len / groups);
+          y[t * n_len + n] = GroupDotAny(x + t * k_len, r, scale + n * groups, groups, k_len / groups / 16);
         continue;
       }
     }
