@@ -371,14 +371,15 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
       const auto sd = s->dimensions();
       groups = sd.size() == 2 ? (transposed ? sd[1] : sd[0]) : 0;
       const bool fits = sd.size() == 2 && (transposed ? sd[0] : sd[1]) == n && groups >= 1 &&
-                        k % groups == 0 && (groups == 1 || (k / groups) % kGroupMultiple == 0);
+                        k % groups == 0 &&
+                        (groups == 1 || (k > 0 && (k / groups) % kGroupMultiple == 0));
       if (!fits) {
         std::string got;
         for (size_t d = 0; d < sd.size(); ++d) got += (d ? ", " : "") + std::to_string(sd[d]);
         return ffi::Error::InvalidArgument(
             "cpu_linear: scales " + std::to_string(i) + " of shape [" + got + "] must be f32 " +
             (transposed ? "[N, G] = [" + std::to_string(n) + ", G]" : "[G, N] = [G, " + std::to_string(n) + "]") +
-            " with G dividing K = " + std::to_string(k) + " and, when G > 1, K / G a multiple of " +
+            " with G dividing K = " + std::to_string(k) + " and, when G > 1, K / G a positive multiple of " +
             std::to_string(kGroupMultiple));
       }
       scale = s->typed_data();

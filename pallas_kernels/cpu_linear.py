@@ -41,7 +41,9 @@ GROUP_MULTIPLE = 16
 
 def groups_fit(k: int, groups: int) -> bool:
     """Whether int8 scales in `groups` groups over K = `k` input rows fit the kernel."""
-    return groups >= 1 and k % groups == 0 and (groups == 1 or (k // groups) % GROUP_MULTIPLE == 0)
+    if groups == 1:
+        return True
+    return groups > 1 and k % groups == 0 and k // groups > 0 and (k // groups) % GROUP_MULTIPLE == 0
 
 
 @functools.partial(jax.jit, static_argnames=("transposed",))
@@ -93,5 +95,5 @@ def _check_scales(i: int, s: jax.Array, k: int, n: int, transposed: bool) -> Non
         raise ValueError(f"scales {i} must be f32{want} with G dividing K={k} "
                          f"(transposed={transposed}), got {s.dtype}{list(s.shape)}")
     if not groups_fit(k, groups):
-        raise ValueError(f"scales {i}: group size K/G = {k}/{groups} = {k // groups} is not a multiple "
+        raise ValueError(f"scales {i}: group size K/G = {k}/{groups} = {k // groups} is not a positive multiple "
                          f"of {GROUP_MULTIPLE} (needed when G > 1); use G = 1 or XLA's dot")

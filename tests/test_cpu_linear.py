@@ -138,7 +138,7 @@ def test_bad_inputs_raise():
         cpu_linear.linear(x, *([w] * 9))
     with pytest.raises(ValueError, match=r"x must be \[T, K\]"):
         cpu_linear.linear(jnp.ones((8,), jnp.float32), w)
-    assert not cpu_linear.groups_fit(64, 3) and not cpu_linear.groups_fit(64, 0)
+    assert not cpu_linear.groups_fit(64, 3) and not cpu_linear.groups_fit(64, 0) and not cpu_linear.groups_fit(0, 2)
 
 
 @pytest.mark.parametrize("k,w_shape,s_shape,transposed,match", [
@@ -147,8 +147,8 @@ def test_bad_inputs_raise():
     (8, (8, 4), (3, 4), False, r"G dividing K=8 .*float32\[3, 4\]"),
     (8, (8, 4), (0, 4), False, r"G dividing K=8"),
     (8, (4, 8), (1, 4), True, r"scales 0 must be f32\[4, G\] .*transposed=True.*float32\[1, 4\]"),
-    (48, (48, 4), (2, 4), False, r"group size K/G = 48/2 = 24 is not a multiple of 16"),
-    (48, (4, 48), (4, 6), True, r"group size K/G = 48/6 = 8 is not a multiple of 16"),
+    (48, (48, 4), (2, 4), False, r"group size K/G = 48/2 = 24 is not a positive multiple of 16"),
+    (48, (4, 48), (4, 6), True, r"group size K/G = 48/6 = 8 is not a positive multiple of 16"),
 ])
 def test_bad_scales_raise(k, w_shape, s_shape, transposed, match):
     x = jnp.ones((2, k), jnp.float32)
