@@ -14,10 +14,18 @@
 //   end, so the result does not depend on which thread ran which part.
 // - [N_i, K] ("nk", a tied embedding used as LM head): each output is a dot product over one
 //   contiguous weight row; the N rows are cut into contiguous parts, no reduction.
-// Weights are float32, or int8 with one f32 scale per output channel (`quantization="int8"`):
-// an int8 weight is read as bytes (a quarter of the f32 stream), widened to f32 in registers
-// (16 values per vpmovsxbd + vcvtdq2ps) and multiplied like a float one; the scales multiply the
-// finished outputs (kn: after the partials are summed, nk: each dot product).
+// Weights are float32, or int8 with group-wise f32 scales (`quantization="int8"`): one scale per
+// output channel and group of g = K / G consecutive input channels (G = 1: per output channel).
+// An int8 weight is read as bytes (a quarter of the f32 stream), widened to f32 in registers
+// (16 values per vpmovsxbd + vcvtdq2ps) and multiplied like a float one; the scales enter where a
+// group's sum is finished:
+// - kn, scales [G, N]: parts and 8-row blocks start at multiples of 8 and g is a multiple of 8
+//   (of 16 when G > 1; G = 1: one group), so every block lies inside one group: its 8-row partial
+//   sum is multiply-added into y with the group's scale row, y[t, n] += (x[t, k:k+8] @ W[k:k+8, n])
+//   * s[k / g, n]. Rows past the last full block (G = 1 only) are scaled one by one.
+// - nk, scales [N, G]: G = 1 multiplies each finished dot product; G > 1 sums each group's products
+//   in registers and multiply-adds that vector with the broadcast s[n, grp] into two running totals
+//   (even / odd groups), reduced once per output.
 // All arithmetic in f32. Parts (a few per core, so a helper that joins late still takes its
 // share) are claimed from an atomic counter by the caller and by helpers; the caller returns
 // once every part is done (a helper that starts late finds nothing left and only touches the
@@ -41,7 +49,9 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -58,10 +68,13 @@ constexpr int64_t kLingerNs = 100000;
 constexpr int64_t kParallelMinWork = 1 << 16;
 // A part of a [K, N] weight holds at least this many rows (and a multiple of 8).
 constexpr int64_t kMinRowsPerPart = 64;
+// With G > 1 scale groups the group size K / G must be a multiple of this (cpu_linear.py).
+constexpr int64_t kGroupMultiple = 16;
 
 struct Weight {
   const void* w;       // float or int8, [K, n] or [n, K]
-  const float* scale;  // [n] for int8 weights, else null
+  const float* scale;  // int8 weights: [G, n] (kn) or [n, G] (nk); float weights: null
+  int64_t groups;      // G (1 for float weights); the group size is K / G
   float* y;            // [T, n]
   int64_t n;
   float* partial;      // [parts - 1, T, n] for the kn layout
@@ -83,16 +96,19 @@ inline __m512 Load16(const int8_t* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
 
-// y[t, :] = x[t, k0:k1] @ W[k0:k1, :] (overwrites y), W row-major [K, N] of float or int8.
+// y[t, :] = x[t, k0:k1] @ W[k0:k1, :] (overwrites y), W row-major [K, N] of float, or of int8
+// with scales [G, N] (row k of W in group k / group).
 template <typename T>
-void KnRange(const float* x, int64_t t_len, int64_t k_len, const T* w, int64_t n_len, float* y,
-             int64_t k0, int64_t k1) {
+void KnRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const float* scale,
+             int64_t group, int64_t n_len, float* y, int64_t k0, int64_t k1) {
+  constexpr bool kScaled = std::is_same_v<T, int8_t>;
   std::memset(y, 0, t_len * n_len * sizeof(float));
   const __mmask16 tail = static_cast<__mmask16>((1u << (n_len % 16)) - 1);
   const int64_t n_full = n_len / 16 * 16;
   int64_t k = k0;
   for (; k + 8 <= k1; k += 8) {
     const T* r = w + k * n_len;
+    const float* srow = kScaled ? scale + k / group * n_len : nullptr;  // [N], this block's group
     for (int64_t t = 0; t < t_len; ++t) {
       const float* xt = x + t * k_len + k;
       const __m512 a0 = _mm512_set1_ps(xt[0]), a1 = _mm512_set1_ps(xt[1]);
@@ -100,7 +116,8 @@ void KnRange(const float* x, int64_t t_len, int64_t k_len, const T* w, int64_t n
       const __m512 a4 = _mm512_set1_ps(xt[4]), a5 = _mm512_set1_ps(xt[5]);
       const __m512 a6 = _mm512_set1_ps(xt[6]), a7 = _mm512_set1_ps(xt[7]);
       float* yt = y + t * n_len;
-      // Two independent chains of four products each, then one read-modify-write of y.
+      // Two independent chains of four products each, then one read-modify-write of y (int8:
+      // y + (p + q) * scale in one multiply-add).
       auto body = [&](int64_t n, __mmask16 m) {
         __m512 p = _mm512_mul_ps(a0, Load16(r + n, m));
         __m512 q = _mm512_mul_ps(a4, Load16(r + 4 * n_len + n, m));
@@ -110,7 +127,11 @@ void KnRange(const float* x, int64_t t_len, int64_t k_len, const T* w, int64_t n
         q = _mm512_fmadd_ps(a6, Load16(r + 6 * n_len + n, m), q);
         p = _mm512_fmadd_ps(a3, Load16(r + 3 * n_len + n, m), p);
         q = _mm512_fmadd_ps(a7, Load16(r + 7 * n_len + n, m), q);
-        _mm512_mask_storeu_ps(yt + n, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, yt + n), _mm512_add_ps(p, q)));
+        const __m512 old = _mm512_maskz_loadu_ps(m, yt + n);
+        if constexpr (kScaled)
+          _mm512_mask_storeu_ps(yt + n, m, _mm512_fmadd_ps(_mm512_add_ps(p, q), _mm512_maskz_loadu_ps(m, srow + n), old));
+        else
+          _mm512_mask_storeu_ps(yt + n, m, _mm512_add_ps(old, _mm512_add_ps(p, q)));
       };
       // Rows k..k+7 are one contiguous block of 8 * N weights, read here as 8 interleaved row
       // streams, too short for the hardware prefetcher when N is small: the next block is
@@ -132,9 +153,13 @@ void KnRange(const float* x, int64_t t_len, int64_t k_len, const T* w, int64_t n
   }
   for (; k < k1; ++k) {
     const T* r = w + k * n_len;
+    const float* srow = kScaled ? scale + k / group * n_len : nullptr;
     for (int64_t t = 0; t < t_len; ++t) {
       const float a = x[t * k_len + k];
-      for (int64_t n = 0; n < n_len; ++n) y[t * n_len + n] += a * static_cast<float>(r[n]);
+      for (int64_t n = 0; n < n_len; ++n) {
+        const float v = a * static_cast<float>(r[n]);
+        y[t * n_len + n] += kScaled ? v * srow[n] : v;
+      }
     }
   }
 }
@@ -152,16 +177,64 @@ inline float Dot(const float* a, const T* b, int64_t k_len, __mmask16 tail) {
   return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
 }
 
-// y[t, n0:n1] = x[t, :] . W[n, :] (times scale[n] when given) for W row-major [N, K].
+// a[0:16V] . b[0:16V] as 16 lane sums, one multiply-add chain (V = 0: `vecs` vectors, known at
+// run time only). The groups of a row are independent chains, so they overlap.
+template <int V>
+inline __m512 GroupSum(const float* a, const int8_t* b, int64_t vecs) {
+  const int64_t v_len = V ? V : vecs;
+  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(a), Load16(b, 0xffff));
+  for (int64_t v = 1; v < v_len; ++v)
+    sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + 16 * v), Load16(b + 16 * v, 0xffff), sum);
+  return sum;
+}
+
+// sum over groups grp of s[grp] * (a[grp*g : (grp+1)*g] . b[same]), g = 16 * vecs: each group's
+// products summed in registers, then multiply-added with its broadcast scale into one of two
+// running totals (even / odd groups), in a fixed order.
+template <int V>
+inline float GroupDot(const float* a, const int8_t* b, const float* s, int64_t groups, int64_t vecs) {
+  const int64_t g = 16 * (V ? V : vecs);
+  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+  int64_t grp = 0;
+  for (; grp + 2 <= groups; grp += 2) {
+    even = _mm512_fmadd_ps(GroupSum<V>(a + grp * g, b + grp * g, vecs), _mm512_set1_ps(s[grp]), even);
+    odd = _mm512_fmadd_ps(GroupSum<V>(a + (grp + 1) * g, b + (grp + 1) * g, vecs),
+                          _mm512_set1_ps(s[grp + 1]), odd);
+  }
+  if (grp < groups)
+    even = _mm512_fmadd_ps(GroupSum<V>(a + grp * g, b + grp * g, vecs), _mm512_set1_ps(s[grp]), even);
+  return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+}
+
+// GroupDot with the group loop unrolled for the common group sizes (16, 32, 64, 128).
+inline float GroupDotAny(const float* a, const int8_t* b, const float* s, int64_t groups, int64_t vecs) {
+  switch (vecs) {
+    case 1: return GroupDot<1>(a, b, s, groups, vecs);
+    case 2: return GroupDot<2>(a, b, s, groups, vecs);
+    case 4: return GroupDot<4>(a, b, s, groups, vecs);
+    case 8: return GroupDot<8>(a, b, s, groups, vecs);
+    default: return GroupDot<0>(a, b, s, groups, vecs);
+  }
+}
+
+// y[t, n0:n1] = x[t, :] . W[n, :] for W row-major [N, K]: float (scale null), or int8 with
+// scales [N, G] (G > 1: K / G a multiple of 16).
 template <typename T>
 void NkRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const float* scale,
-             int64_t n_len, float* y, int64_t n0, int64_t n1) {
+             int64_t groups, int64_t n_len, float* y, int64_t n0, int64_t n1) {
   const __mmask16 tail = static_cast<__mmask16>((1u << (k_len % 16)) - 1);
   for (int64_t n = n0; n < n1; ++n) {
     const T* r = w + n * k_len;
     const char* ahead = reinterpret_cast<const char*>(r + 4 * k_len);  // 4 rows ahead, into L2
     for (int64_t b = 0; b < k_len * static_cast<int64_t>(sizeof(T)); b += 64)
       _mm_prefetch(ahead + b, _MM_HINT_T1);
+    if constexpr (std::is_same_v<T, int8_t>) {
+      if (groups > 1) {
+        for (int64_t t = 0; t < t_len; ++t)
+          y[t * n_len + n] = GroupDotAny(x + t * k_len, r, scale + n * groups, groups, k_len / groups / 16);
+        continue;
+      }
+    }
     const float s = scale ? scale[n] : 1.0f;
     for (int64_t t = 0; t < t_len; ++t) y[t * n_len + n] = s * Dot(x + t * k_len, r, k_len, tail);
   }
@@ -175,17 +248,19 @@ void RunPart(const Problem& pb, int p) {
       const int64_t chunk = (wt.n + pb.parts - 1) / pb.parts;
       const int64_t n0 = std::min(wt.n, p * chunk), n1 = std::min(wt.n, n0 + chunk);
       if (pb.int8)
-        NkRange(pb.x, pb.t_len, pb.k_len, static_cast<const int8_t*>(wt.w), wt.scale, wt.n, wt.y, n0, n1);
+        NkRange(pb.x, pb.t_len, pb.k_len, static_cast<const int8_t*>(wt.w), wt.scale, wt.groups, wt.n,
+                wt.y, n0, n1);
       else
-        NkRange(pb.x, pb.t_len, pb.k_len, static_cast<const float*>(wt.w), nullptr, wt.n, wt.y, n0, n1);
+        NkRange(pb.x, pb.t_len, pb.k_len, static_cast<const float*>(wt.w), nullptr, 1, wt.n, wt.y, n0, n1);
     } else {
       const int64_t chunk = (pb.k_len + 8 * pb.parts - 1) / (8 * pb.parts) * 8;
       const int64_t k0 = std::min(pb.k_len, p * chunk), k1 = std::min(pb.k_len, k0 + chunk);
       float* y = p == 0 ? wt.y : wt.partial + (p - 1) * pb.t_len * wt.n;
       if (pb.int8)
-        KnRange(pb.x, pb.t_len, pb.k_len, static_cast<const int8_t*>(wt.w), wt.n, y, k0, k1);
+        KnRange(pb.x, pb.t_len, pb.k_len, static_cast<const int8_t*>(wt.w), wt.scale,
+                pb.k_len / wt.groups, wt.n, y, k0, k1);
       else
-        KnRange(pb.x, pb.t_len, pb.k_len, static_cast<const float*>(wt.w), wt.n, y, k0, k1);
+        KnRange(pb.x, pb.t_len, pb.k_len, static_cast<const float*>(wt.w), nullptr, 1, wt.n, y, k0, k1);
     }
   }
 }
@@ -258,7 +333,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
                   ffi::RemainingRets outs, bool transposed, bool int8) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("cpu_linear: x must be 2-D [T, K]");
-  // args: the weights, then (int8) one scale vector per weight.
+  // args: the weights, then (int8) one scale array per weight.
   const int64_t nargs = static_cast<int64_t>(args.size());
   const int64_t nw = int8 ? nargs / 2 : nargs;
   if (nw < 1 || nw > kMaxWeights || static_cast<int64_t>(outs.size()) != nw || (int8 && nargs != 2 * nw))
@@ -288,13 +363,28 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
     if (k != pb.k_len || yd.size() != 2 || yd[0] != pb.t_len || yd[1] != n)
       return ffi::Error::InvalidArgument("cpu_linear: weight / output shapes do not match x");
     const float* scale = nullptr;
+    int64_t groups = 1;
     if (int8) {
       auto s = args.get<ffi::Buffer<ffi::F32>>(nw + i);
-      if (!s.has_value() || s->element_count() != static_cast<size_t>(n))
-        return ffi::Error::InvalidArgument("cpu_linear: each int8 weight needs f32 scales, one per output");
+      if (!s.has_value())
+        return ffi::Error::InvalidArgument("cpu_linear: scales " + std::to_string(i) + " must be float32");
+      const auto sd = s->dimensions();
+      groups = sd.size() == 2 ? (transposed ? sd[1] : sd[0]) : 0;
+      const bool fits = sd.size() == 2 && (transposed ? sd[0] : sd[1]) == n && groups >= 1 &&
+                        k % groups == 0 &&
+                        (groups == 1 || (k > 0 && (k / groups) % kGroupMultiple == 0));
+      if (!fits) {
+        std::string got;
+        for (size_t d = 0; d < sd.size(); ++d) got += (d ? ", " : "") + std::to_string(sd[d]);
+        return ffi::Error::InvalidArgument(
+            "cpu_linear: scales " + std::to_string(i) + " of shape [" + got + "] must be f32 " +
+            (transposed ? "[N, G] = [" + std::to_string(n) + ", G]" : "[G, N] = [G, " + std::to_string(n) + "]") +
+            " with G dividing K = " + std::to_string(k) + " and, when G > 1, K / G a positive multiple of " +
+            std::to_string(kGroupMultiple));
+      }
       scale = s->typed_data();
     }
-    pb.weights[i] = {w->untyped_data(), scale, (*y)->typed_data(), n, nullptr};
+    pb.weights[i] = {w->untyped_data(), scale, groups, (*y)->typed_data(), n, nullptr};
     work += pb.t_len * pb.k_len * n;
     out_floats += pb.t_len * n;
   }
@@ -329,9 +419,6 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
         const float* src = wt.partial + (p - 1) * size;
         for (int64_t j = 0; j < size; ++j) wt.y[j] += src[j];
       }
-      if (wt.scale)
-        for (int64_t t = 0; t < pb.t_len; ++t)
-          for (int64_t j = 0; j < wt.n; ++j) wt.y[t * wt.n + j] *= wt.scale[j];
     }
   return ffi::Error::Success();
 }
