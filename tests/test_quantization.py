@@ -1,14 +1,16 @@
 """Weight-only quantization (`quantization="int8" | "fp8"`).
 
-1. The quantizer: per-output-channel round trips within half a grid step (int8) / fp8's relative
-   precision, numpy and JAX agree bit for bit, all-zero channels, bad formats named; group-wise
-   scales (`quantize_groups`, measured by scripts/simulate_quant.py) beat per-channel ones on
-   outlier rows and keep a GGUF Q8_0 tensor's values.
+1. The quantizer: round trips within half a grid step (int8) / fp8's relative precision, numpy
+   and JAX agree bit for bit, all-zero channels, bad formats named; group-wise scales beat
+   per-channel ones on outlier rows and keep a GGUF Q8_0 tensor's values; `num_groups` picks
+   int8 groups of 128 (gcd with K) and fp8 one group.
 2. GGUF: block formats requantized row chunk by row chunk equal quantizing the `gguf` library's
    own dequantization; Q8_0 / Q4_0 rows whose block scales allow it fold exactly (bit for bit
    the library's values); a tiny GGUF loads quantized through the model loader.
-3. Specs: a quantized leaf is (data, scale) with the scale's logical axes the weight's minus the
-   contraction axis; abstract trees, shardings and random init follow.
+3. Specs: a quantized leaf is (data, scale), the scale's contraction axis cut to G groups (named
+   like the weight's when G > 1, replicated when G = 1; MoE experts G = 1); abstract trees,
+   shardings and random init follow; groups a mesh cannot split are named at load. The tiny
+   models' K is below 128, so `small_groups` sets groups of 16 to run the model tests grouped.
 4. The model: int8 / fp8 logits stay within a bound of the float logits on tiny dense and MoE
    families and DeepSeek (MLA; its HF tensors quantize at load like the device quantizer, and its
    latent cache refuses kv_cache_dtype='fp8' by name); the compiled CPU kernel on int8 weights equals XLA's dot on them; sharded quantized
