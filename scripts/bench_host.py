@@ -15,6 +15,9 @@
    stop strings, which `scripts/serve.py` runs in its front-end process, beside the core).
    Not included: the jitted call's dispatch (a real program's launch, ~0.1 ms) and the core
    process's msgpack encoding of its step message (~0.08 ms at 256 sequences).
+3. Like the engine-core process after its warmup, each case freezes the heap it was built on
+   (`core_client.settle_heap`) before its requests arrive; `--no-freeze` measures without that
+   (what an in-process `LLMEngine` that never freezes pays for the cyclic collector).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 
 from jaxinfer import params as params_lib
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine.core_client import settle_heap
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.loader import LoadedModel, load_model_info
@@ -89,6 +93,8 @@ def make_engine(args, model: LoadedModel, max_num_seqs: int, max_len: int) -> LL
 def run_case(args, model: LoadedModel, seqs: int, prompt_len: int, stops: bool) -> dict:
     max_len = prompt_len + args.steps + 64
     engine = make_engine(args, model, max(seqs, 1), max_len)
+    if not args.no_freeze:  # as the engine-core process does once it is loaded and warmed up
+        settle_heap()
     rng = np.random.default_rng(0)
     stop = ["\n\nUser:", "###", "<|im_end|>"] if stops else None
     sp = SamplingParams(max_tokens=args.steps + 32, temperature=0.8, top_p=0.95, seed=1,
@@ -137,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--no-stop-cases", action="store_true", help="only cases without stop strings")
     p.add_argument("--json", action="store_true", help="also print one JSON line per case")
+    p.add_argument("--no-freeze", action="store_true",
+                   help="leave the loaded heap in the cyclic collector's generations (the engine-core "
+                        "process freezes it after warmup: core_client.settle_heap)")
     args = p.parse_args(argv)
     model = load_model_info(None)
     rows = []

@@ -104,6 +104,17 @@ class _Tracer:
                 logger.exception("could not stop the profiler trace")
 
 
+def settle_heap() -> None:
+    """Moves every object alive now out of the cyclic collector's generations (`gc.freeze`), after
+    one full collection. What loading and compiling left behind (JAX's and the params' Python
+    trees, traced programs: millions of objects) lives as long as the core; left in the oldest
+    generation, each full collection would walk it, and the engine's per-step objects trigger
+    one every few steps (measured: BENCHMARKS.md "Host overhead", ~half the host time of a
+    256-sequence step). Called once the core is loaded and warmed up."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_core_loop(core: EngineCore, recv: Callable[[float | None], list[Message]],
                   send: Callable[[Message], None], options: LoopOptions) -> None:
     """Drives `core` until a "shutdown" message (see the module docstring).
@@ -125,10 +136,7 @@ def run_core_loop(core: EngineCore, recv: Callable[[float | None], list[Message]
         send(["broken", f"warmup failed: {type(e).__name__}: {e}"])
         return
     send(["ready", {**core.info(), "compiled_programs": programs}])
-    # NOTE: what loading and compiling left behind (params' Python trees, traced programs) lives
-    # as long as the core: out of the cyclic collector's way, its full passes stay short.
-    gc.collect()
-    gc.freeze()
+    settle_heap()
     tracer = _Tracer(options.trace_dir, options.trace_steps)
     failures, stalled = 0, False
     try:

@@ -731,47 +731,50 @@ class ModelRunner:
         return group
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> Prepared:
-        with jax.named_scope("patch_rows"):
-            # NOTE: one C-level pass per field (map + attrgetter), not a Python loop per request
-            n = len(scheduled)
-            ids = list(map(_REQUEST_ID, scheduled))
-            joined = list(map(_IS_NEW, scheduled))
-            for i in itertools.compress(range(n), joined):
-                self._join(scheduled[i])
-            rows = list(map(self._rows.get, ids))
-            if None in rows:
-                raise RuntimeError(f"request {ids[rows.index(None)]!r} is scheduled as running but "
-                                   f"has no row (its first schedule was not prepared)")
-            for i in itertools.compress(range(n), map(_NEW_PAGE_IDS, scheduled)):
-                if not joined[i]:
-                    self._extend(rows[i], scheduled[i])
-            starts = list(map(_START_POS, scheduled))
-            token_lists = list(map(_TOKEN_IDS, scheduled))
-            q_lens = list(map(len, token_lists))
-            tokens = list(itertools.chain.from_iterable(token_lists))
-            samples = list(map(_SAMPLE, scheduled))
-            num_spec = list(map(_NUM_SPEC_TOKENS, scheduled))
-            sample_ids = list(itertools.compress(ids, samples))
+        # NOTE: one C-level pass per field (map + attrgetter), not a Python loop per request; the
+        # checks and gathers that only matter with proposals or prompt logprobs are skipped
+        # without them (a decode step has neither)
+        n = len(scheduled)
+        ids = list(map(_REQUEST_ID, scheduled))
+        joined = list(map(_IS_NEW, scheduled))
+        for i in itertools.compress(range(n), joined):
+            self._join(scheduled[i])
+        rows = list(map(self._rows.get, ids))
+        if None in rows:
+            raise RuntimeError(f"request {ids[rows.index(None)]!r} is scheduled as running but "
+                               f"has no row (its first schedule was not prepared)")
+        for i in itertools.compress(range(n), map(_NEW_PAGE_IDS, scheduled)):
+            if not joined[i]:
+                self._extend(rows[i], scheduled[i])
+        starts = list(map(_START_POS, scheduled))
+        token_lists = list(map(_TOKEN_IDS, scheduled))
+        q_lens = list(map(len, token_lists))
+        tokens = list(itertools.chain.from_iterable(token_lists))
+        samples = list(map(_SAMPLE, scheduled))
+        num_spec = list(map(_NUM_SPEC_TOKENS, scheduled))
+        sample_ids = list(itertools.compress(ids, samples))
+        n_spec = sum(num_spec)
         rows_a = np.array(rows, np.int32)
         starts_a = np.array(starts, np.int32)
         q_a = np.array(q_lens, np.int32)
         tokens_a = np.array(tokens, np.int32)
         sample_a = np.array(samples, bool)
-        spec_a = np.array(num_spec, np.int32)
-        spec_width = self.spec_width(int(spec_a.sum()))
+        spec_a = np.array(num_spec, np.int32) if n_spec else np.zeros(n, np.int32)
+        spec_width = self.spec_width(n_spec)
         group = self._groups(scheduled, q_a)
         if spec_width and group is not None:
             raise RuntimeError("speculative tokens scheduled on a mesh with data or pipeline > 1")
-        if ((spec_a > 0) & ~sample_a).any() or (spec_a >= q_a).any():
+        if n_spec and (((spec_a > 0) & ~sample_a).any() or (spec_a >= q_a).any()):
             raise RuntimeError("a speculative chunk must sample and hold its last known token")
         if group is None:
-            order, n_tok = None, int(q_a.sum())
+            order, n_tok = None, len(tokens)
         else:
             order = np.argsort(group, kind="stable")
             n_tok = int(np.bincount(group, weights=q_a).max())
         t_bucket = self.token_bucket(n_tok)
-        p_bucket = self.page_bucket(int(((starts_a + q_a + self.page_size - 1) // self.page_size).max()))
-        all_logits = bool((self._wants_prompt_lps[rows_a] & (starts_a < self._prompt_len[rows_a])).any())
+        p_bucket = self.page_bucket(-(-int((starts_a + q_a).max()) // self.page_size))
+        all_logits = bool(self._wants_prompt_lps.any()) and bool(
+            (self._wants_prompt_lps[rows_a] & (starts_a < self._prompt_len[rows_a])).any())
         if order is not None:  # tokens of the sequences in group order
             src = np.cumsum(q_a) - q_a
             src = np.repeat(src[order], q_a[order]) + _ranks(q_a[order])
@@ -788,8 +791,8 @@ class ModelRunner:
                                                np.array(q_lens, np.int32), np.array(samples, bool))
         # Rows whose pending token this step samples: the next step feeds it from _prev_tokens.
         self._last_sample.fill(-1)
-        self._last_sample[rows_a[sample_a & (spec_a == 0)]] = slot[sample_a & (spec_a == 0)]
-        spec_first = np.cumsum(spec_a) - spec_a  # i32[n] each sequence's first verify row
+        plain = (sample_a & (spec_a == 0)) if n_spec else sample_a
+        self._last_sample[rows_a[plain]] = slot[plain]
         meta_rows = extras.seq_rows
         if spec_width:
             spec_rows = np.full(spec_width, self.max_num_seqs, np.int32)
@@ -798,7 +801,8 @@ class ModelRunner:
 
         version = self._sampling.version
         cache = self._meta_cache
-        if cache is not None and cache[0] == version and np.array_equal(cache[1], meta_rows):
+        if (cache is not None and cache[0] == version and cache[1].shape == meta_rows.shape
+                and (cache[1] == meta_rows).all()):
             meta, fetch_logprobs = cache[2], cache[3]
         else:
             meta = self._sampling.gather(meta_rows)
@@ -807,7 +811,9 @@ class ModelRunner:
 
         logprob_rows, prompt_rows, spec = [], [], []
         s_rows = len(extras.seq_rows)
-        for i in np.flatnonzero(spec_a).tolist():
+        if n_spec:
+            spec_first = np.cumsum(spec_a) - spec_a  # i32[n] each sequence's first verify row
+        for i in (np.flatnonzero(spec_a).tolist() if n_spec else ()):
             s = scheduled[i]
             k = s.num_spec_tokens
             spec.append((s.request.request_id, int(slot[i]), s_rows + int(spec_first[i]),
@@ -856,11 +862,14 @@ class ModelRunner:
         in_group = before - before[first]  # i32[n] tokens of earlier sequences in the group
         slot = group * s_bucket + (np.arange(n) - first)  # i32[n] flat sequence (result) row
         tok_lo = group * t + in_group  # i32[n] flat row of the sequence's first token
-        seq_of = np.repeat(np.arange(n), q_lens)  # i32[T_real] sequence of each token
-        offset = _ranks(q_lens)  # i32[T_real] index of each token within its sequence
-        tok = tok_lo[seq_of] + offset  # i32[T_real] flat token row
-        pos = starts[seq_of] + offset  # i32[T_real] absolute position
-        row_of = rows[seq_of]
+        if len(tokens) == n:  # one token per sequence (a decode step): no ragged expansion
+            seq_of, tok, pos, row_of = np.arange(n), tok_lo, starts, rows
+        else:
+            seq_of = np.repeat(np.arange(n), q_lens)  # i32[T_real] sequence of each token
+            offset = _ranks(q_lens)  # i32[T_real] index of each token within its sequence
+            tok = tok_lo[seq_of] + offset  # i32[T_real] flat token row
+            pos = starts[seq_of] + offset  # i32[T_real] absolute position
+            row_of = rows[seq_of]
         kv_end = starts + q_lens
 
         token_ids = np.zeros(n_groups * t, np.int32)

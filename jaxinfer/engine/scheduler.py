@@ -308,6 +308,7 @@ class Scheduler:
         # no new page, no proposal) is scheduled right here without `_schedule_tokens`.
         one_replica = len(self.allocators) == 1
         caching = [a.enable_prefix_caching for a in self.allocators]
+        steady = not speculate  # a proposal never rides on a steady decode
         i = 0
         while i < len(running):
             req = running[i]
@@ -324,8 +325,7 @@ class Scheduler:
                 i += 1  # its pending token finishes it by length: nothing more to schedule
                 continue
             pages = req.page_ids
-            if (start + 1 == total and start >= num_prompt and total <= len(pages) * page_size
-                    and not speculate):
+            if steady and start + 1 == total and start >= num_prompt and total <= len(pages) * page_size:
                 # a steady decode: its one token is the last output (or the pending one)
                 decodes.append(ScheduledRequest(
                     req, [outputs[-1] if start < known else PENDING_TOKEN], start, (), True, r,
