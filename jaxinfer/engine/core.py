@@ -34,7 +34,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -95,9 +95,12 @@ class CoreRequest:
     priority: int = 0
 
 
-@dataclasses.dataclass
-class TokenOutput:
-    """What one step added to one child request."""
+_new_tuple = tuple.__new__  # `_new_tuple(TokenOutput, (...))`: skips NamedTuple's Python __new__
+
+
+class TokenOutput(NamedTuple):
+    """What one step added to one child request (a tuple: built once per request per step, with
+    `_new_tuple` in the hot loop, and sent as a list)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -121,6 +124,8 @@ def _lp_unwire(w: list | None) -> TokenLogprobs | None:
 
 def to_wire(out: TokenOutput) -> list:
     """A msgpack-able list (the engine-core process sends these, one message per step)."""
+    if out.logprobs is None and out.prompt_logprobs is None:
+        return list(out)
     plp = None if out.prompt_logprobs is None else [
         [p, _lp_wire(lp)] for p, lp in out.prompt_logprobs.items()]
     lps = None if out.logprobs is None else [_lp_wire(lp) for lp in out.logprobs]
@@ -520,26 +525,23 @@ class EngineCore:
         if so is not None and not so.active:
             so = None  # no matcher to advance: keep the hot loop as it was
         generated = 0
-        for upd in updates:  # NOTE: a hot loop (one pass per sampled request per step)
-            req = upd.request
+        for req, new_ids, done in updates:  # NOTE: a hot loop (one pass per sampled request per step)
             rid = req.request_id
             if rid not in live:
                 continue  # finished outside (a stop string) while this step ran
-            generated += len(upd.new_token_ids)
-            done = upd.finished
+            generated += len(new_ids)
             if so is not None and so.has(rid):
                 if done:
                     so.remove(rid)
                 else:
-                    so.advance(rid, list(upd.new_token_ids))
+                    so.advance(rid, list(new_ids))
             lps = None
             if logprobs and rid in logprobs:  # accepted proposals' first, cut where a stop cut
-                lps = (out.draft_logprobs.get(rid, []) + [logprobs[rid]])[:len(upd.new_token_ids)]
-            outputs.append(TokenOutput(
-                rid, upd.new_token_ids, lps,
-                prompt_lps.pop(rid, None) if prompt_lps else None, done,
+                lps = (out.draft_logprobs.get(rid, []) + [logprobs[rid]])[:len(new_ids)]
+            outputs.append(_new_tuple(TokenOutput, (
+                rid, new_ids, lps, prompt_lps.pop(rid, None) if prompt_lps else None, done,
                 req.finish_reason if done else None, req.stop_reason if done else None,
-                len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens))
+                len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens)))
             if done:
                 del live[rid]
         self.num_generated += generated

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Sequence
 
 from jaxinfer.sampling_params import SamplingParams
 
@@ -134,6 +135,12 @@ class Request:
         """Prompt followed by the known outputs (a new list on every call)."""
         return self.prompt_token_ids + self.output_token_ids
 
+    @property
+    def known_tokens(self) -> KnownTokens:
+        """`all_token_ids` read in place: what the prefix cache hashes a page at a time when a
+        request's page fills (no copy of the whole sequence per page)."""
+        return KnownTokens(self)
+
     def token_slice(self, start: int, stop: int) -> list[int]:
         """`all_token_ids[start:stop]` without concatenating the whole sequence; positions of
         pending tokens read `PENDING_TOKEN`."""
@@ -149,3 +156,28 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+
+class KnownTokens(Sequence):
+    """A request's prompt followed by its known outputs, as a read-only sequence over both lists
+    (`Request.known_tokens`): slices read `Request.token_slice`."""
+
+    __slots__ = ("_req",)
+
+    def __init__(self, req: Request) -> None:
+        self._req = req
+
+    def __len__(self) -> int:
+        return len(self._req.prompt_token_ids) + len(self._req.output_token_ids)
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                raise ValueError("KnownTokens slices take step 1")
+            return self._req.token_slice(start, max(start, stop))
+        n, prompt = len(self), self._req.prompt_token_ids
+        if not -n <= i < n:
+            raise IndexError(f"token {i} of {n}")
+        i %= n
+        return prompt[i] if i < len(prompt) else self._req.output_token_ids[i - len(prompt)]

@@ -66,7 +66,7 @@ import collections
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import FINISH_REASONS, PENDING_TOKEN, Request, RequestStatus
@@ -158,11 +158,16 @@ class SpecStats:
         return 1.0 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 0.0
 
 
-@dataclasses.dataclass(slots=True)
-class RequestUpdate:
+class RequestUpdate(NamedTuple):
+    """One request's tokens from one step (a tuple: the hot loops build it with `_new_tuple`,
+    one C call, and unpack it)."""
+
     request: Request
     new_token_ids: list[int]
     finished: bool
+
+
+_new_tuple = tuple.__new__  # `_new_tuple(RequestUpdate, (...))`: skips NamedTuple's Python __new__
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -333,7 +338,7 @@ class Scheduler:
                 req.num_computed_tokens = total
                 req.num_pending_tokens = pending + 1
                 if caching[r] and known >= (len(req.page_hashes) + 1) * page_size:
-                    self.allocators[r].register_full_pages(req.all_token_ids, pages, known,
+                    self.allocators[r].register_full_pages(req.known_tokens, pages, known,
                                                            req.page_hashes)
                 budgets[r] = budget - 1
                 i += 1
@@ -464,7 +469,7 @@ class Scheduler:
             if caching[s.replica] and computed >= (len(req.page_hashes) + 1) * page_size:
                 # a page completed by a pending token
                 self.allocators[s.replica].register_full_pages(
-                    req.all_token_ids, req.page_ids, computed, req.page_hashes)
+                    req.known_tokens, req.page_ids, computed, req.page_hashes)
             try:
                 token = sampled[req.request_id]
             except KeyError:
@@ -481,7 +486,7 @@ class Scheduler:
                     self._finish(req, *reason)
                     updates.append(RequestUpdate(req, [token], True))
                     continue
-            updates.append(RequestUpdate(req, [token], False))
+            updates.append(_new_tuple(RequestUpdate, (req, [token], False)))
         return updates
 
     @staticmethod
@@ -505,7 +510,7 @@ class Scheduler:
         alloc = self.allocators[s.replica]
         if alloc.enable_prefix_caching and computed >= (len(req.page_hashes) + 1) * alloc.page_size:
             # a page completed by a pending token
-            alloc.register_full_pages(req.all_token_ids, req.page_ids, computed, req.page_hashes)
+            alloc.register_full_pages(req.known_tokens, req.page_ids, computed, req.page_hashes)
         if not s.sample:
             return
         try:
@@ -539,7 +544,7 @@ class Scheduler:
         done = req.num_computed_tokens  # verified tokens only reach the prefix cache
         if accepted and not finished and alloc.enable_prefix_caching and done >= (
                 len(req.page_hashes) + 1) * alloc.page_size:
-            alloc.register_full_pages(req.all_token_ids, req.page_ids, done, req.page_hashes)
+            alloc.register_full_pages(req.known_tokens, req.page_ids, done, req.page_hashes)
         updates.append(RequestUpdate(req, new, finished))
 
     def _key(self, req: Request) -> tuple[int, float, int]:
@@ -575,7 +580,7 @@ class Scheduler:
         # written are taken back by `forget_pages`.
         computed = end if end < known else known
         if alloc.enable_prefix_caching and computed >= (len(req.page_hashes) + 1) * alloc.page_size:
-            alloc.register_full_pages(req.all_token_ids, req.page_ids, computed, req.page_hashes)
+            alloc.register_full_pages(req.known_tokens, req.page_ids, computed, req.page_hashes)
 
     def forget_pages(self, scheduled: list[ScheduledRequest]) -> None:
         """A step holding these failed: none of their pages may serve a prefix-cache hit."""
