@@ -285,11 +285,12 @@ def _unpack(buffers: tuple[jax.Array, ...], layout: tuple) -> dict:
 
 def _packed_step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_tokens, buffers,
                  token_bitmask,  # i32[S, ceil(V / 32)], passed apart from the packed buffers
+                 meta: SamplingMetadata,  # on the device, kept there while the rows are unchanged
                  *, layout: tuple, all_logits: bool, **backends):
     inputs = _unpack(buffers, layout)
     extras = inputs["extras"].replace(token_bitmask=token_bitmask)
     return _step(params, cfg, kv_caches, state, prev_tokens, inputs["step"], extras,
-                 inputs["meta"], all_logits=all_logits, **backends)
+                 meta, all_logits=all_logits, **backends)
 
 
 def _packed_sample_step(state: PenaltyState, row_logits: jax.Array, buffers, *, layout: tuple,
@@ -457,6 +458,8 @@ class ModelRunner:
         self._compiled: set[tuple[int, int, bool, int]] = set()
         self._compiled_samplers: set[int] = set()  # sampled rows of each sampler program
         self._padding_metas: dict[int, SamplingMetadata] = {}
+        # id(host meta) -> (that meta, its device copy): see `_meta_on_device`
+        self._device_metas: dict[int, tuple[SamplingMetadata, SamplingMetadata]] = {}
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -687,7 +690,8 @@ class ModelRunner:
         if self.mesh is None:
             # NOTE: numpy buffers go straight to the jitted call, whose C++ path moves them to
             # the device faster than a separate `jax.device_put` (~0.3 ms less per step).
-            buffers, layout = _pack({**inputs, "extras": extras.replace(token_bitmask=None)})
+            buffers, layout = _pack({"step": inputs["step"],
+                                     "extras": extras.replace(token_bitmask=None)})
             rows = len(extras.seq_rows)
             if bitmask is None:
                 bitmask = self._all_allowed.get(rows)
@@ -696,12 +700,28 @@ class ModelRunner:
                         np.full((rows, self.bitmask_width), -1, np.int32), self._device)
             else:  # committed like the cached one: the same program either way
                 bitmask = jax.device_put(bitmask, self._device)
-            return (*head, buffers, bitmask), {"layout": layout, "all_logits": all_logits}
+            return (*head, buffers, bitmask, self._meta_on_device(inputs["meta"])), {
+                "layout": layout, "all_logits": all_logits}
         if bitmask is None:
             inputs = {**inputs, "extras": extras.replace(token_bitmask=np.full(
                 (len(extras.seq_rows), self.bitmask_width), -1, np.int32))}
         dev = self._put(inputs)
         return (*head, dev["step"], dev["extras"], dev["meta"]), {"all_logits": all_logits}
+
+    def _meta_on_device(self, meta: SamplingMetadata) -> SamplingMetadata:
+        """`meta` moved to the device once: `_prepare` returns the same host object while the
+        sampled rows and their parameters are unchanged (`_meta_cache`), so a steady decode
+        sends no sampling parameters at all. A few recent ones are kept (the padding rows' meta
+        of split steps alternates with the real one)."""
+        key = id(meta)
+        hit = self._device_metas.get(key)
+        if hit is not None and hit[0] is meta:
+            return hit[1]
+        dev = jax.device_put(meta, self._device)
+        if len(self._device_metas) >= 4:
+            self._device_metas.pop(next(iter(self._device_metas)))
+        self._device_metas[key] = (meta, dev)
+        return dev
 
     def _call(self, inputs: dict, all_logits: bool) -> tuple[Any, Any, Any]:
         """Runs the step program on host `inputs` (device results: sampler output, prompt
