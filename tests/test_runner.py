@@ -151,11 +151,17 @@ def test_fetches_logprobs_only_when_asked_and_reuses_unchanged_metadata(small) -
         return fetched
 
     runner.run = run
+    on_device = []
+    to_device = runner._meta_on_device
+    runner._meta_on_device = lambda meta: on_device.append(to_device(meta)) or on_device[-1]
     drive(runner, [(0, req("plain", [5, 6, 7], 5)), (2, req("plain2", [8, 9], 5))], record)
     assert all(out is None and prompt is None for _, out, prompt in results)  # ids only
-    # The sampling metadata is gathered again only when a row joins or leaves.
+    # The sampling metadata is gathered again only when a row joins or leaves, and only then
+    # moved to the device: the steps between reuse the device copy.
     fresh = [i == 0 or m is not metas[i - 1][1] for i, (_, m, _) in enumerate(metas)]
     assert fresh == [True, False, True, False, False, True, False], fresh  # joins at 2, leaves at 5
+    moved = [i == 0 or d is not on_device[i - 1] for i, d in enumerate(on_device)]
+    assert moved == fresh and isinstance(on_device[0].temperature, jax.Array)
     results.clear()
     drive(runner, [(0, req("lp", [5, 6, 7], 3, logprobs=2)), (0, req("plain", [8, 9], 3))])
     assert all(out is not None and out.topk_ids.shape[1] >= 2 for _, out, _ in results)

@@ -485,3 +485,19 @@ def test_host_modules_import_no_jax() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_known_tokens_read_prompt_and_outputs_in_place():
+    """`Request.known_tokens` (what the prefix cache hashes a page at a time): the prompt then the
+    known outputs, sliced like a list, pending tokens excluded, nothing concatenated."""
+    req = Request("k", [1, 2, 3], SamplingParams())
+    req.output_token_ids = [4, 5]
+    req.num_pending_tokens = 1
+    known = req.known_tokens
+    assert len(known) == 5 and list(known) == req.all_token_ids == [1, 2, 3, 4, 5]
+    assert [known[0:2], known[2:4], known[3:5], known[4:9], known[5:5]] == [[1, 2], [3, 4], [4, 5], [5], []]
+    assert (known[0], known[3], known[-1]) == (1, 4, 5)
+    with pytest.raises(IndexError):
+        known[5]
+    req.output_token_ids.append(6)  # a view: it follows the request
+    assert len(known) == 6 and known[4:6] == [5, 6]

@@ -104,15 +104,25 @@ class _Tracer:
                 logger.exception("could not stop the profiler trace")
 
 
+# Net new container objects that start a young-generation collection in the core (CPython's
+# default is 700): a step holds a few per scheduled sequence (its schedule entry, update and
+# output, their token lists) until the step ends, so with the default a 256-sequence step starts
+# collections that walk every one of them; with this many, a step's objects are freed by
+# reference counting before a collection starts (BENCHMARKS.md "Host overhead", third pass).
+GC_YOUNG_THRESHOLD = 50_000
+
+
 def settle_heap() -> None:
-    """Moves every object alive now out of the cyclic collector's generations (`gc.freeze`), after
-    one full collection. What loading and compiling left behind (JAX's and the params' Python
-    trees, traced programs: millions of objects) lives as long as the core; left in the oldest
-    generation, each full collection would walk it, and the engine's per-step objects trigger
-    one every few steps (measured: BENCHMARKS.md "Host overhead", ~half the host time of a
-    256-sequence step). Called once the core is loaded and warmed up."""
+    """Prepares the collector for serving: one full collection, then every object alive now is
+    moved out of the cyclic collector's generations (`gc.freeze`): what loading and compiling
+    left behind (JAX's and the params' Python trees, traced programs) lives as long as the core,
+    and every full collection would walk it again. The young generation's threshold becomes
+    `GC_YOUNG_THRESHOLD`. Called once the core is loaded and warmed up (and by
+    `scripts/bench_host.py`, which measures the core as served)."""
     gc.collect()
     gc.freeze()
+    young, middle, old = gc.get_threshold()
+    gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), middle, old)
 
 
 def run_core_loop(core: EngineCore, recv: Callable[[float | None], list[Message]],

@@ -83,6 +83,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Set by `Scheduler.add_request` for its hot loops: the output count at which the request
+    # finishes by length, and every token id that may stop it (EOS unless ignored, stop ids).
+    length_limit: int = 0
+    stop_token_set: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -262,6 +262,10 @@ class Scheduler:
                 f"request {rid!r}: prompt length {req.num_prompt_tokens} + max_tokens "
                 f"{req.sampling.max_tokens} = {total} exceeds max_model_len {self.max_model_len}"
             )
+        sp = req.sampling
+        req.length_limit = min(sp.max_tokens, self.max_model_len - req.num_prompt_tokens)
+        req.stop_token_set = frozenset(sp.stop_token_ids or ()) | (
+            frozenset() if sp.ignore_eos else frozenset(req.eos_token_ids))
         # The last sampled token is never computed, so at most total - 1 tokens hold K/V.
         pages = _cdiv(total - 1, self.allocator.page_size)
         if pages > self.allocator.num_usable_pages:
@@ -303,7 +307,7 @@ class Scheduler:
         chunks: list[ScheduledRequest] = []
         preempted: list[str] = []
         stopped: set[int] = set()
-        page_size, max_chunk, max_len = self.allocator.page_size, self._max_chunk, self.max_model_len
+        page_size, max_chunk = self.allocator.page_size, self._max_chunk
         running, replica_of = self._running, self._replica
         speculate = self.speculating()
         reserved: list[tuple[ScheduledRequest, int]] = []  # (decode, room for proposals)
@@ -326,7 +330,7 @@ class Scheduler:
             num_prompt, num_out = len(req.prompt_token_ids), len(outputs)
             known = num_prompt + num_out
             total = known + pending
-            if pending and (num_out + pending >= req.sampling.max_tokens or total >= max_len):
+            if pending and num_out + pending >= req.length_limit:
                 i += 1  # its pending token finishes it by length: nothing more to schedule
                 continue
             pages = req.page_ids
@@ -450,7 +454,7 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestUpdate]:
         """Apply one step's runner output. Requests aborted/finished since `schedule` are skipped."""
         updates: list[RequestUpdate] = []
-        sampled, running, max_len = out.sampled_token_ids, RequestStatus.RUNNING, self.max_model_len
+        sampled, running = out.sampled_token_ids, RequestStatus.RUNNING
         caching = [a.enable_prefix_caching for a in self.allocators]
         page_size = self.allocator.page_size
         for s in sched.scheduled:  # NOTE: a hot loop: Request's properties are inlined
@@ -476,12 +480,8 @@ class Scheduler:
                 raise KeyError(f"runner returned no sampled token for {req.request_id!r}") from None
             req.num_pending_tokens -= 1
             outputs.append(token)
-            sp = req.sampling
-            num_out = len(outputs)
-            if (num_out >= sp.max_tokens or num_prompt + num_out >= max_len
-                    or (num_out >= sp.min_tokens and ((not sp.ignore_eos and token in req.eos_token_ids)
-                                                      or (sp.stop_token_ids and token in sp.stop_token_ids)))):
-                reason = self._stop_reason(req, token)
+            if len(outputs) >= req.length_limit or token in req.stop_token_set:
+                reason = self._stop_reason(req, token)  # also says when min_tokens holds a stop back
                 if reason is not None:
                     self._finish(req, *reason)
                     updates.append(RequestUpdate(req, [token], True))
