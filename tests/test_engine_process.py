@@ -155,3 +155,19 @@ def test_front_end_death_ends_the_core_process():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_settle_heap_freezes_the_loaded_heap_and_raises_the_young_threshold():
+    """What the engine-core process does once loaded and warmed up (and bench_host before timing)."""
+    import gc
+
+    from jaxinfer.engine.core_client import GC_YOUNG_THRESHOLD, settle_heap
+
+    before = gc.get_threshold()
+    try:
+        settle_heap()
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (max(before[0], GC_YOUNG_THRESHOLD), *before[1:])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
