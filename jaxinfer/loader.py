@@ -304,10 +304,19 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
     rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
     quant.check_group_splits(specs, mesh, rules)
 
-    if kind == "orbax" and stages > 1:  # each layer restored onto its own stage's devices
-        params = restore_params(path, pipeline.canonical_targets(restored_specs, mesh, rules))
-    elif kind == "orbax":
-        params = restore_params(path, params_lib.abstract(restored_specs, mesh, rules))
+    if kind == "orbax":
+        try:
+            if stages > 1:  # each layer restored onto its own stage's devices
+                params = restore_params(path, pipeline.canonical_targets(restored_specs, mesh, rules))
+            else:
+                params = restore_params(path, params_lib.abstract(restored_specs, mesh, rules))
+        except CheckpointError as e:
+            if saved and ".scale" in str(e):
+                raise CheckpointError(
+                    f"{e}; a {saved} checkpoint converted before 2026-11-24 holds one scale per "
+                    f"output channel without the contraction axis (now scale groups): convert its "
+                    f"float source again") from e
+            raise
     if kind == "orbax" and quantization != saved:  # a float checkpoint, quantized where it lies
         params = quant.quantize_params(params, float_specs, quantization)
     if kind != "orbax":

@@ -144,6 +144,17 @@ def test_quantized_conversion_loads_back_quantized(tiny: dict[str, Any], tiny_or
                          from_hf.params)
     with pytest.raises(CheckpointError, match="quantization='int8'.*quantization='fp8'"):
         load_model(dst, quantization="fp8")
+    # An int8 checkpoint of the per-channel layout before group-wise scales (scale [N], not
+    # [G, N]) is refused naming the leaf and what to do.
+    from checkpoints.orbax_io import save_params
+    from jaxinfer.quantization import QArray
+
+    old = jax.tree.map(lambda q: QArray(q.data, q.scale.reshape(-1)) if isinstance(q, QArray) else q,
+                       restored.params, is_leaf=lambda x: isinstance(x, QArray))
+    shutil.rmtree(dst / PARAMS_DIR)
+    save_params(dst, old)
+    with pytest.raises(CheckpointError, match=r"\.scale: checkpoint shape .*convert its float source again"):
+        load_model(dst, dtype="float32")
 
 
 def test_bfloat16_conversion_is_cast_once(tiny: dict[str, Any], tmp_path: Path) -> None:
