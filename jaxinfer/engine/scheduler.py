@@ -589,12 +589,6 @@ class Scheduler:
             end = s.start_pos + len(s.token_ids)
             self.allocators[s.replica].forget(s.page_table[: _cdiv(end, page_size)])
 
-    def _last_token_pending(self, req: Request) -> bool:
-        """The request's pending token will finish it by length: nothing more to schedule."""
-        return req.num_pending_tokens > 0 and (
-            req.num_output_tokens + req.num_pending_tokens >= req.sampling.max_tokens
-            or req.num_tokens >= self.max_model_len)
-
     def _release_pages(self, req: Request) -> None:
         r = self._replica.pop(req.request_id, None)
         if r is not None:
@@ -631,6 +625,6 @@ class Scheduler:
                 return "stop", token
             if not sp.ignore_eos and token in req.eos_token_ids:
                 return "stop", None
-        if num_out >= sp.max_tokens or len(req.prompt_token_ids) + num_out >= self.max_model_len:
+        if num_out >= req.length_limit:
             return "length", None
         return None
