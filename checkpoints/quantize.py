@@ -67,7 +67,7 @@ def quantize(w: Any, fmt: str, axis: int, groups: int = 1, xp: Any = np) -> tupl
     k = shape[axis]
     if groups < 1 or k % groups:
         raise ValueError(f"{groups} groups do not divide the contraction axis ({k} of {shape})")
-    wf = xp.reshape(xp.asarray(w).astype(xp.float32), shape[:axis] + (groups, k // groups) + shape[axis + 1:])
+    wf = xp.reshape(xp.asarray(w).astype(xp.float32), _grouped(shape, axis, groups))
     absmax = xp.max(xp.abs(wf), axis=axis + 1)
     # NOTE: times the f32 reciprocal, not divided by qmax: XLA rewrites a division by a constant
     # that way, and the host and device quantizers must agree bit for bit.
@@ -85,9 +85,13 @@ def dequantize(data: Any, scale: Any, axis: int, xp: Any = np) -> Any:
     """f32 `data * scale`, each of the scale's `scale.shape[axis]` groups broadcast over its
     consecutive entries along `axis`."""
     shape = tuple(data.shape)
-    groups = scale.shape[axis]
-    grouped = xp.reshape(data, shape[:axis] + (groups, shape[axis] // groups) + shape[axis + 1:])
+    grouped = xp.reshape(data, _grouped(shape, axis, scale.shape[axis]))
     return xp.reshape(grouped.astype(xp.float32) * xp.expand_dims(scale, axis + 1), shape)
+
+
+def _grouped(shape: tuple[int, ...], axis: int, groups: int) -> tuple[int, ...]:
+    """`shape` with its axis `axis` split into (groups, entries per group)."""
+    return shape[:axis] + (groups, shape[axis] // groups) + shape[axis + 1:]
 
 
 def requantize_rows(read_rows: Callable[[int, int], np.ndarray], rows: int, fmt: str,

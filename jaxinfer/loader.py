@@ -214,14 +214,21 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | None = No
 
 
 def orbax_quantization(path: str) -> str | None:
-    """The format an orbax checkpoint was saved in: None (float) or "int8" / "fp8"."""
-    found = {dtype for name, (_, dtype) in saved_leaves(path).items() if name.endswith(".data")}
-    for fmt, dtype in quant.STORAGE.items():
-        if found == {dtype}:
-            return fmt
-    if found:
+    """The format an orbax checkpoint was saved in: None (float) or "int8" / "fp8". A quantized
+    one whose scales lack the contraction axis (converted before group-wise scales) is refused."""
+    leaves = saved_leaves(path)
+    found = {dtype for name, (_, dtype) in leaves.items() if name.endswith(".data")}
+    fmt = next((f for f, dtype in quant.STORAGE.items() if found == {dtype}), None)
+    if found and fmt is None:
         raise CheckpointError(f"{path!r}: quantized leaves of mixed dtypes {sorted(map(str, found))}")
-    return None
+    for name, (shape, _) in leaves.items():
+        data = leaves.get(name.removesuffix(".scale") + ".data") if name.endswith(".scale") else None
+        if data is not None and len(shape) != len(data[0]):
+            raise CheckpointError(
+                f"{path!r}: leaf {name}: checkpoint shape {shape} for data {data[0]}; a {fmt} "
+                f"checkpoint converted before 2026-11-24 holds one scale per output channel "
+                f"without the contraction axis (now scale groups): convert its float source again")
+    return fmt
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", GGUF_TOKENIZER_FILE)
@@ -304,19 +311,10 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
     rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
     quant.check_group_splits(specs, mesh, rules)
 
-    if kind == "orbax":
-        try:
-            if stages > 1:  # each layer restored onto its own stage's devices
-                params = restore_params(path, pipeline.canonical_targets(restored_specs, mesh, rules))
-            else:
-                params = restore_params(path, params_lib.abstract(restored_specs, mesh, rules))
-        except CheckpointError as e:
-            if saved and ".scale" in str(e):
-                raise CheckpointError(
-                    f"{e}; a {saved} checkpoint converted before 2026-11-24 holds one scale per "
-                    f"output channel without the contraction axis (now scale groups): convert its "
-                    f"float source again") from e
-            raise
+    if kind == "orbax" and stages > 1:  # each layer restored onto its own stage's devices
+        params = restore_params(path, pipeline.canonical_targets(restored_specs, mesh, rules))
+    elif kind == "orbax":
+        params = restore_params(path, params_lib.abstract(restored_specs, mesh, rules))
     if kind == "orbax" and quantization != saved:  # a float checkpoint, quantized where it lies
         params = quant.quantize_params(params, float_specs, quantization)
     if kind != "orbax":
