@@ -91,13 +91,19 @@ def make_engine(args, model: LoadedModel, max_num_seqs: int, max_len: int) -> LL
 
 
 def run_case(args, model: LoadedModel, seqs: int, prompt_len: int, stops: bool) -> dict:
-    max_len = prompt_len + args.steps + 64
+    # Nobody may finish inside the timed window: while the prompts are prefilled a chunk at a
+    # time, the requests admitted first already decode (at most one token per step), so
+    # max_tokens covers that ramp (bounded by the prefill tokens over the budget the decodes
+    # leave, plus a step per request) and the timed steps.
+    ramp = -(-seqs * prompt_len // max(1, args.max_num_batched_tokens - seqs)) + seqs
+    max_tokens = ramp + args.steps + 32
+    max_len = prompt_len + max_tokens
     engine = make_engine(args, model, max(seqs, 1), max_len)
     if not args.no_freeze:  # as the engine-core process does once it is loaded and warmed up
         settle_heap()
     rng = np.random.default_rng(0)
     stop = ["\n\nUser:", "###", "<|im_end|>"] if stops else None
-    sp = SamplingParams(max_tokens=args.steps + 32, temperature=0.8, top_p=0.95, seed=1,
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=1,
                         ignore_eos=True, stop=stop)
     for i in range(seqs):
         ids = rng.integers(1000, 20000, prompt_len).tolist()
@@ -122,6 +128,10 @@ def run_case(args, model: LoadedModel, seqs: int, prompt_len: int, stops: bool) 
         engine.step()
         times.append((time.perf_counter() - t0) * 1e3)
     core_times = core_times[-args.steps:]
+    if engine.core.scheduler.num_running != seqs:
+        raise RuntimeError(f"{seqs - engine.core.scheduler.num_running} of {seqs} requests "
+                           f"finished inside the timed window: the case did not run {seqs} "
+                           f"sequences in every timed step")
     return {"seqs": seqs, "prompt_len": prompt_len, "stop_strings": stops,
             "core_p50_ms": statistics.median(core_times), "core_p99_ms": _p99(core_times),
             "p50_ms": statistics.median(times), "p99_ms": _p99(times),
