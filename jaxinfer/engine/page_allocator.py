@@ -20,9 +20,10 @@ first registration wins and the other copy stays an ordinary (uncached) page.
 
 from __future__ import annotations
 
+import array
 import collections
 import hashlib
-import struct
+import sys
 from collections.abc import Sequence
 
 NULL_PAGE = 0
@@ -33,11 +34,18 @@ class OutOfPagesError(RuntimeError):
 
 
 def chain_hash(parent: int, tokens: Sequence[int]) -> int:
-    """Stable 128-bit hash of (parent hash, page tokens): identical across processes and runs."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent.to_bytes(16, "little"))
-    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    return int.from_bytes(h.digest(), "little")
+    """Stable 128-bit hash of (parent hash, page tokens): identical across processes and runs.
+
+    The hashed bytes are the parent as 16 little-endian bytes, then each token as a little-endian
+    int64 (packed by `array`, one C call: a page crossing is on the decode step's host path)."""
+    packed = array.array("q", tokens)
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    return int.from_bytes(hashlib.blake2b(parent.to_bytes(16, "little") + packed.tobytes(),
+                                          digest_size=16).digest(), "little")
+
+
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 class PageAllocator:

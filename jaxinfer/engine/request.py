@@ -175,7 +175,18 @@ class KnownTokens(Sequence):
         return len(self._req.prompt_token_ids) + len(self._req.output_token_ids)
 
     def __getitem__(self, i: int | slice) -> int | list[int]:
-        if isinstance(i, slice):
+        if type(i) is slice:
+            start, stop = i.start, i.stop
+            if i.step is None and type(start) is int and type(stop) is int and 0 <= start <= stop:
+                # NOTE: the prefix cache's page reads (a page crossing is on the decode step's
+                # host path): plain list slices, which stop at the known tokens by themselves
+                prompt = self._req.prompt_token_ids
+                n = len(prompt)
+                if start >= n:
+                    return self._req.output_token_ids[start - n:stop - n]
+                if stop <= n:
+                    return prompt[start:stop]
+                return prompt[start:] + self._req.output_token_ids[:stop - n]
             start, stop, step = i.indices(len(self))
             if step != 1:
                 raise ValueError("KnownTokens slices take step 1")
