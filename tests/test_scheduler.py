@@ -197,6 +197,32 @@ def test_chunked_prefill_exact_slices_and_page_tables() -> None:
     assert outs[-1].finished == [] and sched.schedule().finished == ["a"]
 
 
+def test_decodes_crossing_a_page_take_one_new_page_and_offer_the_full_one() -> None:
+    """A decode whose token opens a page gets exactly that page as its diff (on the live table),
+    and the page it filled enters the prefix cache; with no page free it preempts instead."""
+    sched = make_scheduler(page_size=4, max_num_batched_tokens=8)
+    req = make_request("a", [1, 2, 3], eos=(), max_tokens=7)
+    sched.add_request(req)
+    runner = FakeRunner(sched)
+    outs = run_to_end(sched, runner)
+    got = [(s.start_pos, len(s.new_page_ids)) for o in outs for s in o.scheduled]
+    assert got == [(0, 1), (3, 0), (4, 1), (5, 0), (6, 0), (7, 0), (8, 1)]
+    # both full pages (tokens 0-3 and 4-7) were offered: a new request with that prefix hits them
+    twin = make_request("b", [1, 2, 3] + req.output_token_ids[:5] + [9], eos=(), max_tokens=1)
+    assert len(sched.allocator.match_prefix(twin.all_token_ids, twin.page_hashes)) == 2
+
+    sched = make_scheduler(num_pages=4, page_size=4, max_num_batched_tokens=8)  # 3 usable pages
+    a = make_request("a", [1, 2, 3, 4], eos=(), max_tokens=5)
+    b = make_request("b", [5, 6, 7, 8], eos=(), max_tokens=5)
+    for r in (a, b):
+        sched.add_request(r)
+    runner = FakeRunner(sched)
+    outs = run_to_end(sched, runner)
+    assert ["b"] in [o.preempted for o in outs], "the newest request gives its pages up"
+    assert a.output_token_ids == reference_outputs(a, 256)
+    assert b.output_token_ids == reference_outputs(b, 256)
+
+
 def test_long_prefill_threshold_caps_chunks() -> None:
     sched = make_scheduler(max_num_batched_tokens=32, threshold=5)
     sched.add_request(make_request("a", list(range(1, 13)), eos=(), max_tokens=2))

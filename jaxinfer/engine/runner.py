@@ -249,14 +249,8 @@ def _sample_step(state: PenaltyState, row_logits: jax.Array, inputs: dict, *,
     return out, next_tokens
 
 
-# ScheduledRequest fields, read for a whole step at a time by `ModelRunner._prepare`
-_REQUEST_ID = operator.attrgetter("request.request_id")
-_IS_NEW = operator.attrgetter("is_new")
-_NEW_PAGE_IDS = operator.attrgetter("new_page_ids")
-_START_POS = operator.attrgetter("start_pos")
-_TOKEN_IDS = operator.attrgetter("token_ids")
-_SAMPLE = operator.attrgetter("sample")
-_NUM_SPEC_TOKENS = operator.attrgetter("num_spec_tokens")
+_REQUEST_ID = operator.attrgetter("request_id")
+
 
 def _pack(inputs: dict) -> tuple[tuple[np.ndarray, ...], tuple]:
     """The step's host inputs as one flat buffer per dtype, plus the static layout that `_unpack`
@@ -751,27 +745,23 @@ class ModelRunner:
         return group
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> Prepared:
-        # NOTE: one C-level pass per field (map + attrgetter), not a Python loop per request; the
-        # checks and gathers that only matter with proposals or prompt logprobs are skipped
-        # without them (a decode step has neither)
+        # NOTE: no Python loop per request: one C pass (`zip(*scheduled)`) turns the step's
+        # ScheduledRequest tuples into a column per field; the checks and gathers that only matter
+        # with proposals or prompt logprobs are skipped without them (a decode step has neither)
         n = len(scheduled)
-        ids = list(map(_REQUEST_ID, scheduled))
-        joined = list(map(_IS_NEW, scheduled))
+        requests, token_lists, starts, new_pages, samples, _, joined, _, num_spec = zip(*scheduled)
+        ids = list(map(_REQUEST_ID, requests))
         for i in itertools.compress(range(n), joined):
             self._join(scheduled[i])
         rows = list(map(self._rows.get, ids))
         if None in rows:
             raise RuntimeError(f"request {ids[rows.index(None)]!r} is scheduled as running but "
                                f"has no row (its first schedule was not prepared)")
-        for i in itertools.compress(range(n), map(_NEW_PAGE_IDS, scheduled)):
+        for i in itertools.compress(range(n), new_pages):
             if not joined[i]:
                 self._extend(rows[i], scheduled[i])
-        starts = list(map(_START_POS, scheduled))
-        token_lists = list(map(_TOKEN_IDS, scheduled))
         q_lens = list(map(len, token_lists))
         tokens = list(itertools.chain.from_iterable(token_lists))
-        samples = list(map(_SAMPLE, scheduled))
-        num_spec = list(map(_NUM_SPEC_TOKENS, scheduled))
         sample_ids = list(itertools.compress(ids, samples))
         n_spec = sum(num_spec)
         rows_a = np.array(rows, np.int32)

@@ -72,14 +72,17 @@ from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import FINISH_REASONS, PENDING_TOKEN, Request, RequestStatus
 
 
-@dataclasses.dataclass(slots=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):
     """One request's share of a step, as a diff against what the runner already holds.
 
     A request that (re)joins the batch (`is_new`: first scheduled since admission or resumption)
     comes with its whole page table in `new_page_ids`; a running one only with the pages allocated
     for this step (usually none). The runner keeps each row's page table and sampling parameters
     between steps and patches them from these diffs.
+
+    NOTE: a tuple (immutable): the scheduler's hot loop builds one per running request per step
+    with `_new_tuple` (one C call), and the runner reads a whole step's fields column by column
+    with one `zip(*scheduled)`.
     """
 
     request: Request
@@ -310,11 +313,13 @@ class Scheduler:
         page_size, max_chunk = self.allocator.page_size, self._max_chunk
         running, replica_of = self._running, self._replica
         speculate = self.speculating()
-        reserved: list[tuple[ScheduledRequest, int]] = []  # (decode, room for proposals)
+        # (list holding a decode, its index there, room for proposals)
+        reserved: list[tuple[list[ScheduledRequest], int, int]] = []
 
         # NOTE: the hot loop of a decode-heavy server (one pass per running request per step):
         # Request's properties are inlined here, and a steady decode (one token past the prompt,
-        # no new page, no proposal) is scheduled right here without `_schedule_tokens`.
+        # no proposal, at most a new page that is free) is scheduled right here without
+        # `_schedule_tokens`.
         one_replica = len(self.allocators) == 1
         caching = [a.enable_prefix_caching for a in self.allocators]
         steady = not speculate  # a proposal never rides on a steady decode
@@ -334,11 +339,18 @@ class Scheduler:
                 i += 1  # its pending token finishes it by length: nothing more to schedule
                 continue
             pages = req.page_ids
-            if steady and start + 1 == total and start >= num_prompt and total <= len(pages) * page_size:
-                # a steady decode: its one token is the last output (or the pending one)
-                decodes.append(ScheduledRequest(
-                    req, [outputs[-1] if start < known else PENDING_TOKEN], start, (), True, r,
-                    False, pages))
+            if steady and start + 1 == total and start >= num_prompt and (
+                    total <= len(pages) * page_size
+                    or self.allocators[r].num_free_pages >= _cdiv(total, page_size) - len(pages)):
+                # a steady decode: its one token is the last output (or the pending one), in
+                # its last page or in a new one (a page crossing, every page_size steps)
+                new: Sequence[int] = ()
+                if total > len(pages) * page_size:
+                    new = self.allocators[r].allocate(_cdiv(total, page_size) - len(pages))
+                    pages.extend(new)
+                decodes.append(_new_tuple(ScheduledRequest, (
+                    req, [outputs[-1] if start < known else PENDING_TOKEN], start, new, True, r,
+                    False, pages, 0)))
                 req.num_computed_tokens = total
                 req.num_pending_tokens = pending + 1
                 if caching[r] and known >= (len(req.page_hashes) + 1) * page_size:
@@ -368,7 +380,7 @@ class Scheduler:
             budgets[r] = budget - n - room
             if room:
                 mine = decodes if decodes and decodes[-1].request is req else chunks
-                reserved.append((mine[-1], room))
+                reserved.append((mine, len(mine) - 1, room))
             i += 1
         for s, unused in self._fill_proposals(reserved):
             budgets[s.replica] += unused
@@ -429,24 +441,24 @@ class Scheduler:
                           req.sampling.max_tokens - req.num_output_tokens - 1,
                           self.max_model_len - req.num_tokens - 1))
 
-    def _fill_proposals(self, reserved: list[tuple[ScheduledRequest, int]],
+    def _fill_proposals(self, reserved: list[tuple[list[ScheduledRequest], int, int]],
                         ) -> list[tuple[ScheduledRequest, int]]:
         """Asks the proposer once for every reservation, appends the proposals to the scheduled
-        decodes; returns (decode, unused reserved tokens) pairs."""
+        decodes (replacing them in their lists); returns (decode, unused reserved tokens) pairs."""
         if not reserved:
             return []
-        proposals = self.proposer.propose_batch([(s.request, k) for s, k in reserved])
+        proposals = self.proposer.propose_batch([(lst[j].request, k) for lst, j, k in reserved])
         if len(proposals) != len(reserved):
             raise RuntimeError(f"proposer returned {len(proposals)} proposals for "
                                f"{len(reserved)} requests")
         unused = []
-        for (s, k), drafts in zip(reserved, proposals):
+        for (lst, j, k), drafts in zip(reserved, proposals):
+            s = lst[j]
             drafts = list(drafts)[:k]
             if any(not isinstance(t, int) or t < 0 for t in drafts):
                 raise RuntimeError(f"request {s.request.request_id!r}: proposer returned bad ids "
                                    f"{drafts}")
-            s.token_ids = s.token_ids + drafts
-            s.num_spec_tokens = len(drafts)
+            s = lst[j] = s._replace(token_ids=s.token_ids + drafts, num_spec_tokens=len(drafts))
             s.request.num_computed_tokens = s.start_pos + len(s.token_ids)  # update rolls back
             unused.append((s, k - len(drafts)))
         return unused
