@@ -132,6 +132,30 @@ def test_step_arrays_equal_a_from_scratch_build(small) -> None:
     assert {k: v for k, v in got.items() if k != "b"} == alone
 
 
+def test_decode_step_arrays_equal_the_ragged_build(small) -> None:
+    """A decode step's shortcut in `_arrays` (one token per sequence, one group) builds exactly
+    what the general ragged build does (a group array of zeros takes that path)."""
+    runner = small_runner(small)
+    rng = np.random.default_rng(1)
+    n = 3
+    runner._page_table[:n, :4] = rng.integers(1, 65, (n, 4))
+    runner._prompt_len[:n] = [5, 2, 9]
+    runner._last_sample[:n] = [4, -1, 0]  # where rows 0 and 2 sampled last step
+    rows = np.array([2, 0, 1], np.int32)
+    starts = np.array([7, 13, 6], np.int32)  # row 1 computes a prompt token, the others outputs
+    tokens = np.array([-1, -1, 33], np.int32)  # PENDING_TOKEN on the two rows that sampled
+    args = (16, 4, False, rows, starts, np.ones(n, np.int32), tokens,
+            np.array([False, False, True]))
+    fast = runner._arrays(*args, None)
+    ragged = runner._arrays(*args, np.zeros(n, np.int32))
+    for got, want in zip(fast[:2], ragged[:2]):
+        for name in got.__dataclass_fields__:
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    for got, want in zip(fast[2:], ragged[2:]):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(fast[0].cu_q_lens[:5], [0, 1, 2, 3, 3])
+
+
 def reqs_again(reqs: list[tuple[int, Request]]) -> list[tuple[int, Request]]:
     return [(t, Request(r.request_id, r.prompt_token_ids, r.sampling)) for t, r in reqs]
 

@@ -684,8 +684,9 @@ class ModelRunner:
         if self.mesh is None:
             # NOTE: numpy buffers go straight to the jitted call, whose C++ path moves them to
             # the device faster than a separate `jax.device_put` (~0.3 ms less per step).
-            buffers, layout = _pack({"step": inputs["step"],
-                                     "extras": extras.replace(token_bitmask=None)})
+            # (the bitmask is its own argument; a None leaf packs nothing)
+            buffers, layout = _pack({"step": inputs["step"], "extras": extras if bitmask is None
+                                     else extras.replace(token_bitmask=None)})
             rows = len(extras.seq_rows)
             if bitmask is None:
                 bitmask = self._all_allowed.get(rows)
@@ -863,23 +864,39 @@ class ModelRunner:
         n_groups = self.data * self.microbatches  # replica-major, then micro-batch
         t, s_bucket, ps = t_bucket, self.seq_bucket(t_bucket), self.page_size
         n = len(rows)
-        before = np.cumsum(q_lens) - q_lens  # i32[n] tokens of earlier sequences (all groups)
-        if group is None:
-            group = np.zeros(n, np.int32)
-            first = np.zeros(n, np.int64)
+        if group is None and len(tokens) == n:
+            # A decode step on one group (one token per sequence): a sequence's result row, its
+            # token's flat row and its index are the same, so no cumsum, scatter or bincount.
+            idx = np.arange(n, dtype=np.int32)
+            slot = tok_lo = in_group = seq_of = tok = idx
+            pos, row_of = starts, rows
+            group_tokens = np.array([n], np.int32)
+            cu_q_lens = np.minimum(np.arange(s_bucket + 1, dtype=np.int32), n).reshape(1, -1)
+            num_seqs = np.array([[n]], np.int32)
         else:
-            first = np.searchsorted(group, group)  # i64[n] index of the group's first sequence
-        in_group = before - before[first]  # i32[n] tokens of earlier sequences in the group
-        slot = group * s_bucket + (np.arange(n) - first)  # i32[n] flat sequence (result) row
-        tok_lo = group * t + in_group  # i32[n] flat row of the sequence's first token
-        if len(tokens) == n:  # one token per sequence (a decode step): no ragged expansion
-            seq_of, tok, pos, row_of = np.arange(n), tok_lo, starts, rows
-        else:
-            seq_of = np.repeat(np.arange(n), q_lens)  # i32[T_real] sequence of each token
-            offset = _ranks(q_lens)  # i32[T_real] index of each token within its sequence
-            tok = tok_lo[seq_of] + offset  # i32[T_real] flat token row
-            pos = starts[seq_of] + offset  # i32[T_real] absolute position
-            row_of = rows[seq_of]
+            before = np.cumsum(q_lens) - q_lens  # i32[n] tokens of earlier sequences (all groups)
+            if group is None:
+                group = np.zeros(n, np.int32)
+                first = np.zeros(n, np.int64)
+            else:
+                first = np.searchsorted(group, group)  # i64[n] index of the group's first sequence
+            in_group = before - before[first]  # i32[n] tokens of earlier sequences in the group
+            slot = group * s_bucket + (np.arange(n) - first)  # i32[n] flat sequence (result) row
+            tok_lo = group * t + in_group  # i32[n] flat row of the sequence's first token
+            if len(tokens) == n:  # one token per sequence (a decode step): no ragged expansion
+                seq_of, tok, pos, row_of = np.arange(n), tok_lo, starts, rows
+            else:
+                seq_of = np.repeat(np.arange(n), q_lens)  # i32[T_real] sequence of each token
+                offset = _ranks(q_lens)  # i32[T_real] index of each token within its sequence
+                tok = tok_lo[seq_of] + offset  # i32[T_real] flat token row
+                pos = starts[seq_of] + offset  # i32[T_real] absolute position
+                row_of = rows[seq_of]
+            group_tokens = np.bincount(group, weights=q_lens, minlength=n_groups).astype(np.int32)
+            cu_q_lens = np.repeat(group_tokens, s_bucket + 1).reshape(n_groups, s_bucket + 1)
+            cu_q_lens[:, 0] = 0
+            cu_q_lens.reshape(-1)[group * (s_bucket + 1) + (np.arange(n) - first) + 1] = (
+                in_group + q_lens)
+            num_seqs = np.bincount(group, minlength=n_groups).astype(np.int32).reshape(n_groups, 1)
         kv_end = starts + q_lens
 
         token_ids = np.zeros(n_groups * t, np.int32)
@@ -892,11 +909,6 @@ class ModelRunner:
         kv_lens[slot] = kv_end
         page_indices = np.zeros((n_groups * s_bucket, p_bucket), np.int32)
         page_indices[slot] = self._page_table[rows, :p_bucket]
-        group_tokens = np.bincount(group, weights=q_lens, minlength=n_groups).astype(np.int32)
-        cu_q_lens = np.repeat(group_tokens, s_bucket + 1).reshape(n_groups, s_bucket + 1)
-        cu_q_lens[:, 0] = 0
-        cu_q_lens.reshape(-1)[group * (s_bucket + 1) + (np.arange(n) - first) + 1] = in_group + q_lens
-        num_seqs = np.bincount(group, minlength=n_groups).astype(np.int32).reshape(n_groups, 1)
         if all_logits:
             every = np.arange(t, dtype=np.int32)
             logits_indices = np.where(every < group_tokens[:, None], every, 0).astype(np.int32)

@@ -65,6 +65,7 @@ import bisect
 import collections
 import dataclasses
 import itertools
+import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -129,7 +130,7 @@ class SchedulerOutput:
     def num_spec_tokens(self) -> int:
         """Proposed tokens this step verifies (its results must reach the host before the next
         schedule: a speculating step runs synchronously)."""
-        return sum(s.num_spec_tokens for s in self.scheduled)
+        return sum(map(_NUM_SPEC_TOKENS, self.scheduled))
 
 
 @dataclasses.dataclass
@@ -170,6 +171,7 @@ class RequestUpdate(NamedTuple):
     finished: bool
 
 
+_NUM_SPEC_TOKENS = operator.attrgetter("num_spec_tokens")
 _new_tuple = tuple.__new__  # `_new_tuple(RequestUpdate, (...))`: skips NamedTuple's Python __new__
 
 
@@ -339,15 +341,16 @@ class Scheduler:
                 i += 1  # its pending token finishes it by length: nothing more to schedule
                 continue
             pages = req.page_ids
-            if steady and start + 1 == total and start >= num_prompt and (
-                    total <= len(pages) * page_size
-                    or self.allocators[r].num_free_pages >= _cdiv(total, page_size) - len(pages)):
+            new: Sequence[int] | None = None
+            if steady and start + 1 == total and start >= num_prompt:
                 # a steady decode: its one token is the last output (or the pending one), in
-                # its last page or in a new one (a page crossing, every page_size steps)
-                new: Sequence[int] = ()
-                if total > len(pages) * page_size:
+                # its last page or in a new one (a page crossing, every page_size steps) if free
+                if total <= len(pages) * page_size:
+                    new = ()
+                elif self.allocators[r].num_free_pages >= _cdiv(total, page_size) - len(pages):
                     new = self.allocators[r].allocate(_cdiv(total, page_size) - len(pages))
                     pages.extend(new)
+            if new is not None:
                 decodes.append(_new_tuple(ScheduledRequest, (
                     req, [outputs[-1] if start < known else PENDING_TOKEN], start, new, True, r,
                     False, pages, 0)))
@@ -469,22 +472,22 @@ class Scheduler:
         sampled, running = out.sampled_token_ids, RequestStatus.RUNNING
         caching = [a.enable_prefix_caching for a in self.allocators]
         page_size = self.allocator.page_size
-        for s in sched.scheduled:  # NOTE: a hot loop: Request's properties are inlined
-            req = s.request
+        # NOTE: a hot loop: Request's properties are inlined, each ScheduledRequest is unpacked
+        for s in sched.scheduled:
+            req, token_ids, start, _, sample, replica, _, _, num_spec = s
             if req.status is not running:
                 continue
-            if s.num_spec_tokens or not s.sample:
+            if num_spec or not sample:
                 self._update_one(s, sampled, out, updates)
                 continue
             # A sampling chunk without proposals (every row of a decode-heavy step).
             outputs = req.output_token_ids
-            num_prompt = len(req.prompt_token_ids)
-            computed = s.start_pos + len(s.token_ids)
-            if computed > num_prompt + len(outputs) or req.num_pending_tokens < 1:
+            computed = start + len(token_ids)
+            if computed > len(req.prompt_token_ids) + len(outputs) or req.num_pending_tokens < 1:
                 self._out_of_order(s)
-            if caching[s.replica] and computed >= (len(req.page_hashes) + 1) * page_size:
+            if caching[replica] and computed >= (len(req.page_hashes) + 1) * page_size:
                 # a page completed by a pending token
-                self.allocators[s.replica].register_full_pages(
+                self.allocators[replica].register_full_pages(
                     req.known_tokens, req.page_ids, computed, req.page_hashes)
             try:
                 token = sampled[req.request_id]
