@@ -8,8 +8,9 @@
    shapes (`jax.eval_shape`, once per bucket): input building, packing, the transfer-free call,
    unpacking, the scheduler, the output processor (detokenizer, stop strings) all run as served.
 2. For each (sequences, prompt length, stop strings) case, that many requests are added and
-   prefilled, then `--steps` decode steps are timed one by one; p50 / p99 / mean host ms per
-   step are printed as a table (and as JSON lines with --json). "core" is `EngineCore.step`
+   prefilled, then `--steps` decode steps are timed one by one (max_tokens is large enough that
+   every request still runs in the last one: the case fails otherwise); p50 / p99 / mean host
+   ms per step are printed as a table (and as JSON lines with --json). "core" is `EngineCore.step`
    (scheduler + runner: the host work of the process that owns the device, what the device
    waits for); "engine" is `LLMEngine.step` = core + the output processor (detokenization and
    stop strings, which `scripts/serve.py` runs in its front-end process, beside the core).
