@@ -15,6 +15,7 @@ from typing import Any
 
 from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig
+from jaxinfer.engine.core_client import spaced_young_collections
 from jaxinfer.engine.engine import LLMEngine, Usage
 from jaxinfer.engine.runner import TokenLogprobs
 from jaxinfer.loader import check_load_format, load_model
@@ -138,19 +139,20 @@ class LLM:
             while self.engine.has_unfinished():
                 self.engine.step()
             raise
-        for delta in self.engine.stream():
-            res = results[delta.request_id]
-            out = res.outputs[delta.index]
-            out.token_ids.extend(delta.new_token_ids)
-            out.text += delta.new_text
-            if delta.logprobs:
-                out.logprobs = (out.logprobs or []) + [_as_dict(lp) for lp in delta.logprobs]
-            if delta.prompt_logprobs is not None:
-                res.prompt_logprobs = [_as_dict(lp) for lp in delta.prompt_logprobs]
-            if delta.finished:
-                out.finish_reason = delta.finish_reason
-                if delta.index == 0:
-                    res.usage = delta.usage
+        with spaced_young_collections():  # as in the engine-core process (no freeze here)
+            for delta in self.engine.stream():
+                res = results[delta.request_id]
+                out = res.outputs[delta.index]
+                out.token_ids.extend(delta.new_token_ids)
+                out.text += delta.new_text
+                if delta.logprobs:
+                    out.logprobs = (out.logprobs or []) + [_as_dict(lp) for lp in delta.logprobs]
+                if delta.prompt_logprobs is not None:
+                    res.prompt_logprobs = [_as_dict(lp) for lp in delta.prompt_logprobs]
+                if delta.finished:
+                    out.finish_reason = delta.finish_reason
+                    if delta.index == 0:
+                        res.usage = delta.usage
         return [results[rid] for rid in order]
 
     def chat(self, messages: list[dict[str, str]],

@@ -171,3 +171,44 @@ def test_settle_heap_freezes_the_loaded_heap_and_raises_the_young_threshold():
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_offline_generate_spaces_young_collections_only_while_it_runs():
+    """`LLM.generate` steps the engine in the user's process: the young threshold is raised while
+    the engine steps (as in the core process) and the caller's thresholds come back after, also
+    when a step raises; nothing is frozen."""
+    import gc
+
+    from jaxinfer.engine.core_client import GC_YOUNG_THRESHOLD
+    from jaxinfer.llm import LLM
+
+    seen = []
+
+    class Engine:  # the engine surface `generate` uses
+        def add_request(self, ids, sp, request_id):
+            self.rid = request_id
+
+        def stream(self):
+            seen.append(gc.get_threshold())
+            if self.fail:
+                raise RuntimeError("step failed")
+            yield type("Delta", (), dict(request_id=self.rid, index=0, new_token_ids=[5],
+                                         new_text="x", logprobs=None, prompt_logprobs=None,
+                                         finished=True, finish_reason="length", usage=None))()
+
+    llm = LLM.__new__(LLM)
+    llm.engine, llm.tokenizer, llm._ids = Engine(), None, iter(range(10))
+    before = gc.get_threshold()
+    frozen = gc.get_freeze_count()
+    try:
+        gc.set_threshold(700, *before[1:])
+        llm.engine.fail = False
+        assert llm.generate([[1, 2, 3]])[0].outputs[0].token_ids == [5]
+        llm.engine.fail = True
+        with pytest.raises(RuntimeError, match="step failed"):
+            llm.generate([[1, 2, 3]])
+        assert seen == [(GC_YOUNG_THRESHOLD, *before[1:])] * 2
+        assert gc.get_threshold() == (700, *before[1:])
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.set_threshold(*before)

@@ -37,7 +37,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from jaxinfer.engine.core import CoreRequest, EngineCore, from_wire, to_wire
@@ -123,6 +123,20 @@ def settle_heap() -> None:
     gc.freeze()
     young, middle, old = gc.get_threshold()
     gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), middle, old)
+
+
+@contextlib.contextmanager
+def spaced_young_collections() -> Iterator[None]:
+    """`GC_YOUNG_THRESHOLD` for the young generation while the block runs, then the caller's
+    thresholds again: the offline `LLM.generate` steps the engine in the user's own process, so
+    it neither freezes that heap nor keeps the setting (`settle_heap` does both, for the core
+    process)."""
+    before = gc.get_threshold()
+    gc.set_threshold(max(before[0], GC_YOUNG_THRESHOLD), *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
 
 
 def run_core_loop(core: EngineCore, recv: Callable[[float | None], list[Message]],
