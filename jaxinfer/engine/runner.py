@@ -406,9 +406,10 @@ class ModelRunner:
             zeros = jax.jit(new_caches, out_shardings=(cache_sharding,) * cfg.num_layers)
             self.kv_caches = zeros() if par.pipeline == 1 else pipeline.stage_kv_caches(
                 cfg.num_layers, par.pipeline, shape, DTYPES[dtype], mesh, family.kv_cache_spec(cfg, par))
+            # the penalty rows split over the vocabulary like the logits they are applied to
             self.state = jax.jit(lambda: PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
                                                       jnp.zeros((rows, cfg.vocab_size), jnp.int32)),
-                                 out_shardings=self._replicated)()
+                                 out_shardings=NamedSharding(mesh, PartitionSpec(None, rules["vocab"])))()
         # Sampled-id rows of the largest program (every program pads its ids to this many).
         self.num_sample_rows = self.data * self.microbatches * self.seq_bucket(self.token_buckets[-1])
         zeros = functools.partial(jnp.zeros, self.num_sample_rows, jnp.int32)
@@ -437,10 +438,17 @@ class ModelRunner:
                                 static_argnames=("cfg", "all_logits", "layout"),
                                 donate_argnames=("kv_caches", "state"))
         else:
+            # NOTE: what a step carries to the next (KV cache, penalty state, fed-back ids) leaves
+            # it laid out as it came in: with the partitioner's choice instead, the first call's
+            # outputs would give the second call other input shardings (a recompile of every
+            # program warmup built, on the first real request).
+            carried = jax.tree.map(lambda x: x.sharding, (self.kv_caches, self.state,
+                                                          self._prev_tokens))
             self._jit = jax.jit(functools.partial(_step, attention_backend=attention_backend,
                                                   linear_backend=linear_backend, mesh=self.mesh),
                                 static_argnames=("cfg", "all_logits"),
-                                donate_argnames=("kv_caches", "state"))
+                                donate_argnames=("kv_caches", "state"),
+                                out_shardings=(None, *carried))
         # Steps sampling structured-output rows run the step program up to the rows' logits,
         # then this one (see `sample`); single device only (on a mesh they sample in the step).
         self.split_sampling = self.mesh is None
