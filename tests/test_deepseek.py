@@ -196,8 +196,10 @@ def test_engine_greedy_tokens_on_mesh_equal_single_device():
     prompts = [_tokens(n, s) for s, n in ((1, 9), (2, 4), (3, 13))]
 
     def tokens(mesh):
+        # NOTE: the 26 prompt tokens prefill in one 32-token step and the three requests decode
+        # together: two programs per engine (a 16-token budget compiled three).
         engine = LLMEngine(model, EngineConfig(page_size=4, num_pages=40, max_model_len=64,
-                                               max_num_seqs=4, max_num_batched_tokens=16,
+                                               max_num_seqs=4, max_num_batched_tokens=32,
                                                mesh=mesh))
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=8), request_id=str(i))
