@@ -163,6 +163,10 @@ def test_engine_greedy_tokens_on_mesh_equal_single_device(vocab, spec, kv_heads)
     for alloc in engine.allocators:
         alloc.check_invariants()
         assert alloc.num_free_pages == alloc.num_usable_pages
+    # each program compiled once: a step leaves what it carries (KV cache, penalty state, fed-back
+    # ids) laid out as it came in, so the second call of a bucket does not recompile it
+    runner = engine.core.runner
+    assert runner.compiled_program_count() == runner.num_compiled
 
 
 def _spec(x) -> tuple:
