@@ -50,24 +50,28 @@ class HostOnlyRunner(ModelRunner):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        real, shapes = self._jit, {}
+        real, outputs = self._jit, {}
+
+        def fill(s):
+            v = FILL_TOKEN if np.issubdtype(s.dtype, np.integer) else 0
+            a = np.full(s.shape, v, s.dtype)
+            a.flags.writeable = False  # a device result: the host only reads it
+            return a
 
         def fake(*args, **kwargs):
             # kv caches, state and params keep their shapes: the packed buffers and the static
             # layout name the program
             key = (tuple(sorted(kwargs.items())), tuple(np.shape(x) for x in args[5]))
-            if key not in shapes:
-                shapes[key] = real.eval_shape(*args, **kwargs)
-
-            def fill(s):
-                v = FILL_TOKEN if np.issubdtype(s.dtype, np.integer) else 0
-                return np.full(s.shape, v, s.dtype)
-
-            (out, prompt, _), _, _, next_tokens = shapes[key]
+            if key not in outputs:
+                (out, prompt, _), _, _, next_tokens = real.eval_shape(*args, **kwargs)
+                # NOTE: made once per program: a device returns its results without host work
+                # (allocating them every step measured ~60 us of the fake's own at 256 rows)
+                outputs[key] = (jax.tree.map(fill, out), jax.tree.map(fill, prompt),
+                                jax.tree.map(fill, next_tokens))
+            out, prompt, next_tokens = outputs[key]
             # the device state (KV cache, penalty rows) passes through untouched; no row logits
             # (only a step with structured-output rows reads them)
-            return ((jax.tree.map(fill, out), jax.tree.map(fill, prompt), None), args[2], args[3],
-                    jax.tree.map(fill, next_tokens))
+            return (out, prompt, None), args[2], args[3], next_tokens
 
         self._jit = fake
 
