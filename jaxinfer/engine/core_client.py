@@ -121,8 +121,15 @@ def settle_heap() -> None:
     `scripts/bench_host.py`, which measures the core as served)."""
     gc.collect()
     gc.freeze()
-    young, middle, old = gc.get_threshold()
-    gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), middle, old)
+    _space_young_collections()
+
+
+def _space_young_collections() -> tuple[int, int, int]:
+    """Raises the young generation's threshold to `GC_YOUNG_THRESHOLD` (never lowers it);
+    returns the thresholds before."""
+    before = gc.get_threshold()
+    gc.set_threshold(max(before[0], GC_YOUNG_THRESHOLD), *before[1:])
+    return before
 
 
 @contextlib.contextmanager
@@ -131,8 +138,7 @@ def spaced_young_collections() -> Iterator[None]:
     thresholds again: the offline `LLM.generate` steps the engine in the user's own process, so
     it neither freezes that heap nor keeps the setting (`settle_heap` does both, for the core
     process)."""
-    before = gc.get_threshold()
-    gc.set_threshold(max(before[0], GC_YOUNG_THRESHOLD), *before[1:])
+    before = _space_young_collections()
     try:
         yield
     finally:

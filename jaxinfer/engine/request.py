@@ -145,17 +145,21 @@ class Request:
         request's page fills (no copy of the whole sequence per page)."""
         return KnownTokens(self)
 
-    def token_slice(self, start: int, stop: int) -> list[int]:
-        """`all_token_ids[start:stop]` without concatenating the whole sequence; positions of
-        pending tokens read `PENDING_TOKEN`."""
-        n = len(self.prompt_token_ids)
+    def known_slice(self, start: int, stop: int) -> list[int]:
+        """`all_token_ids[start:stop]` for 0 <= start <= stop without concatenating the whole
+        sequence: plain list slices, which end at the known tokens by themselves."""
+        prompt = self.prompt_token_ids
+        n = len(prompt)
         if stop <= n:
-            return self.prompt_token_ids[start:stop]
+            return prompt[start:stop]
         if start >= n:
-            out = self.output_token_ids[start - n : stop - n]
-        else:
-            out = self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
-        return out + [PENDING_TOKEN] * (min(stop, self.num_tokens) - max(start, self.num_known_tokens))
+            return self.output_token_ids[start - n : stop - n]
+        return prompt[start:] + self.output_token_ids[: stop - n]
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """`known_slice`, then `PENDING_TOKEN` at the positions of pending tokens."""
+        return self.known_slice(start, stop) + [PENDING_TOKEN] * (
+            min(stop, self.num_tokens) - max(start, self.num_known_tokens))
 
     @property
     def is_finished(self) -> bool:
@@ -164,7 +168,7 @@ class Request:
 
 class KnownTokens(Sequence):
     """A request's prompt followed by its known outputs, as a read-only sequence over both lists
-    (`Request.known_tokens`): slices read `Request.token_slice`."""
+    (`Request.known_tokens`): slices read `Request.known_slice`."""
 
     __slots__ = ("_req",)
 
@@ -177,20 +181,15 @@ class KnownTokens(Sequence):
     def __getitem__(self, i: int | slice) -> int | list[int]:
         if type(i) is slice:
             start, stop = i.start, i.stop
-            if i.step is None and type(start) is int and type(stop) is int and 0 <= start <= stop:
-                # NOTE: the prefix cache's page reads (a page crossing is on the decode step's
-                # host path): plain list slices, which stop at the known tokens by themselves
-                prompt = self._req.prompt_token_ids
-                n = len(prompt)
-                if start >= n:
-                    return self._req.output_token_ids[start - n:stop - n]
-                if stop <= n:
-                    return prompt[start:stop]
-                return prompt[start:] + self._req.output_token_ids[:stop - n]
-            start, stop, step = i.indices(len(self))
-            if step != 1:
-                raise ValueError("KnownTokens slices take step 1")
-            return self._req.token_slice(start, max(start, stop))
+            # NOTE: the prefix cache's page reads (on the decode step's host path when a page
+            # fills) are plain [start:stop] slices: no normalizing
+            if not (i.step is None and type(start) is int and type(stop) is int
+                    and 0 <= start <= stop):
+                start, stop, step = i.indices(len(self))
+                if step != 1:
+                    raise ValueError("KnownTokens slices take step 1")
+                stop = max(start, stop)
+            return self._req.known_slice(start, stop)
         n, prompt = len(self), self._req.prompt_token_ids
         if not -n <= i < n:
             raise IndexError(f"token {i} of {n}")

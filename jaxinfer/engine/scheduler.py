@@ -347,8 +347,8 @@ class Scheduler:
                 # its last page or in a new one (a page crossing, every page_size steps) if free
                 if total <= len(pages) * page_size:
                     new = ()
-                elif self.allocators[r].num_free_pages >= _cdiv(total, page_size) - len(pages):
-                    new = self.allocators[r].allocate(_cdiv(total, page_size) - len(pages))
+                elif (need := _cdiv(total, page_size) - len(pages)) <= self.allocators[r].num_free_pages:
+                    new = self.allocators[r].allocate(need)
                     pages.extend(new)
             if new is not None:
                 decodes.append(_new_tuple(ScheduledRequest, (
