@@ -1,4 +1,4 @@
-# Two entry points do all setup on a fresh machine: `make generate` and `make test`.
+# Two entry points do all setup on a fresh machine: `make serve` and `make test` (suite + lint).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -21,7 +21,7 @@ setup: $(STAMP)
 generate: $(STAMP)
 	$(PY) scripts/generate.py --chat --prompt "$(PROMPT)"
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 lint: $(STAMP)

@@ -86,12 +86,18 @@ def _gguf_tokenizer_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _write_checkpoint(out: Path, src_path: str, kind: str, handle: Any, dtype: str,
-                      quantization: str | None) -> None:
-    model = load_from_source(src_path, kind, handle, dtype=dtype, mesh=shd.make_mesh(None),
-                             quantization=quantization)
-    info = {"source": os.path.abspath(src_path), "source_kind": kind, "dtype": dtype,
-            "quantization": quantization}
+def _write_checkpoint(
+    out: Path, src_path: str, kind: str, handle: Any, dtype: str, quantization: str | None
+) -> None:
+    model = load_from_source(
+        src_path, kind, handle, dtype=dtype, mesh=shd.make_mesh(None), quantization=quantization
+    )
+    info = {
+        "source": os.path.abspath(src_path),
+        "source_kind": kind,
+        "dtype": dtype,
+        "quantization": quantization,
+    }
     extra: dict[str, str] = {
         CONFIG_FILE: json.dumps(model.hf_config, indent=2) + "\n",
         INFO_FILE: json.dumps(info, indent=2) + "\n",

@@ -128,7 +128,9 @@ def _dq_q8_0(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 34]
 
 
 def _ints_q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # u8[n_blocks, 18]
-    return _f16(blocks, 0)[:, 0], _low_high_nibbles(blocks[:, 2:18]).reshape(-1, 32).astype(np.int8) - 8
+    return _f16(blocks, 0)[:, 0], _low_high_nibbles(blocks[:, 2:18]).reshape(-1, 32).astype(
+        np.int8
+    ) - 8
 
 
 def _ints_q5_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # u8[n_blocks, 22]
@@ -238,11 +240,31 @@ _OWN_KERNELS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
     GGMLType.Q6_K: _dq_q6_k,
     GGMLType.Q8_K: _dq_q8_k,
 }
-LIBRARY_TYPES = tuple(getattr(GGMLType, name) for name in (
-    "F16", "Q5_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
-    "TQ1_0", "TQ2_0", "MXFP4", "NVFP4") if hasattr(GGMLType, name))
+LIBRARY_TYPES = tuple(
+    getattr(GGMLType, name)
+    for name in (
+        "F16",
+        "Q5_K",
+        "IQ1_S",
+        "IQ1_M",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ2_S",
+        "IQ3_XXS",
+        "IQ3_S",
+        "IQ4_NL",
+        "IQ4_XS",
+        "TQ1_0",
+        "TQ2_0",
+        "MXFP4",
+        "NVFP4",
+    )
+    if hasattr(GGMLType, name)
+)
 _KERNELS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
-    **_OWN_KERNELS, **{t: _library_kernel(t) for t in LIBRARY_TYPES}}
+    **_OWN_KERNELS,
+    **{t: _library_kernel(t) for t in LIBRARY_TYPES},
+}
 SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(_KERNELS)
 _FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.F64})
 # Block formats whose values are d_b * (integer): (block scales f32[n_blocks], ints i8[n_blocks, 32]).
@@ -310,24 +332,54 @@ class _Arch:
 _ATTN_BIASES = frozenset({"attn_q", "attn_k", "attn_v", "attn_output"})
 _ARCHS: dict[str, _Arch] = {
     # Mistral checkpoints are stored by llama.cpp as `llama` too.
-    "llama": _Arch("LlamaForCausalLM", _ATTN_BIASES | {"ffn_gate", "ffn_up", "ffn_down"},
-                   permute_qk=True, norm_offset=0.0, hidden_act="silu"),
-    "qwen2": _Arch("Qwen2ForCausalLM", frozenset({"attn_q", "attn_k", "attn_v"}),
-                   permute_qk=False, norm_offset=0.0, hidden_act="silu"),
-    "qwen3": _Arch("Qwen3ForCausalLM", _ATTN_BIASES, permute_qk=False, norm_offset=0.0,
-                   hidden_act="silu"),
-    "gemma": _Arch("GemmaForCausalLM", _ATTN_BIASES, permute_qk=False, norm_offset=1.0,
-                   hidden_act="gelu_pytorch_tanh"),
-    "gemma2": _Arch("Gemma2ForCausalLM", _ATTN_BIASES, permute_qk=False, norm_offset=1.0,
-                    hidden_act="gelu_pytorch_tanh"),
+    "llama": _Arch(
+        "LlamaForCausalLM",
+        _ATTN_BIASES | {"ffn_gate", "ffn_up", "ffn_down"},
+        permute_qk=True,
+        norm_offset=0.0,
+        hidden_act="silu",
+    ),
+    "qwen2": _Arch(
+        "Qwen2ForCausalLM",
+        frozenset({"attn_q", "attn_k", "attn_v"}),
+        permute_qk=False,
+        norm_offset=0.0,
+        hidden_act="silu",
+    ),
+    "qwen3": _Arch(
+        "Qwen3ForCausalLM", _ATTN_BIASES, permute_qk=False, norm_offset=0.0, hidden_act="silu"
+    ),
+    "gemma": _Arch(
+        "GemmaForCausalLM",
+        _ATTN_BIASES,
+        permute_qk=False,
+        norm_offset=1.0,
+        hidden_act="gelu_pytorch_tanh",
+    ),
+    "gemma2": _Arch(
+        "Gemma2ForCausalLM",
+        _ATTN_BIASES,
+        permute_qk=False,
+        norm_offset=1.0,
+        hidden_act="gelu_pytorch_tanh",
+    ),
 }
 # The HF tensor names (per layer: under model.layers.N.) our dense families read. Which GGUF name
 # each has in an architecture (or none) is the `gguf` library's tensor-name map's answer: e.g.
 # `post_attention_layernorm` is `ffn_norm` in llama but `post_attention_norm` in gemma2.
 _HF_LAYER_NAMES = (
-    "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-    "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj",
-    "mlp.down_proj", "post_attention_layernorm", "pre_feedforward_layernorm",
+    "input_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
     "post_feedforward_layernorm",
 )
 _HF_GLOBAL_NAMES = ("model.embed_tokens", "model.norm", "lm_head")
@@ -494,7 +546,9 @@ class GGUFCheckpoint:
             w -= np.float32(entry.norm_offset)
         return w
 
-    def quantized(self, hf_name: str, fmt: str, groups: int = 1) -> tuple[np.ndarray, np.ndarray] | None:
+    def quantized(
+        self, hf_name: str, fmt: str, groups: int = 1
+    ) -> tuple[np.ndarray, np.ndarray] | None:
         """A 2-D block-quantized tensor requantized to `fmt` ("int8" | "fp8") with `groups` scales
         per row (HF layout: data [out, in], scale f32[out, groups] along `in`), a chunk of rows at
         a time, never whole in float32. Groups of symmetric blocks (Q8_0, Q4_0, Q5_0) fold their
@@ -509,9 +563,13 @@ class GGUFCheckpoint:
         what = f"{self.path}: tensor {entry.gguf_name!r} ({entry.qtype.name}, shape {entry.shape})"
         rows, cols = entry.shape
         block_size, block_bytes = gguf.GGML_QUANT_SIZES[entry.qtype]
-        raw = np.ascontiguousarray(self._reader.tensors[entry.index].data).reshape(-1).view(np.uint8)
+        raw = (
+            np.ascontiguousarray(self._reader.tensors[entry.index].data).reshape(-1).view(np.uint8)
+        )
         if raw.size != rows * cols // block_size * block_bytes:
-            raise GGUFError(f"{what}: holds {raw.size} bytes, expected {rows * cols // block_size * block_bytes}")
+            raise GGUFError(
+                f"{what}: holds {raw.size} bytes, expected {rows * cols // block_size * block_bytes}"
+            )
         by_row = raw.reshape(rows, cols // block_size * block_bytes)
 
         def read_rows(start: int, stop: int) -> np.ndarray:
@@ -519,6 +577,7 @@ class GGUFCheckpoint:
 
         read_blocks = None
         if entry.qtype in _SYMMETRIC:
+
             def read_blocks(start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
                 d, ints = _SYMMETRIC[entry.qtype](by_row[start:stop].reshape(-1, block_bytes))
                 n = stop - start
@@ -758,7 +817,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     if experts or (isinstance(arch, str) and arch.endswith("moe")):
         raise GGUFError(
             f"{path}: mixture-of-experts GGUF checkpoints are not supported (architecture {arch!r}, "
-            f"{arch}.expert_count={experts}); load the model's HF safetensors directory instead")
+            f"{arch}.expert_count={experts}); load the model's HF safetensors directory instead"
+        )
     if arch not in _ARCHS:
         raise GGUFError(
             f"{path}: unsupported architecture {arch!r} (supported: {', '.join(sorted(_ARCHS))})"

@@ -220,8 +220,11 @@ def saved_leaves(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], np
         tree = getattr(checkpointer.metadata(params_dir.absolute()).item_metadata, "tree", None)
     if tree is None:
         raise CheckpointError(f"checkpoint {params_dir} has no readable pytree metadata")
-    return {name: (tuple(meta.shape), np.dtype(meta.dtype)) for name, meta in _named_leaves(tree)
-            if getattr(meta, "shape", None) is not None and getattr(meta, "dtype", None) is not None}
+    return {
+        name: (tuple(meta.shape), np.dtype(meta.dtype))
+        for name, meta in _named_leaves(tree)
+        if getattr(meta, "shape", None) is not None and getattr(meta, "dtype", None) is not None
+    }
 
 
 def restore_params(path: str | os.PathLike, target: Any) -> Any:

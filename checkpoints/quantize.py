@@ -91,12 +91,16 @@ def dequantize(data: Any, scale: Any, axis: int, xp: Any = np) -> Any:
 
 def _grouped(shape: tuple[int, ...], axis: int, groups: int) -> tuple[int, ...]:
     """`shape` with its axis `axis` split into (groups, entries per group)."""
-    return shape[:axis] + (groups, shape[axis] // groups) + shape[axis + 1:]
+    return shape[:axis] + (groups, shape[axis] // groups) + shape[axis + 1 :]
 
 
-def requantize_rows(read_rows: Callable[[int, int], np.ndarray], rows: int, fmt: str,
-                    read_blocks: Callable[[int, int], tuple[np.ndarray, np.ndarray]] | None = None,
-                    groups: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def requantize_rows(
+    read_rows: Callable[[int, int], np.ndarray],
+    rows: int,
+    fmt: str,
+    read_blocks: Callable[[int, int], tuple[np.ndarray, np.ndarray]] | None = None,
+    groups: int = 1,
+) -> tuple[np.ndarray, np.ndarray]:
     """(data [rows, cols], scale f32[rows, groups]) of a row-major tensor stored in another
     quantized format, one chunk of `ROW_CHUNK` rows at a time (never the whole tensor in float32).
 
@@ -118,8 +122,11 @@ def requantize_rows(read_rows: Callable[[int, int], np.ndarray], rows: int, fmt:
             ints, block_scales = read_blocks(start, stop)
             blocks, block_size = ints.shape[1:]
             if blocks % groups == 0:  # whole blocks per group: fold each group like a row
-                folded = fold_block_scales(ints.reshape(n * groups, blocks // groups, block_size),
-                                           block_scales.reshape(n * groups, -1), fmt)
+                folded = fold_block_scales(
+                    ints.reshape(n * groups, blocks // groups, block_size),
+                    block_scales.reshape(n * groups, -1),
+                    fmt,
+                )
         if folded is not None and folded[2].all():
             d, s = folded[0].reshape(n, -1), folded[1].reshape(n, groups)
         else:
@@ -127,15 +134,18 @@ def requantize_rows(read_rows: Callable[[int, int], np.ndarray], rows: int, fmt:
             if folded is not None:
                 exact = folded[2].reshape(n, groups)
                 cols = d.shape[1]
-                d = np.where(np.repeat(exact, cols // groups, axis=1), folded[0].reshape(n, cols), d)
+                d = np.where(
+                    np.repeat(exact, cols // groups, axis=1), folded[0].reshape(n, cols), d
+                )
                 s = np.where(exact, folded[1].reshape(n, groups), s)
         datas.append(d)
         scales.append(s)
     return np.concatenate(datas), np.concatenate(scales)
 
 
-def fold_block_scales(ints: np.ndarray, block_scales: np.ndarray,
-                      fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def fold_block_scales(
+    ints: np.ndarray, block_scales: np.ndarray, fmt: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """Rows of symmetric blocks stored exactly as int8 times one scale, where that is possible.
 
     Args:
@@ -156,7 +166,8 @@ def fold_block_scales(ints: np.ndarray, block_scales: np.ndarray,
     base = np.where(np.isfinite(base), base, np.float32(1.0)).astype(np.float32)
     factor = np.where(used, np.rint(block_scales / base[:, None]), 0).astype(np.float32)
     out = ints.astype(np.int32) * factor.astype(np.int32)[:, :, None]
-    exact = (np.all(~used | (factor * base[:, None] == block_scales), axis=1)
-             & (np.abs(out).max(axis=(1, 2), initial=0) <= 127))
+    exact = np.all(~used | (factor * base[:, None] == block_scales), axis=1) & (
+        np.abs(out).max(axis=(1, 2), initial=0) <= 127
+    )
     data = np.where(exact[:, None, None], out, 0).astype(np.int8)
     return data.reshape(ints.shape[0], -1), base, exact

@@ -61,17 +61,23 @@ def _cpu_or_reference() -> str:
     reason = cpu.unavailable_reason()
     if reason is None:
         return "cpu"
-    log.warning("attention_backend 'auto': the CPU kernel is unavailable, using 'reference' (%s)", reason)
+    log.warning(
+        "attention_backend 'auto': the CPU kernel is unavailable, using 'reference' (%s)", reason
+    )
     return "reference"
 
 
 def check_kv_cache_dtype(backend: str, kv_cache_dtype: str) -> None:
     """Raises naming `kv_cache_dtype` when it is unknown or the (resolved) backend cannot read it."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; choose one of {KV_CACHE_DTYPES}")
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported; choose one of {KV_CACHE_DTYPES}"
+        )
     if kv_cache_dtype == "fp8" and backend not in FP8_KV_BACKENDS:
-        raise ValueError(f"kv_cache_dtype='fp8' is not readable by attention_backend {backend!r}; "
-                         f"use one of {FP8_KV_BACKENDS} or kv_cache_dtype='auto'")
+        raise ValueError(
+            f"kv_cache_dtype='fp8' is not readable by attention_backend {backend!r}; "
+            f"use one of {FP8_KV_BACKENDS} or kv_cache_dtype='auto'"
+        )
 
 
 def new_kv_cache(shape: tuple[int, ...], dtype, kv_cache_dtype: str = "auto"):
@@ -84,7 +90,9 @@ def kv_cache_bytes_per_row(head_dim: int, dtype_bytes: int, kv_cache_dtype: str)
     return head_dim + 1 if kv_cache_dtype == "fp8" else head_dim * dtype_bytes
 
 
-def kv_cache_shape(backend: str | None, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+def kv_cache_shape(
+    backend: str | None, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, ...]:
     """NOTE: every backend shares the reference layout [P, page_size, 2*Hkv, D] (K even, V odd)."""
     resolve_backend(backend)
     return reference.kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim)
@@ -118,7 +126,16 @@ def attention(
         kv_cache = reference.update_kv_cache(kv_cache, k, v, step.slot_mapping)
     with jax.named_scope("paged_attention"):
         out = KERNELS[backend](
-            q, kv_cache, step.kv_lens, step.page_indices, step.cu_q_lens, step.num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-            interpret=_interpret(backend))
+            q,
+            kv_cache,
+            step.kv_lens,
+            step.page_indices,
+            step.cu_q_lens,
+            step.num_seqs,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            sinks=sinks,
+            interpret=_interpret(backend),
+        )
     return out, kv_cache

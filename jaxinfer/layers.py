@@ -28,7 +28,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
     return (xf * (offset + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-def rope_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[np.ndarray, float]:
+def rope_frequencies(
+    rope: RopeConfig, head_dim: int, max_position_embeddings: int
+) -> tuple[np.ndarray, float]:
     """Inverse frequencies f32[head_dim // 2] and the cos/sin scale (YaRN's attention factor).
 
     Computed in float32 like the reference implementations, so angles match to the last bit.
@@ -68,7 +70,9 @@ def _yarn(rope: RopeConfig, dim: int, base: np.float32, max_pos: int) -> tuple[n
     attention_factor = rope.get("attention_factor")
     if attention_factor is None:
         m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
@@ -88,15 +92,20 @@ def _yarn(rope: RopeConfig, dim: int, base: np.float32, max_pos: int) -> tuple[n
     return inv_freq.astype(np.float32), attention_factor
 
 
-def rope_cos_sin(cfg: ModelConfig, positions: jax.Array, rope: RopeConfig | None = None,
-                 head_dim: int | None = None) -> tuple[jax.Array, jax.Array]:
+def rope_cos_sin(
+    cfg: ModelConfig,
+    positions: jax.Array,
+    rope: RopeConfig | None = None,
+    head_dim: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """cos/sin f32[T, rotary_dim // 2] for the given absolute positions i32[T].
 
     `rope` defaults to `cfg.rope`, the rotated width to `cfg.head_dim` (DeepSeek's MLA rotates
     only its `qk_rope_head_dim` slice; Gemma 3's local layers have their own `cfg.local_rope`).
     """
-    inv_freq, scale = rope_frequencies(rope or cfg.rope, head_dim or cfg.head_dim,
-                                       cfg.max_position_embeddings)
+    inv_freq, scale = rope_frequencies(
+        rope or cfg.rope, head_dim or cfg.head_dim, cfg.max_position_embeddings
+    )
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
@@ -117,8 +126,9 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=False)
 
 
-def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, act: str,
-              backend: str = "xla") -> jax.Array:
+def gated_mlp(
+    x: jax.Array, gate_up: jax.Array, down: jax.Array, act: str, backend: str = "xla"
+) -> jax.Array:
     """x [T, E]; gate_up [E, 2, F] (gate at 0, up at 1); down [F, E] -> [T, E]."""
     (gu,) = dense(x, gate_up, backend=backend)  # [T, 2, F]
     (out,) = dense(activation(act, gu[:, 0]) * gu[:, 1], down, backend=backend)
@@ -153,12 +163,16 @@ def resolve_linear_backend(backend: str | None, platform: str | None = None) -> 
 def _cpu_linear_builds() -> bool:
     reason = cpu_linear.unavailable_reason()
     if reason is not None:
-        log.warning("linear_backend 'auto': the CPU linear kernel is unavailable, using XLA's dot "
-                    "(%s)", reason)
+        log.warning(
+            "linear_backend 'auto': the CPU linear kernel is unavailable, using XLA's dot (%s)",
+            reason,
+        )
     return reason is None
 
 
-def dense(x: jax.Array, *weights: jax.Array | QArray, backend: str = "xla") -> tuple[jax.Array, ...]:
+def dense(
+    x: jax.Array, *weights: jax.Array | QArray, backend: str = "xla"
+) -> tuple[jax.Array, ...]:
     """x [T, E] times each weight [E, ...] (contracting E) -> ([T, ...], ...).
 
     A weight may be a `QArray` (int8 / fp8 data with scales [G, ...]: one per output channel and
@@ -204,9 +218,12 @@ def _xla_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
         return (y * scale[0]).astype(x.dtype).reshape(out_shape)
     if _per_group_products(x, e, groups):
         # t: token rows, G: scale groups, g: input channels of a group, n: output channels.
-        parts = jnp.einsum("tGg,Ggn->tGn", x.reshape(t, groups, -1),
-                           data.reshape(groups, -1, data.shape[1]).astype(x.dtype),
-                           preferred_element_type=jnp.float32)
+        parts = jnp.einsum(
+            "tGg,Ggn->tGn",
+            x.reshape(t, groups, -1),
+            data.reshape(groups, -1, data.shape[1]).astype(x.dtype),
+            preferred_element_type=jnp.float32,
+        )
         return jnp.einsum("tGn,Gn->tn", parts, scale).astype(x.dtype).reshape(out_shape)
     weight = qlib.dequantize(data, scale, 0, xp=jnp).astype(x.dtype)
     return jnp.dot(x, weight, preferred_element_type=jnp.float32).astype(x.dtype).reshape(out_shape)
@@ -228,9 +245,12 @@ def dense_transposed(x: jax.Array, w: jax.Array | QArray, backend: str = "xla") 
         return (y * w.scale[:, 0]).astype(x.dtype)
     if _per_group_products(x, e, groups):
         # t: token rows, n: vocab rows, G: scale groups, g: embedding channels of a group.
-        parts = jnp.einsum("tGg,nGg->tnG", x.reshape(t, groups, -1),
-                           w.data.reshape(w.shape[0], groups, -1).astype(x.dtype),
-                           preferred_element_type=jnp.float32)
+        parts = jnp.einsum(
+            "tGg,nGg->tnG",
+            x.reshape(t, groups, -1),
+            w.data.reshape(w.shape[0], groups, -1).astype(x.dtype),
+            preferred_element_type=jnp.float32,
+        )
         return jnp.einsum("tnG,nG->tn", parts, w.scale).astype(x.dtype)
     weight = qlib.dequantize(w.data, w.scale, 1, xp=jnp).astype(x.dtype)
     return jnp.einsum("te,ne->tn", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -239,17 +259,24 @@ def dense_transposed(x: jax.Array, w: jax.Array | QArray, backend: str = "xla") 
 def embed_rows(embed: jax.Array | QArray, ids: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
     """Rows `ids` i32[T] of an embedding [V, E] (quantized: scales [V, G]) -> [T, E] of `dtype`."""
     if isinstance(embed, QArray):
-        return qlib.dequantize(jnp.take(embed.data, ids, axis=0), jnp.take(embed.scale, ids, axis=0),
-                               1, xp=jnp).astype(dtype)
+        return qlib.dequantize(
+            jnp.take(embed.data, ids, axis=0), jnp.take(embed.scale, ids, axis=0), 1, xp=jnp
+        ).astype(dtype)
     return jnp.take(embed, ids, axis=0)
 
 
 def _kernel_fits(x: jax.Array, weights: tuple[jax.Array | QArray, ...], axis: int) -> bool:
     """Whether the compiled kernel takes x times `weights` (contracted over their axis `axis`)."""
-    if not (x.ndim == 2 and x.shape[0] <= cpu_linear.MAX_ROWS and x.dtype == jnp.float32
-            and len(weights) <= cpu_linear.MAX_WEIGHTS):
+    if not (
+        x.ndim == 2
+        and x.shape[0] <= cpu_linear.MAX_ROWS
+        and x.dtype == jnp.float32
+        and len(weights) <= cpu_linear.MAX_WEIGHTS
+    ):
         return False
     if all(isinstance(w, QArray) for w in weights):
-        return all(w.data.dtype == jnp.int8 and cpu_linear.groups_fit(x.shape[1], w.scale.shape[axis])
-                   for w in weights)
+        return all(
+            w.data.dtype == jnp.int8 and cpu_linear.groups_fit(x.shape[1], w.scale.shape[axis])
+            for w in weights
+        )
     return all(not isinstance(w, QArray) and w.dtype == jnp.float32 for w in weights)

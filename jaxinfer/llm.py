@@ -90,29 +90,50 @@ class LLM:
         the rules; see README "Serving on a mesh".
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | None = None,
-                 load_format: str = "auto", skip_tokenizer_init: bool = False,
-                 **engine_options: Any) -> None:
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        dtype: str | None = None,
+        load_format: str = "auto",
+        skip_tokenizer_init: bool = False,
+        **engine_options: Any,
+    ) -> None:
         backend = engine_options.pop("attention_backend", None)
         linear_backend = engine_options.pop("linear_backend", None)
         unknown = set(engine_options) - _ENGINE_OPTIONS
         if unknown:
-            raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(_ENGINE_OPTIONS)}")
+            raise TypeError(
+                f"unknown engine options {sorted(unknown)}; known: {sorted(_ENGINE_OPTIONS)}"
+            )
         quantization = engine_options.pop("quantization", None)
-        EngineConfig(quantization=quantization)  # a bad value fails before loading, naming the field
+        EngineConfig(
+            quantization=quantization
+        )  # a bad value fails before loading, naming the field
         check_load_format(load_format)
         mesh = shd.make_mesh(engine_options.get("mesh") or None)  # a bad mesh fails before loading
-        self.model = load_model(model, dtype=dtype, mesh=mesh, quantization=quantization,
-                                load_format=load_format, skip_tokenizer_init=skip_tokenizer_init)
-        config = EngineConfig(dtype=self.model.dtype, quantization=self.model.quantization,
-                              **engine_options)
-        self.engine = LLMEngine(self.model, config, attention_backend=backend,
-                                linear_backend=linear_backend)
+        self.model = load_model(
+            model,
+            dtype=dtype,
+            mesh=mesh,
+            quantization=quantization,
+            load_format=load_format,
+            skip_tokenizer_init=skip_tokenizer_init,
+        )
+        config = EngineConfig(
+            dtype=self.model.dtype, quantization=self.model.quantization, **engine_options
+        )
+        self.engine = LLMEngine(
+            self.model, config, attention_backend=backend, linear_backend=linear_backend
+        )
         self.tokenizer = self.model.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
-                 sampling: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt, text or token ids
         if not isinstance(sampling, list):
@@ -127,8 +148,9 @@ class LLM:
                 if isinstance(prompt, str) and not prompt:
                     raise ValueError("prompt is empty")
                 if isinstance(prompt, str) and self.tokenizer is None:
-                    raise ValueError("LLM(skip_tokenizer_init=True) takes prompts as token ids, "
-                                     "not text")
+                    raise ValueError(
+                        "LLM(skip_tokenizer_init=True) takes prompts as token ids, not text"
+                    )
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 self.engine.add_request(ids, sp, request_id=rid)
                 order.append(rid)
@@ -155,10 +177,13 @@ class LLM:
                         res.usage = delta.usage
         return [results[rid] for rid in order]
 
-    def chat(self, messages: list[dict[str, str]],
-             sampling: SamplingParams | None = None) -> RequestOutput:
+    def chat(
+        self, messages: list[dict[str, str]], sampling: SamplingParams | None = None
+    ) -> RequestOutput:
         """Renders the checkpoint's chat template (with the generation prompt) and generates."""
         if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init=True")
+            raise ValueError(
+                "chat needs a tokenizer; this LLM was built with skip_tokenizer_init=True"
+            )
         ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         return self.generate([ids], sampling)[0]

@@ -87,8 +87,10 @@ def resolve_model_path(model: str | os.PathLike | None) -> str:
         return default_model_path()
     path = os.fspath(model)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"model path {path!r} does not exist (expected a GGUF file, a "
-                                f"Hugging Face model directory or a jaxinfer orbax checkpoint dir)")
+        raise FileNotFoundError(
+            f"model path {path!r} does not exist (expected a GGUF file, a "
+            f"Hugging Face model directory or a jaxinfer orbax checkpoint dir)"
+        )
     return path
 
 
@@ -114,13 +116,15 @@ def open_source(path: str) -> tuple[str, Any]:
     if os.path.isdir(params_dir) and not has_safetensors:
         raise CheckpointError(
             f"{params_dir!r} is not a finished orbax checkpoint (no _CHECKPOINT_METADATA / "
-            f"_METADATA): its conversion was interrupted; run scripts/convert.py again")
+            f"_METADATA): its conversion was interrupted; run scripts/convert.py again"
+        )
     if os.path.isfile(os.path.join(path, "config.json")):
         ModelConfig.from_hf(load_hf_config(path))
         return "hf", HFCheckpoint(path)
     raise CheckpointError(
         f"{path!r} holds no model: expected config.json + *.safetensors, or an orbax checkpoint "
-        f"written by scripts/convert.py")
+        f"written by scripts/convert.py"
+    )
 
 
 def load_tokenizer(kind: str, handle: Any, path: str) -> Tokenizer:
@@ -146,8 +150,12 @@ def source_hf_config(path: str, kind: str, handle: Any) -> dict[str, Any]:
     return handle.hf_config() if kind == "gguf" else handle.config
 
 
-def load_model_info(model: str | os.PathLike | None = None, *, load_format: str = "auto",
-                    skip_tokenizer_init: bool = False) -> LoadedModel:
+def load_model_info(
+    model: str | os.PathLike | None = None,
+    *,
+    load_format: str = "auto",
+    skip_tokenizer_init: bool = False,
+) -> LoadedModel:
     """Config and tokenizer of a model without its weights (`params` None; no device touched):
     what a serving front end needs while the engine-core process loads the weights (no
     tokenizer with `skip_tokenizer_init`)."""
@@ -156,8 +164,16 @@ def load_model_info(model: str | os.PathLike | None = None, *, load_format: str 
     name = os.path.basename(os.path.normpath(path))
     if load_format == "dummy":
         hf_config, tokenizer = _dummy_source(path, skip_tokenizer_init)
-        return LoadedModel(name=name, path=path, source="dummy", cfg=ModelConfig.from_hf(hf_config),
-                           hf_config=hf_config, params=None, tokenizer=tokenizer, dtype="")
+        return LoadedModel(
+            name=name,
+            path=path,
+            source="dummy",
+            cfg=ModelConfig.from_hf(hf_config),
+            hf_config=hf_config,
+            params=None,
+            tokenizer=tokenizer,
+            dtype="",
+        )
     kind, handle = open_source(path)
     try:
         hf_config = source_hf_config(path, kind, handle)
@@ -166,8 +182,16 @@ def load_model_info(model: str | os.PathLike | None = None, *, load_format: str 
     finally:
         if kind == "hf":
             handle.close()
-    return LoadedModel(name=name, path=path, source=kind, cfg=cfg, hf_config=hf_config,
-                       params=None, tokenizer=tokenizer, dtype="")
+    return LoadedModel(
+        name=name,
+        path=path,
+        source=kind,
+        cfg=cfg,
+        hf_config=hf_config,
+        params=None,
+        tokenizer=tokenizer,
+        dtype="",
+    )
 
 
 def _resolve_dtype(dtype: str | None) -> str:
@@ -177,9 +201,15 @@ def _resolve_dtype(dtype: str | None) -> str:
     return dtype
 
 
-def load_model(model: str | os.PathLike | None = None, *, dtype: str | None = None,
-               mesh: jax.sharding.Mesh | None = None, quantization: str | None = None,
-               load_format: str = "auto", skip_tokenizer_init: bool = False) -> LoadedModel:
+def load_model(
+    model: str | os.PathLike | None = None,
+    *,
+    dtype: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    quantization: str | None = None,
+    load_format: str = "auto",
+    skip_tokenizer_init: bool = False,
+) -> LoadedModel:
     """Loads a GGUF file, a HF dir or an orbax checkpoint dir (None: the embedded default model).
 
     Args:
@@ -206,11 +236,23 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: str | None = No
     path = resolve_model_path(model)
     dtype = _resolve_dtype(dtype)
     if load_format == "dummy":
-        return load_dummy(path, dtype=dtype, mesh=mesh, quantization=quantization,
-                          skip_tokenizer_init=skip_tokenizer_init)
+        return load_dummy(
+            path,
+            dtype=dtype,
+            mesh=mesh,
+            quantization=quantization,
+            skip_tokenizer_init=skip_tokenizer_init,
+        )
     kind, handle = open_source(path)
-    return load_from_source(path, kind, handle, dtype=dtype, mesh=mesh, quantization=quantization,
-                            skip_tokenizer_init=skip_tokenizer_init)
+    return load_from_source(
+        path,
+        kind,
+        handle,
+        dtype=dtype,
+        mesh=mesh,
+        quantization=quantization,
+        skip_tokenizer_init=skip_tokenizer_init,
+    )
 
 
 def orbax_quantization(path: str) -> str | None:
@@ -220,30 +262,40 @@ def orbax_quantization(path: str) -> str | None:
     found = {dtype for name, (_, dtype) in leaves.items() if name.endswith(".data")}
     fmt = next((f for f, dtype in quant.STORAGE.items() if found == {dtype}), None)
     if found and fmt is None:
-        raise CheckpointError(f"{path!r}: quantized leaves of mixed dtypes {sorted(map(str, found))}")
+        raise CheckpointError(
+            f"{path!r}: quantized leaves of mixed dtypes {sorted(map(str, found))}"
+        )
     for name, (shape, _) in leaves.items():
-        data = leaves.get(name.removesuffix(".scale") + ".data") if name.endswith(".scale") else None
+        data = (
+            leaves.get(name.removesuffix(".scale") + ".data") if name.endswith(".scale") else None
+        )
         if data is not None and len(shape) != len(data[0]):
             raise CheckpointError(
                 f"{path!r}: leaf {name}: checkpoint shape {shape} for data {data[0]}; a {fmt} "
                 f"checkpoint converted before 2026-11-24 holds one scale per output channel "
-                f"without the contraction axis (now scale groups): convert its float source again")
+                f"without the contraction axis (now scale groups): convert its float source again"
+            )
     return fmt
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", GGUF_TOKENIZER_FILE)
 
 
-def _dummy_source(path: str, skip_tokenizer_init: bool = False
-                  ) -> tuple[dict[str, Any], Tokenizer | None]:
+def _dummy_source(
+    path: str, skip_tokenizer_init: bool = False
+) -> tuple[dict[str, Any], Tokenizer | None]:
     """(HF-style config, tokenizer) of a GGUF file (its metadata only) or a model directory; a
     directory without tokenizer files gets `Tokenizer.placeholder` (ids render as `<id>`), and
     `skip_tokenizer_init` none at all."""
     if os.path.isfile(path):
         kind, handle = open_source(path)  # a file is a GGUF or an error naming it
-        return handle.hf_config(), None if skip_tokenizer_init else load_tokenizer(kind, handle, path)
+        return handle.hf_config(), None if skip_tokenizer_init else load_tokenizer(
+            kind, handle, path
+        )
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CheckpointError(f"load_format='dummy' needs a config.json in {path!r} (or a GGUF file)")
+        raise CheckpointError(
+            f"load_format='dummy' needs a config.json in {path!r} (or a GGUF file)"
+        )
     hf_config = load_hf_config(path)
     if skip_tokenizer_init:
         return hf_config, None
@@ -254,13 +306,21 @@ def _dummy_source(path: str, skip_tokenizer_init: bool = False
     eos = hf_config.get("eos_token_id")
     eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     return hf_config, Tokenizer.placeholder(
-        vocab, bos_token_id=hf_config.get("bos_token_id"),
+        vocab,
+        bos_token_id=hf_config.get("bos_token_id"),
         eos_token_ids=[i for i in eos_ids if 0 <= i < vocab],
-        source=f"placeholder vocabulary of {path}")
+        source=f"placeholder vocabulary of {path}",
+    )
 
 
-def load_dummy(path: str, *, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None,
-               quantization: str | None = None, skip_tokenizer_init: bool = False) -> LoadedModel:
+def load_dummy(
+    path: str,
+    *,
+    dtype: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    quantization: str | None = None,
+    skip_tokenizer_init: bool = False,
+) -> LoadedModel:
     """Step 4 of the module docstring: the source's config and tokenizer, random weights (stored
     quantized when `quantization` is given)."""
     quant.check_quantization(quantization)
@@ -280,14 +340,29 @@ def load_dummy(path: str, *, dtype: str | None = None, mesh: jax.sharding.Mesh |
     else:
         params = params_lib.init_on_device(specs, key, params_lib.shardings(specs, mesh, rules))
     name = os.path.basename(os.path.normpath(path))
-    return LoadedModel(name=name, path=path, source="dummy", cfg=cfg, hf_config=hf_config,
-                       params=params, tokenizer=tokenizer, dtype=dtype, quantization=quantization)
+    return LoadedModel(
+        name=name,
+        path=path,
+        source="dummy",
+        cfg=cfg,
+        hf_config=hf_config,
+        params=params,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        quantization=quantization,
+    )
 
 
-def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = None,
-                     mesh: jax.sharding.Mesh | None = None,
-                     quantization: str | None = None,
-                     skip_tokenizer_init: bool = False) -> LoadedModel:
+def load_from_source(
+    path: str,
+    kind: str,
+    handle: Any,
+    *,
+    dtype: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    quantization: str | None = None,
+    skip_tokenizer_init: bool = False,
+) -> LoadedModel:
     """Step 3 of the module docstring, for a source `open_source(path)` has opened."""
     quant.check_quantization(quantization)
     dtype = _resolve_dtype(dtype)
@@ -297,8 +372,10 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
     tokenizer = None if skip_tokenizer_init else load_tokenizer(kind, handle, path)
     saved = orbax_quantization(path) if kind == "orbax" else None
     if saved and quantization and saved != quantization:
-        raise CheckpointError(f"{path!r} is saved with quantization={saved!r}; it cannot load as "
-                              f"quantization={quantization!r} (convert the float source instead)")
+        raise CheckpointError(
+            f"{path!r} is saved with quantization={saved!r}; it cannot load as "
+            f"quantization={quantization!r} (convert the float source instead)"
+        )
     quantization = quantization or saved
     family = family_of(cfg)
     float_specs = family.param_specs(cfg, jdtype)
@@ -318,17 +395,26 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
     if kind == "orbax" and quantization != saved:  # a float checkpoint, quantized where it lies
         params = quant.quantize_params(params, float_specs, quantization)
     if kind != "orbax":
+
         def put(x, spec):
             if stages > 1:  # NOTE: host arrays; `to_stacked` sends each device only its slices
                 return x
             # NOTE: not jax.device_put: with several processes it all-gathers every weight to
             # check that the processes agree; here each process slices its own copy.
-            return multihost.device_put_global(x, shd.named_sharding(mesh, spec.logical_axes, rules))
+            return multihost.device_put_global(
+                x, shd.named_sharding(mesh, spec.logical_axes, rules)
+            )
 
         try:
             params = family.params_from_hf(
-                cfg, handle.tensor_names(), handle.tensor, jdtype, put, quantization,
-                get_quantized=handle.quantized if kind == "gguf" else None)
+                cfg,
+                handle.tensor_names(),
+                handle.tensor,
+                jdtype,
+                put,
+                quantization,
+                get_quantized=handle.quantized if kind == "gguf" else None,
+            )
         except CheckpointError:
             raise
         except ValueError as e:  # missing, unexpected or mis-shaped tensors: name the checkpoint
@@ -339,5 +425,14 @@ def load_from_source(path: str, kind: str, handle: Any, *, dtype: str | None = N
     if stages > 1:  # the canonical layout -> layers stacked by pipeline stage
         params = pipeline.to_stacked(params, specs, mesh, delete_sources=True, rules=rules)
     name = os.path.basename(os.path.normpath(path))
-    return LoadedModel(name=name, path=path, source=kind, cfg=cfg, hf_config=hf_config,
-                       params=params, tokenizer=tokenizer, dtype=dtype, quantization=quantization)
+    return LoadedModel(
+        name=name,
+        path=path,
+        source=kind,
+        cfg=cfg,
+        hf_config=hf_config,
+        params=params,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        quantization=quantization,
+    )

@@ -23,8 +23,9 @@ def mla_backend(backend: str | None) -> str:
     return "gpu" if resolve_backend(backend) == "gpu" else "reference"
 
 
-def kv_cache_shape(backend: str | None, num_pages: int, page_size: int, kv_lora_rank: int,
-                   qk_rope_head_dim: int) -> tuple[int, ...]:
+def kv_cache_shape(
+    backend: str | None, num_pages: int, page_size: int, kv_lora_rank: int, qk_rope_head_dim: int
+) -> tuple[int, ...]:
     mla_backend(backend)  # NOTE: every MLA backend shares the reference layout
     return reference.kv_cache_shape(num_pages, page_size, kv_lora_rank, qk_rope_head_dim)
 
@@ -45,7 +46,14 @@ def mla_attention(
         kv_cache = reference.update_kv_cache(kv_cache, rows, step.slot_mapping)
     with jax.named_scope("mla_paged_attention"):
         out = KERNELS[kernel](
-            q, kv_cache, step.kv_lens, step.page_indices, step.cu_q_lens, step.num_seqs,
-            sm_scale=sm_scale, kv_lora_rank=kv_lora_rank,
-            interpret=kernel == "gpu" and jax.default_backend() != "gpu")
+            q,
+            kv_cache,
+            step.kv_lens,
+            step.page_indices,
+            step.cu_q_lens,
+            step.num_seqs,
+            sm_scale=sm_scale,
+            kv_lora_rank=kv_lora_rank,
+            interpret=kernel == "gpu" and jax.default_backend() != "gpu",
+        )
     return out, kv_cache

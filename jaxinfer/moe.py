@@ -72,8 +72,13 @@ class Routing:
     experts: jax.Array  # i32[T, k]  global expert ids; X (no expert) for padding tokens
 
 
-def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, valid: jax.Array,
-          bias: jax.Array | None = None) -> Routing:
+def route(
+    x: jax.Array,
+    router: jax.Array,
+    cfg: ModelConfig,
+    valid: jax.Array,
+    bias: jax.Array | None = None,
+) -> Routing:
     """Top-k routing of `x` [T, E] over all experts (f32), padding tokens unrouted.
 
     `bias` f32[X] (DeepSeek-V3) is added to the scores that choose the experts, not to the weights.
@@ -222,7 +227,9 @@ def _grouped_ffn(rows: jax.Array, local_ids: jax.Array, p: MoEParams, act: str) 
         order = jnp.argsort(key, stable=True)
         sizes = group_sizes(key, num_local)
         xs = jnp.take(rows, order, axis=0)
-        sorted_ids = jnp.minimum(jnp.take(key, order), num_local - 1)  # scales of the past-end rows: unused
+        sorted_ids = jnp.minimum(
+            jnp.take(key, order), num_local - 1
+        )  # scales of the past-end rows: unused
         # NOTE: rows past sum(sizes) (the unrouted ones, sorted last) belong to no group:
         # ragged_dot leaves them zero and the where below makes sure of it. XLA:CPU (jaxlib
         # 0.10.2) lowers ragged_dot to a masked dense dot per group, i.e. X_local times the work

@@ -37,7 +37,9 @@ class ParamSpec:
 
     def __post_init__(self) -> None:
         if len(self.shape) != len(self.logical_axes):
-            raise ValueError(f"shape {self.shape} and logical axes {self.logical_axes} differ in rank")
+            raise ValueError(
+                f"shape {self.shape} and logical axes {self.logical_axes} differ in rank"
+            )
         if self.quant_axis is not None and not 0 <= self.quant_axis < len(self.shape):
             raise ValueError(f"quant_axis {self.quant_axis} is outside shape {self.shape}")
 
@@ -55,8 +57,9 @@ def abstract(specs: Any, mesh: jax.sharding.Mesh | None = None, rules: dict | No
     if mesh is None:
         return map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), specs)
     return map_specs(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                       sharding=shd.named_sharding(mesh, s.logical_axes, rules)),
+        lambda s: jax.ShapeDtypeStruct(
+            s.shape, s.dtype, sharding=shd.named_sharding(mesh, s.logical_axes, rules)
+        ),
         specs,
     )
 
@@ -87,7 +90,8 @@ def init_random(specs: Any, key: jax.Array) -> Any:
     """Random weights for tests: each leaf gets its own key folded from its path."""
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     return jax.tree.unflatten(
-        treedef, [_init_leaf(s, jax.random.fold_in(key, i)) for i, s in enumerate(leaves)])
+        treedef, [_init_leaf(s, jax.random.fold_in(key, i)) for i, s in enumerate(leaves)]
+    )
 
 
 def init_on_device(specs: Any, key: jax.Array, shardings: Any) -> Any:
@@ -104,6 +108,7 @@ def init_on_device(specs: Any, key: jax.Array, shardings: Any) -> Any:
         groups.setdefault(tuple(sorted(d.id for d in sharding.device_set)), []).append(i)
     out: list[Any] = [None] * len(leaves)
     for idx in groups.values():
+
         def init(k, idx=tuple(idx)):
             return [_init_leaf(leaves[i], jax.random.fold_in(k, i)) for i in idx]
 

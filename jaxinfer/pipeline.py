@@ -47,8 +47,10 @@ def check_stages(num_layers: int, num_stages: int) -> int:
     """Layers per stage; raises naming the pipeline sizes that divide `num_layers`."""
     if num_stages < 1 or num_layers % num_stages:
         ok = [s for s in range(1, num_layers + 1) if num_layers % s == 0]
-        raise ValueError(f"pipeline={num_stages} does not divide the model's {num_layers} layers "
-                         f"into equal stages; use pipeline in {ok}")
+        raise ValueError(
+            f"pipeline={num_stages} does not divide the model's {num_layers} layers "
+            f"into equal stages; use pipeline in {ok}"
+        )
     return num_layers // num_stages
 
 
@@ -83,17 +85,24 @@ def _check_uniform(layers: Sequence[Any], num_stages: int) -> int:
 
     if not uniform(num_stages):
         ok = [n for n in range(1, len(layers) + 1) if len(layers) % n == 0 and uniform(n)]
-        raise ValueError(f"pipeline={num_stages} would stack layers of different kinds (e.g. dense "
-                         f"and MoE MLPs) at the same stage position; use pipeline in {ok}")
+        raise ValueError(
+            f"pipeline={num_stages} would stack layers of different kinds (e.g. dense "
+            f"and MoE MLPs) at the same stage position; use pipeline in {ok}"
+        )
     return lps
 
 
 def _stack_leaves(*leaves: Any) -> Any:
     first = leaves[0]
     if is_spec(first):
-        return ParamSpec((len(leaves),) + tuple(first.shape), first.dtype,
-                         (LAYERS_AXIS,) + tuple(first.logical_axes), first.init, first.scale,
-                         None if first.quant_axis is None else first.quant_axis + 1)
+        return ParamSpec(
+            (len(leaves),) + tuple(first.shape),
+            first.dtype,
+            (LAYERS_AXIS,) + tuple(first.logical_axes),
+            first.init,
+            first.scale,
+            None if first.quant_axis is None else first.quant_axis + 1,
+        )
     if isinstance(first, np.ndarray):
         return np.stack(leaves)
     return jnp.stack(leaves)
@@ -109,8 +118,11 @@ def stack_stages(tree: Any, num_stages: int) -> Any:
     layers = _layers_of(tree)
     lps = _check_uniform(layers, num_stages)
     stacked = tuple(
-        jax.tree.map(_stack_leaves, *[layers[s * lps + j] for s in range(num_stages)], is_leaf=is_spec)
-        for j in range(lps))
+        jax.tree.map(
+            _stack_leaves, *[layers[s * lps + j] for s in range(num_stages)], is_leaf=is_spec
+        )
+        for j in range(lps)
+    )
     return _with_layers(tree, stacked)
 
 
@@ -124,19 +136,32 @@ def unstack_stages(tree: Any) -> Any:
     def pick(leaf, s):
         if is_spec(leaf):
             if leaf.logical_axes[:1] != (LAYERS_AXIS,):
-                raise ValueError(f"{leaf} has no leading {LAYERS_AXIS!r} axis: not stacked by stage")
-            return ParamSpec(leaf.shape[1:], leaf.dtype, leaf.logical_axes[1:], leaf.init, leaf.scale,
-                             None if leaf.quant_axis is None else leaf.quant_axis - 1)
+                raise ValueError(
+                    f"{leaf} has no leading {LAYERS_AXIS!r} axis: not stacked by stage"
+                )
+            return ParamSpec(
+                leaf.shape[1:],
+                leaf.dtype,
+                leaf.logical_axes[1:],
+                leaf.init,
+                leaf.scale,
+                None if leaf.quant_axis is None else leaf.quant_axis - 1,
+            )
         return leaf[s]
 
-    layers = tuple(jax.tree.map(lambda x, s=s: pick(x, s), stacked[j], is_leaf=is_spec)
-                   for s in range(num_stages) for j in range(len(stacked)))
+    layers = tuple(
+        jax.tree.map(lambda x, s=s: pick(x, s), stacked[j], is_leaf=is_spec)
+        for s in range(num_stages)
+        for j in range(len(stacked))
+    )
     return _with_layers(tree, layers)
 
 
 def _norm_index(index: tuple, shape: Sequence[int]) -> tuple:
-    return tuple((sl.indices(n)[:2] if isinstance(sl, slice) else (sl, sl + 1))
-                 for sl, n in zip(index, shape))
+    return tuple(
+        (sl.indices(n)[:2] if isinstance(sl, slice) else (sl, sl + 1))
+        for sl, n in zip(index, shape)
+    )
 
 
 def _local_piece(src: Any, rest: tuple, device: jax.Device, dtype: Any) -> Any:
@@ -150,8 +175,9 @@ def _local_piece(src: Any, rest: tuple, device: jax.Device, dtype: Any) -> Any:
     return jax.device_put(src[rest], device).astype(dtype)
 
 
-def _assemble(sources: Sequence[Any], sharding: NamedSharding, dtype: Any,
-              delete_sources: bool = False) -> jax.Array:
+def _assemble(
+    sources: Sequence[Any], sharding: NamedSharding, dtype: Any, delete_sources: bool = False
+) -> jax.Array:
     """One stacked [S, ...] array from per-stage sources, built shard by shard on its devices.
 
     NOTE: each device receives only the slice of its own stage (and its own tensor shard): a
@@ -164,13 +190,19 @@ def _assemble(sources: Sequence[Any], sharding: NamedSharding, dtype: Any,
     shape = (len(sources),) + tuple(sources[0].shape)
     arrays = []
     for device, index in sharding.addressable_devices_indices_map(shape).items():
-        parts = [_local_piece(sources[s], tuple(index[1:]), device, dtype)
-                 for s in range(len(sources))[index[0]]]
+        parts = [
+            _local_piece(sources[s], tuple(index[1:]), device, dtype)
+            for s in range(len(sources))[index[0]]
+        ]
         if len(parts) == 1:
             piece = jax.device_put(parts[0][None], device)
         else:
-            piece = jax.device_put(np.stack(parts) if isinstance(parts[0], np.ndarray)
-                                   else jnp.stack([jax.device_put(p, device) for p in parts]), device)
+            piece = jax.device_put(
+                np.stack(parts)
+                if isinstance(parts[0], np.ndarray)
+                else jnp.stack([jax.device_put(p, device) for p in parts]),
+                device,
+            )
         arrays.append(piece)
     out = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
     if delete_sources:
@@ -181,8 +213,14 @@ def _assemble(sources: Sequence[Any], sharding: NamedSharding, dtype: Any,
     return out
 
 
-def place_stacked_layers(canonical_layers: Sequence[Any], stacked_specs: Any, mesh: Mesh, *,
-                         rules: dict, delete_sources: bool = False) -> tuple:
+def place_stacked_layers(
+    canonical_layers: Sequence[Any],
+    stacked_specs: Any,
+    mesh: Mesh,
+    *,
+    rules: dict,
+    delete_sources: bool = False,
+) -> tuple:
     """Per-layer arrays (host numpy or jax arrays) -> stacked-by-stage arrays on `mesh`.
 
     `rules` here and in the functions below is the model's logical-axis table for this mesh,
@@ -199,9 +237,16 @@ def place_stacked_layers(canonical_layers: Sequence[Any], stacked_specs: Any, me
     out = []
     for j, spec_j in enumerate(specs):
         sources = [canonical_layers[s * lps + j] for s in range(num_stages)]
-        out.append(jax.tree.map(
-            lambda spec, *src: _assemble(src, _sharding(mesh, spec, rules), spec.dtype, delete_sources),
-            spec_j, *sources, is_leaf=is_spec))
+        out.append(
+            jax.tree.map(
+                lambda spec, *src: _assemble(
+                    src, _sharding(mesh, spec, rules), spec.dtype, delete_sources
+                ),
+                spec_j,
+                *sources,
+                is_leaf=is_spec,
+            )
+        )
     return tuple(out)
 
 
@@ -231,13 +276,17 @@ def canonical_targets(specs: Any, mesh: Mesh, rules: dict) -> Any:
 
     whole = jax.tree.map(lambda sp: target(sp, mesh), specs.replace(layers=()), is_leaf=is_spec)
     stage_meshes = [stage_mesh(mesh, s) for s in range(num_stages)]
-    return whole.replace(layers=tuple(
-        jax.tree.map(lambda sp, m=stage_meshes[i // lps]: target(sp, m), layer, is_leaf=is_spec)
-        for i, layer in enumerate(layers)))
+    return whole.replace(
+        layers=tuple(
+            jax.tree.map(lambda sp, m=stage_meshes[i // lps]: target(sp, m), layer, is_leaf=is_spec)
+            for i, layer in enumerate(layers)
+        )
+    )
 
 
-def to_stacked(params: Any, specs: Any, mesh: Mesh, *, rules: dict,
-               delete_sources: bool = False) -> Any:
+def to_stacked(
+    params: Any, specs: Any, mesh: Mesh, *, rules: dict, delete_sources: bool = False
+) -> Any:
     """Canonical params (host or device arrays) -> stacked-by-stage params placed on `mesh`.
 
     `specs` is the canonical spec tree (`param_specs(cfg)`). Non-layer leaves are placed by their
@@ -248,9 +297,15 @@ def to_stacked(params: Any, specs: Any, mesh: Mesh, *, rules: dict,
     stacked_specs = stack_stages(specs, num_stages)
     rest = jax.tree.map(
         lambda sp, x: jax.device_put(x, _sharding(mesh, sp, rules)),
-        specs.replace(layers=()), params.replace(layers=()), is_leaf=is_spec)
-    return rest.replace(layers=place_stacked_layers(params.layers, stacked_specs, mesh,
-                                                    delete_sources=delete_sources, rules=rules))
+        specs.replace(layers=()),
+        params.replace(layers=()),
+        is_leaf=is_spec,
+    )
+    return rest.replace(
+        layers=place_stacked_layers(
+            params.layers, stacked_specs, mesh, delete_sources=delete_sources, rules=rules
+        )
+    )
 
 
 def place_params(params: Any, specs: Any, mesh: Mesh, rules: dict) -> Any:
@@ -264,15 +319,25 @@ def place_params(params: Any, specs: Any, mesh: Mesh, rules: dict) -> Any:
         return to_stacked(params, specs, mesh, rules=rules)
     stacked_specs = stack_stages(specs, num_stages)
     if len(params.layers) != len(stacked_specs.layers):
-        raise ValueError(f"params hold {len(params.layers)} layers: neither the model's "
-                         f"{len(specs.layers)} nor {len(stacked_specs.layers)} stacked by "
-                         f"pipeline={num_stages}")
-    return jax.device_put(params, jax.tree.map(lambda sp: _sharding(mesh, sp, rules), stacked_specs,
-                                               is_leaf=is_spec))
+        raise ValueError(
+            f"params hold {len(params.layers)} layers: neither the model's "
+            f"{len(specs.layers)} nor {len(stacked_specs.layers)} stacked by "
+            f"pipeline={num_stages}"
+        )
+    return jax.device_put(
+        params, jax.tree.map(lambda sp: _sharding(mesh, sp, rules), stacked_specs, is_leaf=is_spec)
+    )
 
 
-def stage_kv_caches(num_layers: int, num_stages: int, shape: Sequence[int], dtype: Any, mesh: Mesh,
-                    inner_spec: PartitionSpec | None = None, fill: float = 0.0) -> tuple[jax.Array, ...]:
+def stage_kv_caches(
+    num_layers: int,
+    num_stages: int,
+    shape: Sequence[int],
+    dtype: Any,
+    mesh: Mesh,
+    inner_spec: PartitionSpec | None = None,
+    fill: float = 0.0,
+) -> tuple[jax.Array, ...]:
     """Per stage position one cache `[S, *shape]`, stage dim on `pipeline`, created in place.
 
     `inner_spec` shards the per-layer dims (e.g. pages on `data`, KV heads on `tensor`).
@@ -316,8 +381,10 @@ def split_microbatches(token_counts: Sequence[int], num_microbatches: int) -> li
 
 def schedule(num_microbatches: int, num_stages: int) -> list[list[tuple[int, int]]]:
     """Per tick, the (stage, micro-batch) pairs at work: stage s holds micro-batch t - s."""
-    return [[(s, t - s) for s in range(num_stages) if 0 <= t - s < num_microbatches]
-            for t in range(num_microbatches + num_stages - 1)]
+    return [
+        [(s, t - s) for s in range(num_stages) if 0 <= t - s < num_microbatches]
+        for t in range(num_microbatches + num_stages - 1)
+    ]
 
 
 def run_pipeline(
@@ -359,13 +426,16 @@ def run_pipeline(
         mb = tick - stage
         active = (mb >= 0) & (mb < num_mb)
         idx = jnp.clip(mb, 0, num_mb - 1)
-        inputs = jax.tree.map(lambda a, i=idx: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
-                              microbatch_inputs)
+        inputs = jax.tree.map(
+            lambda a, i=idx: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), microbatch_inputs
+        )
         h = received
         if num_stages == 1:
             h = first_inputs[tick]
         else:
-            h = jnp.where(stage == 0, jax.lax.dynamic_index_in_dim(first_inputs, idx, keepdims=False), h)
+            h = jnp.where(
+                stage == 0, jax.lax.dynamic_index_in_dim(first_inputs, idx, keepdims=False), h
+            )
         with jax.named_scope(f"pipeline_tick_{tick}"):
             h, caches = stage_fn(params, caches, h, inputs, active)
         if tick >= num_stages - 1:  # the last stage finished micro-batch tick - (S - 1)
@@ -387,11 +457,19 @@ def stage_windows(layer_windows: Sequence[int | None], num_stages: int) -> tuple
     for j in range(lps):
         ws = {layer_windows[s * lps + j] for s in range(num_stages)}
         if len(ws) > 1:
-            ok = [n for n in range(1, len(layer_windows) + 1) if len(layer_windows) % n == 0
-                  and all(len({layer_windows[s * (len(layer_windows) // n) + i] for s in range(n)}) == 1
-                          for i in range(len(layer_windows) // n))]
-            raise ValueError(f"pipeline={num_stages} puts layers with different sliding windows "
-                             f"{sorted(ws, key=str)} at stage position {j}; use pipeline in {ok}")
+            ok = [
+                n
+                for n in range(1, len(layer_windows) + 1)
+                if len(layer_windows) % n == 0
+                and all(
+                    len({layer_windows[s * (len(layer_windows) // n) + i] for s in range(n)}) == 1
+                    for i in range(len(layer_windows) // n)
+                )
+            ]
+            raise ValueError(
+                f"pipeline={num_stages} puts layers with different sliding windows "
+                f"{sorted(ws, key=str)} at stage position {j}; use pipeline in {ok}"
+            )
         out.append(ws.pop())
     return tuple(out)
 
@@ -430,5 +508,13 @@ def pipelined_decoder(
     def rows(x, inputs):
         return jnp.take(x, inputs[0].logits_indices, axis=0)
 
-    return run_pipeline(stage_fn, stage_layers, tuple(stage_caches), (step, cos, sin), h,
-                        num_stages=num_stages, axis=axis, output_fn=rows)
+    return run_pipeline(
+        stage_fn,
+        stage_layers,
+        tuple(stage_caches),
+        (step, cos, sin),
+        h,
+        num_stages=num_stages,
+        axis=axis,
+        output_fn=rows,
+    )

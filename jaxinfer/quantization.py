@@ -79,10 +79,14 @@ def quantized_spec(spec: ParamSpec, fmt: str) -> QArray:
     # data * scale has about the float spec's std (uniform ints in [-127, 127] have std ~73).
     data_std = 73.0 if fmt == "int8" else 1.0
     data = ParamSpec(spec.shape, STORAGE[fmt], spec.logical_axes, "normal", data_std, a)
-    shape = spec.shape[:a] + (groups,) + spec.shape[a + 1:]
+    shape = spec.shape[:a] + (groups,) + spec.shape[a + 1 :]
     # NOTE: a single group is replicated (a size-1 axis splits over nothing); G groups split like
     # the input channels they scale, so a sharded contraction axis needs G divisible by its shards.
-    axes = spec.logical_axes[:a] + ((spec.logical_axes[a] if groups > 1 else None),) + spec.logical_axes[a + 1:]
+    axes = (
+        spec.logical_axes[:a]
+        + ((spec.logical_axes[a] if groups > 1 else None),)
+        + spec.logical_axes[a + 1 :]
+    )
     scale = ParamSpec(shape, jnp.float32, axes, "constant", spec.scale / data_std)
     return QArray(data=data, scale=scale)
 
@@ -92,19 +96,26 @@ def quantize_specs(specs: Any, fmt: str | None) -> Any:
     check_quantization(fmt)
     if fmt is None:
         return specs
-    return jax.tree.map(lambda s: quantized_spec(s, fmt) if _takes_quantization(s) else s,
-                        specs, is_leaf=is_spec)
+    return jax.tree.map(
+        lambda s: quantized_spec(s, fmt) if _takes_quantization(s) else s, specs, is_leaf=is_spec
+    )
 
 
 def _takes_quantization(spec: ParamSpec) -> bool:
-    return spec.quant_axis is not None and jnp.issubdtype(spec.dtype, jnp.floating) and \
-        jnp.dtype(spec.dtype) not in STORAGE.values()
+    return (
+        spec.quant_axis is not None
+        and jnp.issubdtype(spec.dtype, jnp.floating)
+        and jnp.dtype(spec.dtype) not in STORAGE.values()
+    )
 
 
 def quantization_of(params: Any) -> str | None:
     """The format of a params (or spec / abstract) tree: None when no leaf is a `QArray`."""
-    found = {jnp.dtype(q.data.dtype) for q in jax.tree.leaves(params, is_leaf=is_quantized)
-             if is_quantized(q)}
+    found = {
+        jnp.dtype(q.data.dtype)
+        for q in jax.tree.leaves(params, is_leaf=is_quantized)
+        if is_quantized(q)
+    }
     for fmt, dtype in STORAGE.items():
         if found == {dtype}:
             return fmt
@@ -129,7 +140,8 @@ def check_group_splits(specs: Any, mesh: jax.sharding.Mesh, rules: dict | None =
                     f"quantization: weight {jax.tree_util.keystr(path)} has {n} scale groups along "
                     f"its input channels, which do not split over mesh axes {names} of size "
                     f"{shards}; use a mesh whose size there divides {n} (int8 keeps one scale per "
-                    f"{qlib.GROUP_SIZE['int8']} input channels)")
+                    f"{qlib.GROUP_SIZE['int8']} input channels)"
+                )
 
 
 def quantize_params(params: Any, specs: Any, fmt: str | None) -> Any:

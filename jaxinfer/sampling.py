@@ -135,8 +135,9 @@ class SamplingRows:
         self.wants_logprobs = np.zeros(rows, np.bool_)
         self.version = 0  # bumped on every change (callers cache gathered metadata by it)
 
-    def set(self, row: int, params: SamplingParams, seed: int, suppress: list[int],
-            suppress_until: int) -> None:
+    def set(
+        self, row: int, params: SamplingParams, seed: int, suppress: list[int], suppress_until: int
+    ) -> None:
         """Row `row` now samples with `params` and `seed` (in [0, 2**64)), never choosing an id in
         `suppress` at a position below `suppress_until`."""
         if not 0 <= row < self.num_rows:
@@ -471,7 +472,9 @@ def apply_token_bitmask(
     """Tokens whose bit is clear -> -inf."""
     s, vocab = x.shape
     if bitmask.shape[1] * 32 < vocab:
-        raise ValueError(f"token bitmask of {bitmask.shape[1]} words covers fewer than {vocab} tokens")
+        raise ValueError(
+            f"token bitmask of {bitmask.shape[1]} words covers fewer than {vocab} tokens"
+        )
     # bits[s, w, b] = bit b of word w
     bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # i32[S, W, 32]
     allowed = bits.reshape(s, -1)[:, :vocab] != 0  # bool[S, V]
@@ -540,8 +543,11 @@ def sample(
     )
     if token_bitmask is not None:
         with jax.named_scope("token_bitmask"):
-            x = lax.cond(jnp.any(token_bitmask != -1),
-                         lambda: apply_token_bitmask(x, token_bitmask), lambda: x)
+            x = lax.cond(
+                jnp.any(token_bitmask != -1),
+                lambda: apply_token_bitmask(x, token_bitmask),
+                lambda: x,
+            )
     x = _pad_vocab(x)
     with jax.named_scope("greedy"):
         block_max = _blocks(x).max(axis=2)  # f32[S, NB]
@@ -561,7 +567,10 @@ def sample(
     chosen, topk_ids, topk_logprobs = lax.cond(
         jnp.any(meta.wants_logprobs),
         lambda: compute_logprobs(logits, token_ids, num_logprobs),
-        lambda: (jnp.zeros((s,), jnp.float32), jnp.zeros((s, num_logprobs), jnp.int32),
-                 jnp.zeros((s, num_logprobs), jnp.float32)),
+        lambda: (
+            jnp.zeros((s,), jnp.float32),
+            jnp.zeros((s, num_logprobs), jnp.int32),
+            jnp.zeros((s, num_logprobs), jnp.float32),
+        ),
     )
     return SamplerOutput(token_ids, chosen, topk_ids, topk_logprobs)

@@ -28,20 +28,27 @@ class StructuredOutputsParams:
         set_ = [f for f in ("json", "regex", "choice", "grammar") if getattr(self, f) is not None]
         set_ += ["json_object"] if self.json_object else []
         if len(set_) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, "
-                             f"json_object; got {set_ or 'none'}")
+            raise ValueError(
+                f"structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {set_ or 'none'}"
+            )
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its "
-                             f"text), got {type(self.json).__name__}")
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema (an object or its "
+                f"text), got {type(self.json).__name__}"
+            )
         for field in ("regex", "grammar"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{field} must be a non-empty string")
         if self.choice is not None and (
-                not isinstance(self.choice, list) or not self.choice
-                or any(not isinstance(c, str) or not c for c in self.choice)):
-            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
-                             "strings")
+            not isinstance(self.choice, list)
+            or not self.choice
+            or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise ValueError(
+                "structured_outputs.choice must be a non-empty list of non-empty strings"
+            )
 
 
 @dataclasses.dataclass
@@ -111,10 +118,12 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):  # from the engine-core wire (asdict)
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(
-                self.structured_outputs, StructuredOutputsParams):
+            self.structured_outputs, StructuredOutputsParams
+        ):
             bad("structured_outputs", "must be a StructuredOutputsParams")
         if self.stop_token_ids is not None and any(
-                not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            not isinstance(t, int) or t < 0 for t in self.stop_token_ids
+        ):
             bad("stop_token_ids", "must be a list of non-negative integers")
 
     @property

@@ -62,7 +62,9 @@ def _flat(m: MeshAxes) -> tuple[str, ...]:
     return () if m is None else (m,) if isinstance(m, str) else tuple(m)
 
 
-def logical_to_spec(axes: Sequence[str | None], rules: dict[str, MeshAxes] | None = None) -> PartitionSpec:
+def logical_to_spec(
+    axes: Sequence[str | None], rules: dict[str, MeshAxes] | None = None
+) -> PartitionSpec:
     rules = RULES if rules is None else rules
     entries, used = [], []
     for ax in axes:
@@ -77,8 +79,9 @@ def logical_to_spec(axes: Sequence[str | None], rules: dict[str, MeshAxes] | Non
     return PartitionSpec(*entries)
 
 
-def named_sharding(mesh: Mesh, axes: Sequence[str | None],
-                   rules: dict[str, MeshAxes] | None = None) -> NamedSharding:
+def named_sharding(
+    mesh: Mesh, axes: Sequence[str | None], rules: dict[str, MeshAxes] | None = None
+) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(axes, rules))
 
 
@@ -124,15 +127,23 @@ def model_rules(cfg, par: Parallel) -> dict[str, MeshAxes]:
     return rules
 
 
-def check_mesh(cfg, spec: str | dict[str, int] | None, *, num_devices: int | None = None,
-               max_num_seqs: int | None = None, num_pages: int | None = None) -> dict[str, int]:
+def check_mesh(
+    cfg,
+    spec: str | dict[str, int] | None,
+    *,
+    num_devices: int | None = None,
+    max_num_seqs: int | None = None,
+    num_pages: int | None = None,
+) -> dict[str, int]:
     """Mesh axis sizes for `spec`; raises ValueError saying what to change when `cfg` (a
     `ModelConfig`) or the engine budgets cannot be split over it."""
     sizes = parse_mesh(spec)
     total = math.prod(sizes.values())
     if num_devices is not None and spec and total != num_devices:
-        raise ValueError(f"mesh {spec!r} spans {total} devices but {num_devices} are available; make "
-                         f"the product of the axis sizes equal {num_devices}")
+        raise ValueError(
+            f"mesh {spec!r} spans {total} devices but {num_devices} are available; make "
+            f"the product of the axis sizes equal {num_devices}"
+        )
     errors = []
     t = sizes[TENSOR]
     moe = is_moe(cfg)
@@ -151,17 +162,21 @@ def check_mesh(cfg, spec: str | dict[str, int] | None, *, num_devices: int | Non
         if not moe or not all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
             divides("intermediate_size", cfg.intermediate_size, where, dense)
         if cfg.num_kv_heads % dense and dense % cfg.num_kv_heads:
-            errors.append(f"num_kv_heads={cfg.num_kv_heads} and {where}={dense}: one must divide the "
-                          f"other (KV heads split over {where}, or each replicated "
-                          f"{where}/num_kv_heads times)")
+            errors.append(
+                f"num_kv_heads={cfg.num_kv_heads} and {where}={dense}: one must divide the "
+                f"other (KV heads split over {where}, or each replicated "
+                f"{where}/num_kv_heads times)"
+            )
     if moe and t > 1:
         divides("moe_intermediate_size", cfg.moe_intermediate_size, TENSOR)
     shared = getattr(cfg, "num_shared_experts", 0) * getattr(cfg, "moe_intermediate_size", 0)
     if shared and dense > 1:  # DeepSeek's shared experts: one gated MLP split like a dense one
         divides("n_shared_experts*moe_intermediate_size", shared, where, dense)
     if sizes[PIPELINE] > 1 and getattr(cfg, "is_mla", False):
-        errors.append(f"{cfg.model_type} runs no pipeline stages (its dense and MoE layers differ "
-                      f"in kind); use pipeline=1 with the data, expert and tensor axes")
+        errors.append(
+            f"{cfg.model_type} runs no pipeline stages (its dense and MoE layers differ "
+            f"in kind); use pipeline=1 with the data, expert and tensor axes"
+        )
     elif sizes[PIPELINE] > 1:
         divides("num_layers", cfg.num_layers, PIPELINE)
     if sizes[EXPERT] > 1 and moe:
@@ -169,11 +184,15 @@ def check_mesh(cfg, spec: str | dict[str, int] | None, *, num_devices: int | Non
     d = sizes[DATA]
     if d > 1:
         if max_num_seqs is not None and max_num_seqs % d:
-            errors.append(f"max_num_seqs={max_num_seqs} is not divisible by data={d}; each replica "
-                          f"runs max_num_seqs/data sequences")
+            errors.append(
+                f"max_num_seqs={max_num_seqs} is not divisible by data={d}; each replica "
+                f"runs max_num_seqs/data sequences"
+            )
         if num_pages is not None and (num_pages % d or num_pages // d < 2):
-            errors.append(f"num_pages={num_pages} does not split into data={d} pools of >= 2 pages; "
-                          f"give a multiple of {d} of at least {2 * d}")
+            errors.append(
+                f"num_pages={num_pages} does not split into data={d} pools of >= 2 pages; "
+                f"give a multiple of {d} of at least {2 * d}"
+            )
     if errors:
         raise ValueError(f"mesh {spec!r} does not fit: " + "; ".join(errors))
     return sizes
@@ -184,8 +203,15 @@ def parse_mesh(spec: str | dict[str, int] | None) -> dict[str, int]:
     sizes = dict.fromkeys(MESH_AXES, 1)
     if not spec:
         return sizes
-    items = spec.items() if isinstance(spec, dict) else (
-        part.split("=", 1) if "=" in part else (part, "") for part in spec.split(",") if part.strip())
+    items = (
+        spec.items()
+        if isinstance(spec, dict)
+        else (
+            part.split("=", 1) if "=" in part else (part, "")
+            for part in spec.split(",")
+            if part.strip()
+        )
+    )
     for name, size in items:
         name = str(name).strip()
         if name not in sizes:
@@ -199,7 +225,9 @@ def parse_mesh(spec: str | dict[str, int] | None) -> dict[str, int]:
     return sizes
 
 
-def make_mesh(spec: str | dict[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    spec: str | dict[str, int] | None = None, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
     sizes = parse_mesh(spec)
     devices = list(devices if devices is not None else jax.devices())
     total = math.prod(sizes.values())
@@ -208,7 +236,8 @@ def make_mesh(spec: str | dict[str, int] | None = None, devices: Sequence[jax.De
     elif total != len(devices):
         raise ValueError(
             f"mesh {spec!r} has {total} devices but {len(devices)} are available; "
-            f"make the product of the axis sizes equal {len(devices)}")
+            f"make the product of the axis sizes equal {len(devices)}"
+        )
     arr = np.array(devices[:total]).reshape([sizes[a] for a in MESH_AXES])
     return Mesh(arr, MESH_AXES)
 

@@ -48,8 +48,10 @@ def build_step_arrays(
     need_pages = max((-(-(start + len(toks)) // page_size) for toks, start, _ in seqs), default=1)
     pages_per_seq = pages_per_seq or need_pages
     if t_real > num_tokens or len(seqs) > num_seqs or need_pages > pages_per_seq:
-        raise ValueError(f"step of {t_real} tokens / {len(seqs)} seqs / {need_pages} pages does not "
-                         f"fit bucket ({num_tokens}, {num_seqs}, {pages_per_seq})")
+        raise ValueError(
+            f"step of {t_real} tokens / {len(seqs)} seqs / {need_pages} pages does not "
+            f"fit bucket ({num_tokens}, {num_seqs}, {pages_per_seq})"
+        )
     token_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     slot_mapping = np.full(num_tokens, -1, np.int32)
@@ -61,19 +63,26 @@ def build_step_arrays(
     for s, (toks, start, pages) in enumerate(seqs):
         n = len(toks)
         pos = np.arange(start, start + n)
-        token_ids[t:t + n] = toks
-        positions[t:t + n] = pos
+        token_ids[t : t + n] = toks
+        positions[t : t + n] = pos
         pages_arr = np.asarray(pages, np.int32)
-        slot_mapping[t:t + n] = pages_arr[pos // page_size] * page_size + pos % page_size
+        slot_mapping[t : t + n] = pages_arr[pos // page_size] * page_size + pos % page_size
         kv_lens[s] = start + n
-        page_indices[s, :len(pages)] = pages_arr[:pages_per_seq]
+        page_indices[s, : len(pages)] = pages_arr[:pages_per_seq]
         t += n
         cu_q_lens[s + 1] = t
     if logits_rows is None:
-        logits_rows = list(cu_q_lens[1:len(seqs) + 1] - 1)
+        logits_rows = list(cu_q_lens[1 : len(seqs) + 1] - 1)
     num_logits = num_logits or len(logits_rows)
     logits_indices = np.zeros(num_logits, np.int32)
-    logits_indices[:len(logits_rows)] = logits_rows
-    return dict(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens,
-                page_indices=page_indices, cu_q_lens=cu_q_lens,
-                num_seqs=np.array([len(seqs)], np.int32), logits_indices=logits_indices)
+    logits_indices[: len(logits_rows)] = logits_rows
+    return dict(
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        kv_lens=kv_lens,
+        page_indices=page_indices,
+        cu_q_lens=cu_q_lens,
+        num_seqs=np.array([len(seqs)], np.int32),
+        logits_indices=logits_indices,
+    )

@@ -64,8 +64,9 @@ def grammar_of(params: StructuredOutputsParams) -> str:
             except ValueError as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema object, got "
-                             f"{type(schema).__name__}")
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}"
+            )
         try:
             return llg.LLMatcher.grammar_from_json_schema(schema)
         except ValueError as e:
@@ -131,21 +132,29 @@ def llguidance_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     import llguidance as llg
 
     if tokenizer.vocab_size > vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
-                         f"vocab_size={vocab_size}")
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+            f"vocab_size={vocab_size}"
+        )
     eos = list(tokenizer.eos_token_ids) or None
     backend = getattr(tokenizer, "_backend", None)
     hf = getattr(backend, "tok", None)
-    if hf is not None and hasattr(hf, "to_str"):  # a `tokenizers.Tokenizer` (tokenizer.json, GGUF BPE)
+    if hf is not None and hasattr(
+        hf, "to_str"
+    ):  # a `tokenizers.Tokenizer` (tokenizer.json, GGUF BPE)
         try:
             return llg.LLTokenizer(hf.to_str(), n_vocab=vocab_size, eos_token=eos)
         except ValueError as e:  # e.g. no decoder: llguidance cannot tell how tokens spell bytes
-            logger.info("llguidance cannot read %s's tokenizer.json (%s); using its pieces",
-                        tokenizer.source, e)
+            logger.info(
+                "llguidance cannot read %s's tokenizer.json (%s); using its pieces",
+                tokenizer.source,
+                e,
+            )
     from llguidance._tokenizer import TokenizerWrapper
 
-    return llg.LLTokenizer(TokenizerWrapper(_PieceTable(tokenizer)), n_vocab=vocab_size,
-                           eos_token=eos)
+    return llg.LLTokenizer(
+        TokenizerWrapper(_PieceTable(tokenizer)), n_vocab=vocab_size, eos_token=eos
+    )
 
 
 class StructuredOutputs:
@@ -178,8 +187,11 @@ class StructuredOutputs:
                 self._lltok = llguidance_tokenizer(self.tokenizer, self.vocab_size)
             except Exception as e:  # noqa: BLE001 - only constrained requests need it
                 self.unavailable = f"{type(e).__name__}: {e}"
-                logger.warning("structured output is unavailable for %s: %s",
-                               self.tokenizer.source, self.unavailable)
+                logger.warning(
+                    "structured output is unavailable for %s: %s",
+                    self.tokenizer.source,
+                    self.unavailable,
+                )
                 return
             self._executor = llg.LLExecutor()
 
@@ -188,12 +200,14 @@ class StructuredOutputs:
 
         self.prepare()
         if self._lltok is None:
-            raise ValueError(f"structured_outputs: unavailable for this model's tokenizer "
-                             f"({self.unavailable})")
+            raise ValueError(
+                f"structured_outputs: unavailable for this model's tokenizer ({self.unavailable})"
+            )
         matcher = llg.LLMatcher(self._lltok, grammar_of(params), log_level=0)
         if matcher.is_error():
-            raise ValueError(f"structured_outputs.{_field(params)} is invalid: "
-                             f"{matcher.get_error()}")
+            raise ValueError(
+                f"structured_outputs.{_field(params)} is invalid: {matcher.get_error()}"
+            )
         self._matchers[request_id] = matcher
 
     def remove(self, request_id: str) -> None:
@@ -207,8 +221,12 @@ class StructuredOutputs:
         for t in token_ids:
             if not matcher.consume_token(t):
                 why = (matcher.get_error() or "").strip().splitlines()[:1]
-                logger.error("request %s: token %d rejected by its grammar (%s)", request_id, t,
-                             why[0] if why else "no reason given")
+                logger.error(
+                    "request %s: token %d rejected by its grammar (%s)",
+                    request_id,
+                    t,
+                    why[0] if why else "no reason given",
+                )
                 return
 
     def fill(self, request_ids: list[str]) -> np.ndarray:

@@ -471,12 +471,20 @@ class Tokenizer:
         """
         if vocab_size < 1:
             raise TokenizerError(f"{source}: vocab_size must be >= 1, got {vocab_size}")
-        tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
-            {f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+        tok = tokenizers.Tokenizer(
+            tokenizers.models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>")
+        )
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        return cls(_TokenizersBackend(tok, source), bos_token_id=bos_token_id,
-                   eos_token_ids=eos_token_ids, pad_token_id=None, unk_token_id=0,
-                   add_bos_token=False, add_eos_token=False, chat_template=None)
+        return cls(
+            _TokenizersBackend(tok, source),
+            bos_token_id=bos_token_id,
+            eos_token_ids=eos_token_ids,
+            pad_token_id=None,
+            unk_token_id=0,
+            add_bos_token=False,
+            add_eos_token=False,
+            chat_template=None,
+        )
 
     @property
     def special_token_ids(self) -> frozenset[int]:

@@ -26,8 +26,15 @@ from pathlib import Path
 
 import jax
 
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
-         "-fno-math-errno")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-fopenmp-simd",
+    "-fno-math-errno",
+)
 
 
 def _compiler() -> str:
@@ -62,8 +69,13 @@ class CppKernel:
         include = Path(jax.ffi.include_dir())
         headers = sorted((include / "xla" / "ffi" / "api").glob("*.h"))
         key = hashlib.sha256()
-        for part in (self.source.read_bytes(), *(h.read_bytes() for h in headers),
-                     " ".join(FLAGS).encode(), cxx.encode(), _cpu_flags().encode()):
+        for part in (
+            self.source.read_bytes(),
+            *(h.read_bytes() for h in headers),
+            " ".join(FLAGS).encode(),
+            cxx.encode(),
+            _cpu_flags().encode(),
+        ):
             key.update(part)
         out = _cache_dir() / f"{self.source.stem}_{key.hexdigest()[:20]}.so"
         if out.exists():
@@ -74,17 +86,21 @@ class CppKernel:
             cmd = [cxx, *FLAGS, f"-I{include}", str(self.source), "-o", str(tmp_out)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
-                raise RuntimeError(f"building {self.source.name} failed ({' '.join(cmd)}):\n"
-                                   f"{proc.stderr[-4000:]}")
-            os.replace(tmp_out, out)  # atomic: a concurrent build of the same key wins or loses whole
+                raise RuntimeError(
+                    f"building {self.source.name} failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}"
+                )
+            os.replace(
+                tmp_out, out
+            )  # atomic: a concurrent build of the same key wins or loses whole
         return out
 
     @functools.cache  # noqa: B019 (instances are module-level constants)
     def library(self) -> ctypes.CDLL:
         """Builds (once per machine and source) and registers the kernel; raises RuntimeError if it cannot."""
         lib = ctypes.cdll.LoadLibrary(str(self._build(_compiler())))
-        jax.ffi.register_ffi_target(self.target, jax.ffi.pycapsule(getattr(lib, self.symbol)),
-                                    platform="cpu")
+        jax.ffi.register_ffi_target(
+            self.target, jax.ffi.pycapsule(getattr(lib, self.symbol)), platform="cpu"
+        )
         return lib
 
     @functools.cache  # noqa: B019

@@ -28,8 +28,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.cpu_build import CppKernel
 
-KERNEL = CppKernel(Path(__file__).with_name("cpu_linear.cc"), "JaxinferCpuLinear",
-                   "jaxinfer_cpu_linear")
+KERNEL = CppKernel(
+    Path(__file__).with_name("cpu_linear.cc"), "JaxinferCpuLinear", "jaxinfer_cpu_linear"
+)
 library, unavailable_reason, available = KERNEL.library, KERNEL.unavailable_reason, KERNEL.available
 # Token rows up to which the kernel beats XLA:CPU's dot on the model's shapes (BENCHMARKS.md,
 # scripts/bench_linear.py: 1 row 1.4x, 2 rows 1.9x, 8 rows 1.4x; at 16 rows XLA is faster).
@@ -43,12 +44,18 @@ def groups_fit(k: int, groups: int) -> bool:
     """Whether int8 scales in `groups` groups over K = `k` input rows fit the kernel."""
     if groups == 1:
         return True
-    return groups > 1 and k % groups == 0 and k // groups > 0 and (k // groups) % GROUP_MULTIPLE == 0
+    return (
+        groups > 1 and k % groups == 0 and k // groups > 0 and (k // groups) % GROUP_MULTIPLE == 0
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("transposed",))
-def linear(x: jax.Array, *weights: jax.Array, transposed: bool = False,
-           scales: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, ...]:
+def linear(
+    x: jax.Array,
+    *weights: jax.Array,
+    transposed: bool = False,
+    scales: tuple[jax.Array, ...] | None = None,
+) -> tuple[jax.Array, ...]:
     """x f32[T, K]; each weight f32[K, N_i] (or [N_i, K] when `transposed`) -> (f32[T, N_i], ...).
 
     With `scales` the weights are int8 with group-wise scales, one f32 array per weight: f32[G, N_i]
@@ -67,18 +74,24 @@ def linear(x: jax.Array, *weights: jax.Array, transposed: bool = False,
     int8 = scales is not None
     want = jnp.int8 if int8 else jnp.float32
     if int8 and len(scales) != len(weights):
-        raise ValueError(f"{len(weights)} int8 weights need as many scale arrays, got {len(scales)}")
+        raise ValueError(
+            f"{len(weights)} int8 weights need as many scale arrays, got {len(scales)}"
+        )
     for i, w in enumerate(weights):
         if w.dtype != want:
-            raise ValueError(f"the CPU linear kernel takes {jnp.dtype(want).name} weight {i} "
-                             f"{'(scales given)' if int8 else '(no scales given)'}, got {w.dtype}")
+            raise ValueError(
+                f"the CPU linear kernel takes {jnp.dtype(want).name} weight {i} "
+                f"{'(scales given)' if int8 else '(no scales given)'}, got {w.dtype}"
+            )
     k = x.shape[1]
     outs = []
     for i, w in enumerate(weights):
-        w_k, n = ((w.shape[-1], w.shape[0]) if transposed else (w.shape[0], w.shape[-1]))
+        w_k, n = (w.shape[-1], w.shape[0]) if transposed else (w.shape[0], w.shape[-1])
         if w.ndim != 2 or w_k != k:
-            raise ValueError(f"weight {i} of shape {w.shape} does not fit x of shape {x.shape} "
-                             f"(transposed={transposed})")
+            raise ValueError(
+                f"weight {i} of shape {w.shape} does not fit x of shape {x.shape} "
+                f"(transposed={transposed})"
+            )
         if int8:
             _check_scales(i, scales[i], k, n, transposed)
         outs.append(jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
@@ -92,8 +105,12 @@ def _check_scales(i: int, s: jax.Array, k: int, n: int, transposed: bool) -> Non
     groups = (s.shape[1] if transposed else s.shape[0]) if s.ndim == 2 else 0
     n_got = (s.shape[0] if transposed else s.shape[1]) if s.ndim == 2 else None
     if s.dtype != jnp.float32 or n_got != n or groups < 1 or k % groups:
-        raise ValueError(f"scales {i} must be f32{want} with G dividing K={k} "
-                         f"(transposed={transposed}), got {s.dtype}{list(s.shape)}")
+        raise ValueError(
+            f"scales {i} must be f32{want} with G dividing K={k} "
+            f"(transposed={transposed}), got {s.dtype}{list(s.shape)}"
+        )
     if not groups_fit(k, groups):
-        raise ValueError(f"scales {i}: group size K/G = {k}/{groups} = {k // groups} is not a positive multiple "
-                         f"of {GROUP_MULTIPLE} (needed when G > 1); use G = 1 or XLA's dot")
+        raise ValueError(
+            f"scales {i}: group size K/G = {k}/{groups} = {k // groups} is not a positive multiple "
+            f"of {GROUP_MULTIPLE} (needed when G > 1); use G = 1 or XLA's dot"
+        )

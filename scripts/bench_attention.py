@@ -81,8 +81,17 @@ def measure_roofline(dtype, small: bool, runs: int) -> tuple[float, float]:
     return bw, flops
 
 
-def make_inputs(batch: Batch, *, heads: int, kv_heads: int, head_dim: int, page_size: int,
-                pages_per_seq: int, dtype, seed: int = 0):
+def make_inputs(
+    batch: Batch,
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pages_per_seq: int,
+    dtype,
+    seed: int = 0,
+):
     rng = np.random.default_rng(seed)
     n = len(batch.q_lens)
     need = [-(-k // page_size) for k in batch.kv_lens]
@@ -91,7 +100,7 @@ def make_inputs(batch: Batch, *, heads: int, kv_heads: int, head_dim: int, page_
     table = np.zeros((n, pages_per_seq), np.int32)
     i = 0
     for s, k in enumerate(need):
-        table[s, :k] = perm[i:i + k]
+        table[s, :k] = perm[i : i + k]
         i += k
     t = sum(batch.q_lens)
     key = jax.random.PRNGKey(seed)
@@ -99,11 +108,19 @@ def make_inputs(batch: Batch, *, heads: int, kv_heads: int, head_dim: int, page_
     q = jax.random.normal(kq, (t, heads, head_dim), dtype)
     cache = jax.random.normal(kc, (num_pages, page_size, 2 * kv_heads, head_dim), dtype)
     cu = np.concatenate([[0], np.cumsum(batch.q_lens)]).astype(np.int32)
-    return (q, cache, jnp.asarray(batch.kv_lens, jnp.int32), jnp.asarray(table), jnp.asarray(cu),
-            jnp.asarray([n], jnp.int32))
+    return (
+        q,
+        cache,
+        jnp.asarray(batch.kv_lens, jnp.int32),
+        jnp.asarray(table),
+        jnp.asarray(cu),
+        jnp.asarray([n], jnp.int32),
+    )
 
 
-def work(batch: Batch, *, heads: int, kv_heads: int, head_dim: int, itemsize: int) -> tuple[int, int]:
+def work(
+    batch: Batch, *, heads: int, kv_heads: int, head_dim: int, itemsize: int
+) -> tuple[int, int]:
     """(KV bytes read once, attention FLOPs) of a batch under the causal mask."""
     kv_bytes = sum(batch.kv_lens) * kv_heads * 2 * head_dim * itemsize
     pairs = sum(q * (k - q) + q * (q + 1) // 2 for q, k in zip(batch.q_lens, batch.kv_lens))
@@ -116,8 +133,14 @@ def kernel_options(backend: str, args, inputs) -> dict:
         return {}
     q, cache, _, table, _, _ = inputs
     blocks = block_sizes.get_block_sizes(
-        "gpu", head_dim=q.shape[2], page_size=cache.shape[1], dtype=cache.dtype,
-        group=q.shape[1] // (cache.shape[2] // 2), pages_per_seq=table.shape[1], pow2=True)
+        "gpu",
+        head_dim=q.shape[2],
+        page_size=cache.shape[1],
+        dtype=cache.dtype,
+        group=q.shape[1] // (cache.shape[2] // 2),
+        pages_per_seq=table.shape[1],
+        pow2=True,
+    )
     return {"blocks": dataclasses.replace(blocks, decode_programs=args.decode_programs)}
 
 
@@ -161,8 +184,11 @@ def peer_paged_attention(inputs, sm_scale: float):
     step = PEER_K_SPLITS * (ppcb if table.shape[1] > PEER_K_SPLITS * ppcb else 1)
     width = -(-table.shape[1] // step) * step
     table = jnp.pad(table, ((0, 0), (0, width - table.shape[1])))  # page 0: masked by length
-    fn = jax.jit(functools.partial(jax_paged.paged_attention, k_splits=PEER_K_SPLITS,
-                                   pages_per_compute_block=ppcb))
+    fn = jax.jit(
+        functools.partial(
+            jax_paged.paged_attention, k_splits=PEER_K_SPLITS, pages_per_compute_block=ppcb
+        )
+    )
     q = (q * sm_scale).astype(q.dtype)
     jax.block_until_ready((q, k_pages, v_pages, table))
     return lambda: fn(q, k_pages, v_pages, table, kv_lens)
@@ -178,8 +204,11 @@ def peer_cudnn(inputs, batch: Batch, sm_scale: float):
     kv = cache[table[:, :pages]].reshape(n, pages * page_size, h2, d)[:, :length]
     k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [B, S, Hkv, D]
     qb = q.reshape(n, length, q.shape[1], d)
-    fn = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True, scale=sm_scale,
-                                   implementation="cudnn"))
+    fn = jax.jit(
+        functools.partial(
+            jax.nn.dot_product_attention, is_causal=True, scale=sm_scale, implementation="cudnn"
+        )
+    )
     jax.block_until_ready((qb, k, v))
     return lambda: fn(qb, k, v).reshape(q.shape)
 
@@ -189,8 +218,9 @@ def sanity_interpret(kernel_backends, dtype) -> dict[str, float]:
     from jax.experimental.pallas import tpu as pltpu
 
     batch = Batch("sanity", (1, 1, 5), (9, 30, 12))
-    inputs = make_inputs(batch, heads=4, kv_heads=2, head_dim=64, page_size=8, pages_per_seq=4,
-                         dtype=dtype)
+    inputs = make_inputs(
+        batch, heads=4, kv_heads=2, head_dim=64, page_size=8, pages_per_seq=4, dtype=dtype
+    )
     ref = np.asarray(KERNELS["reference"](*inputs, sm_scale=0.125), np.float32)
     errs = {}
     for b in kernel_backends:
@@ -201,25 +231,58 @@ def sanity_interpret(kernel_backends, dtype) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--small", action="store_true", help="CPU-sized problem (8 x 256, 8/2 heads, d=64)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--small", action="store_true", help="CPU-sized problem (8 x 256, 8/2 heads, d=64)"
+    )
     p.add_argument("--backends", default=None, help="comma list; default by platform")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="default bfloat16 (float32 with --small: bf16 is the slow path on CPU)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="default bfloat16 (float32 with --small: bf16 is the slow path on CPU)",
+    )
     p.add_argument("--runs", type=int, default=10)
-    p.add_argument("--decode-programs", type=int, default=None,
-                   help="GPU kernel: split-K decode program target (0: no split; default: table)")
-    p.add_argument("--table", action="store_true",
-                   help="issue 15's rows (8B heads, page 16) instead of decode/prefill/mixed")
+    p.add_argument(
+        "--decode-programs",
+        type=int,
+        default=None,
+        help="GPU kernel: split-K decode program target (0: no split; default: table)",
+    )
+    p.add_argument(
+        "--table",
+        action="store_true",
+        help="issue 15's rows (8B heads, page 16) instead of decode/prefill/mixed",
+    )
     for flag in ("seqs", "context", "heads", "kv-heads"):
         p.add_argument(f"--{flag}", type=int, default=None)
     args = p.parse_args()
     plat = jax.default_backend()
     dtype = jnp.dtype(args.dtype or ("float32" if args.small else "bfloat16"))
     if args.small:
-        seqs, context, heads, kv_heads, head_dim, page_size, prefill_tokens, chunk = 8, 256, 8, 2, 64, 16, 512, 64
+        seqs, context, heads, kv_heads, head_dim, page_size, prefill_tokens, chunk = (
+            8,
+            256,
+            8,
+            2,
+            64,
+            16,
+            512,
+            64,
+        )
     else:
-        seqs, context, heads, kv_heads, head_dim, page_size, prefill_tokens, chunk = 64, 2048, 32, 8, 128, 16, 8192, 512
+        seqs, context, heads, kv_heads, head_dim, page_size, prefill_tokens, chunk = (
+            64,
+            2048,
+            32,
+            8,
+            128,
+            16,
+            8192,
+            512,
+        )
     if args.table:
         heads, kv_heads, head_dim, page_size = 32, 8, 128, 16
     seqs, context = args.seqs or seqs, args.context or context
@@ -231,24 +294,40 @@ def main() -> None:
     interpreted = [b for b in backends if b not in on_device]
 
     bw, mm = measure_roofline(dtype, args.small, args.runs)
-    print(f"device {jax.devices()[0].device_kind} ({plat}), {dtype.name}: copy {bw / 1e9:.1f} GB/s, "
-          f"matmul {mm / 1e12:.2f} TFLOP/s")
+    print(
+        f"device {jax.devices()[0].device_kind} ({plat}), {dtype.name}: copy {bw / 1e9:.1f} GB/s, "
+        f"matmul {mm / 1e12:.2f} TFLOP/s"
+    )
     dims = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     todo = table_batches() if args.table else batches(seqs, context, prefill_tokens, chunk)
     if plat != "gpu":
-        print(f"peers skipped: JAX's pallas paged_attention and cuDNN flash attention need a GPU "
-              f"(platform {plat})")
+        print(
+            f"peers skipped: JAX's pallas paged_attention and cuDNN flash attention need a GPU "
+            f"(platform {plat})"
+        )
     sm_scale = head_dim**-0.5
     rows = []
-    print(f"{'batch':18s} {'backend':10s} {'tokens':>6s} {'ms':>9s} {'KV GB/s':>8s} {'%copy':>6s} "
-          f"{'TFLOP/s':>8s} {'%mm':>6s} {'err':>8s}")
+    print(
+        f"{'batch':18s} {'backend':10s} {'tokens':>6s} {'ms':>9s} {'KV GB/s':>8s} {'%copy':>6s} "
+        f"{'TFLOP/s':>8s} {'%mm':>6s} {'err':>8s}"
+    )
     for batch in todo:
         pages_per_seq = -(-max(batch.kv_lens) // page_size)
-        inputs = make_inputs(batch, page_size=page_size, pages_per_seq=pages_per_seq, dtype=dtype, **dims)
+        inputs = make_inputs(
+            batch, page_size=page_size, pages_per_seq=pages_per_seq, dtype=dtype, **dims
+        )
         kv_bytes, flops = work(batch, itemsize=dtype.itemsize, **dims)
-        runs = {b: functools.partial(jax.jit(functools.partial(KERNELS[b], sm_scale=sm_scale,
-                                                               **kernel_options(b, args, inputs))),
-                                     *inputs) for b in on_device}
+        runs = {
+            b: functools.partial(
+                jax.jit(
+                    functools.partial(
+                        KERNELS[b], sm_scale=sm_scale, **kernel_options(b, args, inputs)
+                    )
+                ),
+                *inputs,
+            )
+            for b in on_device
+        }
         if plat == "gpu" and set(batch.q_lens) == {1}:
             runs["jax-paged"] = peer_paged_attention(inputs, sm_scale)
         if plat == "gpu" and batch.q_lens == batch.kv_lens and len(set(batch.q_lens)) == 1:
@@ -263,27 +342,57 @@ def main() -> None:
                 continue
             if name == "reference":
                 ref = out
-            err = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))) if ref is not None else None
-            row = dict(batch=batch.name, backend=name, tokens=sum(batch.q_lens), ms=sec * 1e3,
-                       kv_gbs=kv_bytes / sec / 1e9, pct_copy=100 * kv_bytes / sec / bw,
-                       tflops=flops / sec / 1e12, pct_mm=100 * flops / sec / mm, err=err)
+            err = (
+                float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))) if ref is not None else None
+            )
+            row = dict(
+                batch=batch.name,
+                backend=name,
+                tokens=sum(batch.q_lens),
+                ms=sec * 1e3,
+                kv_gbs=kv_bytes / sec / 1e9,
+                pct_copy=100 * kv_bytes / sec / bw,
+                tflops=flops / sec / 1e12,
+                pct_mm=100 * flops / sec / mm,
+                err=err,
+            )
             rows.append(row)
-            print(f"{row['batch']:18s} {name:10s} {row['tokens']:6d} {row['ms']:9.3f} "
-                  f"{row['kv_gbs']:8.2f} {row['pct_copy']:6.1f} {row['tflops']:8.4f} "
-                  f"{row['pct_mm']:6.1f} {'-' if err is None else f'{err:8.1e}':>8s}")
+            print(
+                f"{row['batch']:18s} {name:10s} {row['tokens']:6d} {row['ms']:9.3f} "
+                f"{row['kv_gbs']:8.2f} {row['pct_copy']:6.1f} {row['tflops']:8.4f} "
+                f"{row['pct_mm']:6.1f} {'-' if err is None else f'{err:8.1e}':>8s}"
+            )
     sanity = sanity_interpret(interpreted, dtype) if interpreted else {}
     for b, err in sanity.items():
         print(f"interpret-mode sanity {b}: max error / max |ref| = {err:.2e}")
-    print(json.dumps({"bench": "attention", "device": jax.devices()[0].device_kind, "platform": plat,
-                      "machine": platform.machine(), "dtype": dtype.name, "small": args.small,
-                      "table": args.table, "jax": jax.__version__,
-                      "decode_programs": args.decode_programs,
-                      "seqs": seqs, "context": context, "heads": heads, "kv_heads": kv_heads,
-                      "head_dim": head_dim, "page_size": page_size, "copy_gbs": round(bw / 1e9, 2),
-                      "matmul_tflops": round(mm / 1e12, 3),
-                      "rows": [{k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in r.items()}
-                               for r in rows],
-                      "interpret_sanity": sanity}))
+    print(
+        json.dumps(
+            {
+                "bench": "attention",
+                "device": jax.devices()[0].device_kind,
+                "platform": plat,
+                "machine": platform.machine(),
+                "dtype": dtype.name,
+                "small": args.small,
+                "table": args.table,
+                "jax": jax.__version__,
+                "decode_programs": args.decode_programs,
+                "seqs": seqs,
+                "context": context,
+                "heads": heads,
+                "kv_heads": kv_heads,
+                "head_dim": head_dim,
+                "page_size": page_size,
+                "copy_gbs": round(bw / 1e9, 2),
+                "matmul_tflops": round(mm / 1e12, 3),
+                "rows": [
+                    {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in r.items()}
+                    for r in rows
+                ],
+                "interpret_sanity": sanity,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

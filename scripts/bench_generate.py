@@ -49,13 +49,23 @@ def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str]]):
     # NOTE: pages for the one sequence slot, not most of the device's memory (the default): the
     # read-bandwidth probe allocates its own buffer afterwards. No prefix caching: every run
     # repeats the prompt, which would otherwise be served from the cache after run 0.
-    llms = [LLM(args.model, dtype=args.dtype, load_format=args.load_format,
-                max_model_len=max_len, page_size=16, num_pages=-(-max_len // 16) + 2,
-                enable_prefix_caching=False,
-                max_num_seqs=1, max_num_batched_tokens=max(args.prompt_len, 16),
-                linear_backend=backend, async_scheduling=scheduling == "async",
-                quantization=None if quant == "none" else quant)
-            for quant, backend, scheduling in configs]
+    llms = [
+        LLM(
+            args.model,
+            dtype=args.dtype,
+            load_format=args.load_format,
+            max_model_len=max_len,
+            page_size=16,
+            num_pages=-(-max_len // 16) + 2,
+            enable_prefix_caching=False,
+            max_num_seqs=1,
+            max_num_batched_tokens=max(args.prompt_len, 16),
+            linear_backend=backend,
+            async_scheduling=scheduling == "async",
+            quantization=None if quant == "none" else quant,
+        )
+        for quant, backend, scheduling in configs
+    ]
     vocab = llms[0].model.cfg.vocab_size
     prompt_ids = [t % vocab for t in prompt_ids]  # any architecture (--load-format dummy)
     sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
@@ -72,9 +82,15 @@ def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str]]):
             if run:
                 prefill.append(stamps[0] - start)
                 decode.append(statistics.median(np.diff(stamps)))
-    return [(args.prompt_len / statistics.median(prefill), 1 / statistics.median(decode),
-             weight_bytes(llm), f"{quant}, {llm.engine.runner.linear_backend}, {scheduling}")
-            for llm, (prefill, decode), (quant, _, scheduling) in zip(llms, times, configs)]
+    return [
+        (
+            args.prompt_len / statistics.median(prefill),
+            1 / statistics.median(decode),
+            weight_bytes(llm),
+            f"{quant}, {llm.engine.runner.linear_backend}, {scheduling}",
+        )
+        for llm, (prefill, decode), (quant, _, scheduling) in zip(llms, times, configs)
+    ]
 
 
 def read_bandwidth(nbytes: int, runs: int = 9) -> float:
@@ -133,12 +149,38 @@ def bench_llama_cpp(build: str, gguf: str, args) -> tuple[float, float]:
     build_dir = os.path.abspath(build)
     f32 = os.path.join(build_dir, os.path.basename(gguf).removesuffix(".gguf") + ".f32.gguf")
     if not os.path.exists(f32):
-        subprocess.run([os.path.join(build_dir, "bin", "llama-quantize"), "--allow-requantize", gguf,
-                        f32 + ".tmp", "F32"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                os.path.join(build_dir, "bin", "llama-quantize"),
+                "--allow-requantize",
+                gguf,
+                f32 + ".tmp",
+                "F32",
+            ],
+            check=True,
+            capture_output=True,
+        )
         os.replace(f32 + ".tmp", f32)
-    out = subprocess.run([os.path.join(build_dir, "bin", "llama-bench"), "-m", f32, "-o", "json",
-                          "-p", str(args.prompt_len), "-n", str(args.decode_tokens), "-r", str(args.runs),
-                          "-t", str(os.cpu_count())], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [
+            os.path.join(build_dir, "bin", "llama-bench"),
+            "-m",
+            f32,
+            "-o",
+            "json",
+            "-p",
+            str(args.prompt_len),
+            "-n",
+            str(args.decode_tokens),
+            "-r",
+            str(args.runs),
+            "-t",
+            str(os.cpu_count()),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     rows = json.loads(out)
     prefill = next(r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_gen"])
     decode = next(r["avg_ts"] for r in rows if r["n_gen"] and not r["n_prompt"])
@@ -146,40 +188,75 @@ def bench_llama_cpp(build: str, gguf: str, args) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
-                   help="'dummy': random weights from --model's config.json (no peers)")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="'dummy': random weights from --model's config.json (no peers)",
+    )
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--no-hf", action="store_true")
-    p.add_argument("--linear-backend", default="auto",
-                   help="jaxinfer's dense-product backend(s), comma-separated: auto, xla, cpu "
-                        "(one jaxinfer row each)")
-    p.add_argument("--scheduling", default="async",
-                   help="engine scheduling, comma-separated: async, sync (one jaxinfer row each)")
-    p.add_argument("--quantization", default="none",
-                   help="weight quantization(s), comma-separated: none, int8, fp8 (one jaxinfer "
-                        "row each; the roofline row uses the first one's weight bytes)")
-    p.add_argument("--llama-cpp", metavar="BUILD_DIR", default=None,
-                   help="also run llama.cpp's llama-bench from this build directory (GGUF models only)")
+    p.add_argument(
+        "--linear-backend",
+        default="auto",
+        help="jaxinfer's dense-product backend(s), comma-separated: auto, xla, cpu "
+        "(one jaxinfer row each)",
+    )
+    p.add_argument(
+        "--scheduling",
+        default="async",
+        help="engine scheduling, comma-separated: async, sync (one jaxinfer row each)",
+    )
+    p.add_argument(
+        "--quantization",
+        default="none",
+        help="weight quantization(s), comma-separated: none, int8, fp8 (one jaxinfer "
+        "row each; the roofline row uses the first one's weight bytes)",
+    )
+    p.add_argument(
+        "--llama-cpp",
+        metavar="BUILD_DIR",
+        default=None,
+        help="also run llama.cpp's llama-bench from this build directory (GGUF models only)",
+    )
     args = p.parse_args()
     from jaxinfer.default_model import default_model_path
 
     path = args.model or default_model_path()
     prompt_ids = [int(x) for x in np.random.default_rng(0).integers(100, 40000, args.prompt_len)]
-    runs = bench_jaxinfer(args, prompt_ids, [(q, b, m) for q in args.quantization.split(",")
-                                             for b in args.linear_backend.split(",")
-                                             for m in args.scheduling.split(",")])
+    runs = bench_jaxinfer(
+        args,
+        prompt_ids,
+        [
+            (q, b, m)
+            for q in args.quantization.split(",")
+            for b in args.linear_backend.split(",")
+            for m in args.scheduling.split(",")
+        ],
+    )
     ours = runs[0]
     dummy = args.load_format == "dummy"
     if dummy and not args.no_hf:
-        print("hf-transformers and llama.cpp peers skipped: --load-format dummy has no weights for them")
-    hf = None if dummy or args.no_hf or (args.model and not args.model.endswith(".gguf")) else bench_hf(args, prompt_ids, path)
-    lcpp = (bench_llama_cpp(args.llama_cpp, path, args)
-            if args.llama_cpp and path.endswith(".gguf") and not dummy else None)
+        print(
+            "hf-transformers and llama.cpp peers skipped: --load-format dummy has no weights for them"
+        )
+    hf = (
+        None
+        if dummy or args.no_hf or (args.model and not args.model.endswith(".gguf"))
+        else bench_hf(args, prompt_ids, path)
+    )
+    lcpp = (
+        bench_llama_cpp(args.llama_cpp, path, args)
+        if args.llama_cpp and path.endswith(".gguf") and not dummy
+        else None
+    )
     nbytes = ours[2]
     # twice the weights outruns every cache; on an accelerator 4 GiB does too (tens of MB of L2)
     import jax
@@ -194,20 +271,39 @@ def main() -> None:
         print(f"{'hf-transformers':34s} {hf[0]:14.1f} {hf[1]:13.1f}")
     if lcpp:
         print(f"{'llama.cpp':34s} {lcpp[0]:14.1f} {lcpp[1]:13.1f}")
-    print(f"{'roofline':34s} {'':14s} {roofline:13.1f}  ({nbytes / 1e6:.0f} MB of weights "
-          f"at the measured {bandwidth / 1e9:.1f} GB/s read bandwidth)")
-    print(json.dumps({"bench": "generate", "machine": platform.machine(), "cpus": os.cpu_count(),
-                      "load_format": args.load_format,
-                      "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
-                      "runs": args.runs,
-                      "jaxinfer": {r[3]: {"prefill_tok_s": round(r[0], 1), "decode_tok_s": round(r[1], 1),
-                                          "weight_bytes": r[2]}
-                                   for r in runs},
-                      "hf": hf and {"prefill_tok_s": round(hf[0], 1), "decode_tok_s": round(hf[1], 1)},
-                      "llama_cpp": lcpp and {"prefill_tok_s": round(lcpp[0], 1),
-                                             "decode_tok_s": round(lcpp[1], 1)},
-                      "roofline": {"weight_bytes": nbytes, "read_gb_s": round(bandwidth / 1e9, 1),
-                                   "decode_tok_s": round(roofline, 1)}}))
+    print(
+        f"{'roofline':34s} {'':14s} {roofline:13.1f}  ({nbytes / 1e6:.0f} MB of weights "
+        f"at the measured {bandwidth / 1e9:.1f} GB/s read bandwidth)"
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "generate",
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "load_format": args.load_format,
+                "prompt_len": args.prompt_len,
+                "decode_tokens": args.decode_tokens,
+                "runs": args.runs,
+                "jaxinfer": {
+                    r[3]: {
+                        "prefill_tok_s": round(r[0], 1),
+                        "decode_tok_s": round(r[1], 1),
+                        "weight_bytes": r[2],
+                    }
+                    for r in runs
+                },
+                "hf": hf and {"prefill_tok_s": round(hf[0], 1), "decode_tok_s": round(hf[1], 1)},
+                "llama_cpp": lcpp
+                and {"prefill_tok_s": round(lcpp[0], 1), "decode_tok_s": round(lcpp[1], 1)},
+                "roofline": {
+                    "weight_bytes": nbytes,
+                    "read_gb_s": round(bandwidth / 1e9, 1),
+                    "decode_tok_s": round(roofline, 1),
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

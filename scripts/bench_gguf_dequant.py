@@ -45,7 +45,7 @@ def stored(w: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarray:
     raw = rng.integers(0, 256, (w.shape[0], w.shape[1] // 256, block_bytes), dtype=np.uint8)
     for at in K_SCALES[qtype]:
         d = rng.uniform(1e-3, 2e-2, raw.shape[:2]).astype(np.float16)
-        raw[:, :, at:at + 2] = d[..., None].view(np.uint8).reshape(*raw.shape[:2], 2)
+        raw[:, :, at : at + 2] = d[..., None].view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(w.shape[0], -1)
 
 
@@ -60,7 +60,6 @@ def q5_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 176]
     return (y - (dmin * mn.astype(np.float32))[:, :, None]).reshape(n_blocks, 256)
 
 
-
 def best(fn, runs: int) -> float:
     fn()
     times = []
@@ -72,20 +71,36 @@ def best(fn, runs: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rows", type=int, default=1536)
     p.add_argument("--cols", type=int, default=1024)
     p.add_argument("--runs", type=int, default=5)
     args = p.parse_args()
     rng = np.random.default_rng(0)
     w = rng.standard_normal((args.rows, args.cols)).astype(np.float32)
-    types = (T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
-             T.Q6_K)
+    types = (
+        T.F16,
+        T.BF16,
+        T.Q4_0,
+        T.Q4_1,
+        T.Q5_0,
+        T.Q5_1,
+        T.Q8_0,
+        T.Q2_K,
+        T.Q3_K,
+        T.Q4_K,
+        T.Q5_K,
+        T.Q6_K,
+    )
     # Our F16 and Q5_K kernels are kept here (not in checkpoints.gguf) to show why the library's
     # are used.
     own = {**_OWN_KERNELS, T.F16: _float_kernel("<f2"), T.Q5_K: q5_k}
     rows = []
-    print(f"{'type':6s} {'ours ms':>8s} {'gguf ms':>8s} {'gguf/ours':>10s} {'equal':>6s} {'used':>8s}")
+    print(
+        f"{'type':6s} {'ours ms':>8s} {'gguf ms':>8s} {'gguf/ours':>10s} {'equal':>6s} {'used':>8s}"
+    )
     for qtype in types:
         raw = stored(w, qtype, rng)
         _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
@@ -100,12 +115,30 @@ def main() -> None:
         t_ours, t_lib = best(ours, args.runs), best(lib, args.runs)
         equal = np.array_equal(ours().reshape(w.shape), lib().reshape(w.shape), equal_nan=True)
         used = "library" if qtype in LIBRARY_TYPES else "ours"
-        rows.append({"type": qtype.name, "ours_ms": round(t_ours * 1e3, 2), "gguf_ms": round(t_lib * 1e3, 2),
-                     "equal": bool(equal), "used": used})
-        print(f"{qtype.name:6s} {t_ours * 1e3:8.2f} {t_lib * 1e3:8.2f} {t_lib / t_ours:10.2f} "
-              f"{str(equal):>6s} {used:>8s}")
-    print(json.dumps({"bench": "gguf_dequant", "rows": args.rows, "cols": args.cols, "runs": args.runs,
-                      "types": rows}))
+        rows.append(
+            {
+                "type": qtype.name,
+                "ours_ms": round(t_ours * 1e3, 2),
+                "gguf_ms": round(t_lib * 1e3, 2),
+                "equal": bool(equal),
+                "used": used,
+            }
+        )
+        print(
+            f"{qtype.name:6s} {t_ours * 1e3:8.2f} {t_lib * 1e3:8.2f} {t_lib / t_ours:10.2f} "
+            f"{str(equal):>6s} {used:>8s}"
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "gguf_dequant",
+                "rows": args.rows,
+                "cols": args.cols,
+                "runs": args.runs,
+                "types": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

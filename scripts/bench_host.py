@@ -66,8 +66,11 @@ class HostOnlyRunner(ModelRunner):
                 (out, prompt, _), _, _, next_tokens = real.eval_shape(*args, **kwargs)
                 # NOTE: made once per program: a device returns its results without host work
                 # (allocating them every step measured ~60 us of the fake's own at 256 rows)
-                outputs[key] = (jax.tree.map(fill, out), jax.tree.map(fill, prompt),
-                                jax.tree.map(fill, next_tokens))
+                outputs[key] = (
+                    jax.tree.map(fill, out),
+                    jax.tree.map(fill, prompt),
+                    jax.tree.map(fill, next_tokens),
+                )
             out, prompt, next_tokens = outputs[key]
             # the device state (KV cache, penalty rows) passes through untouched; no row logits
             # (only a step with structured-output rows reads them)
@@ -77,21 +80,48 @@ class HostOnlyRunner(ModelRunner):
 
 
 def make_engine(args, model: LoadedModel, max_num_seqs: int, max_len: int) -> LLMEngine:
-    hf = dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-              num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-              max_position_embeddings=1 << 20, vocab_size=model.tokenizer.vocab_size)
+    hf = dict(
+        model_type="llama",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=1 << 20,
+        vocab_size=model.tokenizer.vocab_size,
+    )
     cfg = ModelConfig.from_hf(hf)
     params = params_lib.init_random(llama.param_specs(cfg), jax.random.key(0))
-    tiny = LoadedModel(name="host-bench", path="<none>", source="none", cfg=cfg, hf_config=hf,
-                       params=params, tokenizer=model.tokenizer, dtype="float32")
+    tiny = LoadedModel(
+        name="host-bench",
+        path="<none>",
+        source="none",
+        cfg=cfg,
+        hf_config=hf,
+        params=params,
+        tokenizer=model.tokenizer,
+        dtype="float32",
+    )
     pages = max_num_seqs * -(-max_len // args.page_size) + 1
-    config = EngineConfig(page_size=args.page_size, num_pages=pages, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=max_len, dtype="float32")
+    config = EngineConfig(
+        page_size=args.page_size,
+        num_pages=pages,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_len,
+        dtype="float32",
+    )
     engine = LLMEngine(tiny, config)
     engine.runner = HostOnlyRunner(
-        cfg, params, page_size=args.page_size, num_pages=pages, max_model_len=max_len,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        cfg,
+        params,
+        page_size=args.page_size,
+        num_pages=pages,
+        max_model_len=max_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     return engine
 
 
@@ -108,8 +138,9 @@ def run_case(args, model: LoadedModel, seqs: int, prompt_len: int, stops: bool) 
         settle_heap()
     rng = np.random.default_rng(0)
     stop = ["\n\nUser:", "###", "<|im_end|>"] if stops else None
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=1,
-                        ignore_eos=True, stop=stop)
+    sp = SamplingParams(
+        max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=1, ignore_eos=True, stop=stop
+    )
     for i in range(seqs):
         ids = rng.integers(1000, 20000, prompt_len).tolist()
         engine.add_request(ids, sp, request_id=f"b{i}")
@@ -132,15 +163,23 @@ def run_case(args, model: LoadedModel, seqs: int, prompt_len: int, stops: bool) 
         t0 = time.perf_counter()
         engine.step()
         times.append((time.perf_counter() - t0) * 1e3)
-    core_times = core_times[-args.steps:]
+    core_times = core_times[-args.steps :]
     if engine.core.scheduler.num_running != seqs:
-        raise RuntimeError(f"{seqs - engine.core.scheduler.num_running} of {seqs} requests "
-                           f"finished inside the timed window: the case did not run {seqs} "
-                           f"sequences in every timed step")
-    return {"seqs": seqs, "prompt_len": prompt_len, "stop_strings": stops,
-            "core_p50_ms": statistics.median(core_times), "core_p99_ms": _p99(core_times),
-            "p50_ms": statistics.median(times), "p99_ms": _p99(times),
-            "mean_ms": statistics.fmean(times)}
+        raise RuntimeError(
+            f"{seqs - engine.core.scheduler.num_running} of {seqs} requests "
+            f"finished inside the timed window: the case did not run {seqs} "
+            f"sequences in every timed step"
+        )
+    return {
+        "seqs": seqs,
+        "prompt_len": prompt_len,
+        "stop_strings": stops,
+        "core_p50_ms": statistics.median(core_times),
+        "core_p99_ms": _p99(core_times),
+        "p50_ms": statistics.median(times),
+        "p99_ms": _p99(times),
+        "mean_ms": statistics.fmean(times),
+    }
 
 
 def _p99(values: list[float]) -> float:
@@ -149,8 +188,9 @@ def _p99(values: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seqs", default="1,64,256", help="running sequences per case")
     p.add_argument("--prompt-lens", default="128,1024")
     p.add_argument("--steps", type=int, default=100, help="decode steps timed per case")
@@ -158,9 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--no-stop-cases", action="store_true", help="only cases without stop strings")
     p.add_argument("--json", action="store_true", help="also print one JSON line per case")
-    p.add_argument("--no-freeze", action="store_true",
-                   help="leave the loaded heap in the cyclic collector's generations (the engine-core "
-                        "process freezes it after warmup: core_client.settle_heap)")
+    p.add_argument(
+        "--no-freeze",
+        action="store_true",
+        help="leave the loaded heap in the cyclic collector's generations (the engine-core "
+        "process freezes it after warmup: core_client.settle_heap)",
+    )
     args = p.parse_args(argv)
     model = load_model_info(None)
     rows = []
@@ -170,14 +213,20 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_case(args, model, seqs, plen, stops))
                 if args.json:
                     print(json.dumps(rows[-1]), flush=True)
-    print(f"\nhost ms per engine step ({jax.default_backend()}, {args.steps} decode steps per case)")
-    print("| seqs | prompt | stop strings | core p50 ms | core p99 ms | engine p50 ms | "
-          "engine p99 ms | engine mean ms |")
+    print(
+        f"\nhost ms per engine step ({jax.default_backend()}, {args.steps} decode steps per case)"
+    )
+    print(
+        "| seqs | prompt | stop strings | core p50 ms | core p99 ms | engine p50 ms | "
+        "engine p99 ms | engine mean ms |"
+    )
     print("| ---: | ---: | :---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['seqs']} | {r['prompt_len']} | {'yes' if r['stop_strings'] else 'no'} | "
-              f"{r['core_p50_ms']:.3f} | {r['core_p99_ms']:.3f} | {r['p50_ms']:.3f} | "
-              f"{r['p99_ms']:.3f} | {r['mean_ms']:.3f} |")
+        print(
+            f"| {r['seqs']} | {r['prompt_len']} | {'yes' if r['stop_strings'] else 'no'} | "
+            f"{r['core_p50_ms']:.3f} | {r['core_p99_ms']:.3f} | {r['p50_ms']:.3f} | "
+            f"{r['p99_ms']:.3f} | {r['mean_ms']:.3f} |"
+        )
     return 0
 
 

@@ -39,8 +39,10 @@ def make_weights(num_layers: int, seed: int = 0):
     def w(*shape):
         return jax.random.normal(next(keys), shape, jnp.float32) * 0.02
 
-    layer_ws = [dict(q=w(E, QD), kv=w(E, 2, KVD // 2), o=w(QD, E), gate_up=w(E, 2, F), down=w(F, E))
-                for _ in range(num_layers)]
+    layer_ws = [
+        dict(q=w(E, QD), kv=w(E, 2, KVD // 2), o=w(QD, E), gate_up=w(E, 2, F), down=w(F, E))
+        for _ in range(num_layers)
+    ]
     return layer_ws, w(V, E)
 
 
@@ -60,7 +62,9 @@ def chain(backend: str):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rows", default="1,2,4,8,16", help="token rows per step, comma-separated")
     p.add_argument("--runs", type=int, default=15)
     p.add_argument("--layers", type=int, default=30)
@@ -84,14 +88,27 @@ def main() -> None:
         for b in backends:
             s = statistics.median(times[b])
             results.setdefault(str(rows), {})[b] = round(s * 1e3, 2)
-            print(f"{rows:5d} {b:>8s} {s * 1e3:9.2f} {nbytes / s / 1e9:7.1f} {2 * rows * nbytes / 4 / s / 1e9:8.1f}")
+            print(
+                f"{rows:5d} {b:>8s} {s * 1e3:9.2f} {nbytes / s / 1e9:7.1f} {2 * rows * nbytes / 4 / s / 1e9:8.1f}"
+            )
     bandwidth = read_bandwidth(2 * nbytes)
-    print(f"weight-read floor: {nbytes / bandwidth * 1e3:.2f} ms/step ({nbytes / 1e6:.0f} MB at the "
-          f"measured {bandwidth / 1e9:.1f} GB/s)")
-    print(json.dumps({"bench": "linear", "machine": platform.machine(), "cpus": os.cpu_count(),
-                      "weight_bytes": nbytes, "ms_per_step": results,
-                      "read_gb_s": round(bandwidth / 1e9, 1),
-                      "floor_ms": round(nbytes / bandwidth * 1e3, 2)}))
+    print(
+        f"weight-read floor: {nbytes / bandwidth * 1e3:.2f} ms/step ({nbytes / 1e6:.0f} MB at the "
+        f"measured {bandwidth / 1e9:.1f} GB/s)"
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "linear",
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "weight_bytes": nbytes,
+                "ms_per_step": results,
+                "read_gb_s": round(bandwidth / 1e9, 1),
+                "floor_ms": round(nbytes / bandwidth * 1e3, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -32,9 +32,19 @@ from jaxinfer.models import llama
 from jaxinfer.params import init_random
 from jaxinfer.sampling_params import SamplingParams
 
-TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=49152,
-            max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False)
+TINY = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=49152,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,14 +60,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def bench(runner: ModelRunner, n: int, args: argparse.Namespace) -> dict[str, float]:
     page_size = args.page_size
     alloc = PageAllocator(runner.num_pages, page_size, enable_prefix_caching=False)
-    sched = Scheduler(alloc, max_num_seqs=runner.max_num_seqs,
-                      max_num_batched_tokens=max(n * args.prompt_len, n),
-                      max_model_len=args.max_model_len)
+    sched = Scheduler(
+        alloc,
+        max_num_seqs=runner.max_num_seqs,
+        max_num_batched_tokens=max(n * args.prompt_len, n),
+        max_model_len=args.max_model_len,
+    )
     rng = np.random.default_rng(0)
     for i in range(n):
-        sp = (SamplingParams(temperature=0.8, seed=i, max_tokens=args.steps + 8, ignore_eos=True)
-              if i % 2 else SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True))
-        sched.add_request(Request(f"b{n}-{i}", rng.integers(100, 49152, args.prompt_len).tolist(), sp))
+        sp = (
+            SamplingParams(temperature=0.8, seed=i, max_tokens=args.steps + 8, ignore_eos=True)
+            if i % 2
+            else SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
+        )
+        sched.add_request(
+            Request(f"b{n}-{i}", rng.integers(100, 49152, args.prompt_len).tolist(), sp)
+        )
 
     def fake(out):
         return RunnerOutput({s.request.request_id: 7 for s in out.scheduled if s.sample})
@@ -78,9 +96,11 @@ def bench(runner: ModelRunner, n: int, args: argparse.Namespace) -> dict[str, fl
         sched.abort(rid)
     runner.prepare(sched.schedule())  # releases the rows
     ms = np.array(times) * 1e3
-    return {"p50_ms": round(float(np.percentile(ms[:, 0], 50)), 3),
-            "p99_ms": round(float(np.percentile(ms[:, 0], 99)), 3),
-            "with_pack_p50_ms": round(float(np.percentile(ms[:, 1], 50)), 3)}
+    return {
+        "p50_ms": round(float(np.percentile(ms[:, 0], 50)), 3),
+        "p99_ms": round(float(np.percentile(ms[:, 0], 99)), 3),
+        "with_pack_p50_ms": round(float(np.percentile(ms[:, 1], 50)), 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,17 +109,33 @@ def main(argv: list[str] | None = None) -> int:
     params = init_random(llama.param_specs(cfg), jax.random.key(0))
     top = max(args.seqs)
     pages_per_seq = -(-args.max_model_len // args.page_size)
-    runner = ModelRunner(cfg, params, page_size=args.page_size, num_pages=top * pages_per_seq + 1,
-                         max_model_len=args.max_model_len, max_num_seqs=top,
-                         max_num_batched_tokens=max(top * args.prompt_len, top))
+    runner = ModelRunner(
+        cfg,
+        params,
+        page_size=args.page_size,
+        num_pages=top * pages_per_seq + 1,
+        max_model_len=args.max_model_len,
+        max_num_seqs=top,
+        max_num_batched_tokens=max(top * args.prompt_len, top),
+    )
     results = {}
     for n in args.seqs:
         results[n] = r = bench(runner, n, args)
-        print(f"{n:4d} seqs: prepare p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  "
-              f"(+ packing the transfer: p50 {r['with_pack_p50_ms']:.3f} ms)")
-    print(json.dumps({"bench": "prepare", "machine": platform.processor() or platform.machine(),
-                      "prompt_len": args.prompt_len, "max_model_len": args.max_model_len,
-                      "results": results}))
+        print(
+            f"{n:4d} seqs: prepare p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  "
+            f"(+ packing the transfer: p50 {r['with_pack_p50_ms']:.3f} ms)"
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "prepare",
+                "machine": platform.processor() or platform.machine(),
+                "prompt_len": args.prompt_len,
+                "max_model_len": args.max_model_len,
+                "results": results,
+            }
+        )
+    )
     return 0
 
 

@@ -95,16 +95,24 @@ async def one_request(stub, prompt: list[int], max_tokens: int, timeout: float |
     return res
 
 
-async def one_openai_request(session, url: str, model: str, prompt: list[int], max_tokens: int,
-                             timeout: float | None) -> Result:
+async def one_openai_request(
+    session, url: str, model: str, prompt: list[int], max_tokens: int, timeout: float | None
+) -> Result:
     """One streamed `POST /v1/completions`: the same request as the openai client's
     `completions.create(..., stream=True)`, over aiohttp (as vLLM's benchmark does: the SDK's
     per-chunk pydantic objects cost the CPU-sharing client more than the server spends)."""
     import aiohttp
 
     res = Result(len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     start = last = time.perf_counter()
     gaps: list[float] = []
     try:
@@ -136,19 +144,30 @@ async def one_openai_request(session, url: str, model: str, prompt: list[int], m
     return res
 
 
-async def run(address: str, workload: list[tuple[int, int]], prompts: list[list[int]],
-              rate: float, max_concurrency: int | None, seed: int,
-              timeout: float | None, backend: str = "grpc", http_url: str | None = None,
-              model: str = "") -> tuple[list[Result], float]:
+async def run(
+    address: str,
+    workload: list[tuple[int, int]],
+    prompts: list[list[int]],
+    rate: float,
+    max_concurrency: int | None,
+    seed: int,
+    timeout: float | None,
+    backend: str = "grpc",
+    http_url: str | None = None,
+    model: str = "",
+) -> tuple[list[Result], float]:
     rng = np.random.default_rng(seed + 2)
-    gaps = rng.exponential(1.0 / rate, len(workload)) if np.isfinite(rate) else np.zeros(len(workload))
+    gaps = (
+        rng.exponential(1.0 / rate, len(workload)) if np.isfinite(rate) else np.zeros(len(workload))
+    )
     limit = asyncio.Semaphore(max_concurrency or len(workload))
     async with contextlib.AsyncExitStack() as stack:
         if backend == "openai":
             import aiohttp
 
-            session = await stack.enter_async_context(aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0)))
+            session = await stack.enter_async_context(
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            )
             url = f"{http_url}/completions"
 
             def request(prompt, out_len):
@@ -178,24 +197,34 @@ def _stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
     a = np.asarray(values)
-    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
-            "p99": float(np.percentile(a, 99))}
+    return {
+        "mean": float(a.mean()),
+        "p50": float(np.percentile(a, 50)),
+        "p99": float(np.percentile(a, 99)),
+    }
 
 
 def report(results: list[Result], elapsed: float, slo_ttft: float, slo_tpot: float) -> dict:
     ok = [r for r in results if r.error is None]
     out_tokens = sum(r.output_len for r in ok)
-    good = [r for r in ok if r.ttft is not None and r.ttft <= slo_ttft
-            and (r.tpot is None or r.tpot <= slo_tpot)]
+    good = [
+        r
+        for r in ok
+        if r.ttft is not None and r.ttft <= slo_ttft and (r.tpot is None or r.tpot <= slo_tpot)
+    ]
     return {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": elapsed,
-        "request_throughput": len(ok) / elapsed, "output_tok_s": out_tokens / elapsed,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": elapsed,
+        "request_throughput": len(ok) / elapsed,
+        "output_tok_s": out_tokens / elapsed,
         "total_tok_s": (out_tokens + sum(r.prompt_len for r in ok)) / elapsed,
         "ttft_s": _stats([r.ttft for r in ok if r.ttft is not None]),
         "itl_s": _stats([x for r in ok for x in r.itl]),
         "tpot_s": _stats([r.tpot for r in ok if r.tpot is not None]),
         "e2e_s": _stats([r.e2e for r in ok]),
-        "goodput_req_s": len(good) / elapsed, "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot},
+        "goodput_req_s": len(good) / elapsed,
+        "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot},
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
 
@@ -203,8 +232,19 @@ def report(results: list[Result], elapsed: float, slo_ttft: float, slo_tpot: flo
 def spawn_server(extra: str, timeout: float) -> tuple[subprocess.Popen, str, str | None]:
     """Starts scripts/serve.py on free ports; returns (process, gRPC address, HTTP API base URL)
     once it listens."""
-    cmd = [sys.executable, os.path.join(SCRIPTS, "serve.py"), "--port", "0", "--metrics-port", "0",
-           "--http-port", "0", "--host", "127.0.0.1", *shlex.split(extra)]
+    cmd = [
+        sys.executable,
+        os.path.join(SCRIPTS, "serve.py"),
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--http-port",
+        "0",
+        "--host",
+        "127.0.0.1",
+        *shlex.split(extra),
+    ]
     print("spawning:", " ".join(cmd), file=sys.stderr)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
@@ -230,36 +270,64 @@ def spawn_server(extra: str, timeout: float) -> tuple[subprocess.Popen, str, str
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--host", default="localhost")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--spawn", action="store_true", help="start scripts/serve.py for this run")
-    p.add_argument("--spawn-args", default="",
-                   help="extra serve.py flags for --spawn (write --spawn-args=\"--flag ...\")")
+    p.add_argument(
+        "--spawn-args",
+        default="",
+        help='extra serve.py flags for --spawn (write --spawn-args="--flag ...")',
+    )
     p.add_argument("--model", default=None, help="serve.py --model for --spawn")
-    p.add_argument("--load-format", default=None, choices=("auto", "dummy"),
-                   help="serve.py --load-format for --spawn ('dummy': random weights)")
+    p.add_argument(
+        "--load-format",
+        default=None,
+        choices=("auto", "dummy"),
+        help="serve.py --load-format for --spawn ('dummy': random weights)",
+    )
     p.add_argument("--num-requests", type=int, default=200)
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrival rate in requests/s (inf: all at once)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrival rate in requests/s (inf: all at once)",
+    )
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="clip lengths to this (default: the server's max_model_len, at most 1024)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="clip lengths to this (default: the server's max_model_len, at most 1024)",
+    )
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="goodput SLO on TPOT, seconds")
     p.add_argument("--timeout", type=float, default=None, help="per-request deadline, seconds")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="grpc", choices=("grpc", "openai", "both"),
-                   help="gRPC Generate, the OpenAI-compatible HTTP API, or both in turn")
-    p.add_argument("--http-url", default=None,
-                   help="base URL of the HTTP API without --spawn (default http://HOST:8080/v1)")
+    p.add_argument(
+        "--backend",
+        default="grpc",
+        choices=("grpc", "openai", "both"),
+        help="gRPC Generate, the OpenAI-compatible HTTP API, or both in turn",
+    )
+    p.add_argument(
+        "--http-url",
+        default=None,
+        help="base URL of the HTTP API without --spawn (default http://HOST:8080/v1)",
+    )
     args = p.parse_args()
 
     proc = None
     address = f"{args.host}:{args.port}"
-    spawn_args = " ".join([*(["--model", shlex.quote(args.model)] if args.model else []),
-                           *(["--load-format", args.load_format] if args.load_format else []),
-                           args.spawn_args])
+    spawn_args = " ".join(
+        [
+            *(["--model", shlex.quote(args.model)] if args.model else []),
+            *(["--load-format", args.load_format] if args.load_format else []),
+            args.spawn_args,
+        ]
+    )
     if not args.spawn and (args.model or args.load_format):
         p.error("--model and --load-format configure the server that --spawn starts")
     http_url = args.http_url or f"http://{args.host}:8080/v1"
@@ -278,11 +346,34 @@ def main() -> None:
         prompts = [rng.integers(100, min(40000, info.vocab_size), n).tolist() for n, _ in workload]
         for backend in backends:
             warm = min(16, len(workload))  # first requests of a backend pay one-off costs
-            asyncio.run(run(address, workload[:warm], prompts[:warm], float("inf"), None,
-                            args.seed, args.timeout, backend, http_url, model))
-            runs[backend] = asyncio.run(run(address, workload, prompts, args.request_rate,
-                                            args.max_concurrency, args.seed, args.timeout,
-                                            backend, http_url, model))
+            asyncio.run(
+                run(
+                    address,
+                    workload[:warm],
+                    prompts[:warm],
+                    float("inf"),
+                    None,
+                    args.seed,
+                    args.timeout,
+                    backend,
+                    http_url,
+                    model,
+                )
+            )
+            runs[backend] = asyncio.run(
+                run(
+                    address,
+                    workload,
+                    prompts,
+                    args.request_rate,
+                    args.max_concurrency,
+                    args.seed,
+                    args.timeout,
+                    backend,
+                    http_url,
+                    model,
+                )
+            )
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -303,20 +394,37 @@ def _http_model(http_url: str) -> str:
 
 def show(backend: str, results: list[Result], elapsed: float, info, args, max_len: int) -> dict:
     r = report(results, elapsed, args.slo_ttft, args.slo_tpot)
-    print(f"[{backend}] model {info.name} ({info.dtype}), {args.num_requests} requests at "
-          f"{args.request_rate} req/s, {r['completed']} ok, {r['failed']} failed, {elapsed:.1f}s")
-    print(f"  request throughput {r['request_throughput']:.2f} req/s, output {r['output_tok_s']:.1f} "
-          f"tok/s, total {r['total_tok_s']:.1f} tok/s, goodput {r['goodput_req_s']:.2f} req/s")
+    print(
+        f"[{backend}] model {info.name} ({info.dtype}), {args.num_requests} requests at "
+        f"{args.request_rate} req/s, {r['completed']} ok, {r['failed']} failed, {elapsed:.1f}s"
+    )
+    print(
+        f"  request throughput {r['request_throughput']:.2f} req/s, output {r['output_tok_s']:.1f} "
+        f"tok/s, total {r['total_tok_s']:.1f} tok/s, goodput {r['goodput_req_s']:.2f} req/s"
+    )
     for key, name in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         s = r[key]
-        print(f"  {name:5s} mean {s['mean'] * 1e3:9.1f} ms  p50 {s['p50'] * 1e3:9.1f} ms  "
-              f"p99 {s['p99'] * 1e3:9.1f} ms")
+        print(
+            f"  {name:5s} mean {s['mean'] * 1e3:9.1f} ms  p50 {s['p50'] * 1e3:9.1f} ms  "
+            f"p99 {s['p99'] * 1e3:9.1f} ms"
+        )
     for err in r["errors"]:
         print("  error:", err)
-    print(json.dumps({"bench": "serving", "backend": backend, "machine": platform.machine(),
-                      "cpus": os.cpu_count(), "model": info.name,
-                      "num_requests": args.num_requests, "request_rate": str(args.request_rate),
-                      "max_len": max_len, **r}))
+    print(
+        json.dumps(
+            {
+                "bench": "serving",
+                "backend": backend,
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "model": info.name,
+                "num_requests": args.num_requests,
+                "request_rate": str(args.request_rate),
+                "max_len": max_len,
+                **r,
+            }
+        )
+    )
     return r
 
 

@@ -55,10 +55,14 @@ INSTRUCTIONS = [
 def copy_prompts(llm: LLM, n: int) -> list[list[int]]:
     out = []
     for i in range(n):
-        text = INSTRUCTIONS[i % len(INSTRUCTIONS)].format(p=PASSAGES[(i // len(INSTRUCTIONS) + i)
-                                                                     % len(PASSAGES)])
-        out.append(llm.tokenizer.encode_chat([{"role": "user", "content": text}],
-                                             add_generation_prompt=True))
+        text = INSTRUCTIONS[i % len(INSTRUCTIONS)].format(
+            p=PASSAGES[(i // len(INSTRUCTIONS) + i) % len(PASSAGES)]
+        )
+        out.append(
+            llm.tokenizer.encode_chat(
+                [{"role": "user", "content": text}], add_generation_prompt=True
+            )
+        )
     return out
 
 
@@ -83,12 +87,18 @@ def spec_numbers(before: dict, after: dict) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=None)
     p.add_argument("--method", default="ngram", choices=("ngram", "draft_model"))
     p.add_argument("--draft-model", default=None, help="draft checkpoint (method draft_model)")
-    p.add_argument("--draft-num-layers", type=int, default=None,
-                   help="keep the draft's first N layers (a truncated target is a draft)")
+    p.add_argument(
+        "--draft-num-layers",
+        type=int,
+        default=None,
+        help="keep the draft's first N layers (a truncated target is a draft)",
+    )
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompt-lookup-max", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=96)
@@ -104,8 +114,13 @@ def main() -> None:
         spec["model"] = args.draft_model
         if args.draft_num_layers:
             spec["draft_num_layers"] = args.draft_num_layers
-    common = dict(max_model_len=512, page_size=16, enable_prefix_caching=False,
-                  max_num_seqs=max(args.batch, 1), max_num_batched_tokens=512)
+    common = dict(
+        max_model_len=512,
+        page_size=16,
+        enable_prefix_caching=False,
+        max_num_seqs=max(args.batch, 1),
+        max_num_batched_tokens=512,
+    )
     plain = LLM(args.model, **common)
     specd = LLM(args.model, speculative_config=spec, **common)
     engines = {"plain": plain, "spec": specd}
@@ -123,8 +138,10 @@ def main() -> None:
                 if measured:
                     single[name].append((secs, len(toks[0])))
             if outs["plain"] != outs["spec"]:
-                raise SystemExit(f"run {run}: greedy outputs differ with speculation:\n"
-                                 f"{outs['plain']}\n{outs['spec']}")
+                raise SystemExit(
+                    f"run {run}: greedy outputs differ with speculation:\n"
+                    f"{outs['plain']}\n{outs['spec']}"
+                )
     rate, mean_len = spec_numbers(stats0, specd.engine.stats())
     tps = {n: statistics.median(t / s for s, t in runs) for n, runs in single.items()}
 
@@ -143,26 +160,41 @@ def main() -> None:
                 raise SystemExit("batch: greedy outputs differ with speculation")
 
     cores = os.cpu_count()
-    print(f"\nspeculative decoding ({json.dumps(spec)}), {platform.machine()} x{cores} cores, "
-          f"{args.runs} runs, greedy outputs identical")
+    print(
+        f"\nspeculative decoding ({json.dumps(spec)}), {platform.machine()} x{cores} cores, "
+        f"{args.runs} runs, greedy outputs identical"
+    )
     print(f"  single stream, copy prompts, {args.new_tokens} new tokens max:")
     for name in engines:
         print(f"    {name:6s} {tps[name]:7.1f} tok/s")
-    print(f"    speed-up {tps['spec'] / tps['plain']:.2f}x; acceptance rate {rate:.2f}, "
-          f"mean accepted length {mean_len:.2f}")
+    print(
+        f"    speed-up {tps['spec'] / tps['plain']:.2f}x; acceptance rate {rate:.2f}, "
+        f"mean accepted length {mean_len:.2f}"
+    )
     if batch:
         print(f"  batch {args.batch} x {args.batch_tokens} tokens (speculation backs off):")
         for name in engines:
             print(f"    {name:6s} {batch[name]:7.1f} tok/s")
         print(f"    ratio {batch['spec'] / batch['plain']:.2f}x")
-    print(json.dumps({"bench": "spec", "config": spec, "machine": platform.machine(), "cpus": cores,
-                      "date": time.strftime("%Y-%m-%d"), "runs": args.runs,
-                      "single_tok_s": {k: round(v, 2) for k, v in tps.items()},
-                      "single_speedup": round(tps["spec"] / tps["plain"], 3),
-                      "acceptance_rate": round(rate, 3), "mean_accepted_length": round(mean_len, 3),
-                      "batch": args.batch,
-                      "batch_tok_s": {k: round(v, 2) for k, v in batch.items()},
-                      "batch_ratio": round(batch["spec"] / batch["plain"], 3) if batch else None}))
+    print(
+        json.dumps(
+            {
+                "bench": "spec",
+                "config": spec,
+                "machine": platform.machine(),
+                "cpus": cores,
+                "date": time.strftime("%Y-%m-%d"),
+                "runs": args.runs,
+                "single_tok_s": {k: round(v, 2) for k, v in tps.items()},
+                "single_speedup": round(tps["spec"] / tps["plain"], 3),
+                "acceptance_rate": round(rate, 3),
+                "mean_accepted_length": round(mean_len, 3),
+                "batch": args.batch,
+                "batch_tok_s": {k: round(v, 2) for k, v in batch.items()},
+                "batch_ratio": round(batch["spec"] / batch["plain"], 3) if batch else None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

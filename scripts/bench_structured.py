@@ -34,9 +34,16 @@ import numpy as np
 from jaxinfer import LLM, SamplingParams, StructuredOutputsParams
 
 REGEX = "[a-z ]{4096}"
-SCHEMA = {"type": "array", "minItems": 512,
-          "items": {"type": "object", "required": ["name", "age"], "additionalProperties": False,
-                    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}}
+SCHEMA = {
+    "type": "array",
+    "minItems": 512,
+    "items": {
+        "type": "object",
+        "required": ["name", "age"],
+        "additionalProperties": False,
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    },
+}
 
 
 def decode_step_times(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> list[float]:
@@ -57,31 +64,51 @@ def decode_step_times(llm: LLM, prompts: list[list[int]], sp: SamplingParams) ->
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=None)
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fused", action="store_true", help="also the fused synchronous path")
-    p.add_argument("--runs", default=None, help="comma-separated subset of the runs (with "
-                   "'unconstrained' first): e.g. unconstrained,regex")
+    p.add_argument(
+        "--runs",
+        default=None,
+        help="comma-separated subset of the runs (with "
+        "'unconstrained' first): e.g. unconstrained,regex",
+    )
     args = p.parse_args()
 
-    llm = LLM(args.model, max_num_seqs=args.rows, max_model_len=256,
-              max_num_batched_tokens=max(256, args.rows * args.prompt_len))
+    llm = LLM(
+        args.model,
+        max_num_seqs=args.rows,
+        max_model_len=256,
+        max_num_batched_tokens=max(256, args.rows * args.prompt_len),
+    )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 20000, args.prompt_len).tolist() for _ in range(args.rows)]
-    grammars = {"regex": StructuredOutputsParams(regex=REGEX),
-                "json": StructuredOutputsParams(json=SCHEMA)}
+    grammars = {
+        "regex": StructuredOutputsParams(regex=REGEX),
+        "json": StructuredOutputsParams(json=SCHEMA),
+    }
 
     def params(so: StructuredOutputsParams | None) -> SamplingParams:
-        return SamplingParams(max_tokens=args.steps, temperature=1.0, seed=1,
-                              ignore_eos=so is None, structured_outputs=so)
+        return SamplingParams(
+            max_tokens=args.steps,
+            temperature=1.0,
+            seed=1,
+            ignore_eos=so is None,
+            structured_outputs=so,
+        )
 
     # name -> (sampling params, split steps and async scheduling)
-    runs = {"unconstrained": (params(None), True), "regex": (params(grammars["regex"]), True),
-            "json": (params(grammars["json"]), True)}
+    runs = {
+        "unconstrained": (params(None), True),
+        "regex": (params(grammars["regex"]), True),
+        "json": (params(grammars["json"]), True),
+    }
     if args.fused:
         runs["regex, fused sync"] = (params(grammars["regex"]), False)
     if args.runs:
@@ -110,8 +137,10 @@ def main() -> None:
     results = {name: statistics.median(r) for name, r in rounds.items()}
     for name, r in rounds.items():
         ratio = results[name] / results["unconstrained"]
-        print(f"{name:20s} decode step {results[name] * 1e3:8.2f} ms  x{ratio:.3f} "
-              f"(rounds: {', '.join(f'{x * 1e3:.1f}' for x in r)})")
+        print(
+            f"{name:20s} decode step {results[name] * 1e3:8.2f} ms  x{ratio:.3f} "
+            f"(rounds: {', '.join(f'{x * 1e3:.1f}' for x in r)})"
+        )
 
     so = core.structured
     fill_ms = {}
@@ -128,14 +157,27 @@ def main() -> None:
         for rid in ids:
             so.remove(rid)
         fill_ms[g] = statistics.median(fills) * 1e3
-    print(f"{args.rows}-row mask fill alone: " + ", ".join(f"{g} {ms:.2f} ms" for g, ms in
-                                                         fill_ms.items()))
-    print(json.dumps({"bench": "structured", "machine": platform.machine(), "cpus": os.cpu_count(),
-                      "load": os.getloadavg()[0], "model": llm.model.name, "rows": args.rows,
-                      "steps": args.steps, "repeats": args.repeats,
-                      "step_ms": {k: v * 1e3 for k, v in results.items()},
-                      "ratio": {k: v / results["unconstrained"] for k, v in results.items()},
-                      "mask_fill_ms": fill_ms}))
+    print(
+        f"{args.rows}-row mask fill alone: "
+        + ", ".join(f"{g} {ms:.2f} ms" for g, ms in fill_ms.items())
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "structured",
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "load": os.getloadavg()[0],
+                "model": llm.model.name,
+                "rows": args.rows,
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "step_ms": {k: v * 1e3 for k, v in results.items()},
+                "ratio": {k: v / results["unconstrained"] for k, v in results.items()},
+                "mask_fill_ms": fill_ms,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Stream a completion from a running jaxinfer server (scripts/serve.py), printing tokens as they come.
 
-    python scripts/client.py --prompt "The sea is" --max-tokens 32
-    python scripts/client.py --chat "Write a haiku about the sea." --temperature 0.7 --seed 1
-    python scripts/client.py --info                  # the served model and the engine's capacity
+python scripts/client.py --prompt "The sea is" --max-tokens 32
+python scripts/client.py --chat "Write a haiku about the sea." --temperature 0.7 --seed 1
+python scripts/client.py --info                  # the served model and the engine's capacity
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from serving.protos.jaxinfer.v1 import generate_pb2 as pb
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="plain-text prompt")
     src.add_argument("--chat", help="a user message, rendered with the model's chat template")
@@ -50,22 +52,33 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.chat is not None:
             prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
-                {"role": "user", "content": args.chat}]
+                {"role": "user", "content": args.chat}
+            ]
         else:
             prompt = args.prompt
-        sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, min_p=args.min_p,
-                        repetition_penalty=args.repetition_penalty,
-                        frequency_penalty=args.frequency_penalty,
-                        presence_penalty=args.presence_penalty, seed=args.seed, stop=args.stop,
-                        ignore_eos=args.ignore_eos or None, n=args.n)
+        sampling = dict(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            frequency_penalty=args.frequency_penalty,
+            presence_penalty=args.presence_penalty,
+            seed=args.seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos or None,
+            n=args.n,
+        )
         start = time.perf_counter()
         first = None
         texts: dict[int, str] = {}
         tokens = 0
         last: dict[int, pb.GenerateResponse] = {}
         streaming = (args.n or 1) == 1
-        for msg in client.generate(prompt, timeout=args.timeout, priority=args.priority, **sampling):
+        for msg in client.generate(
+            prompt, timeout=args.timeout, priority=args.priority, **sampling
+        ):
             if msg.token_ids and first is None:
                 first = time.perf_counter() - start
             tokens += len(msg.token_ids)
@@ -82,11 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         for i, msg in sorted(last.items()):
             reason = pb.GenerateResponse.FinishReason.Name(msg.finish_reason)
             u = msg.usage
-            print(f"[sample {i}: {reason}; {u.prompt_tokens} prompt tokens ({u.cached_prompt_tokens} "
-                  f"cached), {u.completion_tokens} generated]", file=sys.stderr)
+            print(
+                f"[sample {i}: {reason}; {u.prompt_tokens} prompt tokens ({u.cached_prompt_tokens} "
+                f"cached), {u.completion_tokens} generated]",
+                file=sys.stderr,
+            )
         rate = (tokens - 1) / (elapsed - first) if first is not None and elapsed > first else 0.0
-        print(f"[TTFT {first or 0:.3f}s, {elapsed:.2f}s total, {rate:.1f} tok/s after the first]",
-              file=sys.stderr)
+        print(
+            f"[TTFT {first or 0:.3f}s, {elapsed:.2f}s total, {rate:.1f} tok/s after the first]",
+            file=sys.stderr,
+        )
         return 0
     except grpc.RpcError as e:
         print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)

@@ -44,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        dst = convert(args.src, args.dst, args.dtype, force=args.force,
-                      quantization=args.quantization)
+        dst = convert(
+            args.src, args.dst, args.dtype, force=args.force, quantization=args.quantization
+        )
     except (OSError, ValueError) as e:  # CheckpointError, TokenizerError, UnsupportedConfigError
         print(f"error: {e}", file=sys.stderr)
         return 1

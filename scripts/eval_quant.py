@@ -43,11 +43,13 @@ PROMPTS = [
     "SELECT name, age FROM users WHERE",
     "In 1969, Neil Armstrong",
 ]
-TEXT = ("The quick brown fox jumps over the lazy dog. Language models predict the next token from "
-        "the ones before it, and quantization stores their weights in fewer bits so that each "
-        "decoding step reads less memory. A good quantization changes the predictions very little: "
-        "the text below the weights should read the same, and its perplexity should barely move. "
-        "Paris is the capital of France, and the Seine flows through it on its way to the sea.")
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Language models predict the next token from "
+    "the ones before it, and quantization stores their weights in fewer bits so that each "
+    "decoding step reads less memory. A good quantization changes the predictions very little: "
+    "the text below the weights should read the same, and its perplexity should barely move. "
+    "Paris is the capital of France, and the Seine flows through it on its way to the sea."
+)
 
 
 def _chosen_logprobs(out) -> list[float]:
@@ -64,14 +66,16 @@ def evaluate(llm: LLM, tokens: int, ref_continuations: list[list[int]] | None):
     if ref_continuations is not None:
         prompts = [llm.tokenizer.encode(p) + c for p, c in zip(PROMPTS, ref_continuations)]
         scored = llm.generate(prompts, score)
-        lps = [_chosen_logprobs(o)[-len(c):] for o, c in zip(scored, ref_continuations)]
+        lps = [_chosen_logprobs(o)[-len(c) :] for o, c in zip(scored, ref_continuations)]
     text = llm.generate(TEXT, score)[0]
     ppl = math.exp(-float(np.mean(_chosen_logprobs(text))))
     return conts, lps, ppl
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     p.add_argument("--formats", default="int8,fp8", help="comma-separated: int8, fp8")
@@ -79,8 +83,9 @@ def main() -> None:
     p.add_argument("--markdown", action="store_true", help="also print the BENCHMARKS.md table")
     args = p.parse_args()
     formats = ["none", *[f for f in args.formats.split(",") if f]]
-    common = dict(dtype=args.dtype, max_num_seqs=len(PROMPTS), max_model_len=256,
-                  max_num_batched_tokens=256)
+    common = dict(
+        dtype=args.dtype, max_num_seqs=len(PROMPTS), max_model_len=256, max_num_batched_tokens=256
+    )
     rows = []
     ref_conts = ref_lps = None
     for fmt in formats:
@@ -92,37 +97,59 @@ def main() -> None:
             ref_conts, ref_weight_bytes = conts, weight_bytes
             _, ref_lps, _ = evaluate(llm, args.tokens, ref_conts)
             lps = ref_lps
-        drift = np.concatenate([np.abs(np.asarray(a) - np.asarray(b)) for a, b in zip(lps, ref_lps)])
-        rows.append({
-            "format": fmt,
-            "weight_bytes": weight_bytes,
-            "bytes_vs_none": round(weight_bytes / ref_weight_bytes, 3),
-            "agree_first8": sum(c[:8] == r[:8] for c, r in zip(conts, ref_conts)),
-            "agree_all": sum(c == r for c, r in zip(conts, ref_conts)),
-            "prompts": len(PROMPTS),
-            "logprob_drift_mean": round(float(drift.mean()), 4),
-            "logprob_drift_max": round(float(drift.max()), 4),
-            "perplexity": round(ppl, 3),
-            "seconds": round(time.perf_counter() - start, 1),
-        })
+        drift = np.concatenate(
+            [np.abs(np.asarray(a) - np.asarray(b)) for a, b in zip(lps, ref_lps)]
+        )
+        rows.append(
+            {
+                "format": fmt,
+                "weight_bytes": weight_bytes,
+                "bytes_vs_none": round(weight_bytes / ref_weight_bytes, 3),
+                "agree_first8": sum(c[:8] == r[:8] for c, r in zip(conts, ref_conts)),
+                "agree_all": sum(c == r for c, r in zip(conts, ref_conts)),
+                "prompts": len(PROMPTS),
+                "logprob_drift_mean": round(float(drift.mean()), 4),
+                "logprob_drift_max": round(float(drift.max()), 4),
+                "perplexity": round(ppl, 3),
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+        )
         del llm
-    head = (f"{'format':8s} {'MB':>7s} {'x none':>7s} {'first 8 agree':>14s} "
-            f"{f'all {args.tokens} agree':>14s} {'drift mean':>11s} {'drift max':>10s} {'ppl':>8s}")
+    head = (
+        f"{'format':8s} {'MB':>7s} {'x none':>7s} {'first 8 agree':>14s} "
+        f"{f'all {args.tokens} agree':>14s} {'drift mean':>11s} {'drift max':>10s} {'ppl':>8s}"
+    )
     print(head)
     for r in rows:
-        print(f"{r['format']:8s} {r['weight_bytes'] / 1e6:7.0f} {r['bytes_vs_none']:7.3f} "
-              f"{r['agree_first8']:>8d}/{r['prompts']:<5d} {r['agree_all']:>8d}/{r['prompts']:<5d} "
-              f"{r['logprob_drift_mean']:11.4f} {r['logprob_drift_max']:10.4f} {r['perplexity']:8.3f}")
+        print(
+            f"{r['format']:8s} {r['weight_bytes'] / 1e6:7.0f} {r['bytes_vs_none']:7.3f} "
+            f"{r['agree_first8']:>8d}/{r['prompts']:<5d} {r['agree_all']:>8d}/{r['prompts']:<5d} "
+            f"{r['logprob_drift_mean']:11.4f} {r['logprob_drift_max']:10.4f} {r['perplexity']:8.3f}"
+        )
     if args.markdown:
-        print(f"\n| format | weight MB | x none | greedy first 8 equal | all {args.tokens} equal | "
-              "logprob drift mean | max | perplexity |")
+        print(
+            f"\n| format | weight MB | x none | greedy first 8 equal | all {args.tokens} equal | "
+            "logprob drift mean | max | perplexity |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['format']} | {r['weight_bytes'] / 1e6:.0f} | {r['bytes_vs_none']:.3f} | "
-                  f"{r['agree_first8']}/{r['prompts']} | {r['agree_all']}/{r['prompts']} | "
-                  f"{r['logprob_drift_mean']:.4f} | {r['logprob_drift_max']:.4f} | {r['perplexity']:.3f} |")
-    print(json.dumps({"bench": "eval_quant", "model": args.model or "default", "machine": platform.machine(),
-                      "cpus": os.cpu_count(), "tokens": args.tokens, "rows": rows}))
+            print(
+                f"| {r['format']} | {r['weight_bytes'] / 1e6:.0f} | {r['bytes_vs_none']:.3f} | "
+                f"{r['agree_first8']}/{r['prompts']} | {r['agree_all']}/{r['prompts']} | "
+                f"{r['logprob_drift_mean']:.4f} | {r['logprob_drift_max']:.4f} | {r['perplexity']:.3f} |"
+            )
+    print(
+        json.dumps(
+            {
+                "bench": "eval_quant",
+                "model": args.model or "default",
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "tokens": args.tokens,
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

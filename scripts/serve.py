@@ -37,7 +37,10 @@ import _path  # noqa: F401
 
 logger = logging.getLogger("serve")
 
-LOAD_FORMATS = ("auto", "dummy")  # jaxinfer.loader.LOAD_FORMATS (not imported: no JAX before startup)
+LOAD_FORMATS = (
+    "auto",
+    "dummy",
+)  # jaxinfer.loader.LOAD_FORMATS (not imported: no JAX before startup)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
@@ -51,95 +54,187 @@ def parse_bytes(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None,
-                   help="GGUF file, HF dir or orbax dir (default: the embedded SmolLM2-135M-Instruct)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file, HF dir or orbax dir (default: the embedded SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: a free one)")
-    p.add_argument("--metrics-port", type=int, default=8000,
-                   help="Prometheus /metrics HTTP port (0: a free one)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8000,
+        help="Prometheus /metrics HTTP port (0: a free one)",
+    )
     p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="default: float32 on CPU, bfloat16 on accelerators")
-    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
-                   help="'auto': the checkpoint's weights; 'dummy': random weights of the right "
-                        "shapes, made on the devices from --model's config.json (or GGUF metadata) "
-                        "and tokenizer, for benchmarking without the weights")
-    p.add_argument("--quantization", choices=["int8", "fp8"], default=None,
-                   help="weight-only quantization of the linear weights and the embedding (int8: "
-                        "a scale per output channel and 128 input channels; fp8: per output "
-                        "channel), applied at load")
-    p.add_argument("--skip-tokenizer-init", action="store_true",
-                   help="load no tokenizer (a checkpoint without one serves): requests send "
-                        "token_ids, responses carry token ids with empty text")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="default: float32 on CPU, bfloat16 on accelerators",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=LOAD_FORMATS,
+        help="'auto': the checkpoint's weights; 'dummy': random weights of the right "
+        "shapes, made on the devices from --model's config.json (or GGUF metadata) "
+        "and tokenizer, for benchmarking without the weights",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=["int8", "fp8"],
+        default=None,
+        help="weight-only quantization of the linear weights and the embedding (int8: "
+        "a scale per output channel and 128 input channels; fp8: per output "
+        "channel), applied at load",
+    )
+    p.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer (a checkpoint without one serves): requests send "
+        "token_ids, responses carry token ids with empty text",
+    )
     e = p.add_argument_group("engine")
     e.add_argument("--page-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=512)
-    e.add_argument("--max-model-len", type=int, default=None,
-                   help="default: 2048 on CPU, the model's context elsewhere")
-    e.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="bytes for the KV cache, e.g. 2GiB (default: most of free device memory)")
+    e.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="default: 2048 on CPU, the model's context elsewhere",
+    )
+    e.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=None,
+        help="bytes for the KV cache, e.g. 2GiB (default: most of free device memory)",
+    )
     e.add_argument("--num-pages", type=int, default=None, help="KV-cache pages (overrides memory)")
-    e.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
-                   help="KV-cache storage: the model dtype, or fp8 (e4m3 with a power-of-two scale "
-                        "per slot and head: about twice the tokens of bf16 in the same memory)")
+    e.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="KV-cache storage: the model dtype, or fp8 (e4m3 with a power-of-two scale "
+        "per slot and head: about twice the tokens of bf16 in the same memory)",
+    )
     e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--no-async-scheduling", action="store_true",
-                   help="wait for each step's tokens before scheduling the next (default: the next "
-                        "step is launched first, its decode tokens fed on the device)")
-    e.add_argument("--long-prefill-token-threshold", type=int, default=None,
-                   help="most prompt tokens one request computes per step; smaller values cut "
-                        "the inter-token latency tail of running streams (default: no cap)")
-    e.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s fields, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' (speculates while at '
-                        'most "disable_by_batch_size" requests are queued; default: off)')
-    e.add_argument("--mesh", default="", help="mesh axis sizes over all devices, e.g. 'tensor=8' or "
-                   "'data=2,tensor=4' (default: one device)")
-    e.add_argument("--attention-backend", default=None,
-                   choices=("auto", "reference", "cpu", "gpu", "tpu"),
-                   help="'auto': the platform's kernel (compiled C++ on CPU, Pallas on GPU/TPU); "
-                        "default: 'auto' on CPU and GPU, 'reference' on TPU")
-    e.add_argument("--linear-backend", default=None, choices=("auto", "xla", "cpu"),
-                   help="dense products: 'cpu' runs steps of <= 8 float32 token rows through the "
-                        "compiled CPU kernel (decode), 'xla' always uses XLA's dot; "
-                        "default 'auto': 'cpu' on a CPU platform where the kernel builds")
+    e.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="wait for each step's tokens before scheduling the next (default: the next "
+        "step is launched first, its decode tokens fed on the device)",
+    )
+    e.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="most prompt tokens one request computes per step; smaller values cut "
+        "the inter-token latency tail of running streams (default: no cap)",
+    )
+    e.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s fields, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' (speculates while at '
+        'most "disable_by_batch_size" requests are queued; default: off)',
+    )
+    e.add_argument(
+        "--mesh",
+        default="",
+        help="mesh axis sizes over all devices, e.g. 'tensor=8' or "
+        "'data=2,tensor=4' (default: one device)",
+    )
+    e.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=("auto", "reference", "cpu", "gpu", "tpu"),
+        help="'auto': the platform's kernel (compiled C++ on CPU, Pallas on GPU/TPU); "
+        "default: 'auto' on CPU and GPU, 'reference' on TPU",
+    )
+    e.add_argument(
+        "--linear-backend",
+        default=None,
+        choices=("auto", "xla", "cpu"),
+        help="dense products: 'cpu' runs steps of <= 8 float32 token rows through the "
+        "compiled CPU kernel (decode), 'xla' always uses XLA's dot; "
+        "default 'auto': 'cpu' on a CPU platform where the kernel builds",
+    )
     s = p.add_argument_group("server")
-    s.add_argument("--http-port", type=int, default=None,
-                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
-                        "/v1/chat/completions, /v1/models, /health, /metrics) on this port over "
-                        "the same engine (0: a free one; default: off)")
+    s.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /metrics) on this port over "
+        "the same engine (0: a free one; default: off)",
+    )
     s.add_argument("--http-host", default=None, help="address of the HTTP API (default: --host)")
-    s.add_argument("--served-model-name", default=None,
-                   help="the model id HTTP clients name (default: the checkpoint's name)")
-    s.add_argument("--max-queue", type=int, default=256,
-                   help="sequences admitted beyond --max-num-seqs before RESOURCE_EXHAUSTED")
-    s.add_argument("--grace-period", type=float, default=30.0,
-                   help="seconds in-flight streams get to finish on SIGTERM/SIGINT")
-    s.add_argument("--no-warmup", action="store_true",
-                   help="serve at once and compile programs on first use")
-    s.add_argument("--log-interval", type=float, default=1.0,
-                   help="seconds between load log lines while busy")
-    s.add_argument("--engine-in-process", action="store_true",
-                   help="run the engine core on a thread of the server process (default: a process "
-                        "of its own, so the gRPC front end never shares the GIL with the step loop; "
-                        "multi-host serving always runs it in process)")
-    s.add_argument("--fake-runner", action="store_true",
-                   help="no model compute: tokens are a function of prompt and position "
-                        "(tests, and measuring the server's own overhead)")
-    s.add_argument("--fake-step-delay", type=float, default=0.0,
-                   help="seconds each --fake-runner step sleeps")
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id HTTP clients name (default: the checkpoint's name)",
+    )
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="sequences admitted beyond --max-num-seqs before RESOURCE_EXHAUSTED",
+    )
+    s.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        help="seconds in-flight streams get to finish on SIGTERM/SIGINT",
+    )
+    s.add_argument(
+        "--no-warmup", action="store_true", help="serve at once and compile programs on first use"
+    )
+    s.add_argument(
+        "--log-interval", type=float, default=1.0, help="seconds between load log lines while busy"
+    )
+    s.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the engine core on a thread of the server process (default: a process "
+        "of its own, so the gRPC front end never shares the GIL with the step loop; "
+        "multi-host serving always runs it in process)",
+    )
+    s.add_argument(
+        "--fake-runner",
+        action="store_true",
+        help="no model compute: tokens are a function of prompt and position "
+        "(tests, and measuring the server's own overhead)",
+    )
+    s.add_argument(
+        "--fake-step-delay", type=float, default=0.0, help="seconds each --fake-runner step sleeps"
+    )
     m = p.add_argument_group("multi-host (one process per host; process 0 serves gRPC)")
-    m.add_argument("--coordinator-address", default=None,
-                   help="host:port of process 0's jax.distributed coordinator (same on every process)")
+    m.add_argument(
+        "--coordinator-address",
+        default=None,
+        help="host:port of process 0's jax.distributed coordinator (same on every process)",
+    )
     m.add_argument("--num-processes", type=int, default=1)
     m.add_argument("--process-id", type=int, default=0)
     prof = p.add_argument_group("profiling")
-    prof.add_argument("--profile-port", type=int, default=None,
-                      help="start jax.profiler's server, for live capture from TensorBoard")
-    prof.add_argument("--trace-dir", default=None,
-                      help="write a jax profiler trace of --trace-steps busy engine steps here")
+    prof.add_argument(
+        "--profile-port",
+        type=int,
+        default=None,
+        help="start jax.profiler's server, for live capture from TensorBoard",
+    )
+    prof.add_argument(
+        "--trace-dir",
+        default=None,
+        help="write a jax profiler trace of --trace-steps busy engine steps here",
+    )
     prof.add_argument("--trace-steps", type=int, default=10)
     return p
 
@@ -158,28 +253,43 @@ def engine_args(args: argparse.Namespace):
     from serving.launch import EngineArgs
 
     spec = SpeculativeConfig.parse(args.speculative_config)  # a bad field fails before loading
-    options = dict(page_size=args.page_size, num_pages=args.num_pages,
-                   kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens,
-                   enable_prefix_caching=not args.no_prefix_caching,
-                   async_scheduling=not args.no_async_scheduling,
-                   long_prefill_token_threshold=args.long_prefill_token_threshold,
-                   speculative_config=spec.to_dict() if spec else None,
-                   kv_cache_dtype=args.kv_cache_dtype)
-    return EngineArgs(model=args.model, dtype=args.dtype, mesh=args.mesh,
-                      max_model_len=args.max_model_len, options=options,
-                      attention_backend=args.attention_backend, linear_backend=args.linear_backend,
-                      fake_runner=args.fake_runner, fake_step_delay=args.fake_step_delay,
-                      load_format=args.load_format, quantization=args.quantization,
-                      skip_tokenizer_init=args.skip_tokenizer_init)
+    options = dict(
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        async_scheduling=not args.no_async_scheduling,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        speculative_config=spec.to_dict() if spec else None,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    return EngineArgs(
+        model=args.model,
+        dtype=args.dtype,
+        mesh=args.mesh,
+        max_model_len=args.max_model_len,
+        options=options,
+        attention_backend=args.attention_backend,
+        linear_backend=args.linear_backend,
+        fake_runner=args.fake_runner,
+        fake_step_delay=args.fake_step_delay,
+        load_format=args.load_format,
+        quantization=args.quantization,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+    )
 
 
 def loop_options(args: argparse.Namespace):
     from jaxinfer.engine.core_client import LoopOptions
 
-    return LoopOptions(warmup=not args.no_warmup, trace_dir=args.trace_dir,
-                       trace_steps=args.trace_steps if args.trace_dir else 0,
-                       profile_port=args.profile_port)
+    return LoopOptions(
+        warmup=not args.no_warmup,
+        trace_dir=args.trace_dir,
+        trace_steps=args.trace_steps if args.trace_dir else 0,
+        profile_port=args.profile_port,
+    )
 
 
 def summary(server, args, load_s: float, ready_s: float) -> str:
@@ -188,12 +298,17 @@ def summary(server, args, load_s: float, ready_s: float) -> str:
     cfg = server.model.cfg
     cap = info.capacity
     mesh = ",".join(f"{k}={v}" for k, v in sorted(info.mesh_shape.items())) or "-"
-    where = ("engine core in this process" if args.engine_in_process or args.num_processes > 1
-             else "engine core in its own process")
+    where = (
+        "engine core in this process"
+        if args.engine_in_process or args.num_processes > 1
+        else "engine core in its own process"
+    )
     http = "off (--http-port)"
     if server.http is not None:
-        http = (f"http://{server.http_host}:{server.http_port}/v1 (OpenAI API, model id "
-                f"{server.http.model_name!r})")
+        http = (
+            f"http://{server.http_host}:{server.http_port}/v1 (OpenAI API, model id "
+            f"{server.http.model_name!r})"
+        )
     lines = [
         f"jaxinfer server ready in {ready_s:.1f}s (front end {load_s:.1f}s, engine load + warmup "
         f"{ready_s - load_s:.1f}s, {server.engine_loop.compiled_programs} programs; {where})",
@@ -221,11 +336,28 @@ def summary(server, args, load_s: float, ready_s: float) -> str:
 
 
 # Flags that shape the engine: in multi-host mode every process uses process 0's values.
-ENGINE_FLAGS = ("model", "dtype", "load_format", "quantization", "kv_cache_dtype",
-                "skip_tokenizer_init", "page_size",
-                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory", "num_pages", "no_prefix_caching", "mesh",
-                "attention_backend", "linear_backend", "no_warmup", "long_prefill_token_threshold",
-                "no_async_scheduling", "speculative_config")
+ENGINE_FLAGS = (
+    "model",
+    "dtype",
+    "load_format",
+    "quantization",
+    "kv_cache_dtype",
+    "skip_tokenizer_init",
+    "page_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "kv_cache_memory",
+    "num_pages",
+    "no_prefix_caching",
+    "mesh",
+    "attention_backend",
+    "linear_backend",
+    "no_warmup",
+    "long_prefill_token_threshold",
+    "no_async_scheduling",
+    "speculative_config",
+)
 
 
 def start_multihost(args: argparse.Namespace):
@@ -249,20 +381,26 @@ def start_multihost(args: argparse.Namespace):
     flags = multihost.broadcast_config(channel, flags)
     for k, v in flags.items():
         if getattr(args, k) != v and not multihost.is_leader():
-            logger.info("--%s: using process 0's %r (not %r)", k.replace("_", "-"), v, getattr(args, k))
+            logger.info(
+                "--%s: using process 0's %r (not %r)", k.replace("_", "-"), v, getattr(args, k)
+            )
         setattr(args, k, v)
     if not args.mesh:
         import jax
 
-        raise ValueError(f"multi-host serving needs a --mesh over all {jax.device_count()} devices "
-                         f"of the {args.num_processes} processes, e.g. --mesh tensor={jax.device_count()}")
+        raise ValueError(
+            f"multi-host serving needs a --mesh over all {jax.device_count()} devices "
+            f"of the {args.num_processes} processes, e.g. --mesh tensor={jax.device_count()}"
+        )
     return channel
 
 
 def engine_identity(core) -> tuple[str, tuple]:
     """What must be equal on every process for them to compile the same programs."""
-    return ("the engine (model config, engine config, token buckets)",
-            (core.cfg, core.config, core.runner.token_buckets))
+    return (
+        "the engine (model config, engine config, token buckets)",
+        (core.cfg, core.config, core.runner.token_buckets),
+    )
 
 
 def follow(args: argparse.Namespace, channel) -> int:
@@ -309,11 +447,19 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
     from serving.server import GenerateServer
 
     server = GenerateServer(
-        model=model, core=client, max_num_seqs=args.max_num_seqs, host=args.host, port=args.port,
-        metrics_port=None if args.no_metrics else args.metrics_port, max_queue=args.max_queue,
-        grace_period=args.grace_period, log_interval=args.log_interval,
-        http_port=args.http_port, http_host=args.http_host,
-        served_model_name=args.served_model_name)
+        model=model,
+        core=client,
+        max_num_seqs=args.max_num_seqs,
+        host=args.host,
+        port=args.port,
+        metrics_port=None if args.no_metrics else args.metrics_port,
+        max_queue=args.max_queue,
+        grace_period=args.grace_period,
+        log_interval=args.log_interval,
+        http_port=args.http_port,
+        http_host=args.http_host,
+        served_model_name=args.served_model_name,
+    )
     try:
         await server.start()
     except RuntimeError as e:
@@ -340,7 +486,9 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     try:
         channel = start_multihost(args) if args.num_processes > 1 else None

@@ -93,17 +93,27 @@ def _parse(variant: str) -> tuple[str, str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=None)
     p.add_argument("--format", default="int8", choices=qlib.FORMATS)
     p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--variants", default="all:channel,embed:channel,layers:channel,attn:channel,"
-                   "mlp:channel,all:mse,all:g128,all:g64,all:g32")
+    p.add_argument(
+        "--variants",
+        default="all:channel,embed:channel,layers:channel,attn:channel,"
+        "mlp:channel,all:mse,all:g128,all:g64,all:g32",
+    )
     p.add_argument("--markdown", action="store_true", help="also print the BENCHMARKS.md table")
     args = p.parse_args()
     variants = [_parse(v) for v in args.variants.split(",") if v]
-    llm = LLM(args.model, quantization=None, max_num_seqs=12, max_model_len=256,
-              max_num_batched_tokens=256)
+    llm = LLM(
+        args.model,
+        quantization=None,
+        max_num_seqs=12,
+        max_model_len=256,
+        max_num_batched_tokens=256,
+    )
     runner = llm.engine.runner
     specs = models.family_of(runner.cfg).param_specs(runner.cfg)
     reference = runner.params
@@ -124,40 +134,68 @@ def main() -> None:
             return sim.astype(w.dtype)
 
         simulated = jax.tree_util.tree_map_with_path(one, specs, host, is_leaf=is_spec)
-        runner.params = jax.tree.map(lambda x, ref: jax.device_put(x, ref.sharding), simulated, reference)
+        runner.params = jax.tree.map(
+            lambda x, ref: jax.device_put(x, ref.sharding), simulated, reference
+        )
         conts, lps, ppl = evaluate(llm, args.tokens, ref_conts)
         runner.params = reference
-        drift = np.concatenate([np.abs(np.asarray(a) - np.asarray(b)) for a, b in zip(lps, ref_lps)])
-        rows.append({
-            "variant": f"{scope}:{scheme}",
-            "weight_rel_rms_err": round(float(np.sqrt(err2[0] / max(norm2[0], 1e-30))), 5),
-            "agree_first8": sum(c[:8] == r[:8] for c, r in zip(conts, ref_conts)),
-            "agree_all": sum(c == r for c, r in zip(conts, ref_conts)),
-            "differ_first8": [i for i, (c, r) in enumerate(zip(conts, ref_conts)) if c[:8] != r[:8]],
-            "prompts": len(ref_conts),
-            "logprob_drift_mean": round(float(drift.mean()), 4),
-            "logprob_drift_max": round(float(drift.max()), 4),
-            "perplexity": round(ppl, 3),
-            "seconds": round(time.perf_counter() - start, 1),
-        })
+        drift = np.concatenate(
+            [np.abs(np.asarray(a) - np.asarray(b)) for a, b in zip(lps, ref_lps)]
+        )
+        rows.append(
+            {
+                "variant": f"{scope}:{scheme}",
+                "weight_rel_rms_err": round(float(np.sqrt(err2[0] / max(norm2[0], 1e-30))), 5),
+                "agree_first8": sum(c[:8] == r[:8] for c, r in zip(conts, ref_conts)),
+                "agree_all": sum(c == r for c, r in zip(conts, ref_conts)),
+                "differ_first8": [
+                    i for i, (c, r) in enumerate(zip(conts, ref_conts)) if c[:8] != r[:8]
+                ],
+                "prompts": len(ref_conts),
+                "logprob_drift_mean": round(float(drift.mean()), 4),
+                "logprob_drift_max": round(float(drift.max()), 4),
+                "perplexity": round(ppl, 3),
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+        )
         r = rows[-1]
-        print(f"{r['variant']:16s} err {100 * r['weight_rel_rms_err']:6.3f}%  first 8 "
-              f"{r['agree_first8']:2d}/{r['prompts']}  all {r['agree_all']:2d}/{r['prompts']}  drift "
-              f"{r['logprob_drift_mean']:.4f} / {r['logprob_drift_max']:.4f}  ppl {r['perplexity']:.3f}"
-              f"  (reference ppl {ref_ppl:.3f})", flush=True)
+        print(
+            f"{r['variant']:16s} err {100 * r['weight_rel_rms_err']:6.3f}%  first 8 "
+            f"{r['agree_first8']:2d}/{r['prompts']}  all {r['agree_all']:2d}/{r['prompts']}  drift "
+            f"{r['logprob_drift_mean']:.4f} / {r['logprob_drift_max']:.4f}  ppl {r['perplexity']:.3f}"
+            f"  (reference ppl {ref_ppl:.3f})",
+            flush=True,
+        )
     if args.markdown:
-        print(f"\n| {args.format} weights (simulated) | weight rel. RMS error | greedy first 8 equal | "
-              f"all {args.tokens} equal | logprob drift mean | max | perplexity |")
+        print(
+            f"\n| {args.format} weights (simulated) | weight rel. RMS error | greedy first 8 equal | "
+            f"all {args.tokens} equal | logprob drift mean | max | perplexity |"
+        )
         print("|---|---|---|---|---|---|---|")
-        print(f"| none (reference) | 0 | {len(ref_conts)}/{len(ref_conts)} | {len(ref_conts)}/{len(ref_conts)} "
-              f"| 0.0000 | 0.0000 | {ref_ppl:.3f} |")
+        print(
+            f"| none (reference) | 0 | {len(ref_conts)}/{len(ref_conts)} | {len(ref_conts)}/{len(ref_conts)} "
+            f"| 0.0000 | 0.0000 | {ref_ppl:.3f} |"
+        )
         for r in rows:
-            print(f"| {r['variant']} | {100 * r['weight_rel_rms_err']:.3f}% | {r['agree_first8']}/{r['prompts']} | "
-                  f"{r['agree_all']}/{r['prompts']} | {r['logprob_drift_mean']:.4f} | "
-                  f"{r['logprob_drift_max']:.4f} | {r['perplexity']:.3f} |")
-    print(json.dumps({"bench": "simulate_quant", "model": args.model or "default", "format": args.format,
-                      "machine": platform.machine(), "cpus": os.cpu_count(), "tokens": args.tokens,
-                      "reference_perplexity": round(ref_ppl, 3), "rows": rows}))
+            print(
+                f"| {r['variant']} | {100 * r['weight_rel_rms_err']:.3f}% | {r['agree_first8']}/{r['prompts']} | "
+                f"{r['agree_all']}/{r['prompts']} | {r['logprob_drift_mean']:.4f} | "
+                f"{r['logprob_drift_max']:.4f} | {r['perplexity']:.3f} |"
+            )
+    print(
+        json.dumps(
+            {
+                "bench": "simulate_quant",
+                "model": args.model or "default",
+                "format": args.format,
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "tokens": args.tokens,
+                "reference_perplexity": round(ref_ppl, 3),
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

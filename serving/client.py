@@ -26,8 +26,13 @@ SERVICE_NAME = "jaxinfer.v1.GenerateService"
 _REPEATED = {"stop", "stop_token_ids"}
 
 
-def build_request(prompt: str | Sequence[int] | Sequence[dict[str, str]], *, request_id: str = "",
-                  priority: int | None = None, **sampling: Any) -> pb.GenerateRequest:
+def build_request(
+    prompt: str | Sequence[int] | Sequence[dict[str, str]],
+    *,
+    request_id: str = "",
+    priority: int | None = None,
+    **sampling: Any,
+) -> pb.GenerateRequest:
     """A GenerateRequest; `prompt` is text, token ids, or chat messages ({"role", "content"}).
 
     `sampling` takes the `SamplingParams` proto fields (`max_tokens=`, `temperature=`, ...); None
@@ -37,8 +42,9 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict[str, str]], *, req
     if isinstance(prompt, str):
         req.prompt = prompt
     elif prompt and isinstance(prompt[0], dict):
-        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
-                                     for m in prompt)  # type: ignore[index]
+        req.messages.messages.extend(
+            pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt
+        )  # type: ignore[index]
     else:
         req.token_ids.ids.extend(int(t) for t in prompt)  # type: ignore[arg-type]
     for key, value in sampling.items():
@@ -74,7 +80,9 @@ class GenerateClient:
     def health_status(self, service: str = SERVICE_NAME) -> int | None:
         """The health service's status (health_pb2.HealthCheckResponse.*), None if unreachable."""
         try:
-            return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+            return self.health.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=2
+            ).status
         except grpc.RpcError:
             return None
 
@@ -87,16 +95,30 @@ class GenerateClient:
             if status == health_pb2.HealthCheckResponse.SERVING:
                 return
             time.sleep(poll)
-        name = "unreachable" if status is None else health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+        name = (
+            "unreachable"
+            if status is None
+            else health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+        )
         raise TimeoutError(f"server at {self.address} not SERVING after {timeout:.0f}s ({name})")
 
-    def generate(self, prompt: str | Sequence[int] | Sequence[dict[str, str]], *,
-                 timeout: float | None = None, **kwargs: Any) -> Iterator[pb.GenerateResponse]:
+    def generate(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict[str, str]],
+        *,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> Iterator[pb.GenerateResponse]:
         """Streams the responses (`kwargs`: see `build_request`)."""
         return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout)
 
-    def generate_once(self, prompt: str | Sequence[int] | Sequence[dict[str, str]], *,
-                      timeout: float | None = None, **kwargs: Any) -> pb.GenerateResponse:
+    def generate_once(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict[str, str]],
+        *,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> pb.GenerateResponse:
         return self.stub.GenerateOnce(build_request(prompt, **kwargs), timeout=timeout)
 
     def model_info(self) -> pb.ModelInfo:

@@ -92,9 +92,16 @@ class EngineLoop:
       eos_token_ids: ids that end a sample (None: the tokenizer's; none without a tokenizer).
     """
 
-    def __init__(self, client: Any, tokenizer: Tokenizer | None, metrics: ServerMetrics, *,
-                 max_num_seqs: int, max_queue: int = 256,
-                 eos_token_ids: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self,
+        client: Any,
+        tokenizer: Tokenizer | None,
+        metrics: ServerMetrics,
+        *,
+        max_num_seqs: int,
+        max_queue: int = 256,
+        eos_token_ids: tuple[int, ...] | None = None,
+    ) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.client, self.metrics = client, metrics
@@ -132,9 +139,13 @@ class EngineLoop:
         return self._in_flight
 
     def snapshot(self) -> dict[str, int]:
-        return {"running": self._stats.get("running", 0), "waiting": self._stats.get("waiting", 0),
-                "pages_used": self._stats.get("pages_used", 0), "in_flight": self._in_flight,
-                "generated": self._generated}
+        return {
+            "running": self._stats.get("running", 0),
+            "waiting": self._stats.get("waiting", 0),
+            "pages_used": self._stats.get("pages_used", 0),
+            "in_flight": self._in_flight,
+            "generated": self._generated,
+        }
 
     def submit(self, ids: list[int], sampling: SamplingParams, priority: int) -> Stream:
         """Admits a request (event loop thread); raises QueueFull, EngineUnavailable."""
@@ -143,16 +154,27 @@ class EngineLoop:
         if not self.running:
             raise EngineUnavailable("the engine is not running")
         if sampling.n > self.max_in_flight:
-            raise ValueError(f"sampling.n={sampling.n} exceeds what the server admits at once "
-                             f"({self.max_in_flight} sequences: max_num_seqs + max_queue)")
+            raise ValueError(
+                f"sampling.n={sampling.n} exceeds what the server admits at once "
+                f"({self.max_in_flight} sequences: max_num_seqs + max_queue)"
+            )
         if self._in_flight + sampling.n > self.max_in_flight:
-            raise QueueFull(f"the server is full ({self._in_flight} sequences in flight, at most "
-                            f"{self.max_in_flight}); retry later")
+            raise QueueFull(
+                f"the server is full ({self._in_flight} sequences in flight, at most "
+                f"{self.max_in_flight}); retry later"
+            )
         engine_id = f"r{next(self._ids)}"
-        core_reqs, specs = split_samples(engine_id, ids, sampling, eos_token_ids=self.eos_token_ids,
-                                         priority=priority)
-        stream = Stream(engine_id, sampling.n, time.perf_counter(), asyncio.Queue(),
-                        children=[r.request_id for r in core_reqs], remaining=sampling.n)
+        core_reqs, specs = split_samples(
+            engine_id, ids, sampling, eos_token_ids=self.eos_token_ids, priority=priority
+        )
+        stream = Stream(
+            engine_id,
+            sampling.n,
+            time.perf_counter(),
+            asyncio.Queue(),
+            children=[r.request_id for r in core_reqs],
+            remaining=sampling.n,
+        )
         self.outputs.add(engine_id, specs)
         self.client.send(["add", [request_to_wire(r) for r in core_reqs]])
         self._streams[engine_id] = stream
@@ -260,8 +282,11 @@ class EngineLoop:
         if lost:
             if error and error.startswith("engine step failed"):
                 m.step_failures.inc()
-            self._fail(self.outputs.parents_of(lost), grpc.StatusCode.INTERNAL,
-                       error or "the engine lost this request")
+            self._fail(
+                self.outputs.parents_of(lost),
+                grpc.StatusCode.INTERNAL,
+                error or "the engine lost this request",
+            )
         deltas, stopped = self.outputs.process(outputs)
         if stopped:
             self._send(["finish", [[cid, stop] for cid, stop in stopped]])
@@ -319,7 +344,12 @@ class EngineLoop:
             stream.last[i] = now
         if d.finished:
             m.e2e.observe(now - stream.arrival)
-            reason = "cancelled" if stream.cancelled and d.finish_reason == "abort" else d.finish_reason
+            reason = (
+                "cancelled" if stream.cancelled and d.finish_reason == "abort" else d.finish_reason
+            )
             usage = d.usage
-            m.observe_finish(reason or "abort", usage.prompt_tokens if usage else 0,
-                             usage.cached_prompt_tokens if usage else 0)
+            m.observe_finish(
+                reason or "abort",
+                usage.prompt_tokens if usage else 0,
+                usage.cached_prompt_tokens if usage else 0,
+            )

@@ -29,7 +29,9 @@ def proto_files(root: str = PROTO_ROOT) -> list[str]:
     """Every `.proto` under `root`, relative to it, sorted."""
     found = []
     for folder, _, files in os.walk(root):
-        found += [os.path.relpath(os.path.join(folder, f), root) for f in files if f.endswith(".proto")]
+        found += [
+            os.path.relpath(os.path.join(folder, f), root) for f in files if f.endswith(".proto")
+        ]
     return sorted(p.replace(os.sep, "/") for p in found)
 
 
@@ -55,8 +57,15 @@ def generate(out_dir: str = PROTO_ROOT, root: str = PROTO_ROOT) -> list[str]:
 
     protos = proto_files(root)
     well_known = os.path.join(os.path.dirname(protoc.__file__), "_proto")
-    args = ["protoc", f"-I{root}", f"-I{well_known}", f"--python_out={out_dir}",
-            f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *protos]
+    args = [
+        "protoc",
+        f"-I{root}",
+        f"-I{well_known}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *protos,
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {protos}")
     written = []
@@ -72,7 +81,9 @@ def generate(out_dir: str = PROTO_ROOT, root: str = PROTO_ROOT) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", default=PROTO_ROOT, help="output root (default: next to the protos)")
     args = p.parse_args(argv)
     for path in generate(args.out):

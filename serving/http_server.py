@@ -51,10 +51,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_GRPC_NAMES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
-               500: "INTERNAL", 503: "UNAVAILABLE"}
-_FAILURE_STATUS = {grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-                   grpc.StatusCode.INVALID_ARGUMENT: 400}
+_GRPC_NAMES = {
+    400: "INVALID_ARGUMENT",
+    404: "NOT_FOUND",
+    429: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+}
+_FAILURE_STATUS = {
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+}
 
 
 class HTTPError(Exception):
@@ -84,8 +92,14 @@ class OpenAIServer:
       served_model_name: the model id clients name (default: the checkpoint's name).
     """
 
-    def __init__(self, server: GenerateServer, *, host: str = "127.0.0.1", port: int = 0,
-                 served_model_name: str | None = None) -> None:
+    def __init__(
+        self,
+        server: GenerateServer,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        served_model_name: str | None = None,
+    ) -> None:
         self.server = server
         self.host, self.port = host, port
         self.model_name = served_model_name or server.model.name
@@ -101,8 +115,15 @@ class OpenAIServer:
         sock.bind((self.host, self.port))
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning",
-                                access_log=False, lifespan="off", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            self.app,
+            host=self.host,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+        )
         self._uvicorn = _Uvicorn(config)
         self._task = asyncio.get_running_loop().create_task(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:
@@ -110,8 +131,12 @@ class OpenAIServer:
                 self._task.result()  # raises why it stopped
                 raise RuntimeError("the HTTP server stopped while starting")
             await asyncio.sleep(0.01)
-        logger.info("OpenAI-compatible HTTP API at http://%s:%d/v1 (model id %r)", self.host,
-                    self.port, self.model_name)
+        logger.info(
+            "OpenAI-compatible HTTP API at http://%s:%d/v1 (model id %r)",
+            self.host,
+            self.port,
+            self.model_name,
+        )
         return self.port
 
     async def stop(self) -> None:
@@ -121,8 +146,9 @@ class OpenAIServer:
                 await self._task
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="jaxinfer OpenAI-compatible API", docs_url=None, redoc_url=None,
-                      openapi_url=None)
+        app = FastAPI(
+            title="jaxinfer OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None
+        )
 
         @app.exception_handler(HTTPError)
         async def on_error(request: Request, e: HTTPError) -> JSONResponse:
@@ -137,8 +163,9 @@ class OpenAIServer:
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            return Response(generate_latest(self.server.metrics.registry),
-                            media_type=CONTENT_TYPE_LATEST)
+            return Response(
+                generate_latest(self.server.metrics.registry), media_type=CONTENT_TYPE_LATEST
+            )
 
         @app.get("/v1/models")
         async def models() -> JSONResponse:
@@ -161,14 +188,22 @@ class OpenAIServer:
 
     def _model_card(self) -> dict[str, Any]:
         info = self.server.engine_loop.info
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "jaxinfer",
-                "root": self.server.model.name,
-                "max_model_len": info.get("capacity", {}).get("max_model_len")}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "jaxinfer",
+            "root": self.server.model.name,
+            "max_model_len": info.get("capacity", {}).get("max_model_len"),
+        }
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.model_name, self.server.model.name):
-            raise HTTPError(404, f"The model `{name}` does not exist (this server serves "
-                                 f"`{self.model_name}`)", "model")
+            raise HTTPError(
+                404,
+                f"The model `{name}` does not exist (this server serves `{self.model_name}`)",
+                "model",
+            )
 
     def _error(self, e: HTTPError) -> JSONResponse:
         self.server.metrics.rejected.labels(_GRPC_NAMES.get(e.status, "INTERNAL")).inc()
@@ -202,10 +237,16 @@ class OpenAIServer:
         meta = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = (self._chat_events(req, streams, meta, include_usage) if chat
-                      else self._completion_events(req, streams, meta, include_usage))
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+            events = (
+                self._chat_events(req, streams, meta, include_usage)
+                if chat
+                else self._completion_events(req, streams, meta, include_usage)
+            )
+            return StreamingResponse(
+                events,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
+            )
         collect = asyncio.ensure_future(self._collect(req, streams, meta, chat=chat))
         watch = asyncio.ensure_future(_until_disconnected(request))
         try:
@@ -224,20 +265,26 @@ class OpenAIServer:
         """Tokenizes, validates and submits the request's prompts; returns their streams."""
         unsupported = req.unsupported()
         if unsupported:
-            raise HTTPError(400, f"{unsupported[0]} is not supported by this server",
-                            unsupported[0].split()[0])
+            raise HTTPError(
+                400, f"{unsupported[0]} is not supported by this server", unsupported[0].split()[0]
+            )
         if self.tokenizer is None:
             raise HTTPError(400, "this server has no tokenizer")
         try:
             if chat:
                 field = "messages"
                 kwargs = req.chat_template_kwargs or {}
-                prompts = [await asyncio.to_thread(protocol.encode_chat, self.tokenizer,
-                                                   req.chat(), "messages", **kwargs)]
+                prompts = [
+                    await asyncio.to_thread(
+                        protocol.encode_chat, self.tokenizer, req.chat(), "messages", **kwargs
+                    )
+                ]
             else:
                 field = "prompt"
-                prompts = [p if isinstance(p, list) else await asyncio.to_thread(
-                    self._encode_text, p) for p in req.prompts()]
+                prompts = [
+                    p if isinstance(p, list) else await asyncio.to_thread(self._encode_text, p)
+                    for p in req.prompts()
+                ]
             limits = self.server.limits()
             logprobs = _logprobs(req, chat)
             max_field = "max_tokens"
@@ -249,14 +296,19 @@ class OpenAIServer:
                 for ids in prompts:
                     max_tokens = asked
                     if max_tokens is None:  # up to the context (chat) or the OpenAI default (16)
-                        room = min(limits.max_model_len - len(ids),
-                                   limits.num_pages * limits.page_size - len(ids) + 1)
+                        room = min(
+                            limits.max_model_len - len(ids),
+                            limits.num_pages * limits.page_size - len(ids) + 1,
+                        )
                         max_tokens = max(room, 1) if chat else min(16, max(room, 1))
                     sp = oai.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
                     if chat and asked is None:
                         max_field = "messages"  # too long a chat leaves no room to generate
-                    streams.append(self.server.submit(ids, sp, req.priority, field=field,
-                                                      max_tokens_field=max_field))
+                    streams.append(
+                        self.server.submit(
+                            ids, sp, req.priority, field=field, max_tokens_field=max_field
+                        )
+                    )
             except BaseException:
                 for s in streams:
                     self.server.engine_loop.cancel(s)
@@ -308,8 +360,9 @@ class OpenAIServer:
                 if unfinished[i]:
                     self.server.engine_loop.cancel(s)
 
-    async def _collect(self, req: Any, streams: list[Stream], meta: dict[str, Any], *,
-                       chat: bool) -> dict[str, Any]:
+    async def _collect(
+        self, req: Any, streams: list[Stream], meta: dict[str, Any], *, chat: bool
+    ) -> dict[str, Any]:
         n = req.n
         choices = [{"text": "", "lps": [], "finish": None} for _ in range(n * len(streams))]
         usages: list[list[Usage | None]] = [[None] * n for _ in streams]
@@ -324,20 +377,38 @@ class OpenAIServer:
         out = []
         for i, c in enumerate(choices):
             if chat:
-                lps = ({"content": oai.chat_logprobs(self.tokenizer, c["lps"])}
-                       if req.logprobs else None)
-                out.append({"index": i, "message": {"role": "assistant", "content": c["text"]},
-                            "logprobs": lps, "finish_reason": c["finish"]})
+                lps = (
+                    {"content": oai.chat_logprobs(self.tokenizer, c["lps"])}
+                    if req.logprobs
+                    else None
+                )
+                out.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": c["text"]},
+                        "logprobs": lps,
+                        "finish_reason": c["finish"],
+                    }
+                )
             else:
-                lps = (oai.completion_logprobs(self.tokenizer, c["lps"], 0)
-                       if req.logprobs is not None else None)
-                out.append({"index": i, "text": c["text"], "logprobs": lps,
-                            "finish_reason": c["finish"]})
+                lps = (
+                    oai.completion_logprobs(self.tokenizer, c["lps"], 0)
+                    if req.logprobs is not None
+                    else None
+                )
+                out.append(
+                    {"index": i, "text": c["text"], "logprobs": lps, "finish_reason": c["finish"]}
+                )
         obj = "chat.completion" if chat else "text_completion"
         return {**meta, "object": obj, "choices": out, "usage": oai.sum_usage(usages)}
 
-    async def _completion_events(self, req: oai.CompletionRequest, streams: list[Stream],
-                                 meta: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+    async def _completion_events(
+        self,
+        req: oai.CompletionRequest,
+        streams: list[Stream],
+        meta: dict[str, Any],
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         n = req.n
         usages: list[list[Usage | None]] = [[None] * n for _ in streams]
         offsets = [0] * (n * len(streams))
@@ -354,26 +425,51 @@ class OpenAIServer:
                     offsets[i] += len(d.new_text)
                     if d.finished:
                         usages[p][d.index] = d.usage
-                    yield _sse({**base, "choices": [{
-                        "index": i, "text": d.new_text, "logprobs": lps,
-                        "finish_reason": d.finish_reason if d.finished else None}],
-                        "usage": None})
+                    yield _sse(
+                        {
+                            **base,
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "text": d.new_text,
+                                    "logprobs": lps,
+                                    "finish_reason": d.finish_reason if d.finished else None,
+                                }
+                            ],
+                            "usage": None,
+                        }
+                    )
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": oai.sum_usage(usages)})
         except HTTPError as e:
             yield _sse(oai.error_body(e.status, e.message))
         yield "data: [DONE]\n\n"
 
-    async def _chat_events(self, req: oai.ChatCompletionRequest, streams: list[Stream],
-                           meta: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+    async def _chat_events(
+        self,
+        req: oai.ChatCompletionRequest,
+        streams: list[Stream],
+        meta: dict[str, Any],
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         n = req.n
         usages: list[list[Usage | None]] = [[None] * n for _ in streams]
         base = {**meta, "object": "chat.completion.chunk"}
         for i in range(n * len(streams)):
-            yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant",
-                                                                     "content": ""},
-                                             "logprobs": None, "finish_reason": None}],
-                        "usage": None})
+            yield _sse(
+                {
+                    **base,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    "usage": None,
+                }
+            )
         try:
             async with contextlib.aclosing(self._deltas(streams)) as deltas:
                 async for p, d in deltas:
@@ -385,10 +481,20 @@ class OpenAIServer:
                     if d.finished:
                         usages[p][d.index] = d.usage
                     delta = {"content": d.new_text} if d.new_text else {}
-                    yield _sse({**base, "choices": [{
-                        "index": p * n + d.index, "delta": delta, "logprobs": lps,
-                        "finish_reason": d.finish_reason if d.finished else None}],
-                        "usage": None})
+                    yield _sse(
+                        {
+                            **base,
+                            "choices": [
+                                {
+                                    "index": p * n + d.index,
+                                    "delta": delta,
+                                    "logprobs": lps,
+                                    "finish_reason": d.finish_reason if d.finished else None,
+                                }
+                            ],
+                            "usage": None,
+                        }
+                    )
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": oai.sum_usage(usages)})
         except HTTPError as e:

@@ -37,16 +37,19 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         if self.fake_runner and self.skip_tokenizer_init:
-            raise ValueError("fake_runner takes its vocabulary from the tokenizer: it cannot run "
-                             "with skip_tokenizer_init")
+            raise ValueError(
+                "fake_runner takes its vocabulary from the tokenizer: it cannot run "
+                "with skip_tokenizer_init"
+            )
 
 
 def frontend_model(args: EngineArgs) -> LoadedModel:
     """Name, config and tokenizer of the served model, without weights."""
     from jaxinfer.loader import load_model_info
 
-    info = load_model_info(args.model, load_format=args.load_format,
-                           skip_tokenizer_init=args.skip_tokenizer_init)
+    info = load_model_info(
+        args.model, load_format=args.load_format, skip_tokenizer_init=args.skip_tokenizer_init
+    )
     if args.fake_runner:
         from serving.testing import fake_model
 
@@ -72,16 +75,38 @@ def build_core(args: EngineArgs) -> EngineCore:
         model = fake_model(load_model_info(args.model, load_format=args.load_format).tokenizer)
         options = {"num_pages": 4097, **{k: v for k, v in args.options.items() if v is not None}}
         config = EngineConfig(max_model_len=max_model_len or 2048, **options)
-        return EngineCore(model.cfg, None, config, tokenizer=model.tokenizer,
-                          runner=FakeRunner(step_delay=args.fake_step_delay))
+        return EngineCore(
+            model.cfg,
+            None,
+            config,
+            tokenizer=model.tokenizer,
+            runner=FakeRunner(step_delay=args.fake_step_delay),
+        )
     from jaxinfer.loader import load_model
 
     # NOTE: the core handles token ids only: it never needs the tokenizer (the front end has it).
-    model = load_model(args.model, dtype=args.dtype, mesh=mesh, load_format=args.load_format,
-                       quantization=args.quantization, skip_tokenizer_init=True)
+    model = load_model(
+        args.model,
+        dtype=args.dtype,
+        mesh=mesh,
+        load_format=args.load_format,
+        quantization=args.quantization,
+        skip_tokenizer_init=True,
+    )
     if args.max_model_len is None and max_model_len:  # our CPU default, not the user's: cap it
         max_model_len = min(max_model_len, model.cfg.max_position_embeddings)
-    config = EngineConfig(dtype=model.dtype, max_model_len=max_model_len, mesh=args.mesh,
-                          quantization=model.quantization, **args.options)
-    return EngineCore(model.cfg, model.params, config, attention_backend=args.attention_backend,
-                      linear_backend=args.linear_backend, tokenizer=model.tokenizer)
+    config = EngineConfig(
+        dtype=model.dtype,
+        max_model_len=max_model_len,
+        mesh=args.mesh,
+        quantization=model.quantization,
+        **args.options,
+    )
+    return EngineCore(
+        model.cfg,
+        model.params,
+        config,
+        attention_backend=args.attention_backend,
+        linear_backend=args.linear_backend,
+        tokenizer=model.tokenizer,
+    )

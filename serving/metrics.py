@@ -20,10 +20,42 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 # Latency buckets in seconds: CPU decode steps are tens of ms, accelerator steps a few ms, and a
 # long prompt's TTFT can take seconds.
-_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
-                  0.75, 1.0, 2.5, 5.0)
-_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-                    160.0, 320.0)
+_TOKEN_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+_REQUEST_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+)
 
 FINISH_LABELS = ("stop", "length", "abort", "cancelled", "error")
 
@@ -32,64 +64,116 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
-            "jaxinfer_requests", "Finished samples by finish reason (stop, length, abort: by the "
+            "jaxinfer_requests",
+            "Finished samples by finish reason (stop, length, abort: by the "
             "server, cancelled: by the client or its deadline, error: INTERNAL)",
-            ["finish_reason"], registry=r)
+            ["finish_reason"],
+            registry=r,
+        )
         self.rejected = Counter(
-            "jaxinfer_requests_rejected", "Requests refused before admission, by gRPC status code",
-            ["code"], registry=r)
-        self.ttft = Histogram("jaxinfer_time_to_first_token_seconds",
-                              "Arrival to first generated token", buckets=_REQUEST_BUCKETS, registry=r)
-        self.itl = Histogram("jaxinfer_inter_token_latency_seconds",
-                             "Gap between consecutive generated tokens of a sample (after the first)",
-                             buckets=_TOKEN_BUCKETS, registry=r)
-        self.e2e = Histogram("jaxinfer_e2e_request_latency_seconds",
-                             "Arrival to last token of a sample", buckets=_REQUEST_BUCKETS, registry=r)
-        self.step_time = Histogram("jaxinfer_engine_step_seconds", "Wall time of one engine step",
-                                   buckets=_TOKEN_BUCKETS, registry=r)
-        self.step_failures = Counter("jaxinfer_engine_step_failures",
-                                     "Engine steps that raised", registry=r)
-        self.running = Gauge("jaxinfer_num_requests_running",
-                             "Sequences (samples) running in the engine", registry=r)
-        self.waiting = Gauge("jaxinfer_num_requests_waiting",
-                             "Sequences (samples) waiting or preempted in the engine", registry=r)
-        self.in_flight = Gauge("jaxinfer_num_requests_in_flight",
-                               "Sequences admitted by the server and not finished (the queue bound "
-                               "applies to this)", registry=r)
-        self.pages_used = Gauge("jaxinfer_kv_cache_pages_used",
-                                "KV-cache pages referenced by requests", registry=r)
-        self.pages_total = Gauge("jaxinfer_kv_cache_pages_total", "Usable KV-cache pages", registry=r)
-        self.prompt_tokens = Counter("jaxinfer_prompt_tokens", "Prompt tokens of finished samples",
-                                     registry=r)
+            "jaxinfer_requests_rejected",
+            "Requests refused before admission, by gRPC status code",
+            ["code"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "jaxinfer_time_to_first_token_seconds",
+            "Arrival to first generated token",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "jaxinfer_inter_token_latency_seconds",
+            "Gap between consecutive generated tokens of a sample (after the first)",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "jaxinfer_e2e_request_latency_seconds",
+            "Arrival to last token of a sample",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.step_time = Histogram(
+            "jaxinfer_engine_step_seconds",
+            "Wall time of one engine step",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.step_failures = Counter(
+            "jaxinfer_engine_step_failures", "Engine steps that raised", registry=r
+        )
+        self.running = Gauge(
+            "jaxinfer_num_requests_running", "Sequences (samples) running in the engine", registry=r
+        )
+        self.waiting = Gauge(
+            "jaxinfer_num_requests_waiting",
+            "Sequences (samples) waiting or preempted in the engine",
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "jaxinfer_num_requests_in_flight",
+            "Sequences admitted by the server and not finished (the queue bound applies to this)",
+            registry=r,
+        )
+        self.pages_used = Gauge(
+            "jaxinfer_kv_cache_pages_used", "KV-cache pages referenced by requests", registry=r
+        )
+        self.pages_total = Gauge(
+            "jaxinfer_kv_cache_pages_total", "Usable KV-cache pages", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "jaxinfer_prompt_tokens", "Prompt tokens of finished samples", registry=r
+        )
         self.cached_prompt_tokens = Counter(
-            "jaxinfer_prompt_tokens_cached", "Prompt tokens served from the prefix cache", registry=r)
-        self.prefix_hit_rate = Gauge("jaxinfer_prefix_cache_hit_rate",
-                                     "Cached / all prompt tokens of finished samples since start",
-                                     registry=r)
-        self.generation_tokens = Counter("jaxinfer_generation_tokens", "Generated tokens",
-                                         registry=r)
-        self.throughput = Gauge("jaxinfer_generation_tokens_per_second",
-                                "Generated tokens per second over the last few seconds", registry=r)
-        self.compiled_programs = Gauge("jaxinfer_compiled_programs",
-                                       "Step programs compiled by the runner", registry=r)
+            "jaxinfer_prompt_tokens_cached",
+            "Prompt tokens served from the prefix cache",
+            registry=r,
+        )
+        self.prefix_hit_rate = Gauge(
+            "jaxinfer_prefix_cache_hit_rate",
+            "Cached / all prompt tokens of finished samples since start",
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "jaxinfer_generation_tokens", "Generated tokens", registry=r
+        )
+        self.throughput = Gauge(
+            "jaxinfer_generation_tokens_per_second",
+            "Generated tokens per second over the last few seconds",
+            registry=r,
+        )
+        self.compiled_programs = Gauge(
+            "jaxinfer_compiled_programs", "Step programs compiled by the runner", registry=r
+        )
         self.spec_draft_tokens = Counter(
-            "jaxinfer_spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding",
-            registry=r)
+            "jaxinfer_spec_decode_num_draft_tokens",
+            "Tokens proposed by speculative decoding",
+            registry=r,
+        )
         self.spec_accepted_tokens = Counter(
-            "jaxinfer_spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted",
-            registry=r)
+            "jaxinfer_spec_decode_num_accepted_tokens",
+            "Proposed tokens the target model accepted",
+            registry=r,
+        )
         self.spec_steps = Counter(
-            "jaxinfer_spec_decode_num_drafts", "Request-steps that verified proposed tokens",
-            registry=r)
+            "jaxinfer_spec_decode_num_drafts",
+            "Request-steps that verified proposed tokens",
+            registry=r,
+        )
         self.spec_acceptance_rate = Gauge(
-            "jaxinfer_spec_decode_acceptance_rate", "Accepted / proposed tokens since start",
-            registry=r)
+            "jaxinfer_spec_decode_acceptance_rate",
+            "Accepted / proposed tokens since start",
+            registry=r,
+        )
         self.spec_mean_accepted_length = Gauge(
             "jaxinfer_spec_decode_mean_accepted_length",
             "Tokens emitted per verifying request-step (accepted proposals + 1) since start",
-            registry=r)
-        self.ready = Gauge("jaxinfer_ready", "1 once weights are loaded and programs compiled",
-                           registry=r)
+            registry=r,
+        )
+        self.ready = Gauge(
+            "jaxinfer_ready", "1 once weights are loaded and programs compiled", registry=r
+        )
         for label in FINISH_LABELS:
             self.requests.labels(label)  # export zeros, so rate() works from the first scrape
         self._lock = threading.Lock()
@@ -103,8 +187,11 @@ class ServerMetrics:
         steps, drafts = stats.get("spec_steps", 0), stats.get("spec_draft_tokens", 0)
         accepted = stats.get("spec_accepted_tokens", 0)
         totals = (steps, drafts, accepted)
-        for counter, total, seen in zip((self.spec_steps, self.spec_draft_tokens,
-                                         self.spec_accepted_tokens), totals, self._spec_seen):
+        for counter, total, seen in zip(
+            (self.spec_steps, self.spec_draft_tokens, self.spec_accepted_tokens),
+            totals,
+            self._spec_seen,
+        ):
             if total > seen:
                 counter.inc(total - seen)
         self._spec_seen = totals

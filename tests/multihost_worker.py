@@ -38,10 +38,17 @@ def psum_across_processes() -> float:
     from jax.sharding import NamedSharding, PartitionSpec
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
-    x = multihost.device_put_global(np.arange(8, dtype=np.float32),
-                                    NamedSharding(mesh, PartitionSpec("all")))
-    total = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "all"), mesh=mesh,
-                                  in_specs=PartitionSpec("all"), out_specs=PartitionSpec()))(x)
+    x = multihost.device_put_global(
+        np.arange(8, dtype=np.float32), NamedSharding(mesh, PartitionSpec("all"))
+    )
+    total = jax.jit(
+        jax.shard_map(
+            lambda v: jax.lax.psum(v, "all"),
+            mesh=mesh,
+            in_specs=PartitionSpec("all"),
+            out_specs=PartitionSpec(),
+        )
+    )(x)
     return float(np.asarray(total.addressable_data(0))[0])
 
 
@@ -49,11 +56,16 @@ def channel_round_trip(channel: multihost.StepChannel) -> dict:
     rng = np.random.default_rng(0)
     small = {"ids": np.arange(10, dtype=np.int32), "flag": True}
     large = {"page_indices": rng.integers(0, 2**31 - 1, (64, 128), dtype=np.int32), "bucket": 512}
-    got = [multihost.broadcast_config(channel, v if multihost.is_leader() else None)
-           for v in (small, large)]
-    ok = (np.array_equal(got[0]["ids"], small["ids"]) and got[0]["flag"] is True
-          and np.array_equal(got[1]["page_indices"], large["page_indices"])
-          and got[1]["bucket"] == 512)
+    got = [
+        multihost.broadcast_config(channel, v if multihost.is_leader() else None)
+        for v in (small, large)
+    ]
+    ok = (
+        np.array_equal(got[0]["ids"], small["ids"])
+        and got[0]["flag"] is True
+        and np.array_equal(got[1]["page_indices"], large["page_indices"])
+        and got[1]["bucket"] == 512
+    )
     return {"round_trip_ok": bool(ok), "broadcasts": channel.broadcasts}
 
 
@@ -66,8 +78,11 @@ def main() -> int:
     p.add_argument("--mesh", default="")
     args = p.parse_args()
     multihost.initialize(f"127.0.0.1:{args.port}", 2, args.process_id)
-    report: dict = {"process_index": jax.process_index(), "device_count": jax.device_count(),
-                    "local_device_count": jax.local_device_count()}
+    report: dict = {
+        "process_index": jax.process_index(),
+        "device_count": jax.device_count(),
+        "local_device_count": jax.local_device_count(),
+    }
     report["psum"] = psum_across_processes()
     channel = multihost.StepChannel()
     report.update(channel_round_trip(channel))
@@ -108,8 +123,11 @@ def main() -> int:
         runner.run = recording_run
         report["compiled"] = runner.warmup()
         for i, ids in enumerate(PROMPTS):
-            engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                   ignore_eos=True), request_id=f"p{i}")
+            engine.add_request(
+                ids,
+                SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                request_id=f"p{i}",
+            )
         tokens: dict[str, list[int]] = {}
         for d in wait_all(engine, timeout=300):
             tokens.setdefault(d.request_id, []).extend(d.new_token_ids)

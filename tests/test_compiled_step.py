@@ -24,27 +24,38 @@ def _cache_copies(num_tokens: int, num_seqs: int, pages_per_seq: int = 16) -> in
     cfg = ModelConfig.from_hf(hf)
     shape = (NUM_PAGES, PAGE_SIZE, 2 * cfg.num_kv_heads, cfg.head_dim)
     caches = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for _ in range(cfg.num_layers))
-    arrays = build_step_arrays([(list(range(num_tokens)), 3, list(range(1, 9)))], PAGE_SIZE,
-                               num_tokens=num_tokens, num_seqs=num_seqs,
-                               pages_per_seq=pages_per_seq)
+    arrays = build_step_arrays(
+        [(list(range(num_tokens)), 3, list(range(1, 9)))],
+        PAGE_SIZE,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        pages_per_seq=pages_per_seq,
+    )
     step = StepInputs(**{k: jnp.asarray(v) for k, v in arrays.items()})
-    hlo = llama.forward_jit.lower(abstract(llama.param_specs(cfg)), cfg, step, caches).compile().as_text()
-    entry = hlo[hlo.find("ENTRY"):]
+    hlo = (
+        llama.forward_jit.lower(abstract(llama.param_specs(cfg)), cfg, step, caches)
+        .compile()
+        .as_text()
+    )
+    entry = hlo[hlo.find("ENTRY") :]
     dims = ",".join(map(str, shape))
     return sum(1 for line in entry.splitlines() if " copy(" in line and f"[{dims}]" in line)
 
 
 # (1, 1, 8) and (1, 1, 12): a decode whose KV block would span the whole page table (XLA:CPU
 # hoisted that loop-invariant gather and copied the cache).
-@pytest.mark.parametrize("num_tokens,num_seqs,pages_per_seq",
-                         [(1, 1, 16), (1, 2, 16), (8, 8, 16), (32, 4, 16), (1, 1, 8), (1, 1, 12)])
+@pytest.mark.parametrize(
+    "num_tokens,num_seqs,pages_per_seq",
+    [(1, 1, 16), (1, 2, 16), (8, 8, 16), (32, 4, 16), (1, 1, 8), (1, 1, 12)],
+)
 def test_step_updates_cache_in_place(num_tokens, num_seqs, pages_per_seq):
     assert _cache_copies(num_tokens, num_seqs, pages_per_seq) == 0
 
 
-@pytest.mark.parametrize("t_bucket,all_logits,page_bucket",
-                         [(1, False, None), (8, False, None), (8, True, None), (1, False, 2),
-                          (8, False, 4)])
+@pytest.mark.parametrize(
+    "t_bucket,all_logits,page_bucket",
+    [(1, False, None), (8, False, None), (8, True, None), (1, False, 2), (8, False, 4)],
+)
 def test_runner_step_updates_donated_state_in_place(t_bucket, all_logits, page_bucket):
     """The whole runner program (forward + penalty bookkeeping + sampler) copies no big buffer,
     also with page tables narrower than max_model_len (page buckets)."""
@@ -53,12 +64,21 @@ def test_runner_step_updates_donated_state_in_place(t_bucket, all_logits, page_b
 
     cfg = ModelConfig.from_hf({**hf_config_dict("llama"), "num_hidden_layers": 2})
     params = init_random(llama.param_specs(cfg), jax.random.PRNGKey(0))
-    runner = ModelRunner(cfg, params, page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_model_len=256,
-                         max_num_seqs=8, max_num_batched_tokens=8)
+    runner = ModelRunner(
+        cfg,
+        params,
+        page_size=PAGE_SIZE,
+        num_pages=NUM_PAGES,
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=8,
+    )
     hlo = runner.lower(t_bucket, all_logits, page_bucket).compile().as_text()
-    entry = hlo[hlo.find("ENTRY"):]
+    entry = hlo[hlo.find("ENTRY") :]
     big = [f"[{NUM_PAGES},{PAGE_SIZE},", f"[9,{cfg.vocab_size}]"]  # KV cache, penalty rows
-    copies = [line for line in entry.splitlines() if " copy(" in line and any(b in line for b in big)]
+    copies = [
+        line for line in entry.splitlines() if " copy(" in line and any(b in line for b in big)
+    ]
     assert not copies, copies[:2]
 
 
@@ -69,10 +89,18 @@ def test_packed_step_inputs_round_trip():
     from jaxinfer.engine import runner as runner_lib
 
     rng = np.random.default_rng(0)
-    inputs = {"step": {"ids": rng.integers(0, 100, 7).astype(np.int32),
-                       "table": rng.integers(0, 9, (3, 4)).astype(np.int32)},
-              "meta": (rng.standard_normal(5).astype(np.float32), np.array([True, False, True]),
-                       np.zeros((2, 0), np.float32), np.float32(0.5))}
+    inputs = {
+        "step": {
+            "ids": rng.integers(0, 100, 7).astype(np.int32),
+            "table": rng.integers(0, 9, (3, 4)).astype(np.int32),
+        },
+        "meta": (
+            rng.standard_normal(5).astype(np.float32),
+            np.array([True, False, True]),
+            np.zeros((2, 0), np.float32),
+            np.float32(0.5),
+        ),
+    }
     buffers, layout = runner_lib._pack(inputs)
     assert len(buffers) == 3  # int32, float32, bool
     hash(layout)  # a static jit argument

@@ -46,7 +46,7 @@ def test_chunked_and_decode_equal_full(model, page_size):
         stepper = PagedStepper(params, cfg, page_size=page_size, num_pages=128, seed=chunk)
         got = []
         for i in range(0, len(toks), chunk):
-            got.extend(stepper.step([(0, toks[i:i + chunk])]))
+            got.extend(stepper.step([(0, toks[i : i + chunk])]))
         _close(np.concatenate(got), full)
 
 
@@ -72,7 +72,9 @@ def test_decode_batch_mixed_with_prefill(model):
     got_a = stepper.step([(0, a[:8])])
     got_b = []
     for i in range(4):  # a decodes one token per step while b prefills in chunks beside it
-        out = stepper.step([(0, [a[8 + i]]), (1, b[i * 3:i * 3 + 3])] if i < 3 else [(0, [a[8 + i]])])
+        out = stepper.step(
+            [(0, [a[8 + i]]), (1, b[i * 3 : i * 3 + 3])] if i < 3 else [(0, [a[8 + i]])]
+        )
         got_a.append(out[0])
         if i < 3:
             got_b.append(out[1])

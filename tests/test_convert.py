@@ -106,8 +106,12 @@ def test_hf_to_orbax_restores_identical_params(tiny: dict[str, Any], tiny_orbax:
         "chat_template.jinja",
     }
     info = json.loads((tiny_orbax / "jaxinfer.json").read_text())
-    assert info == {"source": str(tiny["single"]), "source_kind": "hf", "dtype": "float32",
-                    "quantization": None}
+    assert info == {
+        "source": str(tiny["single"]),
+        "source_kind": "hf",
+        "dtype": "float32",
+        "quantization": None,
+    }
     source_config = json.loads((tiny["single"] / "config.json").read_text())
     assert json.loads((tiny_orbax / "config.json").read_text()) == source_config
 
@@ -130,8 +134,9 @@ def test_sharded_hf_checkpoint_converts_identically(tiny: dict[str, Any], tmp_pa
     _assert_params_equal(load_model(dst, dtype="float32").params, tiny["params"])
 
 
-def test_quantized_conversion_loads_back_quantized(tiny: dict[str, Any], tiny_orbax: Path,
-                                                   tmp_path: Path) -> None:
+def test_quantized_conversion_loads_back_quantized(
+    tiny: dict[str, Any], tiny_orbax: Path, tmp_path: Path
+) -> None:
     """An int8 conversion restores as int8 without asking; a float one quantizes at load to the
     same bits as the HF source loaded with quantization="int8"; formats cannot be switched."""
     dst = Path(convert(tiny["single"], tmp_path / "int8", quantization="int8"))
@@ -140,8 +145,9 @@ def test_quantized_conversion_loads_back_quantized(tiny: dict[str, Any], tiny_or
     restored = load_model(dst, dtype="float32")
     assert restored.quantization == from_hf.quantization == "int8"
     _assert_params_equal(restored.params, from_hf.params)
-    _assert_params_equal(load_model(tiny_orbax, dtype="float32", quantization="int8").params,
-                         from_hf.params)
+    _assert_params_equal(
+        load_model(tiny_orbax, dtype="float32", quantization="int8").params, from_hf.params
+    )
     with pytest.raises(CheckpointError, match="quantization='int8'.*quantization='fp8'"):
         load_model(dst, quantization="fp8")
     # An int8 checkpoint of the per-channel layout before group-wise scales (scale [N], not
@@ -149,11 +155,16 @@ def test_quantized_conversion_loads_back_quantized(tiny: dict[str, Any], tiny_or
     from checkpoints.orbax_io import save_params
     from jaxinfer.quantization import QArray
 
-    old = jax.tree.map(lambda q: QArray(q.data, q.scale.reshape(-1)) if isinstance(q, QArray) else q,
-                       restored.params, is_leaf=lambda x: isinstance(x, QArray))
+    old = jax.tree.map(
+        lambda q: QArray(q.data, q.scale.reshape(-1)) if isinstance(q, QArray) else q,
+        restored.params,
+        is_leaf=lambda x: isinstance(x, QArray),
+    )
     shutil.rmtree(dst / PARAMS_DIR)
     save_params(dst, old)
-    with pytest.raises(CheckpointError, match=r"\.scale: checkpoint shape .*convert its float source again"):
+    with pytest.raises(
+        CheckpointError, match=r"\.scale: checkpoint shape .*convert its float source again"
+    ):
         load_model(dst, dtype="float32")
 
 

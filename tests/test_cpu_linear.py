@@ -29,7 +29,9 @@ from tests.model_utils import PagedStepper, hf_config_dict
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not cpu_linear.available(),
     reason=f"the CPU linear kernel needs a CPU platform with AVX-512 ({cpu_linear.unavailable_reason()})"
-    if jax.default_backend() == "cpu" else "not a CPU platform")
+    if jax.default_backend() == "cpu"
+    else "not a CPU platform",
+)
 
 TOL = 1e-5  # of max |reference|
 
@@ -39,8 +41,10 @@ def _ref(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("t", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("k,ns", [(7, (3,)), (64, (16, 32)), (100, (37, 1)), (576, (576, 384)),
-                                  (1536, (576,)), (129, (1000,))])
+@pytest.mark.parametrize(
+    "k,ns",
+    [(7, (3,)), (64, (16, 32)), (100, (37, 1)), (576, (576, 384)), (1536, (576,)), (129, (1000,))],
+)
 def test_matches_numpy(t, k, ns):
     rng = np.random.default_rng(t * 1000 + k)
     x = rng.standard_normal((t, k), dtype=np.float32)
@@ -57,26 +61,39 @@ def test_matches_numpy(t, k, ns):
 
 def _group_ref(x: np.ndarray, q: np.ndarray, s: np.ndarray) -> np.ndarray:
     """x [T, K] @ (q [K, N] * s [G, N] repeated over each group of K / G rows), in float64."""
-    return _ref(x, q.astype(np.float64) * np.repeat(s.astype(np.float64), q.shape[0] // s.shape[0], axis=0))
+    return _ref(
+        x, q.astype(np.float64) * np.repeat(s.astype(np.float64), q.shape[0] // s.shape[0], axis=0)
+    )
 
 
 @pytest.mark.parametrize("t", [1, 2, 5, 8])
-@pytest.mark.parametrize("k,ns,gs", [
-    (7, (3,), (1,)), (100, (37, 1), (1, 1)), (129, (1000,), (1,)),  # G = 1: any K
-    (576, (576, 384), (18, 1)),  # groups of 32 (parts of 72 rows cut through groups) and G = 1
-    (1536, (576,), (12,)),  # groups of 128
-    (576, (1536, 1536, 33), (9, 36, 4)),  # groups of 64, 16 and 144; odd N
-    (64, (33, 17), (4, 2)),
-])
+@pytest.mark.parametrize(
+    "k,ns,gs",
+    [
+        (7, (3,), (1,)),
+        (100, (37, 1), (1, 1)),
+        (129, (1000,), (1,)),  # G = 1: any K
+        (576, (576, 384), (18, 1)),  # groups of 32 (parts of 72 rows cut through groups) and G = 1
+        (1536, (576,), (12,)),  # groups of 128
+        (576, (1536, 1536, 33), (9, 36, 4)),  # groups of 64, 16 and 144; odd N
+        (64, (33, 17), (4, 2)),
+    ],
+)
 def test_int8_weights_match_numpy(t, k, ns, gs):
     """int8 weights with scales [G, N] (nk: [N, G]): x @ (q * s over groups), several weights per call."""
     rng = np.random.default_rng(t * 1000 + k)
     x = rng.standard_normal((t, k), dtype=np.float32)
     qs = [rng.integers(-127, 128, (k, n)).astype(np.int8) for n in ns]
     ss = [rng.uniform(1e-3, 2e-2, (g, n)).astype(np.float32) for n, g in zip(ns, gs)]
-    outs = cpu_linear.linear(jnp.asarray(x), *map(jnp.asarray, qs), scales=tuple(map(jnp.asarray, ss)))
-    outs_t = cpu_linear.linear(jnp.asarray(x), *(jnp.asarray(q.T.copy()) for q in qs), transposed=True,
-                               scales=tuple(jnp.asarray(s.T.copy()) for s in ss))
+    outs = cpu_linear.linear(
+        jnp.asarray(x), *map(jnp.asarray, qs), scales=tuple(map(jnp.asarray, ss))
+    )
+    outs_t = cpu_linear.linear(
+        jnp.asarray(x),
+        *(jnp.asarray(q.T.copy()) for q in qs),
+        transposed=True,
+        scales=tuple(jnp.asarray(s.T.copy()) for s in ss),
+    )
     for y, yt, q, s in zip(outs, outs_t, qs, ss, strict=True):
         ref = _group_ref(x, q, s)
         assert y.shape == yt.shape == ref.shape
@@ -90,27 +107,41 @@ def test_large_weights_split_over_threads_are_deterministic():
     x = jnp.asarray(rng.standard_normal((2, 576), dtype=np.float32))
     w = jnp.asarray(rng.standard_normal((576, 3072), dtype=np.float32))
     emb = jnp.asarray(rng.standard_normal((4099, 576), dtype=np.float32))
-    first = [np.asarray(cpu_linear.linear(x, w)[0]), np.asarray(cpu_linear.linear(x, emb, transposed=True)[0])]
+    first = [
+        np.asarray(cpu_linear.linear(x, w)[0]),
+        np.asarray(cpu_linear.linear(x, emb, transposed=True)[0]),
+    ]
     for _ in range(5):
-        again = [np.asarray(cpu_linear.linear(x, w)[0]), np.asarray(cpu_linear.linear(x, emb, transposed=True)[0])]
+        again = [
+            np.asarray(cpu_linear.linear(x, w)[0]),
+            np.asarray(cpu_linear.linear(x, emb, transposed=True)[0]),
+        ]
         assert all(a.tobytes() == b.tobytes() for a, b in zip(first, again))
-    np.testing.assert_allclose(first[0], _ref(np.asarray(x), np.asarray(w)), rtol=0,
-                               atol=TOL * np.abs(first[0]).max())
-    np.testing.assert_allclose(first[1], _ref(np.asarray(x), np.asarray(emb).T), rtol=0,
-                               atol=TOL * np.abs(first[1]).max())
+    np.testing.assert_allclose(
+        first[0], _ref(np.asarray(x), np.asarray(w)), rtol=0, atol=TOL * np.abs(first[0]).max()
+    )
+    np.testing.assert_allclose(
+        first[1], _ref(np.asarray(x), np.asarray(emb).T), rtol=0, atol=TOL * np.abs(first[1]).max()
+    )
     q = rng.integers(-127, 128, (576, 3072)).astype(np.int8)
     s = rng.uniform(1e-3, 2e-2, (18, 3072)).astype(np.float32)
     qe = rng.integers(-127, 128, (4099, 576)).astype(np.int8)
     se = rng.uniform(1e-3, 2e-2, (4099, 9)).astype(np.float32)
 
     def grouped():
-        return [np.asarray(cpu_linear.linear(x, jnp.asarray(q), scales=(jnp.asarray(s),))[0]),
-                np.asarray(cpu_linear.linear(x, jnp.asarray(qe), transposed=True, scales=(jnp.asarray(se),))[0])]
+        return [
+            np.asarray(cpu_linear.linear(x, jnp.asarray(q), scales=(jnp.asarray(s),))[0]),
+            np.asarray(
+                cpu_linear.linear(x, jnp.asarray(qe), transposed=True, scales=(jnp.asarray(se),))[0]
+            ),
+        ]
 
     first = grouped()
     for _ in range(3):
         assert all(a.tobytes() == b.tobytes() for a, b in zip(first, grouped()))
-    for got, want in zip(first, [_group_ref(np.asarray(x), q, s), _group_ref(np.asarray(x), qe.T, se.T)]):
+    for got, want in zip(
+        first, [_group_ref(np.asarray(x), q, s), _group_ref(np.asarray(x), qe.T, se.T)]
+    ):
         np.testing.assert_allclose(got, want, rtol=0, atol=TOL * np.abs(want).max())
 
 
@@ -126,10 +157,16 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="int8 weight 0 \\(scales given\\), got float32"):
         cpu_linear.linear(x, w, scales=(jnp.ones((1, 4), jnp.float32),))
     with pytest.raises(ValueError, match="2 int8 weights need as many scale arrays, got 1"):
-        cpu_linear.linear(x, w.astype(jnp.int8), w.astype(jnp.int8), scales=(jnp.ones((1, 4), jnp.float32),))
+        cpu_linear.linear(
+            x, w.astype(jnp.int8), w.astype(jnp.int8), scales=(jnp.ones((1, 4), jnp.float32),)
+        )
     with pytest.raises(ValueError, match=r"scales 0 must be f32\[G, 4\].*bfloat16\[1, 4\]"):
         cpu_linear.linear(x, w.astype(jnp.int8), scales=(jnp.ones((1, 4), jnp.bfloat16),))
-    assert cpu_linear.groups_fit(64, 4) and cpu_linear.groups_fit(7, 1) and not cpu_linear.groups_fit(48, 2)
+    assert (
+        cpu_linear.groups_fit(64, 4)
+        and cpu_linear.groups_fit(7, 1)
+        and not cpu_linear.groups_fit(48, 2)
+    )
     with pytest.raises(ValueError, match=r"weight 1 of shape \(9, 4\) does not fit x"):
         cpu_linear.linear(x, w, jnp.ones((9, 4), jnp.float32))
     with pytest.raises(ValueError, match="1 to 8 weights"):
@@ -138,38 +175,82 @@ def test_bad_inputs_raise():
         cpu_linear.linear(x, *([w] * 9))
     with pytest.raises(ValueError, match=r"x must be \[T, K\]"):
         cpu_linear.linear(jnp.ones((8,), jnp.float32), w)
-    assert not cpu_linear.groups_fit(64, 3) and not cpu_linear.groups_fit(64, 0) and not cpu_linear.groups_fit(0, 2)
+    assert (
+        not cpu_linear.groups_fit(64, 3)
+        and not cpu_linear.groups_fit(64, 0)
+        and not cpu_linear.groups_fit(0, 2)
+    )
 
 
-@pytest.mark.parametrize("k,w_shape,s_shape,transposed,match", [
-    (8, (8, 4), (4,), False, r"scales 0 must be f32\[G, 4\] with G dividing K=8 .*float32\[4\]"),
-    (8, (8, 4), (1, 5), False, r"scales 0 must be f32\[G, 4\].*float32\[1, 5\]"),
-    (8, (8, 4), (3, 4), False, r"G dividing K=8 .*float32\[3, 4\]"),
-    (8, (8, 4), (0, 4), False, r"G dividing K=8"),
-    (8, (4, 8), (1, 4), True, r"scales 0 must be f32\[4, G\] .*transposed=True.*float32\[1, 4\]"),
-    (48, (48, 4), (2, 4), False, r"group size K/G = 48/2 = 24 is not a positive multiple of 16"),
-    (48, (4, 48), (4, 6), True, r"group size K/G = 48/6 = 8 is not a positive multiple of 16"),
-])
+@pytest.mark.parametrize(
+    "k,w_shape,s_shape,transposed,match",
+    [
+        (
+            8,
+            (8, 4),
+            (4,),
+            False,
+            r"scales 0 must be f32\[G, 4\] with G dividing K=8 .*float32\[4\]",
+        ),
+        (8, (8, 4), (1, 5), False, r"scales 0 must be f32\[G, 4\].*float32\[1, 5\]"),
+        (8, (8, 4), (3, 4), False, r"G dividing K=8 .*float32\[3, 4\]"),
+        (8, (8, 4), (0, 4), False, r"G dividing K=8"),
+        (
+            8,
+            (4, 8),
+            (1, 4),
+            True,
+            r"scales 0 must be f32\[4, G\] .*transposed=True.*float32\[1, 4\]",
+        ),
+        (
+            48,
+            (48, 4),
+            (2, 4),
+            False,
+            r"group size K/G = 48/2 = 24 is not a positive multiple of 16",
+        ),
+        (48, (4, 48), (4, 6), True, r"group size K/G = 48/6 = 8 is not a positive multiple of 16"),
+    ],
+)
 def test_bad_scales_raise(k, w_shape, s_shape, transposed, match):
     x = jnp.ones((2, k), jnp.float32)
     with pytest.raises(ValueError, match=match):
-        cpu_linear.linear(x, jnp.ones(w_shape, jnp.int8), transposed=transposed,
-                          scales=(jnp.ones(s_shape, jnp.float32),))
+        cpu_linear.linear(
+            x,
+            jnp.ones(w_shape, jnp.int8),
+            transposed=transposed,
+            scales=(jnp.ones(s_shape, jnp.float32),),
+        )
 
 
-@pytest.mark.parametrize("w_shape,s_shape,transposed,match", [
-    ((48, 4), (2, 4), False, r"scales 0 of shape \[2, 4\] must be f32 \[G, N\] = \[G, 4\].*K = 48.*multiple of 16"),
-    ((48, 4), (4,), False, r"scales 0 of shape \[4\]"),
-    ((4, 48), (4, 5), True, r"scales 0 of shape \[4, 5\] must be f32 \[N, G\] = \[4, G\]"),
-])
+@pytest.mark.parametrize(
+    "w_shape,s_shape,transposed,match",
+    [
+        (
+            (48, 4),
+            (2, 4),
+            False,
+            r"scales 0 of shape \[2, 4\] must be f32 \[G, N\] = \[G, 4\].*K = 48.*multiple of 16",
+        ),
+        ((48, 4), (4,), False, r"scales 0 of shape \[4\]"),
+        ((4, 48), (4, 5), True, r"scales 0 of shape \[4, 5\] must be f32 \[N, G\] = \[4, G\]"),
+    ],
+)
 def test_handler_rejects_bad_scales(w_shape, s_shape, transposed, match):
     """The C++ handler checks the scales itself (a caller that skips `linear`'s checks)."""
     cpu_linear.library()
     n = w_shape[0] if transposed else w_shape[1]
     call = jax.ffi.ffi_call(cpu_linear.KERNEL.target, (jax.ShapeDtypeStruct((1, n), jnp.float32),))
     with pytest.raises(Exception, match=match):
-        jax.block_until_ready(call(jnp.ones((1, 48), jnp.float32), jnp.ones(w_shape, jnp.int8),
-                                   jnp.ones(s_shape, jnp.float32), transposed=transposed, int8=True))
+        jax.block_until_ready(
+            call(
+                jnp.ones((1, 48), jnp.float32),
+                jnp.ones(w_shape, jnp.int8),
+                jnp.ones(s_shape, jnp.float32),
+                transposed=transposed,
+                int8=True,
+            )
+        )
 
 
 def _uses_kernel(fn, *args) -> bool:
@@ -179,22 +260,37 @@ def _uses_kernel(fn, *args) -> bool:
 def test_dense_picks_the_kernel_only_where_it_pays():
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.standard_normal((64, 2, 48), dtype=np.float32))
-    for t, dtype, want in [(1, jnp.float32, True), (8, jnp.float32, True), (9, jnp.float32, False),
-                           (4, jnp.bfloat16, False)]:
+    for t, dtype, want in [
+        (1, jnp.float32, True),
+        (8, jnp.float32, True),
+        (9, jnp.float32, False),
+        (4, jnp.bfloat16, False),
+    ]:
         x = jnp.asarray(rng.standard_normal((t, 64)), dtype)
         ww = w.astype(dtype)
-        assert _uses_kernel(lambda x, w: layers.dense(x, w, backend="cpu"), x, ww) == want, (t, dtype)
+        assert _uses_kernel(lambda x, w: layers.dense(x, w, backend="cpu"), x, ww) == want, (
+            t,
+            dtype,
+        )
         assert not _uses_kernel(lambda x, w: layers.dense(x, w, backend="xla"), x, ww)
         (got,) = layers.dense(x, ww, backend="cpu")
         want_y = jnp.einsum("te,ecf->tcf", x, ww)
         assert got.shape == (t, 2, 48)
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want_y, np.float32),
-                                   rtol=0, atol=1e-2 * float(jnp.abs(want_y).max()))
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32),
+            np.asarray(want_y, np.float32),
+            rtol=0,
+            atol=1e-2 * float(jnp.abs(want_y).max()),
+        )
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
     emb = jnp.asarray(rng.standard_normal((300, 64)), jnp.float32)
     assert _uses_kernel(lambda x, e: layers.dense_transposed(x, e, backend="cpu"), x, emb)
-    np.testing.assert_allclose(layers.dense_transposed(x, emb, backend="cpu"), x @ emb.T, rtol=0,
-                               atol=TOL * float(jnp.abs(x @ emb.T).max()))
+    np.testing.assert_allclose(
+        layers.dense_transposed(x, emb, backend="cpu"),
+        x @ emb.T,
+        rtol=0,
+        atol=TOL * float(jnp.abs(x @ emb.T).max()),
+    )
 
 
 def test_resolve_linear_backend():
@@ -224,9 +320,14 @@ def _logits(monkeypatch, family: str, linear_backend: str) -> list[np.ndarray]:
     params = jax.tree.map(lambda x: x * 6.0, params)
     stepper = PagedStepper(params, cfg, page_size=4, num_pages=64, seed=1)
     # PagedStepper calls llama.forward_jit(params, cfg, step, caches)
-    monkeypatch.setattr(llama, "forward_jit", jax.jit(
-        lambda p, c, s, kv: llama.forward(p, c, s, kv, linear_backend=linear_backend),
-        static_argnames=("c",)))
+    monkeypatch.setattr(
+        llama,
+        "forward_jit",
+        jax.jit(
+            lambda p, c, s, kv: llama.forward(p, c, s, kv, linear_backend=linear_backend),
+            static_argnames=("c",),
+        ),
+    )
     out = [np.concatenate(stepper.step([(0, [3, 17, 101, 9, 44, 250, 7]), (1, [88, 2, 61])]))]
     tokens = [int(np.argmax(out[0][6])), int(np.argmax(out[0][-1]))]
     for _ in range(3):  # 2 decode rows, padded to 8: the kernel's few-row path

@@ -95,7 +95,7 @@ def test_chunked_prefill_beside_a_decode(family):
     got_a = stepper.step([(0, a[:5])])
     got_b = []
     for i in range(5):  # b decodes token by token while a prefills in chunks of 3 (then 0)
-        chunk = a[5 + 3 * i:8 + 3 * i]
+        chunk = a[5 + 3 * i : 8 + 3 * i]
         step = [(1, b[:6])] if i == 0 else [(1, [b[5 + i]])]
         out = stepper.step(step + ([(0, chunk)] if chunk else []))
         got_b.append(out[0])
@@ -131,22 +131,35 @@ def test_cache_holds_only_latent_rows_and_engine_sizes_pages_by_them():
     assert deepseek.kv_cache_bytes_per_token(cfg, shd.Parallel(), 4) == per_token
     model = LoadedModel("tiny-ds", "<memory>", "random", cfg, {}, params, None, "float32")
     budget = 37 * 4 * per_token + 5
-    engine = LLMEngine(model, EngineConfig(page_size=4, kv_cache_memory=budget, max_model_len=256,
-                                           max_num_seqs=8, max_num_batched_tokens=8))
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            page_size=4,
+            kv_cache_memory=budget,
+            max_model_len=256,
+            max_num_seqs=8,
+            max_num_batched_tokens=8,
+        ),
+    )
     assert engine.config.num_pages == 37
     assert all(c.shape == (37, 4, lat + rope) for c in engine.runner.kv_caches)
     assert engine.runner.kv_cache_bytes == 37 * 4 * per_token
 
 
 def _step(seqs, data=1):
-    arrays = [build_step_arrays(s, 4, num_tokens=16, num_seqs=4, pages_per_seq=8,
-                                logits_rows=None, num_logits=4) for s in seqs]
+    arrays = [
+        build_step_arrays(
+            s, 4, num_tokens=16, num_seqs=4, pages_per_seq=8, logits_rows=None, num_logits=4
+        )
+        for s in seqs
+    ]
     stacked = {k: np.stack([a[k] for a in arrays]) if data > 1 else arrays[0][k] for k in arrays[0]}
     return StepInputs(**{k: jnp.asarray(v) for k, v in stacked.items()})
 
 
-@pytest.mark.parametrize("spec,a2a", [("expert=2,tensor=2", False), ("data=2,tensor=2", False),
-                                      ("expert=4", True)])
+@pytest.mark.parametrize(
+    "spec,a2a", [("expert=2,tensor=2", False), ("data=2,tensor=2", False), ("expert=4", True)]
+)
 def test_mesh_equals_single_device(spec, a2a, monkeypatch):
     """Heads over expert x tensor, experts over expert; `a2a`: every step takes the all_to_all
     dispatch (the router bias travels with the routing)."""
@@ -160,10 +173,14 @@ def test_mesh_equals_single_device(spec, a2a, monkeypatch):
     mesh = shd.make_mesh(spec, devices=devices)
     par = shd.Parallel.from_mesh(mesh)
     shd.check_mesh(cfg, spec, num_devices=4)
-    prefill = [[(_tokens(10, 1), 0, [3, 5, 7]), (_tokens(3, 2), 0, [1])],
-               [(_tokens(6, 3), 0, [2, 0]), (_tokens(9, 4), 0, [4, 6, 9])]]
-    decode = [[(_tokens(1, 5), 10, [3, 5, 7]), (_tokens(1, 6), 3, [1])],
-              [(_tokens(1, 7), 6, [2, 0]), (_tokens(1, 8), 9, [4, 6, 9])]]
+    prefill = [
+        [(_tokens(10, 1), 0, [3, 5, 7]), (_tokens(3, 2), 0, [1])],
+        [(_tokens(6, 3), 0, [2, 0]), (_tokens(9, 4), 0, [4, 6, 9])],
+    ]
+    decode = [
+        [(_tokens(1, 5), 10, [3, 5, 7]), (_tokens(1, 6), 3, [1])],
+        [(_tokens(1, 7), 6, [2, 0]), (_tokens(1, 8), 9, [4, 6, 9])],
+    ]
     shape = deepseek.kv_cache_shape(cfg, "reference", 12, 4)
     want = []
     for r in range(par.data):
@@ -176,8 +193,9 @@ def test_mesh_equals_single_device(spec, a2a, monkeypatch):
     caches = tuple(jnp.zeros((par.data * shape[0], *shape[1:])) for _ in range(cfg.num_layers))
     got = []
     for seqs in (prefill, decode):
-        logits, caches = deepseek.forward_jit(sharded, cfg, _step(seqs[:par.data], par.data), caches,
-                                              mesh=mesh)
+        logits, caches = deepseek.forward_jit(
+            sharded, cfg, _step(seqs[: par.data], par.data), caches, mesh=mesh
+        )
         got.append(np.asarray(logits))
     if par.data > 1:  # [data, N, V] -> per replica, in the order `want` holds them
         got = [g[r] for r in range(par.data) for g in got]
@@ -198,9 +216,17 @@ def test_engine_greedy_tokens_on_mesh_equal_single_device():
     def tokens(mesh):
         # NOTE: the 26 prompt tokens prefill in one 32-token step and the three requests decode
         # together: two programs per engine (a 16-token budget compiled three).
-        engine = LLMEngine(model, EngineConfig(page_size=4, num_pages=40, max_model_len=64,
-                                               max_num_seqs=4, max_num_batched_tokens=32,
-                                               mesh=mesh))
+        engine = LLMEngine(
+            model,
+            EngineConfig(
+                page_size=4,
+                num_pages=40,
+                max_model_len=64,
+                max_num_seqs=4,
+                max_num_batched_tokens=32,
+                mesh=mesh,
+            ),
+        )
         for i, p in enumerate(prompts):
             engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=8), request_id=str(i))
         out = {str(i): [] for i in range(len(prompts))}
@@ -218,35 +244,52 @@ def test_pipeline_mesh_is_refused():
         shd.check_mesh(cfg, "pipeline=2,tensor=4", num_devices=8)
     mesh = shd.make_mesh("pipeline=2", devices=jax.devices()[:2])
     with pytest.raises(ValueError, match="pipeline"):
-        deepseek.forward(params, cfg, _step([[(_tokens(3, 1), 0, [0])]]),
-                         (jnp.zeros(deepseek.kv_cache_shape(cfg, None, 4, 4)),) * 3, mesh=mesh)
+        deepseek.forward(
+            params,
+            cfg,
+            _step([[(_tokens(3, 1), 0, [0])]]),
+            (jnp.zeros(deepseek.kv_cache_shape(cfg, None, 4, 4)),) * 3,
+            mesh=mesh,
+        )
 
 
 def test_config_fields():
     v3 = ModelConfig.from_hf(hf_config_dict("deepseek_v3"))
     assert v3.is_mla and v3.head_dim == 24 and v3.num_kv_heads == v3.num_heads
     assert v3.moe_layers == (False, True, True) and v3.num_shared_experts == 1
-    assert (v3.scoring_func, v3.topk_method, v3.n_group, v3.topk_group) == ("sigmoid", "noaux_tc", 4, 2)
+    assert (v3.scoring_func, v3.topk_method, v3.n_group, v3.topk_group) == (
+        "sigmoid",
+        "noaux_tc",
+        4,
+        2,
+    )
     mscale = 0.1 * np.log(4.0) + 1.0  # YaRN mscale_all_dim=1: the softmax scale carries mscale^2
     assert v3.sm_scale == pytest.approx(24**-0.5 * mscale**2)
     v2 = ModelConfig.from_hf(hf_config_dict("deepseek_v2"))
-    assert (v2.q_lora_rank, v2.scoring_func, v2.topk_method) == (0, "softmax", "group_limited_greedy")
+    assert (v2.q_lora_rank, v2.scoring_func, v2.topk_method) == (
+        0,
+        "softmax",
+        "group_limited_greedy",
+    )
     greedy = ModelConfig.from_hf({**hf_config_dict("deepseek_v2"), "topk_method": "greedy"})
     assert (greedy.n_group, greedy.topk_group) == (1, 1)  # greedy ignores the groups, as HF does
 
 
-@pytest.mark.parametrize("name,overrides,match", [
-    ("deepseek_v3", dict(topk_method="group_limited_greedy"), "topk_method"),
-    ("deepseek_v2", dict(scoring_func="sigmoid"), "scoring_func"),
-    ("deepseek_v2", dict(topk_method="weird"), "topk_method"),
-    ("deepseek_v3", dict(n_group=3), "n_group"),
-    ("deepseek_v3", dict(num_key_value_heads=2), "num_key_value_heads"),
-    ("deepseek_v3", dict(attention_bias=True), "attention_bias"),
-    ("deepseek_v3", dict(moe_expert_capacity=4), "moe_expert_capacity"),
-    ("deepseek_v3", dict(num_experts_per_tok=5), "num_experts_per_tok"),
-    ("deepseek_v3", dict(kv_lora_rank=None), "kv_lora_rank"),
-    ("deepseek_v3", dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "dynamic"),
-])
+@pytest.mark.parametrize(
+    "name,overrides,match",
+    [
+        ("deepseek_v3", dict(topk_method="group_limited_greedy"), "topk_method"),
+        ("deepseek_v2", dict(scoring_func="sigmoid"), "scoring_func"),
+        ("deepseek_v2", dict(topk_method="weird"), "topk_method"),
+        ("deepseek_v3", dict(n_group=3), "n_group"),
+        ("deepseek_v3", dict(num_key_value_heads=2), "num_key_value_heads"),
+        ("deepseek_v3", dict(attention_bias=True), "attention_bias"),
+        ("deepseek_v3", dict(moe_expert_capacity=4), "moe_expert_capacity"),
+        ("deepseek_v3", dict(num_experts_per_tok=5), "num_experts_per_tok"),
+        ("deepseek_v3", dict(kv_lora_rank=None), "kv_lora_rank"),
+        ("deepseek_v3", dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "dynamic"),
+    ],
+)
 def test_bad_config_fields_are_refused_by_name(name, overrides, match):
     with pytest.raises(UnsupportedConfigError, match=match):
         ModelConfig.from_hf({**hf_config_dict(name), **overrides})
@@ -278,45 +321,136 @@ def test_latent_cache_is_updated_in_place(num_tokens, num_seqs, pages_per_seq):
     cfg = ModelConfig.from_hf(hf_config_dict("deepseek_v3"))
     shape = deepseek.kv_cache_shape(cfg, "reference", 1024, 16)
     caches = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for _ in range(cfg.num_layers))
-    arrays = build_step_arrays([(list(range(num_tokens)), 3, list(range(1, 9)))], 16,
-                               num_tokens=num_tokens, num_seqs=num_seqs, pages_per_seq=pages_per_seq)
+    arrays = build_step_arrays(
+        [(list(range(num_tokens)), 3, list(range(1, 9)))],
+        16,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        pages_per_seq=pages_per_seq,
+    )
     step = StepInputs(**{k: jnp.asarray(v) for k, v in arrays.items()})
-    hlo = deepseek.forward_jit.lower(params_lib.abstract(deepseek.param_specs(cfg)), cfg, step,
-                                     caches).compile().as_text()
+    hlo = (
+        deepseek.forward_jit.lower(
+            params_lib.abstract(deepseek.param_specs(cfg)), cfg, step, caches
+        )
+        .compile()
+        .as_text()
+    )
     dims = ",".join(map(str, shape))
-    entry = hlo[hlo.find("ENTRY"):]
+    entry = hlo[hlo.find("ENTRY") :]
     assert not [line for line in entry.splitlines() if " copy(" in line and f"[{dims}]" in line]
 
 
 HUB_V3 = {  # deepseek-ai/DeepSeek-V3 config.json (auto_map left out)"architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
- "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
- "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
- "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
- "model_type": "deepseek_v3", "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
- "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
- "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
- "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
- "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
- "rms_norm_eps": 1e-06,
- "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
- "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
- "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
- "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280}
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
 HUB_V2_LITE = {  # deepseek-ai/DeepSeek-V2-Lite config.json (auto_map left out)"architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
- "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1,
- "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944,
- "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2",
- "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64,
- "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6,
- "num_hidden_layers": 27, "num_key_value_heads": 16, "pretraining_tp": 1, "q_lora_rank": None,
- "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
- "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096, "type": "yarn"},
- "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
- "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
- "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 102400}
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 10944,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v2",
+    "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "norm_topk_prob": False,
+    "num_attention_heads": 16,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 27,
+    "num_key_value_heads": 16,
+    "pretraining_tp": 1,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "topk_method": "greedy",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 102400,
+}
 
 
-@pytest.mark.parametrize("hf,billions,kv_bytes", [(HUB_V3, 671.0, 70272), (HUB_V2_LITE, 15.7, 31104)])
+@pytest.mark.parametrize(
+    "hf,billions,kv_bytes", [(HUB_V3, 671.0, 70272), (HUB_V2_LITE, 15.7, 31104)]
+)
 def test_hub_configs_parse_and_count_the_published_parameters(hf, billions, kv_bytes):
     """The hub's own config.json fields parse (training-only ones ignored, MTP layers counted out)
     and give the published sizes; bf16 latent cache bytes per token over all layers."""
@@ -325,9 +459,13 @@ def test_hub_configs_parse_and_count_the_published_parameters(hf, billions, kv_b
     assert deepseek.kv_cache_bytes_per_token(cfg, shd.Parallel(), 2) == kv_bytes
 
 
-@pytest.mark.parametrize("mesh,generate", [
-    pytest.param("", "placeholder", marks=pytest.mark.slow),  # the engine's programs (~40 s)
-    ("data=2,expert=2,tensor=2", None)])
+@pytest.mark.parametrize(
+    "mesh,generate",
+    [
+        pytest.param("", "placeholder", marks=pytest.mark.slow),  # the engine's programs (~40 s)
+        ("data=2,expert=2,tensor=2", None),
+    ],
+)
 def test_dummy_load_matches_a_real_load(tmp_path, mesh, generate):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")

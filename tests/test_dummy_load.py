@@ -35,8 +35,15 @@ def checkpoint(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf")
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(str(root), safe_serialization=True)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
@@ -82,8 +89,16 @@ def test_dummy_matches_a_real_load(checkpoint, mesh):
 def test_dummy_bf16_generates_with_finite_logprobs(checkpoint):
     from jaxinfer import LLM, SamplingParams
 
-    llm = LLM(checkpoint[2], dtype="bfloat16", load_format="dummy", page_size=4, num_pages=16,
-              max_model_len=32, max_num_seqs=2, max_num_batched_tokens=8)
+    llm = LLM(
+        checkpoint[2],
+        dtype="bfloat16",
+        load_format="dummy",
+        page_size=4,
+        num_pages=16,
+        max_model_len=32,
+        max_num_seqs=2,
+        max_num_batched_tokens=8,
+    )
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(llm.model.params))
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
     out = llm.generate([[5, 6, 7], [9, 10]], sp)
@@ -104,8 +119,23 @@ def test_serve_builds_a_dummy_engine(checkpoint):
     finally:
         sys.path.remove("scripts")
     args = serve.build_parser().parse_args(
-        ["--model", checkpoint[1], "--load-format", "dummy", "--page-size", "4", "--num-pages",
-         "16", "--max-model-len", "32", "--max-num-seqs", "2", "--max-num-batched-tokens", "8"])
+        [
+            "--model",
+            checkpoint[1],
+            "--load-format",
+            "dummy",
+            "--page-size",
+            "4",
+            "--num-pages",
+            "16",
+            "--max-model-len",
+            "32",
+            "--max-num-seqs",
+            "2",
+            "--max-num-batched-tokens",
+            "8",
+        ]
+    )
     from serving.launch import build_core, frontend_model
 
     eargs = serve.engine_args(args)

@@ -78,8 +78,12 @@ def _leave_engine_idle(request):
 def reference(model) -> LLMEngine:
     """One request at a time, whole prompt in one step, no prefix cache, synchronous scheduling
     (the module engine schedules asynchronously, so every comparison also checks that)."""
-    return make_engine(model, max_num_batched_tokens=ROOMY_TOKENS, enable_prefix_caching=False,
-                       async_scheduling=False)
+    return make_engine(
+        model,
+        max_num_batched_tokens=ROOMY_TOKENS,
+        enable_prefix_caching=False,
+        async_scheduling=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -490,13 +494,17 @@ def test_penalties_and_top_k_change_the_output(engine, vocab_size) -> None:
     assert_pages_free(engine)
 
 
-def test_long_prefill_threshold_caps_prompt_chunks_and_keeps_tokens(model, reference, vocab_size) -> None:
+def test_long_prefill_threshold_caps_prompt_chunks_and_keeps_tokens(
+    model, reference, vocab_size
+) -> None:
     """`long_prefill_token_threshold` (engine option / serve flag) bounds every prefill chunk, so
     a new prompt never turns a decode step into a long one; the tokens stay those of a solo run."""
     capped = make_engine(model, long_prefill_token_threshold=5)
     rng = np.random.default_rng(7)
-    reqs = [(f"c{i}", random_prompt(rng, n, vocab_size), greedy(10, ignore_eos=True))
-            for i, n in enumerate([4, 23, 17])]
+    reqs = [
+        (f"c{i}", random_prompt(rng, n, vocab_size), greedy(10, ignore_eos=True))
+        for i, n in enumerate([4, 23, 17])
+    ]
     with ScheduleLog(capped) as log:
         for rid, prompt, sp in reqs:
             capped.add_request(prompt, sp, request_id=rid)
@@ -521,11 +529,24 @@ def test_async_scheduling_equals_sync(model, engine, story, vocab_size) -> None:
     rng = np.random.default_rng(11)
     reqs = [
         ("greedy", random_prompt(rng, 9, vocab_size), greedy(20, ignore_eos=True, logprobs=2)),
-        ("penalised", random_prompt(rng, 30, vocab_size), SamplingParams(
-            temperature=0.8, top_k=40, seed=5, frequency_penalty=0.7, presence_penalty=0.3,
-            repetition_penalty=1.2, max_tokens=18)),
-        ("n", random_prompt(rng, 21, vocab_size), SamplingParams(
-            temperature=1.0, top_k=50, n=2, seed=7, max_tokens=12)),
+        (
+            "penalised",
+            random_prompt(rng, 30, vocab_size),
+            SamplingParams(
+                temperature=0.8,
+                top_k=40,
+                seed=5,
+                frequency_penalty=0.7,
+                presence_penalty=0.3,
+                repetition_penalty=1.2,
+                max_tokens=18,
+            ),
+        ),
+        (
+            "n",
+            random_prompt(rng, 21, vocab_size),
+            SamplingParams(temperature=1.0, top_k=50, n=2, seed=7, max_tokens=12),
+        ),
         ("stop-id", prompt, greedy(40, stop_token_ids=[tokens[k]])),  # stops mid-stream
         ("min-tokens", prompt, greedy(k + 4, stop_token_ids=[tokens[k]], min_tokens=k + 2)),
         ("stop-string", prompt, greedy(40, ignore_eos=True, stop=[pieces[5] + pieces[6]])),
@@ -552,10 +573,16 @@ def test_async_scheduling_equals_sync(model, engine, story, vocab_size) -> None:
     assert got["stop-id"][0].token_ids == tokens[: k + 1]
     for rid, _, _ in reqs:
         for g, w in zip(got[rid], want[rid]):
-            assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), rid
+            assert (g.token_ids, g.text, g.finish_reason) == (
+                w.token_ids,
+                w.text,
+                w.finish_reason,
+            ), rid
             assert g.usage.completion_tokens == w.usage.completion_tokens
-            for a, b in zip(g.logprobs + (g.prompt_logprobs or [])[1:],
-                            w.logprobs + (w.prompt_logprobs or [])[1:]):
+            for a, b in zip(
+                g.logprobs + (g.prompt_logprobs or [])[1:],
+                w.logprobs + (w.prompt_logprobs or [])[1:],
+            ):
                 assert a.token_id == b.token_id and list(a.top) == list(b.top), rid
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
     assert_pages_free(engine)

@@ -28,8 +28,9 @@ from serving.testing import ServerThread, default_tokenizer, fake_core, fake_mod
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POISON = 4242
-ENGINE = dict(page_size=16, num_pages=257, max_model_len=512, max_num_seqs=16,
-              max_num_batched_tokens=256)
+ENGINE = dict(
+    page_size=16, num_pages=257, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256
+)
 LENGTH, STOP = pb.GenerateResponse.LENGTH, pb.GenerateResponse.STOP
 
 
@@ -43,8 +44,13 @@ def tok():
 
 def _process_server(tok, **core_kw) -> ServerThread:
     spec = CoreSpec(fake_core, {**ENGINE, **core_kw}, LoopOptions(warmup=True))
-    server = GenerateServer(model=fake_model(tok), core=ProcessCoreClient(spec),
-                            max_num_seqs=ENGINE["max_num_seqs"], metrics_port=None, max_queue=64)
+    server = GenerateServer(
+        model=fake_model(tok),
+        core=ProcessCoreClient(spec),
+        max_num_seqs=ENGINE["max_num_seqs"],
+        metrics_port=None,
+        max_queue=64,
+    )
     return ServerThread(server, timeout=120)
 
 
@@ -96,8 +102,12 @@ def test_cancel_and_step_failure_across_the_process_boundary(psrv):
     next(stream)
     _wait(lambda: psrv.server.engine_loop.snapshot()["pages_used"] > 0)
     stream.cancel()
-    _wait(lambda: psrv.server.engine_loop.snapshot()["pages_used"] == 0
-          and psrv.server.engine_loop.in_flight == 0)
+    _wait(
+        lambda: (
+            psrv.server.engine_loop.snapshot()["pages_used"] == 0
+            and psrv.server.engine_loop.in_flight == 0
+        )
+    )
     with pytest.raises(grpc.RpcError) as err:
         list(c.generate([1000, POISON], max_tokens=5))
     assert err.value.code() == grpc.StatusCode.INTERNAL and "poisoned" in err.value.details()
@@ -138,9 +148,21 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.slow  # two subprocesses that import JAX (~20 s)
 def test_front_end_death_ends_the_core_process():
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), "--fake-runner",
-           "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--max-model-len", "512",
-           "--num-pages", "65"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "scripts", "serve.py"),
+        "--fake-runner",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--max-model-len",
+        "512",
+        "--num-pages",
+        "65",
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         for line in proc.stderr:
@@ -150,8 +172,13 @@ def test_front_end_death_ends_the_core_process():
         assert len(cores) == 1, cores
         proc.kill()  # no chance to say "shutdown"
         proc.wait(10)
-        _wait(lambda: not os.path.exists(f"/proc/{cores[0]}")
-              or _read(f"/proc/{cores[0]}/stat").split()[2] == "Z", timeout=15)
+        _wait(
+            lambda: (
+                not os.path.exists(f"/proc/{cores[0]}")
+                or _read(f"/proc/{cores[0]}/stat").split()[2] == "Z"
+            ),
+            timeout=15,
+        )
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -192,9 +219,21 @@ def test_offline_generate_spaces_young_collections_only_while_it_runs():
             seen.append(gc.get_threshold())
             if self.fail:
                 raise RuntimeError("step failed")
-            yield type("Delta", (), dict(request_id=self.rid, index=0, new_token_ids=[5],
-                                         new_text="x", logprobs=None, prompt_logprobs=None,
-                                         finished=True, finish_reason="length", usage=None))()
+            yield type(
+                "Delta",
+                (),
+                dict(
+                    request_id=self.rid,
+                    index=0,
+                    new_token_ids=[5],
+                    new_text="x",
+                    logprobs=None,
+                    prompt_logprobs=None,
+                    finished=True,
+                    finish_reason="length",
+                    usage=None,
+                ),
+            )()
 
     llm = LLM.__new__(LLM)
     llm.engine, llm.tokenizer, llm._ids = Engine(), None, iter(range(10))

@@ -76,18 +76,24 @@ def test_defaults_when_fields_are_absent():
 
 def test_multimodal_wrapper_reads_text_config():
     text = {k: v for k, v in _hub_config().items() if k != "model_type"}
-    wrapper = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
-               "text_config": {**text, "model_type": "gemma3_text"},
-               "vision_config": {"model_type": "siglip_vision_model"}}
+    wrapper = {
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": {**text, "model_type": "gemma3_text"},
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }
     assert ModelConfig.from_hf(wrapper) == ModelConfig.from_hf(_hub_config())
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (dict(sliding_window_pattern=0), "sliding_window_pattern"),
-    (dict(layer_types=["sliding_attention"] * 3), "layer_types"),
-    (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "dynamic"),
-    (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (dict(sliding_window_pattern=0), "sliding_window_pattern"),
+        (dict(layer_types=["sliding_attention"] * 3), "layer_types"),
+        (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "dynamic"),
+        (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ],
+)
 def test_bad_fields_are_refused_by_name(overrides, match):
     with pytest.raises(UnsupportedConfigError, match=match):
         ModelConfig.from_hf(_hub_config(**overrides))
@@ -102,9 +108,17 @@ def test_multimodal_checkpoint_loads_its_text_model(tmp_path):
     from jaxinfer.loader import load_model
 
     text = {k: v for k, v in hf_config_dict("gemma3").items() if k != "model_type"}
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  image_size=28, patch_size=14)
-    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4
+    )
     torch.manual_seed(0)
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -121,8 +135,11 @@ def test_multimodal_checkpoint_loads_its_text_model(tmp_path):
     assert rel_err(ours, ref) <= 1e-4
 
 
-@pytest.mark.parametrize("caps", [{}, dict(attn_logit_softcapping=20.0, final_logit_softcapping=5.0)],
-                         ids=["plain", "soft_caps"])
+@pytest.mark.parametrize(
+    "caps",
+    [{}, dict(attn_logit_softcapping=20.0, final_logit_softcapping=5.0)],
+    ids=["plain", "soft_caps"],
+)
 def test_chunked_prefill_beside_a_decode_matches_hf(caps):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
@@ -138,7 +155,7 @@ def test_chunked_prefill_beside_a_decode_matches_hf(caps):
     stepper = PagedStepper(params, cfg, page_size=4, seed=3)
     got_a, got_b = stepper.step([(0, a[:5])]), []
     for i in range(6):  # b decodes token by token while a prefills in chunks of 3 (then 0)
-        chunk = a[5 + 3 * i:8 + 3 * i]
+        chunk = a[5 + 3 * i : 8 + 3 * i]
         step = [(1, b[:11])] if i == 0 else [(1, [b[10 + i]])]
         out = stepper.step(step + ([(0, chunk)] if chunk else []))
         got_b.append(out[0])
@@ -161,12 +178,16 @@ def test_mesh_equals_single_device(spec):
     cfg = ModelConfig.from_hf(hf_config_dict("gemma3"))
     params = params_lib.init_random(llama.param_specs(cfg), jax.random.key(0))
     params = jax.tree.map(lambda x: x * 4.0, params)  # peaky logits
-    mesh = shd.make_mesh(spec, devices=jax.devices()[:4 if "data" in spec else 2])
+    mesh = shd.make_mesh(spec, devices=jax.devices()[: 4 if "data" in spec else 2])
     par = shd.Parallel.from_mesh(mesh)
-    prefill = [[(_tokens(12, 1), 0, [3, 5, 7]), (_tokens(3, 2), 0, [1])],
-               [(_tokens(10, 3), 0, [2, 0, 8]), (_tokens(5, 4), 0, [4, 6])]]
-    decode = [[(_tokens(1, 5), 12, [3, 5, 7, 9]), (_tokens(1, 6), 3, [1])],
-              [(_tokens(1, 7), 10, [2, 0, 8]), (_tokens(1, 8), 5, [4, 6])]]
+    prefill = [
+        [(_tokens(12, 1), 0, [3, 5, 7]), (_tokens(3, 2), 0, [1])],
+        [(_tokens(10, 3), 0, [2, 0, 8]), (_tokens(5, 4), 0, [4, 6])],
+    ]
+    decode = [
+        [(_tokens(1, 5), 12, [3, 5, 7, 9]), (_tokens(1, 6), 3, [1])],
+        [(_tokens(1, 7), 10, [2, 0, 8]), (_tokens(1, 8), 5, [4, 6])],
+    ]
     shape = llama.kv_cache_shape(cfg, "reference", 12, 4)
     want = []
     for r in range(par.data):
@@ -177,12 +198,17 @@ def test_mesh_equals_single_device(spec):
     rules = shd.model_rules(cfg, par)
     sharded = jax.device_put(params, params_lib.shardings(llama.param_specs(cfg), mesh, rules))
     gshape = llama.kv_cache_shape(cfg, "reference", par.data * 12, 4, par)
-    caches = tuple(jax.device_put(jnp.zeros(gshape), jax.sharding.NamedSharding(
-        mesh, llama.kv_cache_spec(cfg, par))) for _ in range(cfg.num_layers))
+    caches = tuple(
+        jax.device_put(
+            jnp.zeros(gshape), jax.sharding.NamedSharding(mesh, llama.kv_cache_spec(cfg, par))
+        )
+        for _ in range(cfg.num_layers)
+    )
     got = []
     for seqs in (prefill, decode):
-        logits, caches = llama.forward_jit(sharded, cfg, _mesh_step(seqs[:par.data], par.data),
-                                           caches, mesh=mesh)
+        logits, caches = llama.forward_jit(
+            sharded, cfg, _mesh_step(seqs[: par.data], par.data), caches, mesh=mesh
+        )
         got.append(np.asarray(logits))
     if par.data > 1:  # [data, N, V] -> per replica, in the order `want` holds them
         got = [g[r] for r in range(par.data) for g in got]

@@ -268,7 +268,9 @@ def _write_gguf(path: Path, arch: str, kv: dict, tensors: dict[str, tuple[np.nda
         elif qtype == T.F16:
             writer.add_tensor(name, array.astype(np.float16))
         elif qtype == T.Q8_1:  # raw bytes of the right size: we never decode them
-            n_bytes = array.size // gguf.GGML_QUANT_SIZES[qtype][0] * gguf.GGML_QUANT_SIZES[qtype][1]
+            n_bytes = (
+                array.size // gguf.GGML_QUANT_SIZES[qtype][0] * gguf.GGML_QUANT_SIZES[qtype][1]
+            )
             raw = np.zeros((array.shape[0], n_bytes // array.shape[0]), dtype=np.uint8)
             writer.add_tensor(name, raw, raw_dtype=qtype)
         else:
@@ -640,8 +642,11 @@ def test_tensor_names_come_from_the_gguf_library_map():
     llama_layer, llama_global = _names("llama")
     assert llama_layer["ffn_norm"] == "post_attention_layernorm"
     assert llama_layer["attn_q"] == "self_attn.q_proj" and "attn_q_norm" not in llama_layer
-    assert llama_global == {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                            "output": "lm_head"}
+    assert llama_global == {
+        "token_embd": "model.embed_tokens",
+        "output_norm": "model.norm",
+        "output": "lm_head",
+    }
     gemma2_layer, _ = _names("gemma2")
     assert gemma2_layer["ffn_norm"] == "pre_feedforward_layernorm"
     assert gemma2_layer["post_attention_norm"] == "post_attention_layernorm"

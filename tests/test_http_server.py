@@ -30,8 +30,9 @@ from serving.testing import (  # noqa: E402
     fake_stream,
 )
 
-ENGINE = dict(page_size=16, num_pages=257, max_model_len=512, max_num_seqs=16,
-              max_num_batched_tokens=256)
+ENGINE = dict(
+    page_size=16, num_pages=257, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256
+)
 MODEL = "fake"
 
 
@@ -44,15 +45,19 @@ def tok():
 
 
 def _server(tok, runner=None, *, wait=True, max_queue=64, engine=None, **kw):
-    eng = fake_engine(tok, runner or FakeRunner(step_delay=0.002), name=MODEL,
-                      **{**ENGINE, **(engine or {})})
-    return ServerThread(GenerateServer(eng, metrics_port=None, max_queue=max_queue, http_port=0,
-                                       **kw), wait_ready=wait)
+    eng = fake_engine(
+        tok, runner or FakeRunner(step_delay=0.002), name=MODEL, **{**ENGINE, **(engine or {})}
+    )
+    return ServerThread(
+        GenerateServer(eng, metrics_port=None, max_queue=max_queue, http_port=0, **kw),
+        wait_ready=wait,
+    )
 
 
 def _client(st, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{st.server.http_port}/v1", api_key="none",
-                         max_retries=0, **kw)
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{st.server.http_port}/v1", api_key="none", max_retries=0, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +85,20 @@ def _wait_pages_free(engine, timeout: float = 5.0) -> None:
 
 def _get(st, path: str) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{st.server.http_port}{path}", timeout=5) as r:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{st.server.http_port}{path}", timeout=5
+        ) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
 
 
 def _post(st, path: str, body: bytes) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{st.server.http_port}{path}", data=body,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{st.server.http_port}{path}",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=5) as r:
             return r.status, json.loads(r.read())
@@ -104,9 +114,19 @@ def test_completion_is_exact_streamed_or_not(client, tok):
     assert [c.text for c in r.choices] == [expected]
     assert r.choices[0].finish_reason == "length" and r.choices[0].logprobs is None
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
-        len(ids), 12, len(ids) + 12)
-    chunks = list(client.completions.create(model=MODEL, prompt="The sea is", max_tokens=12,
-                                            stream=True, stream_options={"include_usage": True}))
+        len(ids),
+        12,
+        len(ids) + 12,
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The sea is",
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert len({c.id for c in chunks}) == 1
@@ -114,8 +134,10 @@ def test_completion_is_exact_streamed_or_not(client, tok):
     assert all(c.usage is None for c in chunks[:-1])
     # token ids in, several prompts: one choice per prompt (and sample)
     r = client.completions.create(model=MODEL, prompt=[[1000, 1001], [1002]], max_tokens=5)
-    assert [c.text for c in r.choices] == [tok.decode(fake_stream([1000, 1001], 5)),
-                                           tok.decode(fake_stream([1002], 5))]
+    assert [c.text for c in r.choices] == [
+        tok.decode(fake_stream([1000, 1001], 5)),
+        tok.decode(fake_stream([1002], 5)),
+    ]
     assert [c.index for c in r.choices] == [0, 1] and r.usage.prompt_tokens == 3
 
 
@@ -129,14 +151,16 @@ def test_chat_uses_the_template_streamed_or_not(client, tok):
     assert r.choices[0].finish_reason == "length" and r.usage.prompt_tokens == len(ids)
     r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=4)
     assert r.usage.completion_tokens == 4
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "length"
     # content parts are joined; unset max_tokens runs up to the context length
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text",
-                                                                           "text": "!"}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}
+    ]
     r = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=3)
     assert r.usage.prompt_tokens == len(tok.encode_chat([{"role": "user", "content": "Hi!"}]))
     r = client.chat.completions.create(model=MODEL, messages=messages, stop=["\u0000never"])
@@ -152,23 +176,33 @@ def test_n_seed_stop_and_logprobs(client, tok):
     assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == len(ids)
     again = client.completions.create(model=MODEL, prompt="abc", max_tokens=6, n=3, seed=11)
     assert [c.text for c in again.choices] == [c.text for c in r.choices]
-    chunks = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=6, n=3,
-                                            seed=11, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="abc", max_tokens=6, n=3, seed=11, stream=True
+        )
+    )
     for i in range(3):
-        assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) == \
-            r.choices[i].text
+        assert (
+            "".join(c.choices[0].text for c in chunks if c.choices[0].index == i)
+            == r.choices[i].text
+        )
     full = tok.decode(fake_stream(ids, 20))
     stop = full[8:11]
     r = client.completions.create(model=MODEL, prompt="abc", max_tokens=20, stop=stop)
-    assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
     toks = fake_stream(ids, 4)
     r = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, logprobs=2)
     lp = r.choices[0].logprobs
     assert lp.token_logprobs == [fake_logprob(t) for t in toks]
     assert lp.tokens == [tok.token_text(t) for t in toks]
     assert [len(t) for t in lp.top_logprobs] == [2] * 4 and lp.text_offset[0] == 0
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                       max_tokens=3, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = r.choices[0].logprobs.content
     chat_toks = fake_stream(tok.encode_chat([{"role": "user", "content": "x"}]), 3)
     assert [c.logprob for c in content] == [fake_logprob(t) for t in chat_toks]
@@ -176,19 +210,22 @@ def test_n_seed_stop_and_logprobs(client, tok):
     assert content[0].top_logprobs[0].logprob == fake_logprob(chat_toks[0])
 
 
-@pytest.mark.parametrize("kwargs, status, needle", [
-    (dict(model="gpt-4"), 404, "gpt-4"),
-    (dict(temperature=-1), 400, "temperature must be >= 0"),
-    (dict(top_p=0), 400, "top_p must be in (0, 1]"),
-    (dict(n=0), 400, "n must be"),
-    (dict(max_tokens=10_000), 400, "max_tokens: prompt of"),
-    (dict(extra_body={"echo": True}), 400, "echo is not supported"),
-    (dict(extra_body={"logit_bias": {"5": 1}}), 400, "logit_bias is not supported"),
-    (dict(prompt=""), 400, "prompt is empty"),
-    (dict(prompt=[[1, 10**9]]), 400, "outside the vocabulary"),
-    (dict(extra_body={"min_p": 2}), 400, "min_p must be in [0, 1]"),
-    (dict(extra_body={"max_tokens": "many"}), 400, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, status, needle",
+    [
+        (dict(model="gpt-4"), 404, "gpt-4"),
+        (dict(temperature=-1), 400, "temperature must be >= 0"),
+        (dict(top_p=0), 400, "top_p must be in (0, 1]"),
+        (dict(n=0), 400, "n must be"),
+        (dict(max_tokens=10_000), 400, "max_tokens: prompt of"),
+        (dict(extra_body={"echo": True}), 400, "echo is not supported"),
+        (dict(extra_body={"logit_bias": {"5": 1}}), 400, "logit_bias is not supported"),
+        (dict(prompt=""), 400, "prompt is empty"),
+        (dict(prompt=[[1, 10**9]]), 400, "outside the vocabulary"),
+        (dict(extra_body={"min_p": 2}), 400, "min_p must be in [0, 1]"),
+        (dict(extra_body={"max_tokens": "many"}), 400, "max_tokens"),
+    ],
+)
 def test_errors_are_openai_error_objects(client, kwargs, status, needle):
     args = {"model": MODEL, "prompt": "hi", "max_tokens": 4, **kwargs}
     with pytest.raises(openai.APIStatusError) as info:
@@ -200,14 +237,25 @@ def test_errors_are_openai_error_objects(client, kwargs, status, needle):
 
 def test_chat_errors(client, srv):
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                       top_logprobs=2)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2
+        )
     with pytest.raises(openai.BadRequestError, match="tools is not supported"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            tools=[{"type": "function", "function": {"name": "f"}}],
+        )
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\].content\[0\]: only text"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://x"}}]}])
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x"}}],
+                }
+            ],
+        )
     status, body = _post(srv, "/v1/chat/completions", b"{not json")
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     status, body = _post(srv, "/v1/chat/completions", json.dumps({"model": MODEL}).encode())
@@ -221,8 +269,9 @@ def test_models_health_metrics_and_grpc_share_the_engine(srv, client, tok):
     status, text = _get(srv, "/metrics")
     assert status == 200 and b"jaxinfer_generation_tokens_total" in text
     c = GenerateClient(srv.address)  # the same engine over gRPC
-    assert [t for m in c.generate([1000, 1001], max_tokens=5) for t in m.token_ids] == \
-        fake_stream([1000, 1001], 5)
+    assert [t for m in c.generate([1000, 1001], max_tokens=5) for t in m.token_ids] == fake_stream(
+        [1000, 1001], 5
+    )
     c.close()
 
 
@@ -232,8 +281,9 @@ def _slow_server(tok, **kw):
 
 def test_disconnect_aborts_and_frees_pages(tok):
     with _slow_server(tok) as st, _client(st) as c:
-        stream = c.completions.create(model=MODEL, prompt=[[1000, 1001]], max_tokens=400,
-                                      stream=True)
+        stream = c.completions.create(
+            model=MODEL, prompt=[[1000, 1001]], max_tokens=400, stream=True
+        )
         for i, _ in enumerate(stream):
             if i == 3:
                 break
@@ -250,8 +300,9 @@ def test_disconnect_aborts_and_frees_pages(tok):
 
 def test_queue_full_is_429_and_warmup_is_503(tok):
     with _slow_server(tok, max_queue=1, engine={"max_num_seqs": 1}) as st, _client(st) as c:
-        busy = threading.Thread(target=lambda: c.completions.create(
-            model=MODEL, prompt=[[1000]], max_tokens=100, n=2))
+        busy = threading.Thread(
+            target=lambda: c.completions.create(model=MODEL, prompt=[[1000]], max_tokens=100, n=2)
+        )
         busy.start()
         deadline = time.monotonic() + 5
         while st.server.engine_loop.in_flight < 2:
@@ -283,11 +334,16 @@ def test_engine_failure_mid_stream_is_an_error_event(tok):
         with pytest.raises(openai.InternalServerError, match="poisoned"):
             c.completions.create(model=MODEL, prompt=[[poison]], max_tokens=3)
         with socket.create_connection(("127.0.0.1", st.server.http_port), timeout=5) as s:
-            body = json.dumps({"model": MODEL, "prompt": [poison, 1], "max_tokens": 3,
-                               "stream": True}).encode()
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                      b"application/json\r\nConnection: close\r\nContent-Length: "
-                      + str(len(body)).encode() + b"\r\n\r\n" + body)
+            body = json.dumps(
+                {"model": MODEL, "prompt": [poison, 1], "max_tokens": 3, "stream": True}
+            ).encode()
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b"application/json\r\nConnection: close\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
             raw = b""
             while chunk := s.recv(65536):
                 raw += chunk

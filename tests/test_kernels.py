@@ -44,9 +44,12 @@ from tests.model_utils import PagedStepper, hf_config_dict
 # reference computed at `highest` matmul precision. The kernels' own f32 dots run at the platform's
 # default precision: exact on CPU, TF32 (10-bit mantissa) on GPU, bf16 passes on TPU.
 TOL = {
-    ("cpu", jnp.dtype(jnp.float32)): 1e-5, ("cpu", jnp.dtype(jnp.bfloat16)): 1e-2,
-    ("gpu", jnp.dtype(jnp.float32)): 5e-3, ("gpu", jnp.dtype(jnp.bfloat16)): 1e-2,
-    ("tpu", jnp.dtype(jnp.float32)): 1e-2, ("tpu", jnp.dtype(jnp.bfloat16)): 2e-2,
+    ("cpu", jnp.dtype(jnp.float32)): 1e-5,
+    ("cpu", jnp.dtype(jnp.bfloat16)): 1e-2,
+    ("gpu", jnp.dtype(jnp.float32)): 5e-3,
+    ("gpu", jnp.dtype(jnp.bfloat16)): 1e-2,
+    ("tpu", jnp.dtype(jnp.float32)): 1e-2,
+    ("tpu", jnp.dtype(jnp.bfloat16)): 2e-2,
 }
 
 
@@ -67,9 +70,13 @@ def runnable(backend: str) -> bool:
 
 
 def _kernel_param(backend: str):
-    return pytest.param(backend, marks=pytest.mark.skipif(
-        not runnable(backend),
-        reason=f"the {backend} kernel runs on a {backend} or (interpreted) a CPU platform"))
+    return pytest.param(
+        backend,
+        marks=pytest.mark.skipif(
+            not runnable(backend),
+            reason=f"the {backend} kernel runs on a {backend} or (interpreted) a CPU platform",
+        ),
+    )
 
 
 KERNEL_BACKENDS = ("cpu", "gpu", "tpu")
@@ -77,8 +84,9 @@ BACKEND_PARAMS = [_kernel_param(b) for b in KERNEL_BACKENDS]
 RUNNABLE = tuple(b for b in KERNEL_BACKENDS if runnable(b))
 # Small blocks so the small test shapes still span several query blocks and KV blocks; the GPU
 # kernel's decode class splits its KV range (split-K) over up to 16 programs (8 per KV head of BASE).
-SMALL_BLOCKS = block_sizes.KernelBlocks(block_q=2, decode_block_q=1, pages_per_block=2,
-                                        decode_programs=16)
+SMALL_BLOCKS = block_sizes.KernelBlocks(
+    block_q=2, decode_block_q=1, pages_per_block=2, decode_programs=16
+)
 
 
 def _interpret(backend: str):
@@ -131,12 +139,18 @@ def make_batch(shape: Shape, q_lens, kv_lens, seed: int = 0, dtype=jnp.float32):
     assert t_real <= shape.num_tokens and n <= shape.max_seqs
     cu = np.full(shape.max_seqs + 1, t_real, np.int32)
     cu[0] = 0
-    cu[1:n + 1] = np.cumsum(q_lens)
+    cu[1 : n + 1] = np.cumsum(q_lens)
     lens = np.zeros(shape.max_seqs, np.int32)
     lens[:n] = kv_lens
     q = rng.standard_normal((shape.num_tokens, shape.num_q_heads, d)).astype(np.float32)
-    return (jnp.asarray(q, dtype), jnp.asarray(cache, dtype), jnp.asarray(lens), jnp.asarray(table),
-            jnp.asarray(cu), jnp.asarray([n], jnp.int32))
+    return (
+        jnp.asarray(q, dtype),
+        jnp.asarray(cache, dtype),
+        jnp.asarray(lens),
+        jnp.asarray(table),
+        jnp.asarray(cu),
+        jnp.asarray([n], jnp.int32),
+    )
 
 
 def assert_matches_reference(backend, args, *, blocks=SMALL_BLOCKS, interpret=None, **kw):
@@ -183,23 +197,30 @@ def test_default_block_sizes(backend):
 def test_gpu_kernel_without_split_k():
     """decode_programs=0: every decode walks its whole KV range in one program."""
     blocks = dataclasses.replace(SMALL_BLOCKS, decode_programs=0)
-    assert_matches_reference("gpu", make_batch(BASE, *SCENARIOS["mixed"], seed=4), blocks=blocks,
-                             interpret=True, sinks=jnp.linspace(-1.0, 2.0, BASE.num_q_heads))
+    assert_matches_reference(
+        "gpu",
+        make_batch(BASE, *SCENARIOS["mixed"], seed=4),
+        blocks=blocks,
+        interpret=True,
+        sinks=jnp.linspace(-1.0, 2.0, BASE.num_q_heads),
+    )
 
 
 FEATURES = {
     "window": dict(sliding_window=5),
     "softcap_sinks": dict(soft_cap=2.0, sinks=jnp.linspace(-1.0, 2.0, BASE.num_q_heads)),
-    "window_softcap_sinks": dict(sliding_window=3, soft_cap=2.0,
-                                 sinks=jnp.linspace(0.5, -3.0, BASE.num_q_heads)),
+    "window_softcap_sinks": dict(
+        sliding_window=3, soft_cap=2.0, sinks=jnp.linspace(0.5, -3.0, BASE.num_q_heads)
+    ),
 }
 
 
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_features_match_reference(backend, feature):
-    assert_matches_reference(backend, make_batch(BASE, *SCENARIOS["mixed"], seed=7),
-                             **FEATURES[feature])
+    assert_matches_reference(
+        backend, make_batch(BASE, *SCENARIOS["mixed"], seed=7), **FEATURES[feature]
+    )
 
 
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
@@ -213,8 +234,9 @@ def test_window_skips_pages_before_it(backend):
     args[1] = jnp.asarray(cache)
     kw = dict(sliding_window=4, sm_scale=0.125)
     interpret = _interpret(backend)
-    out = np.asarray(KERNELS[backend](*args, interpret=interpret,
-                                      blocks=_blocks(SMALL_BLOCKS, interpret), **kw))
+    out = np.asarray(
+        KERNELS[backend](*args, interpret=interpret, blocks=_blocks(SMALL_BLOCKS, interpret), **kw)
+    )
     clean = list(make_batch(shape, [2, 3], [40, 61], seed=11))
     ref = np.asarray(run_reference(*clean, **kw))
     np.testing.assert_allclose(out, ref, rtol=0, atol=tol(jnp.float32) * np.abs(ref).max())
@@ -235,9 +257,16 @@ def test_bf16(backend):
 
 def _random_case(rng):
     hkv = int(rng.choice([1, 2]))
-    shape = Shape(num_q_heads=hkv * int(rng.choice([1, 2, 4, 8])), num_kv_heads=hkv,
-                  head_dim=int(rng.choice([64, 128])), page_size=int(rng.choice([4, 8, 16])),
-                  pages_per_seq=8, num_pages=80, num_tokens=32, max_seqs=6)
+    shape = Shape(
+        num_q_heads=hkv * int(rng.choice([1, 2, 4, 8])),
+        num_kv_heads=hkv,
+        head_dim=int(rng.choice([64, 128])),
+        page_size=int(rng.choice([4, 8, 16])),
+        pages_per_seq=8,
+        num_pages=80,
+        num_tokens=32,
+        max_seqs=6,
+    )
     n = int(rng.integers(1, shape.max_seqs + 1))
     q_lens = rng.multinomial(int(rng.integers(n, shape.num_tokens + 1)), np.ones(n) / n)
     cap = shape.pages_per_seq * shape.page_size
@@ -259,8 +288,9 @@ def _random_case(rng):
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_random_sweep(backend, seed):
     shape, q_lens, kv_lens, kw, blocks = _random_case(np.random.default_rng(seed))
-    assert_matches_reference(backend, make_batch(shape, q_lens, kv_lens, seed=seed), blocks=blocks,
-                             **kw)
+    assert_matches_reference(
+        backend, make_batch(shape, q_lens, kv_lens, seed=seed), blocks=blocks, **kw
+    )
 
 
 SPLIT_SHAPE = Shape(page_size=4, pages_per_seq=8, num_tokens=8, max_seqs=3)
@@ -272,10 +302,18 @@ SPLIT_CASES = {  # name -> (q_lens, kv_lens, blocks, kernel kwargs); decode_bloc
     # q_len 4 at positions 5..8: split 1 holds key 8 (seen by the last row only), its unused slots
     # and a padded page-table entry (NaN page / out-of-range id): fully masked for the other rows
     "masked_split": ([4], [9], dict(decode_programs=16), {}),
-    "window": ([3, 1], [9, 31], dict(decode_programs=16, pages_per_block=1),
-               dict(sliding_window=6)),
-    "softcap_sinks": ([2, 1], [17, 25], dict(decode_programs=16),
-                      dict(soft_cap=2.0, sinks=jnp.linspace(-1.0, 2.0, BASE.num_q_heads))),
+    "window": (
+        [3, 1],
+        [9, 31],
+        dict(decode_programs=16, pages_per_block=1),
+        dict(sliding_window=6),
+    ),
+    "softcap_sinks": (
+        [2, 1],
+        [17, 25],
+        dict(decode_programs=16),
+        dict(soft_cap=2.0, sinks=jnp.linspace(-1.0, 2.0, BASE.num_q_heads)),
+    ),
     # decodes (split) beside a prefill chunk (the unsplit prefill class)
     "mixed": ([1, 2, 5], [29, 13, 7], dict(decode_programs=16), dict(sliding_window=9)),
 }
@@ -285,29 +323,38 @@ SPLIT_CASES = {  # name -> (q_lens, kv_lens, blocks, kernel kwargs); decode_bloc
 @pytest.mark.parametrize("case", SPLIT_CASES)
 def test_gpu_split_k_matches_reference(case):
     q_lens, kv_lens, over, kw = SPLIT_CASES[case]
-    blocks = block_sizes.KernelBlocks(block_q=8, decode_block_q=4,
-                                      **{"pages_per_block": 2, **over})
+    blocks = block_sizes.KernelBlocks(block_q=8, decode_block_q=4, **{"pages_per_block": 2, **over})
     args = make_batch(SPLIT_SHAPE, q_lens, kv_lens, seed=len(case))
     table = block_sizes.split_work_table(
-        args[4], args[2], args[5], block_sizes.query_classes(8, 3, blocks)[0],
-        budget=block_sizes.split_budget(blocks, BASE.num_kv_heads), num_work=16,
-        page_size=4, block_k=4 * blocks.pages_per_block, sliding_window=kw.get("sliding_window"))
+        args[4],
+        args[2],
+        args[5],
+        block_sizes.query_classes(8, 3, blocks)[0],
+        budget=block_sizes.split_budget(blocks, BASE.num_kv_heads),
+        num_work=16,
+        page_size=4,
+        block_k=4 * blocks.pages_per_block,
+        sliding_window=kw.get("sliding_window"),
+    )
     assert int(np.asarray(table.num_splits)[0]) > 1  # the case does split
     assert_matches_reference("gpu", args, blocks=blocks, interpret=True, **kw)
 
 
 def test_split_work_table_covers_each_kv_block_once():
     """Balanced shares: every KV block of every decode sequence in exactly one split."""
-    blocks = block_sizes.KernelBlocks(block_q=8, decode_block_q=2, pages_per_block=2,
-                                      decode_programs=20)
+    blocks = block_sizes.KernelBlocks(
+        block_q=8, decode_block_q=2, pages_per_block=2, decode_programs=20
+    )
     q_lens, kv_lens = [1, 2, 1, 9, 0], [3, 70, 41, 20, 5]  # a prefill and an idle sequence
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     lens, n = jnp.asarray(kv_lens, jnp.int32), jnp.asarray([5], jnp.int32)
     cls = block_sizes.query_classes(16, 5, blocks)[0]
-    table = block_sizes.split_work_table(cu, lens, n, cls, budget=10, num_work=12, page_size=4,
-                                         block_k=8, sliding_window=None)
-    seq, split, ns, blk = (np.asarray(x) for x in (table.seq, table.split, table.num_splits,
-                                                   table.block))
+    table = block_sizes.split_work_table(
+        cu, lens, n, cls, budget=10, num_work=12, page_size=4, block_k=8, sliding_window=None
+    )
+    seq, split, ns, blk = (
+        np.asarray(x) for x in (table.seq, table.split, table.num_splits, table.block)
+    )
     live = seq >= 0
     # 3 live decodes share the budget of 10: at most 3 splits each, never more than their blocks
     assert seq[live].tolist() == [0, 1, 1, 1, 2, 2, 2]
@@ -315,25 +362,36 @@ def test_split_work_table_covers_each_kv_block_once():
     for s, kv in zip(range(3), kv_lens):
         mine = seq == s
         nb = -(-kv // 8)
-        covered = [b for sp in split[mine]
-                   for b in range(*block_sizes.split_range(nb, int(sp), int(ns[mine][0])))]
+        covered = [
+            b
+            for sp in split[mine]
+            for b in range(*block_sizes.split_range(nb, int(sp), int(ns[mine][0])))
+        ]
         assert covered == list(range(nb)), s
 
 
 def test_default_split_fills_an_h100_at_batch_1():
     """Llama-3-8B heads (8 KV heads), page 16, bf16, 4096 context: >= 132 SMs' worth of programs
     at batch 1; at batch 64 every sequence keeps one program per KV head (no splitting)."""
-    blocks = block_sizes.get_block_sizes("gpu", head_dim=128, page_size=16, dtype=jnp.bfloat16,
-                                         group=4, pages_per_seq=256, pow2=True)
+    blocks = block_sizes.get_block_sizes(
+        "gpu", head_dim=128, page_size=16, dtype=jnp.bfloat16, group=4, pages_per_seq=256, pow2=True
+    )
     assert blocks.decode_programs >= block_sizes.H100_SMS
     budget = block_sizes.split_budget(blocks, 8)
     for n, ctx, want_min, want_max in ((1, 4096, block_sizes.H100_SMS, None), (64, 1024, 0, 64)):
         cu = jnp.arange(n + 1, dtype=jnp.int32)
         cls = block_sizes.query_classes(n, n, blocks)[0]
         table = block_sizes.split_work_table(
-            cu, jnp.full((n,), ctx, jnp.int32), jnp.asarray([n], jnp.int32), cls, budget=budget,
-            num_work=max(cls.num_work, budget), page_size=16,
-            block_k=16 * blocks.pages_per_block, sliding_window=None)
+            cu,
+            jnp.full((n,), ctx, jnp.int32),
+            jnp.asarray([n], jnp.int32),
+            cls,
+            budget=budget,
+            num_work=max(cls.num_work, budget),
+            page_size=16,
+            block_k=16 * blocks.pages_per_block,
+            sliding_window=None,
+        )
         items = int((np.asarray(table.seq) >= 0).sum())
         assert 8 * items >= want_min and (want_max is None or items == want_max), (n, items)
 
@@ -359,9 +417,12 @@ def test_combine_splits_is_the_softmax_over_all_keys():
         lses.append(m[:, 0] + np.log(e.sum(1)))
     outs.append(np.full((2, 4), np.nan, np.float32))  # a dead item
     lses.append(np.full(2, np.nan, np.float32))
-    out = block_sizes.combine_splits(jnp.asarray(np.stack(outs))[:, None],
-                                     jnp.asarray(np.stack(lses))[:, None],
-                                     jnp.asarray([0, 0, 0, 1], jnp.int32), num_blocks=1)
+    out = block_sizes.combine_splits(
+        jnp.asarray(np.stack(outs))[:, None],
+        jnp.asarray(np.stack(lses))[:, None],
+        jnp.asarray([0, 0, 0, 1], jnp.int32),
+        num_blocks=1,
+    )
     np.testing.assert_allclose(np.asarray(out)[0, 0], want, rtol=1e-5, atol=1e-6)
 
 
@@ -382,8 +443,10 @@ def _assert_race_report(capfd, expect: bool) -> None:
     assert ("RACE DETECTED" in capfd.readouterr().out) == expect
 
 
-CPU_ONLY = pytest.mark.skipif(jax.default_backend() != "cpu",
-                              reason="the TPU interpreter's race detector runs on a CPU platform")
+CPU_ONLY = pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="the TPU interpreter's race detector runs on a CPU platform",
+)
 
 
 @CPU_ONLY
@@ -398,41 +461,60 @@ def test_race_detector_catches_a_racy_kernel(capfd):
 
     x = jnp.ones((8, 128), jnp.float32)
     pl.pallas_call(
-        racy, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        racy,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
         scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA(())],
-        interpret=pltpu.InterpretParams(detect_races=True))(x).block_until_ready()
+        interpret=pltpu.InterpretParams(detect_races=True),
+    )(x).block_until_ready()
     _assert_race_report(capfd, expect=True)
 
 
 @CPU_ONLY
-@pytest.mark.parametrize("feature,dma_mode", [("none", "on_wait"),
-                                              ("window_softcap_sinks", "eager")])
+@pytest.mark.parametrize(
+    "feature,dma_mode", [("none", "on_wait"), ("window_softcap_sinks", "eager")]
+)
 def test_tpu_kernel_has_no_races(capfd, feature, dma_mode):
     """NOTE: reading the in-flight buffer slot instead of the waited one is reported (checked by
     hand: 14 reports in either DMA mode), so a double-buffering mistake would fail here."""
     interpret = pltpu.InterpretParams(detect_races=True, dma_execution_mode=dma_mode)
-    assert_matches_reference("tpu", make_batch(BASE, *SCENARIOS["mixed"], seed=9),
-                             interpret=interpret, **FEATURES.get(feature, {}))
+    assert_matches_reference(
+        "tpu",
+        make_batch(BASE, *SCENARIOS["mixed"], seed=9),
+        interpret=interpret,
+        **FEATURES.get(feature, {}),
+    )
     _assert_race_report(capfd, expect=False)
 
 
-@pytest.mark.parametrize("backend,platform,marker", [("gpu", "cuda", "triton"),
-                                                     ("tpu", "tpu", "tpu_custom_call")])
+@pytest.mark.parametrize(
+    "backend,platform,marker", [("gpu", "cuda", "triton"), ("tpu", "tpu", "tpu_custom_call")]
+)
 def test_kernel_lowers_for_its_platform(backend, platform, marker):
     """Triton IR / Mosaic lowering of a production-sized call with the table's block sizes."""
-    shape = Shape(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, pages_per_seq=16,
-                  num_pages=64, num_tokens=64, max_seqs=8)
+    shape = Shape(
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        pages_per_seq=16,
+        num_pages=64,
+        num_tokens=64,
+        max_seqs=8,
+    )
     args = make_batch(shape, [1, 1, 1, 30], [40, 17, 200, 64], dtype=jnp.bfloat16)
-    kw = dict(sm_scale=0.088, sliding_window=128, soft_cap=30.0,
-              sinks=jnp.zeros((32,), jnp.float32))
+    kw = dict(
+        sm_scale=0.088, sliding_window=128, soft_cap=30.0, sinks=jnp.zeros((32,), jnp.float32)
+    )
     if backend == "gpu":
         # NOTE: Triton lowering reads the target GPU from the abstract mesh's device (JAX 0.11
         # refuses to lower for a GPU without one), and lowers abstract arguments only.
-        device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                             platform="cuda")
-        mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
-                                         abstract_device=device)
+        device = jax.sharding.AbstractDevice(
+            device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda"
+        )
+        mesh = jax.sharding.AbstractMesh(
+            (1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device
+        )
         with jax.sharding.use_abstract_mesh(mesh):
             args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
             kw["sinks"] = jax.ShapeDtypeStruct((32,), jnp.float32)
@@ -454,8 +536,9 @@ def test_cache_write_is_exact(dtype):
     k = rng.standard_normal((t, hkv, d)).astype(np.float32)
     v = rng.standard_normal((t, hkv, d)).astype(np.float32)
     slots = np.array([5, 6, 7, 8, 21, -1, 0, 23, -1, 12], np.int32)
-    new = reference.update_kv_cache(jnp.asarray(cache, dtype), jnp.asarray(k, dtype),
-                                    jnp.asarray(v, dtype), jnp.asarray(slots))
+    new = reference.update_kv_cache(
+        jnp.asarray(cache, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(slots)
+    )
     want = np.array(jnp.asarray(cache, dtype))
     kv = np.stack([np.asarray(jnp.asarray(k, dtype)), np.asarray(jnp.asarray(v, dtype))], axis=2)
     for i, slot in enumerate(slots):
@@ -559,17 +642,26 @@ def test_attention_op_with_each_backend():
         for i, t in enumerate(range(cu_np[s], cu_np[s + 1])):
             pos = lens_np[s] - (cu_np[s + 1] - cu_np[s]) + i
             slots[t] = table_np[s, pos // BASE.page_size] * BASE.page_size + pos % BASE.page_size
-    step = StepInputs(token_ids=jnp.zeros(BASE.num_tokens, jnp.int32),
-                      positions=jnp.zeros(BASE.num_tokens, jnp.int32), slot_mapping=jnp.asarray(slots),
-                      kv_lens=lens, page_indices=table, cu_q_lens=cu, num_seqs=n,
-                      logits_indices=jnp.zeros(1, jnp.int32))
-    outs = {b: attn.attention(q, k, v, cache, step, sm_scale=0.125, sliding_window=6, backend=b)
-            for b in ("reference", *RUNNABLE)}
+    step = StepInputs(
+        token_ids=jnp.zeros(BASE.num_tokens, jnp.int32),
+        positions=jnp.zeros(BASE.num_tokens, jnp.int32),
+        slot_mapping=jnp.asarray(slots),
+        kv_lens=lens,
+        page_indices=table,
+        cu_q_lens=cu,
+        num_seqs=n,
+        logits_indices=jnp.zeros(1, jnp.int32),
+    )
+    outs = {
+        b: attn.attention(q, k, v, cache, step, sm_scale=0.125, sliding_window=6, backend=b)
+        for b in ("reference", *RUNNABLE)
+    }
     ref_out, ref_cache = outs["reference"]
     for b, (out, new_cache) in outs.items():
         assert np.asarray(new_cache).tobytes() == np.asarray(ref_cache).tobytes(), b
-        np.testing.assert_allclose(out, ref_out, rtol=0,
-                                   atol=tol(jnp.float32) * np.abs(ref_out).max())
+        np.testing.assert_allclose(
+            out, ref_out, rtol=0, atol=tol(jnp.float32) * np.abs(ref_out).max()
+        )
 
 
 def _greedy_tokens(monkeypatch, family: str, backend: str, steps: int) -> list[list[int]]:

@@ -38,7 +38,9 @@ def _filled(rng, dtype_kv: str):
     k = jnp.asarray(rng.standard_normal((t, H, D)) * 3, jnp.float32)
     v = jnp.asarray(rng.standard_normal((t, H, D)), jnp.float32)
     k = k.at[3, 1].set(0.0)  # an all-zero row
-    slots = jnp.asarray(np.r_[np.arange(0, 7), np.arange(20, 24), -1], jnp.int32)  # one padding token
+    slots = jnp.asarray(
+        np.r_[np.arange(0, 7), np.arange(20, 24), -1], jnp.int32
+    )  # one padding token
     cache = attention.new_kv_cache((P, PS, 2 * H, D), jnp.float32, dtype_kv)
     if dtype_kv == "auto":
         cache = jnp.full((P, PS, 2 * H, D), jnp.nan, jnp.float32)
@@ -52,14 +54,20 @@ def test_write_round_trip():
     kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], 2 * H, D)
     for t in range(11):
         page, off = int(slots[t]) // PS, int(slots[t]) % PS
-        rows = np.asarray(reference.dequantize_kv_rows(cache.data[page, off], cache.exponent[page, off]))
+        rows = np.asarray(
+            reference.dequantize_kv_rows(cache.data[page, off], cache.exponent[page, off])
+        )
         want = np.asarray(kv[t])
         np.testing.assert_allclose(rows, want, rtol=2.0**-4, atol=2.0**-9 * np.abs(want).max())
         scaled = np.abs(np.asarray(cache.data[page, off], np.float32)).max(axis=-1)
         live = np.abs(want).max(axis=-1) > 0
         assert np.all(scaled[live] > 448 / 2 - 16) and np.all(scaled <= 448)  # the range is used
-    assert int(cache.exponent[0, 3, 2]) == 0 and not np.any(np.asarray(cache.data[0, 3, 2], np.float32))
-    untouched = np.asarray(cache.data[5:], np.float32)  # slot 23 is page 5; the padding token wrote nothing
+    assert int(cache.exponent[0, 3, 2]) == 0 and not np.any(
+        np.asarray(cache.data[0, 3, 2], np.float32)
+    )
+    untouched = np.asarray(
+        cache.data[5:], np.float32
+    )  # slot 23 is page 5; the padding token wrote nothing
     assert not np.any(untouched[1:])
 
 
@@ -67,7 +75,9 @@ def _attend(backend, cache, q):
     kv_lens = jnp.array([7, 4], jnp.int32)
     pages = jnp.array([[0, 1, 2, 3], [5, 6, 7, 8]], jnp.int32)
     cu = jnp.array([0, 7, 11], jnp.int32)
-    return attention.KERNELS[backend](q, cache, kv_lens, pages, cu, jnp.array([2], jnp.int32), sm_scale=D**-0.5)
+    return attention.KERNELS[backend](
+        q, cache, kv_lens, pages, cu, jnp.array([2], jnp.int32), sm_scale=D**-0.5
+    )
 
 
 def test_attention_reads_fp8_like_the_float_values():
@@ -108,7 +118,9 @@ def test_kernels_read_fp8_like_the_reference(case, dtype):
     values = reference.dequantize_kv_rows(data, exponent)
     kw = dict(sm_scale=0.125, soft_cap=20.0)
     with jax.default_matmul_precision("highest"):
-        want = np.asarray(reference.ragged_paged_attention(args[0], values, *args[2:], **kw), np.float32)
+        want = np.asarray(
+            reference.ragged_paged_attention(args[0], values, *args[2:], **kw), np.float32
+        )
     interpret = pltpu.InterpretParams() if backend == "tpu" else True
     got = KERNELS[backend](args[0], fp8, *args[2:], interpret=interpret, blocks=blocks, **kw)
     assert got.dtype == dtype
@@ -119,25 +131,44 @@ def test_kernels_read_fp8_like_the_reference(case, dtype):
     assert np.max(np.abs(got - want)) <= bound * np.max(np.abs(want))
 
 
-@pytest.mark.parametrize("backend,platform,marker", [("gpu", "cuda", "triton"),
-                                                     ("tpu", "tpu", "tpu_custom_call")])
+@pytest.mark.parametrize(
+    "backend,platform,marker", [("gpu", "cuda", "triton"), ("tpu", "tpu", "tpu_custom_call")]
+)
 def test_kernels_lower_fp8_for_their_platform(backend, platform, marker):
     """Triton / Mosaic lowering of an 8B-shaped call on an fp8 cache with the table's blocks."""
-    shape = Shape(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, pages_per_seq=16,
-                  num_pages=64, num_tokens=64, max_seqs=8)
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
-            make_batch(shape, [1, 1, 1, 30], [40, 17, 200, 64], dtype=jnp.bfloat16)]
-    args[1] = Fp8KVCache(jax.ShapeDtypeStruct(args[1].shape, jnp.float8_e4m3fn),
-                         jax.ShapeDtypeStruct(args[1].shape[:3], jnp.int8))
+    shape = Shape(
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        pages_per_seq=16,
+        num_pages=64,
+        num_tokens=64,
+        max_seqs=8,
+    )
+    args = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype)
+        for a in make_batch(shape, [1, 1, 1, 30], [40, 17, 200, 64], dtype=jnp.bfloat16)
+    ]
+    args[1] = Fp8KVCache(
+        jax.ShapeDtypeStruct(args[1].shape, jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct(args[1].shape[:3], jnp.int8),
+    )
     if backend == "gpu":  # NOTE: Triton lowering reads the target GPU from the abstract mesh
-        device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                             platform="cuda")
-        mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
-                                         abstract_device=device)
+        device = jax.sharding.AbstractDevice(
+            device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda"
+        )
+        mesh = jax.sharding.AbstractMesh(
+            (1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=device
+        )
         with jax.sharding.use_abstract_mesh(mesh):
-            lowered = KERNELS[backend].trace(*args, sm_scale=0.088).lower(lowering_platforms=(platform,))
+            lowered = (
+                KERNELS[backend].trace(*args, sm_scale=0.088).lower(lowering_platforms=(platform,))
+            )
     else:
-        lowered = KERNELS[backend].trace(*args, sm_scale=0.088).lower(lowering_platforms=(platform,))
+        lowered = (
+            KERNELS[backend].trace(*args, sm_scale=0.088).lower(lowering_platforms=(platform,))
+        )
     assert lowered.as_text().count(marker) >= 2  # a decode-class and a prefill-class call
 
 
@@ -145,7 +176,9 @@ def test_unreadable_backends_and_bad_values_are_named(monkeypatch):
     for backend in attention.KERNELS:
         attention.check_kv_cache_dtype(backend, "fp8")  # every backend of today reads it
     monkeypatch.setattr(attention, "FP8_KV_BACKENDS", ("reference", "cpu", "gpu"))
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not readable by attention_backend 'tpu'"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype='fp8' is not readable by attention_backend 'tpu'"
+    ):
         attention.check_kv_cache_dtype("tpu", "fp8")
     attention.check_kv_cache_dtype("tpu", "auto")
     with pytest.raises(ValueError, match="kv_cache_dtype='fp16' is not supported"):
@@ -156,13 +189,31 @@ def test_unreadable_backends_and_bad_values_are_named(monkeypatch):
 
 def _engine(model, kv_cache_dtype, backend, **kw):
     kw = {"max_num_seqs": 2, **kw}
-    return LLMEngine(model, EngineConfig(page_size=4, max_model_len=64, max_num_batched_tokens=16,
-                                         kv_cache_dtype=kv_cache_dtype, **kw),
-                     attention_backend=backend)
+    return LLMEngine(
+        model,
+        EngineConfig(
+            page_size=4,
+            max_model_len=64,
+            max_num_batched_tokens=16,
+            kv_cache_dtype=kv_cache_dtype,
+            **kw,
+        ),
+        attention_backend=backend,
+    )
 
 
-@pytest.mark.parametrize("backend", [pytest.param("reference", marks=pytest.mark.slow), pytest.param("cpu", marks=pytest.mark.skipif(
-    not cpu.available(), reason="the CPU attention kernel does not build here"))])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("reference", marks=pytest.mark.slow),
+        pytest.param(
+            "cpu",
+            marks=pytest.mark.skipif(
+                not cpu.available(), reason="the CPU attention kernel does not build here"
+            ),
+        ),
+    ],
+)
 def test_engine_fp8_capacity_log_and_tokens(backend, caplog):
     from tests import engine_utils as eu
 
@@ -176,15 +227,23 @@ def test_engine_fp8_capacity_log_and_tokens(backend, caplog):
     assert fp8.capacity()["num_pages"] + 1 == budget // (rows * (d + 1))
     assert f32.capacity()["num_pages"] + 1 == budget // (rows * 4 * d)
     assert fp8.capacity()["num_pages"] > 3.5 * f32.capacity()["num_pages"]
-    assert "fp8 e4m3" in caplog.text and f"{4 * d / (d + 1):.2f}x the tokens of float32" in caplog.text
+    assert (
+        "fp8 e4m3" in caplog.text and f"{4 * d / (d + 1):.2f}x the tokens of float32" in caplog.text
+    )
     assert isinstance(fp8.runner.kv_caches[0], Fp8KVCache)
     assert fp8.runner.kv_cache_bytes < f32.runner.kv_cache_bytes
     prompts = [[5, 300, 41, 7000, 12, 9], [88, 2, 61, 5, 190, 77, 1000, 3, 4]]
-    want = eu.run(_engine(model, "auto", backend, num_pages=32),
-                  [(str(i), p, eu.greedy(6)) for i, p in enumerate(prompts)])
-    got = eu.run(_engine(model, "fp8", backend, num_pages=32),
-                 [(str(i), p, eu.greedy(6)) for i, p in enumerate(prompts)])
-    assert [got[str(i)][0].token_ids for i in range(2)] == [want[str(i)][0].token_ids for i in range(2)]
+    want = eu.run(
+        _engine(model, "auto", backend, num_pages=32),
+        [(str(i), p, eu.greedy(6)) for i, p in enumerate(prompts)],
+    )
+    got = eu.run(
+        _engine(model, "fp8", backend, num_pages=32),
+        [(str(i), p, eu.greedy(6)) for i, p in enumerate(prompts)],
+    )
+    assert [got[str(i)][0].token_ids for i in range(2)] == [
+        want[str(i)][0].token_ids for i in range(2)
+    ]
 
 
 def test_engine_rejects_fp8_on_a_backend_that_cannot_read_it(monkeypatch):
@@ -192,9 +251,18 @@ def test_engine_rejects_fp8_on_a_backend_that_cannot_read_it(monkeypatch):
 
     model = eu.tiny_model(eu.load_vocab())
     monkeypatch.setattr(attention, "FP8_KV_BACKENDS", ("reference", "cpu", "gpu"))
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not readable by attention_backend 'tpu'"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype='fp8' is not readable by attention_backend 'tpu'"
+    ):
         _engine(model, "fp8", "tpu", num_pages=8)
     if jax.device_count() >= 2:
-        with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported with a pipeline"):
-            _engine(model, "fp8", "reference", num_pages=8,
-                    mesh=f"pipeline=2,tensor={jax.device_count() // 2}")
+        with pytest.raises(
+            ValueError, match="kv_cache_dtype='fp8' is not supported with a pipeline"
+        ):
+            _engine(
+                model,
+                "fp8",
+                "reference",
+                num_pages=8,
+                mesh=f"pipeline=2,tensor={jax.device_count() // 2}",
+            )

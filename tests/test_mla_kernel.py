@@ -35,8 +35,18 @@ SCENARIOS = {  # (q_lens, kv_lens) per sequence, decodes first
 }
 
 
-def make_batch(q_lens, kv_lens, *, heads=HEADS, lat=LAT, rope=ROPE, num_tokens=32, max_seqs=6,
-               seed=0, dtype=jnp.float32):
+def make_batch(
+    q_lens,
+    kv_lens,
+    *,
+    heads=HEADS,
+    lat=LAT,
+    rope=ROPE,
+    num_tokens=32,
+    max_seqs=6,
+    seed=0,
+    dtype=jnp.float32,
+):
     rng = np.random.default_rng(seed)
     c = lat + rope
     cache = np.full((NUM_PAGES, PAGE, c), np.nan, np.float32)
@@ -45,24 +55,41 @@ def make_batch(q_lens, kv_lens, *, heads=HEADS, lat=LAT, rope=ROPE, num_tokens=3
     used = 0
     for s, n in enumerate(kv_lens):
         k = -(-n // PAGE)
-        page_indices[s, :k] = pages[used:used + k]
+        page_indices[s, :k] = pages[used : used + k]
         for j in range(n):
             cache[page_indices[s, j // PAGE], j % PAGE] = rng.standard_normal(c)
         used += k
-    page_indices[len(kv_lens):] = pages[-1]  # padded rows point at a NaN page
+    page_indices[len(kv_lens) :] = pages[-1]  # padded rows point at a NaN page
     q = rng.standard_normal((num_tokens, heads, c)).astype(np.float32)
     cu = np.full(max_seqs + 1, sum(q_lens), np.int32)
     cu[0] = 0
-    cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[1 : len(q_lens) + 1] = np.cumsum(q_lens)
     kv = np.zeros(max_seqs, np.int32)
-    kv[:len(kv_lens)] = kv_lens
-    args = (jnp.asarray(q, dtype), jnp.asarray(cache, dtype), jnp.asarray(kv),
-            jnp.asarray(page_indices), jnp.asarray(cu), jnp.asarray([len(q_lens)], np.int32))
+    kv[: len(kv_lens)] = kv_lens
+    args = (
+        jnp.asarray(q, dtype),
+        jnp.asarray(cache, dtype),
+        jnp.asarray(kv),
+        jnp.asarray(page_indices),
+        jnp.asarray(cu),
+        jnp.asarray([len(q_lens)], np.int32),
+    )
     return args
 
 
-def naive(q, cache, kv_lens, page_indices, cu, num_seqs, *, sm_scale, kv_lora_rank,
-          sliding_window=None, soft_cap=None):
+def naive(
+    q,
+    cache,
+    kv_lens,
+    page_indices,
+    cu,
+    num_seqs,
+    *,
+    sm_scale,
+    kv_lora_rank,
+    sliding_window=None,
+    soft_cap=None,
+):
     q, cache = np.asarray(q, np.float32), np.asarray(cache, np.float32)
     out = np.zeros((q.shape[0], q.shape[1], kv_lora_rank), np.float32)
     page = cache.shape[1]
@@ -73,7 +100,7 @@ def naive(q, cache, kv_lens, page_indices, cu, num_seqs, *, sm_scale, kv_lora_ra
         for i in range(q_len):
             pos = kv_len - q_len + i
             lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
-            keys = rows[lo:pos + 1]
+            keys = rows[lo : pos + 1]
             sc = q[cu[s] + i] @ keys.T * sm_scale  # [H, keys]
             if soft_cap is not None:
                 sc = soft_cap * np.tanh(sc / soft_cap)
@@ -125,10 +152,21 @@ def test_gpu_kernel_bf16_and_odd_head_count():
 
 def test_gpu_kernel_lowers_to_triton():
     """DeepSeek-V3 widths (L=512, R=64, 16 local heads), bf16, the table's block sizes."""
-    args = make_batch([1, 1, 1, 30], [32, 17, 30, 30], heads=16, lat=512, rope=64, num_tokens=64,
-                      max_seqs=8, dtype=jnp.bfloat16)
-    lowered = KERNELS["gpu"].trace(*args, sm_scale=0.1, kv_lora_rank=512).lower(
-        lowering_platforms=("cuda",))
+    args = make_batch(
+        [1, 1, 1, 30],
+        [32, 17, 30, 30],
+        heads=16,
+        lat=512,
+        rope=64,
+        num_tokens=64,
+        max_seqs=8,
+        dtype=jnp.bfloat16,
+    )
+    lowered = (
+        KERNELS["gpu"]
+        .trace(*args, sm_scale=0.1, kv_lora_rank=512)
+        .lower(lowering_platforms=("cuda",))
+    )
     assert lowered.as_text().count("triton") >= 2  # a decode-class and a prefill-class call
 
 

@@ -129,7 +129,9 @@ HUB_QWEN3_MOE = {
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "llama"])
 def test_missing_rope_theta_takes_the_family_default_of_transformers(family):
     transformers = pytest.importorskip("transformers")
-    hf = {k: v for k, v in hf_config_dict(family).items() if k not in ("rope_theta", "rope_scaling")}
+    hf = {
+        k: v for k, v in hf_config_dict(family).items() if k not in ("rope_theta", "rope_scaling")
+    }
     want = transformers.AutoConfig.for_model(family).to_dict()
     want = (want.get("rope_parameters") or {}).get("rope_theta", want.get("rope_theta"))
     assert ModelConfig.from_hf(hf).rope.theta == want
@@ -488,8 +490,9 @@ def _sharded_caches(cfg, mesh, page=4, num_pages=16):
         ("expert=2,tensor=2", False, "qwen3_moe", {}),  # layer 1 dense: split over expert x tensor
     ],
 )
-def test_moe_forward_on_expert_mesh_equals_single_device(mesh_spec, a2a, family, overrides,
-                                                         monkeypatch):
+def test_moe_forward_on_expert_mesh_equals_single_device(
+    mesh_spec, a2a, family, overrides, monkeypatch
+):
     from jaxinfer.step import StepInputs
 
     if a2a:  # every step (16 tokens) takes the all_to_all dispatch; traced afresh for that
@@ -522,8 +525,12 @@ def _collectives(compiled, num_devices: int) -> list[tuple[str, str, str, int]]:
     """
     import re
 
-    kinds = {"kAllReduce": "all-reduce", "kAllReduceStart": "all-reduce",
-             "kAllToAll": "all-to-all", "kRaggedAllToAll": "all-to-all"}
+    kinds = {
+        "kAllReduce": "all-reduce",
+        "kAllReduceStart": "all-reduce",
+        "kAllToAll": "all-to-all",
+        "kRaggedAllToAll": "all-to-all",
+    }
     found = []
     for module in compiled.runtime_executable().hlo_modules():
         for comp in module.computations():
@@ -536,10 +543,16 @@ def _collectives(compiled, num_devices: int) -> list[tuple[str, str, str, int]]:
                 scope = re.search(r'op_name="[^"]*?((?:embed|layer_\d+/[\w/]+?)/psum\w*)"', text)
                 listed = re.search(r"replica_groups=\{\{([0-9,]*)\}", text)
                 iota = re.search(r"replica_groups=\[\d+,(\d+)\]<=", text)
-                size = (len(listed.group(1).split(",")) if listed else
-                        int(iota.group(1)) if iota else num_devices)
-                found.append((kind, result.group(1) if result else "",
-                              scope.group(1) if scope else "", size))
+                size = (
+                    len(listed.group(1).split(","))
+                    if listed
+                    else int(iota.group(1))
+                    if iota
+                    else num_devices
+                )
+                found.append(
+                    (kind, result.group(1) if result else "", scope.group(1) if scope else "", size)
+                )
     return found
 
 
@@ -555,11 +568,15 @@ def test_expert_tensor_program_has_one_moe_all_reduce_per_layer():
     step = StepInputs(**{k: jnp.asarray(v) for k, v in arrays.items()})
     mesh = _mesh("expert=2,tensor=2")
     caches = _sharded_caches(cfg, mesh)
-    found = _collectives(llama.forward_jit.lower(params, cfg, step, caches, mesh=mesh).compile(),
-                        mesh.size)
+    found = _collectives(
+        llama.forward_jit.lower(params, cfg, step, caches, mesh=mesh).compile(), mesh.size
+    )
     assert not [c for c in found if c[0] == "all-to-all"], found
-    got = sorted((scope, size) for kind, result, scope, size in found
-                 if kind == "all-reduce" and result == "f32[16,64]")
+    got = sorted(
+        (scope, size)
+        for kind, result, scope, size in found
+        if kind == "all-reduce" and result == "f32[16,64]"
+    )
     want = [("embed/psum", 4)]
     for i in range(cfg.num_layers):
         want += [(f"layer_{i}/attention/o_proj/psum", 4), (f"layer_{i}/mlp/psum", 4)]
@@ -741,7 +758,12 @@ def test_expert_weights_sharding_and_bytes_per_device(mesh_spec):
     total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
 
     def split(leaf):  # how many ways the leaf's spec splits it
-        axes = [a for e in leaf.sharding.spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+        axes = [
+            a
+            for e in leaf.sharding.spec
+            if e is not None
+            for a in ((e,) if isinstance(e, str) else e)
+        ]
         return int(np.prod([mesh.shape[a] for a in axes]))
 
     others = sum(leaf.nbytes // split(leaf) for leaf in jax.tree.leaves(params)) - experts // (

@@ -38,9 +38,18 @@ WORKER = REPO_ROOT / "tests" / "multihost_worker.py"
 sys.path.insert(0, str(REPO_ROOT / "tests"))
 import multihost_worker as worker  # noqa: E402
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=8, num_key_value_heads=8, head_dim=8, max_position_embeddings=64,
-            rms_norm_eps=1e-6, tie_word_embeddings=False)
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=8,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 
 
 def _free_port() -> int:
@@ -66,7 +75,9 @@ def save_tiny_model(root: Path) -> Path:
             p.copy_(base + scale * torch.randn(p.shape, generator=gen))
     model.save_pretrained(str(root), safe_serialization=True)
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(TINY["vocab_size"] - 3)]
-    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok = tokenizers.Tokenizer(
+        models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+    )
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
@@ -96,8 +107,11 @@ def single_process_tokens(tiny_dir: Path) -> list[list[int]]:
 
     engine = LLMEngine(load_model(str(tiny_dir)), EngineConfig(**worker.ENGINE))
     for i, ids in enumerate(worker.PROMPTS):
-        engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=worker.MAX_TOKENS,
-                                               ignore_eos=True), request_id=f"p{i}")
+        engine.add_request(
+            ids,
+            SamplingParams(temperature=0.0, max_tokens=worker.MAX_TOKENS, ignore_eos=True),
+            request_id=f"p{i}",
+        )
     tokens: dict[str, list[int]] = {}
     for d in wait_all(engine, timeout=300):
         tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
@@ -110,16 +124,31 @@ def run_two_processes(model: Path, out: Path, mesh: str = "", timeout: float = 4
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the worker sets its own
     procs = []
     for pid in (0, 1):
-        cmd = [sys.executable, str(WORKER), "--port", str(port), "--process-id", str(pid),
-               "--model", str(model), "--out", str(out)] + (["--mesh", mesh] if mesh else [])
+        cmd = [
+            sys.executable,
+            str(WORKER),
+            "--port",
+            str(port),
+            "--process-id",
+            str(pid),
+            "--model",
+            str(model),
+            "--out",
+            str(out),
+        ] + (["--mesh", mesh] if mesh else [])
         log = open(out / f"process_{pid}.log", "w")  # noqa: SIM115 - closed in the finally below
-        procs.append((subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log,
-                                       stderr=subprocess.STDOUT), log))
+        procs.append(
+            (
+                subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT),
+                log,
+            )
+        )
     try:
         for pid, (proc, _) in enumerate(procs):
             rc = proc.wait(timeout=timeout)
-            assert rc == 0, (f"process {pid} exited {rc}:\n"
-                             + (out / f"process_{pid}.log").read_text()[-4000:])
+            assert rc == 0, (
+                f"process {pid} exited {rc}:\n" + (out / f"process_{pid}.log").read_text()[-4000:]
+            )
     finally:
         for proc, log in procs:
             if proc.poll() is None:
@@ -147,9 +176,12 @@ def check_reports(reports: list[dict], expected_tokens: list[list[int]]) -> None
 
 @pytest.mark.slow
 # NOTE: two meshes keep the suite within its time budget; tensor=8 is inside data=2,tensor=4.
-@pytest.mark.parametrize("mesh,source", [("data=2,tensor=4", "orbax"), ("pipeline=2,tensor=4", "hf")])
-def test_two_processes_on_a_global_mesh_match_one_process(tiny_dir, single_process_tokens, tmp_path,
-                                                         request, mesh, source):
+@pytest.mark.parametrize(
+    "mesh,source", [("data=2,tensor=4", "orbax"), ("pipeline=2,tensor=4", "hf")]
+)
+def test_two_processes_on_a_global_mesh_match_one_process(
+    tiny_dir, single_process_tokens, tmp_path, request, mesh, source
+):
     """2 x 4 devices on one mesh. The leading mesh axis splits by process: with data=2 each
     process holds one replica (results all-gathered), with pipeline=2 one stage (activations
     cross processes). The HF dir and its orbax conversion both load multi-process."""
@@ -165,23 +197,53 @@ def test_serve_script_two_processes_sigterm_stops_both(tiny_dir, single_process_
 
     port = _free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    common = ["--model", str(tiny_dir), "--mesh", "tensor=8", "--host", "127.0.0.1", "--port", "0",
-              "--no-metrics", "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
-              "--page-size", str(worker.ENGINE["page_size"]),
-              "--num-pages", str(worker.ENGINE["num_pages"]),
-              "--max-model-len", str(worker.ENGINE["max_model_len"]),
-              "--max-num-seqs", str(worker.ENGINE["max_num_seqs"]),
-              "--max-num-batched-tokens", str(worker.ENGINE["max_num_batched_tokens"])]
+    common = [
+        "--model",
+        str(tiny_dir),
+        "--mesh",
+        "tensor=8",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--no-metrics",
+        "--coordinator-address",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+        "--page-size",
+        str(worker.ENGINE["page_size"]),
+        "--num-pages",
+        str(worker.ENGINE["num_pages"]),
+        "--max-model-len",
+        str(worker.ENGINE["max_model_len"]),
+        "--max-num-seqs",
+        str(worker.ENGINE["max_num_seqs"]),
+        "--max-num-batched-tokens",
+        str(worker.ENGINE["max_num_batched_tokens"]),
+    ]
     logs = [tmp_path / f"serve_{pid}.log" for pid in (0, 1)]
     procs = []
     for pid in (0, 1):
         # The follower's own flags differ on purpose: it must adopt process 0's.
         extra = ["--max-num-seqs", "2"] if pid else []
         with open(logs[pid], "w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(REPO_ROOT / "scripts" / "serve.py"), *common, *extra,
-                 "--process-id", str(pid)], cwd=REPO_ROOT, env=env, stdout=log,
-                stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(REPO_ROOT / "scripts" / "serve.py"),
+                        *common,
+                        *extra,
+                        "--process-id",
+                        str(pid),
+                    ],
+                    cwd=REPO_ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     try:
         deadline = time.monotonic() + 400
         grpc_port = None
@@ -194,8 +256,9 @@ def test_serve_script_two_processes_sigterm_stops_both(tiny_dir, single_process_
         with GenerateClient(f"127.0.0.1:{grpc_port}") as client:
             client.wait_ready(400)
             for ids, want in zip(worker.PROMPTS, single_process_tokens, strict=True):
-                got = client.generate_once(ids, max_tokens=worker.MAX_TOKENS, temperature=0.0,
-                                           ignore_eos=True, timeout=120)
+                got = client.generate_once(
+                    ids, max_tokens=worker.MAX_TOKENS, temperature=0.0, ignore_eos=True, timeout=120
+                )
                 assert list(got.token_ids) == want
         procs[0].send_signal(signal.SIGTERM)
         for pid, proc in enumerate(procs):

@@ -186,8 +186,10 @@ def test_chain_hash_bytes_are_fixed() -> None:
     """The hashed bytes: parent as 16 little-endian bytes, then each token as a little-endian
     int64 (BLAKE2b, 16-byte digest): the same on every machine and across versions."""
     parent, tokens = (1 << 127) + 12345, [0, 1, 49151, 2**40, 7]
-    want = hashlib.blake2b(parent.to_bytes(16, "little") + struct.pack("<5q", *tokens),
-                           digest_size=16).digest()
+    want = hashlib.blake2b(
+        parent.to_bytes(16, "little") + struct.pack("<5q", *tokens), digest_size=16
+    ).digest()
     assert chain_hash(parent, tokens) == int.from_bytes(want, "little")
-    assert chain_hash(0, []) == int.from_bytes(hashlib.blake2b(bytes(16), digest_size=16).digest(),
-                                               "little")
+    assert chain_hash(0, []) == int.from_bytes(
+        hashlib.blake2b(bytes(16), digest_size=16).digest(), "little"
+    )

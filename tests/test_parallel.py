@@ -40,14 +40,26 @@ from tests.model_utils import rel_err
 PAGE_SIZE, NUM_PAGES = 4, 32
 
 
-def tiny_cfg(num_kv_heads: int, vocab_size: int = 512, layers: int = 2,
-             moe: bool = False) -> ModelConfig:
+def tiny_cfg(
+    num_kv_heads: int, vocab_size: int = 512, layers: int = 2, moe: bool = False
+) -> ModelConfig:
     """A tiny Llama, or with `moe` a tiny Mixtral (8 experts, top-2) of the same shape."""
     experts = dict(num_local_experts=8, num_experts_per_tok=2) if moe else {}
-    return ModelConfig.from_hf(dict(
-        model_type="mixtral" if moe else "llama", vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=num_kv_heads,
-        head_dim=8, max_position_embeddings=256, tie_word_embeddings=False, **experts))
+    return ModelConfig.from_hf(
+        dict(
+            model_type="mixtral" if moe else "llama",
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=8,
+            num_key_value_heads=num_kv_heads,
+            head_dim=8,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+            **experts,
+        )
+    )
 
 
 def tiny_params(cfg: ModelConfig, seed: int = 0):
@@ -68,8 +80,13 @@ def place(cfg: ModelConfig, params, mesh):
 
 # (mesh, devices, KV heads): the meshes of the issue with a dense model.
 # On a dense model `expert` is more tensor parallelism (sharding.dense_axes).
-MESHES = [("tensor=8", 8, 8), ("data=2,tensor=4", 8, 8), ("tensor=4", 4, 2), ("expert=4", 4, 8),
-          ("data=2,expert=2,tensor=2", 8, 8)]
+MESHES = [
+    ("tensor=8", 8, 8),
+    ("data=2,tensor=4", 8, 8),
+    ("tensor=4", 4, 2),
+    ("expert=4", 4, 8),
+    ("data=2,expert=2,tensor=2", 8, 8),
+]
 # The MoE meshes (tiny Mixtral); more MoE mesh cases, the engine's tokens included, are in
 # tests/test_moe.py.
 MOE_MESHES = [("expert=4", 4, 8), ("tensor=2,expert=4", 8, 8), ("data=2,tensor=2,expert=2", 8, 8)]
@@ -77,18 +94,24 @@ MOE_MESHES = [("expert=4", 4, 8), ("tensor=2,expert=4", 8, 8), ("data=2,tensor=2
 
 def _steps(data: int):
     """Two ragged steps per replica: a prefill of two sequences, then a decode of both."""
-    prefill = [[(list(range(7, 17)), 0, [3, 5, 7]), ([9, 8, 7], 0, [1])],
-               [([40, 41, 42, 43, 44], 0, [2, 4]), (list(range(60, 66)), 0, [6, 8])]]
+    prefill = [
+        [(list(range(7, 17)), 0, [3, 5, 7]), ([9, 8, 7], 0, [1])],
+        [([40, 41, 42, 43, 44], 0, [2, 4]), (list(range(60, 66)), 0, [6, 8])],
+    ]
     decode = [[([17], 10, [3, 5, 7]), ([6], 3, [1])], [([45], 5, [2, 4]), ([66], 6, [6, 8])]]
     for seqs in (prefill, decode):
-        arrays = [build_step_arrays(seqs[r], PAGE_SIZE, num_tokens=16, num_seqs=4, pages_per_seq=4)
-                  for r in range(data)]
+        arrays = [
+            build_step_arrays(seqs[r], PAGE_SIZE, num_tokens=16, num_seqs=4, pages_per_seq=4)
+            for r in range(data)
+        ]
         yield arrays
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec,num_devices,kv_heads,moe",
-                         [(*m, False) for m in MESHES] + [(*m, True) for m in MOE_MESHES])
+@pytest.mark.parametrize(
+    "spec,num_devices,kv_heads,moe",
+    [(*m, False) for m in MESHES] + [(*m, True) for m in MOE_MESHES],
+)
 def test_forward_on_mesh_equals_single_device(spec, num_devices, kv_heads, moe):
     cfg = tiny_cfg(kv_heads, moe=moe)
     params = tiny_params(cfg)
@@ -99,19 +122,28 @@ def test_forward_on_mesh_equals_single_device(spec, num_devices, kv_heads, moe):
     gshape = (par.data * NUM_PAGES, PAGE_SIZE, 2 * cache_heads, cfg.head_dim)
     sharding = NamedSharding(mesh, llama.kv_cache_spec(cfg, shd.Parallel.from_mesh(mesh)))
     caches = tuple(jax.device_put(jnp.zeros(gshape), sharding) for _ in range(cfg.num_layers))
-    ref_caches = [tuple(jnp.zeros((NUM_PAGES, PAGE_SIZE, 2 * cfg.num_kv_heads, cfg.head_dim))
-                        for _ in range(cfg.num_layers)) for _ in range(par.data)]
+    ref_caches = [
+        tuple(
+            jnp.zeros((NUM_PAGES, PAGE_SIZE, 2 * cfg.num_kv_heads, cfg.head_dim))
+            for _ in range(cfg.num_layers)
+        )
+        for _ in range(par.data)
+    ]
     for arrays in _steps(par.data):
         refs = []
         for r in range(par.data):  # each replica's step alone on one device
             step = StepInputs(**{k: jnp.asarray(v) for k, v in arrays[r].items()})
             ref, ref_caches[r] = llama.forward_jit(params, cfg, step, ref_caches[r])
             refs.append(np.asarray(ref))
-        fields = arrays[0] if par.data == 1 else {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
+        fields = (
+            arrays[0] if par.data == 1 else {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
+        )
         step = StepInputs(**{k: jnp.asarray(v) for k, v in fields.items()})
         logits, caches = llama.forward_jit(sharded, cfg, step, caches, mesh=mesh)
         if par.dense > 1:  # logits leave sharded on vocab (over expert x tensor on MoE models)
-            want = NamedSharding(mesh, PartitionSpec(*logits.sharding.spec[:-1], shd.dense_axes(cfg, par)))
+            want = NamedSharding(
+                mesh, PartitionSpec(*logits.sharding.spec[:-1], shd.dense_axes(cfg, par))
+            )
             assert logits.sharding.is_equivalent_to(want, logits.ndim)
         ours = np.asarray(logits).reshape(par.data, *refs[0].shape)
         for r in range(par.data):
@@ -132,20 +164,32 @@ def _model(tok, kv_heads: int) -> LoadedModel:
 def _engine(model: LoadedModel, mesh: str) -> LLMEngine:
     # NOTE: a 32-token budget prefills the first four prompts in one step (the fifth joins the
     # decodes later): fewer token buckets to compile than 16 gave, on every mesh.
-    return LLMEngine(model, EngineConfig(page_size=PAGE_SIZE, num_pages=40, max_model_len=64,
-                                         max_num_seqs=4, max_num_batched_tokens=32, mesh=mesh))
+    return LLMEngine(
+        model,
+        EngineConfig(
+            page_size=PAGE_SIZE,
+            num_pages=40,
+            max_model_len=64,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            mesh=mesh,
+        ),
+    )
 
 
 @pytest.mark.slow
 # Suite time: data=2,tensor=4 runs with 2 KV heads only (replicas and replicated KV together);
 # KV split by heads is the tensor=8 case.
-@pytest.mark.parametrize("spec,kv_heads", [("tensor=8", 8), ("data=2,tensor=4", 2),
-                                           ("expert=4,tensor=2", 8)])
+@pytest.mark.parametrize(
+    "spec,kv_heads", [("tensor=8", 8), ("data=2,tensor=4", 2), ("expert=4,tensor=2", 8)]
+)
 def test_engine_greedy_tokens_on_mesh_equal_single_device(vocab, spec, kv_heads):
     model = _model(vocab, kv_heads)
     rng = np.random.default_rng(0)
-    reqs = [(f"r{i}", rng.integers(100, 40000, n).tolist(), greedy(8, logprobs=2))
-            for i, n in enumerate([5, 9, 3, 12, 7])]
+    reqs = [
+        (f"r{i}", rng.integers(100, 40000, n).tolist(), greedy(8, logprobs=2))
+        for i, n in enumerate([5, 9, 3, 12, 7])
+    ]
     ref = run(_engine(model, ""), reqs)
     engine = _engine(model, spec)
     replicas = set()
@@ -179,28 +223,68 @@ def _spec(x) -> tuple:
 T = shd.TENSOR
 ET = (shd.EXPERT, shd.TENSOR)  # MoE models: dense weights split over expert x tensor
 GOLDEN = {  # (mesh, KV heads, moe) -> leaf -> mesh axes per dim (trailing replicated dims dropped)
-    ("tensor=8", 8, False): {"embed": (T,), "lm_head": (None, T), "final_norm": (),
-                      "attn_norm": (), "q": (None, T), "kv": (None, None, T), "o": (T,),
-                      "gate_up": (None, None, T), "down": (T,)},
+    ("tensor=8", 8, False): {
+        "embed": (T,),
+        "lm_head": (None, T),
+        "final_norm": (),
+        "attn_norm": (),
+        "q": (None, T),
+        "kv": (None, None, T),
+        "o": (T,),
+        "gate_up": (None, None, T),
+        "down": (T,),
+    },
     # 2 KV heads over tensor=4: K/V projections replicated, each shard slices its head out.
-    ("data=2,tensor=4", 2, False): {"embed": (T,), "lm_head": (None, T), "final_norm": (),
-                                    "attn_norm": (), "q": (None, T), "kv": (), "o": (T,),
-                                    "gate_up": (None, None, T), "down": (T,)},
+    ("data=2,tensor=4", 2, False): {
+        "embed": (T,),
+        "lm_head": (None, T),
+        "final_norm": (),
+        "attn_norm": (),
+        "q": (None, T),
+        "kv": (),
+        "o": (T,),
+        "gate_up": (None, None, T),
+        "down": (T,),
+    },
     # MoE: attention, embedding and LM head over expert x tensor; experts on expert, their F on
     # tensor; only norms and the router replicated.
-    ("expert=4,tensor=2", 8, True): {"embed": (ET,), "lm_head": (None, ET), "final_norm": (),
-                                     "attn_norm": (), "q": (None, ET), "kv": (None, None, ET),
-                                     "o": (ET,), "router": (),
-                                     "gate_up": ("expert", None, None, T), "down": ("expert", T)},
-    ("expert=8", 8, True): {"embed": (ET,), "lm_head": (None, ET), "final_norm": (),
-                            "attn_norm": (), "q": (None, ET), "kv": (None, None, ET), "o": (ET,),
-                            "router": (), "gate_up": ("expert", None, None, T),
-                            "down": ("expert", T)},
+    ("expert=4,tensor=2", 8, True): {
+        "embed": (ET,),
+        "lm_head": (None, ET),
+        "final_norm": (),
+        "attn_norm": (),
+        "q": (None, ET),
+        "kv": (None, None, ET),
+        "o": (ET,),
+        "router": (),
+        "gate_up": ("expert", None, None, T),
+        "down": ("expert", T),
+    },
+    ("expert=8", 8, True): {
+        "embed": (ET,),
+        "lm_head": (None, ET),
+        "final_norm": (),
+        "attn_norm": (),
+        "q": (None, ET),
+        "kv": (None, None, ET),
+        "o": (ET,),
+        "router": (),
+        "gate_up": ("expert", None, None, T),
+        "down": ("expert", T),
+    },
     # 2 KV heads over expert x tensor = 4: K/V projections replicated, like tensor=4 above.
-    ("expert=2,tensor=2", 2, True): {"embed": (ET,), "lm_head": (None, ET), "final_norm": (),
-                                     "attn_norm": (), "q": (None, ET), "kv": (), "o": (ET,),
-                                     "router": (), "gate_up": ("expert", None, None, T),
-                                     "down": ("expert", T)},
+    ("expert=2,tensor=2", 2, True): {
+        "embed": (ET,),
+        "lm_head": (None, ET),
+        "final_norm": (),
+        "attn_norm": (),
+        "q": (None, ET),
+        "kv": (),
+        "o": (ET,),
+        "router": (),
+        "gate_up": ("expert", None, None, T),
+        "down": ("expert", T),
+    },
 }
 
 
@@ -210,15 +294,24 @@ def test_param_shardings_match_golden_table_and_bytes_split(spec, kv_heads, moe)
     mesh = mesh_of(spec, math.prod(shd.parse_mesh(spec).values()))
     p = place(cfg, tiny_params(cfg), mesh)
     layer = p.layers[1]
-    actual = {"embed": p.embed, "lm_head": p.lm_head, "final_norm": p.final_norm,
-              "attn_norm": layer.attn_norm, "q": layer.attn.q, "kv": layer.attn.kv,
-              "o": layer.attn.o, "gate_up": layer.mlp.gate_up, "down": layer.mlp.down}
+    actual = {
+        "embed": p.embed,
+        "lm_head": p.lm_head,
+        "final_norm": p.final_norm,
+        "attn_norm": layer.attn_norm,
+        "q": layer.attn.q,
+        "kv": layer.attn.kv,
+        "o": layer.attn.o,
+        "gate_up": layer.mlp.gate_up,
+        "down": layer.mlp.down,
+    }
     if moe:
         actual["router"] = layer.mlp.router
     assert {k: _spec(v) for k, v in actual.items()} == GOLDEN[(spec, kv_heads, moe)]
     dev = mesh.devices.flat[0]
-    per_device = sum(s.data.nbytes for x in jax.tree.leaves(p) for s in x.addressable_shards
-                     if s.device == dev)
+    per_device = sum(
+        s.data.nbytes for x in jax.tree.leaves(p) for s in x.addressable_shards if s.device == dev
+    )
     total = params_lib.num_bytes(p)
     shards = mesh.size  # every split leaf here is split over all non-data axes
     shards //= mesh.shape[shd.DATA]
@@ -230,35 +323,59 @@ def test_param_shardings_match_golden_table_and_bytes_split(spec, kv_heads, moe)
 
 def test_tp_decode_program_has_two_hidden_all_reduces_per_layer():
     cfg = tiny_cfg(8, layers=3)
-    runner = ModelRunner(cfg, tiny_params(cfg), page_size=PAGE_SIZE, num_pages=NUM_PAGES,
-                         max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8,
-                         mesh=mesh_of("tensor=8"))
+    runner = ModelRunner(
+        cfg,
+        tiny_params(cfg),
+        page_size=PAGE_SIZE,
+        num_pages=NUM_PAGES,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        mesh=mesh_of("tensor=8"),
+    )
     t_bucket = 4  # a decode of 4 sequences
     hlo = runner.lower(t_bucket).compile().as_text()
-    hidden = [line for line in hlo.splitlines()
-              if re.search(rf"= f32\[{t_bucket},{cfg.hidden_size}\]\{{[0-9,]*\}} all-reduce(-start)?\(", line)]
+    hidden = [
+        line
+        for line in hlo.splitlines()
+        if re.search(
+            rf"= f32\[{t_bucket},{cfg.hidden_size}\]\{{[0-9,]*\}} all-reduce(-start)?\(", line
+        )
+    ]
     scopes = [re.search(r'op_name="([^"]*)"', line).group(1) for line in hidden]
     in_layers = [s for s in scopes if "/layer_" in s]
     embedding = [s for s in scopes if "/embed/" in s]
     assert len(in_layers) == 2 * cfg.num_layers, scopes
     for i in range(cfg.num_layers):
         assert sorted(s.split(f"layer_{i}/")[1] for s in in_layers if f"/layer_{i}/" in s) == [
-            "attention/o_proj/psum", "mlp/psum"]
+            "attention/o_proj/psum",
+            "mlp/psum",
+        ]
     assert len(embedding) == 1 and len(scopes) == 2 * cfg.num_layers + 1, scopes
 
 
-@pytest.mark.parametrize("spec,kw,message", [
-    ("tensor=3", {}, "spans 3 devices but 8"),
-    ("tensor=16", {"num_devices": 16}, "num_heads=8 is not divisible by tensor=16"),
-    ("tenser=8", {}, "unknown mesh axis 'tenser'"),
-    ("tensor=x", {}, "needs an integer size"),
-    ("pipeline=8", {}, "num_layers=2 is not divisible by pipeline=8"),
-    ("expert=4,tensor=4", {"num_devices": 16}, "num_heads=8 is not divisible by expert*tensor=16"),
-    ("expert=2,tensor=8", {"moe": True, "num_devices": 16},
-     "num_heads=8 is not divisible by expert*tensor=16"),
-    ("data=8", {"max_num_seqs": 4}, "max_num_seqs=4 is not divisible by data=8"),
-    ("data=8", {"max_num_seqs": 8, "num_pages": 12}, "num_pages=12 does not split into data=8"),
-])
+@pytest.mark.parametrize(
+    "spec,kw,message",
+    [
+        ("tensor=3", {}, "spans 3 devices but 8"),
+        ("tensor=16", {"num_devices": 16}, "num_heads=8 is not divisible by tensor=16"),
+        ("tenser=8", {}, "unknown mesh axis 'tenser'"),
+        ("tensor=x", {}, "needs an integer size"),
+        ("pipeline=8", {}, "num_layers=2 is not divisible by pipeline=8"),
+        (
+            "expert=4,tensor=4",
+            {"num_devices": 16},
+            "num_heads=8 is not divisible by expert*tensor=16",
+        ),
+        (
+            "expert=2,tensor=8",
+            {"moe": True, "num_devices": 16},
+            "num_heads=8 is not divisible by expert*tensor=16",
+        ),
+        ("data=8", {"max_num_seqs": 4}, "max_num_seqs=4 is not divisible by data=8"),
+        ("data=8", {"max_num_seqs": 8, "num_pages": 12}, "num_pages=12 does not split into data=8"),
+    ],
+)
 def test_invalid_meshes_are_rejected_saying_what_to_change(spec, kw, message):
     kw = {"num_devices": 8, **kw}
     cfg = tiny_cfg(2, moe=kw.pop("moe", False))
@@ -267,16 +384,27 @@ def test_invalid_meshes_are_rejected_saying_what_to_change(spec, kw, message):
 
 
 def test_vocab_intermediate_and_kv_heads_that_do_not_split_are_rejected():
-    cfg = ModelConfig.from_hf(dict(
-        model_type="llama", vocab_size=500, hidden_size=64, intermediate_size=100,
-        num_hidden_layers=2, num_attention_heads=24, num_key_value_heads=3, head_dim=8,
-        max_position_embeddings=256))
+    cfg = ModelConfig.from_hf(
+        dict(
+            model_type="llama",
+            vocab_size=500,
+            hidden_size=64,
+            intermediate_size=100,
+            num_hidden_layers=2,
+            num_attention_heads=24,
+            num_key_value_heads=3,
+            head_dim=8,
+            max_position_embeddings=256,
+        )
+    )
     with pytest.raises(ValueError) as e:
         shd.check_mesh(cfg, "tensor=8", num_devices=8)
     msg = str(e.value)
-    for part in ("vocab_size=500 is not divisible by tensor=8",
-                 "intermediate_size=100 is not divisible by tensor=8",
-                 "num_kv_heads=3 and tensor=8: one must divide the other"):
+    for part in (
+        "vocab_size=500 is not divisible by tensor=8",
+        "intermediate_size=100 is not divisible by tensor=8",
+        "num_kv_heads=3 and tensor=8: one must divide the other",
+    ):
         assert part in msg, msg
 
 
@@ -294,8 +422,15 @@ def _save_hf_dir(root):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=8, head_dim=8, max_position_embeddings=64)
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
     with torch.no_grad():
@@ -316,6 +451,7 @@ def test_llm_and_serve_load_a_checkpoint_onto_the_mesh(tmp_path):
     single-device tokens."""
     from jaxinfer.llm import LLM
     from jaxinfer.sampling_params import SamplingParams
+
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
     try:
         import serve
@@ -323,8 +459,9 @@ def test_llm_and_serve_load_a_checkpoint_onto_the_mesh(tmp_path):
         sys.path.pop(0)
 
     path = str(_save_hf_dir(tmp_path))
-    options = dict(page_size=4, num_pages=32, max_model_len=32, max_num_seqs=2,
-                   max_num_batched_tokens=8)
+    options = dict(
+        page_size=4, num_pages=32, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=8
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [20, 21, 22]]
     ref = [o.token_ids for o in LLM(path, **options).generate(prompts, sp)]
@@ -333,8 +470,23 @@ def test_llm_and_serve_load_a_checkpoint_onto_the_mesh(tmp_path):
     assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
 
     args = serve.build_parser().parse_args(
-        ["--model", path, "--mesh", "tensor=8", "--page-size", "4", "--num-pages", "32",
-         "--max-model-len", "32", "--max-num-seqs", "2", "--max-num-batched-tokens", "8"])
+        [
+            "--model",
+            path,
+            "--mesh",
+            "tensor=8",
+            "--page-size",
+            "4",
+            "--num-pages",
+            "32",
+            "--max-model-len",
+            "32",
+            "--max-num-seqs",
+            "2",
+            "--max-num-batched-tokens",
+            "8",
+        ]
+    )
     from serving.launch import build_core
 
     core = build_core(serve.engine_args(args))  # what the engine-core process builds
@@ -365,7 +517,11 @@ def test_data_parallel_scheduler_spreads_requests_and_keeps_pages_per_replica():
     assert sched.num_waiting == 1
     # Fewest running first, then most free pages: r2 goes where r1's 2 pages left more room.
     assert {s.request.request_id: s.replica for s in out.scheduled} == {
-        "r0": 0, "r1": 1, "r2": 1, "r3": 0}
+        "r0": 0,
+        "r1": 1,
+        "r2": 1,
+        "r3": 0,
+    }
     for s in out.scheduled:  # page ids come from the request's own replica pool
         assert s.is_new and list(s.new_page_ids) == s.request.page_ids
         assert all(allocs[s.replica].refcount(p) > 0 for p in s.new_page_ids)
@@ -373,7 +529,9 @@ def test_data_parallel_scheduler_spreads_requests_and_keeps_pages_per_replica():
     for _ in range(20):  # run to completion
         if not sched.has_unfinished():
             break
-        sched.update(out, RunnerOutput({s.request.request_id: 3 for s in out.scheduled if s.sample}))
+        sched.update(
+            out, RunnerOutput({s.request.request_id: 3 for s in out.scheduled if s.sample})
+        )
         out = sched.schedule()
     assert not sched.has_unfinished()
     for a in allocs:

@@ -71,11 +71,18 @@ def test_run_pipeline_toy_matches_sequential(num_stages, num_mb):
         return h, state + jnp.where(active, h.sum(0), 0.0)
 
     def body(w, state, scale, x):
-        return pipeline.run_pipeline(stage_fn, w, state, scale, x, num_stages=num_stages,
-                                     output_fn=lambda h, inp: h[:2])
+        return pipeline.run_pipeline(
+            stage_fn, w, state, scale, x, num_stages=num_stages, output_fn=lambda h, inp: h[:2]
+        )
 
-    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("pipeline"), P("pipeline"), P(), P()),
-                                out_specs=(P(), P("pipeline"))))
+    run = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("pipeline"), P("pipeline"), P(), P()),
+            out_specs=(P(), P("pipeline")),
+        )
+    )
     out, state = run(w, state0, scale, x)
 
     ref_out, ref_state = [], state0.copy()
@@ -95,10 +102,21 @@ def _rules(cfg, mesh):
 
 
 def _cfg(num_layers=8, kv_heads=2):
-    return ModelConfig.from_hf(dict(
-        model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16,
-        max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False))
+    return ModelConfig.from_hf(
+        dict(
+            model_type="llama",
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=kv_heads,
+            head_dim=16,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def test_stack_stages_specs_and_arrays_roundtrip():
@@ -110,7 +128,8 @@ def test_stack_stages_specs_and_arrays_roundtrip():
     assert q.shape == (4, 64, 64) and q.logical_axes == ("layers", "embed", "q_heads")
     assert shd.logical_to_spec(q.logical_axes) == P("pipeline", None, ("expert", "tensor"))
     assert shd.logical_to_spec(q.logical_axes, shd.model_rules(cfg, shd.Parallel())) == P(
-        "pipeline", None, "tensor")  # dense models: tensor alone
+        "pipeline", None, "tensor"
+    )  # dense models: tensor alone
     assert stacked.embed == specs.embed
     assert pipeline.unstack_stages(stacked) == specs
 
@@ -120,8 +139,9 @@ def test_stack_stages_specs_and_arrays_roundtrip():
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(host)):
         np.testing.assert_array_equal(a, b)
     # stage 2, slot 1 is canonical layer 5
-    np.testing.assert_array_equal(pipeline.stack_stages(host, 4).layers[1].mlp.down[2],
-                                  host.layers[5].mlp.down)
+    np.testing.assert_array_equal(
+        pipeline.stack_stages(host, 4).layers[1].mlp.down[2], host.layers[5].mlp.down
+    )
     with pytest.raises(ValueError, match="pipeline=3"):
         pipeline.stack_stages(specs, 3)
 
@@ -133,7 +153,9 @@ def test_stack_stages_rejects_mixed_layer_kinds():
     cfg = ModelConfig.from_hf({**hf_config_dict("qwen3_moe_step2"), "num_hidden_layers": 4})
     specs = llama.param_specs(cfg)
     assert len(pipeline.stack_stages(specs, 2).layers) == 2  # stage positions: dense, MoE
-    with pytest.raises(ValueError, match=r"pipeline=4 would stack layers of different kinds.*\[1, 2\]"):
+    with pytest.raises(
+        ValueError, match=r"pipeline=4 would stack layers of different kinds.*\[1, 2\]"
+    ):
         pipeline.stack_stages(specs, 4)
 
 
@@ -166,8 +188,12 @@ def test_place_stacked_layers_each_layer_on_its_stage_only(mesh_spec, source):
     # per-device bytes of the layer weights = total / (pipeline * tensor) for split leaves
     total = sum(x.nbytes for x in jax.tree.leaves(params.layers))
     dev0 = jax.devices()[0]
-    local = sum(sh.data.nbytes for x in jax.tree.leaves(placed) for sh in x.addressable_shards
-                if sh.device == dev0)
+    local = sum(
+        sh.data.nbytes
+        for x in jax.tree.leaves(placed)
+        for sh in x.addressable_shards
+        if sh.device == dev0
+    )
     assert total / num_stages / mesh.shape["tensor"] <= local <= total / num_stages * 1.05
 
 
@@ -197,14 +223,21 @@ def _moe_cfg(num_layers=4):
 
     # NOTE: 4 KV heads so they split over the 4 attention shards of tensor=2,expert=2 (MoE models
     # split attention over expert x tensor) and the caches compare head for head.
-    return ModelConfig.from_hf({**hf_config_dict("mixtral"), "num_hidden_layers": num_layers,
-                                "num_key_value_heads": 4})
+    return ModelConfig.from_hf(
+        {**hf_config_dict("mixtral"), "num_hidden_layers": num_layers, "num_key_value_heads": 4}
+    )
 
 
-@pytest.mark.parametrize("mesh_spec,moe", [("pipeline=4", False), ("pipeline=2", False),
-                                           ("pipeline=2,tensor=2", False),
-                                           ("tensor=2,pipeline=2,expert=2", True),
-                                           ("tensor=2,pipeline=2,expert=2", False)])
+@pytest.mark.parametrize(
+    "mesh_spec,moe",
+    [
+        ("pipeline=4", False),
+        ("pipeline=2", False),
+        ("pipeline=2,tensor=2", False),
+        ("tensor=2,pipeline=2,expert=2", True),
+        ("tensor=2,pipeline=2,expert=2", False),
+    ],
+)
 def test_pipelined_forward_matches_single_device(mesh_spec, moe):
     """llama.forward on a pipeline mesh: two micro-batches of two sequences each; prefill then
     two decode steps; logits and every layer's KV cache == single device (dense 8 layers; a
@@ -224,8 +257,9 @@ def test_pipelined_forward_matches_single_device(mesh_spec, moe):
     placed = pipeline.to_stacked(params, specs, mesh, rules=_rules(cfg, mesh))
     shape = (num_pages, page, 2 * cfg.num_kv_heads, cfg.head_dim)
     inner = llama.kv_cache_spec(cfg, shd.Parallel.from_mesh(mesh))
-    caches = pipeline.stage_kv_caches(num_layers, num_stages, shape, jnp.float32, mesh,
-                                      inner_spec=inner, fill=float("nan"))
+    caches = pipeline.stage_kv_caches(
+        num_layers, num_stages, shape, jnp.float32, mesh, inner_spec=inner, fill=float("nan")
+    )
     ref_caches = tuple(jnp.full(shape, jnp.nan) for _ in range(num_layers))
 
     def run(params, caches, step):
@@ -241,9 +275,13 @@ def test_pipelined_forward_matches_single_device(mesh_spec, moe):
         for i, n in enumerate(new):
             if done[i] + n > len(toks[i]):
                 toks[i].append(int(rng.integers(0, 256)))
-            seqs.append((toks[i][done[i]:done[i] + n], done[i], pages[i]))
-        mbs = [build_step_arrays(seqs[2 * m:2 * m + 2], page, num_tokens=16, num_seqs=2,
-                                 pages_per_seq=4) for m in range(2)]
+            seqs.append((toks[i][done[i] : done[i] + n], done[i], pages[i]))
+        mbs = [
+            build_step_arrays(
+                seqs[2 * m : 2 * m + 2], page, num_tokens=16, num_seqs=2, pages_per_seq=4
+            )
+            for m in range(2)
+        ]
         stacked = StepInputs(**{k: jnp.asarray(np.stack([mb[k] for mb in mbs])) for k in mbs[0]})
         logits, caches = run(placed, caches, stacked)
         logits = np.asarray(logits).reshape(2, -1, cfg.vocab_size)
@@ -254,7 +292,9 @@ def test_pipelined_forward_matches_single_device(mesh_spec, moe):
             assert err <= 1e-4, (m, err)
         done = [d + n for d, n in zip(done, new)]
     for got, want in zip(pipeline.unstack_kv_caches(caches), ref_caches):
-        np.testing.assert_allclose(np.asarray(got)[1:17], np.asarray(want)[1:17], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(got)[1:17], np.asarray(want)[1:17], rtol=1e-5, atol=1e-5
+        )
     for c in caches:
         assert c.sharding.spec[0] == "pipeline"
         for shard in c.addressable_shards:  # each layer's cache on its own stage only
@@ -289,7 +329,8 @@ def test_orbax_restore_onto_stages_then_stacked(tmp_path, mesh_spec):
         np.testing.assert_array_equal(np.asarray(q[s]), params.layers[s * lps + 1].attn.q)
     np.testing.assert_array_equal(
         np.asarray(pipeline.unstack_stages(jax.tree.map(np.asarray, stacked)).layers[5].mlp.down),
-        params.layers[5].mlp.down)
+        params.layers[5].mlp.down,
+    )
 
 
 def test_load_model_on_pipeline_mesh_hf_and_orbax(tmp_path):
@@ -306,7 +347,9 @@ def test_load_model_on_pipeline_mesh_hf_and_orbax(tmp_path):
     model.save_pretrained(str(src), safe_serialization=True)
     _write_tokenizer(src)
     convert(src, tmp_path / "orbax", dtype="float32")
-    want = jax.tree.map(np.asarray, params_from_torch(model, ModelConfig.from_hf(hf_config_dict("llama"))))
+    want = jax.tree.map(
+        np.asarray, params_from_torch(model, ModelConfig.from_hf(hf_config_dict("llama")))
+    )
     mesh = _mesh("pipeline=2,tensor=2")
     for path in (src, tmp_path / "orbax"):
         got = load_model(path, dtype="float32", mesh=mesh).params
@@ -329,12 +372,16 @@ def test_compiled_pipeline_forward_collectives():
     cfg, num_stages, num_mb, t = _cfg(8), 4, 4, 8
     mesh = _mesh("pipeline=4")
     specs = llama.param_specs(cfg)
-    placed = pipeline.to_stacked(init_random(specs, jax.random.key(0)), specs, mesh,
-                                 rules=_rules(cfg, mesh))
-    caches = pipeline.stage_kv_caches(8, num_stages, (16, 4, 4, 16), jnp.float32, mesh,
-                                      inner_spec=P("data", None, "tensor", None))
-    mbs = [build_step_arrays([([1, 2, 3], 0, [1])], 4, num_tokens=t, num_seqs=2, pages_per_seq=2)
-           for _ in range(num_mb)]
+    placed = pipeline.to_stacked(
+        init_random(specs, jax.random.key(0)), specs, mesh, rules=_rules(cfg, mesh)
+    )
+    caches = pipeline.stage_kv_caches(
+        8, num_stages, (16, 4, 4, 16), jnp.float32, mesh, inner_spec=P("data", None, "tensor", None)
+    )
+    mbs = [
+        build_step_arrays([([1, 2, 3], 0, [1])], 4, num_tokens=t, num_seqs=2, pages_per_seq=2)
+        for _ in range(num_mb)
+    ]
     step = StepInputs(**{k: jnp.asarray(np.stack([m[k] for m in mbs])) for k in mbs[0]})
     hlo = llama.forward_jit.lower(placed, cfg, step, caches, mesh=mesh).compile().as_text()
 
@@ -373,12 +420,23 @@ def test_engine_greedy_tokens_on_pipeline_mesh_equal_single_device(spec):
     model = _tiny_loaded(load_vocab(), num_layers=4)
 
     def engine(mesh):
-        return LLMEngine(model, EngineConfig(page_size=4, num_pages=40, max_model_len=64,
-                                             max_num_seqs=4, max_num_batched_tokens=16, mesh=mesh))
+        return LLMEngine(
+            model,
+            EngineConfig(
+                page_size=4,
+                num_pages=40,
+                max_model_len=64,
+                max_num_seqs=4,
+                max_num_batched_tokens=16,
+                mesh=mesh,
+            ),
+        )
 
     rng = np.random.default_rng(0)
-    reqs = [(f"r{i}", rng.integers(100, 40000, n).tolist(), greedy(8, logprobs=2))
-            for i, n in enumerate([5, 9, 3, 12, 7])]
+    reqs = [
+        (f"r{i}", rng.integers(100, 40000, n).tolist(), greedy(8, logprobs=2))
+        for i, n in enumerate([5, 9, 3, 12, 7])
+    ]
     ref = run(engine(""), reqs)
     eng = engine(spec)
     ours = run(eng, reqs)
@@ -393,9 +451,15 @@ def test_engine_greedy_tokens_on_pipeline_mesh_equal_single_device(spec):
             assert shard.device in set(pipeline.stage_mesh(mesh, shard.index[0].start).devices.flat)
     dev = mesh.devices.flat[0]
     total = sum(x.nbytes for x in jax.tree.leaves(runner.params.layers))
-    split = sum(x.nbytes for x in jax.tree.leaves(runner.params.layers) if "tensor" in x.sharding.spec)
-    local = sum(s.data.nbytes for x in jax.tree.leaves(runner.params.layers)
-                for s in x.addressable_shards if s.device == dev)
+    split = sum(
+        x.nbytes for x in jax.tree.leaves(runner.params.layers) if "tensor" in x.sharding.spec
+    )
+    local = sum(
+        s.data.nbytes
+        for x in jax.tree.leaves(runner.params.layers)
+        for s in x.addressable_shards
+        if s.device == dev
+    )
     assert local == (total - split) / num_stages + split / num_stages / tensor
     assert local <= 1.05 * total / num_stages / tensor + (total - split) / num_stages
 
@@ -407,7 +471,9 @@ def test_place_params_accepts_canonical_or_stacked_and_names_a_mismatch():
     params = init_random(specs, jax.random.key(4))
     rules = _rules(cfg, mesh)
     stacked = pipeline.place_params(params, specs, mesh, rules)
-    again = pipeline.place_params(stacked, specs, mesh, rules)  # the loader's output: already placed
+    again = pipeline.place_params(
+        stacked, specs, mesh, rules
+    )  # the loader's output: already placed
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(stacked), strict=True):
         assert a.sharding == b.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -424,11 +490,20 @@ def test_pipeline_runner_programs_update_kv_cache_in_place():
     from tests.model_utils import hf_config_dict
 
     cfg = ModelConfig.from_hf({**hf_config_dict("llama"), "num_hidden_layers": 2})
-    runner = ModelRunner(cfg, init_random(llama.param_specs(cfg), jax.random.key(0)), page_size=16,
-                         num_pages=1024, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=4,
-                         mesh=_mesh("pipeline=2"))
+    runner = ModelRunner(
+        cfg,
+        init_random(llama.param_specs(cfg), jax.random.key(0)),
+        page_size=16,
+        num_pages=1024,
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=4,
+        mesh=_mesh("pipeline=2"),
+    )
     assert runner.token_buckets == (2, 4)
     for t_bucket, all_logits in [(2, False), (4, False), (2, True)]:
         hlo = runner.lower(t_bucket, all_logits).compile().as_text()
-        copies = [line for line in hlo.splitlines() if re.search(r" copy\(", line) and "1024,16," in line]
+        copies = [
+            line for line in hlo.splitlines() if re.search(r" copy\(", line) and "1024,16," in line
+        ]
         assert not copies, (t_bucket, all_logits, copies[:2])

@@ -102,7 +102,15 @@ def test_group_scales_beat_channel_scales_on_outliers():
 def test_num_groups():
     """int8: one scale per 128 input channels (gcd(K, 128) when K lacks that factor, one group
     below 32 channels); fp8: one per output channel."""
-    assert [qlib.num_groups(k, "int8") for k in (576, 1536, 4096, 64, 128, 1000, 96)] == [9, 12, 32, 1, 1, 1, 3]
+    assert [qlib.num_groups(k, "int8") for k in (576, 1536, 4096, 64, 128, 1000, 96)] == [
+        9,
+        12,
+        32,
+        1,
+        1,
+        1,
+        3,
+    ]
     assert qlib.num_groups(4096, "fp8") == 1
 
 
@@ -110,9 +118,12 @@ def test_group_scales_of_gguf_q8_0_blocks_keep_their_values():
     """A Q8_0 block is 32 int8 values (one at +-127) times one scale: int8 groups of 32 along the
     rows hold it again, to f32 rounding of the scale (per-channel scales round it a second time)."""
     rng = np.random.default_rng(2)
-    w = (rng.standard_normal((16, 128)) * rng.uniform(0.1, 3.0, (16, 4)).repeat(32, 1)).astype(np.float32)
-    stored = gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
-                                    gguf.GGMLQuantizationType.Q8_0).astype(np.float32)
+    w = (rng.standard_normal((16, 128)) * rng.uniform(0.1, 3.0, (16, 4)).repeat(32, 1)).astype(
+        np.float32
+    )
+    stored = gguf.quants.dequantize(
+        gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    ).astype(np.float32)
     grouped = qlib.dequantize(*qlib.quantize(stored, "int8", 1, groups=4), 1)
     np.testing.assert_allclose(grouped, stored, rtol=2e-7, atol=0)
     per_channel = qlib.dequantize(*qlib.quantize(stored, "int8", 1), 1)
@@ -142,12 +153,13 @@ def _stored_bytes(w: np.ndarray, qtype: T) -> np.ndarray:
     raw = rng.integers(0, 256, (w.shape[0], w.shape[1] // 256, block_bytes), dtype=np.uint8)
     for at in _K_SCALES[qtype]:
         d = rng.uniform(1e-3, 2e-2, raw.shape[:2]).astype(np.float16)
-        raw[:, :, at:at + 2] = d[..., None].view(np.uint8).reshape(*raw.shape[:2], 2)
+        raw[:, :, at : at + 2] = d[..., None].view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(w.shape[0], -1)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K,
-                                   T.Q5_K, T.Q6_K])
+@pytest.mark.parametrize(
+    "qtype", [T.Q8_0, T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+)
 def test_gguf_block_formats_requantize_like_the_library(tmp_path, monkeypatch, qtype):
     """Every GGUF block format -> int8 / fp8 with 1 or 2 scales per row: equal to quantizing the
     library's own dequantization of the same bytes (exactly, or exactly folded for symmetric
@@ -174,21 +186,28 @@ def test_gguf_block_formats_requantize_like_the_library(tmp_path, monkeypatch, q
             tensors[_gguf_name(n)] = (rng.standard_normal((256, 64)).astype(np.float32), T.F32)
     stored = _stored_bytes(w, qtype)
     quantize = gguf.quants.quantize
-    monkeypatch.setattr(gguf.quants, "quantize", lambda a, t: stored if t == qtype else quantize(a, t))
+    monkeypatch.setattr(
+        gguf.quants, "quantize", lambda a, t: stored if t == qtype else quantize(a, t)
+    )
     ckpt = read_gguf(_write_gguf(tmp_path / "q.gguf", "qwen2", kv, tensors))
     lib = gguf.quants.dequantize(stored, qtype)
     assert ckpt.quantized("model.norm.weight", "int8") is None  # 1-D: read as float
     assert ckpt.quantized("model.layers.0.self_attn.q_proj.weight", "int8") is None  # stored F32
     for fmt, groups in [(f, g) for f in qlib.FORMATS for g in (1, 2)]:
         data, scale = ckpt.quantized(name, fmt, groups)
-        assert data.dtype == qlib.STORAGE[fmt] and data.shape == w.shape and scale.shape == (64, groups)
+        assert (
+            data.dtype == qlib.STORAGE[fmt]
+            and data.shape == w.shape
+            and scale.shape == (64, groups)
+        )
         back = qlib.dequantize(data, scale, axis=1)
         want_d, want_s = qlib.quantize(lib, fmt, axis=1, groups=groups)
         if fmt == "int8" and qtype in (T.Q8_0, T.Q4_0, T.Q5_0):
             d = _block_scales(ckpt, name, 64)  # f32[64, 8]: four blocks of 32 per group of 128
             ints = np.rint(lib.reshape(64, -1, 32) / d[:, :, None]).astype(np.int8)
-            folded = qlib.fold_block_scales(ints.reshape(64 * groups, -1, 32), d.reshape(64 * groups, -1),
-                                            fmt)[2].reshape(64, groups)  # bool[row, group]
+            folded = qlib.fold_block_scales(
+                ints.reshape(64 * groups, -1, 32), d.reshape(64 * groups, -1), fmt
+            )[2].reshape(64, groups)  # bool[row, group]
             assert folded[:32].all() == (groups == 2) and not folded[32:].any()
             cols = np.repeat(folded, 256 // groups, axis=1)
             np.testing.assert_array_equal(back[cols], lib[cols])  # folded groups: exact
@@ -282,11 +301,19 @@ def test_specs_declare_data_and_scale(monkeypatch):
     e = specs.embed
     assert e.scale.shape == (cfg.vocab_size, 1) and e.scale.logical_axes == ("vocab", None)
     gu = specs.layers[0].mlp.gate_up
-    assert gu.scale.shape == (8, 1, 2, 64) and gu.scale.logical_axes == ("experts", None, None, "expert_mlp")
+    assert gu.scale.shape == (8, 1, 2, 64) and gu.scale.logical_axes == (
+        "experts",
+        None,
+        None,
+        "expert_mlp",
+    )
     monkeypatch.setitem(qlib.GROUP_SIZE, "int8", 32)  # groups of 32 of the tiny K = 64
     grouped = llama.param_specs(cfg, quantization="int8")
     assert grouped.layers[0].attn.kv.scale.shape == (2, 2, 32)
-    assert grouped.layers[0].attn.o.scale.logical_axes == ("q_heads", "embed")  # split like o's rows
+    assert grouped.layers[0].attn.o.scale.logical_axes == (
+        "q_heads",
+        "embed",
+    )  # split like o's rows
     assert grouped.embed.scale.shape == (cfg.vocab_size, 2)
     assert grouped.embed.scale.logical_axes == ("vocab", "embed")
     assert grouped.layers[0].mlp.gate_up.scale.shape == (8, 1, 2, 64)  # experts: per channel
@@ -316,7 +343,10 @@ def _dequantized(cfg: ModelConfig, params):
     """The float params holding exactly the values a quantized tree represents."""
     return jax.tree.map(
         lambda s, x: quantization.dequantize(x, s.quant_axis) if isinstance(x, QArray) else x,
-        family_of(cfg).param_specs(cfg), params, is_leaf=params_lib.is_spec)
+        family_of(cfg).param_specs(cfg),
+        params,
+        is_leaf=params_lib.is_spec,
+    )
 
 
 def _run(params, cfg, linear_backend="xla") -> list[np.ndarray]:
@@ -324,7 +354,9 @@ def _run(params, cfg, linear_backend="xla") -> list[np.ndarray]:
     family = family_of(cfg)
     orig = family.forward_jit
     family.forward_jit = jax.jit(
-        lambda p, c, s, kv: family.forward(p, c, s, kv, linear_backend=linear_backend), static_argnames=("c",))
+        lambda p, c, s, kv: family.forward(p, c, s, kv, linear_backend=linear_backend),
+        static_argnames=("c",),
+    )
     try:
         out = [np.concatenate(stepper.step([(0, [3, 17, 101, 9, 44, 250, 7]), (1, [88, 2, 61])]))]
         out.append(np.concatenate(stepper.step([(0, [5]), (1, [6])])))  # a decode step
@@ -333,9 +365,14 @@ def _run(params, cfg, linear_backend="xla") -> list[np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("family", ["smollm2", "mixtral", "deepseek_v3"] + [
-    pytest.param(f, marks=pytest.mark.slow)
-    for f in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "deepseek_v2")])
+@pytest.mark.parametrize(
+    "family",
+    ["smollm2", "mixtral", "deepseek_v3"]
+    + [
+        pytest.param(f, marks=pytest.mark.slow)
+        for f in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "deepseek_v2")
+    ],
+)
 @pytest.mark.parametrize("groups", ["default", "small"])
 def test_quantized_logits_within_bound_of_float(family, groups, request):
     """Quantized math == the float model on the dequantized weights (1e-4: scales applied after
@@ -376,22 +413,40 @@ def test_deepseek_hf_tensors_quantize_at_load_and_fp8_latent_cache_is_refused():
     moe_layer = got.layers[-1]
     assert isinstance(moe_layer.attn.kv_a, QArray) and isinstance(moe_layer.mlp.gate_up, QArray)
     assert isinstance(moe_layer.shared.down, QArray) and isinstance(got.lm_head, QArray)
-    assert not isinstance(moe_layer.attn.w_uk, QArray) and not isinstance(moe_layer.mlp.router, QArray)
+    assert not isinstance(moe_layer.attn.w_uk, QArray) and not isinstance(
+        moe_layer.mlp.router, QArray
+    )
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert a.dtype == b.dtype
         # NOTE: host and device divisions may round a value on a half step differently.
         exact = a.dtype != jnp.int8
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   rtol=1e-6 if exact else 0, atol=0 if exact else 1)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32),
+            np.asarray(b, np.float32),
+            rtol=1e-6 if exact else 0,
+            atol=0 if exact else 1,
+        )
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported for deepseek_v3"):
-        EngineCore(cfg, got, EngineConfig(page_size=4, num_pages=16, max_model_len=32, max_num_seqs=2,
-                                          max_num_batched_tokens=8, kv_cache_dtype="fp8"))
+        EngineCore(
+            cfg,
+            got,
+            EngineConfig(
+                page_size=4,
+                num_pages=16,
+                max_model_len=32,
+                max_num_seqs=2,
+                max_num_batched_tokens=8,
+                kv_cache_dtype="fp8",
+            ),
+        )
 
 
 @pytest.mark.skipif(not cpu_linear.available(), reason="the CPU linear kernel does not build here")
 @pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow), "smollm2"])
 @pytest.mark.parametrize("groups", ["default", "small"])
-def test_cpu_kernel_on_int8_matches_xla(family, groups, request):  # untied head; tied (transposed) head
+def test_cpu_kernel_on_int8_matches_xla(
+    family, groups, request
+):  # untied head; tied (transposed) head
     if groups == "small":
         request.getfixturevalue("small_groups")
     cfg, params = _family_params(family, "int8")
@@ -401,17 +456,29 @@ def test_cpu_kernel_on_int8_matches_xla(family, groups, request):  # untied head
 
 def test_dense_uses_the_kernel_for_int8_only_on_few_float32_rows():
     q = QArray(jnp.ones((64, 2, 48), jnp.int8), jnp.ones((1, 2, 48), jnp.float32))
-    for t, dtype, want in [(1, jnp.float32, True), (8, jnp.float32, True), (9, jnp.float32, False),
-                           (4, jnp.bfloat16, False)]:
+    for t, dtype, want in [
+        (1, jnp.float32, True),
+        (8, jnp.float32, True),
+        (9, jnp.float32, False),
+        (4, jnp.bfloat16, False),
+    ]:
         x = jnp.ones((t, 64), dtype)
         text = jax.jit(lambda x, w: layers.dense(x, w, backend="cpu")).lower(x, q).as_text()
         assert (cpu_linear.KERNEL.target in text) == (want and cpu_linear.available()), (t, dtype)
     for groups, want in [(2, True), (4, True), (8, False)]:  # the kernel's groups are 16k channels
         g = QArray(jnp.ones((64, 2, 48), jnp.int8), jnp.ones((groups, 2, 48), jnp.float32))
-        text = jax.jit(lambda x, w: layers.dense(x, w, backend="cpu")).lower(jnp.ones((1, 64)), g).as_text()
+        text = (
+            jax.jit(lambda x, w: layers.dense(x, w, backend="cpu"))
+            .lower(jnp.ones((1, 64)), g)
+            .as_text()
+        )
         assert (cpu_linear.KERNEL.target in text) == (want and cpu_linear.available()), groups
     fp8 = QArray(jnp.ones((64, 2, 48), jnp.float8_e4m3fn), jnp.ones((1, 2, 48), jnp.float32))
-    text = jax.jit(lambda x, w: layers.dense(x, w, backend="cpu")).lower(jnp.ones((1, 64)), fp8).as_text()
+    text = (
+        jax.jit(lambda x, w: layers.dense(x, w, backend="cpu"))
+        .lower(jnp.ones((1, 64)), fp8)
+        .as_text()
+    )
     assert cpu_linear.KERNEL.target not in text  # fp8 weights take XLA's dot on the CPU
 
 
@@ -423,8 +490,12 @@ def test_scales_apply_after_the_dot(fmt):
     x = jnp.ones((16, 512), jnp.bfloat16)
     q = QArray(jnp.ones((512, 1024), quantization.STORAGE[fmt]), jnp.ones((1, 1024), jnp.float32))
     text = jax.jit(lambda x, w: layers.dense(x, w)[0]).lower(x, q).as_text()
-    assert re.search(r"stablehlo.convert %arg1 : \(tensor<512x1024x\w+>\) -> tensor<512x1024xbf16>", text)
-    assert re.search(r"dot_general %\w+, %\w+.*tensor<512x1024xbf16>\) -> tensor<16x1024xf32>", text)
+    assert re.search(
+        r"stablehlo.convert %arg1 : \(tensor<512x1024x\w+>\) -> tensor<512x1024xbf16>", text
+    )
+    assert re.search(
+        r"dot_general %\w+, %\w+.*tensor<512x1024xbf16>\) -> tensor<16x1024xf32>", text
+    )
     multiplies = re.findall(r"stablehlo.multiply .* : tensor<([0-9x]+)x\w+>", text)
     assert multiplies and all(shape == "16x1024" for shape in multiplies), multiplies
 
@@ -435,30 +506,46 @@ def test_group_scales_of_decode_rows_apply_to_partial_sums():
     partial sums: no weight-sized multiply. Prefill-sized rows scale the weight into the dot's
     operand instead (partial sums would outgrow a weight copy). Both equal the dequantized dot."""
     rng = np.random.default_rng(0)
-    q = QArray(jnp.asarray(rng.integers(-127, 128, (512, 1024)), jnp.int8),
-               jnp.asarray(rng.uniform(1e-3, 1e-2, (4, 1024)), jnp.float32))
+    q = QArray(
+        jnp.asarray(rng.integers(-127, 128, (512, 1024)), jnp.int8),
+        jnp.asarray(rng.uniform(1e-3, 1e-2, (4, 1024)), jnp.float32),
+    )
     weight = quantization.dequantize(q, 0)
     for t, batched in [(16, True), (256, False)]:
         x = jnp.asarray(rng.standard_normal((t, 512)), jnp.float32)
         text = jax.jit(lambda x, w: layers.dense(x, w)[0]).lower(x, q).as_text()
         multiplies = re.findall(r"stablehlo.multiply .* : tensor<([0-9x]+)x\w+>", text)
-        weight_sized = [m for m in multiplies if np.prod([int(d) for d in m.split("x")]) == 512 * 1024]
+        weight_sized = [
+            m for m in multiplies if np.prod([int(d) for d in m.split("x")]) == 512 * 1024
+        ]
         assert bool(weight_sized) != batched, (t, multiplies)
-        assert bool(re.search(r"dot_general .*batching_dims.*tensor<4x128x1024x", text)) == batched, t
+        assert (
+            bool(re.search(r"dot_general .*batching_dims.*tensor<4x128x1024x", text)) == batched
+        ), t
         ref = x @ weight
-        np.testing.assert_allclose(layers.dense(x, q)[0], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+        np.testing.assert_allclose(
+            layers.dense(x, q)[0], ref, rtol=0, atol=1e-5 * np.abs(ref).max()
+        )
     qt = QArray(q.data.T, q.scale.T)  # the tied-head layout [N, K], scales [N, G]
     for t in (3, 256):
         x = jnp.asarray(rng.standard_normal((t, 512)), jnp.float32)
         ref = x @ weight
-        np.testing.assert_allclose(layers.dense_transposed(x, qt), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+        np.testing.assert_allclose(
+            layers.dense_transposed(x, qt), ref, rtol=0, atol=1e-5 * np.abs(ref).max()
+        )
     rows = layers.embed_rows(qt, jnp.asarray([5, 0, 1023]), jnp.float32)
     np.testing.assert_array_equal(rows, weight.T[np.array([5, 0, 1023])])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec,family,groups", [("tensor=4", "llama", "default"), ("tensor=4", "llama", "small"),
-                                                ("expert=2,tensor=2", "mixtral", "small")])
+@pytest.mark.parametrize(
+    "spec,family,groups",
+    [
+        ("tensor=4", "llama", "default"),
+        ("tensor=4", "llama", "small"),
+        ("expert=2,tensor=2", "mixtral", "small"),
+    ],
+)
 def test_sharded_quantized_equals_single_device(spec, family, groups, request):
     """Also with int8 groups split over the shards of o_proj's and down_proj's input channels."""
     if groups == "small":
@@ -469,7 +556,10 @@ def test_sharded_quantized_equals_single_device(spec, family, groups, request):
     cfg = ModelConfig.from_hf({**hf_config_dict(family), "num_key_value_heads": 4})
     specs = llama.param_specs(cfg)
     params = quantization.quantize_params(
-        jax.tree.map(lambda x: x * 4.0, params_lib.init_random(specs, jax.random.key(0))), specs, "int8")
+        jax.tree.map(lambda x: x * 4.0, params_lib.init_random(specs, jax.random.key(0))),
+        specs,
+        "int8",
+    )
     mesh = mesh_of(spec, 4)
     par = shd.Parallel.from_mesh(mesh)
     rules = shd.model_rules(cfg, par)
@@ -477,13 +567,21 @@ def test_sharded_quantized_equals_single_device(spec, family, groups, request):
     sharded = jax.device_put(params, params_lib.shardings(qspecs, mesh, rules))
     kv = sharded.layers[0].attn.kv
     assert kv.data.sharding.spec == jax.sharding.PartitionSpec(None, None, shd.dense_axes(cfg, par))
-    assert kv.scale.sharding.spec == jax.sharding.PartitionSpec(None, None, shd.dense_axes(cfg, par))
+    assert kv.scale.sharding.spec == jax.sharding.PartitionSpec(
+        None, None, shd.dense_axes(cfg, par)
+    )
     o = sharded.layers[0].attn.o.scale
     assert o.shape[0] == (4 if groups == "small" else 1)
-    assert o.sharding.spec == jax.sharding.PartitionSpec(shd.dense_axes(cfg, par) if groups == "small" else None, None)
+    assert o.sharding.spec == jax.sharding.PartitionSpec(
+        shd.dense_axes(cfg, par) if groups == "small" else None, None
+    )
     gshape = (16, 4, 2 * cfg.num_kv_heads, cfg.head_dim)
-    caches = tuple(jax.device_put(jnp.zeros(gshape), jax.sharding.NamedSharding(mesh, llama.kv_cache_spec(cfg, par)))
-                   for _ in range(cfg.num_layers))
+    caches = tuple(
+        jax.device_put(
+            jnp.zeros(gshape), jax.sharding.NamedSharding(mesh, llama.kv_cache_spec(cfg, par))
+        )
+        for _ in range(cfg.num_layers)
+    )
     ref_caches = tuple(jnp.zeros(gshape) for _ in range(cfg.num_layers))
     for (arrays,) in _steps(1):
         step = StepInputs(**{k: jnp.asarray(v) for k, v in arrays.items()})
@@ -502,7 +600,9 @@ def test_orbax_round_trip_and_float_checkpoint_quantized_at_load(tmp_path):
         back = restore_params(tmp_path / fmt, target)
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
             assert a.dtype == b.dtype
-            np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
+            np.testing.assert_array_equal(
+                np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32)
+            )
     # Host quantizer (HF/GGUF loads) == device quantizer (float orbax checkpoints + quantization=).
     host_d, host_s = qlib.quantize(np.asarray(floats.layers[1].mlp.down), "fp8", 0)
     dev = quantization.quantize_params(floats, specs, "fp8").layers[1].mlp.down
@@ -516,13 +616,17 @@ def test_orbax_round_trip_of_grouped_int8(tmp_path, small_groups):
     params = quantization.quantize_params(floats, llama.param_specs(cfg), "int8")
     assert params.layers[0].mlp.down.scale.shape == (8, 64)
     save_params(tmp_path / "g", params)
-    back = restore_params(tmp_path / "g", params_lib.abstract(llama.param_specs(cfg, quantization="int8"),
-                                                              shd.make_mesh(None)))
+    back = restore_params(
+        tmp_path / "g",
+        params_lib.abstract(llama.param_specs(cfg, quantization="int8"), shd.make_mesh(None)),
+    )
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     host_d, host_s = qlib.quantize(np.asarray(floats.layers[1].mlp.down), "int8", 0, groups=8)
     np.testing.assert_array_equal(np.asarray(params.layers[1].mlp.down.scale), host_s)
-    np.testing.assert_allclose(np.asarray(params.layers[1].mlp.down.data, np.int32), host_d, rtol=0, atol=1)
+    np.testing.assert_allclose(
+        np.asarray(params.layers[1].mlp.down.data, np.int32), host_d, rtol=0, atol=1
+    )
 
 
 @pytest.mark.slow
@@ -533,8 +637,9 @@ def test_quantized_engine_greedy_tokens_match_float():
     tok = eu.load_vocab()
     model = eu.tiny_model(tok)
     specs = llama.param_specs(model.cfg)
-    qmodel = dataclasses.replace(model, params=quantization.quantize_params(model.params, specs, "int8"),
-                                 quantization="int8")
+    qmodel = dataclasses.replace(
+        model, params=quantization.quantize_params(model.params, specs, "int8"), quantization="int8"
+    )
     prompts = [[5, 300, 41, 7000, 12, 9], [88, 2, 61, 5, 190, 77, 1000, 3, 4]]
     _, want = eu.greedy_ids_on_backends(model, prompts, 6)
     engine, got = eu.greedy_ids_on_backends(qmodel, prompts, 6)
@@ -561,9 +666,27 @@ def test_serve_flags_reach_the_core_and_dummy_weights_quantize(tmp_path):
     finally:
         sys.path.remove("scripts")
     args = serve.build_parser().parse_args(
-        ["--model", str(tmp_path), "--load-format", "dummy", "--quantization", "int8",
-         "--kv-cache-dtype", "fp8", "--page-size", "4", "--num-pages", "16", "--max-model-len",
-         "32", "--max-num-seqs", "2", "--max-num-batched-tokens", "8"])
+        [
+            "--model",
+            str(tmp_path),
+            "--load-format",
+            "dummy",
+            "--quantization",
+            "int8",
+            "--kv-cache-dtype",
+            "fp8",
+            "--page-size",
+            "4",
+            "--num-pages",
+            "16",
+            "--max-model-len",
+            "32",
+            "--max-num-seqs",
+            "2",
+            "--max-num-batched-tokens",
+            "8",
+        ]
+    )
     assert {"quantization", "kv_cache_dtype"} <= set(serve.ENGINE_FLAGS)
     from serving.launch import build_core
 
@@ -587,7 +710,11 @@ def test_scale_groups_that_do_not_split_over_the_mesh_are_named(monkeypatch):
     cfg = ModelConfig.from_hf({**hf_config_dict("llama"), "num_key_value_heads": 4})
     mesh = mesh_of("tensor=4", 4)
     rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
-    quantization.check_group_splits(llama.param_specs(cfg, quantization="int8"), mesh, rules)  # G = 1
+    quantization.check_group_splits(
+        llama.param_specs(cfg, quantization="int8"), mesh, rules
+    )  # G = 1
     monkeypatch.setitem(qlib.GROUP_SIZE, "int8", 32)  # o_proj: 2 groups of 32 over 4 shards
-    with pytest.raises(ValueError, match=r"\.attn\.o has 2 scale groups .* mesh axes \('tensor',\) of size 4"):
+    with pytest.raises(
+        ValueError, match=r"\.attn\.o has 2 scale groups .* mesh axes \('tensor',\) of size 4"
+    ):
         quantization.check_group_splits(llama.param_specs(cfg, quantization="int8"), mesh, rules)

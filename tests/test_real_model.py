@@ -258,7 +258,9 @@ def test_prompt_logprobs_match_hf(llm, hf_model, prompts):
         f"prompt logprobs at {checked} of {len(ids) - 1} positions: worst |error| / logit scale {worst:.2e} "
         f"at (position, token) {where}"
     )
-    assert worst <= LOGPROB_TOL, f"worst |error| / logit scale {worst:.3e} at (position, token) {where}"
+    assert worst <= LOGPROB_TOL, (
+        f"worst |error| / logit scale {worst:.3e} at (position, token) {where}"
+    )
     assert not top5_differs, f"top-5 ids differ from HF at positions {top5_differs}"
     assert not missing, (
         f"prompt_logprobs is None at {len(missing)} of {len(ids) - 1} positions "

@@ -25,9 +25,19 @@ from jaxinfer.params import init_random
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.step import build_step_arrays
 
-SMALL = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-             num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=512,
-             max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+SMALL = dict(
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    vocab_size=512,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 PAGE_SIZE, MAX_MODEL_LEN = 4, 64  # 16 pages per sequence
 
 
@@ -42,18 +52,35 @@ def small():
 def small_runner(small, **kw) -> ModelRunner:
     cfg, params = small
     # NOTE: one token bucket, so only the page buckets multiply the programs to compile.
-    return ModelRunner(cfg, params, page_size=PAGE_SIZE, num_pages=65, max_model_len=MAX_MODEL_LEN,
-                       max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(16,), **kw)
+    return ModelRunner(
+        cfg,
+        params,
+        page_size=PAGE_SIZE,
+        num_pages=65,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        token_buckets=(16,),
+        **kw,
+    )
 
 
-def drive(runner: ModelRunner, requests: list[tuple[int, Request]], on_prepared=None,
-          abort: tuple[int, str] | None = None, split: bool = False) -> dict[str, list[int]]:
+def drive(
+    runner: ModelRunner,
+    requests: list[tuple[int, Request]],
+    on_prepared=None,
+    abort: tuple[int, str] | None = None,
+    split: bool = False,
+) -> dict[str, list[int]]:
     """Adds each request at its step, runs schedule -> runner -> update until done (synchronous);
     `abort` = (step, request id); `split`: every step as forward, then sampler (structured
     output's path). Returns every request's output ids."""
-    sched = Scheduler(PageAllocator(runner.num_pages, PAGE_SIZE, enable_prefix_caching=False),
-                      max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=16,
-                      max_model_len=MAX_MODEL_LEN)
+    sched = Scheduler(
+        PageAllocator(runner.num_pages, PAGE_SIZE, enable_prefix_caching=False),
+        max_num_seqs=runner.max_num_seqs,
+        max_num_batched_tokens=16,
+        max_model_len=MAX_MODEL_LEN,
+    )
     pending = sorted(requests, key=lambda x: x[0])
     step = 0
     while pending or sched.has_unfinished():
@@ -82,8 +109,9 @@ def drive(runner: ModelRunner, requests: list[tuple[int, Request]], on_prepared=
 
 
 def req(rid: str, prompt: list[int], max_tokens: int = 6, **kw) -> Request:
-    return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                               ignore_eos=True, **kw))
+    return Request(
+        rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+    )
 
 
 def test_default_page_buckets() -> None:
@@ -97,10 +125,12 @@ def test_step_arrays_equal_a_from_scratch_build(small) -> None:
     rows join, grow pages, and leave (an abort) and decodes share steps with prefill chunks."""
     runner = small_runner(small, page_buckets=(2, 4, 16))
     rng = np.random.default_rng(0)
-    reqs = [(0, req("a", rng.integers(0, 512, 5).tolist(), 12)),
-            (1, req("b", rng.integers(0, 512, 22).tolist(), 4)),
-            (3, req("c", rng.integers(0, 512, 9).tolist(), 8)),
-            (4, req("d", rng.integers(0, 512, 3).tolist(), 10))]
+    reqs = [
+        (0, req("a", rng.integers(0, 512, 5).tolist(), 12)),
+        (1, req("b", rng.integers(0, 512, 22).tolist(), 4)),
+        (3, req("c", rng.integers(0, 512, 9).tolist(), 8)),
+        (4, req("d", rng.integers(0, 512, 3).tolist(), 10)),
+    ]
     seen_buckets = set()
 
     def check(out, prepared) -> None:
@@ -110,16 +140,22 @@ def test_step_arrays_equal_a_from_scratch_build(small) -> None:
         need = max(-(-(start + len(toks)) // PAGE_SIZE) for toks, start, _ in seqs)
         assert p == min(b for b in runner.page_buckets if b >= need)
         seen_buckets.add(p)
-        want = build_step_arrays([(toks, start, pages[:p]) for toks, start, pages in seqs],
-                                 PAGE_SIZE, num_tokens=t, num_seqs=s, pages_per_seq=p,
-                                 num_logits=s)
+        want = build_step_arrays(
+            [(toks, start, pages[:p]) for toks, start, pages in seqs],
+            PAGE_SIZE,
+            num_tokens=t,
+            num_seqs=s,
+            pages_per_seq=p,
+            num_logits=s,
+        )
         for name, value in want.items():
             np.testing.assert_array_equal(getattr(step, name), value, err_msg=name)
         extras = prepared.inputs["extras"]
         rows = [runner._rows[x.request.request_id] for x in out.scheduled]
-        np.testing.assert_array_equal(extras.seq_rows[:len(rows)], rows)
-        np.testing.assert_array_equal(extras.reset_rows[:len(rows)],
-                                      [x.is_new for x in out.scheduled])
+        np.testing.assert_array_equal(extras.seq_rows[: len(rows)], rows)
+        np.testing.assert_array_equal(
+            extras.reset_rows[: len(rows)], [x.is_new for x in out.scheduled]
+        )
 
     got = drive(runner, reqs, check, abort=(6, "b"))
     assert seen_buckets == {2, 4, 16}
@@ -127,8 +163,11 @@ def test_step_arrays_equal_a_from_scratch_build(small) -> None:
     # same runner, so its compiled programs are reused), and so does each request alone.
     runner.page_buckets = (16,)
     assert drive(runner, reqs_again(reqs), abort=(6, "b")) == got
-    alone = {r.request_id: drive(runner, [(0, x)])[r.request_id]
-             for (_, r), (_, x) in zip(reqs, reqs_again(reqs)) if r.request_id != "b"}
+    alone = {
+        r.request_id: drive(runner, [(0, x)])[r.request_id]
+        for (_, r), (_, x) in zip(reqs, reqs_again(reqs))
+        if r.request_id != "b"
+    }
     assert {k: v for k, v in got.items() if k != "b"} == alone
 
 
@@ -144,8 +183,16 @@ def test_decode_step_arrays_equal_the_ragged_build(small) -> None:
     rows = np.array([2, 0, 1], np.int32)
     starts = np.array([7, 13, 6], np.int32)  # row 1 computes a prompt token, the others outputs
     tokens = np.array([-1, -1, 33], np.int32)  # PENDING_TOKEN on the two rows that sampled
-    args = (16, 4, False, rows, starts, np.ones(n, np.int32), tokens,
-            np.array([False, False, True]))
+    args = (
+        16,
+        4,
+        False,
+        rows,
+        starts,
+        np.ones(n, np.int32),
+        tokens,
+        np.array([False, False, True]),
+    )
     fast = runner._arrays(*args, None)
     ragged = runner._arrays(*args, np.zeros(n, np.int32))
     for got, want in zip(fast[:2], ragged[:2]):
@@ -209,7 +256,9 @@ def test_seeded_tokens_are_the_same_alone_batched_and_joining_mid_batch(model) -
     engine = make_engine(model, max_num_seqs=n, max_num_batched_tokens=64, num_pages=n * 4 + 1)
     rng = np.random.default_rng(5)
     prompts = [random_prompt(rng, 8, model.cfg.vocab_size) for _ in range(n)]
-    alone = [generate(engine, prompts[i], seeded(i), request_id=f"a{i}").token_ids for i in range(n)]
+    alone = [
+        generate(engine, prompts[i], seeded(i), request_id=f"a{i}").token_ids for i in range(n)
+    ]
     batched = run(engine, [(f"b{i}", prompts[i], seeded(i)) for i in range(n)])
     assert [batched[f"b{i}"][0].token_ids for i in range(n)] == alone
     for i in range(n // 2):

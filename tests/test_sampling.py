@@ -36,7 +36,9 @@ def run(
 ) -> sampling.SamplerOutput:
     n, vocab = len(params), logits.shape[1]
     pad_to = pad_to or next(b for b in BUCKETS if b >= n)
-    meta = SamplingMetadata.from_params(params, seeds or list(range(n)), suppress or [[]] * n, pad_to)
+    meta = SamplingMetadata.from_params(
+        params, seeds or list(range(n)), suppress or [[]] * n, pad_to
+    )
     pos = np.zeros(pad_to, np.int32)
     pos[:n] = positions or [0] * n
 
@@ -47,7 +49,10 @@ def run(
         return out
 
     out = SAMPLE(
-        padded(logits, np.float32), meta, padded(prompt_mask, bool), padded(output_counts, np.int32),
+        padded(logits, np.float32),
+        meta,
+        padded(prompt_mask, bool),
+        padded(output_counts, np.int32),
         pos,
     )
     return jax.tree.map(lambda a: np.asarray(a)[:n], out)
@@ -131,8 +136,9 @@ def test_from_params_pads_rows_with_greedy_defaults() -> None:
             presence_penalty=-0.5,
         )
     ]
-    meta = SamplingMetadata.from_params(params, [2**40 + 7], [[2, 9]], pad_to=3,
-                                        suppress_until=[12])
+    meta = SamplingMetadata.from_params(
+        params, [2**40 + 7], [[2, 9]], pad_to=3, suppress_until=[12]
+    )
     np.testing.assert_allclose(meta.temperature, [0.7, 0, 0])
     np.testing.assert_array_equal(meta.top_k, [5, 0, 0])
     np.testing.assert_allclose(meta.top_p, [0.9, 1, 1])
@@ -426,8 +432,9 @@ def test_sampler_skips_logprobs_when_no_row_asks() -> None:
     asked = run(logits[:2], [params[0], dataclasses.replace(params[1], logprobs=2)])
     np.testing.assert_array_equal(skipped.token_ids, asked.token_ids)
     ref = log_softmax(logits[:2])
-    np.testing.assert_allclose(asked.logprobs, ref[np.arange(2), asked.token_ids], rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        asked.logprobs, ref[np.arange(2), asked.token_ids], rtol=1e-5, atol=1e-5
+    )
 
 
 MIXED = [
@@ -490,7 +497,11 @@ def test_same_seed_and_position_give_the_same_token_whatever_the_batch() -> None
     logits, prompt_mask, counts = mixed_inputs(V)
     seeds, positions = [5, 6, 7, 8, 9, 10, 11], [3, 3, 3, 9, 9, 9, 0]
     base = run(
-        logits, MIXED, seeds=seeds, positions=positions, prompt_mask=prompt_mask,
+        logits,
+        MIXED,
+        seeds=seeds,
+        positions=positions,
+        prompt_mask=prompt_mask,
         output_counts=counts,
     ).token_ids
     perm = np.random.default_rng(8).permutation(len(MIXED))
@@ -562,7 +573,9 @@ def test_race_times_are_exponential_and_keyed() -> None:
     assert chi2 < 63 + 5 * np.sqrt(2 * 63), chi2
     assert abs(times.mean() - 1.0) < 0.02
     assert np.corrcoef(times[0], times[1])[0, 1] < 0.05  # rows with different keys: independent
-    np.testing.assert_array_equal(np.asarray(sampling._race_times(words[:1], (1, 4096)))[0], times[0])
+    np.testing.assert_array_equal(
+        np.asarray(sampling._race_times(words[:1], (1, 4096)))[0], times[0]
+    )
 
 
 def test_float_noise_in_the_logits_does_not_move_the_sample() -> None:
@@ -573,8 +586,9 @@ def test_float_noise_in_the_logits_does_not_move_the_sample() -> None:
     s, vocab = 64, 49152
     logits = (rng.standard_normal((s, vocab)) * 3).astype(np.float32)
     noisy = logits + (rng.standard_normal((s, vocab)) * 1e-4 * np.abs(logits)).astype(np.float32)
-    params = ([SamplingParams(temperature=0.8)] * (s // 2)
-              + [SamplingParams(temperature=0.8, top_p=0.95)] * (s // 2))
+    params = [SamplingParams(temperature=0.8)] * (s // 2) + [
+        SamplingParams(temperature=0.8, top_p=0.95)
+    ] * (s // 2)
     a = run(logits, params, seeds=list(range(1000, 1000 + s)), positions=[5] * s).token_ids
     b = run(noisy, params, seeds=list(range(1000, 1000 + s)), positions=[5] * s).token_ids
     np.testing.assert_array_equal(a, b)

@@ -179,8 +179,11 @@ def test_chunked_prefill_exact_slices_and_page_tables() -> None:
     sched.add_request(req)
     runner = FakeRunner(sched)
     outs = run_to_end(sched, runner)
-    got = [(s.start_pos, s.token_ids, len(s.new_page_ids), s.is_new, s.sample)
-           for o in outs for s in o.scheduled]
+    got = [
+        (s.start_pos, s.token_ids, len(s.new_page_ids), s.is_new, s.sample)
+        for o in outs
+        for s in o.scheduled
+    ]
     out_ids = req.output_token_ids
     # Diffs: the first chunk brings the whole table, later ones only the pages they add.
     assert got == [
@@ -429,7 +432,9 @@ def test_priority_then_arrival_order() -> None:
 
 @pytest.mark.parametrize("lookahead", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_mix_frees_everything_and_matches_unpreempted_outputs(seed: int, lookahead: bool) -> None:
+def test_random_mix_frees_everything_and_matches_unpreempted_outputs(
+    seed: int, lookahead: bool
+) -> None:
     rng = random.Random(seed)
     shared = [rng.randrange(1, VOCAB) for _ in range(12)]
     specs = []
@@ -521,7 +526,13 @@ def test_known_tokens_read_prompt_and_outputs_in_place():
     req.num_pending_tokens = 1
     known = req.known_tokens
     assert len(known) == 5 and list(known) == req.all_token_ids == [1, 2, 3, 4, 5]
-    assert [known[0:2], known[2:4], known[3:5], known[4:9], known[5:5]] == [[1, 2], [3, 4], [4, 5], [5], []]
+    assert [known[0:2], known[2:4], known[3:5], known[4:9], known[5:5]] == [
+        [1, 2],
+        [3, 4],
+        [4, 5],
+        [5],
+        [],
+    ]
     assert (known[0], known[3], known[-1]) == (1, 4, 5)
     with pytest.raises(IndexError):
         known[5]

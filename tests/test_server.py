@@ -45,10 +45,14 @@ from serving.testing import (
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POISON = 4242
-ENGINE = dict(page_size=16, num_pages=257, max_model_len=512, max_num_seqs=16,
-              max_num_batched_tokens=256)
-LENGTH, STOP, ABORTED = (pb.GenerateResponse.LENGTH, pb.GenerateResponse.STOP,
-                         pb.GenerateResponse.ABORTED)
+ENGINE = dict(
+    page_size=16, num_pages=257, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256
+)
+LENGTH, STOP, ABORTED = (
+    pb.GenerateResponse.LENGTH,
+    pb.GenerateResponse.STOP,
+    pb.GenerateResponse.ABORTED,
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +64,12 @@ def tok():
 
 
 def _server(tok, runner=None, *, wait=True, max_queue=64, **kw):
-    engine = fake_engine(tok, runner or FakeRunner(step_delay=0.002), **{**ENGINE, **kw.pop("engine", {})})
-    return ServerThread(GenerateServer(engine, metrics_port=0, max_queue=max_queue, **kw),
-                        wait_ready=wait)
+    engine = fake_engine(
+        tok, runner or FakeRunner(step_delay=0.002), **{**ENGINE, **kw.pop("engine", {})}
+    )
+    return ServerThread(
+        GenerateServer(engine, metrics_port=0, max_queue=max_queue, **kw), wait_ready=wait
+    )
 
 
 @pytest.fixture(scope="module")
@@ -139,15 +146,20 @@ def test_deltas_waiting_for_a_reader_go_out_as_one_message(tok):
         stream = Stream("r0", 2, 0.0, asyncio.Queue(), children=["r0#0", "r0#1"], remaining=2)
         for item in items:
             stream.queue.put_nowait(item)
-        return [m async for m in server._responses(pb.GenerateRequest(request_id="x"), stream, None)]
+        return [
+            m async for m in server._responses(pb.GenerateRequest(request_id="x"), stream, None)
+        ]
 
     toks = [1000 + i for i in range(6)]
-    deltas = [RequestDelta("r0", 0, [t], f"<{t}>", logprobs=[TokenLogprobs(t, -1.0, {t: -1.0})])
-              for t in toks]
+    deltas = [
+        RequestDelta("r0", 0, [t], f"<{t}>", logprobs=[TokenLogprobs(t, -1.0, {t: -1.0})])
+        for t in toks
+    ]
     deltas[-1].finished, deltas[-1].finish_reason = True, "length"
     deltas[-1].usage = Usage(3, 6, 0)
-    other = RequestDelta("r0", 1, [7], "<7>", finished=True, finish_reason="stop",
-                         usage=Usage(3, 1, 0))
+    other = RequestDelta(
+        "r0", 1, [7], "<7>", finished=True, finish_reason="stop", usage=Usage(3, 1, 0)
+    )
     msgs = asyncio.run(run([*deltas[:3], other, *deltas[3:]]))
     assert [(m.index, list(m.token_ids)) for m in msgs] == [(0, toks[:3]), (1, [7]), (0, toks[3:])]
     assert msgs[0].text == "".join(f"<{t}>" for t in toks[:3])
@@ -274,29 +286,43 @@ INVALID = {
     "id past vocab": (_req(token_ids=pb.TokenIds(ids=[5, 49152])), "token_ids.ids[1] = 49152"),
     "negative id": (_req(token_ids=pb.TokenIds(ids=[-1])), "token_ids.ids[0] = -1"),
     "empty messages": (_set_in_parent("messages"), "messages.messages is empty"),
-    "empty role": (_req(messages=pb.ChatMessages(messages=[pb.ChatMessage(content="hi")])),
-                   "messages.messages[0].role"),
-    "too long": (_req(token_ids=pb.TokenIds(ids=[1000] * 500), sampling={"max_tokens": 13}),
-                 "sampling.max_tokens: prompt of 500 tokens + max_tokens=13 exceeds max_model_len=512"),
+    "empty role": (
+        _req(messages=pb.ChatMessages(messages=[pb.ChatMessage(content="hi")])),
+        "messages.messages[0].role",
+    ),
+    "too long": (
+        _req(token_ids=pb.TokenIds(ids=[1000] * 500), sampling={"max_tokens": 13}),
+        "sampling.max_tokens: prompt of 500 tokens + max_tokens=13 exceeds max_model_len=512",
+    ),
     "max_tokens 0": (_req(prompt="x", sampling={"max_tokens": 0}), "sampling.max_tokens"),
-    "temperature": (_req(prompt="x", sampling={"temperature": -1.0}),
-                    "sampling.temperature must be >= 0, got -1.0"),
+    "temperature": (
+        _req(prompt="x", sampling={"temperature": -1.0}),
+        "sampling.temperature must be >= 0, got -1.0",
+    ),
     "top_p": (_req(prompt="x", sampling={"top_p": 0.0}), "sampling.top_p"),
     "top_k": (_req(prompt="x", sampling={"top_k": -2}), "sampling.top_k"),
     "min_p": (_req(prompt="x", sampling={"min_p": 1.5}), "sampling.min_p"),
-    "repetition_penalty": (_req(prompt="x", sampling={"repetition_penalty": 0.0}),
-                           "sampling.repetition_penalty"),
-    "frequency_penalty": (_req(prompt="x", sampling={"frequency_penalty": 3.0}),
-                          "sampling.frequency_penalty"),
-    "presence_penalty": (_req(prompt="x", sampling={"presence_penalty": -3.0}),
-                         "sampling.presence_penalty"),
+    "repetition_penalty": (
+        _req(prompt="x", sampling={"repetition_penalty": 0.0}),
+        "sampling.repetition_penalty",
+    ),
+    "frequency_penalty": (
+        _req(prompt="x", sampling={"frequency_penalty": 3.0}),
+        "sampling.frequency_penalty",
+    ),
+    "presence_penalty": (
+        _req(prompt="x", sampling={"presence_penalty": -3.0}),
+        "sampling.presence_penalty",
+    ),
     "seed": (_req(prompt="x", sampling={"seed": 2**63}), "sampling.seed"),
     "logprobs": (_req(prompt="x", sampling={"logprobs": 21}), "sampling.logprobs"),
     "n": (_req(prompt="x", sampling={"n": 0}), "sampling.n"),
     "min_tokens": (_req(prompt="x", sampling={"min_tokens": 99}), "sampling.min_tokens"),
     "empty stop": (_req(prompt="x", sampling={"stop": ["a", ""]}), "sampling.stop"),
-    "stop_token_ids": (_req(prompt="x", sampling={"stop_token_ids": [-3]}),
-                       "sampling.stop_token_ids"),
+    "stop_token_ids": (
+        _req(prompt="x", sampling={"stop_token_ids": [-3]}),
+        "sampling.stop_token_ids",
+    ),
     "request_id": (_req(prompt="x", request_id="x" * 300), "request_id"),
 }
 
@@ -318,19 +344,28 @@ def _string(field: int, data: bytes) -> bytes:
     return bytes([field << 3 | 2, len(data)]) + data
 
 
-@pytest.mark.parametrize("raw, needle", [
-    (_string(2, b"ab\xff"), "prompt is not valid UTF-8"),
-    (_string(5, _string(10, b"ok") + _string(10, b"\xc3")), "sampling.stop[1] is not valid UTF-8"),
-    (_string(4, _string(1, _string(1, b"user") + _string(2, b"\xed\xa0\x80"))),
-     "messages.messages[0].content is not valid UTF-8"),
-    (b"\x12\x05ab", "request is not a valid jaxinfer.v1.GenerateRequest"),
-])
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        (_string(2, b"ab\xff"), "prompt is not valid UTF-8"),
+        (
+            _string(5, _string(10, b"ok") + _string(10, b"\xc3")),
+            "sampling.stop[1] is not valid UTF-8",
+        ),
+        (
+            _string(4, _string(1, _string(1, b"user") + _string(2, b"\xed\xa0\x80"))),
+            "messages.messages[0].content is not valid UTF-8",
+        ),
+        (b"\x12\x05ab", "request is not a valid jaxinfer.v1.GenerateRequest"),
+    ],
+)
 def test_bad_bytes_are_invalid_argument(srv, raw, needle):
     """Protobuf refuses bad UTF-8 at parse time; the server names the field (raw bytes sent)."""
     with grpc.insecure_channel(srv.address) as channel:
         for method in ("Generate", "GenerateOnce"):
             call = (channel.unary_stream if method == "Generate" else channel.unary_unary)(
-                f"/jaxinfer.v1.GenerateService/{method}")
+                f"/jaxinfer.v1.GenerateService/{method}"
+            )
             err = _rpc_error(call, raw)
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
             assert needle in err.details()
@@ -343,7 +378,9 @@ def test_python_client_cannot_send_bad_utf8():
 
 def test_engine_step_failure_fails_only_that_request(tok):
     """A poisoned request makes its step raise: INTERNAL for it; the running one finishes."""
-    with _server(tok, FakeRunner(step_delay=0.002, poison_token=POISON), engine={"max_num_seqs": 1}) as st:
+    with _server(
+        tok, FakeRunner(step_delay=0.002, poison_token=POISON), engine={"max_num_seqs": 1}
+    ) as st:
         c = GenerateClient(st.address)
         first = c.stub.Generate(build_request([1000, 1001], max_tokens=200))
         head = next(first)  # running alone: the poisoned request waits for the only slot
@@ -385,7 +422,8 @@ def test_failed_launch_loses_only_its_requests(tok):
     assert not engine.has_unfinished()
     got = {d.request_id: d for d in deltas if d.finished}
     assert [t for d in deltas if d.request_id == "a" for t in d.new_token_ids] == fake_stream(
-        [1000, 1001], 2)
+        [1000, 1001], 2
+    )
     assert got["a"].finish_reason == "length" and got["p"].finish_reason == "abort"
     assert engine.allocator.num_free_pages == engine.allocator.num_usable_pages
 
@@ -432,7 +470,9 @@ def test_queue_full_is_resource_exhausted(tok):
 def _health(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        return stub.Check(health_pb2.HealthCheckRequest(service="jaxinfer.v1.GenerateService")).status
+        return stub.Check(
+            health_pb2.HealthCheckRequest(service="jaxinfer.v1.GenerateService")
+        ).status
 
 
 def test_health_lifecycle_and_graceful_shutdown(tok):
@@ -474,7 +514,9 @@ def test_shutdown_past_grace_aborts_streams(tok):
         rest = list(stream)  # ends normally, with an ABORTED final message
         assert rest[-1].finish_reason == ABORTED and rest[-1].usage.completion_tokens < 400
         done.result(10)
-        assert st.server.engine.allocator.num_free_pages == st.server.engine.allocator.num_usable_pages
+        assert (
+            st.server.engine.allocator.num_free_pages == st.server.engine.allocator.num_usable_pages
+        )
         c.close()
 
 
@@ -540,7 +582,10 @@ def test_model_info_tokenize_reflection(srv, client, tok):
     db = ProtoReflectionDescriptorDatabase(client.channel)
     services = set(db.get_services())
     assert {"jaxinfer.v1.GenerateService", "grpc.health.v1.Health"} <= services
-    assert db.FindFileContainingSymbol("jaxinfer.v1.GenerateService").name == "jaxinfer/v1/generate.proto"
+    assert (
+        db.FindFileContainingSymbol("jaxinfer.v1.GenerateService").name
+        == "jaxinfer/v1/generate.proto"
+    )
 
 
 def test_client_script(srv, tok, capsys):
@@ -549,23 +594,39 @@ def test_client_script(srv, tok, capsys):
         import client as client_script
     finally:
         sys.path.pop(0)
-    rc = client_script.main(["--port", str(srv.port), "--host", "127.0.0.1", "--prompt", "The sea",
-                             "--max-tokens", "6"])
+    rc = client_script.main(
+        ["--port", str(srv.port), "--host", "127.0.0.1", "--prompt", "The sea", "--max-tokens", "6"]
+    )
     out = capsys.readouterr()
     assert rc == 0
     assert out.out == tok.decode(fake_stream(tok.encode("The sea"), 6)) + "\n"
     assert "LENGTH" in out.err and "6 generated" in out.err
-    rc = client_script.main(["--port", str(srv.port), "--host", "127.0.0.1", "--prompt", "x",
-                             "--temperature", "-1"])
+    rc = client_script.main(
+        ["--port", str(srv.port), "--host", "127.0.0.1", "--prompt", "x", "--temperature", "-1"]
+    )
     assert rc == 1 and "INVALID_ARGUMENT" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # a subprocess: imports JAX and builds the tokenizer again (~15 s)
 def test_serve_script_sigterm_drains_and_exits_0(tok):
     """scripts/serve.py end to end: SIGTERM mid-stream finishes the stream, then exit 0."""
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), "--fake-runner",
-           "--fake-step-delay", "0.01", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-           "--max-model-len", "512", "--num-pages", "65"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "scripts", "serve.py"),
+        "--fake-runner",
+        "--fake-step-delay",
+        "0.01",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--max-model-len",
+        "512",
+        "--num-pages",
+        "65",
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         log = []

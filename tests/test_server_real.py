@@ -27,7 +27,11 @@ from serving.testing import ServerThread
 
 pytestmark = pytest.mark.slow  # ~40 s of XLA compilation when run alone on the 2-core CI machine
 
-PROMPTS = ["The sea is", "Once upon a time, in a land far away, there lived", [1000, 2000, 3000] * 7]
+PROMPTS = [
+    "The sea is",
+    "Once upon a time, in a land far away, there lived",
+    [1000, 2000, 3000] * 7,
+]
 TRACE_STEPS = 3
 
 
@@ -43,8 +47,13 @@ def trace_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(model, trace_dir):
-    server = GenerateServer(make_engine(model), metrics_port=None, warmup=False,
-                            trace_dir=trace_dir, trace_steps=TRACE_STEPS)
+    server = GenerateServer(
+        make_engine(model),
+        metrics_port=None,
+        warmup=False,
+        trace_dir=trace_dir,
+        trace_steps=TRACE_STEPS,
+    )
     st = ServerThread(server)
     yield st
     st.stop()
@@ -54,8 +63,12 @@ def test_streams_equal_offline_engine(srv, model):
     offline = run(make_engine(model), [(str(i), p, greedy(12)) for i, p in enumerate(PROMPTS)])
 
     async def one(stub, i):
-        return [m async for m in stub.Generate(build_request(PROMPTS[i], request_id=str(i),
-                                                             max_tokens=12, temperature=0.0))]
+        return [
+            m
+            async for m in stub.Generate(
+                build_request(PROMPTS[i], request_id=str(i), max_tokens=12, temperature=0.0)
+            )
+        ]
 
     async def main():
         async with grpc.aio.insecure_channel(srv.address) as channel:
@@ -71,7 +84,8 @@ def test_streams_equal_offline_engine(srv, model):
         assert all(len(m.token_ids) >= 1 for m in msgs)
         last = msgs[-1]
         assert pb.GenerateResponse.FinishReason.Name(last.finish_reason).lower() == (
-            want.finish_reason if want.finish_reason != "abort" else "aborted")
+            want.finish_reason if want.finish_reason != "abort" else "aborted"
+        )
         assert last.usage.completion_tokens == len(want.token_ids)
         assert last.usage.prompt_tokens == want.usage.prompt_tokens
 
@@ -94,8 +108,14 @@ def test_cancel_frees_pages_and_capacity_check(srv):
     engine = srv.server.engine
     alloc = engine.allocator
     with GenerateClient(srv.address) as c:
-        call = c.stub.Generate(build_request([1000, 1001, 1002, 1003, 1004, 1005], max_tokens=80,
-                                             temperature=0.0, ignore_eos=True))
+        call = c.stub.Generate(
+            build_request(
+                [1000, 1001, 1002, 1003, 1004, 1005],
+                max_tokens=80,
+                temperature=0.0,
+                ignore_eos=True,
+            )
+        )
         for _ in range(3):
             next(call)
         assert alloc.num_free_pages < alloc.num_usable_pages

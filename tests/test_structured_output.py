@@ -38,12 +38,16 @@ from jaxinfer.structured import allowed_ids, bitmask_width, validate
 
 jsonschema = pytest.importorskip("jsonschema")
 
-SCHEMA = {"type": "object",
-          "properties": {"name": {"type": "string", "maxLength": 10},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
-                                  "maxItems": 3}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 REGEX = r"[A-Z][a-z]{1,8} (is|was) [0-9]{1,2}"
 CHOICES = ["yes", "no", "maybe so"]
 GBNF = 'root ::= "(" num ("+" num)? ")"\nnum ::= [1-9] [0-9]?'
@@ -85,14 +89,19 @@ def test_constraint_crosses_the_engine_core_wire():
         assert request_from_wire(wire).sampling == req.sampling
 
 
-@pytest.mark.parametrize("params, needle", [
-    (dict(json={"type": "bogus"}), "structured_outputs.json is invalid: Invalid type: bogus"),
-    (dict(json='{"type": "object"'), "structured_outputs.json is not valid JSON"),
-    (dict(regex="a(b"), "structured_outputs.regex is invalid: "),
-    (dict(grammar="root ::= ("), "structured_outputs.grammar is invalid: "),
-    (dict(json={"properties": {"a": {"type": "string", "pattern": "(("}}}),
-     "structured_outputs.json is invalid: regex parse error"),
-])
+@pytest.mark.parametrize(
+    "params, needle",
+    [
+        (dict(json={"type": "bogus"}), "structured_outputs.json is invalid: Invalid type: bogus"),
+        (dict(json='{"type": "object"'), "structured_outputs.json is not valid JSON"),
+        (dict(regex="a(b"), "structured_outputs.regex is invalid: "),
+        (dict(grammar="root ::= ("), "structured_outputs.grammar is invalid: "),
+        (
+            dict(json={"properties": {"a": {"type": "string", "pattern": "(("}}}),
+            "structured_outputs.json is invalid: regex parse error",
+        ),
+    ],
+)
 def test_invalid_constraints_name_the_problem(params, needle):
     with pytest.raises(ValueError) as info:
         validate(StructuredOutputsParams(**params))
@@ -100,17 +109,24 @@ def test_invalid_constraints_name_the_problem(params, needle):
 
 
 def test_valid_constraints():
-    for params in (dict(json=SCHEMA), dict(json=json.dumps(SCHEMA)), dict(json_object=True),
-                   dict(regex=REGEX), dict(choice=['a "quoted"', "back\\slash", "ünï"]),
-                   dict(grammar=GBNF), dict(grammar='start: "x" NUMBER\n%import common.NUMBER')):
+    for params in (
+        dict(json=SCHEMA),
+        dict(json=json.dumps(SCHEMA)),
+        dict(json_object=True),
+        dict(regex=REGEX),
+        dict(choice=['a "quoted"', "back\\slash", "ünï"]),
+        dict(grammar=GBNF),
+        dict(grammar='start: "x" NUMBER\n%import common.NUMBER'),
+    ):
         validate(StructuredOutputsParams(**params))
 
 
 def test_sampler_bitmask_constrains_rows_and_leaves_others_alone():
     vocab, s = 300, 8
     logits = jax.random.normal(jax.random.key(1), (s, vocab)) * 3
-    params = [SamplingParams(temperature=1.0, top_p=0.9 if i % 2 else 1.0, seed=i)
-              for i in range(s)]
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9 if i % 2 else 1.0, seed=i) for i in range(s)
+    ]
     meta = SamplingMetadata.from_params(params, [p.seed for p in params], [[]] * s, s)
     zeros_b = jnp.zeros((s, vocab), bool)
     zeros_i = jnp.zeros((s, vocab), jnp.int32)
@@ -118,15 +134,36 @@ def test_sampler_bitmask_constrains_rows_and_leaves_others_alone():
     allowed = {0: [5, 17, 299], 3: [42], 5: list(range(0, 300, 7))}
     rows = [allowed.get(i) for i in range(s)]
     assert allowed_ids(_mask(vocab, rows)[5], vocab).tolist() == allowed[5]
-    base = run(logits, meta, zeros_b, zeros_i, jnp.arange(s, dtype=jnp.int32), num_logprobs=2,
-               token_bitmask=jnp.asarray(_mask(vocab, [None] * s)))
+    base = run(
+        logits,
+        meta,
+        zeros_b,
+        zeros_i,
+        jnp.arange(s, dtype=jnp.int32),
+        num_logprobs=2,
+        token_bitmask=jnp.asarray(_mask(vocab, [None] * s)),
+    )
     size = run._cache_size()
     for position in range(20):  # 20 draws of each row at temperature 1
         pos = jnp.full((s,), position, jnp.int32)
-        out = run(logits, meta, zeros_b, zeros_i, pos, num_logprobs=2,
-                  token_bitmask=jnp.asarray(_mask(vocab, rows)))
-        free = run(logits, meta, zeros_b, zeros_i, pos, num_logprobs=2,
-                   token_bitmask=jnp.asarray(_mask(vocab, [None] * s)))
+        out = run(
+            logits,
+            meta,
+            zeros_b,
+            zeros_i,
+            pos,
+            num_logprobs=2,
+            token_bitmask=jnp.asarray(_mask(vocab, rows)),
+        )
+        free = run(
+            logits,
+            meta,
+            zeros_b,
+            zeros_i,
+            pos,
+            num_logprobs=2,
+            token_bitmask=jnp.asarray(_mask(vocab, [None] * s)),
+        )
         ids = np.asarray(out.token_ids)
         for i, ok in allowed.items():
             assert ids[i] in ok
@@ -134,13 +171,22 @@ def test_sampler_bitmask_constrains_rows_and_leaves_others_alone():
         assert (ids[others] == np.asarray(free.token_ids)[others]).all()
     assert run._cache_size() == size  # one program, constrained or not
     assert np.asarray(base.token_ids).shape == (s,)
-    greedy = SamplingMetadata.from_params([SamplingParams(temperature=0.0)] * s, [0] * s,
-                                          [[]] * s, s)
-    out = run(logits, greedy, zeros_b, zeros_i, jnp.zeros(s, jnp.int32), num_logprobs=2,
-              token_bitmask=jnp.asarray(_mask(vocab, rows)))
+    greedy = SamplingMetadata.from_params(
+        [SamplingParams(temperature=0.0)] * s, [0] * s, [[]] * s, s
+    )
+    out = run(
+        logits,
+        greedy,
+        zeros_b,
+        zeros_i,
+        jnp.zeros(s, jnp.int32),
+        num_logprobs=2,
+        token_bitmask=jnp.asarray(_mask(vocab, rows)),
+    )
     x = np.asarray(logits)
     assert int(out.token_ids[3]) == 42 and int(out.token_ids[0]) == max(
-        allowed[0], key=lambda t: x[0, t])
+        allowed[0], key=lambda t: x[0, t]
+    )
 
 
 def test_runner_applies_scheduled_bitmask_without_recompiling():
@@ -156,18 +202,28 @@ def test_runner_applies_scheduled_bitmask_without_recompiling():
 
     def drive(constrain: bool) -> tuple[dict[str, list[int]], int]:
         runner = small_runner(small)
-        sched = Scheduler(PageAllocator(runner.num_pages, PAGE_SIZE, enable_prefix_caching=False),
-                          max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
-        reqs = [Request(rid, [1, 2, 3, 4, 5], SamplingParams(temperature=1.0, seed=7, max_tokens=8,
-                                                             ignore_eos=True))
-                for rid in ("free", "bound")]
+        sched = Scheduler(
+            PageAllocator(runner.num_pages, PAGE_SIZE, enable_prefix_caching=False),
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            max_model_len=64,
+        )
+        reqs = [
+            Request(
+                rid,
+                [1, 2, 3, 4, 5],
+                SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
+            )
+            for rid in ("free", "bound")
+        ]
         for r in reqs:
             sched.add_request(r)
         sizes = set()
         while sched.has_unfinished():
             out = sched.schedule()
-            if constrain and any(s.request.request_id == "bound" and s.sample
-                                 for s in out.scheduled):
+            if constrain and any(
+                s.request.request_id == "bound" and s.sample for s in out.scheduled
+            ):
                 out.bitmask_rows = {"bound": 0}
                 out.token_bitmask = _mask(cfg.vocab_size, [allowed])
             prepared = runner.prepare(out)
@@ -194,8 +250,14 @@ def llm():
     import jaxinfer
 
     # 20 pages of 16 tokens for 18 sequences of ~40-token prompts: preemption is certain.
-    return jaxinfer.LLM(None, dtype="float32", max_model_len=256, max_num_seqs=18,
-                        max_num_batched_tokens=256, num_pages=21)
+    return jaxinfer.LLM(
+        None,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=18,
+        max_num_batched_tokens=256,
+        num_pages=21,
+    )
 
 
 @pytest.mark.slow  # the real model, compiled on the fly: ~70 s on 2 cores
@@ -208,14 +270,17 @@ def test_real_model_outputs_follow_their_constraints_at_temperature_1(llm):
         return tok.encode_chat([{"role": "user", "content": text}])
 
     def sp(n: int, **so) -> SamplingParams:
-        return SamplingParams(temperature=1.0, max_tokens=64, n=n,
-                              structured_outputs=StructuredOutputsParams(**so))
+        return SamplingParams(
+            temperature=1.0, max_tokens=64, n=n, structured_outputs=StructuredOutputsParams(**so)
+        )
 
     compact = {**SCHEMA, "x-guidance": {"whitespace_flexible": False}}
-    jobs = [(chat("Describe a person as JSON: name, age, tags."), sp(8, json=compact)),
-            (chat("Who is how old? One short sentence."), sp(4, regex=REGEX)),
-            (chat("Will it rain tomorrow?"), sp(4, choice=CHOICES)),
-            (chat("Write a sum of numbers in parentheses."), sp(2, grammar=GBNF))]
+    jobs = [
+        (chat("Describe a person as JSON: name, age, tags."), sp(8, json=compact)),
+        (chat("Who is how old? One short sentence."), sp(4, regex=REGEX)),
+        (chat("Will it rain tomorrow?"), sp(4, choice=CHOICES)),
+        (chat("Write a sum of numbers in parentheses."), sp(2, grammar=GBNF)),
+    ]
     preempted: list[str] = []
     schedule = llm.engine.scheduler.schedule
 
@@ -232,7 +297,8 @@ def test_real_model_outputs_follow_their_constraints_at_temperature_1(llm):
     assert preempted, "the test needs preemption: shrink num_pages"
     texts = [[o.text for o in out.outputs] for out in outs]
     assert [[o.finish_reason for o in out.outputs] for out in outs] == [
-        ["stop"] * len(out.outputs) for out in outs], texts
+        ["stop"] * len(out.outputs) for out in outs
+    ], texts
     for text in texts[0]:
         jsonschema.validate(json.loads(text), SCHEMA)
     assert all(re.fullmatch(REGEX, t) for t in texts[1]), texts[1]
@@ -258,9 +324,16 @@ def srv(tok):
     from serving.server import GenerateServer
     from serving.testing import FakeRunner, ServerThread, fake_engine
 
-    engine = fake_engine(tok, FakeRunner(step_delay=0.001), name="fake", page_size=16,
-                         num_pages=257, max_model_len=512, max_num_seqs=16,
-                         max_num_batched_tokens=256)
+    engine = fake_engine(
+        tok,
+        FakeRunner(step_delay=0.001),
+        name="fake",
+        page_size=16,
+        num_pages=257,
+        max_model_len=512,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+    )
     st = ServerThread(GenerateServer(engine, max_queue=64, http_port=0))
     yield st
     st.stop()
@@ -268,38 +341,70 @@ def srv(tok):
 
 def test_http_structured_outputs(srv):
     openai = pytest.importorskip("openai")
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{srv.server.http_port}/v1", api_key="x",
-                       max_retries=0) as c:
+    with openai.OpenAI(
+        base_url=f"http://127.0.0.1:{srv.server.http_port}/v1", api_key="x", max_retries=0
+    ) as c:
         msgs = [{"role": "user", "content": "pick"}]
-        r = c.chat.completions.create(model="fake", messages=msgs, n=6, seed=3, max_tokens=20,
-                                      extra_body={"structured_outputs": {"choice": CHOICES}})
-        assert all(ch.message.content in CHOICES and ch.finish_reason == "stop"
-                   for ch in r.choices)
-        r = c.completions.create(model="fake", prompt="x", n=4, max_tokens=30,
-                                 extra_body={"structured_outputs": {"regex": REGEX}})
+        r = c.chat.completions.create(
+            model="fake",
+            messages=msgs,
+            n=6,
+            seed=3,
+            max_tokens=20,
+            extra_body={"structured_outputs": {"choice": CHOICES}},
+        )
+        assert all(ch.message.content in CHOICES and ch.finish_reason == "stop" for ch in r.choices)
+        r = c.completions.create(
+            model="fake",
+            prompt="x",
+            n=4,
+            max_tokens=30,
+            extra_body={"structured_outputs": {"regex": REGEX}},
+        )
         assert all(re.fullmatch(REGEX, ch.text) for ch in r.choices)
-        enum = {"type": "object", "properties": {"c": {"enum": ["red", "green"]}},
-                "required": ["c"], "additionalProperties": False,
-                "x-guidance": {"whitespace_flexible": False}}
+        enum = {
+            "type": "object",
+            "properties": {"c": {"enum": ["red", "green"]}},
+            "required": ["c"],
+            "additionalProperties": False,
+            "x-guidance": {"whitespace_flexible": False},
+        }
         stream = c.chat.completions.create(
-            model="fake", messages=msgs, max_tokens=30, stream=True,
-            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": enum}})
+            model="fake",
+            messages=msgs,
+            max_tokens=30,
+            stream=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": enum}},
+        )
         text = "".join(ch.choices[0].delta.content or "" for ch in stream)
         jsonschema.validate(json.loads(text), enum)
         with pytest.raises(openai.BadRequestError) as info:
-            c.chat.completions.create(model="fake", messages=msgs, response_format={
-                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}})
-        assert "response_format.json_schema.schema is invalid: Invalid type: bogus" in \
-            info.value.body["message"]
+            c.chat.completions.create(
+                model="fake",
+                messages=msgs,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+                },
+            )
+        assert (
+            "response_format.json_schema.schema is invalid: Invalid type: bogus"
+            in info.value.body["message"]
+        )
         with pytest.raises(openai.BadRequestError, match="structured_outputs.regex is invalid"):
-            c.completions.create(model="fake", prompt="x",
-                                 extra_body={"structured_outputs": {"regex": "a(b"}})
+            c.completions.create(
+                model="fake", prompt="x", extra_body={"structured_outputs": {"regex": "a(b"}}
+            )
         with pytest.raises(openai.BadRequestError, match="exactly one"):
-            c.completions.create(model="fake", prompt="x", extra_body={
-                "structured_outputs": {"regex": "a", "choice": ["b"]}})
+            c.completions.create(
+                model="fake",
+                prompt="x",
+                extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}},
+            )
         with pytest.raises(openai.BadRequestError, match="json_schema.schema is required"):
-            c.chat.completions.create(model="fake", messages=msgs,
-                                      response_format={"type": "json_schema"})
+            c.chat.completions.create(
+                model="fake", messages=msgs, response_format={"type": "json_schema"}
+            )
 
 
 def test_grpc_structured_outputs(srv):
@@ -309,20 +414,32 @@ def test_grpc_structured_outputs(srv):
     c = GenerateClient(srv.address)
     try:
         for seed in range(4):
-            req = pb.GenerateRequest(prompt="pick", sampling=pb.SamplingParams(
-                max_tokens=20, seed=seed, structured_outputs=pb.StructuredOutputs(
-                    choice=pb.Choices(choices=CHOICES))))
+            req = pb.GenerateRequest(
+                prompt="pick",
+                sampling=pb.SamplingParams(
+                    max_tokens=20,
+                    seed=seed,
+                    structured_outputs=pb.StructuredOutputs(choice=pb.Choices(choices=CHOICES)),
+                ),
+            )
             msg = c.stub.GenerateOnce(req)
             assert msg.text in CHOICES and msg.finish_reason == pb.GenerateResponse.STOP
-        bad = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(
-            structured_outputs=pb.StructuredOutputs(json_schema='{"type": "bogus"}')))
+        bad = pb.GenerateRequest(
+            prompt="x",
+            sampling=pb.SamplingParams(
+                structured_outputs=pb.StructuredOutputs(json_schema='{"type": "bogus"}')
+            ),
+        )
         with pytest.raises(grpc.RpcError) as info:
             c.stub.GenerateOnce(bad)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "sampling.structured_outputs.json_schema is invalid: Invalid type: bogus" in \
-            info.value.details()
-        empty = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(
-            structured_outputs=pb.StructuredOutputs()))
+        assert (
+            "sampling.structured_outputs.json_schema is invalid: Invalid type: bogus"
+            in info.value.details()
+        )
+        empty = pb.GenerateRequest(
+            prompt="x", sampling=pb.SamplingParams(structured_outputs=pb.StructuredOutputs())
+        )
         with pytest.raises(grpc.RpcError, match="sampling.structured_outputs: one of json_schema"):
             c.stub.GenerateOnce(empty)
     finally:
@@ -337,18 +454,27 @@ def test_async_engine_stays_async_while_constrained(tok):
     from serving.testing import FakeRunner, fake_engine, fake_stream
 
     runner = FakeRunner()
-    engine = fake_engine(tok, runner, page_size=16, num_pages=257, max_model_len=512,
-                         max_num_seqs=8, max_num_batched_tokens=256)
+    engine = fake_engine(
+        tok,
+        runner,
+        page_size=16,
+        num_pages=257,
+        max_model_len=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+    )
     assert engine.async_scheduling and engine.core.split_sampling
-    bound = SamplingParams(max_tokens=20, n=3, seed=5,
-                           structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    bound = SamplingParams(
+        max_tokens=20, n=3, seed=5, structured_outputs=StructuredOutputsParams(choice=CHOICES)
+    )
     engine.add_request([1000, 1002], bound, request_id="bound")
     assert engine.step() == []  # the prefill is in flight: its tokens come with the next call
     assert runner.deferred_steps == 1
     first = engine.step()
     assert sorted(d.index for d in first) == [0, 1, 2] and runner.deferred_steps == 2
-    engine.add_request([1000, 1001], SamplingParams(max_tokens=40, ignore_eos=True),
-                       request_id="free")
+    engine.add_request(
+        [1000, 1001], SamplingParams(max_tokens=40, ignore_eos=True), request_id="free"
+    )
     deltas = list(first)
     while engine.core.structured.active:
         deltas += engine.step()
@@ -356,8 +482,10 @@ def test_async_engine_stays_async_while_constrained(tok):
     deltas += wait_all(engine, timeout=30)
     ids = [t for d in deltas if d.request_id == "free" for t in d.new_token_ids]
     assert ids == fake_stream([1000, 1001], 40)
-    texts = {i: "".join(d.new_text for d in deltas if d.request_id == "bound" and d.index == i)
-             for i in range(3)}
+    texts = {
+        i: "".join(d.new_text for d in deltas if d.request_id == "bound" and d.index == i)
+        for i in range(3)
+    }
     assert all(t in CHOICES for t in texts.values()), texts
     assert not engine.core.structured.active  # every matcher dropped with its request
 
@@ -372,8 +500,9 @@ def test_tokenizer_llguidance_cannot_read_falls_back_to_its_pieces(tmp_path):
     from jaxinfer.tokenizer import Tokenizer
 
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(29)]
-    hf = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
-                                               unk_token="<unk>"))
+    hf = tokenizers.Tokenizer(
+        models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+    )
     hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     hf.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
@@ -401,8 +530,9 @@ def small_tok(tmp_path_factory):
     from jaxinfer.tokenizer import Tokenizer
 
     words = WORDS + [f"w{i}" for i in range(512 - len(WORDS))]
-    hf = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
-                                               unk_token="<unk>"))
+    hf = tokenizers.Tokenizer(
+        models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+    )
     hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     path = tmp_path_factory.mktemp("small_tok")
     hf.save(str(path / "tokenizer.json"))
@@ -423,10 +553,15 @@ def _small_core(small_tok):
     cfg = ModelConfig.from_hf(SMALL)
     params = init_random(llama.param_specs(cfg), jax.random.key(0))
     params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)
-    config = EngineConfig(page_size=PAGE_SIZE, num_pages=13, max_model_len=MAX_MODEL_LEN,
-                          max_num_seqs=4, max_num_batched_tokens=16, enable_prefix_caching=False)
-    return EngineCore(cfg, None, config, runner=small_runner((cfg, params)),
-                      tokenizer=small_tok[0])
+    config = EngineConfig(
+        page_size=PAGE_SIZE,
+        num_pages=13,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
+    return EngineCore(cfg, None, config, runner=small_runner((cfg, params)), tokenizer=small_tok[0])
 
 
 def _drive_core(core, requests) -> tuple[dict[str, list[int]], dict[str, str], int]:
@@ -474,10 +609,18 @@ def test_core_stays_async_with_constrained_rows_and_matches_the_fused_path(small
         out = []
         for i in range(4):
             bound = constrained and i % 2 == 0
-            sp = SamplingParams(temperature=1.0, seed=100 + i, max_tokens=14, ignore_eos=not bound,
-                                structured_outputs=so if bound else None)
-            out.append(CoreRequest(f"r{i}", [5 + i, 40, 41, 42, 43 + i, 7, 8, 9, 10], sp,
-                                   eos_token_ids=(2,)))
+            sp = SamplingParams(
+                temperature=1.0,
+                seed=100 + i,
+                max_tokens=14,
+                ignore_eos=not bound,
+                structured_outputs=so if bound else None,
+            )
+            out.append(
+                CoreRequest(
+                    f"r{i}", [5 + i, 40, 41, 42, 43 + i, 7, 8, 9, 10], sp, eos_token_ids=(2,)
+                )
+            )
         return out
 
     core = _small_core(small_tok)
@@ -503,8 +646,9 @@ def test_core_stays_async_with_constrained_rows_and_matches_the_fused_path(small
     assert fused_in_flight == 0
     assert {rid[1:]: ids for rid, ids in fused.items()} == split
     core.runner.split_sampling = True  # synchronous steps, split: the same again
-    sync_split, _, _ = _drive_core(core, [dataclasses.replace(r, request_id="s" + r.request_id)
-                                          for r in reqs()])
+    sync_split, _, _ = _drive_core(
+        core, [dataclasses.replace(r, request_id="s" + r.request_id) for r in reqs()]
+    )
     assert {rid[1:]: ids for rid, ids in sync_split.items()} == split
     core.runner.split_sampling = False
     solo = {}
@@ -530,15 +674,19 @@ def test_failed_split_step_loses_only_its_constrained_request(tok):
     engine.add_request([1000, 1001], greedy, request_id="a")
     deltas = engine.step() + engine.step()  # a's prefill, then its last decode launched
     choice = StructuredOutputsParams(choice=CHOICES)
-    engine.add_request([1000, poison], SamplingParams(max_tokens=8, structured_outputs=choice),
-                       request_id="p")
+    engine.add_request(
+        [1000, poison], SamplingParams(max_tokens=8, structured_outputs=choice), request_id="p"
+    )
     with pytest.raises(RuntimeError, match="poisoned"):
         engine.step()  # p's split step: its sampler half raises after a's step landed
     assert runner.deferred_steps == 1
     assert engine.failed_request_ids == ["p"]
     engine.abort("p")
-    engine.add_request([1000, 1002], SamplingParams(max_tokens=8, seed=3, structured_outputs=choice),
-                       request_id="ok")
+    engine.add_request(
+        [1000, 1002],
+        SamplingParams(max_tokens=8, seed=3, structured_outputs=choice),
+        request_id="ok",
+    )
     for _ in range(40):
         deltas += engine.step()
         if not engine.has_unfinished():
@@ -546,7 +694,8 @@ def test_failed_split_step_loses_only_its_constrained_request(tok):
     assert not engine.has_unfinished()
     got = {d.request_id: d for d in deltas if d.finished}
     assert [t for d in deltas if d.request_id == "a" for t in d.new_token_ids] == fake_stream(
-        [1000, 1001], 2)
+        [1000, 1001], 2
+    )
     assert got["a"].finish_reason == "length" and got["p"].finish_reason == "abort"
     assert "".join(d.new_text for d in deltas if d.request_id == "ok") in CHOICES
     assert not engine.core.structured.active

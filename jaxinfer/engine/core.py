@@ -62,24 +62,36 @@ class EngineLimits:
     num_pages: int  # usable pages of one data replica (a request lives in one replica)
 
 
-def check_prompt(ids: Sequence[int], sampling: SamplingParams, limits: EngineLimits, *,
-                 field: str = "prompt", max_tokens_field: str = "max_tokens") -> None:
+def check_prompt(
+    ids: Sequence[int],
+    sampling: SamplingParams,
+    limits: EngineLimits,
+    *,
+    field: str = "prompt",
+    max_tokens_field: str = "max_tokens",
+) -> None:
     """The one prompt-length / vocabulary / page check every entry point calls (ValueError);
     a structured-output constraint must compile too."""
     if not ids:
         raise ValueError(f"{field} is empty (no tokens)")
     for i, t in enumerate(ids):
         if not 0 <= t < limits.vocab_size:
-            raise ValueError(f"{field}[{i}] = {t} is outside the vocabulary [0, {limits.vocab_size})")
+            raise ValueError(
+                f"{field}[{i}] = {t} is outside the vocabulary [0, {limits.vocab_size})"
+            )
     n, m = len(ids), sampling.max_tokens
     if n + m > limits.max_model_len:
-        raise ValueError(f"{max_tokens_field}: prompt of {n} tokens + max_tokens={m} exceeds "
-                         f"max_model_len={limits.max_model_len}")
+        raise ValueError(
+            f"{max_tokens_field}: prompt of {n} tokens + max_tokens={m} exceeds "
+            f"max_model_len={limits.max_model_len}"
+        )
     # The last sampled token is never computed: at most n + m - 1 tokens hold K/V.
     pages = -(-(n + m - 1) // limits.page_size)
     if pages > limits.num_pages:
-        raise ValueError(f"{max_tokens_field}: prompt of {n} tokens + max_tokens={m} needs {pages} "
-                         f"KV-cache pages, the cache has {limits.num_pages}")
+        raise ValueError(
+            f"{max_tokens_field}: prompt of {n} tokens + max_tokens={m} needs {pages} "
+            f"KV-cache pages, the cache has {limits.num_pages}"
+        )
     if sampling.structured_outputs is not None:
         structured.validate(sampling.structured_outputs)
 
@@ -126,12 +138,24 @@ def to_wire(out: TokenOutput) -> list:
     """A msgpack-able list (the engine-core process sends these, one message per step)."""
     if out.logprobs is None and out.prompt_logprobs is None:
         return list(out)
-    plp = None if out.prompt_logprobs is None else [
-        [p, _lp_wire(lp)] for p, lp in out.prompt_logprobs.items()]
+    plp = (
+        None
+        if out.prompt_logprobs is None
+        else [[p, _lp_wire(lp)] for p, lp in out.prompt_logprobs.items()]
+    )
     lps = None if out.logprobs is None else [_lp_wire(lp) for lp in out.logprobs]
-    return [out.request_id, out.new_token_ids, lps, plp, out.finished,
-            out.finish_reason, out.stop_reason, out.num_prompt_tokens, out.num_output_tokens,
-            out.num_cached_tokens]
+    return [
+        out.request_id,
+        out.new_token_ids,
+        lps,
+        plp,
+        out.finished,
+        out.finish_reason,
+        out.stop_reason,
+        out.num_prompt_tokens,
+        out.num_output_tokens,
+        out.num_cached_tokens,
+    ]
 
 
 def from_wire(w: list) -> TokenOutput:
@@ -140,8 +164,13 @@ def from_wire(w: list) -> TokenOutput:
     return TokenOutput(w[0], list(w[1]), lps, plp, *w[4:])
 
 
-def _proposer(spec: SpeculativeConfig | None, cfg: ModelConfig, config: EngineConfig,
-              draft: Any, **backends: str | None) -> Any:
+def _proposer(
+    spec: SpeculativeConfig | None,
+    cfg: ModelConfig,
+    config: EngineConfig,
+    draft: Any,
+    **backends: str | None,
+) -> Any:
     """What the scheduler asks for speculative tokens (None: off). The draft model is `draft`
     (a `LoadedModel`) when given, else loaded from `speculative_config.model`."""
     if spec is None:
@@ -156,15 +185,24 @@ def _proposer(spec: SpeculativeConfig | None, cfg: ModelConfig, config: EngineCo
         draft = load_model(spec.model, dtype=config.dtype)
     dcfg, dparams = draft.cfg, draft.params
     if dcfg.vocab_size != cfg.vocab_size:
-        raise ValueError(f"speculative_config.model: the draft's vocabulary has {dcfg.vocab_size} "
-                         f"tokens, the target's {cfg.vocab_size}")
+        raise ValueError(
+            f"speculative_config.model: the draft's vocabulary has {dcfg.vocab_size} "
+            f"tokens, the target's {cfg.vocab_size}"
+        )
     if spec.draft_num_layers is not None:
         dcfg, dparams = truncate(dcfg, dparams, spec.draft_num_layers)
-    return DraftProposer(dcfg, dparams, num_speculative_tokens=spec.num_speculative_tokens,
-                         page_size=config.page_size, num_pages=config.num_pages,
-                         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-                         max_num_batched_tokens=config.max_num_batched_tokens,
-                         dtype=config.dtype, **backends)
+    return DraftProposer(
+        dcfg,
+        dparams,
+        num_speculative_tokens=spec.num_speculative_tokens,
+        page_size=config.page_size,
+        num_pages=config.num_pages,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        dtype=config.dtype,
+        **backends,
+    )
 
 
 def default_kv_cache_memory() -> int:
@@ -194,26 +232,46 @@ class EngineCore:
         `structured_outputs` are refused).
     """
 
-    def __init__(self, cfg: ModelConfig, params: Any, config: EngineConfig, *,
-                 attention_backend: str | None = None, linear_backend: str | None = None,
-                 runner: Any = None, draft: Any = None, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Any,
+        config: EngineConfig,
+        *,
+        attention_backend: str | None = None,
+        linear_backend: str | None = None,
+        runner: Any = None,
+        draft: Any = None,
+        tokenizer: Any = None,
+    ) -> None:
         self.cfg = cfg
-        self.structured = (structured.StructuredOutputs(tokenizer, cfg.vocab_size)
-                           if tokenizer is not None else None)
+        self.structured = (
+            structured.StructuredOutputs(tokenizer, cfg.vocab_size)
+            if tokenizer is not None
+            else None
+        )
         max_model_len = config.max_model_len or cfg.max_position_embeddings
         if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                             f"max_position_embeddings={cfg.max_position_embeddings}")
-        sizes = shd.check_mesh(cfg, config.mesh, num_devices=len(jax.devices()),
-                               max_num_seqs=config.max_num_seqs, num_pages=config.num_pages)
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's "
+                f"max_position_embeddings={cfg.max_position_embeddings}"
+            )
+        sizes = shd.check_mesh(
+            cfg,
+            config.mesh,
+            num_devices=len(jax.devices()),
+            max_num_seqs=config.max_num_seqs,
+            num_pages=config.num_pages,
+        )
         self.mesh = shd.make_mesh(config.mesh or None)
         data, shards = sizes[shd.DATA], shd.Parallel(**sizes).dense
         # Bytes one page takes on one device (its share of the KV heads, as fp8 rows with
         # kv_cache_dtype='fp8'; MLA: the latent rows).
         itemsize = 4 if config.dtype == "float32" else 2
         family = family_of(cfg)
-        token_bytes = family.kv_cache_bytes_per_token(cfg, shd.Parallel(**sizes), itemsize,
-                                                      config.kv_cache_dtype)
+        token_bytes = family.kv_cache_bytes_per_token(
+            cfg, shd.Parallel(**sizes), itemsize, config.kv_cache_dtype
+        )
         page_bytes = config.page_size * token_bytes
         pages_for_all = (config.max_num_seqs // data) * -(-max_model_len // config.page_size) + 1
         num_pages = config.num_pages
@@ -221,37 +279,63 @@ class EngineCore:
             budget = config.kv_cache_memory or default_kv_cache_memory()
             num_pages = min(budget // page_bytes, pages_for_all)
             if num_pages < 2:
-                raise ValueError(f"kv_cache_memory={budget} bytes holds fewer than 2 pages of "
-                                 f"{page_bytes} bytes; give more memory or a smaller page_size")
+                raise ValueError(
+                    f"kv_cache_memory={budget} bytes holds fewer than 2 pages of "
+                    f"{page_bytes} bytes; give more memory or a smaller page_size"
+                )
             num_pages *= data
-        self.config = dataclasses.replace(config, num_pages=int(num_pages),
-                                          max_model_len=max_model_len)
+        self.config = dataclasses.replace(
+            config, num_pages=int(num_pages), max_model_len=max_model_len
+        )
         self.max_model_len = max_model_len
-        self.allocators = [PageAllocator(self.config.num_pages // data, config.page_size,
-                                         config.enable_prefix_caching) for _ in range(data)]
+        self.allocators = [
+            PageAllocator(
+                self.config.num_pages // data, config.page_size, config.enable_prefix_caching
+            )
+            for _ in range(data)
+        ]
         spec = config.speculative_config
         spec_seqs = min(spec.disable_by_batch_size, config.max_num_seqs) if spec else 0
         if spec is not None and (data > 1 or sizes[shd.PIPELINE] > 1):
-            raise ValueError(f"speculative_config: not supported with mesh data={data} / "
-                             f"pipeline={sizes[shd.PIPELINE]} (one replica, no stages)")
-        self.proposer = _proposer(spec, cfg, self.config, draft, attention_backend=attention_backend,
-                                  linear_backend=linear_backend)
-        self.scheduler = Scheduler(self.allocators, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=max_model_len,
-                                   long_prefill_token_threshold=config.long_prefill_token_threshold,
-                                   proposer=self.proposer,
-                                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                                   spec_max_requests=spec_seqs)
+            raise ValueError(
+                f"speculative_config: not supported with mesh data={data} / "
+                f"pipeline={sizes[shd.PIPELINE]} (one replica, no stages)"
+            )
+        self.proposer = _proposer(
+            spec,
+            cfg,
+            self.config,
+            draft,
+            attention_backend=attention_backend,
+            linear_backend=linear_backend,
+        )
+        self.scheduler = Scheduler(
+            self.allocators,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            proposer=self.proposer,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            spec_max_requests=spec_seqs,
+        )
         if runner is None:
-            runner = ModelRunner(cfg, params, page_size=config.page_size,
-                                 num_pages=self.config.num_pages, max_model_len=max_model_len,
-                                 max_num_seqs=config.max_num_seqs,
-                                 max_num_batched_tokens=config.max_num_batched_tokens,
-                                 dtype=config.dtype, attention_backend=attention_backend,
-                                 linear_backend=linear_backend, mesh=self.mesh,
-                                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                                 spec_max_seqs=spec_seqs, kv_cache_dtype=config.kv_cache_dtype)
+            runner = ModelRunner(
+                cfg,
+                params,
+                page_size=config.page_size,
+                num_pages=self.config.num_pages,
+                max_model_len=max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                dtype=config.dtype,
+                attention_backend=attention_backend,
+                linear_backend=linear_backend,
+                mesh=self.mesh,
+                num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                spec_max_seqs=spec_seqs,
+                kv_cache_dtype=config.kv_cache_dtype,
+            )
         self.runner = runner
         self._in_flight: Launched | None = None  # async scheduling: the step still running
         self._ready: list[TokenOutput] = []  # outputs of a step finished while the next one failed
@@ -262,7 +346,9 @@ class EngineCore:
         self.num_steps = 0
         self.num_generated = 0
         if params is not None and runner is not None and hasattr(runner, "bytes_per_device"):
-            gain = family.kv_cache_bytes_per_token(cfg, shd.Parallel(**sizes), itemsize) / token_bytes
+            gain = (
+                family.kv_cache_bytes_per_token(cfg, shd.Parallel(**sizes), itemsize) / token_bytes
+            )
             self._log_capacity(data, shards, gain)
 
     def _log_capacity(self, data: int, shards: int, gain: float) -> None:
@@ -276,34 +362,55 @@ class EngineCore:
         else:
             replicated = (
                 f"; KV replicated: {self.cfg.num_kv_heads} KV heads < {shards} attention shards, each "
-                f"shard keeps a copy of the one its query heads need")
+                f"shard keeps a copy of the one its query heads need"
+            )
         logger.info(
             "KV cache (%s): %d pages x %d tokens = %d tokens (%.1f MiB); max_model_len %d -> up to "
             "%.1f concurrent full-length requests; max_num_seqs %d, max_num_batched_tokens %d; mesh "
             "%s: %d data replica(s) of %d pages, per device %.1f MiB params + %.1f MiB KV%s",
-            self._kv_storage(gain), usable, c.page_size, usable * c.page_size,
+            self._kv_storage(gain),
+            usable,
+            c.page_size,
+            usable * c.page_size,
             self.runner.kv_cache_bytes / 2**20,
-            self.max_model_len, usable * c.page_size / self.max_model_len, c.max_num_seqs,
-            c.max_num_batched_tokens, c.mesh or "single device", data,
-            self.allocators[0].num_pages, held["params"] / 2**20, held["kv_cache"] / 2**20,
-            replicated)
+            self.max_model_len,
+            usable * c.page_size / self.max_model_len,
+            c.max_num_seqs,
+            c.max_num_batched_tokens,
+            c.mesh or "single device",
+            data,
+            self.allocators[0].num_pages,
+            held["params"] / 2**20,
+            held["kv_cache"] / 2**20,
+            replicated,
+        )
 
     def _kv_storage(self, gain: float) -> str:
         """How the cache is stored, and for fp8 the token capacity `gain` over the model dtype."""
         if self.config.kv_cache_dtype != "fp8":
             return self.config.dtype
-        return (f"fp8 e4m3 + one exponent byte per {self.cfg.head_dim}-value row: "
-                f"{gain:.2f}x the tokens of {self.config.dtype} in the same memory")
+        return (
+            f"fp8 e4m3 + one exponent byte per {self.cfg.head_dim}-value row: "
+            f"{gain:.2f}x the tokens of {self.config.dtype} in the same memory"
+        )
 
     @property
     def limits(self) -> EngineLimits:
-        return EngineLimits(self.cfg.vocab_size, self.max_model_len, self.config.page_size,
-                            self.allocators[0].num_usable_pages)
+        return EngineLimits(
+            self.cfg.vocab_size,
+            self.max_model_len,
+            self.config.page_size,
+            self.allocators[0].num_usable_pages,
+        )
 
     def capacity(self) -> dict[str, int]:
         usable = sum(a.num_usable_pages for a in self.allocators)
-        return {"num_pages": usable, "page_size": self.config.page_size,
-                "max_tokens": usable * self.config.page_size, "max_model_len": self.max_model_len}
+        return {
+            "num_pages": usable,
+            "page_size": self.config.page_size,
+            "max_tokens": usable * self.config.page_size,
+            "max_model_len": self.max_model_len,
+        }
 
     def stats(self) -> dict[str, int]:
         """Load numbers over every data replica (what serving reports and logs); `spec_*` are
@@ -312,34 +419,47 @@ class EngineCore:
         usable = sum(a.num_usable_pages for a in self.allocators)
         free = sum(a.num_free_pages for a in self.allocators)
         spec = self.scheduler.spec_stats
-        return {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
-                "pages_total": usable, "pages_used": usable - free,
-                "compiled_programs": int(getattr(self.runner, "num_compiled", 0)),
-                "steps": self.num_steps, "generated": self.num_generated,
-                "spec_steps": spec.num_spec_steps, "spec_draft_tokens": spec.num_draft_tokens,
-                "spec_accepted_tokens": spec.num_accepted_tokens}
+        return {
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "pages_total": usable,
+            "pages_used": usable - free,
+            "compiled_programs": int(getattr(self.runner, "num_compiled", 0)),
+            "steps": self.num_steps,
+            "generated": self.num_generated,
+            "spec_steps": spec.num_spec_steps,
+            "spec_draft_tokens": spec.num_draft_tokens,
+            "spec_accepted_tokens": spec.num_accepted_tokens,
+        }
 
     def info(self) -> dict[str, Any]:
         """Static facts a front end reports (msgpack-able)."""
         devices = jax.devices()
-        return {"capacity": self.capacity(), "limits": dataclasses.asdict(self.limits),
-                "max_num_seqs": self.config.max_num_seqs,
-                "max_num_batched_tokens": self.config.max_num_batched_tokens,
-                "page_size": self.config.page_size, "dtype": self.config.dtype,
-                "quantization": self.config.quantization,
-                "kv_cache_dtype": self.config.kv_cache_dtype,
-                "attention_backend": str(getattr(self.runner, "attention_backend", "")),
-                "linear_backend": str(getattr(self.runner, "linear_backend", "")),
-                "mesh_shape": {str(k): int(v) for k, v in self.mesh.shape.items()}
-                if self.config.mesh else {},
-                "devices": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})"}
+        return {
+            "capacity": self.capacity(),
+            "limits": dataclasses.asdict(self.limits),
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "page_size": self.config.page_size,
+            "dtype": self.config.dtype,
+            "quantization": self.config.quantization,
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "attention_backend": str(getattr(self.runner, "attention_backend", "")),
+            "linear_backend": str(getattr(self.runner, "linear_backend", "")),
+            "mesh_shape": {str(k): int(v) for k, v in self.mesh.shape.items()}
+            if self.config.mesh
+            else {},
+            "devices": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
+        }
 
     def warmup(self) -> int:
         """Compiles every program a request can need (and builds the structured-output
         tokenizer); returns how many programs exist."""
         if self.structured is not None:
             self.structured.prepare()
-        n = int(self.runner.warmup(structured=True) if self.split_sampling else self.runner.warmup())
+        n = int(
+            self.runner.warmup(structured=True) if self.split_sampling else self.runner.warmup()
+        )
         if hasattr(self.proposer, "warmup"):  # a draft model's own programs
             n += int(self.proposer.warmup())
         return n
@@ -353,8 +473,13 @@ class EngineCore:
             if self.structured is None:
                 raise ValueError("structured_outputs needs the engine core to have the tokenizer")
             self.structured.add(req.request_id, req.sampling.structured_outputs)
-        request = Request(req.request_id, list(req.prompt_token_ids), req.sampling,
-                          eos_token_ids=tuple(req.eos_token_ids), priority=req.priority)
+        request = Request(
+            req.request_id,
+            list(req.prompt_token_ids),
+            req.sampling,
+            eos_token_ids=tuple(req.eos_token_ids),
+            priority=req.priority,
+        )
         self.scheduler.add_request(request)
         self._requests[req.request_id] = request
 
@@ -372,8 +497,12 @@ class EngineCore:
                 self.structured.remove(request_id)
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished() or bool(self._aborted)
-                or self._in_flight is not None or bool(self._ready))
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self._aborted)
+            or self._in_flight is not None
+            or bool(self._ready)
+        )
 
     @property
     def async_scheduling(self) -> bool:
@@ -385,8 +514,11 @@ class EngineCore:
         """Steps sampling structured-output rows run the forward first and the sampler once their
         masks are filled (`ModelRunner.sample`); without it (a mesh, a multi-host leader, a
         runner that cannot) they step synchronously with the masks filled before the launch."""
-        return (self.structured is not None and getattr(self.runner, "split_sampling", False)
-                and getattr(self.runner, "channel", None) is None)
+        return (
+            self.structured is not None
+            and getattr(self.runner, "split_sampling", False)
+            and getattr(self.runner, "channel", None) is None
+        )
 
     def step(self) -> list[TokenOutput]:
         """One engine step. If it raises, `failed_request_ids` names the requests it lost.
@@ -400,8 +532,10 @@ class EngineCore:
         self.failed_request_ids = []
         ready, self._ready = self._ready, []
         split = self.split_sampling
-        if self._in_flight is not None and (self.scheduler.speculating() or (
-                not split and self.structured is not None and self.structured.active)):
+        if self._in_flight is not None and (
+            self.scheduler.speculating()
+            or (not split and self.structured is not None and self.structured.active)
+        ):
             previous, self._in_flight = self._in_flight, None
             try:
                 ready += self._finish_launched(previous)
@@ -431,8 +565,11 @@ class EngineCore:
         previous, self._in_flight = self._in_flight, None
         try:
             with self._failing(sched.scheduled):
-                self._in_flight = (self.runner.launch(sched, defer_sampling=True) if split
-                                   else self.runner.launch(sched))
+                self._in_flight = (
+                    self.runner.launch(sched, defer_sampling=True)
+                    if split
+                    else self.runner.launch(sched)
+                )
         except Exception:
             lost, self._ready = self.failed_request_ids, ready
             if previous is not None:  # not lost: its outputs come with the next call
@@ -473,14 +610,20 @@ class EngineCore:
     def _constrained(self, sched: Any) -> bool:
         """Some row this step samples belongs to a structured-output request."""
         so = self.structured
-        return so is not None and so.active and any(
-            s.sample and so.has(s.request.request_id) for s in sched.scheduled)
+        return (
+            so is not None
+            and so.active
+            and any(s.sample and so.has(s.request.request_id) for s in sched.scheduled)
+        )
 
     def _fill_bitmask(self, sched: Any) -> None:
         """The allowed-token bitmask of every constrained request this step samples."""
         assert self.structured is not None
-        ids = [s.request.request_id for s in sched.scheduled
-               if s.sample and self.structured.has(s.request.request_id)]
+        ids = [
+            s.request.request_id
+            for s in sched.scheduled
+            if s.sample and self.structured.has(s.request.request_id)
+        ]
         if ids:
             sched.bitmask_rows = {rid: k for k, rid in enumerate(ids)}
             sched.token_bitmask = self.structured.fill(ids)
@@ -513,10 +656,17 @@ class EngineCore:
             if so is not None:
                 so.remove(req.request_id)
             if self._requests.pop(req.request_id, None) is not None:
-                outputs.append(TokenOutput(req.request_id, [], finished=True, finish_reason="abort",
-                                           num_prompt_tokens=req.num_prompt_tokens,
-                                           num_output_tokens=req.num_output_tokens,
-                                           num_cached_tokens=req.num_cached_tokens))
+                outputs.append(
+                    TokenOutput(
+                        req.request_id,
+                        [],
+                        finished=True,
+                        finish_reason="abort",
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        num_output_tokens=req.num_output_tokens,
+                        num_cached_tokens=req.num_cached_tokens,
+                    )
+                )
         self._aborted = []
         # NOTE: every prefill chunk brings prompt logprobs, but only the last one samples (and
         # so has an update): report them whenever the runner returns them.
@@ -525,7 +675,11 @@ class EngineCore:
         if so is not None and not so.active:
             so = None  # no matcher to advance: keep the hot loop as it was
         generated = 0
-        for req, new_ids, done in updates:  # NOTE: a hot loop (one pass per sampled request per step)
+        for (
+            req,
+            new_ids,
+            done,
+        ) in updates:  # NOTE: a hot loop (one pass per sampled request per step)
             rid = req.request_id
             if rid not in live:
                 continue  # finished outside (a stop string) while this step ran
@@ -537,11 +691,24 @@ class EngineCore:
                     so.advance(rid, list(new_ids))
             lps = None
             if logprobs and rid in logprobs:  # accepted proposals' first, cut where a stop cut
-                lps = (out.draft_logprobs.get(rid, []) + [logprobs[rid]])[:len(new_ids)]
-            outputs.append(_new_tuple(TokenOutput, (
-                rid, new_ids, lps, prompt_lps.pop(rid, None) if prompt_lps else None, done,
-                req.finish_reason if done else None, req.stop_reason if done else None,
-                len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens)))
+                lps = (out.draft_logprobs.get(rid, []) + [logprobs[rid]])[: len(new_ids)]
+            outputs.append(
+                _new_tuple(
+                    TokenOutput,
+                    (
+                        rid,
+                        new_ids,
+                        lps,
+                        prompt_lps.pop(rid, None) if prompt_lps else None,
+                        done,
+                        req.finish_reason if done else None,
+                        req.stop_reason if done else None,
+                        len(req.prompt_token_ids),
+                        len(req.output_token_ids),
+                        req.num_cached_tokens,
+                    ),
+                )
+            )
             if done:
                 del live[rid]
         self.num_generated += generated

@@ -50,8 +50,13 @@ OnMessage = Callable[[Message], None]
 
 
 def request_to_wire(r: CoreRequest) -> list:
-    return [r.request_id, r.prompt_token_ids, dataclasses.asdict(r.sampling), list(r.eos_token_ids),
-            r.priority]
+    return [
+        r.request_id,
+        r.prompt_token_ids,
+        dataclasses.asdict(r.sampling),
+        list(r.eos_token_ids),
+        r.priority,
+    ]
 
 
 def request_from_wire(w: list) -> CoreRequest:
@@ -98,8 +103,11 @@ class _Tracer:
             self.on, self.left = False, 0
             try:
                 jax.profiler.stop_trace()
-                logger.info("profiler trace written to %s (open with: tensorboard --logdir %s)",
-                            self.dir, self.dir)
+                logger.info(
+                    "profiler trace written to %s (open with: tensorboard --logdir %s)",
+                    self.dir,
+                    self.dir,
+                )
             except Exception:  # noqa: BLE001
                 logger.exception("could not stop the profiler trace")
 
@@ -145,8 +153,12 @@ def spaced_young_collections() -> Iterator[None]:
         gc.set_threshold(*before)
 
 
-def run_core_loop(core: EngineCore, recv: Callable[[float | None], list[Message]],
-                  send: Callable[[Message], None], options: LoopOptions) -> None:
+def run_core_loop(
+    core: EngineCore,
+    recv: Callable[[float | None], list[Message]],
+    send: Callable[[Message], None],
+    options: LoopOptions,
+) -> None:
     """Drives `core` until a "shutdown" message (see the module docstring).
 
     Args:
@@ -189,8 +201,9 @@ def run_core_loop(core: EngineCore, recv: Callable[[float | None], list[Message]
                 failures += 1
                 lost, outputs = list(core.failed_request_ids), []
                 error = f"engine step failed: {type(e).__name__}: {e}"
-                logger.exception("engine step failed; failing the %d requests it scheduled: %s",
-                                 len(lost), lost)
+                logger.exception(
+                    "engine step failed; failing the %d requests it scheduled: %s", len(lost), lost
+                )
                 for rid in lost:
                     core.abort(rid)
             busy = core.num_steps > steps
@@ -243,7 +256,9 @@ class ThreadCoreClient:
         def recv(timeout: float | None) -> list[Message]:
             msgs = []
             try:
-                msgs.append(self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait())
+                msgs.append(
+                    self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
+                )
                 while True:
                     msgs.append(self._inbox.get_nowait())
             except queue.Empty:
@@ -288,8 +303,9 @@ def _core_process_main(spec: CoreSpec, in_addr: str, out_addr: str, parent_pid: 
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end drains, then says "shutdown"
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=spec.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    logging.basicConfig(
+        level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s"
+    )
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.connect(in_addr)
@@ -349,12 +365,16 @@ class ProcessCoreClient:
         self._in = self._ctx.socket(zmq.PULL)  # core -> front end
         self._in.bind(out_addr)
         self.process = multiprocessing.get_context("spawn").Process(
-            target=_core_process_main, args=(self.spec, in_addr, out_addr, os.getpid()),
-            name="jaxinfer-engine-core", daemon=True)
+            target=_core_process_main,
+            args=(self.spec, in_addr, out_addr, os.getpid()),
+            name="jaxinfer-engine-core",
+            daemon=True,
+        )
         self.process.start()
         logger.info("engine core process %d started", self.process.pid)
-        self._thread = threading.Thread(target=self._receive, args=(on_message,),
-                                        name="engine-core-receiver", daemon=True)
+        self._thread = threading.Thread(
+            target=self._receive, args=(on_message,), name="engine-core-receiver", daemon=True
+        )
         self._thread.start()
 
     def _receive(self, on_message: OnMessage) -> None:
@@ -412,5 +432,12 @@ def wire_outputs(msg: Message) -> list:
     return [from_wire(w) if isinstance(w, list) else w for w in msg[1]]
 
 
-__all__ = ["CoreSpec", "LoopOptions", "ProcessCoreClient", "ThreadCoreClient", "request_to_wire",
-           "run_core_loop", "wire_outputs"]
+__all__ = [
+    "CoreSpec",
+    "LoopOptions",
+    "ProcessCoreClient",
+    "ThreadCoreClient",
+    "request_to_wire",
+    "run_core_loop",
+    "wire_outputs",
+]

@@ -35,13 +35,24 @@ from jaxinfer.engine.output import OutputProcessor, RequestDelta, SampleSpec, Us
 from jaxinfer.loader import LoadedModel
 from jaxinfer.sampling_params import SamplingParams
 
-__all__ = ["LLMEngine", "RequestDelta", "Usage", "default_kv_cache_memory", "split_samples",
-           "wait_all"]
+__all__ = [
+    "LLMEngine",
+    "RequestDelta",
+    "Usage",
+    "default_kv_cache_memory",
+    "split_samples",
+    "wait_all",
+]
 
 
-def split_samples(request_id: str, ids: list[int], sampling: SamplingParams, *,
-                  eos_token_ids: tuple[int, ...], priority: int = 0,
-                  ) -> tuple[list[CoreRequest], list[SampleSpec]]:
+def split_samples(
+    request_id: str,
+    ids: list[int],
+    sampling: SamplingParams,
+    *,
+    eos_token_ids: tuple[int, ...],
+    priority: int = 0,
+) -> tuple[list[CoreRequest], list[SampleSpec]]:
     """One request of `n` samples -> n child requests for the core and n specs for the output
     processor (child ids `rid#i` when n > 1, seeds spread so samples differ)."""
     core, specs = [], []
@@ -51,22 +62,36 @@ def split_samples(request_id: str, ids: list[int], sampling: SamplingParams, *,
             child_sp = dataclasses.replace(sampling, seed=(sampling.seed + 7919 * i) % 2**63)
         cid = request_id if sampling.n == 1 else f"{request_id}#{i}"
         core.append(CoreRequest(cid, list(ids), child_sp, eos_token_ids, priority))
-        specs.append(SampleSpec(cid, i, ids, list(sampling.stop or []),
-                                sampling.prompt_logprobs is not None))
+        specs.append(
+            SampleSpec(cid, i, ids, list(sampling.stop or []), sampling.prompt_logprobs is not None)
+        )
     return core, specs
 
 
 class LLMEngine:
-    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, *,
-                 attention_backend: str | None = None, linear_backend: str | None = None,
-                 runner: Any = None, draft: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: EngineConfig | None = None,
+        *,
+        attention_backend: str | None = None,
+        linear_backend: str | None = None,
+        runner: Any = None,
+        draft: LoadedModel | None = None,
+    ) -> None:
         """`draft`: the draft model of speculative_config method "draft_model" (default: loaded
         from `speculative_config.model`)."""
         self.model, self.tokenizer, self.cfg = model, model.tokenizer, model.cfg
-        self.core = EngineCore(model.cfg, model.params, config or EngineConfig(dtype=model.dtype),
-                               attention_backend=attention_backend,
-                               linear_backend=linear_backend, runner=runner, draft=draft,
-                               tokenizer=model.tokenizer)
+        self.core = EngineCore(
+            model.cfg,
+            model.params,
+            config or EngineConfig(dtype=model.dtype),
+            attention_backend=attention_backend,
+            linear_backend=linear_backend,
+            runner=runner,
+            draft=draft,
+            tokenizer=model.tokenizer,
+        )
         self.config, self.max_model_len = self.core.config, self.core.max_model_len
         self.mesh = self.core.mesh
         self.outputs = OutputProcessor(self.tokenizer)
@@ -112,14 +137,22 @@ class LLMEngine:
     def warmup(self) -> int:
         return self.core.warmup()
 
-    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
-                    request_id: str | None = None, priority: int = 0) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
         """Validates, tokenizes and queues a request; returns its id. Bad input raises ValueError."""
         sampling = sampling or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self.tokenizer is None and (isinstance(prompt, str) or sampling.stop):
-            raise ValueError("the model was loaded with skip_tokenizer_init=True: pass the prompt "
-                             "as token ids and stop on token ids (stop_token_ids), not strings")
+            raise ValueError(
+                "the model was loaded with skip_tokenizer_init=True: pass the prompt "
+                "as token ids and stop on token ids (stop_token_ids), not strings"
+            )
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -127,8 +160,9 @@ class LLMEngine:
         else:
             ids = [int(t) for t in prompt]
         self.validate_prompt(ids, sampling)
-        children = split_samples(request_id, ids, sampling, eos_token_ids=self.model.eos_token_ids,
-                                 priority=priority)
+        children = split_samples(
+            request_id, ids, sampling, eos_token_ids=self.model.eos_token_ids, priority=priority
+        )
         with self._live_ids_lock:
             keys = {request_id, *(c.request_id for c in children[0])}
             if keys & self._live_ids:

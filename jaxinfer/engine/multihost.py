@@ -79,11 +79,17 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int) ->
     # jax 0.10 but is named explicitly so a changed default cannot turn psums into errors.
     if "jax_cpu_collectives_implementation" in jax.config.values:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
-    logger.info("process %d of %d: %d local devices of %d (%s)", jax.process_index(),
-                jax.process_count(), jax.local_device_count(), jax.device_count(),
-                jax.devices()[0].platform)
+    jax.distributed.initialize(
+        coordinator_address, num_processes=num_processes, process_id=process_id
+    )
+    logger.info(
+        "process %d of %d: %d local devices of %d (%s)",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+        jax.devices()[0].platform,
+    )
 
 
 def is_leader() -> bool:
@@ -121,8 +127,11 @@ def device_get(tree: Any) -> Any:
     from jax.experimental import multihost_utils
 
     leaves, treedef = jax.tree.flatten(tree)
-    split = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)
-             and not x.is_fully_addressable and not x.is_fully_replicated]
+    split = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated
+    ]
     for i in [i for i in split if not isinstance(leaves[i].sharding, NamedSharding)]:
         leaves[i] = multihost_utils.process_allgather(leaves[i], tiled=True)  # numpy
         split.remove(i)
@@ -133,8 +142,12 @@ def device_get(tree: Any) -> Any:
         gathered = jax.jit(_identity, out_shardings=replicated)(*(leaves[i] for i in split))
         for i, x in zip(split, gathered, strict=True):
             leaves[i] = x
-    out = [np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array)
-           and not x.is_fully_addressable else jax.device_get(x) for x in leaves]
+    out = [
+        np.asarray(x.addressable_data(0))
+        if isinstance(x, jax.Array) and not x.is_fully_addressable
+        else jax.device_get(x)
+        for x in leaves
+    ]
     return jax.tree.unflatten(treedef, out)
 
 
@@ -153,13 +166,19 @@ def check_same_everywhere(what: str, value: Any) -> None:
         return
     from jax.experimental import multihost_utils
 
-    digest = int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:8], "little", signed=True)
-    digests = np.asarray(multihost_utils.process_allgather(np.array([digest], np.int64))).reshape(-1)
+    digest = int.from_bytes(
+        hashlib.sha256(repr(value).encode()).digest()[:8], "little", signed=True
+    )
+    digests = np.asarray(multihost_utils.process_allgather(np.array([digest], np.int64))).reshape(
+        -1
+    )
     odd = [i for i, d in enumerate(digests.tolist()) if d != digests[0]]
     if odd:
-        raise ValueError(f"{what} differs between processes: process(es) {odd} disagree with "
-                         f"process 0 (this process {jax.process_index()}: {value!r}); start every "
-                         f"process with the same checkpoint and flags")
+        raise ValueError(
+            f"{what} differs between processes: process(es) {odd} disagree with "
+            f"process 0 (this process {jax.process_index()}: {value!r}); start every "
+            f"process with the same checkpoint and flags"
+        )
 
 
 def _broadcast(buf: np.ndarray) -> np.ndarray:
@@ -201,15 +220,16 @@ class StepChannel:
             if len(packed) < len(body):
                 body, flags = packed, _ZLIB
         frame = np.zeros(FRAME_BYTES, np.uint8)
-        frame[:_HEADER_BYTES] = np.array([_MAGIC, control, self.seq, len(body), flags],
-                                         np.int64).view(np.uint8)
+        frame[:_HEADER_BYTES] = np.array(
+            [_MAGIC, control, self.seq, len(body), flags], np.int64
+        ).view(np.uint8)
         inline = len(body) <= _INLINE
         if inline:
-            frame[_HEADER_BYTES:_HEADER_BYTES + len(body)] = np.frombuffer(body, np.uint8)
+            frame[_HEADER_BYTES : _HEADER_BYTES + len(body)] = np.frombuffer(body, np.uint8)
         self._transfer(frame)
         if not inline:
             big = np.zeros(_size_class(len(body)), np.uint8)
-            big[:len(body)] = np.frombuffer(body, np.uint8)
+            big[: len(body)] = np.frombuffer(body, np.uint8)
             self._transfer(big)
         self.seq += 1
         self.bytes_sent += len(body)
@@ -224,12 +244,16 @@ class StepChannel:
         frame = self._transfer(np.zeros(FRAME_BYTES, np.uint8))
         magic, control, seq, nbytes, flags = (int(v) for v in frame[:_HEADER_BYTES].view(np.int64))
         if magic != _MAGIC or control not in CONTROL_NAMES or flags not in (0, _ZLIB):
-            raise ChannelError(f"corrupt step-channel header {[magic, control, seq, nbytes, flags]}")
+            raise ChannelError(
+                f"corrupt step-channel header {[magic, control, seq, nbytes, flags]}"
+            )
         if seq != self.seq:
-            raise ChannelError(f"message {seq} arrived while message {self.seq} was expected: "
-                               f"the processes fell out of step")
+            raise ChannelError(
+                f"message {seq} arrived while message {self.seq} was expected: "
+                f"the processes fell out of step"
+            )
         if nbytes <= _INLINE:
-            body = frame[_HEADER_BYTES:_HEADER_BYTES + nbytes].tobytes()
+            body = frame[_HEADER_BYTES : _HEADER_BYTES + nbytes].tobytes()
         else:
             body = self._transfer(np.zeros(_size_class(nbytes), np.uint8))[:nbytes].tobytes()
         self.seq += 1
@@ -303,4 +327,6 @@ def follow(runner: Any, channel: StepChannel, *, on_step: Any = None) -> int:
             logger.info("follower %d: shutdown after %d steps", jax.process_index(), steps)
             return steps
         else:
-            raise ChannelError(f"a follower cannot handle a {CONTROL_NAMES[control]!r} message here")
+            raise ChannelError(
+                f"a follower cannot handle a {CONTROL_NAMES[control]!r} message here"
+            )

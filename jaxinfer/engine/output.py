@@ -68,8 +68,21 @@ class SampleSpec:
 
 
 class _Sample:
-    __slots__ = ("parent", "index", "detok", "stop", "hold", "text", "pending", "searched",
-                 "prompt_lps", "num_prompt", "sent_prompt_lps", "want_prompt_lps", "num_tokens")
+    __slots__ = (
+        "parent",
+        "index",
+        "detok",
+        "stop",
+        "hold",
+        "text",
+        "pending",
+        "searched",
+        "prompt_lps",
+        "num_prompt",
+        "sent_prompt_lps",
+        "want_prompt_lps",
+        "num_tokens",
+    )
 
     def __init__(self, parent: str, spec: SampleSpec, tokenizer: Tokenizer | None) -> None:
         self.parent, self.index = parent, spec.index
@@ -118,7 +131,7 @@ class _Sample:
         if hits:
             i, stop = min(hits)
             cut = base + i - len(self.text)  # chars of pending before the stop string
-            new = self.pending[:max(cut, 0)]
+            new = self.pending[: max(cut, 0)]
             self.text += new
             self.pending = ""
             return new, stop
@@ -126,7 +139,10 @@ class _Sample:
             new, self.pending = self.pending, ""
         else:
             keep = min(self.hold, len(self.pending))
-            new, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+            new, self.pending = (
+                self.pending[: len(self.pending) - keep],
+                self.pending[len(self.pending) - keep :],
+            )
         self.text += new
         return new, None
 
@@ -165,7 +181,9 @@ class OutputProcessor:
             self._samples.pop(c, None)
         return children
 
-    def process(self, outputs: Sequence[TokenOutput]) -> tuple[list[RequestDelta], list[tuple[str, str]]]:
+    def process(
+        self, outputs: Sequence[TokenOutput]
+    ) -> tuple[list[RequestDelta], list[tuple[str, str]]]:
         """Returns (deltas, [(child id, stop string)] for samples a stop string finished)."""
         deltas, stopped = [], []
         for o in outputs:
@@ -182,7 +200,9 @@ class OutputProcessor:
             if o.logprobs is not None:
                 delta.logprobs = list(o.logprobs[:used])
             if s.want_prompt_lps and not s.sent_prompt_lps and o.new_token_ids:
-                delta.prompt_logprobs = [None] + [s.prompt_lps.get(p) for p in range(1, s.num_prompt)]
+                delta.prompt_logprobs = [None] + [
+                    s.prompt_lps.get(p) for p in range(1, s.num_prompt)
+                ]
                 s.sent_prompt_lps = True
             if stop is not None and not o.finished:
                 stopped.append((o.request_id, stop))

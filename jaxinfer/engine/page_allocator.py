@@ -41,8 +41,10 @@ def chain_hash(parent: int, tokens: Sequence[int]) -> int:
     packed = array.array("q", tokens)
     if _BIG_ENDIAN:
         packed.byteswap()
-    return int.from_bytes(hashlib.blake2b(parent.to_bytes(16, "little") + packed.tobytes(),
-                                          digest_size=16).digest(), "little")
+    return int.from_bytes(
+        hashlib.blake2b(parent.to_bytes(16, "little") + packed.tobytes(), digest_size=16).digest(),
+        "little",
+    )
 
 
 _BIG_ENDIAN = sys.byteorder == "big"

@@ -104,8 +104,12 @@ class Request:
         """False when every token must be computed: prompt logprobs, or penalties (the runner
         counts tokens as it computes them)."""
         sp = self.sampling
-        return (sp.prompt_logprobs is None and sp.repetition_penalty == 1.0
-                and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0)
+        return (
+            sp.prompt_logprobs is None
+            and sp.repetition_penalty == 1.0
+            and sp.frequency_penalty == 0.0
+            and sp.presence_penalty == 0.0
+        )
 
     @property
     def may_speculate(self) -> bool:
@@ -113,8 +117,12 @@ class Request:
         proposed tokens that are rejected must not count) and with structured output (a
         proposal's grammar mask would need the matcher advanced over unverified tokens)."""
         sp = self.sampling
-        return (sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0
-                and sp.presence_penalty == 0.0 and sp.structured_outputs is None)
+        return (
+            sp.repetition_penalty == 1.0
+            and sp.frequency_penalty == 0.0
+            and sp.presence_penalty == 0.0
+            and sp.structured_outputs is None
+        )
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -159,7 +167,8 @@ class Request:
     def token_slice(self, start: int, stop: int) -> list[int]:
         """`known_slice`, then `PENDING_TOKEN` at the positions of pending tokens."""
         return self.known_slice(start, stop) + [PENDING_TOKEN] * (
-            min(stop, self.num_tokens) - max(start, self.num_known_tokens))
+            min(stop, self.num_tokens) - max(start, self.num_known_tokens)
+        )
 
     @property
     def is_finished(self) -> bool:
@@ -183,8 +192,9 @@ class KnownTokens(Sequence):
             start, stop = i.start, i.stop
             # NOTE: the prefix cache's page reads (on the decode step's host path when a page
             # fills) are plain [start:stop] slices: no normalizing
-            if not (i.step is None and type(start) is int and type(stop) is int
-                    and 0 <= start <= stop):
+            if not (
+                i.step is None and type(start) is int and type(stop) is int and 0 <= start <= stop
+            ):
                 start, stop, step = i.indices(len(self))
                 if step != 1:
                     raise ValueError("KnownTokens slices take step 1")

@@ -110,7 +110,9 @@ logger = logging.getLogger(__name__)
 class BatchExtras:
     """Per-step inputs beyond the model's: penalty bookkeeping and prompt-logprob targets."""
 
-    token_seq: jax.Array  # i32[T] index of each token's sequence in this step (padding -> S, dropped)
+    token_seq: (
+        jax.Array
+    )  # i32[T] index of each token's sequence in this step (padding -> S, dropped)
     token_is_output: jax.Array  # bool[T] token sits past its request's prompt
     seq_rows: jax.Array  # i32[S] penalty-state row of each sequence (padding -> the spare row)
     reset_rows: jax.Array  # bool[S] clear this sequence's row before counting (new owner)
@@ -183,13 +185,28 @@ class TokenLogprobs:
     top: dict[int, float]
 
 
-def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_tokens: jax.Array,
-          step: StepInputs, extras: BatchExtras, meta: SamplingMetadata, *, all_logits: bool,
-          attention_backend: str, linear_backend: str = "xla", mesh: Any = None):
+def _step(
+    params,
+    cfg: ModelConfig,
+    kv_caches,
+    state: PenaltyState,
+    prev_tokens: jax.Array,
+    step: StepInputs,
+    extras: BatchExtras,
+    meta: SamplingMetadata,
+    *,
+    all_logits: bool,
+    attention_backend: str,
+    linear_backend: str = "xla",
+    mesh: Any = None,
+):
     """Pending tokens fed + forward + penalty bookkeeping + sampling, as one program."""
     stacked = step.token_ids.ndim >= 2  # [data?, M?, T]: per replica / micro-batch
-    token_ids = jnp.where(extras.feed_rows >= 0, prev_tokens[jnp.maximum(extras.feed_rows, 0)],
-                          step.token_ids.reshape(-1))
+    token_ids = jnp.where(
+        extras.feed_rows >= 0,
+        prev_tokens[jnp.maximum(extras.feed_rows, 0)],
+        step.token_ids.reshape(-1),
+    )
     step = step.replace(token_ids=token_ids.reshape(step.token_ids.shape))
     with jax.named_scope("penalty_state"):
         # One gather of this step's rows, small scatters on them, one write back.
@@ -197,14 +214,24 @@ def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_tokens:
         prompt_mask = jnp.where(fresh, False, state.prompt_mask[extras.seq_rows])  # bool[S, V]
         output_counts = jnp.where(fresh, 0, state.output_counts[extras.seq_rows])  # i32[S, V]
         prompt_mask = prompt_mask.at[extras.token_seq, token_ids].max(
-            ~extras.token_is_output, mode="drop")
+            ~extras.token_is_output, mode="drop"
+        )
         output_counts = output_counts.at[extras.token_seq, token_ids].add(
-            extras.token_is_output.astype(jnp.int32), mode="drop")
-        state = PenaltyState(state.prompt_mask.at[extras.seq_rows].set(prompt_mask),
-                             state.output_counts.at[extras.seq_rows].set(output_counts))
-    logits, kv_caches = family_of(cfg).forward(params, cfg, step, kv_caches,
-                                               attention_backend=attention_backend,
-                                               linear_backend=linear_backend, mesh=mesh)
+            extras.token_is_output.astype(jnp.int32), mode="drop"
+        )
+        state = PenaltyState(
+            state.prompt_mask.at[extras.seq_rows].set(prompt_mask),
+            state.output_counts.at[extras.seq_rows].set(output_counts),
+        )
+    logits, kv_caches = family_of(cfg).forward(
+        params,
+        cfg,
+        step,
+        kv_caches,
+        attention_backend=attention_backend,
+        linear_backend=linear_backend,
+        mesh=mesh,
+    )
     if stacked:
         logits = logits.reshape(-1, logits.shape[-1])  # [data * rows, V]
     with jax.named_scope("sampler"):
@@ -218,17 +245,26 @@ def _step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_tokens:
             prompt_mask = jnp.concatenate([prompt_mask, prompt_mask[extras.spec_seq]])
             output_counts = jnp.concatenate([output_counts, output_counts[extras.spec_seq]])
             # NOTE: constrained requests never speculate: verify rows allow every token
-            bitmask = jnp.concatenate([bitmask, jnp.full((extras.spec_seq.shape[0],
-                                                          bitmask.shape[1]), -1, bitmask.dtype)])
-        out = sample(row_logits, meta, prompt_mask, output_counts, positions,
-                     num_logprobs=MAX_LOGPROBS, token_bitmask=bitmask)
+            bitmask = jnp.concatenate(
+                [bitmask, jnp.full((extras.spec_seq.shape[0], bitmask.shape[1]), -1, bitmask.dtype)]
+            )
+        out = sample(
+            row_logits,
+            meta,
+            prompt_mask,
+            output_counts,
+            positions,
+            num_logprobs=MAX_LOGPROBS,
+            token_bitmask=bitmask,
+        )
     prompt = compute_logprobs(logits, extras.target_ids, MAX_LOGPROBS) if all_logits else None
     next_tokens = jnp.zeros_like(prev_tokens).at[:num_seqs].set(out.token_ids[:num_seqs])
     return (out, prompt, row_logits), kv_caches, state, next_tokens
 
 
-def _sample_step(state: PenaltyState, row_logits: jax.Array, inputs: dict, *,
-                 num_sample_rows: int) -> tuple[SamplerOutput, jax.Array]:
+def _sample_step(
+    state: PenaltyState, row_logits: jax.Array, inputs: dict, *, num_sample_rows: int
+) -> tuple[SamplerOutput, jax.Array]:
     """The sampler of a step launched with `defer_sampling`, as its own program (one per
     sequence bucket: it does not depend on the token or page bucket).
 
@@ -241,11 +277,18 @@ def _sample_step(state: PenaltyState, row_logits: jax.Array, inputs: dict, *,
     """
     seq_rows = inputs["seq_rows"]
     with jax.named_scope("sampler"):
-        out = sample(row_logits, inputs["meta"], state.prompt_mask[seq_rows],
-                     state.output_counts[seq_rows], inputs["positions"],
-                     num_logprobs=MAX_LOGPROBS, token_bitmask=inputs["token_bitmask"])
-    next_tokens = jnp.zeros(num_sample_rows, jnp.int32).at[:out.token_ids.shape[0]].set(
-        out.token_ids)
+        out = sample(
+            row_logits,
+            inputs["meta"],
+            state.prompt_mask[seq_rows],
+            state.output_counts[seq_rows],
+            inputs["positions"],
+            num_logprobs=MAX_LOGPROBS,
+            token_bitmask=inputs["token_bitmask"],
+        )
+    next_tokens = (
+        jnp.zeros(num_sample_rows, jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
+    )
     return out, next_tokens
 
 
@@ -273,24 +316,47 @@ def _pack(inputs: dict) -> tuple[tuple[np.ndarray, ...], tuple]:
 
 def _unpack(buffers: tuple[jax.Array, ...], layout: tuple) -> dict:
     treedef, spec = layout
-    return jax.tree.unflatten(treedef, [buffers[b][o:o + math.prod(shape)].reshape(shape)
-                                        for b, o, shape in spec])
+    return jax.tree.unflatten(
+        treedef, [buffers[b][o : o + math.prod(shape)].reshape(shape) for b, o, shape in spec]
+    )
 
 
-def _packed_step(params, cfg: ModelConfig, kv_caches, state: PenaltyState, prev_tokens, buffers,
-                 token_bitmask,  # i32[S, ceil(V / 32)], passed apart from the packed buffers
-                 meta: SamplingMetadata,  # on the device, kept there while the rows are unchanged
-                 *, layout: tuple, all_logits: bool, **backends):
+def _packed_step(
+    params,
+    cfg: ModelConfig,
+    kv_caches,
+    state: PenaltyState,
+    prev_tokens,
+    buffers,
+    token_bitmask,  # i32[S, ceil(V / 32)], passed apart from the packed buffers
+    meta: SamplingMetadata,  # on the device, kept there while the rows are unchanged
+    *,
+    layout: tuple,
+    all_logits: bool,
+    **backends,
+):
     inputs = _unpack(buffers, layout)
     extras = inputs["extras"].replace(token_bitmask=token_bitmask)
-    return _step(params, cfg, kv_caches, state, prev_tokens, inputs["step"], extras,
-                 meta, all_logits=all_logits, **backends)
+    return _step(
+        params,
+        cfg,
+        kv_caches,
+        state,
+        prev_tokens,
+        inputs["step"],
+        extras,
+        meta,
+        all_logits=all_logits,
+        **backends,
+    )
 
 
-def _packed_sample_step(state: PenaltyState, row_logits: jax.Array, buffers, *, layout: tuple,
-                        num_sample_rows: int) -> tuple[SamplerOutput, jax.Array]:
-    return _sample_step(state, row_logits, _unpack(buffers, layout),
-                        num_sample_rows=num_sample_rows)
+def _packed_sample_step(
+    state: PenaltyState, row_logits: jax.Array, buffers, *, layout: tuple, num_sample_rows: int
+) -> tuple[SamplerOutput, jax.Array]:
+    return _sample_step(
+        state, row_logits, _unpack(buffers, layout), num_sample_rows=num_sample_rows
+    )
 
 
 def default_page_buckets(pages_per_seq: int, *, floor: int = 64) -> tuple[int, ...]:
@@ -310,19 +376,34 @@ def default_page_buckets(pages_per_seq: int, *, floor: int = 64) -> tuple[int, .
 def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     """1, 2, 4, ... up to the token budget (which is always the last bucket)."""
     buckets = [1 << i for i in range(max(1, math.ceil(math.log2(max_num_batched_tokens))))]
-    return tuple(sorted({b for b in buckets if b < max_num_batched_tokens} | {max_num_batched_tokens}))
+    return tuple(
+        sorted({b for b in buckets if b < max_num_batched_tokens} | {max_num_batched_tokens})
+    )
 
 
 class ModelRunner:
     """Owns the device state (params, KV cache, penalty rows) and runs one step per call."""
 
-    def __init__(self, cfg: ModelConfig, params: Any, *, page_size: int, num_pages: int,
-                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 dtype: str = "float32", attention_backend: str | None = None,
-                 linear_backend: str | None = None, token_buckets: tuple[int, ...] | None = None,
-                 page_buckets: tuple[int, ...] | None = None, mesh: Any = None,
-                 num_speculative_tokens: int = 0, spec_max_seqs: int = 0,
-                 kv_cache_dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Any,
+        *,
+        page_size: int,
+        num_pages: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        dtype: str = "float32",
+        attention_backend: str | None = None,
+        linear_backend: str | None = None,
+        token_buckets: tuple[int, ...] | None = None,
+        page_buckets: tuple[int, ...] | None = None,
+        mesh: Any = None,
+        num_speculative_tokens: int = 0,
+        spec_max_seqs: int = 0,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
         """`num_pages` and `max_num_seqs` are totals over the data replicas (each gets 1/data);
         `page_buckets` are the widths of `page_indices` (default `default_page_buckets`);
         `num_speculative_tokens` K and `spec_max_seqs` size the verify-row buckets (K, 2K, 4K..
@@ -338,12 +419,18 @@ class ModelRunner:
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.token_buckets = token_buckets or default_token_buckets(max_num_batched_tokens)
         if self.token_buckets[-1] < max_num_batched_tokens:
-            raise ValueError(f"largest token bucket {self.token_buckets[-1]} is below "
-                             f"max_num_batched_tokens={max_num_batched_tokens}")
-        self.page_buckets = tuple(sorted(set(page_buckets or default_page_buckets(self.pages_per_seq))))
+            raise ValueError(
+                f"largest token bucket {self.token_buckets[-1]} is below "
+                f"max_num_batched_tokens={max_num_batched_tokens}"
+            )
+        self.page_buckets = tuple(
+            sorted(set(page_buckets or default_page_buckets(self.pages_per_seq)))
+        )
         if self.page_buckets[-1] != self.pages_per_seq or self.page_buckets[0] < 1:
-            raise ValueError(f"page_buckets={self.page_buckets} must be >= 1 and end at "
-                             f"max_model_len / page_size = {self.pages_per_seq}")
+            raise ValueError(
+                f"page_buckets={self.page_buckets} must be >= 1 and end at "
+                f"max_model_len / page_size = {self.pages_per_seq}"
+            )
         if par.pipeline > 1:
             # NOTE: a 1-token micro-batch takes the reference attention's single-token loop, which
             # reads the cache as a loop operand; the next tick's KV write into that cache then makes
@@ -351,8 +438,10 @@ class ModelRunner:
             # (tests/test_pipeline.py guards the compiled programs).
             self.token_buckets = tuple(sorted({max(b, 2) for b in self.token_buckets}))
         if num_speculative_tokens and (self.data > 1 or self.microbatches > 1):
-            raise ValueError(f"speculative decoding needs one data replica and no pipeline "
-                             f"stages (mesh data={self.data}, pipeline={self.microbatches})")
+            raise ValueError(
+                f"speculative decoding needs one data replica and no pipeline "
+                f"stages (mesh data={self.data}, pipeline={self.microbatches})"
+            )
         self.num_speculative_tokens = num_speculative_tokens
         self.spec_max_seqs = max(1, spec_max_seqs)
         self.spec_widths: tuple[int, ...] = ()
@@ -365,19 +454,25 @@ class ModelRunner:
                 w *= 2
             self.spec_widths = tuple(widths)
         if self.data > 1 and (num_pages % self.data or max_num_seqs % self.data):
-            raise ValueError(f"num_pages={num_pages} and max_num_seqs={max_num_seqs} must be "
-                             f"multiples of data={self.data} (each replica gets an equal share)")
+            raise ValueError(
+                f"num_pages={num_pages} and max_num_seqs={max_num_seqs} must be "
+                f"multiples of data={self.data} (each replica gets an equal share)"
+            )
         self.seqs_per_replica = max_num_seqs // self.data
         family = family_of(cfg)
         shape = family.kv_cache_shape(cfg, attention_backend, num_pages, page_size, par)
-        family.check_kv_cache_dtype(cfg, attention.resolve_backend(attention_backend), kv_cache_dtype)
+        family.check_kv_cache_dtype(
+            cfg, attention.resolve_backend(attention_backend), kv_cache_dtype
+        )
         if kv_cache_dtype == "fp8" and par.pipeline > 1:
             raise ValueError("kv_cache_dtype='fp8' is not supported with a pipeline mesh axis > 1")
         self.kv_cache_dtype = kv_cache_dtype
 
         def new_caches():
-            return tuple(attention.new_kv_cache(shape, DTYPES[dtype], kv_cache_dtype)
-                         for _ in range(cfg.num_layers))
+            return tuple(
+                attention.new_kv_cache(shape, DTYPES[dtype], kv_cache_dtype)
+                for _ in range(cfg.num_layers)
+            )
 
         rows = max_num_seqs + 1  # the last row is a spare that padding writes into
         if self.mesh is None:
@@ -387,9 +482,13 @@ class ModelRunner:
             device = self._device = _device_of(params)
             self.params = jax.device_put(params, device)
             self.kv_caches = jax.device_put(new_caches(), device)
-            self.state = jax.device_put(PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
-                                                     jnp.zeros((rows, cfg.vocab_size), jnp.int32)),
-                                        device)
+            self.state = jax.device_put(
+                PenaltyState(
+                    jnp.zeros((rows, cfg.vocab_size), bool),
+                    jnp.zeros((rows, cfg.vocab_size), jnp.int32),
+                ),
+                device,
+            )
         else:
             rules = shd.model_rules(cfg, par)
             specs = family.param_specs(cfg, quantization=quantization_of(params))
@@ -397,24 +496,47 @@ class ModelRunner:
                 self.params = pipeline.place_params(params, specs, mesh, rules)
             else:
                 self.params = jax.device_put(  # a no-op for params the loader already placed
-                    params, params_lib.shardings(specs, mesh, rules))
-            cache_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
-                                          family.kv_cache_specs(cfg, par, new_caches()[0]))
+                    params, params_lib.shardings(specs, mesh, rules)
+                )
+            cache_sharding = jax.tree.map(
+                lambda spec: NamedSharding(mesh, spec),
+                family.kv_cache_specs(cfg, par, new_caches()[0]),
+            )
             self._replicated = NamedSharding(mesh, PartitionSpec())
-            self._step_sharding = (NamedSharding(mesh, PartitionSpec(shd.DATA)) if self.data > 1
-                                   else self._replicated)
+            self._step_sharding = (
+                NamedSharding(mesh, PartitionSpec(shd.DATA)) if self.data > 1 else self._replicated
+            )
             zeros = jax.jit(new_caches, out_shardings=(cache_sharding,) * cfg.num_layers)
-            self.kv_caches = zeros() if par.pipeline == 1 else pipeline.stage_kv_caches(
-                cfg.num_layers, par.pipeline, shape, DTYPES[dtype], mesh, family.kv_cache_spec(cfg, par))
+            self.kv_caches = (
+                zeros()
+                if par.pipeline == 1
+                else pipeline.stage_kv_caches(
+                    cfg.num_layers,
+                    par.pipeline,
+                    shape,
+                    DTYPES[dtype],
+                    mesh,
+                    family.kv_cache_spec(cfg, par),
+                )
+            )
             # the penalty rows split over the vocabulary like the logits they are applied to
-            self.state = jax.jit(lambda: PenaltyState(jnp.zeros((rows, cfg.vocab_size), bool),
-                                                      jnp.zeros((rows, cfg.vocab_size), jnp.int32)),
-                                 out_shardings=NamedSharding(mesh, PartitionSpec(None, rules["vocab"])))()
+            self.state = jax.jit(
+                lambda: PenaltyState(
+                    jnp.zeros((rows, cfg.vocab_size), bool),
+                    jnp.zeros((rows, cfg.vocab_size), jnp.int32),
+                ),
+                out_shardings=NamedSharding(mesh, PartitionSpec(None, rules["vocab"])),
+            )()
         # Sampled-id rows of the largest program (every program pads its ids to this many).
-        self.num_sample_rows = self.data * self.microbatches * self.seq_bucket(self.token_buckets[-1])
+        self.num_sample_rows = (
+            self.data * self.microbatches * self.seq_bucket(self.token_buckets[-1])
+        )
         zeros = functools.partial(jnp.zeros, self.num_sample_rows, jnp.int32)
-        self._prev_tokens = jax.device_put(zeros(), device) if self.mesh is None else jax.jit(
-            zeros, out_shardings=self._replicated)()
+        self._prev_tokens = (
+            jax.device_put(zeros(), device)
+            if self.mesh is None
+            else jax.jit(zeros, out_shardings=self._replicated)()
+        )
         # The persistent input batch: row r of every array belongs to the request in _rows with
         # value r (the same row as its penalty state); row max_num_seqs is the padding spare.
         self._rows: dict[str, int] = {}  # request id -> its row
@@ -433,28 +555,39 @@ class ModelRunner:
         self.attention_backend = attention_backend = attention.resolve_backend(attention_backend)
         self.linear_backend = linear_backend = layers.resolve_linear_backend(linear_backend)
         if self.mesh is None:  # inputs packed into one buffer per dtype (see _pack)
-            self._jit = jax.jit(functools.partial(_packed_step, attention_backend=attention_backend,
-                                                  linear_backend=linear_backend),
-                                static_argnames=("cfg", "all_logits", "layout"),
-                                donate_argnames=("kv_caches", "state"))
+            self._jit = jax.jit(
+                functools.partial(
+                    _packed_step, attention_backend=attention_backend, linear_backend=linear_backend
+                ),
+                static_argnames=("cfg", "all_logits", "layout"),
+                donate_argnames=("kv_caches", "state"),
+            )
         else:
             # NOTE: what a step carries to the next (KV cache, penalty state, fed-back ids) leaves
             # it laid out as it came in: with the partitioner's choice instead, the first call's
             # outputs would give the second call other input shardings (a recompile of every
             # program warmup built, on the first real request).
-            carried = jax.tree.map(lambda x: x.sharding, (self.kv_caches, self.state,
-                                                          self._prev_tokens))
-            self._jit = jax.jit(functools.partial(_step, attention_backend=attention_backend,
-                                                  linear_backend=linear_backend, mesh=self.mesh),
-                                static_argnames=("cfg", "all_logits"),
-                                donate_argnames=("kv_caches", "state"),
-                                out_shardings=(None, *carried))
+            carried = jax.tree.map(
+                lambda x: x.sharding, (self.kv_caches, self.state, self._prev_tokens)
+            )
+            self._jit = jax.jit(
+                functools.partial(
+                    _step,
+                    attention_backend=attention_backend,
+                    linear_backend=linear_backend,
+                    mesh=self.mesh,
+                ),
+                static_argnames=("cfg", "all_logits"),
+                donate_argnames=("kv_caches", "state"),
+                out_shardings=(None, *carried),
+            )
         # Steps sampling structured-output rows run the step program up to the rows' logits,
         # then this one (see `sample`); single device only (on a mesh they sample in the step).
         self.split_sampling = self.mesh is None
         self._sample_jit = jax.jit(
             functools.partial(_packed_sample_step, num_sample_rows=self.num_sample_rows),
-            static_argnames=("layout",))
+            static_argnames=("layout",),
+        )
         self.num_compiled = 0
         # (token bucket, page bucket, logits, verify rows)
         self._compiled: set[tuple[int, int, bool, int]] = set()
@@ -472,8 +605,12 @@ class ModelRunner:
         dev = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
 
         def held(tree: Any) -> int:
-            return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
-                       if s.device == dev)
+            return sum(
+                s.data.nbytes
+                for x in jax.tree.leaves(tree)
+                for s in x.addressable_shards
+                if s.device == dev
+            )
 
         return {"params": held(self.params), "kv_cache": held(self.kv_caches)}
 
@@ -485,7 +622,6 @@ class ModelRunner:
             if b >= n:
                 return b
         raise ValueError(f"step of {n} tokens exceeds the largest bucket {self.token_buckets[-1]}")
-
 
     def spec_width(self, n: int) -> int:
         """Verify rows of a step that verifies `n` proposed tokens (0 for none)."""
@@ -503,8 +639,9 @@ class ModelRunner:
         for b in self.page_buckets:
             if b >= n:
                 return b
-        raise ValueError(f"a page table of {n} pages exceeds max_model_len / page_size = "
-                         f"{self.pages_per_seq}")
+        raise ValueError(
+            f"a page table of {n} pages exceeds max_model_len / page_size = {self.pages_per_seq}"
+        )
 
     def _release(self, request_ids: list[str], *, finished: bool) -> None:
         """Frees rows; a preempted request keeps its seed so it resamples identically."""
@@ -523,13 +660,17 @@ class ModelRunner:
         row = self._rows.get(rid)
         if row is None:
             if not self._free_rows:
-                raise RuntimeError(f"request {rid!r}: no free row (more than max_num_seqs="
-                                   f"{self.max_num_seqs} running requests)")
+                raise RuntimeError(
+                    f"request {rid!r}: no free row (more than max_num_seqs="
+                    f"{self.max_num_seqs} running requests)"
+                )
             row = self._rows[rid] = self._free_rows.pop()
         pages, old = len(s.new_page_ids), int(self._num_pages[row])
         if pages > self.pages_per_seq:
-            raise ValueError(f"request {rid!r}: page table of {pages} pages exceeds "
-                             f"max_model_len / page_size = {self.pages_per_seq}")
+            raise ValueError(
+                f"request {rid!r}: page table of {pages} pages exceeds "
+                f"max_model_len / page_size = {self.pages_per_seq}"
+            )
         self._page_table[row, :pages] = s.new_page_ids
         self._page_table[row, pages:old] = 0
         self._num_pages[row] = pages
@@ -541,7 +682,9 @@ class ModelRunner:
             seed = self._seeds[rid] = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
         suppress: list[int] = []
         if sp.min_tokens:  # stop ids (and EOS) are forbidden until min_tokens outputs exist
-            suppress = list(sp.stop_token_ids or []) + ([] if sp.ignore_eos else list(req.eos_token_ids))
+            suppress = list(sp.stop_token_ids or []) + (
+                [] if sp.ignore_eos else list(req.eos_token_ids)
+            )
         self._sampling.set(row, sp, seed, suppress, req.num_prompt_tokens + sp.min_tokens)
         return row
 
@@ -550,8 +693,10 @@ class ModelRunner:
         old = int(self._num_pages[row])
         new = old + len(s.new_page_ids)
         if new > self.pages_per_seq:
-            raise ValueError(f"request {s.request.request_id!r}: page table of {new} pages exceeds "
-                             f"max_model_len / page_size = {self.pages_per_seq}")
+            raise ValueError(
+                f"request {s.request.request_id!r}: page table of {new} pages exceeds "
+                f"max_model_len / page_size = {self.pages_per_seq}"
+            )
         self._page_table[row, old:new] = s.new_page_ids
         self._num_pages[row] = new
 
@@ -593,7 +738,8 @@ class ModelRunner:
         meta = self._padding_metas.get(rows)
         if meta is None or meta.suppress_ids.shape != (rows, self._sampling.suppress_ids.shape[1]):
             meta = self._padding_metas[rows] = self._sampling.gather(
-                np.full(rows, self.max_num_seqs, np.int32))
+                np.full(rows, self.max_num_seqs, np.int32)
+            )
         return meta
 
     def sample(self, launched: Launched) -> None:
@@ -609,13 +755,19 @@ class ModelRunner:
         out = self._call_sampler(row_logits, prepared.inputs, bitmask)
         launched.results = self._wanted(prepared, (out, prompt))
 
-    def _call_sampler(self, row_logits: jax.Array,  # f32[S, V] from the deferred step program
-                      inputs: dict,  # that step's host inputs
-                      bitmask: np.ndarray,  # i32[S, ceil(V / 32)]
-                      ) -> SamplerOutput:
+    def _call_sampler(
+        self,
+        row_logits: jax.Array,  # f32[S, V] from the deferred step program
+        inputs: dict,  # that step's host inputs
+        bitmask: np.ndarray,  # i32[S, ceil(V / 32)]
+    ) -> SamplerOutput:
         """Runs the sampler program of a deferred step (device results)."""
-        host = {"meta": inputs["meta"], "seq_rows": inputs["extras"].seq_rows,
-                "positions": inputs["step"].kv_lens.reshape(-1), "token_bitmask": bitmask}
+        host = {
+            "meta": inputs["meta"],
+            "seq_rows": inputs["extras"].seq_rows,
+            "positions": inputs["step"].kv_lens.reshape(-1),
+            "token_bitmask": bitmask,
+        }
         buffers, layout = _pack(host)  # NOTE: one transfer, as for the step program
         out, self._prev_tokens = self._sample_jit(self.state, row_logits, buffers, layout=layout)
         if bitmask.shape[0] not in self._compiled_samplers:
@@ -648,9 +800,11 @@ class ModelRunner:
         return prepared
 
     @staticmethod
-    def _place_bitmask(sched: SchedulerOutput, plan: UnpackPlan,
-                       bitmask: np.ndarray,  # i32[rows, ceil(V / 32)] all ones (-1), patched here
-                       ) -> None:
+    def _place_bitmask(
+        sched: SchedulerOutput,
+        plan: UnpackPlan,
+        bitmask: np.ndarray,  # i32[rows, ceil(V / 32)] all ones (-1), patched here
+    ) -> None:
         """Structured output: each constrained row's allowed tokens into its result row."""
         if not sched.bitmask_rows or sched.token_bitmask is None:
             return
@@ -693,21 +847,32 @@ class ModelRunner:
             # NOTE: numpy buffers go straight to the jitted call, whose C++ path moves them to
             # the device faster than a separate `jax.device_put` (~0.3 ms less per step).
             # (the bitmask is its own argument; a None leaf packs nothing)
-            buffers, layout = _pack({"step": inputs["step"], "extras": extras if bitmask is None
-                                     else extras.replace(token_bitmask=None)})
+            buffers, layout = _pack(
+                {
+                    "step": inputs["step"],
+                    "extras": extras if bitmask is None else extras.replace(token_bitmask=None),
+                }
+            )
             rows = len(extras.seq_rows)
             if bitmask is None:
                 bitmask = self._all_allowed.get(rows)
                 if bitmask is None:
                     bitmask = self._all_allowed[rows] = jax.device_put(
-                        np.full((rows, self.bitmask_width), -1, np.int32), self._device)
+                        np.full((rows, self.bitmask_width), -1, np.int32), self._device
+                    )
             else:  # committed like the cached one: the same program either way
                 bitmask = jax.device_put(bitmask, self._device)
             return (*head, buffers, bitmask, self._meta_on_device(inputs["meta"])), {
-                "layout": layout, "all_logits": all_logits}
+                "layout": layout,
+                "all_logits": all_logits,
+            }
         if bitmask is None:
-            inputs = {**inputs, "extras": extras.replace(token_bitmask=np.full(
-                (len(extras.seq_rows), self.bitmask_width), -1, np.int32))}
+            inputs = {
+                **inputs,
+                "extras": extras.replace(
+                    token_bitmask=np.full((len(extras.seq_rows), self.bitmask_width), -1, np.int32)
+                ),
+            }
         dev = self._put(inputs)
         return (*head, dev["step"], dev["extras"], dev["meta"]), {"all_logits": all_logits}
 
@@ -749,7 +914,9 @@ class ModelRunner:
         group = np.zeros(len(scheduled), np.int32)
         for r in range(self.data):  # whole sequences per micro-batch (pipeline.split_microbatches)
             idx = np.flatnonzero(replica == r)
-            for m, mb in enumerate(pipeline.split_microbatches(q_lens[idx].tolist(), self.microbatches)):
+            for m, mb in enumerate(
+                pipeline.split_microbatches(q_lens[idx].tolist(), self.microbatches)
+            ):
                 group[idx[mb]] = r * self.microbatches + m
         return group
 
@@ -764,8 +931,10 @@ class ModelRunner:
             self._join(scheduled[i])
         rows = list(map(self._rows.get, ids))
         if None in rows:
-            raise RuntimeError(f"request {ids[rows.index(None)]!r} is scheduled as running but "
-                               f"has no row (its first schedule was not prepared)")
+            raise RuntimeError(
+                f"request {ids[rows.index(None)]!r} is scheduled as running but "
+                f"has no row (its first schedule was not prepared)"
+            )
         for i in itertools.compress(range(n), new_pages):
             if not joined[i]:
                 self._extend(rows[i], scheduled[i])
@@ -793,7 +962,8 @@ class ModelRunner:
         t_bucket = self.token_bucket(n_tok)
         p_bucket = self.page_bucket(-(-int((starts_a + q_a).max()) // self.page_size))
         all_logits = bool(self._wants_prompt_lps.any()) and bool(
-            (self._wants_prompt_lps[rows_a] & (starts_a < self._prompt_len[rows_a])).any())
+            (self._wants_prompt_lps[rows_a] & (starts_a < self._prompt_len[rows_a])).any()
+        )
         if order is not None:  # tokens of the sequences in group order
             src = np.cumsum(q_a) - q_a
             src = np.repeat(src[order], q_a[order]) + _ranks(q_a[order])
@@ -802,12 +972,27 @@ class ModelRunner:
             sample_a, joined_a = sample_a[order], np.array(joined, bool)[order]
         else:
             joined_a = np.array(joined, bool)
-        step, extras, slot, tok_lo = self._arrays(t_bucket, p_bucket, all_logits, rows_a, starts_a,
-                                                  q_a, tokens_a, joined_a, group, spec_a, spec_width)
+        step, extras, slot, tok_lo = self._arrays(
+            t_bucket,
+            p_bucket,
+            all_logits,
+            rows_a,
+            starts_a,
+            q_a,
+            tokens_a,
+            joined_a,
+            group,
+            spec_a,
+            spec_width,
+        )
         if order is not None:  # back to scheduled order
             slot[order], tok_lo[order] = slot.copy(), tok_lo.copy()
-            rows_a, starts_a, q_a, sample_a = (np.array(rows, np.int32), np.array(starts, np.int32),
-                                               np.array(q_lens, np.int32), np.array(samples, bool))
+            rows_a, starts_a, q_a, sample_a = (
+                np.array(rows, np.int32),
+                np.array(starts, np.int32),
+                np.array(q_lens, np.int32),
+                np.array(samples, bool),
+            )
         # Rows whose pending token this step samples: the next step feeds it from _prev_tokens.
         self._last_sample.fill(-1)
         plain = (sample_a & (spec_a == 0)) if n_spec else sample_a
@@ -815,13 +1000,17 @@ class ModelRunner:
         meta_rows = extras.seq_rows
         if spec_width:
             spec_rows = np.full(spec_width, self.max_num_seqs, np.int32)
-            spec_rows[:int(spec_a.sum())] = np.repeat(rows_a, spec_a)
+            spec_rows[: int(spec_a.sum())] = np.repeat(rows_a, spec_a)
             meta_rows = np.concatenate([extras.seq_rows, spec_rows])
 
         version = self._sampling.version
         cache = self._meta_cache
-        if (cache is not None and cache[0] == version and cache[1].shape == meta_rows.shape
-                and (cache[1] == meta_rows).all()):
+        if (
+            cache is not None
+            and cache[0] == version
+            and cache[1].shape == meta_rows.shape
+            and (cache[1] == meta_rows).all()
+        ):
             meta, fetch_logprobs = cache[2], cache[3]
         else:
             meta = self._sampling.gather(meta_rows)
@@ -832,38 +1021,66 @@ class ModelRunner:
         s_rows = len(extras.seq_rows)
         if n_spec:
             spec_first = np.cumsum(spec_a) - spec_a  # i32[n] each sequence's first verify row
-        for i in (np.flatnonzero(spec_a).tolist() if n_spec else ()):
+        for i in np.flatnonzero(spec_a).tolist() if n_spec else ():
             s = scheduled[i]
             k = s.num_spec_tokens
-            spec.append((s.request.request_id, int(slot[i]), s_rows + int(spec_first[i]),
-                         list(s.token_ids[len(s.token_ids) - k:])))
+            spec.append(
+                (
+                    s.request.request_id,
+                    int(slot[i]),
+                    s_rows + int(spec_first[i]),
+                    list(s.token_ids[len(s.token_ids) - k :]),
+                )
+            )
         if fetch_logprobs:
             for i in np.flatnonzero(self._sampling.wants_logprobs[rows_a] & sample_a).tolist():
                 s = scheduled[i]
-                logprob_rows.append((s.request.request_id, int(slot[i]), s.request.sampling.logprobs))
+                logprob_rows.append(
+                    (s.request.request_id, int(slot[i]), s.request.sampling.logprobs)
+                )
         if all_logits:
             for i in np.flatnonzero(self._wants_prompt_lps[rows_a]).tolist():
                 s = scheduled[i]
                 req, lo = s.request, int(tok_lo[i])
-                nxt = req.prompt_token_ids[s.start_pos + 1:s.start_pos + 1 + len(s.token_ids)]
-                extras.target_ids[lo:lo + len(nxt)] = nxt
-                prompt_rows.append((req.request_id, lo, lo + len(s.token_ids), s.start_pos,
-                                    req.num_prompt_tokens, req.sampling.prompt_logprobs))
-        plan = UnpackPlan(sample_ids, slot[sample_a], logprob_rows, prompt_rows, extras.target_ids,
-                          spec, s_rows)
-        return Prepared({"step": step, "extras": extras, "meta": meta}, all_logits, t_bucket,
-                        p_bucket, fetch_logprobs, plan, spec_width)
+                nxt = req.prompt_token_ids[s.start_pos + 1 : s.start_pos + 1 + len(s.token_ids)]
+                extras.target_ids[lo : lo + len(nxt)] = nxt
+                prompt_rows.append(
+                    (
+                        req.request_id,
+                        lo,
+                        lo + len(s.token_ids),
+                        s.start_pos,
+                        req.num_prompt_tokens,
+                        req.sampling.prompt_logprobs,
+                    )
+                )
+        plan = UnpackPlan(
+            sample_ids, slot[sample_a], logprob_rows, prompt_rows, extras.target_ids, spec, s_rows
+        )
+        return Prepared(
+            {"step": step, "extras": extras, "meta": meta},
+            all_logits,
+            t_bucket,
+            p_bucket,
+            fetch_logprobs,
+            plan,
+            spec_width,
+        )
 
-    def _arrays(self, t_bucket: int, p_bucket: int, all_logits: bool,
-                rows: np.ndarray,  # i32[n] persistent row of each sequence
-                starts: np.ndarray,  # i32[n] tokens already in the cache
-                q_lens: np.ndarray,  # i32[n] tokens computed this step
-                tokens: np.ndarray,  # i32[sum(q_lens)] their ids (PENDING_TOKEN: fed on device)
-                joined: np.ndarray,  # bool[n] the row's request joined this step
-                group: np.ndarray | None,  # i32[n] ragged group, non-decreasing (None: all 0)
-                num_spec: np.ndarray | None = None,  # i32[n] proposed tokens (last of each chunk)
-                spec_width: int = 0,  # W verify rows (one group only)
-                ) -> tuple[StepInputs, BatchExtras, np.ndarray, np.ndarray]:
+    def _arrays(
+        self,
+        t_bucket: int,
+        p_bucket: int,
+        all_logits: bool,
+        rows: np.ndarray,  # i32[n] persistent row of each sequence
+        starts: np.ndarray,  # i32[n] tokens already in the cache
+        q_lens: np.ndarray,  # i32[n] tokens computed this step
+        tokens: np.ndarray,  # i32[sum(q_lens)] their ids (PENDING_TOKEN: fed on device)
+        joined: np.ndarray,  # bool[n] the row's request joined this step
+        group: np.ndarray | None,  # i32[n] ragged group, non-decreasing (None: all 0)
+        num_spec: np.ndarray | None = None,  # i32[n] proposed tokens (last of each chunk)
+        spec_width: int = 0,  # W verify rows (one group only)
+    ) -> tuple[StepInputs, BatchExtras, np.ndarray, np.ndarray]:
         """The step's inputs for sequences in group order, by vectorized gathers and scatters.
 
         Returns (StepInputs, BatchExtras, each sequence's result row i32[n], each sequence's first
@@ -903,7 +1120,8 @@ class ModelRunner:
             cu_q_lens = np.repeat(group_tokens, s_bucket + 1).reshape(n_groups, s_bucket + 1)
             cu_q_lens[:, 0] = 0
             cu_q_lens.reshape(-1)[group * (s_bucket + 1) + (np.arange(n) - first) + 1] = (
-                in_group + q_lens)
+                in_group + q_lens
+            )
             num_seqs = np.bincount(group, minlength=n_groups).astype(np.int32).reshape(n_groups, 1)
         kv_end = starts + q_lens
 
@@ -957,38 +1175,54 @@ class ModelRunner:
             bad = (feed < 0) | (pos[pending] != kv_end[seq_of[pending]] - 1)
             if bad.any():
                 rid = next(r for r, v in self._rows.items() if v == row_of[pending][bad][0])
-                raise RuntimeError(f"request {rid!r}: pending token not sampled by the previous step")
+                raise RuntimeError(
+                    f"request {rid!r}: pending token not sampled by the previous step"
+                )
             feed_rows[tok[pending]] = feed
 
         lead = tuple(d for d in (self.data, self.microbatches) if d > 1)  # [data?, M?, ...]
         step = StepInputs(
-            token_ids=token_ids.reshape(lead + (t,)), positions=positions.reshape(lead + (t,)),
+            token_ids=token_ids.reshape(lead + (t,)),
+            positions=positions.reshape(lead + (t,)),
             slot_mapping=slot_mapping.reshape(lead + (t,)),
             kv_lens=kv_lens.reshape(lead + (s_bucket,)),
             page_indices=page_indices.reshape(lead + (s_bucket, p_bucket)),
             cu_q_lens=cu_q_lens.reshape(lead + (s_bucket + 1,)),
             num_seqs=num_seqs.reshape(lead + (1,)),
-            logits_indices=logits_indices.reshape(lead + (-1,)))
-        extras = BatchExtras(token_seq=token_seq, token_is_output=token_is_output, seq_rows=seq_rows,
-                             reset_rows=reset_rows, sample_rows=sample_rows,
-                             target_ids=np.zeros(n_groups * t, np.int32), feed_rows=feed_rows,
-                             spec_seq=spec_seq, spec_positions=spec_positions,
-                             token_bitmask=None)
+            logits_indices=logits_indices.reshape(lead + (-1,)),
+        )
+        extras = BatchExtras(
+            token_seq=token_seq,
+            token_is_output=token_is_output,
+            seq_rows=seq_rows,
+            reset_rows=reset_rows,
+            sample_rows=sample_rows,
+            target_ids=np.zeros(n_groups * t, np.int32),
+            feed_rows=feed_rows,
+            spec_seq=spec_seq,
+            spec_positions=spec_positions,
+            token_bitmask=None,
+        )
         return step, extras, slot.astype(np.int32), tok_lo.astype(np.int32)
 
-    def _unpack(self, plan: UnpackPlan, token_ids: np.ndarray, out: Any, prompt: Any) -> RunnerOutput:
+    def _unpack(
+        self, plan: UnpackPlan, token_ids: np.ndarray, out: Any, prompt: Any
+    ) -> RunnerOutput:
         sampled = dict(zip(plan.sample_ids, token_ids[plan.sample_slots].tolist()))
         accepted, draft_lps, final_row = {}, {}, {}
         for rid, slot, lo, drafts in plan.spec:
             k = len(drafts)
-            targets = token_ids[lo:lo + k].tolist() + [sampled[rid]]
+            targets = token_ids[lo : lo + k].tolist() + [sampled[rid]]
             emitted, a = rejection.accept(drafts, targets)
             accepted[rid], sampled[rid] = emitted[:-1], emitted[-1]
             final_row[rid] = (lo + a if a < k else slot, lo)
 
         def token_lps(i: int, k: int) -> TokenLogprobs:
-            return TokenLogprobs(int(token_ids[i]), float(out.logprobs[i]), dict(zip(
-                out.topk_ids[i, :k].tolist(), out.topk_logprobs[i, :k].tolist())))
+            return TokenLogprobs(
+                int(token_ids[i]),
+                float(out.logprobs[i]),
+                dict(zip(out.topk_ids[i, :k].tolist(), out.topk_logprobs[i, :k].tolist())),
+            )
 
         logprobs, prompt_lps = {}, {}
         for rid, i, k in plan.logprob_rows:
@@ -1003,29 +1237,54 @@ class ModelRunner:
                 pos = start + (t - lo) + 1  # the prompt position this row predicts
                 if pos >= num_prompt:
                     break
-                entries[pos] = TokenLogprobs(int(plan.target_ids[t]), float(chosen[t]), dict(
-                    zip(top_ids[t, :k].tolist(), top_lps[t, :k].tolist())))
+                entries[pos] = TokenLogprobs(
+                    int(plan.target_ids[t]),
+                    float(chosen[t]),
+                    dict(zip(top_ids[t, :k].tolist(), top_lps[t, :k].tolist())),
+                )
             prompt_lps[rid] = entries
-        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps,
-                            accepted_draft_ids=accepted, draft_logprobs=draft_lps)
+        return RunnerOutput(
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_lps,
+            accepted_draft_ids=accepted,
+            draft_logprobs=draft_lps,
+        )
 
-    def _idle_inputs(self, t_bucket: int, all_logits: bool, p_bucket: int,
-                     spec_width: int = 0) -> dict:
+    def _idle_inputs(
+        self, t_bucket: int, all_logits: bool, p_bucket: int, spec_width: int = 0
+    ) -> dict:
         """Inputs of a step that computes nothing (no sequences): used to compile a bucket."""
         none = np.zeros(0, np.int32)
-        step, extras, _, _ = self._arrays(t_bucket, p_bucket, all_logits, none, none, none, none,
-                                          np.zeros(0, bool), None if self.data * self.microbatches == 1
-                                          else none, none, spec_width)
+        step, extras, _, _ = self._arrays(
+            t_bucket,
+            p_bucket,
+            all_logits,
+            none,
+            none,
+            none,
+            none,
+            np.zeros(0, bool),
+            None if self.data * self.microbatches == 1 else none,
+            none,
+            spec_width,
+        )
         rows = np.full(extras.seq_rows.shape[0] + spec_width, self.max_num_seqs, np.int32)
         return {"step": step, "extras": extras, "meta": self._sampling.gather(rows)}
 
-    def lower(self, t_bucket: int, all_logits: bool = False, page_bucket: int | None = None,
-              spec_width: int = 0) -> Any:
+    def lower(
+        self,
+        t_bucket: int,
+        all_logits: bool = False,
+        page_bucket: int | None = None,
+        spec_width: int = 0,
+    ) -> Any:
         """The bucket's step program, lowered (for HLO inspection and tests); the page bucket
         defaults to the largest."""
         p_bucket = page_bucket or self.pages_per_seq
-        args, kwargs = self._args(self._idle_inputs(t_bucket, all_logits, p_bucket, spec_width),
-                                  all_logits)
+        args, kwargs = self._args(
+            self._idle_inputs(t_bucket, all_logits, p_bucket, spec_width), all_logits
+        )
         return self._jit.lower(*args, **kwargs)
 
     def warmup(self, *, structured: bool = False) -> int:
@@ -1043,8 +1302,9 @@ class ModelRunner:
                     continue
                 rows_done.add(rows)
                 _, _, row_logits = self._call(inputs, False)
-                out = self._call_sampler(row_logits, inputs,
-                                         np.full((rows, self.bitmask_width), -1, np.int32))
+                out = self._call_sampler(
+                    row_logits, inputs, np.full((rows, self.bitmask_width), -1, np.int32)
+                )
                 jax.block_until_ready(out)
         for t_bucket in self.token_buckets:
             for p_bucket in self.page_buckets:
@@ -1061,17 +1321,22 @@ class ModelRunner:
                 lo = prev + 1 + -(-(prev + 1) // self.num_speculative_tokens)
                 hi = w + self.spec_max_seqs
                 prev = w
-                if not self.token_bucket(min(lo, self.token_buckets[-1])) <= t_bucket <= (
-                        self.token_bucket(min(hi, self.token_buckets[-1]))):
+                if (
+                    not self.token_bucket(min(lo, self.token_buckets[-1]))
+                    <= t_bucket
+                    <= (self.token_bucket(min(hi, self.token_buckets[-1])))
+                ):
                     continue
                 for p_bucket in self.page_buckets:
                     inputs = self._idle_inputs(t_bucket, False, p_bucket, w)
                     out, _, _ = self._call(inputs, False)
                     jax.block_until_ready(out)
-                    self._note_compiled(Prepared(inputs, False, t_bucket, p_bucket, False,
-                                                 spec_width=w))
-        logger.info("warmup compiled %d programs in %.1fs", self.num_compiled,
-                    time.perf_counter() - start)
+                    self._note_compiled(
+                        Prepared(inputs, False, t_bucket, p_bucket, False, spec_width=w)
+                    )
+        logger.info(
+            "warmup compiled %d programs in %.1fs", self.num_compiled, time.perf_counter() - start
+        )
         return self.num_compiled
 
 

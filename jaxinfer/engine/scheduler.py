@@ -207,8 +207,10 @@ class Scheduler:
         self.allocators = list(allocator) if isinstance(allocator, (list, tuple)) else [allocator]
         self.allocator = self.allocators[0]
         if max_num_seqs % len(self.allocators):
-            raise ValueError(f"max_num_seqs={max_num_seqs} is not a multiple of the "
-                             f"{len(self.allocators)} data replicas")
+            raise ValueError(
+                f"max_num_seqs={max_num_seqs} is not a multiple of the "
+                f"{len(self.allocators)} data replicas"
+            )
         self._seqs_per_replica = max_num_seqs // len(self.allocators)
         self._replica: dict[str, int] = {}  # running request id -> its replica
         self.max_num_seqs = max_num_seqs
@@ -224,8 +226,10 @@ class Scheduler:
         self._preempted: collections.deque[Request] = collections.deque()  # resume first
         self._finished_ids: list[str] = []
         if proposer is not None and (num_speculative_tokens < 1 or spec_max_requests < 1):
-            raise ValueError(f"a proposer needs num_speculative_tokens={num_speculative_tokens} "
-                             f"and spec_max_requests={spec_max_requests} >= 1")
+            raise ValueError(
+                f"a proposer needs num_speculative_tokens={num_speculative_tokens} "
+                f"and spec_max_requests={spec_max_requests} >= 1"
+            )
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.spec_max_requests = spec_max_requests
@@ -245,7 +249,7 @@ class Scheduler:
     def speculating(self) -> bool:
         """The back-off rule: the next `schedule` may propose tokens (a proposer is set and at
         most `spec_max_requests` requests are running or waiting)."""
-        return (self.proposer is not None and 0 < len(self._requests) <= self.spec_max_requests)
+        return self.proposer is not None and 0 < len(self._requests) <= self.spec_max_requests
 
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
@@ -270,7 +274,8 @@ class Scheduler:
         sp = req.sampling
         req.length_limit = min(sp.max_tokens, self.max_model_len - req.num_prompt_tokens)
         req.stop_token_set = frozenset(sp.stop_token_ids or ()) | (
-            frozenset() if sp.ignore_eos else frozenset(req.eos_token_ids))
+            frozenset() if sp.ignore_eos else frozenset(req.eos_token_ids)
+        )
         # The last sampled token is never computed, so at most total - 1 tokens hold K/V.
         pages = _cdiv(total - 1, self.allocator.page_size)
         if pages > self.allocator.num_usable_pages:
@@ -333,7 +338,11 @@ class Scheduler:
             if budget <= 0 or (stopped and r in stopped):
                 i += 1
                 continue
-            outputs, pending, start = req.output_token_ids, req.num_pending_tokens, req.num_computed_tokens
+            outputs, pending, start = (
+                req.output_token_ids,
+                req.num_pending_tokens,
+                req.num_computed_tokens,
+            )
             num_prompt, num_out = len(req.prompt_token_ids), len(outputs)
             known = num_prompt + num_out
             total = known + pending
@@ -347,18 +356,34 @@ class Scheduler:
                 # its last page or in a new one (a page crossing, every page_size steps) if free
                 if total <= len(pages) * page_size:
                     new = ()
-                elif (need := _cdiv(total, page_size) - len(pages)) <= self.allocators[r].num_free_pages:
+                elif (need := _cdiv(total, page_size) - len(pages)) <= self.allocators[
+                    r
+                ].num_free_pages:
                     new = self.allocators[r].allocate(need)
                     pages.extend(new)
             if new is not None:
-                decodes.append(_new_tuple(ScheduledRequest, (
-                    req, [outputs[-1] if start < known else PENDING_TOKEN], start, new, True, r,
-                    False, pages, 0)))
+                decodes.append(
+                    _new_tuple(
+                        ScheduledRequest,
+                        (
+                            req,
+                            [outputs[-1] if start < known else PENDING_TOKEN],
+                            start,
+                            new,
+                            True,
+                            r,
+                            False,
+                            pages,
+                            0,
+                        ),
+                    )
+                )
                 req.num_computed_tokens = total
                 req.num_pending_tokens = pending + 1
                 if caching[r] and known >= (len(req.page_hashes) + 1) * page_size:
-                    self.allocators[r].register_full_pages(req.known_tokens, pages, known,
-                                                           req.page_hashes)
+                    self.allocators[r].register_full_pages(
+                        req.known_tokens, pages, known, req.page_hashes
+                    )
                 budgets[r] = budget - 1
                 i += 1
                 continue
@@ -419,8 +444,12 @@ class Scheduler:
 
         finished, self._finished_ids = self._finished_ids, []
         used = sum(self.max_num_batched_tokens - b for b in budgets)
-        return SchedulerOutput(scheduled=decodes + chunks, num_batched_tokens=used,
-                               preempted=preempted, finished=finished)
+        return SchedulerOutput(
+            scheduled=decodes + chunks,
+            num_batched_tokens=used,
+            preempted=preempted,
+            finished=finished,
+        )
 
     def _least_loaded(self, budgets: list[int]) -> int | None:
         """The replica a new request goes to: token budget and a sequence slot left, then the
@@ -428,8 +457,11 @@ class Scheduler:
         load = [0] * len(self.allocators)
         for rid in self._replica:
             load[self._replica[rid]] += 1
-        open_ = [r for r in range(len(self.allocators))
-                 if budgets[r] > 0 and load[r] < self._seqs_per_replica]
+        open_ = [
+            r
+            for r in range(len(self.allocators))
+            if budgets[r] > 0 and load[r] < self._seqs_per_replica
+        ]
         if not open_:
             return None
         return min(open_, key=lambda r: (load[r], -self.allocators[r].num_free_pages, r))
@@ -437,30 +469,44 @@ class Scheduler:
     def _spec_room(self, req: Request, n: int, budget: int) -> int:
         """Proposed tokens a running request about to compute `n` tokens may verify, given the
         token `budget` it may use while the requests after it keep one each."""
-        if (n != 1 or req.num_pending_tokens or req.num_computed_tokens != req.num_tokens - 1
-                or not req.may_speculate):
+        if (
+            n != 1
+            or req.num_pending_tokens
+            or req.num_computed_tokens != req.num_tokens - 1
+            or not req.may_speculate
+        ):
             return 0
-        return max(0, min(self.num_speculative_tokens, budget - 1,
-                          req.sampling.max_tokens - req.num_output_tokens - 1,
-                          self.max_model_len - req.num_tokens - 1))
+        return max(
+            0,
+            min(
+                self.num_speculative_tokens,
+                budget - 1,
+                req.sampling.max_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens - 1,
+            ),
+        )
 
-    def _fill_proposals(self, reserved: list[tuple[list[ScheduledRequest], int, int]],
-                        ) -> list[tuple[ScheduledRequest, int]]:
+    def _fill_proposals(
+        self,
+        reserved: list[tuple[list[ScheduledRequest], int, int]],
+    ) -> list[tuple[ScheduledRequest, int]]:
         """Asks the proposer once for every reservation, appends the proposals to the scheduled
         decodes (replacing them in their lists); returns (decode, unused reserved tokens) pairs."""
         if not reserved:
             return []
         proposals = self.proposer.propose_batch([(lst[j].request, k) for lst, j, k in reserved])
         if len(proposals) != len(reserved):
-            raise RuntimeError(f"proposer returned {len(proposals)} proposals for "
-                               f"{len(reserved)} requests")
+            raise RuntimeError(
+                f"proposer returned {len(proposals)} proposals for {len(reserved)} requests"
+            )
         unused = []
         for (lst, j, k), drafts in zip(reserved, proposals):
             s = lst[j]
             drafts = list(drafts)[:k]
             if any(not isinstance(t, int) or t < 0 for t in drafts):
-                raise RuntimeError(f"request {s.request.request_id!r}: proposer returned bad ids "
-                                   f"{drafts}")
+                raise RuntimeError(
+                    f"request {s.request.request_id!r}: proposer returned bad ids {drafts}"
+                )
             s = lst[j] = s._replace(token_ids=s.token_ids + drafts, num_spec_tokens=len(drafts))
             s.request.num_computed_tokens = s.start_pos + len(s.token_ids)  # update rolls back
             unused.append((s, k - len(drafts)))
@@ -488,7 +534,8 @@ class Scheduler:
             if caching[replica] and computed >= (len(req.page_hashes) + 1) * page_size:
                 # a page completed by a pending token
                 self.allocators[replica].register_full_pages(
-                    req.known_tokens, req.page_ids, computed, req.page_hashes)
+                    req.known_tokens, req.page_ids, computed, req.page_hashes
+                )
             try:
                 token = sampled[req.request_id]
             except KeyError:
@@ -496,7 +543,9 @@ class Scheduler:
             req.num_pending_tokens -= 1
             outputs.append(token)
             if len(outputs) >= req.length_limit or token in req.stop_token_set:
-                reason = self._stop_reason(req, token)  # also says when min_tokens holds a stop back
+                reason = self._stop_reason(
+                    req, token
+                )  # also says when min_tokens holds a stop back
                 if reason is not None:
                     self._finish(req, *reason)
                     updates.append(RequestUpdate(req, [token], True))
@@ -510,17 +559,24 @@ class Scheduler:
         raise RuntimeError(
             f"request {req.request_id!r}: update for tokens up to "
             f"{s.start_pos + len(s.token_ids) - s.num_spec_tokens} with {req.num_known_tokens} "
-            f"known and {req.num_pending_tokens} pending (update applied twice or out of order?)")
+            f"known and {req.num_pending_tokens} pending (update applied twice or out of order?)"
+        )
 
-    def _update_one(self, s: ScheduledRequest, sampled: dict[str, int], out: RunnerOutput,
-                    updates: list[RequestUpdate]) -> None:
+    def _update_one(
+        self,
+        s: ScheduledRequest,
+        sampled: dict[str, int],
+        out: RunnerOutput,
+        updates: list[RequestUpdate],
+    ) -> None:
         """`update` of one scheduled request in general (proposals, chunks, prefix caching)."""
         req = s.request
         # every one of these tokens is known now (proposed tokens are not the request's)
         computed = s.start_pos + len(s.token_ids) - s.num_spec_tokens
         outputs = req.output_token_ids
         if computed > len(req.prompt_token_ids) + len(outputs) or (
-                s.sample and req.num_pending_tokens < 1):
+            s.sample and req.num_pending_tokens < 1
+        ):
             self._out_of_order(s)
         alloc = self.allocators[s.replica]
         if alloc.enable_prefix_caching and computed >= (len(req.page_hashes) + 1) * alloc.page_size:
@@ -535,10 +591,12 @@ class Scheduler:
         accepted: list[int] = []
         if s.num_spec_tokens:
             accepted = out.accepted_draft_ids.get(req.request_id, [])
-            drafts = s.token_ids[len(s.token_ids) - s.num_spec_tokens:]
-            if accepted != drafts[:len(accepted)]:
-                raise RuntimeError(f"request {req.request_id!r}: accepted {accepted} is not a "
-                                   f"prefix of the proposed {drafts}")
+            drafts = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
+            if accepted != drafts[: len(accepted)]:
+                raise RuntimeError(
+                    f"request {req.request_id!r}: accepted {accepted} is not a "
+                    f"prefix of the proposed {drafts}"
+                )
             # Roll back: K/V of the rejected proposals stays in the pages, overwritten later.
             req.num_computed_tokens = computed + len(accepted)
             st = self.spec_stats
@@ -557,17 +615,28 @@ class Scheduler:
                 finished = True
                 break
         done = req.num_computed_tokens  # verified tokens only reach the prefix cache
-        if accepted and not finished and alloc.enable_prefix_caching and done >= (
-                len(req.page_hashes) + 1) * alloc.page_size:
+        if (
+            accepted
+            and not finished
+            and alloc.enable_prefix_caching
+            and done >= (len(req.page_hashes) + 1) * alloc.page_size
+        ):
             alloc.register_full_pages(req.known_tokens, req.page_ids, done, req.page_hashes)
         updates.append(RequestUpdate(req, new, finished))
 
     def _key(self, req: Request) -> tuple[int, float, int]:
         return self._order[req.request_id]
 
-    def _schedule_tokens(self, req: Request, r: int, n: int, need: int,
-                         decodes: list[ScheduledRequest], chunks: list[ScheduledRequest],
-                         is_new: bool) -> None:
+    def _schedule_tokens(
+        self,
+        req: Request,
+        r: int,
+        n: int,
+        need: int,
+        decodes: list[ScheduledRequest],
+        chunks: list[ScheduledRequest],
+        is_new: bool,
+    ) -> None:
         if n < 1:
             raise RuntimeError(f"request {req.request_id!r} has no token to compute")
         alloc = self.allocators[r]
@@ -587,7 +656,8 @@ class Scheduler:
         else:
             new_pages = req.page_ids[-need:] if need > 0 else ()
         (decodes if sample and n == 1 and start >= num_prompt else chunks).append(
-            ScheduledRequest(req, tokens, start, new_pages, sample, r, is_new, req.page_ids))
+            ScheduledRequest(req, tokens, start, new_pages, sample, r, is_new, req.page_ids)
+        )
         req.num_computed_tokens = end
         req.num_pending_tokens += sample
         # NOTE: offered before the step runs (its K/V is written before any later step reads it),

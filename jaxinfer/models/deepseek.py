@@ -78,12 +78,19 @@ class LayerParams:
     shared: MLPParams | None = None  # the shared experts of a MoE layer, as one gated MLP
 
 
-def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32, quantization: str | None = None) -> Params:
+def param_specs(
+    cfg: ModelConfig, dtype: Any = jnp.float32, quantization: str | None = None
+) -> Params:
     """Every weight declared once: shape, dtype, logical axes, init; with `quantization` ("int8" |
     "fp8") the weights read through `layers.dense` / the experts are `QArray`s."""
     e, h, v = cfg.hidden_size, cfg.num_heads, cfg.vocab_size
-    dn, r, lat, dv, lq = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
-                          cfg.v_head_dim, cfg.q_lora_rank)
+    dn, r, lat, dv, lq = (
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.kv_lora_rank,
+        cfg.v_head_dim,
+        cfg.q_lora_rank,
+    )
 
     def w(shape, axes, scale=0.02, quant_axis=None):
         return ParamSpec(tuple(shape), dtype, tuple(axes), "normal", scale, quant_axis)
@@ -95,12 +102,14 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32, quantization: str | 
         return ParamSpec((size,), dtype, ("norm",), "ones")
 
     def gated(f) -> MLPParams:
-        return MLPParams(gate_up=linear((e, 2, f), ("embed", None, "mlp")),
-                         down=linear((f, e), ("mlp", "embed")))
+        return MLPParams(
+            gate_up=linear((e, 2, f), ("embed", None, "mlp")), down=linear((f, e), ("mlp", "embed"))
+        )
 
     def layer(i: int) -> LayerParams:
         attn = MLAParams(
-            kv_a=linear((e, lat + r), ("embed", None)), kv_a_norm=norm(lat),
+            kv_a=linear((e, lat + r), ("embed", None)),
+            kv_a_norm=norm(lat),
             w_uk=w((h, dn, lat), ("q_heads", None, None), 0.1),
             w_uv=w((h, lat, dv), ("q_heads", None, None), 0.1),
             o=linear((h * dv, e), ("q_heads", "embed")),
@@ -110,17 +119,24 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32, quantization: str | 
             q_b=linear((lq, h * (dn + r)), (None, "q_heads")) if lq else None,
         )
         if not cfg.is_moe_layer(i):
-            return LayerParams(attn_norm=norm(e), attn=attn, mlp_norm=norm(e),
-                               mlp=gated(cfg.intermediate_size))
+            return LayerParams(
+                attn_norm=norm(e), attn=attn, mlp_norm=norm(e), mlp=gated(cfg.intermediate_size)
+            )
         x, fm = cfg.num_experts, cfg.moe_intermediate_size
         sparse = MoEParams(
             router=w((e, x), ("embed", None)),
             gate_up=linear((x, e, 2, fm), ("experts", "embed", None, "expert_mlp"), 1),
             down=linear((x, fm, e), ("experts", "expert_mlp", "embed"), 1),
-            router_bias=(ParamSpec((x,), jnp.float32, (None,), "zeros")
-                         if cfg.topk_method == "noaux_tc" else None))
+            router_bias=(
+                ParamSpec((x,), jnp.float32, (None,), "zeros")
+                if cfg.topk_method == "noaux_tc"
+                else None
+            ),
+        )
         shared = gated(fm * cfg.num_shared_experts) if cfg.num_shared_experts else None
-        return LayerParams(attn_norm=norm(e), attn=attn, mlp_norm=norm(e), mlp=sparse, shared=shared)
+        return LayerParams(
+            attn_norm=norm(e), attn=attn, mlp_norm=norm(e), mlp=sparse, shared=shared
+        )
 
     specs = Params(
         embed=linear((v, e), ("vocab", "embed"), 1),  # NOTE: one scale per vocab row
@@ -138,8 +154,13 @@ def _rope_perm(r: int, interleave: bool) -> np.ndarray:
 
 def _hf_name_map(cfg: ModelConfig, names: Iterable[str]) -> dict[str, tuple | list[tuple]]:
     """HF tensor name -> entry (or entries) as in `llama._hf_name_map`."""
-    h, dn, r, lat, dv = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-                         cfg.kv_lora_rank, cfg.v_head_dim)
+    h, dn, r, lat, dv = (
+        cfg.num_heads,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.kv_lora_rank,
+        cfg.v_head_dim,
+    )
     perm = _rope_perm(r, cfg.rope_interleave)
     q_cols = np.concatenate([np.arange(dn), dn + perm])  # per head: nope, then rope (permuted)
     kv_cols = np.concatenate([np.arange(lat), lat + perm])
@@ -165,21 +186,27 @@ def _hf_name_map(cfg: ModelConfig, names: Iterable[str]) -> dict[str, tuple | li
     for i in range(cfg.num_layers):
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         L, A = ("layers", i), ("layers", i, "attn")
-        out.update({
-            p + "input_layernorm.weight": (L + ("attn_norm",), ident),
-            p + "post_attention_layernorm.weight": (L + ("mlp_norm",), ident),
-            a + "kv_a_proj_with_mqa.weight": (A + ("kv_a",), lambda x: x.T[:, kv_cols]),
-            a + "kv_a_layernorm.weight": (A + ("kv_a_norm",), ident),
-            a + "kv_b_proj.weight": [(A + ("w_uk",), lambda x: kv_b(x)[:, :dn]),
-                                     (A + ("w_uv",), lambda x: kv_b(x)[:, dn:].transpose(0, 2, 1))],
-            a + "o_proj.weight": (A + ("o",), transpose),
-        })
+        out.update(
+            {
+                p + "input_layernorm.weight": (L + ("attn_norm",), ident),
+                p + "post_attention_layernorm.weight": (L + ("mlp_norm",), ident),
+                a + "kv_a_proj_with_mqa.weight": (A + ("kv_a",), lambda x: x.T[:, kv_cols]),
+                a + "kv_a_layernorm.weight": (A + ("kv_a_norm",), ident),
+                a + "kv_b_proj.weight": [
+                    (A + ("w_uk",), lambda x: kv_b(x)[:, :dn]),
+                    (A + ("w_uv",), lambda x: kv_b(x)[:, dn:].transpose(0, 2, 1)),
+                ],
+                a + "o_proj.weight": (A + ("o",), transpose),
+            }
+        )
         if cfg.q_lora_rank:
-            out.update({
-                a + "q_a_proj.weight": (A + ("q_a",), transpose),
-                a + "q_a_layernorm.weight": (A + ("q_a_norm",), ident),
-                a + "q_b_proj.weight": (A + ("q_b",), q_layout),
-            })
+            out.update(
+                {
+                    a + "q_a_proj.weight": (A + ("q_a",), transpose),
+                    a + "q_a_layernorm.weight": (A + ("q_a_norm",), ident),
+                    a + "q_b_proj.weight": (A + ("q_b",), q_layout),
+                }
+            )
         else:
             out[a + "q_proj.weight"] = (A + ("q",), q_layout)
         if cfg.is_moe_layer(i):
@@ -188,17 +215,21 @@ def _hf_name_map(cfg: ModelConfig, names: Iterable[str]) -> dict[str, tuple | li
                 out[p + "mlp.gate.e_score_correction_bias"] = (L + ("mlp", "router_bias"), ident)
             if cfg.num_shared_experts:
                 s, S = p + "mlp.shared_experts.", L + ("shared",)
-                out.update({
-                    s + "gate_proj.weight": (S + ("gate_up",), transpose, 0),
-                    s + "up_proj.weight": (S + ("gate_up",), transpose, 1),
-                    s + "down_proj.weight": (S + ("down",), transpose),
-                })
+                out.update(
+                    {
+                        s + "gate_proj.weight": (S + ("gate_up",), transpose, 0),
+                        s + "up_proj.weight": (S + ("gate_up",), transpose, 1),
+                        s + "down_proj.weight": (S + ("down",), transpose),
+                    }
+                )
         else:
-            out.update({
-                p + "mlp.gate_proj.weight": (L + ("mlp", "gate_up"), transpose, 0),
-                p + "mlp.up_proj.weight": (L + ("mlp", "gate_up"), transpose, 1),
-                p + "mlp.down_proj.weight": (L + ("mlp", "down"), transpose),
-            })
+            out.update(
+                {
+                    p + "mlp.gate_proj.weight": (L + ("mlp", "gate_up"), transpose, 0),
+                    p + "mlp.up_proj.weight": (L + ("mlp", "gate_up"), transpose, 1),
+                    p + "mlp.down_proj.weight": (L + ("mlp", "down"), transpose),
+                }
+            )
     return out
 
 
@@ -220,13 +251,29 @@ def params_from_hf(
         m = _LAYER.match(name)
         return bool(llama._IGNORED.match(name)) or (m is not None and int(m.group(1)) in mtp)
 
-    return llama.fill_params(param_specs(cfg, dtype, quantization), _hf_name_map(cfg, names), names,
-                             get_tensor, put, what=cfg.model_type, skip=skip,
-                             get_quantized=get_quantized)
+    return llama.fill_params(
+        param_specs(cfg, dtype, quantization),
+        _hf_name_map(cfg, names),
+        names,
+        get_tensor,
+        put,
+        what=cfg.model_type,
+        skip=skip,
+        get_quantized=get_quantized,
+    )
 
 
-def _mla_block(p: MLAParams, cfg: ModelConfig, x: jax.Array, step: StepInputs, cos: jax.Array,
-               sin: jax.Array, kv_cache: jax.Array, kernels: Kernels, par: Parallel):
+def _mla_block(
+    p: MLAParams,
+    cfg: ModelConfig,
+    x: jax.Array,
+    step: StepInputs,
+    cos: jax.Array,
+    sin: jax.Array,
+    kv_cache: jax.Array,
+    kernels: Kernels,
+    par: Parallel,
+):
     """x [T, E] -> [T, E] (all-reduced). Under tensor parallelism p.q/q_b/w_uk/w_uv/o hold this
     shard's heads; kv_a and the latent cache are whole on every shard."""
     t = x.shape[0]
@@ -251,8 +298,13 @@ def _mla_block(p: MLAParams, cfg: ModelConfig, x: jax.Array, step: StepInputs, c
         q_lat = jnp.einsum("thn,hnl->thl", q_nope, p.w_uk)
     out, kv_cache = mla.mla_attention(
         jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1),
-        jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1), kv_cache, step,
-        sm_scale=cfg.sm_scale, kv_lora_rank=lat, backend=kernels.attention)  # [T, h, L]
+        jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1),
+        kv_cache,
+        step,
+        sm_scale=cfg.sm_scale,
+        kv_lora_rank=lat,
+        backend=kernels.attention,
+    )  # [T, h, L]
     with jax.named_scope("absorb_uv"):
         out = jnp.einsum("thl,hlv->thv", out, p.w_uv)
     with jax.named_scope("o_proj"):
@@ -260,12 +312,30 @@ def _mla_block(p: MLAParams, cfg: ModelConfig, x: jax.Array, step: StepInputs, c
         return par.psum(out, EXPERT, TENSOR), kv_cache
 
 
-def _decoder_layer(p: LayerParams, cfg: ModelConfig, h: jax.Array, step: StepInputs, cos, sin,
-                   kv_cache: jax.Array, kernels: Kernels, par: Parallel):
+def _decoder_layer(
+    p: LayerParams,
+    cfg: ModelConfig,
+    h: jax.Array,
+    step: StepInputs,
+    cos,
+    sin,
+    kv_cache: jax.Array,
+    kernels: Kernels,
+    par: Parallel,
+):
     eps = cfg.rms_norm_eps
     with jax.named_scope("attention"):
-        x, kv_cache = _mla_block(p.attn, cfg, layers.rms_norm(h, p.attn_norm, eps), step, cos, sin,
-                                 kv_cache, kernels, par)
+        x, kv_cache = _mla_block(
+            p.attn,
+            cfg,
+            layers.rms_norm(h, p.attn_norm, eps),
+            step,
+            cos,
+            sin,
+            kv_cache,
+            kernels,
+            par,
+        )
         h = h + x
     with jax.named_scope("mlp"):
         x = layers.rms_norm(h, p.mlp_norm, eps)
@@ -273,16 +343,23 @@ def _decoder_layer(p: LayerParams, cfg: ModelConfig, h: jax.Array, step: StepInp
             y = moe.moe_mlp(x, p.mlp, cfg, par, step.slot_mapping >= 0)
             if p.shared is not None:
                 with jax.named_scope("shared_experts"):
-                    y = y + layers.gated_mlp(x, p.shared.gate_up, p.shared.down, cfg.activation,
-                                             kernels.linear)
+                    y = y + layers.gated_mlp(
+                        x, p.shared.gate_up, p.shared.down, cfg.activation, kernels.linear
+                    )
         else:
             y = layers.gated_mlp(x, p.mlp.gate_up, p.mlp.down, cfg.activation, kernels.linear)
         h = h + par.psum(y, EXPERT, TENSOR)  # partial sums over experts and F slices
     return h, kv_cache
 
 
-def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
-                   kv_caches: tuple[jax.Array, ...], kernels: Kernels, par: Parallel):
+def _forward_local(
+    params: Params,
+    cfg: ModelConfig,
+    step: StepInputs,
+    kv_caches: tuple[jax.Array, ...],
+    kernels: Kernels,
+    par: Parallel,
+):
     with jax.named_scope("embed"):
         h = llama.embed_tokens(params.embed, cfg, step.token_ids, par, params.final_norm.dtype)
     with jax.named_scope("rope_tables"):
@@ -293,20 +370,23 @@ def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
             h, cache = _decoder_layer(layer, cfg, h, step, cos, sin, kv_caches[i], kernels, par)
         new_caches.append(cache)
     with jax.named_scope("logits"):
-        logits = llama.final_logits(params, cfg, jnp.take(h, step.logits_indices, axis=0),
-                                    kernels.linear)
+        logits = llama.final_logits(
+            params, cfg, jnp.take(h, step.logits_indices, axis=0), kernels.linear
+        )
     return logits, tuple(new_caches)
 
 
-def kv_cache_shape(cfg: ModelConfig, backend: str | None, num_pages: int, page_size: int,
-                   par: Parallel = SINGLE) -> tuple[int, ...]:
+def kv_cache_shape(
+    cfg: ModelConfig, backend: str | None, num_pages: int, page_size: int, par: Parallel = SINGLE
+) -> tuple[int, ...]:
     """A layer's global cache shape, from the MLA backend (`[P, page, L + R]`)."""
     del par  # NOTE: the latent rows are shared by all heads: the same on every head shard
     return mla.kv_cache_shape(backend, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
 
-def kv_cache_bytes_per_token(cfg: ModelConfig, par: Parallel, itemsize: int,
-                             kv_cache_dtype: str = "auto") -> int:
+def kv_cache_bytes_per_token(
+    cfg: ModelConfig, par: Parallel, itemsize: int, kv_cache_dtype: str = "auto"
+) -> int:
     """(kv_lora_rank + qk_rope_head_dim) x dtype bytes x layers, on every device."""
     del par
     check_kv_cache_dtype(cfg, None, kv_cache_dtype)
@@ -317,8 +397,10 @@ def check_kv_cache_dtype(cfg: ModelConfig, backend: str | None, kv_cache_dtype: 
     """The latent cache is stored in the model dtype: anything but 'auto' raises naming the field."""
     del backend
     if kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for {cfg.model_type} "
-                         f"(MLA latent cache, kept in the model dtype); use kv_cache_dtype='auto'")
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported for {cfg.model_type} "
+            f"(MLA latent cache, kept in the model dtype); use kv_cache_dtype='auto'"
+        )
 
 
 def kv_cache_spec(cfg: ModelConfig, par: Parallel) -> PartitionSpec:
@@ -350,10 +432,13 @@ def forward(
     if par.is_single:
         return _forward_local(params, cfg, step, kv_caches, kernels, Parallel())
     if par.pipeline > 1:
-        raise ValueError(f"{cfg.model_type}: pipeline parallelism is not supported (dense and MoE "
-                         f"layers differ in kind); use the data, expert and tensor axes")
-    param_specs_ = partition_specs(param_specs(cfg, quantization=quantization_of(params)),
-                                   model_rules(cfg, par))
+        raise ValueError(
+            f"{cfg.model_type}: pipeline parallelism is not supported (dense and MoE "
+            f"layers differ in kind); use the data, expert and tensor axes"
+        )
+    param_specs_ = partition_specs(
+        param_specs(cfg, quantization=quantization_of(params)), model_rules(cfg, par)
+    )
     stacked = par.data > 1
     step_spec = PartitionSpec(DATA) if stacked else PartitionSpec()
     cache_specs = tuple(kv_cache_spec(cfg, par) for _ in kv_caches)
@@ -367,10 +452,18 @@ def forward(
         return (logits[None] if stacked else logits), caches
 
     # NOTE: check_vma off: the Pallas kernels inside carry no varying-axis annotations.
-    run = jax.shard_map(body, mesh=mesh, in_specs=(param_specs_, step_spec, cache_specs),
-                        out_specs=(logits_spec, cache_specs), check_vma=False)
+    run = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(param_specs_, step_spec, cache_specs),
+        out_specs=(logits_spec, cache_specs),
+        check_vma=False,
+    )
     return run(params, step, tuple(kv_caches))
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_backend", "linear_backend", "mesh"),
-                      donate_argnames=("kv_caches",))
+forward_jit = jax.jit(
+    forward,
+    static_argnames=("cfg", "attention_backend", "linear_backend", "mesh"),
+    donate_argnames=("kv_caches",),
+)

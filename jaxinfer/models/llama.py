@@ -106,7 +106,9 @@ class Params:
     lm_head: Any = None  # [E, V]; None when tied to the embedding
 
 
-def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32, quantization: str | None = None) -> Params:
+def param_specs(
+    cfg: ModelConfig, dtype: Any = jnp.float32, quantization: str | None = None
+) -> Params:
     """Every weight declared once: shape, dtype, logical axes, init; with `quantization` ("int8" |
     "fp8") the linear weights and the embedding are `QArray`s of (data, scale) specs."""
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -125,9 +127,11 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32, quantization: str | 
 
     def sparse_mlp() -> MoEParams:
         x, fm = cfg.num_experts, cfg.moe_intermediate_size
-        return MoEParams(router=w((e, x), ("embed", None)),
-                         gate_up=linear((x, e, 2, fm), ("experts", "embed", None, "expert_mlp"), 1),
-                         down=linear((x, fm, e), ("experts", "expert_mlp", "embed"), 1))
+        return MoEParams(
+            router=w((e, x), ("embed", None)),
+            gate_up=linear((x, e, 2, fm), ("experts", "embed", None, "expert_mlp"), 1),
+            down=linear((x, fm, e), ("experts", "expert_mlp", "embed"), 1),
+        )
 
     def layer(i: int) -> LayerParams:
         attn = AttentionParams(
@@ -140,11 +144,19 @@ def param_specs(cfg: ModelConfig, dtype: Any = jnp.float32, quantization: str | 
             q_norm=norm(d, "head_dim") if cfg.qk_norm else None,
             k_norm=norm(d, "head_dim") if cfg.qk_norm else None,
         )
-        mlp = (sparse_mlp() if cfg.is_moe_layer(i) else
-               MLPParams(gate_up=linear((e, 2, f), ("embed", None, "mlp")),
-                         down=linear((f, e), ("mlp", "embed"))))
+        mlp = (
+            sparse_mlp()
+            if cfg.is_moe_layer(i)
+            else MLPParams(
+                gate_up=linear((e, 2, f), ("embed", None, "mlp")),
+                down=linear((f, e), ("mlp", "embed")),
+            )
+        )
         return LayerParams(
-            attn_norm=norm(e), attn=attn, mlp_norm=norm(e), mlp=mlp,
+            attn_norm=norm(e),
+            attn=attn,
+            mlp_norm=norm(e),
+            mlp=mlp,
             post_attn_norm=norm(e) if cfg.sandwich_norm else None,
             post_mlp_norm=norm(e) if cfg.sandwich_norm else None,
         )
@@ -187,22 +199,26 @@ def _hf_name_map(cfg: ModelConfig, names: Iterable[str] = ()) -> dict[str, tuple
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         L = ("layers", i)
-        out.update({
-            p + "input_layernorm.weight": (L + ("attn_norm",), ident),
-            p + mlp_norm_name + ".weight": (L + ("mlp_norm",), ident),
-            p + "self_attn.q_proj.weight": (L + ("attn", "q"), transpose),
-            p + "self_attn.k_proj.weight": (L + ("attn", "kv"), transpose, 0),
-            p + "self_attn.v_proj.weight": (L + ("attn", "kv"), transpose, 1),
-            p + "self_attn.o_proj.weight": (L + ("attn", "o"), transpose),
-        })
+        out.update(
+            {
+                p + "input_layernorm.weight": (L + ("attn_norm",), ident),
+                p + mlp_norm_name + ".weight": (L + ("mlp_norm",), ident),
+                p + "self_attn.q_proj.weight": (L + ("attn", "q"), transpose),
+                p + "self_attn.k_proj.weight": (L + ("attn", "kv"), transpose, 0),
+                p + "self_attn.v_proj.weight": (L + ("attn", "kv"), transpose, 1),
+                p + "self_attn.o_proj.weight": (L + ("attn", "o"), transpose),
+            }
+        )
         if cfg.is_moe_layer(i):
             out.update(_hf_moe_names(cfg, i, names))
         else:
-            out.update({
-                p + "mlp.gate_proj.weight": (L + ("mlp", "gate_up"), transpose, 0),
-                p + "mlp.up_proj.weight": (L + ("mlp", "gate_up"), transpose, 1),
-                p + "mlp.down_proj.weight": (L + ("mlp", "down"), transpose),
-            })
+            out.update(
+                {
+                    p + "mlp.gate_proj.weight": (L + ("mlp", "gate_up"), transpose, 0),
+                    p + "mlp.up_proj.weight": (L + ("mlp", "gate_up"), transpose, 1),
+                    p + "mlp.down_proj.weight": (L + ("mlp", "down"), transpose),
+                }
+            )
         if cfg.qkv_bias:
             out[p + "self_attn.q_proj.bias"] = (L + ("attn", "q_bias"), ident)
             out[p + "self_attn.k_proj.bias"] = (L + ("attn", "kv_bias"), ident, 0)
@@ -294,17 +310,32 @@ def params_from_hf(
         get_tensor = _renamed(get_tensor, source_name)
         get_quantized = get_quantized and _renamed(get_quantized, source_name)
     return fill_params(
-        param_specs(cfg, dtype, quantization), _hf_name_map(cfg, names), names, get_tensor, put,
-        what=cfg.model_type, get_quantized=get_quantized,
-        skip=lambda n: bool(_IGNORED.match(n)) or (cfg.tie_word_embeddings and n == "lm_head.weight"))
+        param_specs(cfg, dtype, quantization),
+        _hf_name_map(cfg, names),
+        names,
+        get_tensor,
+        put,
+        what=cfg.model_type,
+        get_quantized=get_quantized,
+        skip=lambda n: (
+            bool(_IGNORED.match(n)) or (cfg.tie_word_embeddings and n == "lm_head.weight")
+        ),
+    )
 
 
 # The multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration): its text model under these
 # prefixes (hub files / transformers 5 in memory), beside vision tensors we do not serve.
-_GEMMA3_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
-                         "language_model.lm_head.": "lm_head."}
-_GEMMA3_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                  "model.multi_modal_projector.")
+_GEMMA3_TEXT_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+_GEMMA3_VISION = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
 
 
 def _gemma3_text_view(names: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -314,8 +345,14 @@ def _gemma3_text_view(names: list[str]) -> tuple[list[str], dict[str, str]]:
     for name in names:
         if name.startswith(_GEMMA3_VISION):
             continue
-        new = next((to + name[len(frm):] for frm, to in _GEMMA3_TEXT_PREFIXES.items()
-                    if name.startswith(frm)), name)
+        new = next(
+            (
+                to + name[len(frm) :]
+                for frm, to in _GEMMA3_TEXT_PREFIXES.items()
+                if name.startswith(frm)
+            ),
+            name,
+        )
         renamed[new] = name
     return list(renamed), renamed
 
@@ -346,15 +383,21 @@ def fill_params(
     put = put or (lambda x, spec: jnp.asarray(x))
     unexpected = [n for n in names if n not in name_map and not skip(n)]
     if unexpected:
-        raise ValueError(f"unexpected tensors in checkpoint for {what}: {unexpected[:8]}"
-                         + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
+        raise ValueError(
+            f"unexpected tensors in checkpoint for {what}: {unexpected[:8]}"
+            + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
+        )
     missing = [n for n in name_map if n not in set(names)]
     if missing:
-        raise ValueError(f"checkpoint is missing tensors: {missing[:8]}"
-                         + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+        raise ValueError(
+            f"checkpoint is missing tensors: {missing[:8]}"
+            + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+        )
     entries = {n: e if isinstance(e, list) else [e] for n, e in name_map.items()}
     params = map_specs(lambda s: None, specs)
-    fused: dict[tuple, Any] = {}  # path -> host buffer (a QArray of two when quantized) being filled
+    fused: dict[
+        tuple, Any
+    ] = {}  # path -> host buffer (a QArray of two when quantized) being filled
     parts_left: dict[tuple, int] = {}  # path -> slots not yet filled
     for path, _, *slot in (e for es in entries.values() for e in es):
         if slot:
@@ -381,20 +424,27 @@ def fill_params(
                 part = spec
                 if slot:
                     part_shape = np.broadcast_to(np.empty((), np.int8), shape)[index].shape
-                    part = dataclasses.replace(spec, shape=part_shape,
-                                               logical_axes=(None,) * len(part_shape))
+                    part = dataclasses.replace(
+                        spec, shape=part_shape, logical_axes=(None,) * len(part_shape)
+                    )
                 try:
                     value = transform(read())
                 except ValueError:
-                    raise ValueError(f"tensor {name!r} has shape {read().shape}, which does not fit "
-                                     f"{shape}") from None
+                    raise ValueError(
+                        f"tensor {name!r} has shape {read().shape}, which does not fit {shape}"
+                    ) from None
                 value = checked_array(name, value, part)
             if not slot:
                 params = _set_path(params, path, _put_leaf(put, value, spec))
                 continue
             if quantized:
-                buf = fused.setdefault(path, QArray(np.empty(spec.data.shape, spec.data.dtype),
-                                                    np.empty(spec.scale.shape, spec.scale.dtype)))
+                buf = fused.setdefault(
+                    path,
+                    QArray(
+                        np.empty(spec.data.shape, spec.data.dtype),
+                        np.empty(spec.scale.shape, spec.scale.dtype),
+                    ),
+                )
                 buf.data[index] = value.data
                 buf.scale[index] = value.scale  # NOTE: slots index axes other than the contraction
             else:
@@ -418,12 +468,17 @@ def _full_index(index: tuple, ndim: int) -> tuple:
         return tuple(index) + (slice(None),) * (ndim - len(index))
     at = index.index(Ellipsis)
     fill = (slice(None),) * (ndim - len(index) + 1)
-    return tuple(index[:at]) + fill + tuple(index[at + 1:])
+    return tuple(index[:at]) + fill + tuple(index[at + 1 :])
 
 
-def _quantized_part(name: str, spec: QArray, index: tuple | None, transform: Callable,
-                    read: Callable[[], np.ndarray],
-                    get_quantized: Callable[[str, str, int], Any] | None) -> QArray:
+def _quantized_part(
+    name: str,
+    spec: QArray,
+    index: tuple | None,
+    transform: Callable,
+    read: Callable[[], np.ndarray],
+    get_quantized: Callable[[str, str, int], Any] | None,
+) -> QArray:
     """One HF tensor as the quantized piece `index` (None: all) of the leaf `spec` (host arrays)."""
     fmt = quantization_of(spec)
     axis = spec.data.quant_axis
@@ -436,7 +491,11 @@ def _quantized_part(name: str, spec: QArray, index: tuple | None, transform: Cal
     # contracted over HF's `in`: axis 0 after the transpose of a linear weight, axis 1 of an
     # embedding.
     native = None
-    if get_quantized is not None and len(shape) == 2 and (transform, axis) in ((_transpose, 0), (_ident, 1)):
+    if (
+        get_quantized is not None
+        and len(shape) == 2
+        and (transform, axis) in ((_transpose, 0), (_ident, 1))
+    ):
         native = get_quantized(name, fmt, groups)
     if native is not None:
         data, scale = map(transform, native)
@@ -445,7 +504,9 @@ def _quantized_part(name: str, spec: QArray, index: tuple | None, transform: Cal
         try:
             value = transform(raw)
         except ValueError:
-            raise ValueError(f"tensor {name!r} has shape {raw.shape}, which does not fit {shape}") from None
+            raise ValueError(
+                f"tensor {name!r} has shape {raw.shape}, which does not fit {shape}"
+            ) from None
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {shape}")
         data, scale = qlib.quantize(value, fmt, axis, groups)
@@ -454,9 +515,18 @@ def _quantized_part(name: str, spec: QArray, index: tuple | None, transform: Cal
     return QArray(data=np.asarray(data, spec.data.dtype), scale=np.asarray(scale, np.float32))
 
 
-def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x: jax.Array,
-                     step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array,
-                     kernels: Kernels, par: Parallel = SINGLE):
+def _attention_block(
+    p: AttentionParams,
+    cfg: ModelConfig,
+    window: int | None,
+    x: jax.Array,
+    step: StepInputs,
+    cos: jax.Array,
+    sin: jax.Array,
+    kv_cache: jax.Array,
+    kernels: Kernels,
+    par: Parallel = SINGLE,
+):
     """x [T, E] -> [T, E]. Under tensor parallelism p.q/p.kv hold this shard's heads (columns; one
     of `par.dense` shards), p.o its rows: the o_proj output is a partial sum, all-reduced here
     (bias added once, after)."""
@@ -490,9 +560,17 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
             k = layers.rms_norm(k, p.k_norm, cfg.rms_norm_eps, cfg.norm_offset)
     with jax.named_scope("rope"):
         q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
-    out, kv_cache = attention(q, k, v, kv_cache, step, sm_scale=cfg.sm_scale,
-                              sliding_window=window, soft_cap=cfg.attn_logit_softcap,
-                              backend=kernels.attention)
+    out, kv_cache = attention(
+        q,
+        k,
+        v,
+        kv_cache,
+        step,
+        sm_scale=cfg.sm_scale,
+        sliding_window=window,
+        soft_cap=cfg.attn_logit_softcap,
+        backend=kernels.attention,
+    )
     with jax.named_scope("o_proj"):
         (out,) = layers.dense(out.reshape(t, -1), p.o, backend=kernels.linear)
         out = par.psum(out, EXPERT, TENSOR)
@@ -501,13 +579,24 @@ def _attention_block(p: AttentionParams, cfg: ModelConfig, window: int | None, x
     return out, kv_cache
 
 
-def _decoder_layer(p: LayerParams, cfg: ModelConfig, window: int | None, h: jax.Array,
-                   step: StepInputs, cos: jax.Array, sin: jax.Array, kv_cache: jax.Array,
-                   kernels: Kernels, par: Parallel = SINGLE):
+def _decoder_layer(
+    p: LayerParams,
+    cfg: ModelConfig,
+    window: int | None,
+    h: jax.Array,
+    step: StepInputs,
+    cos: jax.Array,
+    sin: jax.Array,
+    kv_cache: jax.Array,
+    kernels: Kernels,
+    par: Parallel = SINGLE,
+):
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     with jax.named_scope("attention"):
         x = layers.rms_norm(h, p.attn_norm, eps, off)
-        x, kv_cache = _attention_block(p.attn, cfg, window, x, step, cos, sin, kv_cache, kernels, par)
+        x, kv_cache = _attention_block(
+            p.attn, cfg, window, x, step, cos, sin, kv_cache, kernels, par
+        )
         if cfg.sandwich_norm:
             x = layers.rms_norm(x, p.post_attn_norm, eps, off)
         h = h + x
@@ -525,8 +614,13 @@ def _decoder_layer(p: LayerParams, cfg: ModelConfig, window: int | None, h: jax.
     return h, kv_cache
 
 
-def embed_tokens(embed: jax.Array | QArray, cfg: ModelConfig, token_ids: jax.Array,
-                 par: Parallel = SINGLE, dtype: Any = None) -> jax.Array:
+def embed_tokens(
+    embed: jax.Array | QArray,
+    cfg: ModelConfig,
+    token_ids: jax.Array,
+    par: Parallel = SINGLE,
+    dtype: Any = None,
+) -> jax.Array:
     """Rows of `embed` [V/par.dense, E] for token_ids i32[T] -> [T, E] of `dtype` (default: the
     embedding's; a quantized one needs it), vocab-parallel on a mesh: each shard looks up the ids
     in its vocab range, zeros elsewhere, one all-reduce."""
@@ -564,8 +658,14 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.
     return jnp.concatenate([cos, cos_l], axis=-1), jnp.concatenate([sin, sin_l], axis=-1)
 
 
-def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
-                   kv_caches: tuple[jax.Array, ...], kernels: Kernels, par: Parallel):
+def _forward_local(
+    params: Params,
+    cfg: ModelConfig,
+    step: StepInputs,
+    kv_caches: tuple[jax.Array, ...],
+    kernels: Kernels,
+    par: Parallel,
+):
     """The model on local shards (the whole model when `par` is all ones)."""
     if par.pipeline > 1:
         return _forward_pipelined(params, cfg, step, kv_caches, kernels, par)
@@ -576,46 +676,65 @@ def _forward_local(params: Params, cfg: ModelConfig, step: StepInputs,
     new_caches = []
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
-            h, cache = _decoder_layer(layer, cfg, cfg.layer_windows[i], h, step, cos, sin,
-                                      kv_caches[i], kernels, par)
+            h, cache = _decoder_layer(
+                layer, cfg, cfg.layer_windows[i], h, step, cos, sin, kv_caches[i], kernels, par
+            )
         new_caches.append(cache)
     with jax.named_scope("logits"):
         logits = final_logits(params, cfg, jnp.take(h, step.logits_indices, axis=0), kernels.linear)
     return logits, tuple(new_caches)
 
 
-def _forward_pipelined(params: Params, cfg: ModelConfig, step: StepInputs,
-                       kv_caches: tuple[jax.Array, ...], kernels: Kernels, par: Parallel):
+def _forward_pipelined(
+    params: Params,
+    cfg: ModelConfig,
+    step: StepInputs,
+    kv_caches: tuple[jax.Array, ...],
+    kernels: Kernels,
+    par: Parallel,
+):
     """Pipeline mesh (see `jaxinfer.pipeline`): every `step` field has a leading [M] micro-batch
     dim, `params.layers` and `kv_caches` are this device's stage blocks; logits [M*N, V/dense]."""
     m, t = step.token_ids.shape
     with jax.named_scope("embed"):
-        h = embed_tokens(params.embed, cfg, step.token_ids.reshape(-1), par,
-                         params.final_norm.dtype).reshape(m, t, -1)
+        h = embed_tokens(
+            params.embed, cfg, step.token_ids.reshape(-1), par, params.final_norm.dtype
+        ).reshape(m, t, -1)
     with jax.named_scope("rope_tables"):
-        cos, sin = (x.reshape(m, t, *x.shape[1:])
-                    for x in rope_tables(cfg, step.positions.reshape(-1)))
+        cos, sin = (
+            x.reshape(m, t, *x.shape[1:]) for x in rope_tables(cfg, step.positions.reshape(-1))
+        )
 
     def layer_fn(p, window, x, mb_step, mb_cos, mb_sin, kv_cache):
         return _decoder_layer(p, cfg, window, x, mb_step, mb_cos, mb_sin, kv_cache, kernels, par)
 
     h, caches = pipeline_lib.pipelined_decoder(
-        layer_fn, params.layers, kv_caches, h, step, cos, sin,
-        windows=pipeline_lib.stage_windows(cfg.layer_windows, par.pipeline), num_stages=par.pipeline)
+        layer_fn,
+        params.layers,
+        kv_caches,
+        h,
+        step,
+        cos,
+        sin,
+        windows=pipeline_lib.stage_windows(cfg.layer_windows, par.pipeline),
+        num_stages=par.pipeline,
+    )
     with jax.named_scope("logits"):
         logits = final_logits(params, cfg, h.reshape(-1, h.shape[-1]), kernels.linear)
     return logits, caches
 
 
-def kv_cache_shape(cfg: ModelConfig, backend: str | None, num_pages: int, page_size: int,
-                   par: Parallel = SINGLE) -> tuple[int, ...]:
+def kv_cache_shape(
+    cfg: ModelConfig, backend: str | None, num_pages: int, page_size: int, par: Parallel = SINGLE
+) -> tuple[int, ...]:
     """A layer's global cache shape, from the attention backend (`[P, page, 2*Hkv', D]`)."""
     kv_heads = kv_cache_heads(cfg.num_kv_heads, par.dense)
     return attention_lib.kv_cache_shape(backend, num_pages, page_size, kv_heads, cfg.head_dim)
 
 
-def kv_cache_bytes_per_token(cfg: ModelConfig, par: Parallel, itemsize: int,
-                             kv_cache_dtype: str = "auto") -> int:
+def kv_cache_bytes_per_token(
+    cfg: ModelConfig, par: Parallel, itemsize: int, kv_cache_dtype: str = "auto"
+) -> int:
     """Cache bytes one token takes on one device, over all layers (its share of the KV heads):
     rows of `itemsize`-byte values, or fp8 rows with their exponent byte."""
     kv_heads = kv_cache_heads(cfg.num_kv_heads, par.dense) // par.dense
@@ -691,10 +810,18 @@ def forward(
         return (logits[None] if stacked else logits), caches
 
     # NOTE: check_vma off: the Pallas kernels inside carry no varying-axis annotations.
-    run = jax.shard_map(body, mesh=mesh, in_specs=(param_specs_, step_spec, cache_specs),
-                        out_specs=(logits_spec, cache_specs), check_vma=False)
+    run = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(param_specs_, step_spec, cache_specs),
+        out_specs=(logits_spec, cache_specs),
+        check_vma=False,
+    )
     return run(params, step, tuple(kv_caches))
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_backend", "linear_backend", "mesh"),
-                      donate_argnames=("kv_caches",))
+forward_jit = jax.jit(
+    forward,
+    static_argnames=("cfg", "attention_backend", "linear_backend", "mesh"),
+    donate_argnames=("kv_caches",),
+)

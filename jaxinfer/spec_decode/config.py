@@ -71,12 +71,15 @@ class SpeculativeConfig:
             except json.JSONDecodeError as e:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict or a JSON object, got "
-                             f"{type(value).__name__}")
+            raise ValueError(
+                f"speculative_config must be a dict or a JSON object, got {type(value).__name__}"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
+            raise ValueError(
+                f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}"
+            )
         for name in ("method", "num_speculative_tokens"):
             if name not in value:
                 raise ValueError(f"speculative_config.{name} is required")

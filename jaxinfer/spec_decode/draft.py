@@ -49,27 +49,50 @@ class _DraftSeq:
 def truncate(cfg: ModelConfig, params: Any, num_layers: int) -> tuple[ModelConfig, Any]:
     """The first `num_layers` decoder layers of a model (same embeddings, norm and head)."""
     if not 1 <= num_layers <= cfg.num_layers:
-        raise ValueError(f"speculative_config.draft_num_layers={num_layers} must be in "
-                         f"[1, {cfg.num_layers}] (the draft model's layers)")
+        raise ValueError(
+            f"speculative_config.draft_num_layers={num_layers} must be in "
+            f"[1, {cfg.num_layers}] (the draft model's layers)"
+        )
     small = dataclasses.replace(
-        cfg, num_layers=num_layers, layer_windows=cfg.layer_windows[:num_layers],
-        moe_layers=cfg.moe_layers[:num_layers])
+        cfg,
+        num_layers=num_layers,
+        layer_windows=cfg.layer_windows[:num_layers],
+        moe_layers=cfg.moe_layers[:num_layers],
+    )
     return small, dataclasses.replace(params, layers=tuple(params.layers[:num_layers]))
 
 
 class DraftProposer:
-    def __init__(self, cfg: ModelConfig, params: Any, *, num_speculative_tokens: int,
-                 page_size: int, num_pages: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, dtype: str = "float32",
-                 attention_backend: str | None = None, linear_backend: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Any,
+        *,
+        num_speculative_tokens: int,
+        page_size: int,
+        num_pages: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        dtype: str = "float32",
+        attention_backend: str | None = None,
+        linear_backend: str | None = None,
+    ) -> None:
         self.cfg = cfg
         self.k = num_speculative_tokens
         self.budget = max_num_batched_tokens
-        self.runner = ModelRunner(cfg, params, page_size=page_size, num_pages=num_pages,
-                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens, dtype=dtype,
-                                  attention_backend=attention_backend,
-                                  linear_backend=linear_backend)
+        self.runner = ModelRunner(
+            cfg,
+            params,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            linear_backend=linear_backend,
+        )
         self._seqs: dict[str, _DraftSeq] = {}
 
     def warmup(self) -> int:
@@ -81,9 +104,11 @@ class DraftProposer:
         seqs = [self._seq(req) for req, _ in batch]
         for seq in seqs:
             tokens = seq.request.all_token_ids
-            real = tokens[seq.fed_from:seq.fed_from + len(seq.fed)]
-            agree = next((i for i, (a, b) in enumerate(zip(seq.fed, real)) if a != b),
-                         min(len(seq.fed), len(real)))
+            real = tokens[seq.fed_from : seq.fed_from + len(seq.fed)]
+            agree = next(
+                (i for i, (a, b) in enumerate(zip(seq.fed, real)) if a != b),
+                min(len(seq.fed), len(real)),
+            )
             if seq.fed and seq.computed == seq.fed_from:
                 seq.computed += agree
             seq.fed = []
@@ -111,9 +136,12 @@ class DraftProposer:
 
     def _drop_stale(self, wanted: set[str]) -> list[str]:
         """Rows of requests that left the batch or changed page table: their ids."""
-        gone = [rid for rid, seq in self._seqs.items()
-                if seq.request.status is not RequestStatus.RUNNING
-                or (rid in wanted and seq.request.page_ids is not seq.page_ids)]
+        gone = [
+            rid
+            for rid, seq in self._seqs.items()
+            if seq.request.status is not RequestStatus.RUNNING
+            or (rid in wanted and seq.request.page_ids is not seq.page_ids)
+        ]
         for rid in gone:
             del self._seqs[rid]
         return gone
@@ -125,12 +153,13 @@ class DraftProposer:
             seq = self._seqs[req.request_id] = _DraftSeq(req, shadow, req.page_ids, 0, 0)
         return seq
 
-    def _chunk(self, seq: _DraftSeq, tokens: list[int], start: int, sample: bool
-               ) -> ScheduledRequest:
+    def _chunk(
+        self, seq: _DraftSeq, tokens: list[int], start: int, sample: bool
+    ) -> ScheduledRequest:
         """One draft-runner chunk of `seq` (its row joins on the first chunk since it was made)."""
         is_new = seq.pages_seen == 0
         pages = seq.request.page_ids
-        new_pages = list(pages) if is_new else list(pages[seq.pages_seen:])
+        new_pages = list(pages) if is_new else list(pages[seq.pages_seen :])
         seq.pages_seen = len(pages)
         return ScheduledRequest(seq.shadow, tokens, start, new_pages, sample, 0, is_new, pages)
 
@@ -148,7 +177,7 @@ class DraftProposer:
                 seq = seqs[i]
                 end = len(seq.request.all_token_ids)
                 n = min(end - start, budget)
-                tokens = seq.request.all_token_ids[start:start + n]
+                tokens = seq.request.all_token_ids[start : start + n]
                 scheduled.append(self._chunk(seq, tokens, start, start + n == end))
                 order.append(i)
                 budget -= n
@@ -157,8 +186,9 @@ class DraftProposer:
                     seq.computed = end
                 else:
                     todo[i] = start + n
-            out = self.runner.execute(SchedulerOutput(scheduled, self.budget - budget, [],
-                                                      finished))
+            out = self.runner.execute(
+                SchedulerOutput(scheduled, self.budget - budget, [], finished)
+            )
             finished = []
             for i in order:
                 rid = seqs[i].request.request_id

@@ -19,8 +19,10 @@ from numpy.lib.stride_tricks import sliding_window_view
 class NgramProposer:
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min={prompt_lookup_min} <= "
-                             f"prompt_lookup_max={prompt_lookup_max}")
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min={prompt_lookup_min} <= "
+                f"prompt_lookup_max={prompt_lookup_max}"
+            )
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
@@ -36,7 +38,7 @@ class NgramProposer:
             hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return ids[start:start + k].tolist()
+                return ids[start : start + k].tolist()
         return []
 
     def propose_batch(self, batch: Sequence[tuple[Any, int]]) -> list[list[int]]:

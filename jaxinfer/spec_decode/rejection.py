@@ -31,8 +31,9 @@ def accept(drafts: Sequence[int], targets: Sequence[int]) -> tuple[list[int], in
         bonus token, sampled after the last draft).
     """
     if len(targets) != len(drafts) + 1:
-        raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} target samples, "
-                         f"got {len(targets)}")
+        raise ValueError(
+            f"{len(drafts)} drafts need {len(drafts) + 1} target samples, got {len(targets)}"
+        )
     a = 0
     while a < len(drafts) and drafts[a] == targets[a]:
         a += 1

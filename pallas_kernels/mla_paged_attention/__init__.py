@@ -20,5 +20,12 @@ KERNELS = {
     "gpu": gpu.mla_ragged_paged_attention,
 }
 
-__all__ = ["KERNELS", "check_inputs", "gpu", "kv_cache_shape", "mla_ragged_paged_attention",
-           "reference", "update_kv_cache"]
+__all__ = [
+    "KERNELS",
+    "check_inputs",
+    "gpu",
+    "kv_cache_shape",
+    "mla_ragged_paged_attention",
+    "reference",
+    "update_kv_cache",
+]

@@ -104,8 +104,9 @@ def _kernel(
             k_rope = kv_ref[slot, pl.ds(lat, rope)]  # [K, R]
             c_lat = jnp.where((k_pos < key_end)[:, None], c_lat, jnp.zeros_like(c_lat))
             k_rope = jnp.where((k_pos < key_end)[:, None], k_rope, jnp.zeros_like(k_rope))
-            sc = (jax.lax.dot_general(q_lat, c_lat, dims, preferred_element_type=jnp.float32)
-                  + jax.lax.dot_general(q_rope, k_rope, dims, preferred_element_type=jnp.float32))
+            sc = jax.lax.dot_general(
+                q_lat, c_lat, dims, preferred_element_type=jnp.float32
+            ) + jax.lax.dot_general(q_rope, k_rope, dims, preferred_element_type=jnp.float32)
             sc = sc * sm_scale  # [rows, K]
             if soft_cap is not None:
                 sc = soft_cap * jnp.tanh(sc / soft_cap)
@@ -117,16 +118,29 @@ def _kernel(
             p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
             alpha = jnp.exp(m - m_new)
             l = alpha * l + p.sum(axis=1)
-            pv = jax.lax.dot_general(p.astype(c_lat.dtype), c_lat, (((1,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)  # [rows, L]
+            pv = jax.lax.dot_general(
+                p.astype(c_lat.dtype),
+                c_lat,
+                (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )  # [rows, L]
             return m_new, l, alpha[:, None] * acc + pv
 
         _, l, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, l0, acc0))
         o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "kv_lora_rank", "sliding_window",
-                                             "soft_cap", "interpret", "blocks"))
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "kv_lora_rank",
+        "sliding_window",
+        "soft_cap",
+        "interpret",
+        "blocks",
+    ),
+)
 def mla_ragged_paged_attention(
     q: jax.Array,  # [T, H, L + R]
     kv_cache: jax.Array,  # [P, page_size, L + R]
@@ -158,8 +172,15 @@ def mla_ragged_paged_attention(
         if n & (n - 1):
             raise ValueError(f"the GPU MLA kernel needs a power-of-two {name}, got {n}")
     if blocks is None:
-        blocks = bs.get_block_sizes("gpu", head_dim=c, page_size=page_size, dtype=kv_cache.dtype,
-                                    group=h, pages_per_seq=page_indices.shape[1], pow2=True)
+        blocks = bs.get_block_sizes(
+            "gpu",
+            head_dim=c,
+            page_size=page_size,
+            dtype=kv_cache.dtype,
+            group=h,
+            pages_per_seq=page_indices.shape[1],
+            pow2=True,
+        )
     gp = bs.next_pow2(h)
     s_max, pages_per_seq = page_indices.shape
 
@@ -177,26 +198,50 @@ def mla_ragged_paged_attention(
             seq, qblk = bs.work_table(cu_q_lens, num_seqs, cls)
             q_blocks = bs.gather_query_blocks(qg, cu_q_lens, seq, qblk, cls.block_q)
         kernel = functools.partial(
-            _kernel, block_q=cls.block_q, group=gp, lat=lat, rope=rope, page_size=page_size,
-            pages_per_block=blocks.pages_per_block, pages_per_row=pages_per_row,
-            num_pages=num_pages, sm_scale=sm_scale, sliding_window=sliding_window,
-            soft_cap=soft_cap)
+            _kernel,
+            block_q=cls.block_q,
+            group=gp,
+            lat=lat,
+            rope=rope,
+            page_size=page_size,
+            pages_per_block=blocks.pages_per_block,
+            pages_per_row=pages_per_row,
+            num_pages=num_pages,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+        )
         whole = pl.BlockSpec()
         out_blocks = pl.pallas_call(
             kernel,
             grid=(cls.num_work,),
-            in_specs=[whole, whole, whole, whole, whole,
-                      pl.BlockSpec((None, None, rows, lat), lambda w: (w, 0, 0, 0)),
-                      pl.BlockSpec((None, None, rows, rope), lambda w: (w, 0, 0, 0)),
-                      whole],
+            in_specs=[
+                whole,
+                whole,
+                whole,
+                whole,
+                whole,
+                pl.BlockSpec((None, None, rows, lat), lambda w: (w, 0, 0, 0)),
+                pl.BlockSpec((None, None, rows, rope), lambda w: (w, 0, 0, 0)),
+                whole,
+            ],
             out_specs=pl.BlockSpec((None, None, rows, lat), lambda w: (w, 0, 0, 0)),
             out_shape=jax.ShapeDtypeStruct((cls.num_work, 1, rows, lat), q.dtype),
-            compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                                 num_stages=blocks.num_stages),
+            compiler_params=plgpu.CompilerParams(
+                num_warps=blocks.num_warps, num_stages=blocks.num_stages
+            ),
             interpret=interpret,
             name=f"mla_ragged_paged_attention_bq{cls.block_q}",
-        )(seq, qblk, kv_lens, cu_q_lens, pages_flat, q_blocks[..., :lat], q_blocks[..., lat:],
-          kv_rows)
+        )(
+            seq,
+            qblk,
+            kv_lens,
+            cu_q_lens,
+            pages_flat,
+            q_blocks[..., :lat],
+            q_blocks[..., lat:],
+            kv_rows,
+        )
         with jax.named_scope("mla_unblock"):
             out_c, mine = bs.scatter_query_blocks(out_blocks, cu_q_lens, num_seqs, cls, t)
         out = jnp.where(mine[:, None, None, None], out_c, out)

@@ -36,8 +36,9 @@ DENSE_KV_BLOCK = 256  # keys per step when a query block belongs to one sequence
 TOKEN_KV_BLOCK = 64  # keys per step when it spans several (each token gathers its own)
 
 
-def kv_cache_shape(num_pages: int, page_size: int, kv_lora_rank: int,
-                   qk_rope_head_dim: int) -> tuple[int, ...]:
+def kv_cache_shape(
+    num_pages: int, page_size: int, kv_lora_rank: int, qk_rope_head_dim: int
+) -> tuple[int, ...]:
     """One row of latent + rope key per token slot, shared by every head."""
     return (num_pages, page_size, kv_lora_rank + qk_rope_head_dim)
 
@@ -54,29 +55,38 @@ def update_kv_cache(
     """
     num_pages, page_size, _ = kv_cache.shape
     page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)  # padding -> dropped
-    new_cache = kv_cache.at[page, slot_mapping % page_size].set(latent.astype(kv_cache.dtype),
-                                                                mode="drop")
+    new_cache = kv_cache.at[page, slot_mapping % page_size].set(
+        latent.astype(kv_cache.dtype), mode="drop"
+    )
     return jax.lax.optimization_barrier(new_cache)
 
 
 def check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_lora_rank) -> None:
     """Trace-time shape and dtype checks shared by every MLA backend."""
     if q.ndim != 3 or kv_cache.ndim != 3:
-        raise ValueError(f"q must be [T, H, L+R] and kv_cache [P, page, L+R]; got {q.shape}, "
-                         f"{kv_cache.shape}")
+        raise ValueError(
+            f"q must be [T, H, L+R] and kv_cache [P, page, L+R]; got {q.shape}, {kv_cache.shape}"
+        )
     if q.shape[2] != kv_cache.shape[2]:
         raise ValueError(f"row width differs: q has {q.shape[2]}, kv_cache has {kv_cache.shape[2]}")
     if not 0 < kv_lora_rank < q.shape[2]:
         raise ValueError(f"kv_lora_rank={kv_lora_rank} must be in (0, {q.shape[2]})")
     if page_indices.ndim != 2:
-        raise ValueError(f"page_indices must be [num_seqs, pages_per_seq], got {page_indices.shape}")
+        raise ValueError(
+            f"page_indices must be [num_seqs, pages_per_seq], got {page_indices.shape}"
+        )
     s = page_indices.shape[0]
     if kv_lens.shape != (s,) or cu_q_lens.shape != (s + 1,) or num_seqs.shape != (1,):
         raise ValueError(
             f"kv_lens {kv_lens.shape}, cu_q_lens {cu_q_lens.shape}, num_seqs {num_seqs.shape} do not "
-            f"match {s} sequences (want ({s},), ({s + 1},), (1,))")
-    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
-                    ("num_seqs", num_seqs)):
+            f"match {s} sequences (want ({s},), ({s + 1},), (1,))"
+        )
+    for name, x in (
+        ("kv_lens", kv_lens),
+        ("page_indices", page_indices),
+        ("cu_q_lens", cu_q_lens),
+        ("num_seqs", num_seqs),
+    ):
         if x.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {x.dtype}")
 
@@ -91,8 +101,9 @@ def _online_softmax_step(m, l, acc, s, mask, pv):
     return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv(p)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "kv_lora_rank", "sliding_window",
-                                             "soft_cap", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "kv_lora_rank", "sliding_window", "soft_cap", "interpret")
+)
 def mla_ragged_paged_attention(
     q: jax.Array,  # [T, H, L + R]  absorbed query: [q_nope @ W_uk | roped q_rope]
     kv_cache: jax.Array,  # [P, page_size, L + R]
@@ -147,8 +158,12 @@ def mla_ragged_paged_attention(
 
     def dense_block(qb, sb, vb, pb, lb):
         """All valid tokens of the block belong to sequence sb[0]: gather its pages once."""
-        bp = max(1, min(pages_per_seq if bq > 1 else max(1, pages_per_seq // 2),
-                        DENSE_KV_BLOCK // page_size))
+        bp = max(
+            1,
+            min(
+                pages_per_seq if bq > 1 else max(1, pages_per_seq // 2), DENSE_KV_BLOCK // page_size
+            ),
+        )
         keys = bp * page_size
         pages = jnp.pad(page_indices[sb[0]], (0, -pages_per_seq % bp))
 
@@ -158,8 +173,12 @@ def mla_ragged_paged_attention(
                 k_pos = b * keys + jnp.arange(keys, dtype=jnp.int32)
                 rows = jnp.where((k_pos < lb.max())[:, None], rows, 0.0)  # unused slots may be NaN
                 s = scores(jnp.einsum("qhc,bc->qhb", qb, rows))
-                return _online_softmax_step(*carry, s, key_mask(k_pos, vb, lb, pb),
-                                            lambda p: jnp.einsum("qhb,bl->qhl", p, rows[:, :lat]))
+                return _online_softmax_step(
+                    *carry,
+                    s,
+                    key_mask(k_pos, vb, lb, pb),
+                    lambda p: jnp.einsum("qhb,bl->qhl", p, rows[:, :lat]),
+                )
 
         return jax.lax.fori_loop(0, -(-lb.max() // keys), body, (m0, l0, acc0))
 
@@ -176,15 +195,17 @@ def mla_ragged_paged_attention(
                 mask = key_mask(k_pos, vb, lb, pb)
                 rows = jnp.where(mask[:, :, None], rows, 0.0)  # [Q, B, C]
                 s = scores(jnp.einsum("qhc,qbc->qhb", qb, rows))
-                return _online_softmax_step(*carry, s, mask,
-                                            lambda p: jnp.einsum("qhb,qbl->qhl", p, rows[..., :lat]))
+                return _online_softmax_step(
+                    *carry, s, mask, lambda p: jnp.einsum("qhb,qbl->qhl", p, rows[..., :lat])
+                )
 
         return jax.lax.fori_loop(0, -(-lb.max() // keys), body, (m0, l0, acc0))
 
     def q_block(j, out):
         t0 = j * bq
-        qb, sb, vb, pb, lb = (jax.lax.dynamic_slice_in_dim(x, t0, bq)
-                              for x in (qs, seq, valid, q_pos, kv_len))
+        qb, sb, vb, pb, lb = (
+            jax.lax.dynamic_slice_in_dim(x, t0, bq) for x in (qs, seq, valid, q_pos, kv_len)
+        )
         if bq == 1:
             _, l, acc = dense_block(qb, sb, vb, pb, lb)
         else:

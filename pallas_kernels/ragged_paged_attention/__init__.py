@@ -27,5 +27,16 @@ KERNELS = {
     "tpu": tpu.ragged_paged_attention,
 }
 
-__all__ = ["KERNELS", "block_sizes", "check_inputs", "check_values", "cpu", "gpu", "kv_cache_shape",
-           "ragged_paged_attention", "reference", "tpu", "update_kv_cache"]
+__all__ = [
+    "KERNELS",
+    "block_sizes",
+    "check_inputs",
+    "check_values",
+    "cpu",
+    "gpu",
+    "kv_cache_shape",
+    "ragged_paged_attention",
+    "reference",
+    "tpu",
+    "update_kv_cache",
+]

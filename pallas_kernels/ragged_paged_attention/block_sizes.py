@@ -114,8 +114,16 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def get_block_sizes(backend: str, *, head_dim: int, page_size: int, dtype, group: int,
-                    pages_per_seq: int, pow2: bool) -> KernelBlocks:
+def get_block_sizes(
+    backend: str,
+    *,
+    head_dim: int,
+    page_size: int,
+    dtype,
+    group: int,
+    pages_per_seq: int,
+    pow2: bool,
+) -> KernelBlocks:
     """Resolves the table entry for one call.
 
     Args:
@@ -137,11 +145,20 @@ def get_block_sizes(backend: str, *, head_dim: int, page_size: int, dtype, group
     block_q = max(1, entry.q_rows // g)
     decode_block_q = max(1, entry.decode_q_rows // g) if entry.decode_q_rows else 0
     if pow2:
-        block_q, decode_block_q = next_pow2(block_q), next_pow2(decode_block_q) if decode_block_q else 0
+        block_q, decode_block_q = (
+            next_pow2(block_q),
+            next_pow2(decode_block_q) if decode_block_q else 0,
+        )
     cap = next_pow2(pages_per_seq) if pow2 else pages_per_seq
     pages = max(1, min(entry.pages_per_block, cap), -(-MIN_KEYS[backend] // page_size))
-    return KernelBlocks(block_q, decode_block_q, pages, entry.num_warps, entry.num_stages,
-                        decode_programs_for(backend) if decode_block_q else 0)
+    return KernelBlocks(
+        block_q,
+        decode_block_q,
+        pages,
+        entry.num_warps,
+        entry.num_stages,
+        decode_programs_for(backend) if decode_block_q else 0,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +206,9 @@ def _class_blocks(cu_q_lens, num_seqs, cls: QueryClass):
     return member, ends - nblk, ends  # bool[S], i32[S], i32[S]
 
 
-def work_table(cu_q_lens: jax.Array, num_seqs: jax.Array, cls: QueryClass) -> tuple[jax.Array, jax.Array]:
+def work_table(
+    cu_q_lens: jax.Array, num_seqs: jax.Array, cls: QueryClass
+) -> tuple[jax.Array, jax.Array]:
     """Returns (seq i32[W], qblk i32[W]); seq is -1 for the items past the class's live blocks."""
     _, starts, ends = _class_blocks(cu_q_lens, num_seqs, cls)
     w = jnp.arange(cls.num_work, dtype=jnp.int32)
@@ -291,8 +310,9 @@ def split_work_table(
     """
     member, starts, _ = _class_blocks(cu_q_lens, num_seqs, cls)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[S]
-    _, key_end, page_lo = key_range(kv_lens, q_lens, 0, q_lens, page_size=page_size,
-                                    sliding_window=sliding_window)
+    _, key_end, page_lo = key_range(
+        kv_lens, q_lens, 0, q_lens, page_size=page_size, sliding_window=sliding_window
+    )
     kv_blocks = (key_end - page_lo * page_size + block_k - 1) // block_k  # i32[S]
     live = jnp.maximum(member.sum(), 1)
     per_seq = jnp.clip(jnp.minimum(kv_blocks, budget // live), 1, None)
@@ -301,10 +321,12 @@ def split_work_table(
     w = jnp.arange(num_work, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), ends.shape[0] - 1).astype(jnp.int32)
     ok = w < ends[-1]
-    return SplitTable(seq=jnp.where(ok, seq, -1),
-                      split=jnp.where(ok, w - (ends - splits)[seq], 0),
-                      num_splits=jnp.where(ok, splits[seq], 1),
-                      block=jnp.where(ok, starts[seq], cls.num_work))
+    return SplitTable(
+        seq=jnp.where(ok, seq, -1),
+        split=jnp.where(ok, w - (ends - splits)[seq], 0),
+        num_splits=jnp.where(ok, splits[seq], 1),
+        block=jnp.where(ok, starts[seq], cls.num_work),
+    )
 
 
 def combine_splits(

@@ -25,13 +25,18 @@ import numpy as np
 from pallas_kernels.cpu_build import CppKernel
 from pallas_kernels.ragged_paged_attention.reference import Fp8KVCache, check_inputs
 
-KERNEL = CppKernel(Path(__file__).with_name("cpu_kernel.cc"), "JaxinferRaggedPagedAttention",
-                   "jaxinfer_ragged_paged_attention_cpu")
+KERNEL = CppKernel(
+    Path(__file__).with_name("cpu_kernel.cc"),
+    "JaxinferRaggedPagedAttention",
+    "jaxinfer_ragged_paged_attention_cpu",
+)
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 library, unavailable_reason, available = KERNEL.library, KERNEL.unavailable_reason, KERNEL.available
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "blocks"))
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "blocks")
+)
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     kv_cache: jax.Array | Fp8KVCache,  # [P, page_size, 2*Hkv, D]
@@ -66,8 +71,20 @@ def ragged_paged_attention(
     sink_arr = jnp.zeros((hq,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     call = jax.ffi.ffi_call(KERNEL.target, jax.ShapeDtypeStruct(q.shape, q.dtype))
     # An fp8 cache passes its values and its exponents; a float one a placeholder exponent.
-    data, exponents = ((kv_cache.data, kv_cache.exponent) if fp8 else
-                       (kv_cache, jnp.zeros((1,), jnp.int8)))
-    return call(q, data, exponents, kv_lens, page_indices, cu_q_lens, num_seqs, sink_arr,
-                sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
-                soft_cap=np.float32(soft_cap or 0.0), has_sinks=sinks is not None)
+    data, exponents = (
+        (kv_cache.data, kv_cache.exponent) if fp8 else (kv_cache, jnp.zeros((1,), jnp.int8))
+    )
+    return call(
+        q,
+        data,
+        exponents,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sink_arr,
+        sm_scale=np.float32(sm_scale),
+        sliding_window=np.int64(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
+        has_sinks=sinks is not None,
+    )

@@ -60,8 +60,9 @@ MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
 
 def _pow2(e):  # i8[...] -> f32 2**e, exact for the written range [-126, 127] (the exponent bits)
     # NOTE: clipped, so a stray -128 / -127 in an unwritten slot cannot become -inf / 0 * inf.
-    return jax.lax.bitcast_convert_type((jnp.clip(e.astype(jnp.int32), -126, 127) + 127) << 23,
-                                        jnp.float32)
+    return jax.lax.bitcast_convert_type(
+        (jnp.clip(e.astype(jnp.int32), -126, 127) + 127) << 23, jnp.float32
+    )
 
 
 def _kernel(
@@ -102,9 +103,9 @@ def _kernel(
         first = work_qblk_ref[w] * block_q  # first query token of the block, within the sequence
         n_valid = jnp.minimum(q_len - first, block_q)
         # key_end is exclusive: no row sees a key past the block's last token
-        first_pos, key_end, page_lo = bs.key_range(kv_len, q_len, first, n_valid,
-                                                   page_size=page_size,
-                                                   sliding_window=sliding_window)
+        first_pos, key_end, page_lo = bs.key_range(
+            kv_len, q_len, first, n_valid, page_size=page_size, sliding_window=sliding_window
+        )
         num_blocks = pl.cdiv(key_end - page_lo * page_size, block_k)
         if work_split_ref is None:
             lo, hi, seed = 0, num_blocks, True
@@ -137,8 +138,12 @@ def _kernel(
                 k_scale = k_scale * _pow2(exp_ref[slot, 2 * h])
                 v_scale = _pow2(exp_ref[slot, 2 * h + 1])  # f32[K]
             v = jnp.where((k_pos < key_end)[:, None], v, jnp.zeros_like(v))
-            sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32) * k_scale[None, :]  # [R, K]
+            sc = (
+                jax.lax.dot_general(
+                    q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                )
+                * k_scale[None, :]
+            )  # [R, K]
             if soft_cap is not None:
                 sc = soft_cap * jnp.tanh(sc / soft_cap)
             mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < key_end)
@@ -151,8 +156,9 @@ def _kernel(
             l = alpha * l + p.sum(axis=1)
             if exp_ref is not None:
                 p = p * v_scale[None, :]
-            pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)  # [R, D]
+            pv = jax.lax.dot_general(
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )  # [R, D]
             return m_new, l, alpha[:, None] * acc + pv
 
         m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, acc0))
@@ -161,9 +167,27 @@ def _kernel(
             lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), MASK_VALUE)
 
 
-def _run_class(q, kv_rows, exp_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows, cls, *,
-               blocks, group, page_size, pages_per_row, num_pages, sm_scale, sliding_window,
-               soft_cap, interpret):
+def _run_class(
+    q,
+    kv_rows,
+    exp_rows,
+    kv_lens,
+    pages_flat,
+    cu_q_lens,
+    num_seqs,
+    sinks_rows,
+    cls,
+    *,
+    blocks,
+    group,
+    page_size,
+    pages_per_row,
+    num_pages,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    interpret,
+):
     """One pallas_call over one query class; returns (out [T, Hkv, Gp, D], bool[T] membership)."""
     t, hkv, gp, d = q.shape
     rows = cls.block_q * gp
@@ -172,9 +196,16 @@ def _run_class(q, kv_rows, exp_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, s
         if split_k:
             num_work = max(cls.num_work, bs.split_budget(blocks, hkv))
             table = bs.split_work_table(
-                cu_q_lens, kv_lens, num_seqs, cls, budget=bs.split_budget(blocks, hkv),
-                num_work=num_work, page_size=page_size,
-                block_k=blocks.pages_per_block * page_size, sliding_window=sliding_window)
+                cu_q_lens,
+                kv_lens,
+                num_seqs,
+                cls,
+                budget=bs.split_budget(blocks, hkv),
+                num_work=num_work,
+                page_size=page_size,
+                block_k=blocks.pages_per_block * page_size,
+                sliding_window=sliding_window,
+            )
             seq, qblk = table.seq, jnp.zeros_like(table.seq)
             split_args = (table.split, table.num_splits)
         else:
@@ -183,9 +214,17 @@ def _run_class(q, kv_rows, exp_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, s
             split_args = (None, None)
         q_blocks = bs.gather_query_blocks(q, cu_q_lens, seq, qblk, cls.block_q)  # [W, Hkv, R, D]
     kernel = functools.partial(
-        _kernel, block_q=cls.block_q, group=gp, page_size=page_size,
-        pages_per_block=blocks.pages_per_block, pages_per_row=pages_per_row, num_pages=num_pages,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        _kernel,
+        block_q=cls.block_q,
+        group=gp,
+        page_size=page_size,
+        pages_per_block=blocks.pages_per_block,
+        pages_per_row=pages_per_row,
+        num_pages=num_pages,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     whole = pl.BlockSpec()
     split_specs = [whole, whole] if split_k else [None, None]
     q_spec = pl.BlockSpec((None, None, rows, d), lambda w, h: (w, h, 0, 0))
@@ -193,22 +232,45 @@ def _run_class(q, kv_rows, exp_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, s
     out_shape = jax.ShapeDtypeStruct((num_work, hkv, rows, d), q.dtype)
     out_spec = q_spec
     if split_k:
-        out_shape = (jax.ShapeDtypeStruct((num_work, hkv, rows, d), jnp.float32),
-                     jax.ShapeDtypeStruct((num_work, hkv, rows), jnp.float32))
+        out_shape = (
+            jax.ShapeDtypeStruct((num_work, hkv, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((num_work, hkv, rows), jnp.float32),
+        )
         out_spec = (q_spec, pl.BlockSpec((None, None, rows), lambda w, h: (w, h, 0)))
     out_blocks = pl.pallas_call(
         kernel,
         grid=(num_work, hkv),
-        in_specs=[whole, whole, *split_specs, whole, whole, whole, q_spec, sinks_spec, whole,
-                  None if exp_rows is None else whole],
+        in_specs=[
+            whole,
+            whole,
+            *split_specs,
+            whole,
+            whole,
+            whole,
+            q_spec,
+            sinks_spec,
+            whole,
+            None if exp_rows is None else whole,
+        ],
         out_specs=out_spec,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                             num_stages=blocks.num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=blocks.num_warps, num_stages=blocks.num_stages
+        ),
         interpret=interpret,
         name=f"ragged_paged_attention_bq{cls.block_q}{'_split_k' if split_k else ''}",
-    )(seq, qblk, *split_args, kv_lens, cu_q_lens, pages_flat, q_blocks, sinks_rows, kv_rows,
-      exp_rows)
+    )(
+        seq,
+        qblk,
+        *split_args,
+        kv_lens,
+        cu_q_lens,
+        pages_flat,
+        q_blocks,
+        sinks_rows,
+        kv_rows,
+        exp_rows,
+    )
     if split_k:
         with jax.named_scope("rpa_combine_splits"):
             out_blocks = bs.combine_splits(*out_blocks, table.block, cls.num_work).astype(q.dtype)
@@ -216,8 +278,9 @@ def _run_class(q, kv_rows, exp_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, s
         return bs.scatter_query_blocks(out_blocks, cu_q_lens, num_seqs, cls, t)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret",
-                                             "blocks"))
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "blocks")
+)
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     kv_cache: jax.Array | Fp8KVCache,  # [P, page_size, 2*Hkv, D]
@@ -253,9 +316,15 @@ def ragged_paged_attention(
         raise ValueError(f"sinks must be f32[{hq}], got {sinks.shape}")
     fp8 = isinstance(kv_cache, Fp8KVCache)
     if blocks is None:  # an fp8 cache computes in q's dtype: its tiles are q's
-        blocks = bs.get_block_sizes("gpu", head_dim=d, page_size=page_size,
-                                    dtype=q.dtype if fp8 else kv_cache.dtype,
-                                    group=g, pages_per_seq=page_indices.shape[1], pow2=True)
+        blocks = bs.get_block_sizes(
+            "gpu",
+            head_dim=d,
+            page_size=page_size,
+            dtype=q.dtype if fp8 else kv_cache.dtype,
+            group=g,
+            pages_per_seq=page_indices.shape[1],
+            pow2=True,
+        )
     gp = bs.next_pow2(g)
     s_max, pages_per_seq = page_indices.shape
 
@@ -275,9 +344,24 @@ def ragged_paged_attention(
             sg = jnp.pad(sinks.astype(jnp.float32).reshape(hkv, g), ((0, 0), (0, gp - g)))
             sinks_rows = jnp.tile(sg, (1, cls.block_q))  # f32[Hkv, R]
         out_c, mine = _run_class(
-            qg, kv_rows, exp_rows, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows, cls, blocks=blocks,
-            group=gp, page_size=page_size, pages_per_row=pages_per_row, num_pages=num_pages,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            interpret=interpret)
+            qg,
+            kv_rows,
+            exp_rows,
+            kv_lens,
+            pages_flat,
+            cu_q_lens,
+            num_seqs,
+            sinks_rows,
+            cls,
+            blocks=blocks,
+            group=gp,
+            page_size=page_size,
+            pages_per_row=pages_per_row,
+            num_pages=num_pages,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            interpret=interpret,
+        )
         out = jnp.where(mine[:, None, None, None], out_c, out)
     return out[:, :, :g].reshape(t, hq, d)

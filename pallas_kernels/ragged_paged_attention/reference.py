@@ -36,14 +36,18 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+def kv_cache_shape(
+    num_pages: int, page_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, ...]:
     return (num_pages, page_size, 2 * num_kv_heads, head_dim)
 
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "exponent"], meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["data", "exponent"], meta_fields=[]
+)
 @dataclasses.dataclass(frozen=True)
 class Fp8KVCache:
     """A paged KV cache stored as float8_e4m3fn (`kv_cache_dtype="fp8"`), same layout as a float
@@ -71,13 +75,17 @@ class Fp8KVCache:
         return self.data.dtype
 
 
-def new_kv_cache(shape: tuple[int, ...], dtype, kv_cache_dtype: str = "auto") -> jax.Array | Fp8KVCache:
+def new_kv_cache(
+    shape: tuple[int, ...], dtype, kv_cache_dtype: str = "auto"
+) -> jax.Array | Fp8KVCache:
     """An empty cache of `shape` ([P, page_size, 2*Hkv, D]): zeros of `dtype`, or for "fp8" an
     `Fp8KVCache` of zeros."""
     if kv_cache_dtype == "fp8":
         return Fp8KVCache(jnp.zeros(shape, jnp.float8_e4m3fn), jnp.zeros(shape[:3], jnp.int8))
     if kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; choose 'auto' or 'fp8'")
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported; choose 'auto' or 'fp8'"
+        )
     return jnp.zeros(shape, dtype)
 
 
@@ -115,8 +123,10 @@ def update_kv_cache(
     offset = slot_mapping % page_size
     if isinstance(kv_cache, Fp8KVCache):
         data, exponent = quantize_kv_rows(kv)
-        new_cache = Fp8KVCache(kv_cache.data.at[page, offset].set(data, mode="drop"),
-                               kv_cache.exponent.at[page, offset].set(exponent, mode="drop"))
+        new_cache = Fp8KVCache(
+            kv_cache.data.at[page, offset].set(data, mode="drop"),
+            kv_cache.exponent.at[page, offset].set(exponent, mode="drop"),
+        )
     else:
         new_cache = kv_cache.at[page, offset].set(kv.astype(kv_cache.dtype), mode="drop")
     # NOTE: the barrier keeps XLA from fusing (duplicating) this update into the attention's page
@@ -127,7 +137,9 @@ def update_kv_cache(
 def check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
     """Trace-time shape and dtype checks shared by every backend."""
     if q.ndim != 3 or kv_cache.ndim != 4:
-        raise ValueError(f"q must be [T, Hq, D] and kv_cache [P, page, 2*Hkv, D]; got {q.shape}, {kv_cache.shape}")
+        raise ValueError(
+            f"q must be [T, Hq, D] and kv_cache [P, page, 2*Hkv, D]; got {q.shape}, {kv_cache.shape}"
+        )
     t, hq, d = q.shape
     _, _, h2, dk = kv_cache.shape
     if dk != d:
@@ -135,14 +147,21 @@ def check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> Non
     if h2 % 2 or hq % (h2 // 2):
         raise ValueError(f"{hq} query heads are not a multiple of {h2 // 2} KV heads")
     if page_indices.ndim != 2:
-        raise ValueError(f"page_indices must be [num_seqs, pages_per_seq], got {page_indices.shape}")
+        raise ValueError(
+            f"page_indices must be [num_seqs, pages_per_seq], got {page_indices.shape}"
+        )
     s = page_indices.shape[0]
     if kv_lens.shape != (s,) or cu_q_lens.shape != (s + 1,) or num_seqs.shape != (1,):
         raise ValueError(
             f"kv_lens {kv_lens.shape}, cu_q_lens {cu_q_lens.shape}, num_seqs {num_seqs.shape} do not "
-            f"match {s} sequences (want ({s},), ({s + 1},), (1,))")
-    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
-                    ("num_seqs", num_seqs)):
+            f"match {s} sequences (want ({s},), ({s + 1},), (1,))"
+        )
+    for name, x in (
+        ("kv_lens", kv_lens),
+        ("page_indices", page_indices),
+        ("cu_q_lens", cu_q_lens),
+        ("num_seqs", num_seqs),
+    ):
         if x.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {x.dtype}")
 
@@ -225,8 +244,10 @@ def ragged_paged_attention(
         # NOTE: mode="fill" (out-of-range page ids read zeros, masked anyway); with "clip" XLA:CPU
         # copied the whole cache before the in-place write (tests/test_compiled_step.py).
         if isinstance(kv_cache, Fp8KVCache):
-            kv = dequantize_kv_rows(jnp.take(kv_cache.data, ids, axis=0, mode="fill", fill_value=0),
-                                    jnp.take(kv_cache.exponent, ids, axis=0, mode="fill", fill_value=0))
+            kv = dequantize_kv_rows(
+                jnp.take(kv_cache.data, ids, axis=0, mode="fill", fill_value=0),
+                jnp.take(kv_cache.exponent, ids, axis=0, mode="fill", fill_value=0),
+            )
         else:
             kv = jnp.take(kv_cache, ids, axis=0, mode="fill", fill_value=0)
         kv = kv.reshape(*ids.shape[:-1], keys, hkv, 2, d).astype(jnp.float32)
@@ -238,8 +259,9 @@ def ragged_paged_attention(
         # ~43 ms single-stream SmolLM2 decode step on XLA:CPU (30 layers, ~200-token context).
         # NOTE: there a block must stay smaller than the page table: a gather of the whole table is
         # loop-invariant, XLA:CPU hoists it and then copies the cache (tests/test_compiled_step.py).
-        bp = _pages_per_block(DENSE_KV_BLOCK, page_size,
-                              pages_per_seq if bq > 1 else max(1, pages_per_seq // 2))
+        bp = _pages_per_block(
+            DENSE_KV_BLOCK, page_size, pages_per_seq if bq > 1 else max(1, pages_per_seq // 2)
+        )
         keys = bp * page_size
         pages = jnp.pad(page_indices[sb[0]], (0, -pages_per_seq % bp))
 
@@ -249,8 +271,12 @@ def ragged_paged_attention(
                 k_pos = b * keys + jnp.arange(keys, dtype=jnp.int32)
                 v = jnp.where((k_pos < lb.max())[:, None, None], v, 0.0)  # unused slots may be NaN
                 s = scores(jnp.einsum("qkgd,bkd->qkgb", qb, k))
-                return _online_softmax_step(*carry, s, key_mask(k_pos, vb, lb, pb),
-                                            lambda p: jnp.einsum("qkgb,bkd->qkgd", p, v))
+                return _online_softmax_step(
+                    *carry,
+                    s,
+                    key_mask(k_pos, vb, lb, pb),
+                    lambda p: jnp.einsum("qkgb,bkd->qkgd", p, v),
+                )
 
         return jax.lax.fori_loop(0, -(-lb.max() // keys), body, (m0, l0, acc0))
 
@@ -268,15 +294,17 @@ def ragged_paged_attention(
                 mask = key_mask(k_pos, vb, lb, pb)
                 v = jnp.where(mask[:, :, None, None], v, 0.0)
                 s = scores(jnp.einsum("qkgd,qbkd->qkgb", qb, k))
-                return _online_softmax_step(*carry, s, mask,
-                                            lambda p: jnp.einsum("qkgb,qbkd->qkgd", p, v))
+                return _online_softmax_step(
+                    *carry, s, mask, lambda p: jnp.einsum("qkgb,qbkd->qkgd", p, v)
+                )
 
         return jax.lax.fori_loop(0, -(-lb.max() // keys), body, (m0, l0, acc0))
 
     def q_block(j, out):
         t0 = j * bq
-        qb, sb, vb, pb, lb = (jax.lax.dynamic_slice_in_dim(x, t0, bq)
-                              for x in (qg, seq, valid, q_pos, kv_len))
+        qb, sb, vb, pb, lb = (
+            jax.lax.dynamic_slice_in_dim(x, t0, bq) for x in (qg, seq, valid, q_pos, kv_len)
+        )
         if bq == 1:  # a single token is always one sequence
             _, l, acc = dense_block(qb, sb, vb, pb, lb)
         else:
@@ -314,8 +342,10 @@ def check_values(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> Non
     q_lens = np.diff(cu)[:n]
     for s in range(n):
         if not q_lens[s] <= kv_lens[s] <= pages_per_seq * page_size:
-            raise ValueError(f"sequence {s}: need q_len ({q_lens[s]}) <= kv_len ({kv_lens[s]}) <= "
-                             f"pages_per_seq * page_size ({pages_per_seq * page_size})")
+            raise ValueError(
+                f"sequence {s}: need q_len ({q_lens[s]}) <= kv_len ({kv_lens[s]}) <= "
+                f"pages_per_seq * page_size ({pages_per_seq * page_size})"
+            )
         num_used = -(-int(kv_lens[s]) // page_size)
         used = page_indices[s, :num_used]
         if np.any((used < 0) | (used >= num_pages)):

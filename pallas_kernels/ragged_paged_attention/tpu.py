@@ -60,8 +60,9 @@ def _div(x, n: int):
 
 def _scale_rows(x, e):  # x [K, D] (fp8), e i8[K, 1] -> f32 x * 2**e, exact for e in [-126, 127]
     # NOTE: clipped, so a stray -128 / -127 in an unwritten slot cannot become -inf / 0 * inf.
-    scale = jax.lax.bitcast_convert_type((jnp.clip(e.astype(jnp.int32), -126, 127) + 127) << 23,
-                                         jnp.float32)
+    scale = jax.lax.bitcast_convert_type(
+        (jnp.clip(e.astype(jnp.int32), -126, 127) + 127) << 23, jnp.float32
+    )
     return x.astype(jnp.float32) * scale
 
 
@@ -121,12 +122,17 @@ def _kernel(
                 col = page_lo + b * pages_per_block + j
                 page = jnp.clip(pages_ref[s * pages_per_row + col], 0, num_pages - 1)
                 src = kv_hbm.at[:, :, pl.ds(2 * h, 2), :].at[page]  # [page_size, 2, D]
-                copies.append((col < page_end,
-                               pltpu.make_async_copy(src, kv_buf.at[slot, j], sems.at[slot])))
+                copies.append(
+                    (col < page_end, pltpu.make_async_copy(src, kv_buf.at[slot, j], sems.at[slot]))
+                )
                 if fp8:
                     src = exp_hbm.at[:, :, pl.ds(2 * h, 2)].at[page]  # i8[page_size, 2]
-                    copies.append((col < page_end, pltpu.make_async_copy(
-                        src, exp_buf.at[slot, j], sems.at[slot])))
+                    copies.append(
+                        (
+                            col < page_end,
+                            pltpu.make_async_copy(src, exp_buf.at[slot, j], sems.at[slot]),
+                        )
+                    )
             return copies
 
         def start(b, slot):
@@ -171,8 +177,12 @@ def _kernel(
             k_pos = key0 + offs  # i32[R, K]
             key_ok = k_pos < key_end  # every key the block's rows can see was copied
             v = jnp.where(key0 + offs_col < key_end, v, jnp.zeros_like(v))
-            sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32) * sm_scale  # [R, K]
+            sc = (
+                jax.lax.dot_general(
+                    q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                )
+                * sm_scale
+            )  # [R, K]
             if soft_cap is not None:
                 sc = soft_cap * jnp.tanh(sc / soft_cap)
             mask = key_ok & (k_pos <= q_pos)
@@ -183,16 +193,32 @@ def _kernel(
             p = jnp.where(mask, jnp.exp(sc - m_new), 0.0)
             alpha = jnp.exp(m - m_new)
             l = alpha * l + p.sum(axis=1, keepdims=True)
-            pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)  # [R, D]
+            pv = jax.lax.dot_general(
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )  # [R, D]
             return m_new, l, alpha * acc + pv
 
         _, l, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, l0, acc0))
         o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
-def _run_class(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows, cls, *,
-               blocks, pages_per_row, sm_scale, sliding_window, soft_cap, interpret):
+def _run_class(
+    q,
+    kv_cache,
+    kv_lens,
+    pages_flat,
+    cu_q_lens,
+    num_seqs,
+    sinks_rows,
+    cls,
+    *,
+    blocks,
+    pages_per_row,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    interpret,
+):
     """One pallas_call over one query class; returns (out [T, Hkv, G, D], bool[T] membership)."""
     t, hkv, g, d = q.shape
     num_pages, page_size, _, _ = kv_cache.shape
@@ -202,10 +228,19 @@ def _run_class(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows
         seq, qblk = bs.work_table(cu_q_lens, num_seqs, cls)
         q_blocks = bs.gather_query_blocks(q, cu_q_lens, seq, qblk, cls.block_q)  # [W, Hkv, R, D]
     kernel = functools.partial(
-        _kernel, block_q=cls.block_q, group=g, page_size=page_size,
-        pages_per_block=blocks.pages_per_block, pages_per_row=pages_per_row, num_pages=num_pages,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        has_sinks=sinks_rows is not None, fp8=fp8)
+        _kernel,
+        block_q=cls.block_q,
+        group=g,
+        page_size=page_size,
+        pages_per_block=blocks.pages_per_block,
+        pages_per_row=pages_per_row,
+        num_pages=num_pages,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        has_sinks=sinks_rows is not None,
+        fp8=fp8,
+    )
     q_spec = pl.BlockSpec((None, None, rows, d), lambda w, h, *_: (w, h, 0, 0))
     in_specs = [q_spec]
     operands = [q_blocks]
@@ -223,8 +258,12 @@ def _run_class(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows
     out_blocks = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5, grid=(cls.num_work, hkv), in_specs=in_specs,
-            out_specs=q_spec, scratch_shapes=scratch),
+            num_scalar_prefetch=5,
+            grid=(cls.num_work, hkv),
+            in_specs=in_specs,
+            out_specs=q_spec,
+            scratch_shapes=scratch,
+        ),
         out_shape=jax.ShapeDtypeStruct((cls.num_work, hkv, rows, d), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
@@ -234,8 +273,9 @@ def _run_class(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows
         return bs.scatter_query_blocks(out_blocks, cu_q_lens, num_seqs, cls, t)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret",
-                                             "blocks"))
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "blocks")
+)
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     kv_cache: jax.Array | Fp8KVCache,  # [P, page_size, 2*Hkv, D]
@@ -267,9 +307,15 @@ def ragged_paged_attention(
     if sinks is not None and sinks.shape != (hq,):
         raise ValueError(f"sinks must be f32[{hq}], got {sinks.shape}")
     if blocks is None:  # an fp8 cache computes in q's dtype: its tiles are q's
-        blocks = bs.get_block_sizes("tpu", head_dim=d, page_size=page_size,
-                                    dtype=q.dtype if isinstance(kv_cache, Fp8KVCache) else kv_cache.dtype,
-                                    group=g, pages_per_seq=page_indices.shape[1], pow2=False)
+        blocks = bs.get_block_sizes(
+            "tpu",
+            head_dim=d,
+            page_size=page_size,
+            dtype=q.dtype if isinstance(kv_cache, Fp8KVCache) else kv_cache.dtype,
+            group=g,
+            pages_per_seq=page_indices.shape[1],
+            pow2=False,
+        )
     s_max, pages_per_seq = page_indices.shape
     with jax.named_scope("rpa_layout"):
         qg = q.reshape(t, hkv, g, d)
@@ -282,8 +328,20 @@ def ragged_paged_attention(
             sinks_rows = jnp.tile(sinks.astype(jnp.float32).reshape(hkv, g), (1, cls.block_q))
             sinks_rows = sinks_rows[:, :, None]  # f32[Hkv, R, 1]
         out_c, mine = _run_class(
-            qg, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, sinks_rows, cls, blocks=blocks,
-            pages_per_row=pages_per_row, sm_scale=sm_scale, sliding_window=sliding_window,
-            soft_cap=soft_cap, interpret=interpret)
+            qg,
+            kv_cache,
+            kv_lens,
+            pages_flat,
+            cu_q_lens,
+            num_seqs,
+            sinks_rows,
+            cls,
+            blocks=blocks,
+            pages_per_row=pages_per_row,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            interpret=interpret,
+        )
         out = jnp.where(mine[:, None, None, None], out_c, out)
     return out.reshape(t, hq, d)
