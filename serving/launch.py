@@ -84,14 +84,16 @@ def build_core(args: EngineArgs) -> EngineCore:
         )
     from jaxinfer.loader import load_model
 
-    # NOTE: the core handles token ids only: it never needs the tokenizer (the front end has it).
+    # NOTE: the core reads and writes token ids only, but structured output compiles grammars
+    # against the vocabulary in the core (the matchers advance there, per step): it loads the
+    # tokenizer unless the server runs without one. The front end still detokenizes.
     model = load_model(
         args.model,
         dtype=args.dtype,
         mesh=mesh,
         load_format=args.load_format,
         quantization=args.quantization,
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=args.skip_tokenizer_init,
     )
     if args.max_model_len is None and max_model_len:  # our CPU default, not the user's: cap it
         max_model_len = min(max_model_len, model.cfg.max_position_embeddings)
