@@ -1,0 +1,112 @@
+"""The real served process for tests: `scripts/serve.py` in a subprocess over a tiny model.
+
+1. `tiny_model_dir(root)` writes what a user would point `--model` at: a `config.json` of a
+   2-layer Llama with SmolLM2's vocabulary (49,152 tokens) and that vocabulary as `tokenizer.json`
+   + `tokenizer_config.json` (EOS, BOS, chat template). Served with `--load-format dummy`, so the
+   weights are random but every path a real checkpoint takes after loading is the real one:
+   the engine core in its own process, its tokenizer, the zmq messages, both protocols.
+2. `ServedProcess(args)` starts `scripts/serve.py` on free ports (gRPC, metrics, and the OpenAI
+   HTTP API), waits for "server ready", reads the ports from the start-up summary and keeps
+   draining the log on a thread (a full pipe would block the server). `stop()` sends SIGTERM and
+   returns the exit code; the log is kept for assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from engine_utils import TINY_LLAMA, load_vocab
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVE = ROOT / "scripts" / "serve.py"
+
+
+def tiny_model_dir(root: Path) -> Path:
+    """A `config.json` + tokenizer directory for `serve.py --load-format dummy`."""
+    tok = load_vocab()  # skips the calling test without the embedded SmolLM2 vocabulary
+    root.mkdir(parents=True, exist_ok=True)
+    config = {
+        **TINY_LLAMA,
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": tok.vocab_size,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": list(tok.eos_token_ids),
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    # NOTE: the SmolLM2 vocabulary is built from the GGUF's metadata as a `tokenizers` object;
+    # saving that object is how a tokenizer.json for it is made without a model hub.
+    tok._backend.tok.save(str(root / "tokenizer.json"))  # noqa: SLF001
+    (root / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": tok.bos_token,
+                "eos_token": tok.eos_token,
+                "add_bos_token": False,
+                "chat_template": tok.chat_template,
+            }
+        )
+    )
+    return root
+
+
+class ServedProcess:
+    """`scripts/serve.py ARGS` on 127.0.0.1 with free gRPC, metrics and HTTP ports."""
+
+    def __init__(self, args: list[str], *, ready_timeout: float = 240.0) -> None:
+        cmd = [
+            sys.executable,
+            str(SERVE),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "0",
+            *args,
+        ]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+        )
+        self.log: list[str] = []
+        deadline = time.monotonic() + ready_timeout
+        ready = False
+        for line in self.proc.stderr:
+            self.log.append(line)
+            if "server ready" in line:
+                ready = True
+            if ready and re.search(r"^\s*http\s", line):  # the summary's last line
+                break
+            if time.monotonic() > deadline:
+                break
+        if not ready:
+            self.proc.kill()
+            raise RuntimeError("serve.py did not become ready:\n" + "".join(self.log[-40:]))
+        text = "".join(self.log)
+        self.grpc_address = "127.0.0.1:" + re.search(r"grpc\s+\S+?:(\d+)", text).group(1)
+        self.http_url = re.search(r"(http://\S+?:\d+/v1)", text).group(1)
+        self._drain = threading.Thread(target=self._read_rest, daemon=True)
+        self._drain.start()
+
+    def _read_rest(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
