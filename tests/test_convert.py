@@ -26,8 +26,7 @@ import tokenizers
 from tokenizers import models, pre_tokenizers
 
 from checkpoints.convert import OUTPUT_NAMES, convert
-from checkpoints.errors import CheckpointError
-from checkpoints.gguf import GGUFError
+from checkpoints.errors import CheckpointError, GGUFError
 from checkpoints.orbax_io import PARAMS_DIR
 from jaxinfer.config import ModelConfig, UnsupportedConfigError
 from jaxinfer.loader import GGUF_TOKENIZER_FILE, load_model

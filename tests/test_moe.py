@@ -709,7 +709,8 @@ def test_engine_greedy_tiny_mixtral_on_issue_meshes(mixtral8h_engine_case, mesh_
 )
 def test_gguf_moe_is_rejected_clearly(tmp_path, arch, kv):
     gguf = pytest.importorskip("gguf")
-    from checkpoints.gguf import GGUFError, read_gguf
+    from checkpoints.errors import GGUFError
+    from checkpoints.gguf import read_gguf
 
     writer = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), arch)
     for key, value in kv.items():
