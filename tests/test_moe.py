@@ -787,7 +787,7 @@ def test_mixtral_hf_dir_and_orbax_conversion_load_onto_expert_mesh(tmp_path):
     orbax, restored straight onto the same mesh: identical weights, experts split over devices."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from checkpoints.convert import convert
+    from jaxinfer.convert import convert
     from jaxinfer.loader import load_model
     from tests.model_utils import make_hf_model, params_from_torch
     from tests.test_convert import _write_tokenizer
