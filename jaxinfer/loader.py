@@ -5,7 +5,7 @@
    `scripts/convert.py`, or a Hugging Face dir (`config.json` + `*.safetensors`); anything else
    raises naming the path. A HF dir's config is checked before any weight file is opened, so an
    unsupported architecture is reported as such.
-3. `load_from_source` (what `load_model` calls after step 2; `checkpoints.convert` calls it with
+3. `load_from_source` (what `load_model` calls after step 2; `jaxinfer.convert` calls it with
    the handle it already holds) builds the `ModelConfig` from the source's HF-style config and the
    tokenizer (before any weight is read, so a missing tokenizer fails fast; none at all with
    `skip_tokenizer_init`), then fills the params
@@ -45,7 +45,6 @@ from jaxinfer import quantization as quant
 from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
 from jaxinfer.default_model import default_model_path
-from jaxinfer.engine import multihost
 from jaxinfer.models import family_of
 from jaxinfer.tokenizer import Tokenizer
 
@@ -401,9 +400,7 @@ def load_from_source(
                 return x
             # NOTE: not jax.device_put: with several processes it all-gathers every weight to
             # check that the processes agree; here each process slices its own copy.
-            return multihost.device_put_global(
-                x, shd.named_sharding(mesh, spec.logical_axes, rules)
-            )
+            return shd.device_put_global(x, shd.named_sharding(mesh, spec.logical_axes, rules))
 
         try:
             params = family.params_from_hf(

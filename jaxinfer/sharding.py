@@ -17,6 +17,8 @@
    and `dense` / `dense_index()`: the dense weights' shard count (expert * tensor) and position.
    With every size 1 (the default) these are no-ops, so one model code path serves a single
    device and any mesh.
+6. `device_put_global(tree, shardings)` places host data that every process holds in full onto
+   a (multi-process) sharding: the loader's weights and the runner's step inputs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -240,6 +243,25 @@ def make_mesh(
         )
     arr = np.array(devices[:total]).reshape([sizes[a] for a in MESH_AXES])
     return Mesh(arr, MESH_AXES)
+
+
+def device_put_global(tree: Any, shardings: Any) -> Any:
+    """`jax.device_put(tree, shardings)` for host data that every process holds in full.
+
+    With several processes `jax.device_put` first checks, with a collective per leaf, that every
+    process passed equal data; here each process slices its own copy instead (NOTE: the caller
+    makes the copies equal: the multi-host step channel, or every process reading one checkpoint).
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+
+    def put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(put, tree, shardings)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@
    K-quants, which it only dequantizes).
 2. Each dequantizer runs `runs` times on the same bytes; best time of each, and whether the two
    results are equal bit for bit.
-3. Prints a table and a JSON line; `checkpoints.gguf` keeps ours only where it is faster
+3. Prints a table and a JSON line; `checkpoints.gguf_quants` keeps ours only where it is faster
    (`_OWN_KERNELS`) and uses the library for the rest (`LIBRARY_TYPES`).
 """
 
@@ -21,7 +21,7 @@ import _path  # noqa: F401
 import gguf
 import numpy as np
 
-from checkpoints.gguf import (
+from checkpoints.gguf_quants import (
     _OWN_KERNELS,
     LIBRARY_TYPES,
     _bits_per_plane,
@@ -94,7 +94,7 @@ def main() -> None:
         T.Q5_K,
         T.Q6_K,
     )
-    # Our F16 and Q5_K kernels are kept here (not in checkpoints.gguf) to show why the library's
+    # Our F16 and Q5_K kernels are kept here (not in checkpoints.gguf_quants) to show why the library's
     # are used.
     own = {**_OWN_KERNELS, T.F16: _float_kernel("<f2"), T.Q5_K: q5_k}
     rows = []

@@ -3,7 +3,7 @@
     python scripts/convert.py SRC DST [--dtype float32|bfloat16] [--quantization int8|fp8] [--force]
 
 1. Parse the arguments (SRC: a HF model dir or a `.gguf` file; DST: the checkpoint dir).
-2. Run `checkpoints.convert.convert`, which writes DST/params, DST/config.json, the tokenizer and
+2. Run `jaxinfer.convert.convert`, which writes DST/params, DST/config.json, the tokenizer and
    DST/jaxinfer.json (the layout is in that module's docstring).
 3. Print where the checkpoint is; a bad source or destination prints the error, exit status 1.
    `LLM(DST)` / `load_model(DST)` then load it.
@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from checkpoints.convert import convert  # noqa: E402
+from jaxinfer.convert import convert  # noqa: E402
 from jaxinfer.params import DTYPES  # noqa: E402
 
 

@@ -28,6 +28,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxinfer.engine import multihost  # noqa: E402
+from jaxinfer.sharding import device_put_global  # noqa: E402
 
 ENGINE = dict(page_size=4, num_pages=34, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=4)
 PROMPTS = [[5, 17, 33, 101, 7, 9], [200, 3, 42], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -38,9 +39,7 @@ def psum_across_processes() -> float:
     from jax.sharding import NamedSharding, PartitionSpec
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
-    x = multihost.device_put_global(
-        np.arange(8, dtype=np.float32), NamedSharding(mesh, PartitionSpec("all"))
-    )
+    x = device_put_global(np.arange(8, dtype=np.float32), NamedSharding(mesh, PartitionSpec("all")))
     total = jax.jit(
         jax.shard_map(
             lambda v: jax.lax.psum(v, "all"),

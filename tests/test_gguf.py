@@ -1,4 +1,4 @@
-"""checkpoints.gguf: our dequantization against gguf-py's, our names/layouts/config against HF
+"""checkpoints.gguf(_quants): our dequantization against gguf-py's, our names/layouts/config against HF
 transformers' GGUF loader on the real SmolLM2 file, tiny GGUFs written per test, and bad files.
 
 Tolerance: every dequantization comparison is bit-exact (`assert_array_equal`). Both sides compute
@@ -13,8 +13,9 @@ import gguf
 import numpy as np
 import pytest
 
-from checkpoints.errors import CheckpointError
-from checkpoints.gguf import SUPPORTED_TYPES, GGUFError, dequantize, read_gguf
+from checkpoints.errors import CheckpointError, GGUFError
+from checkpoints.gguf import read_gguf
+from checkpoints.gguf_quants import SUPPORTED_TYPES, dequantize
 from jaxinfer.default_model import default_model_path
 
 T = gguf.GGMLQuantizationType

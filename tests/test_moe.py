@@ -709,7 +709,8 @@ def test_engine_greedy_tiny_mixtral_on_issue_meshes(mixtral8h_engine_case, mesh_
 )
 def test_gguf_moe_is_rejected_clearly(tmp_path, arch, kv):
     gguf = pytest.importorskip("gguf")
-    from checkpoints.gguf import GGUFError, read_gguf
+    from checkpoints.errors import GGUFError
+    from checkpoints.gguf import read_gguf
 
     writer = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), arch)
     for key, value in kv.items():
@@ -786,7 +787,7 @@ def test_mixtral_hf_dir_and_orbax_conversion_load_onto_expert_mesh(tmp_path):
     orbax, restored straight onto the same mesh: identical weights, experts split over devices."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from checkpoints.convert import convert
+    from jaxinfer.convert import convert
     from jaxinfer.loader import load_model
     from tests.model_utils import make_hf_model, params_from_torch
     from tests.test_convert import _write_tokenizer

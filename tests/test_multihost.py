@@ -92,7 +92,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_orbax(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same model converted to orbax (each process restores only its devices' shards)."""
-    from checkpoints.convert import convert
+    from jaxinfer.convert import convert
 
     return Path(convert(tiny_dir, tmp_path_factory.mktemp("tiny_orbax") / "tiny"))
 

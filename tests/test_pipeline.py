@@ -337,7 +337,7 @@ def test_load_model_on_pipeline_mesh_hf_and_orbax(tmp_path):
     """HF dir and its orbax conversion both load stacked by stage; unstacked == the weights."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from checkpoints.convert import convert
+    from jaxinfer.convert import convert
     from jaxinfer.loader import load_model
     from tests.model_utils import hf_config_dict, make_hf_model, params_from_torch
     from tests.test_convert import _write_tokenizer

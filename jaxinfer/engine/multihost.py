@@ -96,25 +96,6 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
-def device_put_global(tree: Any, shardings: Any) -> Any:
-    """`jax.device_put(tree, shardings)` for host data that every process holds in full.
-
-    With several processes `jax.device_put` first checks, with a collective per leaf, that every
-    process passed equal data; here each process slices its own copy instead (the channel already
-    made the copies equal).
-    """
-    if jax.process_count() == 1:
-        return jax.device_put(tree, shardings)
-    if isinstance(shardings, jax.sharding.Sharding):
-        shardings = jax.tree.map(lambda _: shardings, tree)
-
-    def put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-        x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-    return jax.tree.map(put, tree, shardings)
-
-
 def device_get(tree: Any) -> Any:
     """`jax.device_get(tree)` that also works on arrays spanning other processes' devices.
 

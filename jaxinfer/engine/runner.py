@@ -901,7 +901,7 @@ class ModelRunner:
     def _put(self, inputs: dict) -> dict:
         shardings = jax.tree.map(lambda _: self._replicated, inputs)
         shardings["step"] = jax.tree.map(lambda _: self._step_sharding, inputs["step"])
-        return multihost.device_put_global(inputs, shardings)  # jax.device_put on one process
+        return shd.device_put_global(inputs, shardings)  # jax.device_put on one process
 
     def _groups(self, scheduled: list[ScheduledRequest], q_lens: np.ndarray) -> np.ndarray | None:
         """i32[n] ragged group (replica-major, then micro-batch) of each scheduled sequence;
