@@ -26,6 +26,9 @@ written here once. Where Triton (GPU) and Mosaic (TPU) kernels need different fo
    one sequence gathers its pages once per KV block, `dense_pages_per_block`; a block spanning
    sequences gathers per token, `token_pages_per_block`).
 
+Which query blocks a grid program runs (the work tables, query classes, block sizes, split-K)
+is `ragged_paged_attention/block_sizes.py`, which the MLA kernel uses as it is.
+
 NOTE: masked values are zeroed (by the callers, before their dots) and masked probabilities are
 exactly 0, so NaN-filled unused pages never reach an output.
 
