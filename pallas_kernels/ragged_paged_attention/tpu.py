@@ -51,8 +51,6 @@ from pallas_kernels.ragged_paged_attention.reference import (
 
 __all__ = ["kv_cache_shape", "ragged_paged_attention", "update_kv_cache"]
 
-_div = pc.trunc_div
-
 
 def _scale_rows(x, e):  # x [K, D] (fp8), e i8[K, 1] -> f32 x * 2**e, exact for e in [-126, 127]
     return x.astype(jnp.float32) * pc.exp2_i8(e)
@@ -103,10 +101,12 @@ def _kernel(
             block_q=block_q,
             page_size=page_size,
             sliding_window=sliding_window,
-            div=_div,
+            div=pc.trunc_div,
         )
-        page_end = _div(key_end + page_size - 1, page_size)  # pages [page_lo, page_end) needed
-        num_blocks = _div(page_end - page_lo + pages_per_block - 1, pages_per_block)
+        page_end = pc.trunc_div(
+            key_end + page_size - 1, page_size
+        )  # pages [page_lo, page_end) needed
+        num_blocks = pc.trunc_div(page_end - page_lo + pages_per_block - 1, pages_per_block)
 
         def page_copies(b, slot):
             """(needed?, descriptor) for each page of KV block b, landing in buffer `slot`."""
@@ -137,7 +137,9 @@ def _kernel(
                 pl.when(needed)(copy.wait)
 
         q = q_ref[...]
-        q_pos = first_pos + _div(jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 0), group)
+        q_pos = first_pos + pc.trunc_div(
+            jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 0), group
+        )
         offs = jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         offs_col = jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
         if sinks_ref is None:
