@@ -22,9 +22,9 @@ import functools
 import logging
 
 import jax
-from jax.experimental.pallas import tpu as pltpu
 
 from jaxinfer.step import StepInputs
+from pallas_kernels.paged_common import interpret_mode
 from pallas_kernels.ragged_paged_attention import KERNELS, cpu, reference
 
 BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
@@ -98,13 +98,6 @@ def kv_cache_shape(
     return reference.kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim)
 
 
-def _interpret(backend: str):
-    """Interpret mode for a kernel backend whose hardware is not the current platform."""
-    if backend in ("reference", "cpu") or jax.default_backend() == backend:
-        return False
-    return pltpu.InterpretParams() if backend == "tpu" else True
-
-
 def attention(
     q: jax.Array,  # [T, Hq, D]
     k: jax.Array,  # [T, Hkv, D]
@@ -136,6 +129,6 @@ def attention(
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             sinks=sinks,
-            interpret=_interpret(backend),
+            interpret=interpret_mode(backend),
         )
     return out, kv_cache

@@ -16,7 +16,7 @@ import numpy as np
 from checkpoints import quantize as qlib
 from jaxinfer.config import ModelConfig, RopeConfig
 from jaxinfer.quantization import QArray
-from pallas_kernels import cpu_linear
+from pallas_kernels.linear import cpu as cpu_linear
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ LINEAR_BACKENDS = ("auto", "xla", "cpu")
 
 def resolve_linear_backend(backend: str | None, platform: str | None = None) -> str:
     """The concrete dense-product backend: "xla" (XLA's dot) or "cpu" (the compiled CPU kernel for
-    steps of few token rows, `pallas_kernels.cpu_linear`). None / "auto" picks "cpu" on a CPU
+    steps of few token rows, `pallas_kernels.linear.cpu`). None / "auto" picks "cpu" on a CPU
     platform when the kernel builds there, else "xla"."""
     platform = platform or jax.default_backend()
     backend = backend or "auto"

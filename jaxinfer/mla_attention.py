@@ -16,6 +16,7 @@ import jax
 from jaxinfer.attention import resolve_backend
 from jaxinfer.step import StepInputs
 from pallas_kernels.mla_paged_attention import KERNELS, reference
+from pallas_kernels.paged_common import interpret_mode
 
 
 def mla_backend(backend: str | None) -> str:
@@ -54,6 +55,6 @@ def mla_attention(
             step.num_seqs,
             sm_scale=sm_scale,
             kv_lora_rank=kv_lora_rank,
-            interpret=kernel == "gpu" and jax.default_backend() != "gpu",
+            interpret=interpret_mode(kernel),
         )
     return out, kv_cache

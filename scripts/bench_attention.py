@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.attention import resolve_backend
+from pallas_kernels.paged_common import interpret_mode
 from pallas_kernels.ragged_paged_attention import KERNELS, block_sizes
 
 
@@ -215,8 +216,6 @@ def peer_cudnn(inputs, batch: Batch, sm_scale: float):
 
 def sanity_interpret(kernel_backends, dtype) -> dict[str, float]:
     """Tiny interpret-mode runs of the kernels on CPU: max |kernel - reference| / max |reference|."""
-    from jax.experimental.pallas import tpu as pltpu
-
     batch = Batch("sanity", (1, 1, 5), (9, 30, 12))
     inputs = make_inputs(
         batch, heads=4, kv_heads=2, head_dim=64, page_size=8, pages_per_seq=4, dtype=dtype
@@ -224,7 +223,7 @@ def sanity_interpret(kernel_backends, dtype) -> dict[str, float]:
     ref = np.asarray(KERNELS["reference"](*inputs, sm_scale=0.125), np.float32)
     errs = {}
     for b in kernel_backends:
-        interpret = pltpu.InterpretParams() if b == "tpu" else True
+        interpret = interpret_mode(b, "cpu")
         out = np.asarray(KERNELS[b](*inputs, sm_scale=0.125, interpret=interpret), np.float32)
         errs[b] = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
     return errs

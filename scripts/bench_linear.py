@@ -7,7 +7,7 @@
    between, then the LM head over the [V, E] embedding. Every layer has its own random f32 weights
    (538 MB in all, far beyond the caches), so each step streams every weight once, as decode does.
 2. The chain is jitted once per backend through `jaxinfer.layers.dense` / `dense_transposed`
-   ("xla": XLA's dot; "cpu": the kernel for up to `cpu_linear.MAX_ROWS` rows, XLA's dot above);
+   ("xla": XLA's dot; "cpu": the kernel for up to `linear.cpu.MAX_ROWS` rows, XLA's dot above);
    the backends alternate run by run, medians reported.
 3. The machine's read bandwidth in the same run (a jitted row reduction over twice the weights'
    bytes) gives the weight-read floor of one step.

@@ -1,4 +1,4 @@
-"""The compiled CPU linear kernel (`pallas_kernels.cpu_linear`) and its use by the model.
+"""The compiled CPU linear kernel (`pallas_kernels.linear.cpu`) and its use by the model.
 
 1. The kernel against numpy in float64: row counts 1-8, odd K and N (tails of the 16-lane
    vectors and of the 8-row passes), several weights in one call, the transposed ([N, K]) layout;
@@ -23,7 +23,8 @@ from jaxinfer import layers
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import llama
 from jaxinfer.params import init_random
-from pallas_kernels import cpu_linear
+from pallas_kernels.linear import cpu as cpu_linear
+from pallas_kernels.linear import reference as linear_reference
 from tests.model_utils import PagedStepper, hf_config_dict
 
 pytestmark = pytest.mark.skipif(
@@ -99,6 +100,26 @@ def test_int8_weights_match_numpy(t, k, ns, gs):
         assert y.shape == yt.shape == ref.shape
         np.testing.assert_allclose(y, ref, rtol=0, atol=TOL * np.abs(ref).max())
         np.testing.assert_allclose(yt, ref, rtol=0, atol=TOL * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_reference_matches_numpy_and_the_kernel(transposed):
+    """`linear.reference` (the oracle) against numpy in float64 and the kernel, f32 and int8."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 64), dtype=np.float32)
+    w = rng.standard_normal((64, 40), dtype=np.float32)
+    q = rng.integers(-127, 128, (64, 40)).astype(np.int8)
+    s = rng.uniform(1e-3, 2e-2, (4, 40)).astype(np.float32)
+    lay = (lambda a: a.T.copy()) if transposed else (lambda a: a)
+    for args, scales, want in [
+        ((w,), None, _ref(x, w)),
+        ((q,), (s,), _group_ref(x, q, s)),
+    ]:
+        call = dict(transposed=transposed, scales=None if scales is None else (lay(scales[0]),))
+        (ref,) = linear_reference.linear(jnp.asarray(x), jnp.asarray(lay(args[0])), **call)
+        (got,) = cpu_linear.linear(jnp.asarray(x), jnp.asarray(lay(args[0])), **call)
+        np.testing.assert_allclose(ref, want, rtol=0, atol=TOL * np.abs(want).max())
+        np.testing.assert_allclose(got, ref, rtol=0, atol=TOL * np.abs(want).max())
 
 
 def test_large_weights_split_over_threads_are_deterministic():
@@ -285,11 +306,12 @@ def test_dense_picks_the_kernel_only_where_it_pays():
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
     emb = jnp.asarray(rng.standard_normal((300, 64)), jnp.float32)
     assert _uses_kernel(lambda x, e: layers.dense_transposed(x, e, backend="cpu"), x, emb)
+    (want_t,) = linear_reference.linear(x, emb, transposed=True)
     np.testing.assert_allclose(
         layers.dense_transposed(x, emb, backend="cpu"),
-        x @ emb.T,
+        want_t,
         rtol=0,
-        atol=TOL * float(jnp.abs(x @ emb.T).max()),
+        atol=TOL * float(jnp.abs(want_t).max()),
     )
 
 

@@ -37,6 +37,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models import llama
 from jaxinfer.params import init_random
 from jaxinfer.step import StepInputs
+from pallas_kernels.paged_common import interpret_mode
 from pallas_kernels.ragged_paged_attention import KERNELS, block_sizes, reference
 from tests.model_utils import PagedStepper, hf_config_dict
 
@@ -87,13 +88,6 @@ RUNNABLE = tuple(b for b in KERNEL_BACKENDS if runnable(b))
 SMALL_BLOCKS = block_sizes.KernelBlocks(
     block_q=2, decode_block_q=1, pages_per_block=2, decode_programs=16
 )
-
-
-def _interpret(backend: str):
-    """Compiled on the kernel's own hardware; otherwise Pallas interpret mode."""
-    if jax.default_backend() == backend or backend == "cpu":
-        return False
-    return pltpu.InterpretParams() if backend == "tpu" else True
 
 
 def _blocks(blocks, interpret):
@@ -158,7 +152,7 @@ def assert_matches_reference(backend, args, *, blocks=SMALL_BLOCKS, interpret=No
     reference.check_values(*args)
     ref = np.asarray(run_reference(*args, **kw), np.float32)
     if interpret is None:
-        interpret = _interpret(backend)
+        interpret = interpret_mode(backend)
     out = KERNELS[backend](*args, interpret=interpret, blocks=_blocks(blocks, interpret), **kw)
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
     out = np.asarray(out, np.float32)
@@ -233,7 +227,7 @@ def test_window_skips_pages_before_it(backend):
     cache[table[1, :13]] = np.nan  # keys 0..51 of seq 1; queries at 58..60
     args[1] = jnp.asarray(cache)
     kw = dict(sliding_window=4, sm_scale=0.125)
-    interpret = _interpret(backend)
+    interpret = interpret_mode(backend)
     out = np.asarray(
         KERNELS[backend](*args, interpret=interpret, blocks=_blocks(SMALL_BLOCKS, interpret), **kw)
     )
@@ -552,7 +546,7 @@ def test_cache_write_is_exact(dtype):
 @pytest.mark.parametrize("backend", ["reference", *BACKEND_PARAMS])
 def test_bad_shapes_and_dtypes_raise(backend):
     q, cache, lens, table, cu, n = make_batch(BASE, [1], [3])
-    fn = functools.partial(KERNELS[backend], sm_scale=1.0, interpret=_interpret(backend))
+    fn = functools.partial(KERNELS[backend], sm_scale=1.0, interpret=interpret_mode(backend))
     with pytest.raises(ValueError, match="head_dim"):
         fn(q[..., :32], cache, lens, table, cu, n)
     with pytest.raises(ValueError, match="multiple"):

@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
 
 from jaxinfer import attention
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
+from pallas_kernels.paged_common import interpret_mode
 from pallas_kernels.ragged_paged_attention import KERNELS, block_sizes, cpu, reference
 from pallas_kernels.ragged_paged_attention.reference import Fp8KVCache
 from tests.test_kernels import BASE, SCENARIOS, SMALL_BLOCKS, Shape, make_batch, tol
@@ -121,7 +121,7 @@ def test_kernels_read_fp8_like_the_reference(case, dtype):
         want = np.asarray(
             reference.ragged_paged_attention(args[0], values, *args[2:], **kw), np.float32
         )
-    interpret = pltpu.InterpretParams() if backend == "tpu" else True
+    interpret = interpret_mode(backend)
     got = KERNELS[backend](args[0], fp8, *args[2:], interpret=interpret, blocks=blocks, **kw)
     assert got.dtype == dtype
     got = np.asarray(got, np.float32)

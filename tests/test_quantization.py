@@ -43,7 +43,7 @@ from jaxinfer.loader import load_from_source, load_model, open_source
 from jaxinfer.models import deepseek, family_of, llama
 from jaxinfer.quantization import QArray
 from jaxinfer.tokenizer import Tokenizer
-from pallas_kernels import cpu_linear
+from pallas_kernels.linear import cpu as cpu_linear
 from tests.model_utils import PagedStepper, hf_config_dict, rel_err
 
 T = gguf.GGMLQuantizationType

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import paged_common as pc
 from pallas_kernels.mla_paged_attention.reference import (
     check_inputs,
     kv_cache_shape,
@@ -40,8 +41,6 @@ from pallas_kernels.mla_paged_attention.reference import (
 from pallas_kernels.ragged_paged_attention import block_sizes as bs
 
 __all__ = ["kv_cache_shape", "mla_ragged_paged_attention", "update_kv_cache"]
-
-MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
 
 
 def _kernel(
@@ -74,32 +73,38 @@ def _kernel(
     def _():
         rows = q_lat_ref.shape[0]
         block_k = pages_per_block * page_size
-        q_start = cu_q_lens_ref[s]
-        q_len = cu_q_lens_ref[s + 1] - q_start
-        kv_len = kv_lens_ref[s]
-        first = work_qblk_ref[w] * block_q
-        n_valid = jnp.minimum(q_len - first, block_q)
-        first_pos = kv_len - q_len + first
-        key_end = first_pos + n_valid  # exclusive
-        page_lo = 0
-        if sliding_window is not None:
-            page_lo = jnp.maximum(first_pos - sliding_window + 1, 0) // page_size
-        num_blocks = pl.cdiv(key_end - page_lo * page_size, block_k)
+        first_pos, key_end, page_lo = pc.query_block_keys(
+            w,
+            s,
+            work_qblk_ref,
+            kv_lens_ref,
+            cu_q_lens_ref,
+            block_q=block_q,
+            page_size=page_size,
+            sliding_window=sliding_window,
+        )
+        num_blocks = pc.num_kv_blocks(key_end, page_lo, page_size=page_size, block_k=block_k)
 
         q_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group  # i32[rows]
         q_lat, q_rope = q_lat_ref[...], q_rope_ref[...]
-        m0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
+        m0 = jnp.full((rows,), pc.MASK_VALUE, jnp.float32)
         l0 = jnp.zeros((rows,), jnp.float32)
         acc0 = jnp.zeros((rows, lat), jnp.float32)
         offs = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # i32[K]
         dims = (((1,), (1,)), ((), ()))
 
         def body(b, carry):
-            m, l, acc = carry
-            page0 = page_lo + b * pages_per_block
-            k_pos = page0 * page_size + offs  # i32[K]
-            page = pages_ref[s * pages_per_row + page0 + offs // page_size]
-            slot = jnp.clip(page, 0, num_pages - 1) * page_size + offs % page_size
+            k_pos, slot = pc.kv_block_slots(
+                pages_ref,
+                s,
+                page_lo,
+                b,
+                offs,
+                page_size=page_size,
+                pages_per_block=pages_per_block,
+                pages_per_row=pages_per_row,
+                num_pages=num_pages,
+            )
             c_lat = kv_ref[slot, pl.ds(0, lat)]  # [K, L]
             k_rope = kv_ref[slot, pl.ds(lat, rope)]  # [K, R]
             c_lat = jnp.where((k_pos < key_end)[:, None], c_lat, jnp.zeros_like(c_lat))
@@ -107,27 +112,21 @@ def _kernel(
             sc = jax.lax.dot_general(
                 q_lat, c_lat, dims, preferred_element_type=jnp.float32
             ) + jax.lax.dot_general(q_rope, k_rope, dims, preferred_element_type=jnp.float32)
-            sc = sc * sm_scale  # [rows, K]
-            if soft_cap is not None:
-                sc = soft_cap * jnp.tanh(sc / soft_cap)
-            mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < key_end)
-            if sliding_window is not None:
-                mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
-            sc = jnp.where(mask, sc, MASK_VALUE)
-            m_new = jnp.maximum(m, sc.max(axis=1))
-            p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
-            alpha = jnp.exp(m - m_new)
-            l = alpha * l + p.sum(axis=1)
-            pv = jax.lax.dot_general(
-                p.astype(c_lat.dtype),
-                c_lat,
-                (((1,), (0,)), ((), ())),
-                preferred_element_type=jnp.float32,
-            )  # [rows, L]
-            return m_new, l, alpha[:, None] * acc + pv
+            sc = pc.apply_soft_cap(sc * sm_scale, soft_cap)  # [rows, K]
+            mask = pc.causal_mask(q_pos, k_pos, key_end, sliding_window)
+
+            def pv(p):  # [rows, L]
+                return jax.lax.dot_general(
+                    p.astype(c_lat.dtype),
+                    c_lat,
+                    (((1,), (0,)), ((), ())),
+                    preferred_element_type=jnp.float32,
+                )
+
+            return pc.online_softmax_step(*carry, sc, mask, pv)
 
         _, l, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, l0, acc0))
-        o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+        o_ref[...] = pc.normalize(acc, l).astype(o_ref.dtype)
 
 
 @functools.partial(
@@ -153,7 +152,7 @@ def mla_ragged_paged_attention(
     kv_lora_rank: int,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    interpret: bool = False,
+    interpret: pc.Interpret = False,
     blocks: bs.KernelBlocks | None = None,
 ) -> jax.Array:  # [T, H, L]
     """Ragged paged MLA on GPU; the same contract as `reference.mla_ragged_paged_attention`.
@@ -182,15 +181,12 @@ def mla_ragged_paged_attention(
             pow2=True,
         )
     gp = bs.next_pow2(h)
-    s_max, pages_per_seq = page_indices.shape
+    s_max = page_indices.shape[0]
 
     with jax.named_scope("mla_layout"):
-        qg = q.reshape(t, 1, h, c)
-        if gp != h:
-            qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - h), (0, 0)))
+        qg = pc.pad_heads(q.reshape(t, 1, h, c), gp)
         kv_rows = kv_cache.reshape(num_pages * page_size, c)  # free: one row per slot
-        pages_per_row = pages_per_seq + blocks.pages_per_block
-        pages_flat = jnp.pad(page_indices, ((0, 0), (0, blocks.pages_per_block))).reshape(-1)
+        pages_per_row, pages_flat = pc.flat_page_table(page_indices, blocks.pages_per_block)
     out = jnp.zeros((t, 1, gp, lat), q.dtype)
     for cls in bs.query_classes(t, s_max, blocks):
         rows = cls.block_q * gp

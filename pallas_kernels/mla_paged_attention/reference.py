@@ -14,8 +14,9 @@ token shared by all heads: (L + R) x dtype bytes per token and layer, nothing pe
 
 Flow of `mla_ragged_paged_attention`:
   1. Map each query token to its sequence and absolute position (padding tokens produce zeros).
-  2. Walk the real tokens in blocks of `QUERY_BLOCK`: a block of one sequence gathers its pages
-     once per KV block, a block spanning sequences (decodes) gathers per token.
+  2. Walk the real tokens in blocks of `paged_common.QUERY_BLOCK` (`walk_query_blocks`, as the
+     ragged reference): a block of one sequence gathers its pages once per KV block, a block
+     spanning sequences (decodes) gathers per token.
   3. Scores `q . c` over the full row (latent and rope parts at once), optional soft-cap, causal +
      length + sliding-window mask, online softmax; values are the rows' first L columns. Masked
      rows are zeroed before use, so NaN-filled unused pages cannot leak.
@@ -31,9 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-QUERY_BLOCK = 32  # query tokens per block
-DENSE_KV_BLOCK = 256  # keys per step when a query block belongs to one sequence
-TOKEN_KV_BLOCK = 64  # keys per step when it spans several (each token gathers its own)
+from pallas_kernels import paged_common as pc
 
 
 def kv_cache_shape(
@@ -91,16 +90,6 @@ def check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_lor
             raise ValueError(f"{name} must be int32, got {x.dtype}")
 
 
-def _online_softmax_step(m, l, acc, s, mask, pv):
-    """s: f32[Q, H, B] scores; mask: bool[Q, B]; pv(p) -> f32[Q, H, L]."""
-    s = jnp.where(mask[:, None, :], s, -jnp.inf)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    p = jnp.exp(s - m_safe[..., None])
-    alpha = jnp.exp(m - m_safe)
-    return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv(p)
-
-
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "kv_lora_rank", "sliding_window", "soft_cap", "interpret")
 )
@@ -116,40 +105,24 @@ def mla_ragged_paged_attention(
     kv_lora_rank: int,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    interpret: bool = False,  # accepted for signature parity with the kernels
+    interpret: pc.Interpret = False,  # accepted for signature parity with the kernels
 ) -> jax.Array:  # [T, H, L] attention output in the latent space (W_uv not applied)
     del interpret
     check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, kv_lora_rank)
     t_len, h, c = q.shape
     lat = kv_lora_rank
     _, page_size, _ = kv_cache.shape
-    s_max, pages_per_seq = page_indices.shape
-    bq = min(QUERY_BLOCK, t_len)
+    pages_per_seq = page_indices.shape[1]
+    bq = min(pc.QUERY_BLOCK, t_len)
     t_pad = -(-t_len // bq) * bq
 
     with jax.named_scope("mla_positions"):
-        tok = jnp.arange(t_pad, dtype=jnp.int32)
-        n_real = cu_q_lens[jnp.minimum(num_seqs[0], s_max)]
-        seq = jnp.searchsorted(cu_q_lens[1:], tok, side="right").astype(jnp.int32)
-        valid = (seq < num_seqs[0]) & (tok < n_real)
-        seq = jnp.minimum(seq, s_max - 1)
-        q_start = cu_q_lens[seq]
-        kv_len = jnp.where(valid, kv_lens[seq], 0)
-        q_pos = kv_len - (cu_q_lens[seq + 1] - q_start) + (tok - q_start)  # i32[T_pad]
+        seq, valid, kv_len, q_pos, n_real = pc.token_positions(cu_q_lens, kv_lens, num_seqs, t_pad)
 
     qs = jnp.pad(q.astype(jnp.float32) * sm_scale, ((0, t_pad - t_len), (0, 0), (0, 0)))
     m0 = jnp.full((bq, h), -jnp.inf, jnp.float32)
     l0 = jnp.zeros((bq, h), jnp.float32)
     acc0 = jnp.zeros((bq, h, lat), jnp.float32)
-
-    def key_mask(k_pos, vb, lb, pb):  # bool[Q, B]
-        mask = vb[:, None] & (k_pos[None, :] < lb[:, None]) & (k_pos[None, :] <= pb[:, None])
-        if sliding_window is not None:
-            mask &= pb[:, None] - k_pos[None, :] < sliding_window
-        return mask
-
-    def scores(x):
-        return x if soft_cap is None else soft_cap * jnp.tanh(x / soft_cap)
 
     def gather(ids, keys):  # ids i32[..., pages] -> rows f32[..., keys, L + R]
         # NOTE: mode="fill", as in the ragged reference (a clip-mode gather copied the cache).
@@ -158,12 +131,7 @@ def mla_ragged_paged_attention(
 
     def dense_block(qb, sb, vb, pb, lb):
         """All valid tokens of the block belong to sequence sb[0]: gather its pages once."""
-        bp = max(
-            1,
-            min(
-                pages_per_seq if bq > 1 else max(1, pages_per_seq // 2), DENSE_KV_BLOCK // page_size
-            ),
-        )
+        bp = pc.dense_pages_per_block(bq, page_size, pages_per_seq)
         keys = bp * page_size
         pages = jnp.pad(page_indices[sb[0]], (0, -pages_per_seq % bp))
 
@@ -172,11 +140,11 @@ def mla_ragged_paged_attention(
                 rows = gather(jax.lax.dynamic_slice_in_dim(pages, b * bp, bp), keys)  # [B, C]
                 k_pos = b * keys + jnp.arange(keys, dtype=jnp.int32)
                 rows = jnp.where((k_pos < lb.max())[:, None], rows, 0.0)  # unused slots may be NaN
-                s = scores(jnp.einsum("qhc,bc->qhb", qb, rows))
-                return _online_softmax_step(
+                s = pc.apply_soft_cap(jnp.einsum("qhc,bc->qhb", qb, rows), soft_cap)
+                return pc.reference_softmax_step(
                     *carry,
                     s,
-                    key_mask(k_pos, vb, lb, pb),
+                    pc.reference_key_mask(k_pos, vb, lb, pb, sliding_window),
                     lambda p: jnp.einsum("qhb,bl->qhl", p, rows[:, :lat]),
                 )
 
@@ -184,7 +152,7 @@ def mla_ragged_paged_attention(
 
     def token_block(qb, sb, vb, pb, lb):
         """Tokens of several sequences (e.g. a run of decodes): each gathers its own pages."""
-        bp = max(1, min(pages_per_seq, TOKEN_KV_BLOCK // page_size))
+        bp = pc.token_pages_per_block(page_size, pages_per_seq)
         keys = bp * page_size
         pages = jnp.pad(page_indices, ((0, 0), (0, -pages_per_seq % bp)))[sb]  # i32[Q, cols]
 
@@ -192,32 +160,21 @@ def mla_ragged_paged_attention(
             with jax.named_scope("mla_token_block"):
                 rows = gather(jax.lax.dynamic_slice_in_dim(pages, b * bp, bp, axis=1), keys)
                 k_pos = b * keys + jnp.arange(keys, dtype=jnp.int32)
-                mask = key_mask(k_pos, vb, lb, pb)
+                mask = pc.reference_key_mask(k_pos, vb, lb, pb, sliding_window)
                 rows = jnp.where(mask[:, :, None], rows, 0.0)  # [Q, B, C]
-                s = scores(jnp.einsum("qhc,qbc->qhb", qb, rows))
-                return _online_softmax_step(
+                s = pc.apply_soft_cap(jnp.einsum("qhc,qbc->qhb", qb, rows), soft_cap)
+                return pc.reference_softmax_step(
                     *carry, s, mask, lambda p: jnp.einsum("qhb,qbl->qhl", p, rows[..., :lat])
                 )
 
         return jax.lax.fori_loop(0, -(-lb.max() // keys), body, (m0, l0, acc0))
 
-    def q_block(j, out):
-        t0 = j * bq
-        qb, sb, vb, pb, lb = (
-            jax.lax.dynamic_slice_in_dim(x, t0, bq) for x in (qs, seq, valid, q_pos, kv_len)
-        )
-        if bq == 1:
-            _, l, acc = dense_block(qb, sb, vb, pb, lb)
-        else:
-            one_seq = jnp.all(jnp.where(vb, sb == sb[0], True))
-            _, l, acc = jax.lax.cond(one_seq, dense_block, token_block, qb, sb, vb, pb, lb)
-        res = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        res = jnp.where(vb[:, None, None], res, 0.0)
-        return jax.lax.dynamic_update_slice_in_dim(out, res, t0, axis=0)
-
-    out = jnp.zeros((t_pad, h, lat), jnp.float32)
-    if t_pad == bq:
-        out = q_block(0, out)
-    else:
-        out = jax.lax.fori_loop(0, -(-n_real // bq), q_block, out)
+    out = pc.walk_query_blocks(
+        (qs, seq, valid, q_pos, kv_len),
+        dense_block,
+        token_block,
+        jnp.zeros((t_pad, h, lat), jnp.float32),
+        n_real,
+        bq,
+    )
     return out[:t_len].astype(q.dtype)

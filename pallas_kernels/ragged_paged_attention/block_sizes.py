@@ -38,6 +38,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.paged_common import key_range
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -253,20 +255,6 @@ def scatter_query_blocks(
     w = jnp.clip(starts[seq] + local // cls.block_q, 0, w_max - 1)
     blocks = out_blocks.reshape(w_max, hkv, cls.block_q, gp, d)
     return blocks[w, :, local % cls.block_q], mine
-
-
-def key_range(kv_len, q_len, first, n_valid, *, page_size: int, sliding_window: int | None):
-    """Keys a query block sees: (position of its first token, exclusive key end, first page).
-
-    `first` is the block's first token within the sequence, `n_valid` its real tokens; the window
-    start is rounded down to a page, so whole pages before every row's window are skipped.
-    """
-    first_pos = kv_len - q_len + first
-    key_end = first_pos + n_valid
-    page_lo = 0
-    if sliding_window is not None:
-        page_lo = jnp.maximum(first_pos - sliding_window + 1, 0) // page_size
-    return first_pos, key_end, page_lo
 
 
 def split_range(num_blocks, split, num_splits):

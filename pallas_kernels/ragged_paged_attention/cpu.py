@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import paged_common as pc
 from pallas_kernels.cpu_build import CppKernel
 from pallas_kernels.ragged_paged_attention.reference import Fp8KVCache, check_inputs
 
@@ -49,7 +50,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: jax.Array | None = None,  # f32[Hq]
-    interpret: bool = False,  # accepted for signature parity; the kernel always runs compiled
+    interpret: pc.Interpret = False,  # accepted for signature parity; always runs compiled
     blocks: None = None,
 ) -> jax.Array:  # [T, Hq, D]
     del interpret

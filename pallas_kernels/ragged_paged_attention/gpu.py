@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import paged_common as pc
 from pallas_kernels.ragged_paged_attention import block_sizes as bs
 from pallas_kernels.ragged_paged_attention.reference import (
     Fp8KVCache,
@@ -54,15 +55,6 @@ from pallas_kernels.ragged_paged_attention.reference import (
 )
 
 __all__ = ["kv_cache_shape", "ragged_paged_attention", "update_kv_cache"]
-
-MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
-
-
-def _pow2(e):  # i8[...] -> f32 2**e, exact for the written range [-126, 127] (the exponent bits)
-    # NOTE: clipped, so a stray -128 / -127 in an unwritten slot cannot become -inf / 0 * inf.
-    return jax.lax.bitcast_convert_type(
-        (jnp.clip(e.astype(jnp.int32), -126, 127) + 127) << 23, jnp.float32
-    )
 
 
 def _kernel(
@@ -78,7 +70,7 @@ def _kernel(
     kv_ref,  # [P * page_size, 2*Hkv, D] the cache, one row per slot
     exp_ref,  # i8[P * page_size, 2*Hkv] or None: an fp8 cache's row exponents
     o_ref,  # [R, D] (f32 and normalized over the split's keys with split-K)
-    lse_ref=None,  # f32[R] with split-K: log-sum-exp of the split's scores (MASK_VALUE: none)
+    lse_ref=None,  # f32[R] with split-K: log-sum-exp of the split's scores (pc.MASK_VALUE: none)
     *,
     block_q: int,
     group: int,
@@ -97,16 +89,18 @@ def _kernel(
     def _():
         rows, d = q_ref.shape
         block_k = pages_per_block * page_size
-        q_start = cu_q_lens_ref[s]
-        q_len = cu_q_lens_ref[s + 1] - q_start
-        kv_len = kv_lens_ref[s]
-        first = work_qblk_ref[w] * block_q  # first query token of the block, within the sequence
-        n_valid = jnp.minimum(q_len - first, block_q)
         # key_end is exclusive: no row sees a key past the block's last token
-        first_pos, key_end, page_lo = bs.key_range(
-            kv_len, q_len, first, n_valid, page_size=page_size, sliding_window=sliding_window
+        first_pos, key_end, page_lo = pc.query_block_keys(
+            w,
+            s,
+            work_qblk_ref,
+            kv_lens_ref,
+            cu_q_lens_ref,
+            block_q=block_q,
+            page_size=page_size,
+            sliding_window=sliding_window,
         )
-        num_blocks = pl.cdiv(key_end - page_lo * page_size, block_k)
+        num_blocks = pc.num_kv_blocks(key_end, page_lo, page_size=page_size, block_k=block_k)
         if work_split_ref is None:
             lo, hi, seed = 0, num_blocks, True
         else:
@@ -116,7 +110,7 @@ def _kernel(
 
         q_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group  # i32[R]
         q = q_ref[...]
-        m0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
+        m0 = jnp.full((rows,), pc.MASK_VALUE, jnp.float32)
         l0 = jnp.zeros((rows,), jnp.float32)
         if sinks_ref is not None:
             m0 = jnp.where(seed, sinks_ref[...].astype(jnp.float32), m0)
@@ -125,18 +119,25 @@ def _kernel(
         offs = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # i32[K]
 
         def body(b, carry):
-            m, l, acc = carry
-            page0 = page_lo + b * pages_per_block
-            k_pos = page0 * page_size + offs  # i32[K]
-            page = pages_ref[s * pages_per_row + page0 + offs // page_size]
-            slot = jnp.clip(page, 0, num_pages - 1) * page_size + offs % page_size
+            k_pos, slot = pc.kv_block_slots(
+                pages_ref,
+                s,
+                page_lo,
+                b,
+                offs,
+                page_size=page_size,
+                pages_per_block=pages_per_block,
+                pages_per_row=pages_per_row,
+                num_pages=num_pages,
+            )
             k = kv_ref[slot, 2 * h, :]  # [K, D]
             v = kv_ref[slot, 2 * h + 1, :]
             k_scale = jnp.full((block_k,), sm_scale, jnp.float32)  # f32[K]
+            v_scale = None
             if exp_ref is not None:  # fp8 values widen exactly; the row scales go on vectors
                 k, v = k.astype(q.dtype), v.astype(q.dtype)
-                k_scale = k_scale * _pow2(exp_ref[slot, 2 * h])
-                v_scale = _pow2(exp_ref[slot, 2 * h + 1])  # f32[K]
+                k_scale = k_scale * pc.exp2_i8(exp_ref[slot, 2 * h])
+                v_scale = pc.exp2_i8(exp_ref[slot, 2 * h + 1])  # f32[K]
             v = jnp.where((k_pos < key_end)[:, None], v, jnp.zeros_like(v))
             sc = (
                 jax.lax.dot_general(
@@ -144,27 +145,25 @@ def _kernel(
                 )
                 * k_scale[None, :]
             )  # [R, K]
-            if soft_cap is not None:
-                sc = soft_cap * jnp.tanh(sc / soft_cap)
-            mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < key_end)
-            if sliding_window is not None:
-                mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
-            sc = jnp.where(mask, sc, MASK_VALUE)
-            m_new = jnp.maximum(m, sc.max(axis=1))
-            p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
-            alpha = jnp.exp(m - m_new)
-            l = alpha * l + p.sum(axis=1)
-            if exp_ref is not None:
-                p = p * v_scale[None, :]
-            pv = jax.lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )  # [R, D]
-            return m_new, l, alpha[:, None] * acc + pv
+            sc = pc.apply_soft_cap(sc, soft_cap)
+            mask = pc.causal_mask(q_pos, k_pos, key_end, sliding_window)
+
+            def pv(p):  # [R, D]
+                if v_scale is not None:
+                    p = p * v_scale[None, :]
+                return jax.lax.dot_general(
+                    p.astype(v.dtype),
+                    v,
+                    (((1,), (0,)), ((), ())),
+                    preferred_element_type=jnp.float32,
+                )
+
+            return pc.online_softmax_step(*carry, sc, mask, pv)
 
         m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, acc0))
-        o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+        o_ref[...] = pc.normalize(acc, l).astype(o_ref.dtype)
         if lse_ref is not None:
-            lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), MASK_VALUE)
+            lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), pc.MASK_VALUE)
 
 
 def _run_class(
@@ -293,7 +292,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: jax.Array | None = None,  # f32[Hq]
-    interpret: bool = False,
+    interpret: pc.Interpret = False,
     blocks: bs.KernelBlocks | None = None,
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged paged attention on GPU; the same contract as `reference.ragged_paged_attention`.
@@ -326,17 +325,14 @@ def ragged_paged_attention(
             pow2=True,
         )
     gp = bs.next_pow2(g)
-    s_max, pages_per_seq = page_indices.shape
+    s_max = page_indices.shape[0]
 
     with jax.named_scope("rpa_layout"):
-        qg = q.reshape(t, hkv, g, d)
-        if gp != g:
-            qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+        qg = pc.pad_heads(q.reshape(t, hkv, g, d), gp)
         data = kv_cache.data if fp8 else kv_cache
         kv_rows = data.reshape(num_pages * page_size, h2, d)  # free: one row per slot
         exp_rows = kv_cache.exponent.reshape(num_pages * page_size, h2) if fp8 else None
-        pages_per_row = pages_per_seq + blocks.pages_per_block
-        pages_flat = jnp.pad(page_indices, ((0, 0), (0, blocks.pages_per_block))).reshape(-1)
+        pages_per_row, pages_flat = pc.flat_page_table(page_indices, blocks.pages_per_block)
     out = jnp.zeros((t, hkv, gp, d), q.dtype)
     for cls in bs.query_classes(t, s_max, blocks):
         sinks_rows = None

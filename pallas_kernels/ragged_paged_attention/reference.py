@@ -13,10 +13,11 @@ V at 2h + 1 (interleaved on the heads axis). With `kv_cache_dtype="fp8"` the cac
 Flow of `ragged_paged_attention`:
   1. Map each query token to its sequence and absolute position (tokens past the last sequence are
      padding and produce zeros).
-  2. Walk the real tokens in blocks of `QUERY_BLOCK`. A block whose tokens all belong to one
+  2. Walk the real tokens in blocks of `paged_common.QUERY_BLOCK`. A block whose tokens all belong to one
      sequence (the body of a prefill chunk) gathers that sequence's pages once per KV block; a
      block spanning several sequences (a run of decodes) gathers, per token, its own pages.
-     Either way the KV loop runs only as many blocks as the block's longest sequence needs.
+     Either way the KV loop runs only as many blocks as the block's longest sequence needs
+     (`paged_common.walk_query_blocks`, the loop both references share).
   3. Scores by einsum with query heads grouped under their KV head (GQA by broadcasting), optional
      logit soft-cap, causal + length + sliding-window mask, then an online-softmax update. Masked
      values are replaced before use, so NaN-filled unused pages cannot leak.
@@ -34,6 +35,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels import paged_common as pc
 
 
 def kv_cache_shape(
@@ -166,26 +169,6 @@ def check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> Non
             raise ValueError(f"{name} must be int32, got {x.dtype}")
 
 
-QUERY_BLOCK = 32  # query tokens per block
-DENSE_KV_BLOCK = 256  # keys per step when a query block belongs to one sequence
-TOKEN_KV_BLOCK = 64  # keys per step when it spans several (each token gathers its own)
-
-
-def _pages_per_block(keys: int, page_size: int, pages_per_seq: int) -> int:
-    return max(1, min(pages_per_seq, keys // page_size))
-
-
-def _online_softmax_step(m, l, acc, s, mask, pv):
-    """One online-softmax update. s: f32[Q, Hkv, G, B] scores; mask: bool[Q, B];
-    pv(p) -> f32[Q, Hkv, G, D] multiplies the probabilities by the block's values."""
-    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    p = jnp.exp(s - m_safe[..., None])
-    alpha = jnp.exp(m - m_safe)
-    return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv(p)
-
-
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
@@ -199,7 +182,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: jax.Array | None = None,  # f32[Hq]
-    interpret: bool = False,  # accepted for signature parity with the kernels
+    interpret: pc.Interpret = False,  # accepted for signature parity with the kernels
 ) -> jax.Array:  # [T, Hq, D]
     del interpret
     check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
@@ -207,19 +190,12 @@ def ragged_paged_attention(
     _, page_size, h2, _ = kv_cache.shape
     hkv = h2 // 2
     g = hq // hkv
-    s_max, pages_per_seq = page_indices.shape
-    bq = min(QUERY_BLOCK, t_len)
+    pages_per_seq = page_indices.shape[1]
+    bq = min(pc.QUERY_BLOCK, t_len)
     t_pad = -(-t_len // bq) * bq
 
     with jax.named_scope("rpa_positions"):
-        tok = jnp.arange(t_pad, dtype=jnp.int32)
-        n_real = cu_q_lens[jnp.minimum(num_seqs[0], s_max)]
-        seq = jnp.searchsorted(cu_q_lens[1:], tok, side="right").astype(jnp.int32)
-        valid = (seq < num_seqs[0]) & (tok < n_real)
-        seq = jnp.minimum(seq, s_max - 1)
-        q_start = cu_q_lens[seq]
-        kv_len = jnp.where(valid, kv_lens[seq], 0)
-        q_pos = kv_len - (cu_q_lens[seq + 1] - q_start) + (tok - q_start)  # i32[T_pad]
+        seq, valid, kv_len, q_pos, n_real = pc.token_positions(cu_q_lens, kv_lens, num_seqs, t_pad)
 
     qg = q.astype(jnp.float32).reshape(t_len, hkv, g, d) * sm_scale
     qg = jnp.pad(qg, ((0, t_pad - t_len), (0, 0), (0, 0), (0, 0)))
@@ -230,15 +206,6 @@ def ragged_paged_attention(
         m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, g), (bq, hkv, g))
         l0 = jnp.ones((bq, hkv, g), jnp.float32)
     acc0 = jnp.zeros((bq, hkv, g, d), jnp.float32)
-
-    def key_mask(k_pos, vb, lb, pb):  # bool[Q, B]: in the sequence, causal, inside the window
-        mask = vb[:, None] & (k_pos[None, :] < lb[:, None]) & (k_pos[None, :] <= pb[:, None])
-        if sliding_window is not None:
-            mask &= pb[:, None] - k_pos[None, :] < sliding_window
-        return mask
-
-    def scores(x):
-        return x if soft_cap is None else soft_cap * jnp.tanh(x / soft_cap)
 
     def gather(ids, keys):  # ids i32[..., pages] -> K, V f32[..., keys, Hkv, D]
         # NOTE: mode="fill" (out-of-range page ids read zeros, masked anyway); with "clip" XLA:CPU
@@ -257,11 +224,7 @@ def ragged_paged_attention(
         """All valid tokens of the block belong to sequence sb[0]: gather its pages once."""
         # Also for a lone decode token: 4x fewer loop trips than TOKEN_KV_BLOCK saved ~2.5 ms of a
         # ~43 ms single-stream SmolLM2 decode step on XLA:CPU (30 layers, ~200-token context).
-        # NOTE: there a block must stay smaller than the page table: a gather of the whole table is
-        # loop-invariant, XLA:CPU hoists it and then copies the cache (tests/test_compiled_step.py).
-        bp = _pages_per_block(
-            DENSE_KV_BLOCK, page_size, pages_per_seq if bq > 1 else max(1, pages_per_seq // 2)
-        )
+        bp = pc.dense_pages_per_block(bq, page_size, pages_per_seq)
         keys = bp * page_size
         pages = jnp.pad(page_indices[sb[0]], (0, -pages_per_seq % bp))
 
@@ -270,11 +233,11 @@ def ragged_paged_attention(
                 k, v = gather(jax.lax.dynamic_slice_in_dim(pages, b * bp, bp), keys)  # [B, Hkv, D]
                 k_pos = b * keys + jnp.arange(keys, dtype=jnp.int32)
                 v = jnp.where((k_pos < lb.max())[:, None, None], v, 0.0)  # unused slots may be NaN
-                s = scores(jnp.einsum("qkgd,bkd->qkgb", qb, k))
-                return _online_softmax_step(
+                s = pc.apply_soft_cap(jnp.einsum("qkgd,bkd->qkgb", qb, k), soft_cap)
+                return pc.reference_softmax_step(
                     *carry,
                     s,
-                    key_mask(k_pos, vb, lb, pb),
+                    pc.reference_key_mask(k_pos, vb, lb, pb, sliding_window),
                     lambda p: jnp.einsum("qkgb,bkd->qkgd", p, v),
                 )
 
@@ -282,7 +245,7 @@ def ragged_paged_attention(
 
     def token_block(qb, sb, vb, pb, lb):
         """Tokens of several sequences (e.g. a run of decodes): each gathers its own pages."""
-        bp = _pages_per_block(TOKEN_KV_BLOCK, page_size, pages_per_seq)
+        bp = pc.token_pages_per_block(page_size, pages_per_seq)
         keys = bp * page_size
         pages = jnp.pad(page_indices, ((0, 0), (0, -pages_per_seq % bp)))[sb]  # i32[Q, cols]
 
@@ -291,34 +254,23 @@ def ragged_paged_attention(
                 ids = jax.lax.dynamic_slice_in_dim(pages, b * bp, bp, axis=1)
                 k, v = gather(ids, keys)  # [Q, B, Hkv, D]
                 k_pos = b * keys + jnp.arange(keys, dtype=jnp.int32)
-                mask = key_mask(k_pos, vb, lb, pb)
+                mask = pc.reference_key_mask(k_pos, vb, lb, pb, sliding_window)
                 v = jnp.where(mask[:, :, None, None], v, 0.0)
-                s = scores(jnp.einsum("qkgd,qbkd->qkgb", qb, k))
-                return _online_softmax_step(
+                s = pc.apply_soft_cap(jnp.einsum("qkgd,qbkd->qkgb", qb, k), soft_cap)
+                return pc.reference_softmax_step(
                     *carry, s, mask, lambda p: jnp.einsum("qkgb,qbkd->qkgd", p, v)
                 )
 
         return jax.lax.fori_loop(0, -(-lb.max() // keys), body, (m0, l0, acc0))
 
-    def q_block(j, out):
-        t0 = j * bq
-        qb, sb, vb, pb, lb = (
-            jax.lax.dynamic_slice_in_dim(x, t0, bq) for x in (qg, seq, valid, q_pos, kv_len)
-        )
-        if bq == 1:  # a single token is always one sequence
-            _, l, acc = dense_block(qb, sb, vb, pb, lb)
-        else:
-            one_seq = jnp.all(jnp.where(vb, sb == sb[0], True))
-            _, l, acc = jax.lax.cond(one_seq, dense_block, token_block, qb, sb, vb, pb, lb)
-        res = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        res = jnp.where(vb[:, None, None, None], res, 0.0)
-        return jax.lax.dynamic_update_slice_in_dim(out, res, t0, axis=0)
-
-    out = jnp.zeros((t_pad, hkv, g, d), jnp.float32)
-    if t_pad == bq:  # one query block: no loop around it
-        out = q_block(0, out)
-    else:
-        out = jax.lax.fori_loop(0, -(-n_real // bq), q_block, out)
+    out = pc.walk_query_blocks(
+        (qg, seq, valid, q_pos, kv_len),
+        dense_block,
+        token_block,
+        jnp.zeros((t_pad, hkv, g, d), jnp.float32),
+        n_real,
+        bq,
+    )
     return out[:t_len].reshape(t_len, hq, d).astype(q.dtype)
 
 

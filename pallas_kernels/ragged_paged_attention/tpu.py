@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import paged_common as pc
 from pallas_kernels.ragged_paged_attention import block_sizes as bs
 from pallas_kernels.ragged_paged_attention.reference import (
     Fp8KVCache,
@@ -50,20 +51,9 @@ from pallas_kernels.ragged_paged_attention.reference import (
 
 __all__ = ["kv_cache_shape", "ragged_paged_attention", "update_kv_cache"]
 
-MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
-
-
-def _div(x, n: int):
-    """x // n for x >= 0: a plain truncating division (jnp's floor division adds sign fix-ups)."""
-    return jax.lax.div(x, jnp.int32(n))
-
 
 def _scale_rows(x, e):  # x [K, D] (fp8), e i8[K, 1] -> f32 x * 2**e, exact for e in [-126, 127]
-    # NOTE: clipped, so a stray -128 / -127 in an unwritten slot cannot become -inf / 0 * inf.
-    scale = jax.lax.bitcast_convert_type(
-        (jnp.clip(e.astype(jnp.int32), -126, 127) + 127) << 23, jnp.float32
-    )
-    return x.astype(jnp.float32) * scale
+    return x.astype(jnp.float32) * pc.exp2_i8(e)
 
 
 def _kernel(
@@ -102,18 +92,21 @@ def _kernel(
     def _():
         rows, d = q_ref.shape
         block_k = pages_per_block * page_size
-        q_start = cu_q_lens_ref[s]
-        q_len = cu_q_lens_ref[s + 1] - q_start
-        kv_len = kv_lens_ref[s]
-        first = work_qblk_ref[w] * block_q
-        n_valid = jnp.minimum(q_len - first, block_q)
-        first_pos = kv_len - q_len + first
-        key_end = first_pos + n_valid  # exclusive
-        page_lo = 0
-        if sliding_window is not None:
-            page_lo = _div(jnp.maximum(first_pos - sliding_window + 1, 0), page_size)
-        page_end = _div(key_end + page_size - 1, page_size)  # pages [page_lo, page_end) needed
-        num_blocks = _div(page_end - page_lo + pages_per_block - 1, pages_per_block)
+        first_pos, key_end, page_lo = pc.query_block_keys(  # key_end is exclusive
+            w,
+            s,
+            work_qblk_ref,
+            kv_lens_ref,
+            cu_q_lens_ref,
+            block_q=block_q,
+            page_size=page_size,
+            sliding_window=sliding_window,
+            div=pc.trunc_div,
+        )
+        page_end = pc.trunc_div(
+            key_end + page_size - 1, page_size
+        )  # pages [page_lo, page_end) needed
+        num_blocks = pc.trunc_div(page_end - page_lo + pages_per_block - 1, pages_per_block)
 
         def page_copies(b, slot):
             """(needed?, descriptor) for each page of KV block b, landing in buffer `slot`."""
@@ -144,11 +137,13 @@ def _kernel(
                 pl.when(needed)(copy.wait)
 
         q = q_ref[...]
-        q_pos = first_pos + _div(jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 0), group)
+        q_pos = first_pos + pc.trunc_div(
+            jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 0), group
+        )
         offs = jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         offs_col = jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
         if sinks_ref is None:
-            m0 = jnp.full((rows, 1), MASK_VALUE, jnp.float32)
+            m0 = jnp.full((rows, 1), pc.MASK_VALUE, jnp.float32)
             l0 = jnp.zeros((rows, 1), jnp.float32)
         else:
             m0 = sinks_ref[...].astype(jnp.float32)
@@ -174,8 +169,7 @@ def _kernel(
                 k = _scale_rows(k, k_exp).astype(q_ref.dtype)
                 v = _scale_rows(v, v_exp).astype(q_ref.dtype)
             key0 = (page_lo + b * pages_per_block) * page_size
-            k_pos = key0 + offs  # i32[R, K]
-            key_ok = k_pos < key_end  # every key the block's rows can see was copied
+            k_pos = key0 + offs  # i32[R, K]; every key the block's rows can see was copied
             v = jnp.where(key0 + offs_col < key_end, v, jnp.zeros_like(v))
             sc = (
                 jax.lax.dot_general(
@@ -183,23 +177,21 @@ def _kernel(
                 )
                 * sm_scale
             )  # [R, K]
-            if soft_cap is not None:
-                sc = soft_cap * jnp.tanh(sc / soft_cap)
-            mask = key_ok & (k_pos <= q_pos)
-            if sliding_window is not None:
-                mask &= q_pos - k_pos < sliding_window
-            sc = jnp.where(mask, sc, MASK_VALUE)
-            m_new = jnp.maximum(m, sc.max(axis=1, keepdims=True))
-            p = jnp.where(mask, jnp.exp(sc - m_new), 0.0)
-            alpha = jnp.exp(m - m_new)
-            l = alpha * l + p.sum(axis=1, keepdims=True)
-            pv = jax.lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )  # [R, D]
-            return m_new, l, alpha * acc + pv
+            sc = pc.apply_soft_cap(sc, soft_cap)
+            mask = pc.causal_mask(q_pos, k_pos, key_end, sliding_window)
+
+            def pv(p):  # [R, D]
+                return jax.lax.dot_general(
+                    p.astype(v.dtype),
+                    v,
+                    (((1,), (0,)), ((), ())),
+                    preferred_element_type=jnp.float32,
+                )
+
+            return pc.online_softmax_step(m, l, acc, sc, mask, pv)
 
         _, l, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, l0, acc0))
-        o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+        o_ref[...] = pc.normalize(acc, l).astype(o_ref.dtype)
 
 
 def _run_class(
@@ -288,7 +280,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: jax.Array | None = None,  # f32[Hq]
-    interpret=False,  # bool or pltpu.InterpretParams
+    interpret: pc.Interpret = False,
     blocks: bs.KernelBlocks | None = None,
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged paged attention on TPU; the same contract as `reference.ragged_paged_attention`.
@@ -316,11 +308,10 @@ def ragged_paged_attention(
             pages_per_seq=page_indices.shape[1],
             pow2=False,
         )
-    s_max, pages_per_seq = page_indices.shape
+    s_max = page_indices.shape[0]
     with jax.named_scope("rpa_layout"):
         qg = q.reshape(t, hkv, g, d)
-        pages_per_row = pages_per_seq + blocks.pages_per_block
-        pages_flat = jnp.pad(page_indices, ((0, 0), (0, blocks.pages_per_block))).reshape(-1)
+        pages_per_row, pages_flat = pc.flat_page_table(page_indices, blocks.pages_per_block)
     out = jnp.zeros((t, hkv, g, d), q.dtype)
     for cls in bs.query_classes(t, s_max, blocks):
         sinks_rows = None

@@ -1,4 +1,4 @@
-// Dense products with few token rows for XLA:CPU, called through the XLA FFI (see cpu_linear.py,
+// Dense products with few token rows for XLA:CPU, called through the XLA FFI (see cpu.py,
 // which compiles this file on first use and registers it as a custom call).
 //
 // A decode step multiplies one (or a few) activation rows by every weight of the model: the step
@@ -68,7 +68,7 @@ constexpr int64_t kLingerNs = 100000;
 constexpr int64_t kParallelMinWork = 1 << 16;
 // A part of a [K, N] weight holds at least this many rows (and a multiple of 8).
 constexpr int64_t kMinRowsPerPart = 64;
-// With G > 1 scale groups the group size K / G must be a multiple of this (cpu_linear.py).
+// With G > 1 scale groups the group size K / G must be a multiple of this (cpu.py).
 constexpr int64_t kGroupMultiple = 16;
 
 struct Weight {
