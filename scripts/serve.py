@@ -474,9 +474,11 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
             print(f"error: {why.split('failed to start: ', 1)[1]}", file=sys.stderr)
             return 2
         raise
-    await grpc_server.start()
+    # NOTE: HTTP first: bench_serving.py --spawn reads the HTTP URL from the log before the gRPC
+    # "listening on" line.
     if http is not None:
         await http.start()
+    await grpc_server.start()
     frontend.install_signal_handlers()
     ready = asyncio.create_task(frontend.wait_ready())
     stopped = asyncio.create_task(frontend.wait_for_termination())
