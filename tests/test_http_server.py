@@ -9,9 +9,15 @@ real default model to check that chat text comes out of the checkpoint's templat
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -19,7 +25,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from serving.client import GenerateClient  # noqa: E402
+from serving.client import GenerateClient, build_request  # noqa: E402
 from serving.frontend import FrontEnd  # noqa: E402
 from serving.http_server import OpenAIServer  # noqa: E402
 from serving.server import GenerateServer  # noqa: E402
@@ -353,3 +359,65 @@ def test_engine_failure_mid_stream_is_an_error_event(tok):
         assert raw.startswith(b"HTTP/1.1 200") and b"poisoned" in raw
         assert 0 < raw.index(b'data: {"error"') < raw.index(b"data: [DONE]\n\n")
         assert c.completions.create(model=MODEL, prompt=[[1000]], max_tokens=2).choices
+
+
+@pytest.mark.slow  # a subprocess: imports JAX and builds the tokenizer again (~15 s)
+def test_serve_script_serves_both_protocols_over_one_front_end(tok):
+    """scripts/serve.py --http-port: gRPC and HTTP share one front end (one metrics registry,
+    one lifecycle): SIGTERM turns HTTP /health 503 while a gRPC stream drains, then exit 0."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [
+        sys.executable,
+        os.path.join(root, "scripts", "serve.py"),
+        "--fake-runner",
+        "--fake-step-delay",
+        "0.01",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--no-metrics",
+        "--http-port",
+        "0",
+        "--max-model-len",
+        "512",
+        "--num-pages",
+        "65",
+    ]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        log = []
+        for line in proc.stderr:
+            log.append(line)
+            if "server ready" in line:
+                break
+        text = "".join(log)
+        port = re.search(r"listening on 127\.0\.0\.1:(\d+)", text).group(1)
+        http_port = re.search(r"HTTP API at http://[^:]*:(\d+)", text)[1]
+        http = types.SimpleNamespace(http_port=http_port)  # what _get / _post read
+        assert _get(http, "/health")[0] == 200
+        status, body = _post(
+            http, "/v1/completions", json.dumps({"prompt": [1000, 1001], "max_tokens": 5}).encode()
+        )
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+        c = GenerateClient(f"127.0.0.1:{port}")
+        c.wait_ready(10)
+        assert list(c.generate_once([1000, 1001], max_tokens=5).token_ids) == fake_stream(
+            [1000, 1001], 5
+        )
+        metrics = _get(http, "/metrics")[1].decode()
+        assert 'jaxinfer_requests_total{finish_reason="length"} 2.0' in metrics  # both protocols
+        stream = c.stub.Generate(build_request([1000, 1007], max_tokens=150))
+        first = next(stream)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while _get(http, "/health")[0] != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        rest = [first, *stream]
+        assert [t for m in rest for t in m.token_ids] == fake_stream([1000, 1007], 150)
+        c.close()
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
