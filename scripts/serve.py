@@ -12,9 +12,10 @@
    (`--mesh tensor=8` style, over every device), loads the weights onto it, builds the engine
    (`EngineConfig` from the flags) and compiles every program. `--engine-in-process` keeps the
    core on a thread of this process instead.
-2. Start the server (with `--http-port` also the OpenAI-compatible HTTP API, `serving/
-   http_server.py`, over the same engine): health NOT_SERVING until the core says ready, then SERVING; print a
-   start-up summary and one load line per second while busy.
+2. Build one `FrontEnd` (`serving/frontend.py`: engine loop, admission, lifecycle, metrics) and
+   start it, then the gRPC server over it and, with `--http-port`, the OpenAI-compatible HTTP API
+   (`serving/http_server.py`) over the same front end: health NOT_SERVING until the core says
+   ready, then SERVING; print a start-up summary and one load line per second while busy.
 3. SIGTERM / SIGINT: health NOT_SERVING, new requests UNAVAILABLE, in-flight streams finish
    within `--grace-period`, then exit 0 (a second signal aborts what is left at once).
 4. Multi-host (`--coordinator-address host:port --num-processes N --process-id i`, one process
@@ -292,10 +293,10 @@ def loop_options(args: argparse.Namespace):
     )
 
 
-def summary(server, args, load_s: float, ready_s: float) -> str:
-    info = server.model_info
-    core = server.engine_loop.info
-    cfg = server.model.cfg
+def summary(frontend, grpc_server, http, args, load_s: float, ready_s: float) -> str:
+    info = grpc_server.model_info
+    core = frontend.info
+    cfg = frontend.model.cfg
     cap = info.capacity
     mesh = ",".join(f"{k}={v}" for k, v in sorted(info.mesh_shape.items())) or "-"
     where = (
@@ -303,15 +304,13 @@ def summary(server, args, load_s: float, ready_s: float) -> str:
         if args.engine_in_process or args.num_processes > 1
         else "engine core in its own process"
     )
-    http = "off (--http-port)"
-    if server.http is not None:
-        http = (
-            f"http://{server.http_host}:{server.http_port}/v1 (OpenAI API, model id "
-            f"{server.http.model_name!r})"
-        )
+    http_line = "off (--http-port)"
+    if http is not None:
+        http_line = f"http://{http.host}:{http.port}/v1 (OpenAI API, model id {http.model_name!r})"
+    metrics = frontend.metrics_port
     lines = [
         f"jaxinfer server ready in {ready_s:.1f}s (front end {load_s:.1f}s, engine load + warmup "
-        f"{ready_s - load_s:.1f}s, {server.engine_loop.compiled_programs} programs; {where})",
+        f"{ready_s - load_s:.1f}s, {frontend.compiled_programs} programs; {where})",
         f"  model     {info.name} ({info.architecture}, {cfg.num_params() / 1e6:.1f}M params, "
         f"{info.dtype}{f', {args.quantization} weights' if args.quantization else ''}"
         f"{', FAKE RUNNER' if args.fake_runner else ''}"
@@ -324,9 +323,10 @@ def summary(server, args, load_s: float, ready_s: float) -> str:
         f"  batching  max_num_seqs {cap.max_num_seqs}, max_num_batched_tokens "
         f"{cap.max_num_batched_tokens}, max_queue {cap.max_queue}",
         f"  speculate {args.speculative_config or 'off'}",
-        f"  grpc      {args.host}:{server.port} (jaxinfer.v1.GenerateService, health, reflection)",
-        f"  metrics   {f'http://{args.host}:{server.metrics_port}/metrics' if server.metrics_port else 'off'}",
-        f"  http      {http}",
+        f"  grpc      {args.host}:{grpc_server.port} (jaxinfer.v1.GenerateService, health, "
+        f"reflection)",
+        f"  metrics   {f'http://{args.host}:{metrics}/metrics' if metrics else 'off'}",
+        f"  http      {http_line}",
     ]
     if args.profile_port is not None:
         lines.append(f"  profiler  port {args.profile_port} (TensorBoard > Profile > Capture)")
@@ -444,42 +444,54 @@ async def serve(args: argparse.Namespace, channel=None) -> int:
 
 
 async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: float) -> int:
+    from serving.frontend import FrontEnd
+    from serving.http_server import OpenAIServer
     from serving.server import GenerateServer
 
-    server = GenerateServer(
+    frontend = FrontEnd(
         model=model,
         core=client,
         max_num_seqs=args.max_num_seqs,
-        host=args.host,
-        port=args.port,
         metrics_port=None if args.no_metrics else args.metrics_port,
         max_queue=args.max_queue,
         grace_period=args.grace_period,
         log_interval=args.log_interval,
-        http_port=args.http_port,
-        http_host=args.http_host,
-        served_model_name=args.served_model_name,
     )
+    grpc_server = GenerateServer(frontend=frontend, host=args.host, port=args.port)
+    http = None
+    if args.http_port is not None:
+        http = OpenAIServer(
+            frontend,
+            host=args.http_host or args.host,
+            port=args.http_port,
+            served_model_name=args.served_model_name,
+        )
     try:
-        await server.start()
+        await frontend.start()
     except RuntimeError as e:
         why = str(e)
         if "failed to start: " in why:  # the engine's arguments: a usage error
             print(f"error: {why.split('failed to start: ', 1)[1]}", file=sys.stderr)
             return 2
         raise
-    server.install_signal_handlers()
-    ready = asyncio.create_task(server.wait_ready())
-    stopped = asyncio.create_task(server.wait_for_termination())
+    # NOTE: HTTP first: bench_serving.py --spawn reads the HTTP URL from the log before the gRPC
+    # "listening on" line.
+    if http is not None:
+        await http.start()
+    await grpc_server.start()
+    frontend.install_signal_handlers()
+    ready = asyncio.create_task(frontend.wait_ready())
+    stopped = asyncio.create_task(frontend.wait_for_termination())
     await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if not ready.done():  # a signal arrived during warmup
         ready.cancel()
     elif ready.exception() is not None:
         logger.error("%s", ready.exception())
-        await server.shutdown(0)
+        await frontend.shutdown(0)
         return 1
     else:
-        logger.info("%s", summary(server, args, load_s, time.perf_counter() - t0))
+        elapsed = time.perf_counter() - t0
+        logger.info("%s", summary(frontend, grpc_server, http, args, load_s, elapsed))
     await stopped
     return 0
 

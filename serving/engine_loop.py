@@ -1,27 +1,28 @@
-"""`EngineLoop`: the serving front end's half of the engine: requests out to the engine core,
-token outputs back in, detokenized and fanned out to per-request asyncio queues.
+"""`EngineLoop`: the front end's half of the engine: requests out to the engine core, token
+outputs back in, detokenized and fanned out to per-request `Stream`s. `FrontEnd` (`frontend.py`)
+owns it and does admission; this module only talks to the core.
 
 The engine core (scheduler + runner + device) runs in a process of its own
 (`ProcessCoreClient`, what `scripts/serve.py` uses) or on a thread of this one
 (`ThreadCoreClient`: multi-host leaders, tests); this module does not care which.
 
 1. `start(loop)` starts the core. It loads the model ("loaded": capacity and limits), compiles
-   every program (when asked) and says "ready"; the front end then admits requests (`on_ready`).
-2. `submit` (event loop) splits a request into its samples, opens their detokenizers and stop
-   matchers (`OutputProcessor`) and sends them to the core in one message.
+   every program (when asked) and says "ready" (`on_ready`); "broken" calls `on_broken`.
+2. `submit` (event loop; the request already admitted) splits a request into its samples, opens
+   their detokenizers and stop matchers (`OutputProcessor`) and sends them to the core in one
+   message.
 3. Each "step" message of the core (one per engine step) is handled on the event loop: its token
    outputs become text deltas, stop strings found in the text finish their samples in the core,
-   each delta goes on its request's `asyncio.Queue`, token timings and load gauges are recorded,
-   and a request is retired when all its samples have finished.
-4. Admission is bounded: at most `max_num_seqs + max_queue` sequences (a request counts `n`) are
-   in flight; beyond that `submit` raises `QueueFull` (RESOURCE_EXHAUSTED).
+   each delta goes on its request's stream, token timings and load gauges are recorded, and a
+   request is retired when all its samples have finished.
+4. A reader takes `Stream.next_batch()`: every delta of one sample waiting for it, merged.
 5. `cancel` aborts the request in the core; its next step frees the pages.
 
-Failures. An exception raised by one request's handling here fails that request alone with
-INTERNAL and aborts it in the core. A step that raises in the core loses the requests it
-scheduled: exactly those fail with INTERNAL (the core aborts them); the rest carry on. When the
+Failures. An exception raised by one request's handling here fails that request alone
+(`RequestFailed` from its stream) and aborts it in the core. A step that raises in the core loses
+the requests it scheduled: exactly those fail (the core aborts them); the rest carry on. When the
 core is broken (warmup failed, too many consecutive failing steps, its process died) every
-request fails and the server stops serving.
+request fails and the front end stops serving.
 
 NOTE: all request bookkeeping lives on the event loop thread; core messages arrive on a receiver
 thread and are posted to the loop with `call_soon_threadsafe`.
@@ -40,37 +41,29 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import grpc
-
 from jaxinfer.engine.core import EngineLimits
 from jaxinfer.engine.core_client import Message, request_to_wire, wire_outputs
 from jaxinfer.engine.engine import split_samples
 from jaxinfer.engine.output import OutputProcessor, RequestDelta
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
+from serving.errors import RequestFailed
 from serving.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 
-class QueueFull(Exception):
-    """More sequences in flight than the server admits."""
-
-
-class EngineUnavailable(Exception):
-    """The engine is not running (warming up, stopped or broken)."""
-
-
 @dataclasses.dataclass
 class Failure:
-    """Put on a request's queue instead of a delta: end the RPC with this status."""
+    """Put on a request's queue instead of a delta: the request failed with this message."""
 
-    code: grpc.StatusCode
     message: str
 
 
 @dataclasses.dataclass
 class Stream:
+    """One request's deltas, in the order the engine produced them (all its samples)."""
+
     engine_id: str
     n: int
     arrival: float
@@ -80,6 +73,22 @@ class Stream:
     cancelled: bool = False
     first: dict[int, float] = dataclasses.field(default_factory=dict)  # sample -> first token time
     last: dict[int, float] = dataclasses.field(default_factory=dict)  # sample -> last token time
+    held: RequestDelta | Failure | None = None  # taken from the queue, not merged: read next
+
+    async def next_batch(self) -> RequestDelta:
+        """The next delta, merged with every later delta of the same sample already waiting (a
+        reader behind the engine gets them in one piece); stops before a failure or another
+        sample's delta. Raises RequestFailed when the request failed."""
+        item, self.held = self.held or await self.queue.get(), None
+        if isinstance(item, Failure):
+            raise RequestFailed(item.message)
+        while not item.finished and not self.queue.empty():
+            nxt = self.queue.get_nowait()
+            if isinstance(nxt, Failure) or nxt.index != item.index:
+                self.held = nxt
+                break
+            item.merge(nxt)
+        return item
 
 
 class EngineLoop:
@@ -88,7 +97,6 @@ class EngineLoop:
     Args:
       client: a `ProcessCoreClient` or `ThreadCoreClient` (not started).
       tokenizer: detokenizes outputs (None: token ids only, text stays empty).
-      max_num_seqs: the core's batch size (admission bound with `max_queue`).
       eos_token_ids: ids that end a sample (None: the tokenizer's; none without a tokenizer).
     """
 
@@ -98,19 +106,13 @@ class EngineLoop:
         tokenizer: Tokenizer | None,
         metrics: ServerMetrics,
         *,
-        max_num_seqs: int,
-        max_queue: int = 256,
         eos_token_ids: tuple[int, ...] | None = None,
     ) -> None:
-        if max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.client, self.metrics = client, metrics
         self.tokenizer = tokenizer
         if eos_token_ids is None:
             eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
         self.eos_token_ids = tuple(eos_token_ids)
-        self.max_queue = max_queue
-        self.max_in_flight = max_num_seqs + max_queue
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_ready: Callable[[int], None] | None = None
         self.on_broken: Callable[[str], None] | None = None
@@ -148,21 +150,7 @@ class EngineLoop:
         }
 
     def submit(self, ids: list[int], sampling: SamplingParams, priority: int) -> Stream:
-        """Admits a request (event loop thread); raises QueueFull, EngineUnavailable."""
-        if self.broken is not None:
-            raise EngineUnavailable(f"the engine failed: {self.broken}")
-        if not self.running:
-            raise EngineUnavailable("the engine is not running")
-        if sampling.n > self.max_in_flight:
-            raise ValueError(
-                f"sampling.n={sampling.n} exceeds what the server admits at once "
-                f"({self.max_in_flight} sequences: max_num_seqs + max_queue)"
-            )
-        if self._in_flight + sampling.n > self.max_in_flight:
-            raise QueueFull(
-                f"the server is full ({self._in_flight} sequences in flight, at most "
-                f"{self.max_in_flight}); retry later"
-            )
+        """Sends an admitted request (`FrontEnd.submit`) to the core (event loop thread)."""
         engine_id = f"r{next(self._ids)}"
         core_reqs, specs = split_samples(
             engine_id, ids, sampling, eos_token_ids=self.eos_token_ids, priority=priority
@@ -203,8 +191,8 @@ class EngineLoop:
             return False
 
     def fail_request(self, stream: Stream, message: str) -> None:
-        """One request's own processing raised: INTERNAL for it, everyone else carries on."""
-        self._fail([stream.engine_id], grpc.StatusCode.INTERNAL, message)
+        """One request's own processing raised: it fails alone, everyone else carries on."""
+        self._fail([stream.engine_id], message)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stops the core (call off the event loop: it joins a thread or a process)."""
@@ -264,7 +252,7 @@ class EngineLoop:
         logger.error("engine broken: %s; failing every request", why)
         self.broken, self.running = why, False
         self._loaded.set()
-        self._fail(list(self._streams), grpc.StatusCode.INTERNAL, f"the engine failed: {why}")
+        self._fail(list(self._streams), f"the engine failed: {why}")
         if self.on_broken is not None:
             self.on_broken(why)
 
@@ -284,7 +272,6 @@ class EngineLoop:
                 m.step_failures.inc()
             self._fail(
                 self.outputs.parents_of(lost),
-                grpc.StatusCode.INTERNAL,
                 error or "the engine lost this request",
             )
         deltas, stopped = self.outputs.process(outputs)
@@ -299,13 +286,13 @@ class EngineLoop:
             if not self._streams:
                 self._idle.set()
 
-    def _fail(self, engine_ids: list[str], code: grpc.StatusCode, message: str) -> None:
+    def _fail(self, engine_ids: list[str], message: str) -> None:
         aborts = []
         for engine_id in engine_ids:
             stream = self._streams.get(engine_id)
             if stream is None:
                 continue
-            stream.queue.put_nowait(Failure(code, message))
+            stream.queue.put_nowait(Failure(message))
             for _ in range(stream.remaining):
                 self.metrics.requests.labels("error").inc()
             aborts += self.outputs.drop(engine_id)

@@ -1,21 +1,21 @@
-"""`OpenAIServer`: the OpenAI-compatible HTTP API (FastAPI on uvicorn), a second protocol over the
-same `EngineLoop` as the gRPC server, in the same process and on the same event loop.
+"""`OpenAIServer`: the OpenAI-compatible HTTP API (FastAPI on uvicorn), a thin peer over a
+`FrontEnd` (`frontend.py`), beside the gRPC server in the same process and on the same event loop.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both streamed as server-sent
 events ending in `data: [DONE]` when `stream` is true), `GET /v1/models`, `GET /health` (200 once
-warmed up, 503 before and while shutting down), `GET /metrics` (the gRPC server's Prometheus
+warmed up, 503 before and while shutting down), `GET /metrics` (the front end's Prometheus
 registry).
 
-1. `GenerateServer.start()` builds this server once the engine core has loaded, binds the port
-   and serves on the running event loop (uvicorn's signal handling is off: the gRPC server's
-   handlers drain both protocols).
-2. A request body is parsed by the pydantic models of `openai_protocol`; the admission checks,
-   prompt checks and submit are `GenerateServer.check_admission` / `submit` (the gRPC path's own),
-   the chat template is `protocol.encode_chat`, tokenization runs off the event loop.
-3. Deltas of the request's streams (one per prompt; n samples each) are read from their queues;
-   a client behind the engine gets every delta waiting for it in one chunk.
-4. A client that disconnects (streaming or not) cancels the handler; its `finally` aborts the
-   request in the engine, which frees its pages at the next step.
+1. `start()` starts the front end (its core) if no peer has, binds the port and serves on the
+   running event loop (uvicorn's signal handling is off: the front end's handlers drain every
+   peer).
+2. A request body is parsed by the pydantic models of `openai_protocol`; admission, the prompt
+   checks and the submit are the front end's (`check_admission`, `submit`), and so are the chat
+   template and the tokenization (`tokenize_chat`, `tokenize`: off the event loop).
+3. Deltas of the request's streams (one per prompt; n samples each) come from
+   `Stream.next_batch()`: a client behind the engine gets every delta waiting for it in one chunk.
+4. A client that disconnects (streaming or not) cancels the handler; its `finally` cancels the
+   request in the front end, which frees its pages at the next step.
 
 Errors are OpenAI error objects: 400 (bad input, naming the field), 404 (unknown model), 429
 (queue full), 503 (warming up, shutting down, engine broken), 500 (this request failed). A failure
@@ -32,9 +32,8 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -43,11 +42,9 @@ from pydantic import ValidationError
 
 from jaxinfer.engine.output import RequestDelta, Usage
 from serving import openai_protocol as oai
-from serving import protocol
-from serving.engine_loop import EngineUnavailable, Failure, QueueFull, Stream
-
-if TYPE_CHECKING:
-    from serving.server import GenerateServer
+from serving.engine_loop import Stream
+from serving.errors import InvalidArgument, QueueFull, RequestFailed, Unavailable
+from serving.frontend import FrontEnd
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +55,6 @@ _GRPC_NAMES = {
     500: "INTERNAL",
     503: "UNAVAILABLE",
 }
-_FAILURE_STATUS = {
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-}
 
 
 class HTTPError(Exception):
@@ -71,8 +63,20 @@ class HTTPError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
+def _http_error(e: Exception, req: Any = None) -> HTTPError:
+    """The HTTP error of a front-end error (a ValueError: bad input, naming the API field)."""
+    if isinstance(e, ValueError):
+        message = oai.field_names(req, str(e)) if req is not None else str(e)
+        return HTTPError(400, message, _param(message))
+    if isinstance(e, QueueFull):
+        return HTTPError(429, str(e))
+    if isinstance(e, Unavailable):
+        return HTTPError(503, str(e))
+    return HTTPError(500, str(e))
+
+
 class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling (the gRPC server's handlers drain both)."""
+    """uvicorn without its own signal handling (the front end's handlers drain every peer)."""
 
     @contextlib.contextmanager
     def capture_signals(self):  # noqa: ANN201 - uvicorn's signature
@@ -84,32 +88,35 @@ def _sse(obj: Any) -> str:
 
 
 class OpenAIServer:
-    """The HTTP front end of a `GenerateServer`'s engine (see the module docstring).
+    """The HTTP peer of a `FrontEnd` (see the module docstring).
 
     Args:
-      server: the gRPC server whose `EngineLoop`, tokenizer, metrics and lifecycle are shared.
+      frontend: the front end (engine loop, admission, tokenizer, metrics, lifecycle).
       host, port: where to listen (`port=0`: a free port; `start()` returns it).
       served_model_name: the model id clients name (default: the checkpoint's name).
     """
 
     def __init__(
         self,
-        server: GenerateServer,
+        frontend: FrontEnd,
         *,
         host: str = "127.0.0.1",
         port: int = 0,
         served_model_name: str | None = None,
     ) -> None:
-        self.server = server
+        self.frontend = frontend
         self.host, self.port = host, port
-        self.model_name = served_model_name or server.model.name
-        self.tokenizer = server.tokenizer
+        self.model_name = served_model_name or frontend.model.name
+        self.tokenizer = frontend.tokenizer
         self.app = self._build_app()
         self._uvicorn: _Uvicorn | None = None
         self._task: asyncio.Task | None = None
+        frontend.attach(self)
 
     async def start(self) -> int:
-        """Binds the port and serves on the running loop; returns the port."""
+        """Starts the front end (if no peer has), binds the port and serves on the running
+        loop; returns the port. Raises RuntimeError if the engine core fails to start."""
+        await self.frontend.start()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.bind((self.host, self.port))
@@ -139,6 +146,9 @@ class OpenAIServer:
         )
         return self.port
 
+    async def set_serving(self, serving: bool) -> None:
+        """Nothing to do: `/health` asks the front end."""
+
     async def stop(self) -> None:
         if self._uvicorn is not None and self._task is not None:
             self._uvicorn.should_exit = True
@@ -156,15 +166,15 @@ class OpenAIServer:
 
         @app.get("/health")
         async def health() -> Response:
-            if self.server.ready:
+            if self.frontend.ready:
                 return Response(status_code=200)
-            why = self.server.engine_loop.broken or "not ready (warming up or shutting down)"
+            why = self.frontend.broken or "not ready (warming up or shutting down)"
             return JSONResponse(oai.error_body(503, why), status_code=503)
 
         @app.get("/metrics")
         async def metrics() -> Response:
             return Response(
-                generate_latest(self.server.metrics.registry), media_type=CONTENT_TYPE_LATEST
+                generate_latest(self.frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST
             )
 
         @app.get("/v1/models")
@@ -187,18 +197,18 @@ class OpenAIServer:
         return app
 
     def _model_card(self) -> dict[str, Any]:
-        info = self.server.engine_loop.info
+        info = self.frontend.info
         return {
             "id": self.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "jaxinfer",
-            "root": self.server.model.name,
+            "root": self.frontend.model.name,
             "max_model_len": info.get("capacity", {}).get("max_model_len"),
         }
 
     def _check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, self.server.model.name):
+        if name is not None and name not in (self.model_name, self.frontend.model.name):
             raise HTTPError(
                 404,
                 f"The model `{name}` does not exist (this server serves `{self.model_name}`)",
@@ -206,7 +216,7 @@ class OpenAIServer:
             )
 
     def _error(self, e: HTTPError) -> JSONResponse:
-        self.server.metrics.rejected.labels(_GRPC_NAMES.get(e.status, "INTERNAL")).inc()
+        self.frontend.metrics.rejected.labels(_GRPC_NAMES.get(e.status, "INTERNAL")).inc()
         return JSONResponse(oai.error_body(e.status, e.message, e.param), status_code=e.status)
 
     async def _parse(self, request: Request, cls: type[oai._Request]) -> Any:
@@ -225,11 +235,9 @@ class OpenAIServer:
 
     async def _handle(self, request: Request, cls: type[oai._Request], *, chat: bool) -> Response:
         try:
-            self.server.check_admission()
-        except EngineUnavailable as e:
-            raise HTTPError(503, str(e)) from None
-        except QueueFull as e:
-            raise HTTPError(429, str(e)) from None
+            self.frontend.check_admission()
+        except (Unavailable, QueueFull) as e:
+            raise _http_error(e) from None
         req = await self._parse(request, cls)
         self._check_model(req.model)
         streams, prompt_lens = await self._admit(req, chat=chat)
@@ -270,22 +278,18 @@ class OpenAIServer:
             )
         if self.tokenizer is None:
             raise HTTPError(400, "this server has no tokenizer")
+        fe = self.frontend
         try:
             if chat:
                 field = "messages"
                 kwargs = req.chat_template_kwargs or {}
-                prompts = [
-                    await asyncio.to_thread(
-                        protocol.encode_chat, self.tokenizer, req.chat(), "messages", **kwargs
-                    )
-                ]
+                prompts = [await fe.tokenize_chat(req.chat(), field=field, **kwargs)]
             else:
                 field = "prompt"
                 prompts = [
-                    p if isinstance(p, list) else await asyncio.to_thread(self._encode_text, p)
+                    p if isinstance(p, list) else await fe.tokenize(p, field=field)
                     for p in req.prompts()
                 ]
-            limits = self.server.limits()
             logprobs = _logprobs(req, chat)
             max_field = "max_tokens"
             asked = req.max_tokens
@@ -296,69 +300,50 @@ class OpenAIServer:
                 for ids in prompts:
                     max_tokens = asked
                     if max_tokens is None:  # up to the context (chat) or the OpenAI default (16)
-                        room = min(
-                            limits.max_model_len - len(ids),
-                            limits.num_pages * limits.page_size - len(ids) + 1,
-                        )
-                        max_tokens = max(room, 1) if chat else min(16, max(room, 1))
+                        room = max(fe.room(len(ids)), 1)
+                        max_tokens = room if chat else min(16, room)
                     sp = oai.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
                     if chat and asked is None:
                         max_field = "messages"  # too long a chat leaves no room to generate
                     streams.append(
-                        self.server.submit(
-                            ids, sp, req.priority, field=field, max_tokens_field=max_field
-                        )
+                        fe.submit(ids, sp, req.priority, field=field, max_tokens_field=max_field)
                     )
             except BaseException:
                 for s in streams:
-                    self.server.engine_loop.cancel(s)
+                    fe.cancel(s)
                 raise
             return streams, [len(ids) for ids in prompts]
-        except ValueError as e:  # InvalidArgument, and the engine loop's own checks
-            message = oai.field_names(req, str(e))
-            raise HTTPError(400, message, _param(message)) from None
-        except QueueFull as e:
-            raise HTTPError(429, str(e)) from None
-        except EngineUnavailable as e:
-            raise HTTPError(503, str(e)) from None
-
-    def _encode_text(self, text: str) -> list[int]:
-        if not text:
-            raise protocol.InvalidArgument("prompt is empty")
-        return self.tokenizer.encode(text)
+        except (ValueError, QueueFull, Unavailable) as e:  # InvalidArgument: naming the field
+            raise _http_error(e, req) from None
 
     async def _deltas(self, streams: list[Stream]) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(prompt index, delta) of every sample of every stream until all have finished;
-        aborts what is unfinished when left early. A `Failure` raises `HTTPError`."""
+        cancels what is unfinished when left early. A failed request raises `HTTPError`."""
         unfinished = [s.n for s in streams]
         getters: dict[asyncio.Future, int] = {}
         try:
             while any(unfinished):
-                if len(streams) == 1:
-                    p, item = 0, await streams[0].queue.get()
-                else:
-                    for i, s in enumerate(streams):
-                        if unfinished[i] and i not in getters.values():
-                            getters[asyncio.ensure_future(s.queue.get())] = i
-                    done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
-                    fut = next(iter(done))
-                    p, item = getters.pop(fut), fut.result()
-                if isinstance(item, Failure):
-                    raise HTTPError(_FAILURE_STATUS.get(item.code, 500), item.message)
-                queue = streams[p].queue
-                while not item.finished and not queue.empty():  # coalesce what is waiting
-                    nxt = queue._queue[0]  # noqa: SLF001 - peek: a Failure is not merged
-                    if isinstance(nxt, Failure) or nxt.index != item.index:
-                        break
-                    item.merge(queue.get_nowait())
+                try:
+                    if len(streams) == 1:
+                        p, item = 0, await streams[0].next_batch()
+                    else:
+                        for i, s in enumerate(streams):
+                            if unfinished[i] and i not in getters.values():
+                                getters[asyncio.ensure_future(s.next_batch())] = i
+                        done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
+                        fut = next(iter(done))
+                        p, item = getters.pop(fut), fut.result()
+                except RequestFailed as e:
+                    raise _http_error(e) from None
                 unfinished[p] -= bool(item.finished)
                 yield p, item
         finally:
             for fut in getters:
-                fut.cancel()
+                if not fut.cancel() and not fut.cancelled():
+                    fut.exception()  # a failure nobody reads now: retrieved, not warned about
             for i, s in enumerate(streams):
                 if unfinished[i]:
-                    self.server.engine_loop.cancel(s)
+                    self.frontend.cancel(s)
 
     async def _collect(
         self, req: Any, streams: list[Stream], meta: dict[str, Any], *, chat: bool
@@ -508,7 +493,7 @@ def _logprobs(req: Any, chat: bool) -> int | None:
     if not chat:
         return req.logprobs
     if req.top_logprobs is not None and not req.logprobs:
-        raise protocol.InvalidArgument("top_logprobs needs logprobs to be true")
+        raise InvalidArgument("top_logprobs needs logprobs to be true")
     return (req.top_logprobs or 0) if req.logprobs else None
 
 

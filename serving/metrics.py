@@ -1,4 +1,4 @@
-"""Prometheus metrics of the gRPC server, in their own registry, served over HTTP.
+"""Prometheus metrics of the front end (both protocols), in their own registry, served over HTTP.
 
 1. `ServerMetrics()` declares every metric once in a private `CollectorRegistry` (so two servers in
    one process, as in the tests, never collide on the global registry).

@@ -27,7 +27,7 @@ from jaxinfer.engine.output import Usage
 from jaxinfer.engine.runner import TokenLogprobs
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxinfer.tokenizer import Tokenizer
-from serving.protocol import InvalidArgument
+from serving.errors import InvalidArgument
 
 ERROR_TYPES = {
     400: "invalid_request_error",

@@ -7,8 +7,8 @@
    (`utf8_error_path` walks the wire format to find it).
 2. `sampling_params(proto)` builds `SamplingParams` (with its `structured_outputs`), reusing its
    ValueError text with the proto field path ("sampling.top_p must be in (0, 1], got 0.0").
-3. `encode_input(tokenizer, request)` tokenizes whichever input is set; `check_prompt` checks ids,
-   lengths and the chat template, every message naming the field.
+3. `prompt_input(request)` is whichever input is set (a text, token ids or chat messages) with
+   its field name; the front end tokenizes it and checks it (`FrontEnd.submit`).
 4. `response(delta, ...)` / `merge(...)` build `GenerateResponse`s from `RequestDelta`s.
 
 NOTE: a Python client cannot even build a bad-UTF-8 request (setting such a string raises), but
@@ -17,18 +17,15 @@ clients in other languages and hand-made bytes can; the server answers INVALID_A
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 
-from jaxinfer.engine.core import EngineLimits
-from jaxinfer.engine.core import check_prompt as core_check_prompt
 from jaxinfer.engine.output import RequestDelta
 from jaxinfer.engine.runner import TokenLogprobs
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
-from jaxinfer.tokenizer import Tokenizer
+from serving.errors import InvalidArgument
 from serving.protos.jaxinfer.v1 import generate_pb2 as pb
 
 FINISH_REASONS = {
@@ -54,10 +51,6 @@ _OPTIONAL_SAMPLING = (
     "min_tokens",
     "prompt_logprobs",
 )
-
-
-class InvalidArgument(ValueError):
-    """Bad client input; the message names the offending field."""
 
 
 def parse(cls: type[_message.Message], data: bytes) -> Any:
@@ -177,60 +170,19 @@ def _chat(messages: pb.ChatMessages, field: str) -> list[dict[str, str]]:
     return out
 
 
-def encode_input(
-    tokenizer: Tokenizer | None, req: Any, *, add_special_tokens: bool = True
-) -> list[int]:
-    """Token ids of a GenerateRequest's or TokenizeRequest's `input` oneof (with no tokenizer,
-    skip_tokenizer_init: only `token_ids`)."""
+def prompt_input(req: Any) -> tuple[str, str | list[int] | list[dict[str, str]]]:
+    """(field, value) of a GenerateRequest's or TokenizeRequest's `input` oneof: the text
+    ("prompt" / "text"), the token ids ("token_ids.ids") or the chat messages ("messages")."""
     which = req.WhichOneof("input")
     text_field = "prompt" if isinstance(req, pb.GenerateRequest) else "text"
     if which is None:
         fields = "prompt, token_ids or messages" if text_field == "prompt" else "text or messages"
         raise InvalidArgument(f"input: one of {fields} must be set")
-    if tokenizer is None and which != "token_ids":
-        raise InvalidArgument(
-            f"{which}: the server runs with --skip-tokenizer-init (no tokenizer); send token_ids"
-        )
     if which == text_field:
-        text = getattr(req, text_field)
-        if not text:
-            raise InvalidArgument(f"{text_field} is empty")
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return text_field, getattr(req, text_field)
     if which == "token_ids":
-        return list(req.token_ids.ids)
-    return encode_chat(tokenizer, _chat(req.messages, "messages"), "messages")
-
-
-def encode_chat(
-    tokenizer: Tokenizer, messages: list[dict[str, Any]], field: str, **template_kwargs: Any
-) -> list[int]:
-    """Token ids of a chat rendered with the checkpoint's template plus the generation prompt
-    (both protocols call this)."""
-    try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
-    except ValueError as e:  # TokenizerError: no template, or the template raised
-        raise InvalidArgument(f"{field}: {e}") from None
-
-
-def check_prompt(
-    ids: Sequence[int],
-    field: str,
-    sp: SamplingParams,
-    limits: EngineLimits,
-    *,
-    max_tokens_field: str = "sampling.max_tokens",
-) -> None:
-    """The engine's prompt checks (`jaxinfer.engine.core.check_prompt`) with the field named."""
-    try:
-        core_check_prompt(ids, sp, limits, field=field, max_tokens_field=max_tokens_field)
-    except ValueError as e:
-        raise InvalidArgument(str(e)) from None
-
-
-def prompt_field(req: pb.GenerateRequest) -> str:
-    return {"prompt": "prompt", "token_ids": "token_ids.ids", "messages": "messages"}.get(
-        req.WhichOneof("input") or "", "input"
-    )
+        return "token_ids.ids", list(req.token_ids.ids)
+    return "messages", _chat(req.messages, "messages")
 
 
 def _logprob(lp: TokenLogprobs | None) -> pb.TokenLogprob:

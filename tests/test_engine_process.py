@@ -92,7 +92,7 @@ def test_streams_exact_across_the_process_boundary(psrv, tok):
     assert sorted(out) == [0, 1, 2]
     for i, msgs in out.items():
         assert _ids(msgs) == fake_stream(ids, 6, (5 + 7919 * i) % 2**63)
-    _wait(lambda: psrv.server.engine_loop.snapshot()["pages_used"] == 0)
+    _wait(lambda: psrv.server.frontend.engine_loop.snapshot()["pages_used"] == 0)
     c.close()
 
 
@@ -100,12 +100,12 @@ def test_cancel_and_step_failure_across_the_process_boundary(psrv):
     c = GenerateClient(psrv.address)
     stream = c.stub.Generate(build_request([1000, 1003], max_tokens=400))
     next(stream)
-    _wait(lambda: psrv.server.engine_loop.snapshot()["pages_used"] > 0)
+    _wait(lambda: psrv.server.frontend.engine_loop.snapshot()["pages_used"] > 0)
     stream.cancel()
     _wait(
         lambda: (
-            psrv.server.engine_loop.snapshot()["pages_used"] == 0
-            and psrv.server.engine_loop.in_flight == 0
+            psrv.server.frontend.engine_loop.snapshot()["pages_used"] == 0
+            and psrv.server.frontend.engine_loop.in_flight == 0
         )
     )
     with pytest.raises(grpc.RpcError) as err:
@@ -122,7 +122,7 @@ def test_core_process_death_fails_requests_and_stops_serving(tok):
         c = GenerateClient(st.address)
         stream = c.stub.Generate(build_request([1000, 1001], max_tokens=400))
         next(stream)
-        os.kill(st.server.engine_loop.client.process.pid, signal.SIGKILL)
+        os.kill(st.server.frontend.engine_loop.client.process.pid, signal.SIGKILL)
         with pytest.raises(grpc.RpcError) as err:
             list(stream)
         assert err.value.code() == grpc.StatusCode.INTERNAL

@@ -2,16 +2,22 @@
 
 The engine is real (scheduler, pages, stop rules, detokenizer over the SmolLM2 vocabulary) with
 `serving.testing.FakeRunner`, so every stream is known in advance (`fake_stream`); the HTTP API
-and the gRPC API are served by one `GenerateServer` over one engine. One test at the end runs the
+and the gRPC API are served by `OpenAIServer` and `GenerateServer` over one `FrontEnd`. One test at the end runs the
 real default model to check that chat text comes out of the checkpoint's template.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -19,7 +25,9 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from serving.client import GenerateClient  # noqa: E402
+from serving.client import GenerateClient, build_request  # noqa: E402
+from serving.frontend import FrontEnd  # noqa: E402
+from serving.http_server import OpenAIServer  # noqa: E402
 from serving.server import GenerateServer  # noqa: E402
 from serving.testing import (  # noqa: E402
     FakeRunner,
@@ -48,15 +56,18 @@ def _server(tok, runner=None, *, wait=True, max_queue=64, engine=None, **kw):
     eng = fake_engine(
         tok, runner or FakeRunner(step_delay=0.002), name=MODEL, **{**ENGINE, **(engine or {})}
     )
-    return ServerThread(
-        GenerateServer(eng, metrics_port=None, max_queue=max_queue, http_port=0, **kw),
-        wait_ready=wait,
-    )
+    front = FrontEnd(eng, metrics_port=None, max_queue=max_queue, **kw)
+    http = OpenAIServer(front, port=0)
+    st = ServerThread(GenerateServer(frontend=front), wait_ready=False)
+    st.http_port = st.call(http.start())  # both peers on the server thread's loop
+    if wait:
+        st.call(front.wait_ready(300))
+    return st
 
 
 def _client(st, **kw) -> openai.OpenAI:
     return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{st.server.http_port}/v1", api_key="none", max_retries=0, **kw
+        base_url=f"http://127.0.0.1:{st.http_port}/v1", api_key="none", max_retries=0, **kw
     )
 
 
@@ -85,9 +96,7 @@ def _wait_pages_free(engine, timeout: float = 5.0) -> None:
 
 def _get(st, path: str) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(
-            f"http://127.0.0.1:{st.server.http_port}{path}", timeout=5
-        ) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{st.http_port}{path}", timeout=5) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -95,7 +104,7 @@ def _get(st, path: str) -> tuple[int, bytes]:
 
 def _post(st, path: str, body: bytes) -> tuple[int, dict]:
     req = urllib.request.Request(
-        f"http://127.0.0.1:{st.server.http_port}{path}",
+        f"http://127.0.0.1:{st.http_port}{path}",
         data=body,
         headers={"Content-Type": "application/json"},
     )
@@ -288,12 +297,12 @@ def test_disconnect_aborts_and_frees_pages(tok):
             if i == 3:
                 break
         stream.close()
-        _wait_pages_free(st.server.engine, timeout=3)
+        _wait_pages_free(st.server.frontend.engine, timeout=3)
         with pytest.raises(openai.APITimeoutError), _client(st, timeout=0.3) as quick:
             quick.completions.create(model=MODEL, prompt=[[1000, 1002]], max_tokens=400)
-        _wait_pages_free(st.server.engine, timeout=3)
+        _wait_pages_free(st.server.frontend.engine, timeout=3)
         deadline = time.monotonic() + 5
-        while st.server.engine_loop.in_flight:
+        while st.server.frontend.in_flight:
             assert time.monotonic() < deadline
             time.sleep(0.01)
 
@@ -305,7 +314,7 @@ def test_queue_full_is_429_and_warmup_is_503(tok):
         )
         busy.start()
         deadline = time.monotonic() + 5
-        while st.server.engine_loop.in_flight < 2:
+        while st.server.frontend.in_flight < 2:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         with pytest.raises(openai.RateLimitError, match="full"):
@@ -333,7 +342,7 @@ def test_engine_failure_mid_stream_is_an_error_event(tok):
     with _server(tok, FakeRunner(step_delay=0.002, poison_token=poison)) as st, _client(st) as c:
         with pytest.raises(openai.InternalServerError, match="poisoned"):
             c.completions.create(model=MODEL, prompt=[[poison]], max_tokens=3)
-        with socket.create_connection(("127.0.0.1", st.server.http_port), timeout=5) as s:
+        with socket.create_connection(("127.0.0.1", st.http_port), timeout=5) as s:
             body = json.dumps(
                 {"model": MODEL, "prompt": [poison, 1], "max_tokens": 3, "stream": True}
             ).encode()
@@ -350,3 +359,65 @@ def test_engine_failure_mid_stream_is_an_error_event(tok):
         assert raw.startswith(b"HTTP/1.1 200") and b"poisoned" in raw
         assert 0 < raw.index(b'data: {"error"') < raw.index(b"data: [DONE]\n\n")
         assert c.completions.create(model=MODEL, prompt=[[1000]], max_tokens=2).choices
+
+
+@pytest.mark.slow  # a subprocess: imports JAX and builds the tokenizer again (~15 s)
+def test_serve_script_serves_both_protocols_over_one_front_end(tok):
+    """scripts/serve.py --http-port: gRPC and HTTP share one front end (one metrics registry,
+    one lifecycle): SIGTERM turns HTTP /health 503 while a gRPC stream drains, then exit 0."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [
+        sys.executable,
+        os.path.join(root, "scripts", "serve.py"),
+        "--fake-runner",
+        "--fake-step-delay",
+        "0.01",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--no-metrics",
+        "--http-port",
+        "0",
+        "--max-model-len",
+        "512",
+        "--num-pages",
+        "65",
+    ]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        log = []
+        for line in proc.stderr:
+            log.append(line)
+            if "server ready" in line:
+                break
+        text = "".join(log)
+        port = re.search(r"listening on 127\.0\.0\.1:(\d+)", text).group(1)
+        http_port = re.search(r"HTTP API at http://[^:]*:(\d+)", text)[1]
+        http = types.SimpleNamespace(http_port=http_port)  # what _get / _post read
+        assert _get(http, "/health")[0] == 200
+        status, body = _post(
+            http, "/v1/completions", json.dumps({"prompt": [1000, 1001], "max_tokens": 5}).encode()
+        )
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+        c = GenerateClient(f"127.0.0.1:{port}")
+        c.wait_ready(10)
+        assert list(c.generate_once([1000, 1001], max_tokens=5).token_ids) == fake_stream(
+            [1000, 1001], 5
+        )
+        metrics = _get(http, "/metrics")[1].decode()
+        assert 'jaxinfer_requests_total{finish_reason="length"} 2.0' in metrics  # both protocols
+        stream = c.stub.Generate(build_request([1000, 1007], max_tokens=150))
+        first = next(stream)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while _get(http, "/health")[0] != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        rest = [first, *stream]
+        assert [t for m in rest for t in m.token_ids] == fake_stream([1000, 1007], 150)
+        c.close()
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

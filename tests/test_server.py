@@ -215,7 +215,7 @@ def test_n_samples_and_logprobs(client, tok):
 
 
 def test_64_concurrent_streams_share_steps(srv, tok):
-    runner = srv.server.engine.runner
+    runner = srv.server.frontend.engine.runner
     prompts = [[1000 + 7 * i, 1001 + i, 1002] for i in range(64)]
 
     async def one(stub, i):
@@ -233,11 +233,12 @@ def test_64_concurrent_streams_share_steps(srv, tok):
         assert all(m.request_id == str(i) for m in msgs)
         assert msgs[-1].finish_reason == LENGTH
     assert runner.max_batch == ENGINE["max_num_seqs"]  # streams were batched into shared steps
-    _wait_pages_free(srv.server.engine)
+    _wait_pages_free(srv.server.frontend.engine)
 
 
 def test_cancel_mid_stream_frees_pages(srv, client, monkeypatch):
-    engine, loop, runner = srv.server.engine, srv.server.engine_loop, srv.server.engine.runner
+    fe = srv.server.frontend
+    engine, loop, runner = fe.engine, fe.engine_loop, fe.engine.runner
     steps_at_cancel = []
     original = loop.cancel
 
@@ -259,7 +260,7 @@ def test_cancel_mid_stream_frees_pages(srv, client, monkeypatch):
 def test_deadline_aborts_and_frees_pages(srv, client):
     err = _rpc_error(client.generate, [1000] * 20, max_tokens=450, timeout=0.2)
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_pages_free(srv.server.engine, timeout=2.0)
+    _wait_pages_free(srv.server.frontend.engine, timeout=2.0)
 
 
 def _req(**kw) -> pb.GenerateRequest:
@@ -398,7 +399,7 @@ def test_engine_step_failure_fails_only_that_request(tok):
         assert "engine step failed" in errors[0].details() and "poisoned" in errors[0].details()
         after = c.generate_once([1000, 1002], max_tokens=4)  # the engine carries on
         assert list(after.token_ids) == fake_stream([1000, 1002], 4)
-        _wait_pages_free(st.server.engine)
+        _wait_pages_free(st.server.frontend.engine)
         assert _metric(st, 'jaxinfer_requests_total{finish_reason="error"}') == 1
         assert _metric(st, "jaxinfer_engine_step_failures_total") == 1
         c.close()
@@ -441,7 +442,7 @@ def test_response_failure_fails_only_that_request(srv, client, monkeypatch):
     err = _rpc_error(client.generate, [1000, 1004], request_id="boom", max_tokens=30)
     assert err.code() == grpc.StatusCode.INTERNAL and "cannot build this one" in err.details()
     assert _ids(list(good)) == fake_stream([1000, 1003], 30)
-    _wait_pages_free(srv.server.engine)
+    _wait_pages_free(srv.server.frontend.engine)
 
 
 def test_queue_full_is_resource_exhausted(tok):
@@ -449,15 +450,15 @@ def test_queue_full_is_resource_exhausted(tok):
         c = GenerateClient(st.address)
         calls = [c.stub.Generate(build_request([1000 + i], max_tokens=300)) for i in range(4)]
         deadline = time.monotonic() + 5
-        while st.server.engine_loop.in_flight < 4:  # 2 running + 2 waiting: the bound
+        while st.server.frontend.in_flight < 4:  # 2 running + 2 waiting: the bound
             assert time.monotonic() < deadline
             time.sleep(0.01)
         err = _rpc_error(c.generate, [1000], max_tokens=5)
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "full" in err.details()
         for call in calls:
             call.cancel()
-        _wait_pages_free(st.server.engine)
-        while st.server.engine_loop.in_flight:  # the aborts reach the event loop just after
+        _wait_pages_free(st.server.frontend.engine)
+        while st.server.frontend.in_flight:  # the aborts reach the event loop just after
             assert time.monotonic() < deadline + 5
             time.sleep(0.01)
         assert c.generate_once([1000], max_tokens=3).finish_reason == LENGTH  # room again
@@ -515,13 +516,14 @@ def test_shutdown_past_grace_aborts_streams(tok):
         assert rest[-1].finish_reason == ABORTED and rest[-1].usage.completion_tokens < 400
         done.result(10)
         assert (
-            st.server.engine.allocator.num_free_pages == st.server.engine.allocator.num_usable_pages
+            st.server.frontend.engine.allocator.num_free_pages
+            == st.server.frontend.engine.allocator.num_usable_pages
         )
         c.close()
 
 
 def _metrics_text(st) -> str:
-    url = f"http://127.0.0.1:{st.server.metrics_port}/metrics"
+    url = f"http://127.0.0.1:{st.server.frontend.metrics_port}/metrics"
     return urllib.request.urlopen(url, timeout=5).read().decode()
 
 
@@ -545,7 +547,7 @@ def test_metrics(srv, client):
     prompt = list(range(1000, 1040))  # 2.5 pages: the second request hits the prefix cache
     for _ in range(2):
         client.generate_once(prompt, max_tokens=7)
-    _wait_pages_free(srv.server.engine)
+    _wait_pages_free(srv.server.frontend.engine)
     assert _metric(srv, 'jaxinfer_requests_total{finish_reason="length"}') == before + 2
     assert _metric(srv, "jaxinfer_generation_tokens_total") == tokens_before + 14
     assert 0 < _metric(srv, "jaxinfer_prefix_cache_hit_rate") <= 1

@@ -105,7 +105,7 @@ def test_trace_has_named_scopes(srv, trace_dir):
 
 
 def test_cancel_frees_pages_and_capacity_check(srv):
-    engine = srv.server.engine
+    engine = srv.server.frontend.engine
     alloc = engine.allocator
     with GenerateClient(srv.address) as c:
         call = c.stub.Generate(

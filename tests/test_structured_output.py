@@ -321,6 +321,8 @@ def tok():
 
 @pytest.fixture(scope="module")
 def srv(tok):
+    from serving.frontend import FrontEnd
+    from serving.http_server import OpenAIServer
     from serving.server import GenerateServer
     from serving.testing import FakeRunner, ServerThread, fake_engine
 
@@ -334,7 +336,10 @@ def srv(tok):
         max_num_seqs=16,
         max_num_batched_tokens=256,
     )
-    st = ServerThread(GenerateServer(engine, max_queue=64, http_port=0))
+    front = FrontEnd(engine, max_queue=64)
+    http = OpenAIServer(front, port=0)
+    st = ServerThread(GenerateServer(frontend=front))
+    st.http_port = st.call(http.start())
     yield st
     st.stop()
 
@@ -342,7 +347,7 @@ def srv(tok):
 def test_http_structured_outputs(srv):
     openai = pytest.importorskip("openai")
     with openai.OpenAI(
-        base_url=f"http://127.0.0.1:{srv.server.http_port}/v1", api_key="x", max_retries=0
+        base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key="x", max_retries=0
     ) as c:
         msgs = [{"role": "user", "content": "pick"}]
         r = c.chat.completions.create(

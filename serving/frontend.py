@@ -1,0 +1,381 @@
+"""`FrontEnd`: the protocol-neutral front end of one engine core. The gRPC server (`server.py`)
+and the OpenAI-compatible HTTP API (`http_server.py`) are thin peers over one `FrontEnd`, in one
+process and on one event loop; neither knows the other.
+
+1. `FrontEnd(engine)` runs the engine's core on a thread of this process (warmed up there when
+   `warmup`); `FrontEnd(model=..., core=..., max_num_seqs=...)` drives a core client (the core
+   in its own process: `scripts/serve.py`). Protocol servers `attach` themselves.
+2. `start()` (idempotent) starts the core and waits until its model is loaded (a model that
+   cannot load raises RuntimeError: no port is bound), compiles the chat template, serves
+   Prometheus `/metrics` and logs the load; the peers then bind their ports. When the core says
+   ready (warmup done), every peer is told to serve (`set_serving(True)`) and `wait_ready()`
+   returns; "broken" tells them to stop serving.
+3. A request: the peer calls `check_admission()` before parsing (a cheap refusal), tokenizes with
+   `tokenize` / `tokenize_chat` (off the event loop), then `submit(ids, sp, priority, field=...)`:
+   the one prompt and limit check and the admission bound, then the engine loop
+   (`engine_loop.py`). It reads the returned stream with `Stream.next_batch()` until every sample
+   has finished, and calls `cancel(stream)` when it leaves early (client gone, deadline).
+4. `shutdown(grace)` (SIGTERM / SIGINT with `install_signal_handlers`): new requests
+   Unavailable, peers told to stop serving, in-flight streams finish for up to `grace` seconds,
+   whatever is left is aborted (finish reason abort), then the peers and the core stop.
+
+Errors (`serving/errors.py`) each protocol maps to its own code: InvalidArgument, QueueFull,
+Unavailable, RequestFailed. Admission is bounded: at most `max_num_seqs + max_queue` sequences (a
+request counts `n`) are in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import signal
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from jaxinfer.engine.core import EngineLimits, check_prompt
+from jaxinfer.engine.core_client import LoopOptions, ThreadCoreClient
+from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.sampling_params import SamplingParams
+from serving.engine_loop import EngineLoop, Stream
+from serving.errors import InvalidArgument, QueueFull, Unavailable
+from serving.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class Peer(Protocol):
+    """A protocol server over a `FrontEnd` (gRPC, HTTP)."""
+
+    async def set_serving(self, serving: bool) -> None:
+        """Ready (True), or broken / shutting down (False: `FrontEnd.draining` says which)."""
+
+    async def stop(self) -> None:
+        """Stops listening (after the drain)."""
+
+
+class FrontEnd:
+    """The front end of one engine core (see the module docstring).
+
+    Args:
+      engine: an in-process engine; its core then runs on a thread of this process (warmed up
+        there when `warmup`). Or, instead:
+      model, core, max_num_seqs: the served model's name/config/tokenizer (no params needed), a
+        not yet started core client (`ProcessCoreClient`: the core in its own process), and the
+        core's batch size.
+      metrics_port: Prometheus `/metrics` HTTP port (0: a free one; None: no metrics server).
+      max_queue: sequences admitted beyond `max_num_seqs` before QueueFull.
+      grace_period: seconds `shutdown()` lets in-flight streams finish.
+      trace_dir, trace_steps: (with `engine`) a JAX profiler trace of the first busy steps.
+      log_interval: seconds between load log lines (only while there is load).
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine | None = None,
+        *,
+        model: Any = None,
+        core: Any = None,
+        max_num_seqs: int | None = None,
+        metrics_port: int | None = None,
+        max_queue: int = 256,
+        warmup: bool = True,
+        grace_period: float = 30.0,
+        trace_dir: str | None = None,
+        trace_steps: int = 0,
+        log_interval: float = 1.0,
+    ) -> None:
+        if engine is not None:  # the core on a thread of this process
+            model, max_num_seqs = engine.model, engine.config.max_num_seqs
+            core = ThreadCoreClient(
+                engine.core,
+                LoopOptions(warmup=warmup, trace_dir=trace_dir, trace_steps=trace_steps),
+            )
+        if model is None or core is None or max_num_seqs is None:
+            raise ValueError("FrontEnd needs an engine, or model + core + max_num_seqs")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.engine, self.model, self.tokenizer = engine, model, model.tokenizer
+        self.metrics, self.metrics_port = ServerMetrics(), metrics_port
+        self.max_queue, self.max_in_flight = max_queue, max_num_seqs + max_queue
+        self.grace_period, self.log_interval = grace_period, log_interval
+        self.engine_loop = EngineLoop(
+            core, self.tokenizer, self.metrics, eos_token_ids=model.eos_token_ids
+        )
+        self.vocab_size = model.cfg.vocab_size
+        if self.tokenizer is not None:
+            self.vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
+        self.peers: list[Peer] = []
+        self.draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started: asyncio.Task | None = None
+        self._ready = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._shutdown_task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The core's facts (capacity, limits, mesh, backends): empty until it has loaded."""
+        return self.engine_loop.info
+
+    @property
+    def compiled_programs(self) -> int:
+        return self.engine_loop.compiled_programs
+
+    @property
+    def in_flight(self) -> int:
+        return self.engine_loop.in_flight
+
+    @property
+    def broken(self) -> str | None:
+        return self.engine_loop.broken
+
+    @property
+    def ready(self) -> bool:
+        """Warmed up and admitting (not broken, not shutting down)."""
+        return self.engine_loop.running and not self.draining
+
+    def attach(self, peer: Peer) -> None:
+        """Adds a protocol server: told when to serve, stopped by `shutdown`."""
+        self.peers.append(peer)
+
+    async def start(self) -> None:
+        """Starts the core and waits until its model is loaded (the first call; later calls wait
+        for the same start). Raises RuntimeError if the core fails to start."""
+        if self._started is None:
+            self._started = asyncio.get_running_loop().create_task(self._start())
+        await asyncio.shield(self._started)
+
+    async def _start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.engine_loop.on_ready = self._on_ready
+        self.engine_loop.on_broken = self._on_broken
+        self.engine_loop.start(self._loop)
+        try:
+            await self.engine_loop.wait_loaded()  # a model that cannot load: no port is bound
+        except RuntimeError:
+            await asyncio.to_thread(self.engine_loop.stop)
+            raise
+        if self.tokenizer is not None:
+            self.tokenizer.warm()  # chat template compiled before the first chat request
+        if self.metrics_port is not None:
+            self.metrics_port = self.metrics.start_http(self.metrics_port)
+            logger.info("metrics on :%d/metrics", self.metrics_port)
+        self._tasks.append(self._loop.create_task(self._log_load()))
+
+    def _on_ready(self, programs: int) -> None:
+        assert self._loop is not None
+        self.metrics.ready.set(1)
+
+        async def serving() -> None:
+            await self._tell_peers(True)  # ignored by a peer once shutting down
+            self._ready.set()
+
+        self._tasks.append(self._loop.create_task(serving()))
+
+    def _on_broken(self, why: str) -> None:
+        assert self._loop is not None
+        self.metrics.ready.set(0)
+        self._tasks.append(self._loop.create_task(self._tell_peers(False)))
+
+    async def _tell_peers(self, serving: bool) -> None:
+        for peer in self.peers:
+            await peer.set_serving(serving)
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Waits until warmup is done and the peers serve (raises RuntimeError if it failed)."""
+        assert self._started is not None, "call start() first"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready.is_set():
+            if self.broken is not None:
+                raise RuntimeError(f"the engine did not start: {self.broken}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("the server did not become ready in time")
+            await asyncio.sleep(0.05)
+
+    def request_shutdown(self, grace: float | None = None) -> asyncio.Task:
+        """Starts `shutdown` once (later calls return the same task); call on the event loop."""
+        if self._shutdown_task is None:
+            loop = asyncio.get_running_loop()
+            self._shutdown_task = loop.create_task(self._shutdown(grace))
+        return self._shutdown_task
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM / SIGINT: graceful shutdown; a second signal aborts what is still running."""
+        assert self._loop is not None, "call start() first"
+
+        def on_signal(sig: signal.Signals) -> None:
+            if self._shutdown_task is None:
+                logger.info("%s: shutting down (grace period %.0fs)", sig.name, self.grace_period)
+                self.request_shutdown()
+            else:
+                logger.warning("%s again: aborting in-flight requests now", sig.name)
+                self.engine_loop.abort_all()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, on_signal, sig)
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Stops admitting, lets in-flight streams finish for `grace` s, aborts the rest, stops
+        the peers and the core. Idempotent: a second call waits for the first to complete."""
+        await self.request_shutdown(grace)
+
+    async def _shutdown(self, grace: float | None) -> None:
+        grace = self.grace_period if grace is None else grace
+        self.draining = True
+        self.metrics.ready.set(0)
+        await self._tell_peers(False)
+        left = self.in_flight
+        if left:
+            logger.info("draining %d in-flight sequences (up to %.0fs)", left, grace)
+        if not await self.engine_loop.wait_idle(grace):
+            logger.warning("grace period over: aborting %d sequences", self.in_flight)
+            self.engine_loop.abort_all()
+            await self.engine_loop.wait_idle(5.0)
+        for peer in reversed(self.peers):
+            await peer.stop()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.to_thread(self.engine_loop.stop)
+        self.metrics.stop_http()
+        logger.info("server stopped")
+        self._stopped.set()
+
+    async def wait_for_termination(self) -> None:
+        await self._stopped.wait()
+
+    def check_admission(self, n: int = 1) -> None:
+        """Raises Unavailable / QueueFull when a request of `n` sequences cannot be admitted now
+        (each peer calls it before parsing; `submit` again before admitting)."""
+        if self.draining:
+            raise Unavailable("the server is shutting down")
+        if not self.engine_loop.running:
+            raise Unavailable(self.broken or "the server is warming up (compiling); retry shortly")
+        if self.in_flight + n > self.max_in_flight:
+            raise QueueFull(
+                f"the server is full ({self.in_flight} sequences in flight, at most "
+                f"{self.max_in_flight}); retry later"
+            )
+
+    def limits(self) -> EngineLimits:
+        """The engine's prompt limits, the vocabulary capped at the tokenizer's."""
+        limits = self.engine_loop.limits
+        if limits is None:
+            raise Unavailable("the engine is not running")
+        return dataclasses.replace(limits, vocab_size=min(limits.vocab_size, self.vocab_size))
+
+    def room(self, prompt_len: int) -> int:
+        """The most tokens a prompt of `prompt_len` tokens can generate (context and KV cache)."""
+        limits = self.limits()
+        return min(
+            limits.max_model_len - prompt_len,
+            limits.num_pages * limits.page_size - prompt_len + 1,
+        )
+
+    async def tokenize(
+        self, text: str, *, field: str, add_special_tokens: bool = True
+    ) -> list[int]:
+        """Token ids of a text, tokenized off the event loop (InvalidArgument naming `field`)."""
+        self._need_tokenizer(field)
+        if not text:
+            raise InvalidArgument(f"{field} is empty")
+        return await asyncio.to_thread(
+            self.tokenizer.encode, text, add_special_tokens=add_special_tokens
+        )
+
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], *, field: str, **template_kwargs: Any
+    ) -> list[int]:
+        """Token ids of a chat rendered with the checkpoint's template plus the generation prompt,
+        off the event loop (InvalidArgument naming `field`)."""
+        self._need_tokenizer(field)
+
+        def render() -> list[int]:
+            try:
+                return self.tokenizer.encode_chat(
+                    messages, add_generation_prompt=True, **template_kwargs
+                )
+            except ValueError as e:  # TokenizerError: no template, or the template raised
+                raise InvalidArgument(f"{field}: {e}") from None
+
+        return await asyncio.to_thread(render)
+
+    def _need_tokenizer(self, field: str) -> None:
+        if self.tokenizer is None:
+            raise InvalidArgument(
+                f"{field}: the server runs with --skip-tokenizer-init (no tokenizer); "
+                f"send token_ids"
+            )
+
+    def submit(
+        self,
+        ids: Sequence[int],
+        sp: SamplingParams,
+        priority: int,
+        *,
+        field: str,
+        max_tokens_field: str = "sampling.max_tokens",
+    ) -> Stream:
+        """Checks a tokenized prompt against the engine's limits and admits it (event loop): the
+        one prompt check of both protocols. `field` names the prompt, `max_tokens_field` the
+        output budget; sampling fields are named with the latter's prefix ("sampling." on gRPC).
+
+        Raises InvalidArgument, QueueFull, Unavailable.
+        """
+        prefix = max_tokens_field.rpartition(".")[0]
+        prefix = prefix + "." if prefix else ""
+        if self.tokenizer is None and sp.stop:
+            raise InvalidArgument(
+                f"{prefix}stop: stop strings need a tokenizer and the server runs with "
+                f"--skip-tokenizer-init; use stop_token_ids"
+            )
+        try:
+            check_prompt(ids, sp, self.limits(), field=field, max_tokens_field=max_tokens_field)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        if sp.n > self.max_in_flight:
+            raise InvalidArgument(
+                f"{prefix}n={sp.n} exceeds what the server admits at once "
+                f"({self.max_in_flight} sequences: max_num_seqs + max_queue)"
+            )
+        self.check_admission(sp.n)
+        return self.engine_loop.submit(list(ids), sp, priority)
+
+    def cancel(self, stream: Stream) -> None:
+        """The reader went away (client cancelled, deadline): abort; the next step frees pages."""
+        self.engine_loop.cancel(stream)
+
+    def fail(self, stream: Stream, message: str) -> None:
+        """A peer could not translate this request's output: it fails alone."""
+        self.engine_loop.fail_request(stream, message)
+
+    async def _log_load(self) -> None:
+        """One line per `log_interval` while there is load; keeps the throughput gauge current."""
+        window: collections.deque[tuple[float, int]] = collections.deque(maxlen=6)
+        while True:
+            await asyncio.sleep(self.log_interval)
+            usable = self.info.get("capacity", {}).get("num_pages", 0)
+            snap = self.engine_loop.snapshot()
+            now = time.perf_counter()
+            window.append((now, snap["generated"]))
+            (t0, g0), (t1, g1) = window[0], window[-1]
+            rate = (g1 - g0) / (t1 - t0) if t1 > t0 else 0.0
+            self.metrics.throughput.set(rate)
+            recent = g1 - (window[-2][1] if len(window) > 1 else g1)
+            if snap["in_flight"] or snap["running"] or snap["waiting"] or recent:
+                logger.info(
+                    "running %d, waiting %d, in flight %d/%d | %.1f tok/s | KV %d/%d pages "
+                    "(%.0f%%) | prefix hit %.0f%%",
+                    snap["running"],
+                    snap["waiting"],
+                    snap["in_flight"],
+                    self.max_in_flight,
+                    rate,
+                    snap["pages_used"],
+                    usable,
+                    100 * snap["pages_used"] / max(usable, 1),
+                    100 * self.metrics.hit_rate,
+                )
