@@ -138,7 +138,7 @@ def gemma3_windows(hf: dict[str, Any], num_layers: int) -> Windows:
 
 
 def mixtral_experts(hf: dict[str, Any], num_layers: int, num_experts: int):
-    """Mixtral: softmax -> top-k -> renormalise, every layer sparse, experts of `intermediate_size`."""
+    """Mixtral: softmax -> top-k -> renormalise; every layer sparse, experts of F=intermediate_size."""
     del num_experts
     return int(require(hf, "intermediate_size")), True, (True,) * num_layers
 
@@ -189,7 +189,7 @@ class LlamaLike:
     skipped_prefixes: tuple[str, ...] = ()
 
     def parse(self, hf: dict[str, Any]) -> ModelConfig:
-        """The `ModelConfig` of the HF config dict `hf` of this family (raises on the unsupported)."""
+        """The `ModelConfig` of this family's HF config dict `hf` (raises on the unsupported)."""
         model_type = self.model_type
         hidden = int(require(hf, "hidden_size"))
         heads = int(require(hf, "num_attention_heads"))
@@ -263,7 +263,7 @@ class LlamaLike:
         return float(cap)
 
     def _local_rope(self, hf: dict[str, Any]) -> RopeConfig | None:
-        """Gemma 3's sliding-window layers: their own base (`rope_local_base_freq`), never scaled."""
+        """Gemma 3's sliding-window layers: their own base (`rope_local_base_freq`), unscaled."""
         if self.local_rope_theta is None:
             return None
         params = dict((hf.get("rope_parameters") or {}).get("sliding_attention") or {})
