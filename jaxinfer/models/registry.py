@@ -75,5 +75,7 @@ def family(model_type: str | None, architectures: Any = None) -> Family:
 
 
 def parse_hf(hf: dict[str, Any]) -> ModelConfig:
-    """`ModelConfig.from_hf`: the registered family's parse of the HF config dict `hf`."""
-    return family(hf.get("model_type"), hf.get("architectures")).parse(hf)
+    """`ModelConfig.from_hf`: the registered family's parse of the HF config dict `hf` (found by an
+    `architectures` name, `hf` is parsed as if it named that family's model_type)."""
+    found = family(hf.get("model_type"), hf.get("architectures"))
+    return found.parse({**hf, "model_type": found.model_type})
