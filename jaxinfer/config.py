@@ -1,11 +1,13 @@
 """Model and engine configuration.
 
 1. `ModelConfig.from_hf(config_dict)` reads a Hugging Face `config.json` dict (GGUF metadata is first
-   turned into the same kind of dict by `checkpoints.gguf`), checks every field that changes the
-   math against the families we support, and returns a frozen, hashable dataclass of architecture
-   numbers only, so it can be a static argument of `jax.jit`.
+   turned into the same kind of dict by `checkpoints.gguf`) and hands it to the family registered
+   for its `model_type` (`jaxinfer.models.registry`; each family's HF parsing lives beside it in
+   `jaxinfer/models/`). The family checks every field that changes the math and returns a frozen,
+   hashable dataclass of architecture numbers only, so it can be a static argument of `jax.jit`.
 2. Fields that would change the numerics but that we do not implement raise `UnsupportedConfigError`
-   naming the field; nothing is silently ignored.
+   naming the field; nothing is silently ignored. The helpers every family's parser shares (required
+   fields, RoPE, activations, unknown MoE fields) live here.
 3. `EngineConfig` holds the runtime knobs (page size, number of pages, batching budgets, dtype).
    The mesh is never part of `ModelConfig`.
 """
@@ -14,36 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import os
 import re
+from collections.abc import Collection
 from typing import Any
 
-log = logging.getLogger(__name__)
-
-# NOTE: model_type -> family defaults. DeepSeek runs through `jaxinfer.models.deepseek`, every other
-# family through `jaxinfer.models.llama` (`jaxinfer.models.family_of`). A `gemma3` config (the
-# multimodal wrapper) is read through its `text_config`.
-SUPPORTED_MODEL_TYPES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma",
-    "gemma2",
-    "gemma3_text",
-    "mixtral",
-    "qwen3_moe",
-    "deepseek_v2",
-    "deepseek_v3",
-)
-DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
-GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
-# NOTE: MoE config fields that only matter when training (load-balancing loss, router noise); they
-# are accepted and ignored. Every other MoE field either changes the math we run or raises.
-MOE_TRAINING_ONLY_FIELDS = ("router_aux_loss_coef", "output_router_logits", "router_jitter_noise")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SUPPORTED_ACTIVATIONS = {
     "silu": "silu",
@@ -144,7 +122,7 @@ class ModelConfig:
         scale = self.head_dim**-0.5
         if self.is_mla and self.rope.rope_type != "default" and self.rope.get("mscale_all_dim"):
             # DeepSeek's YaRN: the softmax scale also carries mscale(factor, mscale_all_dim)^2.
-            m = _yarn_mscale(float(self.rope.get("factor")), float(self.rope.get("mscale_all_dim")))
+            m = yarn_mscale(float(self.rope.get("factor")), float(self.rope.get("mscale_all_dim")))
             scale *= m * m
         return scale
 
@@ -180,8 +158,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Builds a ModelConfig from a Hugging Face config.json dict; raises on anything unsupported."""
-        return _from_hf(hf)
+        """Builds a ModelConfig from a Hugging Face config.json dict; raises on anything unsupported
+        (an unknown `model_type` names it and lists the registered ones)."""
+        from jaxinfer.models import registry  # NOTE: lazy: the families import this module
+
+        return registry.parse_hf(hf)
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> ModelConfig:
@@ -189,22 +170,27 @@ class ModelConfig:
             return cls.from_hf(json.load(f))
 
 
-def _yarn_mscale(factor: float, mscale: float) -> float:
+def yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _require(hf: dict[str, Any], key: str) -> Any:
+def require(hf: dict[str, Any], key: str) -> Any:
+    """`hf[key]`, raising naming the field when it is missing or null."""
     if key not in hf or hf[key] is None:
         raise UnsupportedConfigError(f"config is missing required field {key!r}")
     return hf[key]
 
 
-# `rope_theta` when a config.json leaves it out: each family's own HF config class default.
-DEFAULT_ROPE_THETA = {"mixtral": 1e6, "gemma3_text": 1e6}
-GEMMA3_LOCAL_ROPE_THETA = 10000.0  # HF Gemma3TextConfig's `rope_local_base_freq` default
+def activation_of(name: str) -> str:
+    """Our activation name for HF's `hidden_act` `name`; raises naming it when unsupported."""
+    if name not in SUPPORTED_ACTIVATIONS:
+        raise UnsupportedConfigError(f"hidden_act {name!r} is not supported")
+    return SUPPORTED_ACTIVATIONS[name]
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+def rope_from_hf(hf: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
+    """The rotary embedding of a config (of its global layers when it has several); `default_theta`
+    is the family's HF config class default, used when the config leaves `rope_theta` out."""
     # transformers >= 5 writes `rope_parameters` (theta inside); older configs write `rope_theta` and
     # `rope_scaling`. Accept both.
     params = dict(hf.get("rope_parameters") or {})
@@ -213,23 +199,12 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     legacy = hf.get("rope_scaling")
     if legacy:
         params = {**dict(legacy), **params}
-    default_theta = DEFAULT_ROPE_THETA.get(hf.get("model_type"), 10000.0)
     theta = float(params.pop("rope_theta", hf.get("rope_theta", default_theta)))
-    return _rope_config(hf, params, theta)
+    return rope_config(hf, params, theta)
 
 
-def _local_rope_from_hf(hf: dict[str, Any]) -> RopeConfig | None:
-    """Gemma 3's sliding-window layers: their own base (`rope_local_base_freq`), never scaled."""
-    if hf.get("model_type") != "gemma3_text":
-        return None
-    params = dict((hf.get("rope_parameters") or {}).get("sliding_attention") or {})
-    theta = float(
-        params.pop("rope_theta", hf.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_THETA)
-    )
-    return _rope_config(hf, params, theta)
-
-
-def _rope_config(hf: dict[str, Any], params: dict[str, Any], theta: float) -> RopeConfig:
+def rope_config(hf: dict[str, Any], params: dict[str, Any], theta: float) -> RopeConfig:
+    """A `RopeConfig` from one rope parameter dict (`rope_type`/`type` and its scaling fields)."""
     rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedConfigError(
@@ -257,392 +232,17 @@ def _rope_config(hf: dict[str, Any], params: dict[str, Any], theta: float) -> Ro
     return RopeConfig(theta=theta, rope_type=rope_type, scaling=scaling)
 
 
-def _layer_windows(hf: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
-    window = hf.get("sliding_window")
-    layer_types = hf.get("layer_types")
-    if model_type == "qwen3_moe" and not hf.get("use_sliding_window", False):
-        window = None  # HF Qwen3-MoE drops sliding_window unless use_sliding_window; then every layer slides
-    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
-        return (None,) * num_layers
-    if model_type in ("llama", "gemma", "qwen3") and layer_types is None:
-        if model_type == "qwen3" and hf.get("use_sliding_window", False):
-            raise UnsupportedConfigError("qwen3 use_sliding_window=True is not supported")
-        return (None,) * num_layers
-    if layer_types is None:
-        if model_type == "gemma2":
-            # Gemma 2 alternates: even layers sliding, odd layers global.
-            layer_types = [
-                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
-            ]
-        elif model_type == "gemma3_text":
-            # Gemma 3: every `sliding_window_pattern`-th layer is global (5 local : 1 global).
-            pattern = hf.get("sliding_window_pattern")
-            pattern = 6 if pattern is None else int(pattern)
-            if pattern < 1:
-                raise UnsupportedConfigError(f"sliding_window_pattern must be >= 1, got {pattern}")
-            layer_types = [
-                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                for i in range(num_layers)
-            ]
-        else:
-            layer_types = ["sliding_attention" if window else "full_attention"] * num_layers
-    if len(layer_types) != num_layers:
-        raise UnsupportedConfigError(
-            f"layer_types has {len(layer_types)} entries for {num_layers} layers"
-        )
-    windows = []
-    for i, kind in enumerate(layer_types):
-        if kind == "full_attention":
-            windows.append(None)
-        elif kind == "sliding_attention":
-            if not window:
-                raise UnsupportedConfigError(
-                    f"layer {i} is sliding_attention but sliding_window is unset"
-                )
-            windows.append(int(window))
-        else:
-            raise UnsupportedConfigError(f"layer_types[{i}] = {kind!r} is not supported")
-    return tuple(windows)
+# NOTE: expert/router fields. Any a family does not read would change the math (shared experts,
+# routed scaling, group-limited top-k, router bias...): `reject_unknown_moe_fields` refuses it by
+# name rather than ignore it.
+MOE_FIELD = re.compile(r"expert|router|moe|topk|top_k|sparse|routed|n_group")
 
 
-def _from_hf(hf: dict[str, Any]) -> ModelConfig:
-    model_type = hf.get("model_type")
-    if model_type == "gemma3" and isinstance(hf.get("text_config"), dict):
-        # The multimodal Gemma 3 wrapper: the text model is all we serve.
-        text = hf["text_config"]
-        hf = {
-            "tie_word_embeddings": hf.get("tie_word_embeddings", True),
-            **text,
-            "model_type": "gemma3_text",
-        }
-        model_type = "gemma3_text"
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        archs = hf.get("architectures")
-        raise UnsupportedConfigError(
-            f"unsupported architecture model_type={model_type!r} (architectures={archs}); "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    hidden = int(_require(hf, "hidden_size"))
-    heads = int(_require(hf, "num_attention_heads"))
-    kv_heads = int(hf.get("num_key_value_heads") or heads)
-    if heads % kv_heads:
-        raise UnsupportedConfigError(
-            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
-        )
-    head_dim = int(hf.get("head_dim") or hidden // heads)
-    num_layers = int(_require(hf, "num_hidden_layers"))
-    gemma = model_type in GEMMA_MODEL_TYPES
-    if model_type in DEEPSEEK_MODEL_TYPES:
-        return _deepseek_from_hf(hf, model_type)
-
-    act_name = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-    if gemma and act_name == "gelu":
-        act_name = "gelu_pytorch_tanh"  # HF Gemma uses the tanh approximation whatever config says
-    if act_name not in SUPPORTED_ACTIVATIONS:
-        raise UnsupportedConfigError(f"hidden_act {act_name!r} is not supported")
-    if hf.get("mlp_bias"):
-        raise UnsupportedConfigError("mlp_bias=True is not supported")
-    if model_type in ("llama", "mistral", "qwen3") and hf.get("pretraining_tp", 1) not in (1, None):
-        raise UnsupportedConfigError("pretraining_tp != 1 is not supported")
-    if hf.get("use_bidirectional_attention"):
-        raise UnsupportedConfigError("use_bidirectional_attention=True is not supported")
-
-    attention_bias = bool(hf.get("attention_bias", False))
-    moe = _moe_from_hf(hf, model_type, num_layers)
-    return ModelConfig(
-        model_type=model_type,
-        vocab_size=int(_require(hf, "vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(_require(hf, "intermediate_size")),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=_rope_from_hf(hf),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-        activation=SUPPORTED_ACTIVATIONS[act_name],
-        qkv_bias=model_type == "qwen2" or attention_bias,
-        o_bias=attention_bias and model_type not in ("qwen2",),
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
-        norm_offset=1.0 if gemma else 0.0,
-        embed_scale=gemma,
-        sandwich_norm=model_type in ("gemma2", "gemma3_text"),
-        query_pre_attn_scalar=_query_pre_attn_scalar(hf, model_type),
-        attn_logit_softcap=_attn_logit_softcap(hf, model_type),
-        final_logit_softcap=(
-            float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping") else None
-        ),
-        local_rope=_local_rope_from_hf(hf),
-        layer_windows=_layer_windows(hf, model_type, num_layers),
-        **moe,
-    )
-
-
-def _attn_logit_softcap(hf: dict[str, Any], model_type: str) -> float | None:
-    cap = hf.get("attn_logit_softcapping")
-    if not cap:
-        return None
-    if model_type == "gemma3_text":
-        # NOTE: Gemma 3's attention has no soft cap: transformers keeps the field but never applies
-        # it (nor does vLLM); we match them, saying so.
-        log.warning(
-            "gemma3_text: attn_logit_softcapping=%s is not applied (Gemma 3 attention has "
-            "no soft cap, as in transformers)",
-            cap,
-        )
-        return None
-    return float(cap)
-
-
-def _query_pre_attn_scalar(hf: dict[str, Any], model_type: str) -> float | None:
-    if model_type == "gemma3_text":  # HF Gemma3TextConfig default: 256
-        return float(hf.get("query_pre_attn_scalar") or 256)
-    if model_type == "gemma2" and hf.get("query_pre_attn_scalar"):
-        return float(hf["query_pre_attn_scalar"])
-    return None
-
-
-_MOE_FIELD = re.compile(r"expert|router|moe|topk|top_k|sparse|routed|n_group")
-_MOE_FIELDS = (
-    "num_local_experts",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "norm_topk_prob",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-)
-
-
-def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
-    """The MoE fields of ModelConfig: Mixtral (softmax → top-k → renormalise, every layer sparse)
-    and Qwen3-MoE (`norm_topk_prob`, dense layers from `mlp_only_layers`/`decoder_sparse_step`)."""
-    if model_type not in MOE_MODEL_TYPES:
-        for key in ("num_local_experts", "num_experts", "moe_intermediate_size"):
-            if hf.get(key):
-                raise UnsupportedConfigError(
-                    f"{key}={hf[key]} on model_type={model_type!r}: "
-                    f"mixture of experts is supported for {MOE_MODEL_TYPES}"
-                )
-        return {}
-    # NOTE: any other expert/router field (shared experts, routed scaling, group-limited top-k,
-    # router bias...) would change the math: refuse it by name rather than ignore it.
+def reject_unknown_moe_fields(hf: dict[str, Any], model_type: str, known: Collection[str]) -> None:
+    """Raises naming the first set expert/router field of `hf` that is not in `known`."""
     for key in sorted(hf):
-        if (
-            _MOE_FIELD.search(key)
-            and key not in _MOE_FIELDS
-            and key not in MOE_TRAINING_ONLY_FIELDS
-            and hf[key] not in (None, False, 0, [], {})
-        ):
+        if MOE_FIELD.search(key) and key not in known and hf[key] not in (None, False, 0, [], {}):
             raise UnsupportedConfigError(f"{model_type}: {key}={hf[key]!r} is not supported")
-    # NOTE: transformers aliases num_experts and num_local_experts in both families (hub Mixtral
-    # configs write the latter, hub Qwen3-MoE the former, transformers 5 writes num_local_experts).
-    counts = {k: int(hf[k]) for k in ("num_local_experts", "num_experts") if hf.get(k) is not None}
-    if not counts:
-        raise UnsupportedConfigError(
-            f"{model_type} config is missing required field 'num_experts' (or 'num_local_experts')"
-        )
-    if len(set(counts.values())) > 1:
-        raise UnsupportedConfigError(
-            f"{model_type}: num_local_experts and num_experts differ: {counts}"
-        )
-    num_experts = next(iter(counts.values()))
-    if model_type == "mixtral":
-        ffn = int(_require(hf, "intermediate_size"))
-        norm_topk, moe_layers = True, (True,) * num_layers
-    else:
-        ffn = int(_require(hf, "moe_intermediate_size"))
-        norm_topk = bool(hf.get("norm_topk_prob", False))
-        step = int(1 if hf.get("decoder_sparse_step") is None else hf["decoder_sparse_step"])
-        if step < 1:
-            raise UnsupportedConfigError(f"decoder_sparse_step must be >= 1, got {step}")
-        dense = set(hf.get("mlp_only_layers") or ())
-        if bad := sorted(i for i in dense if not 0 <= int(i) < num_layers):
-            raise UnsupportedConfigError(f"mlp_only_layers {bad} are outside 0..{num_layers - 1}")
-        moe_layers = tuple(
-            num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers)
-        )
-    top_k = int(_require(hf, "num_experts_per_tok"))
-    if num_experts < 1 or not 1 <= top_k <= num_experts:
-        raise UnsupportedConfigError(
-            f"{model_type}: num_experts_per_tok={top_k} must be in 1..number of experts ({num_experts})"
-        )
-    return dict(
-        num_experts=num_experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=ffn,
-        norm_topk_prob=norm_topk,
-        moe_layers=moe_layers,
-    )
-
-
-# DeepSeek fields that change nothing at inference: training losses, the expert-parallel size the
-# checkpoint was trained with, and the multi-token-prediction layers (speculative heads we do not run;
-# their tensors are skipped when loading).
-DEEPSEEK_IGNORED_FIELDS = (
-    "aux_loss_alpha",
-    "seq_aux",
-    "output_router_logits",
-    "router_aux_loss_coef",
-    "ep_size",
-    "num_nextn_predict_layers",
-    "num_mtp_layers",
-)
-DEEPSEEK_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-
-
-def _deepseek_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
-    """DeepSeek-V2/V3: MLA attention, MoE with shared experts and group-limited routing."""
-    num_layers = int(_require(hf, "num_hidden_layers"))
-    heads = int(_require(hf, "num_attention_heads"))
-    hidden = int(_require(hf, "hidden_size"))
-    kv_heads = int(hf.get("num_key_value_heads") or heads)
-    if kv_heads != heads:
-        raise UnsupportedConfigError(
-            f"{model_type}: num_key_value_heads={kv_heads} != "
-            f"num_attention_heads={heads} is not an MLA model"
-        )
-    mla = {
-        k: int(_require(hf, k))
-        for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-    }
-    if min(mla.values()) < 1:
-        raise UnsupportedConfigError(f"{model_type}: MLA dims must be >= 1, got {mla}")
-    if mla["qk_rope_head_dim"] % 2:
-        raise UnsupportedConfigError(
-            f"{model_type}: qk_rope_head_dim={mla['qk_rope_head_dim']} is odd"
-        )
-    q_lora = int(hf.get("q_lora_rank") or 0)
-    act_name = hf.get("hidden_act") or "silu"
-    if act_name not in SUPPORTED_ACTIVATIONS:
-        raise UnsupportedConfigError(f"hidden_act {act_name!r} is not supported")
-    for key in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
-        if hf.get(key):
-            raise UnsupportedConfigError(f"{model_type}: {key}=True is not supported")
-    if hf.get("pretraining_tp", 1) not in (1, None):
-        raise UnsupportedConfigError("pretraining_tp != 1 is not supported")
-    moe = _deepseek_moe_from_hf(hf, model_type, num_layers)
-    rope = _rope_from_hf(hf)
-    return ModelConfig(
-        model_type=model_type,
-        vocab_size=int(_require(hf, "vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(_require(hf, "intermediate_size")),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"],
-        max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=rope,
-        activation=SUPPORTED_ACTIVATIONS[act_name],
-        layer_windows=(None,) * num_layers,
-        q_lora_rank=q_lora,
-        # HF DeepSeek-V2 and the original V2/V3 code rotate (x0, x1) pairs; transformers' V3
-        # port rotates halves only when a config sets rope_interleave=False.
-        rope_interleave=model_type == "deepseek_v2" or bool(hf.get("rope_interleave", True)),
-        num_nextn_predict_layers=int(
-            hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0
-        ),
-        **mla,
-        **moe,
-    )
-
-
-def _deepseek_moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
-    known = (
-        "n_routed_experts",
-        "num_local_experts",
-        "num_experts",
-        "n_shared_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-        "norm_topk_prob",
-        "routed_scaling_factor",
-        "n_group",
-        "topk_group",
-        "topk_method",
-        "scoring_func",
-        "first_k_dense_replace",
-        "moe_layer_freq",
-    )
-    for key in sorted(hf):
-        if (
-            _MOE_FIELD.search(key)
-            and key not in known
-            and key not in DEEPSEEK_IGNORED_FIELDS
-            and hf[key] not in (None, False, 0, [], {})
-        ):
-            raise UnsupportedConfigError(f"{model_type}: {key}={hf[key]!r} is not supported")
-    counts = {
-        int(hf[k])
-        for k in ("n_routed_experts", "num_local_experts", "num_experts")
-        if hf.get(k) is not None
-    }
-    if len(counts) > 1:
-        raise UnsupportedConfigError(
-            f"{model_type}: n_routed_experts / num_experts differ: {counts}"
-        )
-    num_experts = counts.pop() if counts else 0
-    v3 = model_type == "deepseek_v3"
-    method = hf.get("topk_method") or ("noaux_tc" if v3 else "greedy")
-    if method not in DEEPSEEK_TOPK_METHODS:
-        raise UnsupportedConfigError(
-            f"{model_type}: topk_method={method!r} is not supported "
-            f"(supported: {DEEPSEEK_TOPK_METHODS})"
-        )
-    scoring = hf.get("scoring_func") or ("sigmoid" if v3 else "softmax")
-    if scoring not in ("softmax", "sigmoid"):
-        raise UnsupportedConfigError(f"{model_type}: scoring_func={scoring!r} is not supported")
-    if v3 and (method != "noaux_tc" or scoring != "sigmoid"):
-        raise UnsupportedConfigError(
-            f"{model_type}: topk_method={method!r} with scoring_func="
-            f"{scoring!r} is not supported (V3 routes noaux_tc + sigmoid)"
-        )
-    if not v3 and (method == "noaux_tc" or scoring != "softmax"):
-        raise UnsupportedConfigError(
-            f"{model_type}: topk_method={method!r} with scoring_func="
-            f"{scoring!r} is not supported (V2 routes by softmax)"
-        )
-    if not num_experts:
-        return dict(topk_method=method, scoring_func=scoring)
-    top_k = int(_require(hf, "num_experts_per_tok"))
-    n_group = int(hf.get("n_group") or 1)
-    topk_group = int(hf.get("topk_group") or 1)
-    if method == "greedy":
-        n_group = topk_group = 1  # HF's greedy routing ignores the groups
-    if num_experts % n_group or not 1 <= topk_group <= n_group:
-        raise UnsupportedConfigError(
-            f"{model_type}: n_group={n_group} must divide n_routed_experts="
-            f"{num_experts} and topk_group={topk_group} be in 1..n_group"
-        )
-    if not 1 <= top_k <= num_experts // n_group * topk_group:
-        raise UnsupportedConfigError(
-            f"{model_type}: num_experts_per_tok={top_k} must be in 1..the "
-            f"experts of the topk_group={topk_group} groups"
-        )
-    if method == "noaux_tc" and num_experts // n_group < 2:
-        raise UnsupportedConfigError(
-            f"{model_type}: noaux_tc ranks groups by their top-2 experts; "
-            f"n_group={n_group} leaves fewer than 2 per group"
-        )
-    first_dense = int(hf.get("first_k_dense_replace") or 0)
-    freq = int(hf.get("moe_layer_freq") or 1)
-    return dict(
-        num_experts=num_experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=int(_require(hf, "moe_intermediate_size")),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        moe_layers=tuple(i >= first_dense and i % freq == 0 for i in range(num_layers)),
-        scoring_func=scoring,
-        topk_method=method,
-        n_group=n_group,
-        topk_group=topk_group,
-        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
-        num_shared_experts=int(hf.get("n_shared_experts") or 0),
-    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,10 +7,10 @@
    projections, MLPs, experts, embedding and LM head are `QArray`s (as in `llama.param_specs`);
    `w_uk` / `w_uv` (absorbed by einsum), norms and the router stay in the model dtype.
    The latent cache is kept in the model dtype: `kv_cache_dtype='fp8'` is refused.
-2. `params_from_hf` maps HF tensor names onto that tree (`llama.fill_params`). Where the checkpoint
-   lays rotary dims out as (x0, x1) pairs (`cfg.rope_interleave`), the rope columns of `q`/`q_b`
-   and `kv_a` are permuted at load to (evens | odds), so the shared half-split RoPE gives the same
-   dot products. Multi-token-prediction layers (`num_nextn_predict_layers`) are skipped.
+2. `params_from_hf` maps HF tensor names onto that tree (`hf_weights.fill_params`). Where the
+   checkpoint lays rotary dims out as (x0, x1) pairs (`cfg.rope_interleave`), the rope columns of
+   `q`/`q_b` and `kv_a` are permuted at load to (evens | odds), so the shared half-split RoPE gives
+   the same dot products. Multi-token-prediction layers (`num_nextn_predict_layers`) are skipped.
 3. `forward(params, cfg, step, kv_caches)`: embed -> layers -> final norm -> logits at
    `step.logits_indices`. Per layer:
    a. attention (`_mla_block`): q_nope, q_rope from the query projection; latent and rope key from
@@ -21,7 +21,7 @@
    b. MLP: the first `first_k_dense_replace` layers are dense gated MLPs; the rest are `moe.moe_mlp`
       (softmax / sigmoid + correction bias, group-limited top-k, routed scaling) plus the shared
       experts (one gated MLP), summed before the one all-reduce.
-4. On a mesh, as `llama.forward`: one `shard_map`; heads (q, w_uk, w_uv, o), the dense MLPs, the
+4. On a mesh, through `sharded.forward` as `llama.forward`: one `shard_map`; heads (q, w_uk, w_uv, o), the dense MLPs, the
    shared experts and the vocab split over `sharding.dense_axes`, experts over `expert` with their
    F over `tensor`; `kv_a` is replicated and so is the latent cache (every head shard reads every
    row), pages split over `data`. Pipeline meshes are refused (layers differ in kind).
@@ -45,12 +45,14 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxinfer import layers, moe
 from jaxinfer import mla_attention as mla
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import llama
-from jaxinfer.models.llama import SINGLE, Kernels, MLPParams, Params
+from jaxinfer.models import llama, sharded
+from jaxinfer.models.hf_weights import IGNORED, fill_params, ident, moe_expert_names, transpose
+from jaxinfer.models.llama import MLPParams, Params
+from jaxinfer.models.sharded import SINGLE, Kernels
 from jaxinfer.moe import MoEParams
-from jaxinfer.params import ParamSpec, partition_specs
-from jaxinfer.quantization import quantization_of, quantize_specs
-from jaxinfer.sharding import DATA, EXPERT, TENSOR, Parallel, dense_axes, model_rules
+from jaxinfer.params import ParamSpec
+from jaxinfer.quantization import quantize_specs
+from jaxinfer.sharding import DATA, EXPERT, TENSOR, Parallel
 from jaxinfer.step import StepInputs
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -153,7 +155,7 @@ def _rope_perm(r: int, interleave: bool) -> np.ndarray:
 
 
 def _hf_name_map(cfg: ModelConfig, names: Iterable[str]) -> dict[str, tuple | list[tuple]]:
-    """HF tensor name -> entry (or entries) as in `llama._hf_name_map`."""
+    """HF tensor name -> entry (or entries) as in `llama_weights.hf_name_map`."""
     h, dn, r, lat, dv = (
         cfg.num_heads,
         cfg.qk_nope_head_dim,
@@ -164,12 +166,6 @@ def _hf_name_map(cfg: ModelConfig, names: Iterable[str]) -> dict[str, tuple | li
     perm = _rope_perm(r, cfg.rope_interleave)
     q_cols = np.concatenate([np.arange(dn), dn + perm])  # per head: nope, then rope (permuted)
     kv_cols = np.concatenate([np.arange(lat), lat + perm])
-
-    def ident(x):
-        return x
-
-    def transpose(x):  # HF linear [out, in] -> ours [in, out]
-        return x.T
 
     def q_layout(x):  # [H*(Dn+R), in] -> [in, H*(Dn+R)] with each head's rope columns permuted
         x = x.T
@@ -210,7 +206,7 @@ def _hf_name_map(cfg: ModelConfig, names: Iterable[str]) -> dict[str, tuple | li
         else:
             out[a + "q_proj.weight"] = (A + ("q",), q_layout)
         if cfg.is_moe_layer(i):
-            out.update(llama._hf_moe_names(cfg, i, names))  # mlp.gate + mlp.experts.*
+            out.update(moe_expert_names(cfg, i, names))  # mlp.gate + mlp.experts.*
             if cfg.topk_method == "noaux_tc":
                 out[p + "mlp.gate.e_score_correction_bias"] = (L + ("mlp", "router_bias"), ident)
             if cfg.num_shared_experts:
@@ -249,9 +245,9 @@ def params_from_hf(
 
     def skip(name: str) -> bool:  # the multi-token-prediction layers (V3's layer 61)
         m = _LAYER.match(name)
-        return bool(llama._IGNORED.match(name)) or (m is not None and int(m.group(1)) in mtp)
+        return bool(IGNORED.match(name)) or (m is not None and int(m.group(1)) in mtp)
 
-    return llama.fill_params(
+    return fill_params(
         param_specs(cfg, dtype, quantization),
         _hf_name_map(cfg, names),
         names,
@@ -427,39 +423,23 @@ def forward(
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Returns (logits f32[N, V] at step.logits_indices, updated kv_caches); the contract of
     `llama.forward` (data replicas stacked on a leading dim, logits sharded on vocab)."""
-    par = Parallel.from_mesh(mesh)
-    kernels = Kernels(attention_backend, layers.resolve_linear_backend(linear_backend))
-    if par.is_single:
-        return _forward_local(params, cfg, step, kv_caches, kernels, Parallel())
-    if par.pipeline > 1:
+    if Parallel.from_mesh(mesh).pipeline > 1:
         raise ValueError(
             f"{cfg.model_type}: pipeline parallelism is not supported (dense and MoE "
             f"layers differ in kind); use the data, expert and tensor axes"
         )
-    param_specs_ = partition_specs(
-        param_specs(cfg, quantization=quantization_of(params)), model_rules(cfg, par)
-    )
-    stacked = par.data > 1
-    step_spec = PartitionSpec(DATA) if stacked else PartitionSpec()
-    cache_specs = tuple(kv_cache_spec(cfg, par) for _ in kv_caches)
-    vocab = dense_axes(cfg, par)
-    logits_spec = PartitionSpec(DATA, None, vocab) if stacked else PartitionSpec(None, vocab)
-
-    def body(params, step, kv_caches):
-        if stacked:
-            step = jax.tree.map(lambda x: x[0], step)
-        logits, caches = _forward_local(params, cfg, step, kv_caches, kernels, par)
-        return (logits[None] if stacked else logits), caches
-
-    # NOTE: check_vma off: the Pallas kernels inside carry no varying-axis annotations.
-    run = jax.shard_map(
-        body,
+    return sharded.forward(
+        _forward_local,
+        param_specs,
+        kv_cache_specs,
+        params,
+        cfg,
+        step,
+        kv_caches,
+        attention_backend=attention_backend,
+        linear_backend=linear_backend,
         mesh=mesh,
-        in_specs=(param_specs_, step_spec, cache_specs),
-        out_specs=(logits_spec, cache_specs),
-        check_vma=False,
     )
-    return run(params, step, tuple(kv_caches))
 
 
 forward_jit = jax.jit(

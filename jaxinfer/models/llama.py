@@ -7,13 +7,14 @@ layers as in Gemma 3).
 1. `param_specs(cfg, dtype)` declares every weight once (shape, dtype, logical axes). Linear
    weights are stored `[in, out]` (split per head where heads matter) so no weight is transposed
    inside the jitted step (see ARCHITECTURE.md §6).
-2. `params_from_hf(cfg, names, get_tensor, dtype)` maps Hugging Face tensor names onto that tree,
-   raising on missing, unexpected or mis-shaped tensors.
+2. `params_from_hf(cfg, names, get_tensor, dtype)` maps Hugging Face tensor names onto that tree
+   (`llama_weights`: the names, as the family's `llama_config.LlamaLike` declares them;
+   `hf_weights.fill_params`: the filling), raising on missing, unexpected or mis-shaped tensors.
 3. `forward(params, cfg, step, kv_caches)` runs the ragged step: embed → layers (attention over the
    paged cache, gated MLP) → final norm → logits only at `step.logits_indices`.
-4. `forward(..., mesh=)` runs that same code inside one `shard_map` over the mesh (manual SPMD,
-   Megatron style): each device holds its shards (q/kv/gate_up column-split by heads / MLP
-   columns, o/down row-split, embedding and LM head split by vocab) and `Parallel` adds the
+4. `forward(..., mesh=)` runs that same code inside one `shard_map` over the mesh
+   (`sharded.forward`; manual SPMD, Megatron style): each device holds its shards (q/kv/gate_up
+   column-split by heads / MLP columns, o/down row-split, embedding and LM head split by vocab) and `Parallel` adds the
    all-reduces: one after o_proj and one after the MLP down projection per layer (biases after
    them), one for the vocab-parallel embedding. Logits leave sharded on vocab. Those splits run
    over `par.dense` shards: `tensor` on dense models, `expert` x `tensor` on MoE models (the
@@ -26,10 +27,8 @@ Einsum legend: t = token, e = embed, f = heads*head_dim or MLP hidden, v = vocab
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,37 +36,29 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, PartitionSpec
 
-from checkpoints import quantize as qlib
 from jaxinfer import attention as attention_lib
 from jaxinfer import layers, moe
 from jaxinfer import pipeline as pipeline_lib
 from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
+from jaxinfer.models import sharded
+from jaxinfer.models.hf_weights import IGNORED, fill_params
+from jaxinfer.models.llama_weights import checkpoint_view, hf_name_map, renamed
+from jaxinfer.models.sharded import SINGLE, Kernels
 from jaxinfer.moe import MoEParams
-from jaxinfer.params import ParamSpec, checked_array, map_specs, partition_specs
-from jaxinfer.quantization import QArray, quantization_of, quantize_specs
+from jaxinfer.params import ParamSpec
+from jaxinfer.quantization import QArray, quantize_specs
 from jaxinfer.sharding import (
     DATA,
     EXPERT,
-    PIPELINE,
     TENSOR,
     Parallel,
     dense_axes,
     kv_cache_heads,
     kv_heads_split,
-    model_rules,
 )
 from jaxinfer.step import StepInputs
 from pallas_kernels.ragged_paged_attention.reference import Fp8KVCache
-
-SINGLE = Parallel()  # one device: every axis size 1
-
-
-class Kernels(NamedTuple):
-    """The resolved (concrete) backends a forward pass uses: static, part of the compiled program."""
-
-    attention: str = "reference"  # see jaxinfer.attention
-    linear: str = "xla"  # see jaxinfer.layers.resolve_linear_backend
 
 
 @struct.dataclass
@@ -172,121 +163,6 @@ def param_specs(
     return quantize_specs(specs, quantization)
 
 
-def _ident(x):
-    return x
-
-
-def _transpose(x):  # HF linear [out, in] -> ours [in, out]
-    return x.T
-
-
-def _hf_name_map(cfg: ModelConfig, names: Iterable[str] = ()) -> dict[str, tuple]:
-    """HF tensor name -> (path into Params, transform from the HF layout to ours[, slot]).
-
-    A `slot` places the tensor at index `slot` of the leaf's second-to-last axis (fused leaves), or,
-    when it is a tuple, at that index of the leaf (one expert of a stacked expert leaf). `names` (the
-    checkpoint's) picks between the per-expert and the fused expert layouts of MoE checkpoints.
-    """
-    ident, transpose = _ident, _transpose
-    out = {
-        "model.embed_tokens.weight": (("embed",), ident),
-        "model.norm.weight": (("final_norm",), ident),
-    }
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (("lm_head",), transpose)
-    # Gemma 2 names its pre-MLP norm pre_feedforward_layernorm; the others call it post_attention_layernorm.
-    mlp_norm_name = "pre_feedforward_layernorm" if cfg.sandwich_norm else "post_attention_layernorm"
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        L = ("layers", i)
-        out.update(
-            {
-                p + "input_layernorm.weight": (L + ("attn_norm",), ident),
-                p + mlp_norm_name + ".weight": (L + ("mlp_norm",), ident),
-                p + "self_attn.q_proj.weight": (L + ("attn", "q"), transpose),
-                p + "self_attn.k_proj.weight": (L + ("attn", "kv"), transpose, 0),
-                p + "self_attn.v_proj.weight": (L + ("attn", "kv"), transpose, 1),
-                p + "self_attn.o_proj.weight": (L + ("attn", "o"), transpose),
-            }
-        )
-        if cfg.is_moe_layer(i):
-            out.update(_hf_moe_names(cfg, i, names))
-        else:
-            out.update(
-                {
-                    p + "mlp.gate_proj.weight": (L + ("mlp", "gate_up"), transpose, 0),
-                    p + "mlp.up_proj.weight": (L + ("mlp", "gate_up"), transpose, 1),
-                    p + "mlp.down_proj.weight": (L + ("mlp", "down"), transpose),
-                }
-            )
-        if cfg.qkv_bias:
-            out[p + "self_attn.q_proj.bias"] = (L + ("attn", "q_bias"), ident)
-            out[p + "self_attn.k_proj.bias"] = (L + ("attn", "kv_bias"), ident, 0)
-            out[p + "self_attn.v_proj.bias"] = (L + ("attn", "kv_bias"), ident, 1)
-        if cfg.o_bias:
-            out[p + "self_attn.o_proj.bias"] = (L + ("attn", "o_bias"), ident)
-        if cfg.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = (L + ("attn", "q_norm"), ident)
-            out[p + "self_attn.k_norm.weight"] = (L + ("attn", "k_norm"), ident)
-        if cfg.sandwich_norm:
-            out[p + "post_attention_layernorm.weight"] = (L + ("post_attn_norm",), ident)
-            out[p + "post_feedforward_layernorm.weight"] = (L + ("post_mlp_norm",), ident)
-    return out
-
-
-def _hf_moe_names(cfg: ModelConfig, i: int, names: Iterable[str]) -> dict[str, tuple]:
-    """Expert tensors of sparse layer `i`, in the layout the checkpoint uses.
-
-    Hub checkpoints (and transformers 5's `save_pretrained`) store one tensor per expert: Mixtral
-    `block_sparse_moe.gate` + `experts.{j}.w1/w3/w2` (gate/up/down), Qwen3-MoE `mlp.gate` +
-    `mlp.experts.{j}.gate_proj/up_proj/down_proj`. transformers 5 models hold them fused in memory
-    (`mlp.experts.gate_up_proj [X, 2F, E]`, `mlp.experts.down_proj [X, E, F]`, router `mlp.gate`);
-    a state dict taken from such a model uses that form.
-    """
-    x, e, fm = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    L = ("layers", i, "mlp")
-    fused = f"model.layers.{i}.mlp.experts.gate_up_proj"
-    if fused in set(names):
-        p = f"model.layers.{i}.mlp."
-        return {
-            p + "gate.weight": (L + ("router",), lambda t: t.T),
-            fused: (L + ("gate_up",), lambda t: t.reshape(x, 2, fm, e).transpose(0, 3, 1, 2)),
-            p + "experts.down_proj": (L + ("down",), lambda t: t.transpose(0, 2, 1)),
-        }
-    if cfg.model_type == "mixtral":
-        p, parts = f"model.layers.{i}.block_sparse_moe.", ("w1", "w3", "w2")
-    else:
-        p, parts = f"model.layers.{i}.mlp.", ("gate_proj", "up_proj", "down_proj")
-    out = {p + "gate.weight": (L + ("router",), lambda t: t.T)}
-    for j in range(x):
-        q = f"{p}experts.{j}."
-        out[q + parts[0] + ".weight"] = (L + ("gate_up",), _transpose, (j, slice(None), 0))
-        out[q + parts[1] + ".weight"] = (L + ("gate_up",), _transpose, (j, slice(None), 1))
-        out[q + parts[2] + ".weight"] = (L + ("down",), _transpose, (j,))
-    return out
-
-
-# Tensors some checkpoints carry that hold no weights of ours.
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-
-
-def _get_path(tree: Any, path: tuple) -> Any:
-    for key in path:
-        tree = tree[key] if isinstance(key, int) else getattr(tree, key)
-    return tree
-
-
-def _set_path(tree: Any, path: tuple, value: Any) -> Any:
-    if not path:
-        return value
-    key, rest = path[0], path[1:]
-    if isinstance(key, int):
-        items = list(tree)
-        items[key] = _set_path(items[key], rest, value)
-        return tuple(items)
-    return tree.replace(**{key: _set_path(getattr(tree, key), rest, value)})
-
-
 def params_from_hf(
     cfg: ModelConfig,
     names: Iterable[str],
@@ -304,215 +180,22 @@ def params_from_hf(
     holds quantized as (data [out, in], scale f32[out, groups]) in HF layout (None: read it with
     `get_tensor`).
     """
-    names = list(names)
-    if cfg.model_type == "gemma3_text":
-        names, source_name = _gemma3_text_view(names)
-        get_tensor = _renamed(get_tensor, source_name)
-        get_quantized = get_quantized and _renamed(get_quantized, source_name)
+    names, source_name = checkpoint_view(cfg, list(names))
+    if source_name:  # a multimodal wrapper's text model (Gemma 3)
+        get_tensor = renamed(get_tensor, source_name)
+        get_quantized = get_quantized and renamed(get_quantized, source_name)
     return fill_params(
         param_specs(cfg, dtype, quantization),
-        _hf_name_map(cfg, names),
+        hf_name_map(cfg, names),
         names,
         get_tensor,
         put,
         what=cfg.model_type,
         get_quantized=get_quantized,
         skip=lambda n: (
-            bool(_IGNORED.match(n)) or (cfg.tie_word_embeddings and n == "lm_head.weight")
+            bool(IGNORED.match(n)) or (cfg.tie_word_embeddings and n == "lm_head.weight")
         ),
     )
-
-
-# The multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration): its text model under these
-# prefixes (hub files / transformers 5 in memory), beside vision tensors we do not serve.
-_GEMMA3_TEXT_PREFIXES = {
-    "language_model.model.": "model.",
-    "model.language_model.": "model.",
-    "language_model.lm_head.": "lm_head.",
-}
-_GEMMA3_VISION = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-)
-
-
-def _gemma3_text_view(names: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The text model's tensor names of a multimodal Gemma 3 checkpoint (a text-only checkpoint
-    passes through unchanged) and each one's name in the checkpoint; vision tensors are left out."""
-    renamed: dict[str, str] = {}
-    for name in names:
-        if name.startswith(_GEMMA3_VISION):
-            continue
-        new = next(
-            (
-                to + name[len(frm) :]
-                for frm, to in _GEMMA3_TEXT_PREFIXES.items()
-                if name.startswith(frm)
-            ),
-            name,
-        )
-        renamed[new] = name
-    return list(renamed), renamed
-
-
-def _renamed(get: Callable[..., Any], source_name: dict[str, str]) -> Callable[..., Any]:
-    """`get` (a tensor reader taking the name first) called with each name's checkpoint name."""
-    return lambda name, *args: get(source_name.get(name, name), *args)
-
-
-def fill_params(
-    specs: Any,
-    name_map: dict[str, tuple | list[tuple]],
-    names: list[str],
-    get_tensor: Callable[[str], np.ndarray],
-    put: Callable[[np.ndarray, ParamSpec], Any] | None,
-    *,
-    what: str,
-    skip: Callable[[str], bool],
-    get_quantized: Callable[[str, str, int], tuple[np.ndarray, np.ndarray] | None] | None = None,
-) -> Any:
-    """The spec tree `specs` filled from the checkpoint tensors `names` through `name_map`.
-
-    `name_map[name]` is one entry `(path, transform[, slot])` (see `_hf_name_map`) or a list of
-    them (one tensor feeding several leaves); names `skip` accepts are ignored. `QArray` specs are
-    filled quantized (see `params_from_hf`, whose `get_quantized` this takes). Raises on
-    unexpected, missing or mis-shaped tensors, naming them.
-    """
-    put = put or (lambda x, spec: jnp.asarray(x))
-    unexpected = [n for n in names if n not in name_map and not skip(n)]
-    if unexpected:
-        raise ValueError(
-            f"unexpected tensors in checkpoint for {what}: {unexpected[:8]}"
-            + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
-        )
-    missing = [n for n in name_map if n not in set(names)]
-    if missing:
-        raise ValueError(
-            f"checkpoint is missing tensors: {missing[:8]}"
-            + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
-        )
-    entries = {n: e if isinstance(e, list) else [e] for n, e in name_map.items()}
-    params = map_specs(lambda s: None, specs)
-    fused: dict[
-        tuple, Any
-    ] = {}  # path -> host buffer (a QArray of two when quantized) being filled
-    parts_left: dict[tuple, int] = {}  # path -> slots not yet filled
-    for path, _, *slot in (e for es in entries.values() for e in es):
-        if slot:
-            parts_left[path] = parts_left.get(path, 0) + 1
-    for name, targets in entries.items():
-        raw: list[np.ndarray] = []  # the float tensor, read once when a target needs it
-
-        def read(name=name, raw=raw) -> np.ndarray:
-            if not raw:
-                raw.append(np.asarray(get_tensor(name)))
-            return raw[0]
-
-        for path, transform, *slot in targets:
-            spec = _get_path(specs, path)
-            quantized = isinstance(spec, QArray)
-            shape = spec.data.shape if quantized else spec.shape
-            index = None
-            if slot:
-                index = slot[0] if isinstance(slot[0], tuple) else (..., slot[0], slice(None))
-                index = _full_index(index, len(shape))
-            if quantized:
-                value = _quantized_part(name, spec, index, transform, read, get_quantized)
-            else:
-                part = spec
-                if slot:
-                    part_shape = np.broadcast_to(np.empty((), np.int8), shape)[index].shape
-                    part = dataclasses.replace(
-                        spec, shape=part_shape, logical_axes=(None,) * len(part_shape)
-                    )
-                try:
-                    value = transform(read())
-                except ValueError:
-                    raise ValueError(
-                        f"tensor {name!r} has shape {read().shape}, which does not fit {shape}"
-                    ) from None
-                value = checked_array(name, value, part)
-            if not slot:
-                params = _set_path(params, path, _put_leaf(put, value, spec))
-                continue
-            if quantized:
-                buf = fused.setdefault(
-                    path,
-                    QArray(
-                        np.empty(spec.data.shape, spec.data.dtype),
-                        np.empty(spec.scale.shape, spec.scale.dtype),
-                    ),
-                )
-                buf.data[index] = value.data
-                buf.scale[index] = value.scale  # NOTE: slots index axes other than the contraction
-            else:
-                buf = fused.setdefault(path, np.empty(spec.shape, spec.dtype))
-                buf[index] = value
-            parts_left[path] -= 1
-            if not parts_left[path]:  # NOTE: slots never overlap; a leaf is placed once all are in
-                params = _set_path(params, path, _put_leaf(put, fused.pop(path), spec))
-    return params
-
-
-def _put_leaf(put: Callable[[np.ndarray, ParamSpec], Any], value: Any, spec: Any) -> Any:
-    if isinstance(spec, QArray):
-        return QArray(data=put(value.data, spec.data), scale=put(value.scale, spec.scale))
-    return put(value, spec)
-
-
-def _full_index(index: tuple, ndim: int) -> tuple:
-    """`index` with its Ellipsis expanded into slices: one entry per axis of an `ndim` array."""
-    if Ellipsis not in index:
-        return tuple(index) + (slice(None),) * (ndim - len(index))
-    at = index.index(Ellipsis)
-    fill = (slice(None),) * (ndim - len(index) + 1)
-    return tuple(index[:at]) + fill + tuple(index[at + 1 :])
-
-
-def _quantized_part(
-    name: str,
-    spec: QArray,
-    index: tuple | None,
-    transform: Callable,
-    read: Callable[[], np.ndarray],
-    get_quantized: Callable[[str, str, int], Any] | None,
-) -> QArray:
-    """One HF tensor as the quantized piece `index` (None: all) of the leaf `spec` (host arrays)."""
-    fmt = quantization_of(spec)
-    axis = spec.data.quant_axis
-    groups = spec.scale.shape[axis]
-    shape = spec.data.shape
-    if index is not None:
-        shape = np.broadcast_to(np.empty((), np.int8), shape)[index].shape
-        axis -= sum(isinstance(x, int) for x in index[:axis])  # integer entries drop their axes
-    # A source's own quantized rows ([out, in], scales [out, G] along `in`) fit a 2-D piece
-    # contracted over HF's `in`: axis 0 after the transpose of a linear weight, axis 1 of an
-    # embedding.
-    native = None
-    if (
-        get_quantized is not None
-        and len(shape) == 2
-        and (transform, axis) in ((_transpose, 0), (_ident, 1))
-    ):
-        native = get_quantized(name, fmt, groups)
-    if native is not None:
-        data, scale = map(transform, native)
-    else:
-        raw = read()
-        try:
-            value = transform(raw)
-        except ValueError:
-            raise ValueError(
-                f"tensor {name!r} has shape {raw.shape}, which does not fit {shape}"
-            ) from None
-        if tuple(value.shape) != tuple(shape):
-            raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {shape}")
-        data, scale = qlib.quantize(value, fmt, axis, groups)
-    if tuple(data.shape) != tuple(shape):
-        raise ValueError(f"tensor {name!r} has shape {tuple(data.shape)}, expected {shape}")
-    return QArray(data=np.asarray(data, spec.data.dtype), scale=np.asarray(scale, np.float32))
 
 
 def _attention_block(
@@ -785,39 +468,18 @@ def forward(
     back `[data, N, V]`. Logits leave sharded on vocab over `tensor` (`expert` x `tensor` on MoE
     models; never gathered here).
     """
-    par = Parallel.from_mesh(mesh)
-    kernels = Kernels(attention_backend, layers.resolve_linear_backend(linear_backend))
-    if par.is_single:
-        return _forward_local(params, cfg, step, kv_caches, kernels, Parallel())
-    rules = model_rules(cfg, par)
-    specs = param_specs(cfg, quantization=quantization_of(params))
-    if par.pipeline > 1:  # layers stacked by stage, caches per stage position [S, data*P, ...]
-        specs = pipeline_lib.stack_stages(specs, par.pipeline)
-    param_specs_ = partition_specs(specs, rules)
-    stacked = par.data > 1
-    step_spec = PartitionSpec(DATA) if stacked else PartitionSpec()
-    cache_spec = kv_cache_specs(cfg, par, kv_caches[0])
-    if par.pipeline > 1:
-        cache_spec = PartitionSpec(PIPELINE, *cache_spec)
-    cache_specs = tuple(cache_spec for _ in kv_caches)
-    vocab = dense_axes(cfg, par)
-    logits_spec = PartitionSpec(DATA, None, vocab) if stacked else PartitionSpec(None, vocab)
-
-    def body(params, step, kv_caches):
-        if stacked:
-            step = jax.tree.map(lambda x: x[0], step)
-        logits, caches = _forward_local(params, cfg, step, kv_caches, kernels, par)
-        return (logits[None] if stacked else logits), caches
-
-    # NOTE: check_vma off: the Pallas kernels inside carry no varying-axis annotations.
-    run = jax.shard_map(
-        body,
+    return sharded.forward(
+        _forward_local,
+        param_specs,
+        kv_cache_specs,
+        params,
+        cfg,
+        step,
+        kv_caches,
+        attention_backend=attention_backend,
+        linear_backend=linear_backend,
         mesh=mesh,
-        in_specs=(param_specs_, step_spec, cache_specs),
-        out_specs=(logits_spec, cache_specs),
-        check_vma=False,
     )
-    return run(params, step, tuple(kv_caches))
 
 
 forward_jit = jax.jit(

@@ -1,0 +1,242 @@
+"""Filling a family's params tree from Hugging Face checkpoint tensors (shared by every family).
+
+1. A family maps each HF tensor name to an entry `(path into its Params, transform from the HF
+   layout to ours[, slot])` (e.g. `llama_weights.hf_name_map`); `moe_expert_names` gives the expert
+   tensors of a sparse layer in either of the layouts checkpoints use.
+2. `fill_params(specs, name_map, names, get_tensor, put, ...)` reads every tensor once, checks it
+   against its `ParamSpec` (or quantizes it on the host into a `QArray` leaf), assembles fused
+   leaves from their slots, and places each leaf with `put` once it is whole. Unexpected, missing
+   and mis-shaped tensors raise, naming them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from checkpoints import quantize as qlib
+from jaxinfer.config import ModelConfig
+from jaxinfer.params import ParamSpec, checked_array, map_specs
+from jaxinfer.quantization import QArray, quantization_of
+
+# Tensors some checkpoints carry that hold no weights of ours.
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def ident(x):
+    return x
+
+
+def transpose(x):  # HF linear [out, in] -> ours [in, out]
+    return x.T
+
+
+def moe_expert_names(
+    cfg: ModelConfig,
+    i: int,
+    names: Iterable[str],
+    block: str = "mlp",
+    parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+) -> dict[str, tuple]:
+    """Expert tensors of sparse layer `i`, in the layout the checkpoint uses.
+
+    Hub checkpoints (and transformers 5's `save_pretrained`) store one tensor per expert: the
+    router `{block}.gate` and `{block}.experts.{j}.{gate,up,down}` named by `parts` (Mixtral:
+    `block_sparse_moe`, `w1/w3/w2`; Qwen3-MoE and DeepSeek: `mlp`, `gate_proj/up_proj/down_proj`).
+    transformers 5 models hold them fused in memory (`mlp.experts.gate_up_proj [X, 2F, E]`,
+    `mlp.experts.down_proj [X, E, F]`, router `mlp.gate`); a state dict taken from such a model
+    uses that form.
+    """
+    x, e, fm = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    L = ("layers", i, "mlp")
+    fused = f"model.layers.{i}.mlp.experts.gate_up_proj"
+    if fused in set(names):
+        p = f"model.layers.{i}.mlp."
+        return {
+            p + "gate.weight": (L + ("router",), lambda t: t.T),
+            fused: (L + ("gate_up",), lambda t: t.reshape(x, 2, fm, e).transpose(0, 3, 1, 2)),
+            p + "experts.down_proj": (L + ("down",), lambda t: t.transpose(0, 2, 1)),
+        }
+    p = f"model.layers.{i}.{block}."
+    out = {p + "gate.weight": (L + ("router",), lambda t: t.T)}
+    for j in range(x):
+        q = f"{p}experts.{j}."
+        out[q + parts[0] + ".weight"] = (L + ("gate_up",), transpose, (j, slice(None), 0))
+        out[q + parts[1] + ".weight"] = (L + ("gate_up",), transpose, (j, slice(None), 1))
+        out[q + parts[2] + ".weight"] = (L + ("down",), transpose, (j,))
+    return out
+
+
+def _get_path(tree: Any, path: tuple) -> Any:
+    for key in path:
+        tree = tree[key] if isinstance(key, int) else getattr(tree, key)
+    return tree
+
+
+def _set_path(tree: Any, path: tuple, value: Any) -> Any:
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if isinstance(key, int):
+        items = list(tree)
+        items[key] = _set_path(items[key], rest, value)
+        return tuple(items)
+    return tree.replace(**{key: _set_path(getattr(tree, key), rest, value)})
+
+
+def fill_params(
+    specs: Any,
+    name_map: dict[str, tuple | list[tuple]],
+    names: list[str],
+    get_tensor: Callable[[str], np.ndarray],
+    put: Callable[[np.ndarray, ParamSpec], Any] | None,
+    *,
+    what: str,
+    skip: Callable[[str], bool],
+    get_quantized: Callable[[str, str, int], tuple[np.ndarray, np.ndarray] | None] | None = None,
+) -> Any:
+    """The spec tree `specs` filled from the checkpoint tensors `names` through `name_map`.
+
+    `name_map[name]` is one entry `(path, transform[, slot])` (see `llama_weights.hf_name_map`) or
+    a list of them (one tensor feeding several leaves); names `skip` accepts are ignored. `QArray`
+    specs are filled quantized (see `llama.params_from_hf`, whose `get_quantized` this takes).
+    Raises on unexpected, missing or mis-shaped tensors, naming them.
+    """
+    put = put or (lambda x, spec: jnp.asarray(x))
+    unexpected = [n for n in names if n not in name_map and not skip(n)]
+    if unexpected:
+        raise ValueError(
+            f"unexpected tensors in checkpoint for {what}: {unexpected[:8]}"
+            + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
+        )
+    missing = [n for n in name_map if n not in set(names)]
+    if missing:
+        raise ValueError(
+            f"checkpoint is missing tensors: {missing[:8]}"
+            + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+        )
+    entries = {n: e if isinstance(e, list) else [e] for n, e in name_map.items()}
+    params = map_specs(lambda s: None, specs)
+    fused: dict[
+        tuple, Any
+    ] = {}  # path -> host buffer (a QArray of two when quantized) being filled
+    parts_left: dict[tuple, int] = {}  # path -> slots not yet filled
+    for path, _, *slot in (e for es in entries.values() for e in es):
+        if slot:
+            parts_left[path] = parts_left.get(path, 0) + 1
+    for name, targets in entries.items():
+        raw: list[np.ndarray] = []  # the float tensor, read once when a target needs it
+
+        def read(name=name, raw=raw) -> np.ndarray:
+            if not raw:
+                raw.append(np.asarray(get_tensor(name)))
+            return raw[0]
+
+        for path, transform, *slot in targets:
+            spec = _get_path(specs, path)
+            quantized = isinstance(spec, QArray)
+            shape = spec.data.shape if quantized else spec.shape
+            index = None
+            if slot:
+                index = slot[0] if isinstance(slot[0], tuple) else (..., slot[0], slice(None))
+                index = _full_index(index, len(shape))
+            if quantized:
+                value = _quantized_part(name, spec, index, transform, read, get_quantized)
+            else:
+                part = spec
+                if slot:
+                    part_shape = np.broadcast_to(np.empty((), np.int8), shape)[index].shape
+                    part = dataclasses.replace(
+                        spec, shape=part_shape, logical_axes=(None,) * len(part_shape)
+                    )
+                try:
+                    value = transform(read())
+                except ValueError:
+                    raise ValueError(
+                        f"tensor {name!r} has shape {read().shape}, which does not fit {shape}"
+                    ) from None
+                value = checked_array(name, value, part)
+            if not slot:
+                params = _set_path(params, path, _put_leaf(put, value, spec))
+                continue
+            if quantized:
+                buf = fused.setdefault(
+                    path,
+                    QArray(
+                        np.empty(spec.data.shape, spec.data.dtype),
+                        np.empty(spec.scale.shape, spec.scale.dtype),
+                    ),
+                )
+                buf.data[index] = value.data
+                buf.scale[index] = value.scale  # NOTE: slots index axes other than the contraction
+            else:
+                buf = fused.setdefault(path, np.empty(spec.shape, spec.dtype))
+                buf[index] = value
+            parts_left[path] -= 1
+            if not parts_left[path]:  # NOTE: slots never overlap; a leaf is placed once all are in
+                params = _set_path(params, path, _put_leaf(put, fused.pop(path), spec))
+    return params
+
+
+def _put_leaf(put: Callable[[np.ndarray, ParamSpec], Any], value: Any, spec: Any) -> Any:
+    if isinstance(spec, QArray):
+        return QArray(data=put(value.data, spec.data), scale=put(value.scale, spec.scale))
+    return put(value, spec)
+
+
+def _full_index(index: tuple, ndim: int) -> tuple:
+    """`index` with its Ellipsis expanded into slices: one entry per axis of an `ndim` array."""
+    if Ellipsis not in index:
+        return tuple(index) + (slice(None),) * (ndim - len(index))
+    at = index.index(Ellipsis)
+    fill = (slice(None),) * (ndim - len(index) + 1)
+    return tuple(index[:at]) + fill + tuple(index[at + 1 :])
+
+
+def _quantized_part(
+    name: str,
+    spec: QArray,
+    index: tuple | None,
+    transform: Callable,
+    read: Callable[[], np.ndarray],
+    get_quantized: Callable[[str, str, int], Any] | None,
+) -> QArray:
+    """One HF tensor as the quantized piece `index` (None: all) of the leaf `spec` (host arrays)."""
+    fmt = quantization_of(spec)
+    axis = spec.data.quant_axis
+    groups = spec.scale.shape[axis]
+    shape = spec.data.shape
+    if index is not None:
+        shape = np.broadcast_to(np.empty((), np.int8), shape)[index].shape
+        axis -= sum(isinstance(x, int) for x in index[:axis])  # integer entries drop their axes
+    # A source's own quantized rows ([out, in], scales [out, G] along `in`) fit a 2-D piece
+    # contracted over HF's `in`: axis 0 after the transpose of a linear weight, axis 1 of an
+    # embedding.
+    native = None
+    if (
+        get_quantized is not None
+        and len(shape) == 2
+        and (transform, axis) in ((transpose, 0), (ident, 1))
+    ):
+        native = get_quantized(name, fmt, groups)
+    if native is not None:
+        data, scale = map(transform, native)
+    else:
+        raw = read()
+        try:
+            value = transform(raw)
+        except ValueError:
+            raise ValueError(
+                f"tensor {name!r} has shape {raw.shape}, which does not fit {shape}"
+            ) from None
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {shape}")
+        data, scale = qlib.quantize(value, fmt, axis, groups)
+    if tuple(data.shape) != tuple(shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(data.shape)}, expected {shape}")
+    return QArray(data=np.asarray(data, spec.data.dtype), scale=np.asarray(scale, np.float32))
