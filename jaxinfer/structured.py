@@ -102,13 +102,13 @@ class _PieceTable:
     SentencePiece pieces ("\u2581the", "<0x0A>") or byte-level BPE ones ("\u0120the")."""
 
     def __init__(self, tokenizer: Any) -> None:
-        from jaxinfer.tokenizer import _byte_level_alphabet
+        from jaxinfer.tokenizer.gguf_vocab import byte_level_alphabet
 
         self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
         self.bos_token_id = tokenizer.bos_token_id
         self.special_token_ids = sorted(tokenizer.special_token_ids)
         pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
-        byte_of = {c: b for b, c in _byte_level_alphabet().items()}
+        byte_of = {c: b for b, c in byte_level_alphabet().items()}
         byte_level = any("\u0120" in p for p in pieces) and not any("\u2581" in p for p in pieces)
         self.tokens = []
         for i, piece in enumerate(pieces):

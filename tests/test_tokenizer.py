@@ -129,9 +129,9 @@ def test_smollm_isolates_every_number_like_the_original_tokenizer(
 
 @pytest.fixture(scope="module")
 def smollm_metadata(smollm_path: Path) -> dict[str, Any]:
-    from jaxinfer.tokenizer import _read_gguf_metadata
+    from jaxinfer.tokenizer.gguf_vocab import read_gguf_metadata
 
-    return _read_gguf_metadata(smollm_path)
+    return read_gguf_metadata(smollm_path)
 
 
 @pytest.mark.parametrize(

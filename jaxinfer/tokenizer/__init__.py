@@ -29,15 +29,9 @@ from jaxinfer.tokenizer.core import Tokenizer
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer, StreamDetokenizer
 from jaxinfer.tokenizer.errors import TokenizerError
 
-# NOTE: `_byte_level_alphabet` (jaxinfer.structured's piece table) and `_read_gguf_metadata`
-# (tests/test_tokenizer.py) are imported from the package by their users.
-from jaxinfer.tokenizer.gguf_vocab import _byte_level_alphabet, _read_gguf_metadata
-
 __all__ = [
     "IncrementalDetokenizer",
     "StreamDetokenizer",
     "Tokenizer",
     "TokenizerError",
-    "_byte_level_alphabet",
-    "_read_gguf_metadata",
 ]

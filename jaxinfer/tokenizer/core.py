@@ -29,7 +29,7 @@ from jaxinfer.tokenizer.chat_template import _chat_environment
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer, StreamDetokenizer
 from jaxinfer.tokenizer.errors import TokenizerError
 from jaxinfer.tokenizer.files import _load_sentencepiece, _load_tokenizer_json
-from jaxinfer.tokenizer.gguf_vocab import _read_gguf_metadata, _tokenizer_from_gguf_metadata
+from jaxinfer.tokenizer.gguf_vocab import _tokenizer_from_gguf_metadata, read_gguf_metadata
 
 
 class Tokenizer:
@@ -111,7 +111,7 @@ class Tokenizer:
             raise TokenizerError(f"tokenizer path {p} does not exist")
         if p.is_file():
             if p.suffix == ".gguf":
-                return cls.from_gguf_metadata(_read_gguf_metadata(p), source=str(p))
+                return cls.from_gguf_metadata(read_gguf_metadata(p), source=str(p))
             if p.name == "tokenizer.json":
                 return _load_tokenizer_json(cls, p, p.parent)
             if p.suffix == ".model":

@@ -1,6 +1,6 @@
 """Rebuilding the tokenizer a GGUF file describes from its `tokenizer.*` metadata.
 
-1. `_read_gguf_metadata` reads the `tokenizer.*` keys of a `.gguf` file with `gguf.GGUFReader`.
+1. `read_gguf_metadata` reads the `tokenizer.*` keys of a `.gguf` file with `gguf.GGUFReader`.
 2. `_tokenizer_from_gguf_metadata` picks the backend by `tokenizer.ggml.model`: a "gpt2"
    vocabulary becomes a byte-level BPE `tokenizers.Tokenizer` (vocab + merges from the file, split
    regex chosen by `tokenizer.ggml.pre`; `_gguf_byte_level_bpe`); a "llama" vocabulary becomes a
@@ -70,7 +70,7 @@ _END_OF_TURN_TOKENS = (
 )
 
 
-def _byte_level_alphabet() -> dict[int, str]:
+def byte_level_alphabet() -> dict[int, str]:
     """The GPT-2 byte -> printable character map byte-level BPE vocabularies are spelled in."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     table = {b: chr(b) for b in printable}
@@ -149,7 +149,7 @@ def _tokenizer_from_gguf_metadata(
     )
 
 
-def _read_gguf_metadata(path: Path) -> dict[str, Any]:
+def read_gguf_metadata(path: Path) -> dict[str, Any]:
     """The `tokenizer.*` metadata of a GGUF file, arrays as lists."""
     import gguf
 
@@ -177,7 +177,7 @@ def _gguf_byte_level_bpe(
     if not merges:
         raise TokenizerError(f"{source}: a 'gpt2' tokenizer needs tokenizer.ggml.merges")
 
-    alphabet = _byte_level_alphabet()
+    alphabet = byte_level_alphabet()
     spelled = set(alphabet.values())
     vocab: dict[str, int] = {}
     for i, (token, kind) in enumerate(zip(tokens, types)):
