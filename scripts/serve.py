@@ -419,7 +419,8 @@ def follow(args: argparse.Namespace, channel) -> int:
 async def serve(args: argparse.Namespace, channel=None) -> int:
     """Process 0: the gRPC front end; the engine core in its own process (default) or, with
     --engine-in-process and on multi-host, on a thread of this one."""
-    from jaxinfer.engine.core_client import CoreSpec, ProcessCoreClient, ThreadCoreClient
+    from jaxinfer.engine.core_client import CoreSpec, ProcessCoreClient
+    from jaxinfer.engine.core_loop import ThreadCoreClient
     from serving.launch import build_core, frontend_model
 
     t0 = time.perf_counter()
@@ -433,7 +434,7 @@ async def serve(args: argparse.Namespace, channel=None) -> int:
             from jaxinfer.engine import multihost
 
             await asyncio.to_thread(multihost.check_same_everywhere, *engine_identity(core))
-            multihost.attach_leader(core.runner, channel)
+            core.runner = multihost.attach_leader(core.runner, channel)
         client = ThreadCoreClient(core, loop_options(args))
     load_s = time.perf_counter() - t0
     try:

@@ -42,10 +42,14 @@ from typing import Any
 
 import grpc
 
-from jaxinfer.engine.core import EngineLimits
-from jaxinfer.engine.core_client import Message, request_to_wire, wire_outputs
-from jaxinfer.engine.engine import split_samples
 from jaxinfer.engine.output import OutputProcessor, RequestDelta
+from jaxinfer.engine.types import (
+    EngineLimits,
+    Message,
+    request_to_wire,
+    split_samples,
+    wire_outputs,
+)
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
 from serving.metrics import ServerMetrics
@@ -243,13 +247,13 @@ class EngineLoop:
 
     def _on_loaded(self, info: dict[str, Any]) -> None:
         self.info = info
-        self.limits = EngineLimits(**info["limits"])
+        self.limits = info["limits"]
         self.metrics.pages_total.set(info["capacity"]["num_pages"])
         self._loaded.set()
 
     def _on_ready(self, info: dict[str, Any]) -> None:
         self.info = info
-        self.limits = EngineLimits(**info["limits"])
+        self.limits = info["limits"]
         self.compiled_programs = int(info.get("compiled_programs", 0))
         logger.info("engine core ready: %d programs compiled", self.compiled_programs)
         self.metrics.compiled_programs.set(self.compiled_programs)

@@ -23,10 +23,9 @@ from typing import Any
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 
-from jaxinfer.engine.core import EngineLimits
-from jaxinfer.engine.core import check_prompt as core_check_prompt
 from jaxinfer.engine.output import RequestDelta
-from jaxinfer.engine.runner import TokenLogprobs
+from jaxinfer.engine.types import EngineLimits, TokenLogprobs
+from jaxinfer.engine.types import check_prompt as core_check_prompt
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxinfer.tokenizer import Tokenizer
 from serving.protos.jaxinfer.v1 import generate_pb2 as pb
@@ -220,7 +219,7 @@ def check_prompt(
     *,
     max_tokens_field: str = "sampling.max_tokens",
 ) -> None:
-    """The engine's prompt checks (`jaxinfer.engine.core.check_prompt`) with the field named."""
+    """The engine's prompt checks (`jaxinfer.engine.types.check_prompt`) with the field named."""
     try:
         core_check_prompt(ids, sp, limits, field=field, max_tokens_field=max_tokens_field)
     except ValueError as e:

@@ -38,9 +38,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxinfer.engine.core import EngineLimits
-from jaxinfer.engine.core_client import LoopOptions, ThreadCoreClient
+from jaxinfer.engine.core_client import LoopOptions
+from jaxinfer.engine.core_loop import ThreadCoreClient
 from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.engine.types import EngineLimits
 from jaxinfer.sampling_params import SamplingParams
 from serving import protocol
 from serving.engine_loop import EngineLoop, EngineUnavailable, Failure, QueueFull, Stream

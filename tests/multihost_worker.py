@@ -112,7 +112,8 @@ def main() -> int:
         steps.append(np.asarray(results[0])[rows].tolist())
 
     if multihost.is_leader():
-        runner = multihost.attach_leader(engine.runner, channel)
+        leader = engine.runner = multihost.attach_leader(engine.runner, channel)
+        runner = leader.runner
         run = runner.run
 
         def recording_run(prepared):
@@ -121,7 +122,7 @@ def main() -> int:
             return results
 
         runner.run = recording_run
-        report["compiled"] = runner.warmup()
+        report["compiled"] = leader.warmup()
         for i, ids in enumerate(PROMPTS):
             engine.add_request(
                 ids,

@@ -22,7 +22,8 @@ import pytest
 
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import PENDING_TOKEN, Request, RequestStatus
-from jaxinfer.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.types import RunnerOutput, SchedulerOutput
 from jaxinfer.sampling_params import SamplingParams
 
 VOCAB = 40
@@ -509,13 +510,25 @@ def test_random_mix_frees_everything_and_matches_unpreempted_outputs(
                 assert t.output_token_ids == ref, (rid, t.num_preemptions)
 
 
-def test_host_modules_import_no_jax() -> None:
-    code = (
-        "import sys; import jaxinfer.engine.scheduler, jaxinfer.engine.page_allocator, "
-        "jaxinfer.engine.request; assert 'jax' not in sys.modules, 'jax was imported'"
-    )
+def _imports_no_jax(modules: str) -> None:
+    code = f"import sys; import {modules}; assert 'jax' not in sys.modules, 'jax was imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_host_modules_import_no_jax() -> None:
+    _imports_no_jax(
+        "jaxinfer.engine.types, jaxinfer.engine.output, jaxinfer.engine.scheduler, "
+        "jaxinfer.engine.page_allocator, jaxinfer.engine.request"
+    )
+
+
+def test_front_end_imports_no_jax() -> None:
+    """What a serving front-end process imports (the engine core's process loads JAX)."""
+    _imports_no_jax(
+        "jaxinfer.engine.core_client, jaxinfer.engine.core_loop, serving.launch, "
+        "serving.protocol, serving.openai_protocol, serving.engine_loop, serving.http_server"
+    )
 
 
 def test_known_tokens_read_prompt_and_outputs_in_place():

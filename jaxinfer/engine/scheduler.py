@@ -63,115 +63,20 @@ from __future__ import annotations
 
 import bisect
 import collections
-import dataclasses
 import itertools
-import operator
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import FINISH_REASONS, PENDING_TOKEN, Request, RequestStatus
+from jaxinfer.engine.types import (
+    RequestUpdate,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SpecStats,
+)
 
-
-class ScheduledRequest(NamedTuple):
-    """One request's share of a step, as a diff against what the runner already holds.
-
-    A request that (re)joins the batch (`is_new`: first scheduled since admission or resumption)
-    comes with its whole page table in `new_page_ids`; a running one only with the pages allocated
-    for this step (usually none). The runner keeps each row's page table and sampling parameters
-    between steps and patches them from these diffs.
-
-    NOTE: a tuple (immutable): the scheduler's hot loop builds one per running request per step
-    with `_new_tuple` (one C call), and the runner reads a whole step's fields column by column
-    with one `zip(*scheduled)`.
-    """
-
-    request: Request
-    token_ids: list[int]  # all_token_ids[start_pos : ...], then num_spec_tokens proposed ones
-    start_pos: int  # num_computed_tokens before this step
-    new_page_ids: Sequence[int]  # pages the runner has not seen (the whole table when is_new)
-    sample: bool  # the chunk reaches the end of the known tokens: sample one new token
-    replica: int = 0  # data replica whose pages (ids local to its pool) hold the request
-    is_new: bool = False  # the request (re)joins the batch: its row is built from scratch
-    # NOTE: the request's live page list, not a copy: it only grows at the end while the request
-    # holds it (a release swaps in a new list), so its first cdiv(start_pos + len(token_ids),
-    # page_size) pages stay this step's table.
-    page_table: Sequence[int] = ()
-    # Speculative decoding: the last `num_spec_tokens` of `token_ids` are proposed tokens (not
-    # the request's own); the runner verifies them (`RunnerOutput.accepted_draft_ids`).
-    num_spec_tokens: int = 0
-
-    @property
-    def is_decode(self) -> bool:
-        return (
-            self.sample
-            and len(self.token_ids) == 1
-            and self.start_pos >= self.request.num_prompt_tokens
-        )
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    # NOTE: decodes (1 token, sample=True, past the prompt) first, then prefill chunks.
-    scheduled: list[ScheduledRequest]
-    num_batched_tokens: int
-    preempted: list[str]  # request ids preempted this step: drop their per-request state
-    finished: list[str]  # request ids finished or aborted since the last schedule()
-    # Structured output (filled by the engine core): request id -> its row of `token_bitmask`,
-    # i32[len(bitmask_rows), ceil(V / 32)] the tokens each may sample this step.
-    bitmask_rows: dict[str, int] = dataclasses.field(default_factory=dict)
-    token_bitmask: Any = None
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if s.is_decode)
-
-    @property
-    def num_spec_tokens(self) -> int:
-        """Proposed tokens this step verifies (its results must reach the host before the next
-        schedule: a speculating step runs synchronously)."""
-        return sum(map(_NUM_SPEC_TOKENS, self.scheduled))
-
-
-@dataclasses.dataclass
-class RunnerOutput:
-    sampled_token_ids: dict[str, int]  # every scheduled request with sample=True
-    logprobs: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed through
-    prompt_logprobs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # Speculative steps: request id -> the proposed tokens accepted before its sampled token
-    # (a prefix of its proposals), and their logprobs when asked (one per accepted token).
-    accepted_draft_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    draft_logprobs: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class SpecStats:
-    """Speculative-decoding counters since start (requests verified while still running)."""
-
-    num_spec_steps: int = 0  # (request, step) pairs that verified proposals
-    num_draft_tokens: int = 0  # tokens proposed
-    num_accepted_tokens: int = 0  # proposed tokens accepted
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per verifying (request, step): accepted proposals + 1."""
-        return 1.0 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 0.0
-
-
-class RequestUpdate(NamedTuple):
-    """One request's tokens from one step (a tuple: the hot loops build it with `_new_tuple`,
-    one C call, and unpack it)."""
-
-    request: Request
-    new_token_ids: list[int]
-    finished: bool
-
-
-_NUM_SPEC_TOKENS = operator.attrgetter("num_spec_tokens")
 _new_tuple = tuple.__new__  # `_new_tuple(RequestUpdate, (...))`: skips NamedTuple's Python __new__
 
 
