@@ -59,52 +59,11 @@ from jaxinfer.engine.types import (
     check_prompt,
 )
 from jaxinfer.models import family_of
-from jaxinfer.spec_decode import NgramProposer, SpeculativeConfig
+from jaxinfer.spec_decode.proposer import make_proposer
 
 logger = logging.getLogger(__name__)
 
 _new_tuple = tuple.__new__  # `_new_tuple(TokenOutput, (...))`: skips NamedTuple's Python __new__
-
-
-def _proposer(
-    spec: SpeculativeConfig | None,
-    cfg: ModelConfig,
-    config: EngineConfig,
-    draft: Any,
-    **backends: str | None,
-) -> Any:
-    """What the scheduler asks for speculative tokens (None: off). The draft model is `draft`
-    (a `LoadedModel`) when given, else loaded from `speculative_config.model`."""
-    if spec is None:
-        return None
-    if spec.method == "ngram":
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    from jaxinfer.spec_decode.draft import DraftProposer, truncate
-
-    if draft is None:
-        from jaxinfer.loader import load_model
-
-        draft = load_model(spec.model, dtype=config.dtype)
-    dcfg, dparams = draft.cfg, draft.params
-    if dcfg.vocab_size != cfg.vocab_size:
-        raise ValueError(
-            f"speculative_config.model: the draft's vocabulary has {dcfg.vocab_size} "
-            f"tokens, the target's {cfg.vocab_size}"
-        )
-    if spec.draft_num_layers is not None:
-        dcfg, dparams = truncate(dcfg, dparams, spec.draft_num_layers)
-    return DraftProposer(
-        dcfg,
-        dparams,
-        num_speculative_tokens=spec.num_speculative_tokens,
-        page_size=config.page_size,
-        num_pages=config.num_pages,
-        max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        dtype=config.dtype,
-        **backends,
-    )
 
 
 def default_kv_cache_memory() -> int:
@@ -203,7 +162,7 @@ class EngineCore:
                 f"speculative_config: not supported with mesh data={data} / "
                 f"pipeline={sizes[shd.PIPELINE]} (one replica, no stages)"
             )
-        self.proposer = _proposer(
+        self.proposer = make_proposer(
             spec,
             cfg,
             self.config,
@@ -357,7 +316,7 @@ class EngineCore:
         n = int(
             self.runner.warmup(structured=True) if self.split_sampling else self.runner.warmup()
         )
-        if hasattr(self.proposer, "warmup"):  # a draft model's own programs
+        if self.proposer is not None:  # a draft model's own programs
             n += int(self.proposer.warmup())
         return n
 

@@ -35,20 +35,13 @@ catching up to `num_tokens`, and one loop decides how many of its tokens to comp
    request whose pending token is certain to be its last (max_tokens, max_model_len) is not
    scheduled again; one that stops on EOS / a stop id wastes that one speculative step.
    Pages filled with known tokens enter the prefix cache when scheduled.
-7. Speculative decoding (`proposer` set, see `jaxinfer.spec_decode`): a running request whose
-   tokens are all known (no pending one) and that would decode one token reserves room for up to
-   K proposed tokens - capped so that accepting all of them plus the bonus token stays within
-   max_tokens and max_model_len, and so that the requests after it keep one token of the budget
-   each; pages are allocated for them like any token (no reservation rather than preempting
-   anyone). After the running requests, one `proposer.propose_batch` call fills every
-   reservation (a draft model writes its own K/V into those pages); the proposals become extra
-   query tokens of the same step (`ScheduledRequest.num_spec_tokens`) and unused budget goes back
-   to waiting requests. Back-off rule: a
-   step speculates only while running + waiting requests <= `spec_max_requests`
-   (`disable_by_batch_size`); requests with penalties never do (their token counts are built
-   from the computed tokens). `update` rolls `num_computed_tokens` back to the accepted prefix:
-   the rejected tokens' K/V slots stay in the request's pages and are overwritten by its next
-   step; no page holding an unverified token is ever offered to the prefix cache.
+7. Speculative decoding (`proposer` set, see `jaxinfer.engine.spec` and `jaxinfer.spec_decode`):
+   decoding requests reserve room for up to K proposed tokens, one `proposer.propose_batch` call
+   after the running requests fills it, the proposals ride as extra query tokens of the step,
+   and `update` rolls back to the accepted prefix. Back-off rule: a step speculates only while
+   running + waiting requests <= `spec_max_requests` (`disable_by_batch_size`); requests with
+   penalties never do (their token counts are built from the computed tokens). No page holding
+   an unverified token is ever offered to the prefix cache.
 8. `update` registers pages a pending token filled, appends sampled tokens and applies
    the stop rules (stop_token_ids / EOS, then max_tokens, then max_model_len). Finished requests
    free their pages at once and are reported in the next `SchedulerOutput.finished`. A request
@@ -67,6 +60,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from jaxinfer.engine import spec
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import FINISH_REASONS, PENDING_TOKEN, Request, RequestStatus
 from jaxinfer.engine.types import (
@@ -293,7 +287,17 @@ class Scheduler:
                 i += 1
                 continue
             n = min(total - start, budget, max_chunk)
-            room = self._spec_room(req, n, budget - (len(running) - i - 1)) if speculate else 0
+            room = (
+                spec.room(
+                    req,
+                    n,
+                    budget - (len(running) - i - 1),
+                    self.num_speculative_tokens,
+                    self.max_model_len,
+                )
+                if speculate
+                else 0
+            )
             need = -(-(start + n + room) // page_size) - len(pages)
             if room and need > self.allocators[r].num_free_pages:  # proposals never preempt
                 room = 0
@@ -315,7 +319,7 @@ class Scheduler:
                 mine = decodes if decodes and decodes[-1].request is req else chunks
                 reserved.append((mine, len(mine) - 1, room))
             i += 1
-        for s, unused in self._fill_proposals(reserved):
+        for s, unused in spec.fill_proposals(self.proposer, reserved):
             budgets[s.replica] += unused
 
         while not preempted and (self._preempted or self._waiting):
@@ -370,52 +374,6 @@ class Scheduler:
         if not open_:
             return None
         return min(open_, key=lambda r: (load[r], -self.allocators[r].num_free_pages, r))
-
-    def _spec_room(self, req: Request, n: int, budget: int) -> int:
-        """Proposed tokens a running request about to compute `n` tokens may verify, given the
-        token `budget` it may use while the requests after it keep one each."""
-        if (
-            n != 1
-            or req.num_pending_tokens
-            or req.num_computed_tokens != req.num_tokens - 1
-            or not req.may_speculate
-        ):
-            return 0
-        return max(
-            0,
-            min(
-                self.num_speculative_tokens,
-                budget - 1,
-                req.sampling.max_tokens - req.num_output_tokens - 1,
-                self.max_model_len - req.num_tokens - 1,
-            ),
-        )
-
-    def _fill_proposals(
-        self,
-        reserved: list[tuple[list[ScheduledRequest], int, int]],
-    ) -> list[tuple[ScheduledRequest, int]]:
-        """Asks the proposer once for every reservation, appends the proposals to the scheduled
-        decodes (replacing them in their lists); returns (decode, unused reserved tokens) pairs."""
-        if not reserved:
-            return []
-        proposals = self.proposer.propose_batch([(lst[j].request, k) for lst, j, k in reserved])
-        if len(proposals) != len(reserved):
-            raise RuntimeError(
-                f"proposer returned {len(proposals)} proposals for {len(reserved)} requests"
-            )
-        unused = []
-        for (lst, j, k), drafts in zip(reserved, proposals):
-            s = lst[j]
-            drafts = list(drafts)[:k]
-            if any(not isinstance(t, int) or t < 0 for t in drafts):
-                raise RuntimeError(
-                    f"request {s.request.request_id!r}: proposer returned bad ids {drafts}"
-                )
-            s = lst[j] = s._replace(token_ids=s.token_ids + drafts, num_spec_tokens=len(drafts))
-            s.request.num_computed_tokens = s.start_pos + len(s.token_ids)  # update rolls back
-            unused.append((s, k - len(drafts)))
-        return unused
 
     def update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestUpdate]:
         """Apply one step's runner output. Requests aborted/finished since `schedule` are skipped."""
@@ -493,21 +451,7 @@ class Scheduler:
             token = sampled[req.request_id]
         except KeyError:
             raise KeyError(f"runner returned no sampled token for {req.request_id!r}") from None
-        accepted: list[int] = []
-        if s.num_spec_tokens:
-            accepted = out.accepted_draft_ids.get(req.request_id, [])
-            drafts = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
-            if accepted != drafts[: len(accepted)]:
-                raise RuntimeError(
-                    f"request {req.request_id!r}: accepted {accepted} is not a "
-                    f"prefix of the proposed {drafts}"
-                )
-            # Roll back: K/V of the rejected proposals stays in the pages, overwritten later.
-            req.num_computed_tokens = computed + len(accepted)
-            st = self.spec_stats
-            st.num_spec_steps += 1
-            st.num_draft_tokens += s.num_spec_tokens
-            st.num_accepted_tokens += len(accepted)
+        accepted = spec.verified(s, out, computed, self.spec_stats) if s.num_spec_tokens else []
         req.num_pending_tokens -= 1
         new: list[int] = []
         finished = False
