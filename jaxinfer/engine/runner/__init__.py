@@ -15,7 +15,7 @@ Flow of `execute(SchedulerOutput) -> RunnerOutput`:
      token bitmask (all ones but the rows of constrained requests, which the engine core filled
      in `SchedulerOutput.token_bitmask`).
   4. One transfer of that tree (on one device packed into a numpy buffer per dtype that the jitted
-     call moves itself, unpacked by static slices inside the program: `_pack`; on a mesh one
+     call moves itself, unpacked by static slices inside the program: `programs.pack`; on a mesh one
      sharded `device_put`), one jitted step (forward + penalty-state update + sampler + logprobs,
      KV cache and state donated), one `jax.device_get` of only what the step needs: the sampled
      ids, plus logprob arrays only when some row asked for them.

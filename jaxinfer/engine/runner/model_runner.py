@@ -324,9 +324,9 @@ class ModelRunner:
         return (*head, dev["step"], dev["extras"], dev["meta"]), {"all_logits": all_logits}
 
     def _meta_on_device(self, meta: SamplingMetadata) -> SamplingMetadata:
-        """`meta` moved to the device once: `_prepare` returns the same host object while the
-        sampled rows and their parameters are unchanged (`_meta_cache`), so a steady decode
-        sends no sampling parameters at all. A few recent ones are kept (the padding rows' meta
+        """`meta` moved to the device once: `StepInputBuilder.build` returns the same host object
+        while the sampled rows and their parameters are unchanged (its meta cache), so a steady
+        decode sends no sampling parameters at all. A few recent ones are kept (the padding rows' meta
         of split steps alternates with the real one)."""
         key = id(meta)
         hit = self._device_metas.get(key)
