@@ -32,7 +32,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -40,13 +40,15 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxinfer.engine.core_client import LoopOptions
 from jaxinfer.engine.core_loop import ThreadCoreClient
-from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.types import EngineLimits
 from jaxinfer.sampling_params import SamplingParams
 from serving import protocol
 from serving.engine_loop import EngineLoop, EngineUnavailable, Failure, QueueFull, Stream
 from serving.metrics import ServerMetrics
 from serving.protos.jaxinfer.v1 import generate_pb2 as pb
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

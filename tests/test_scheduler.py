@@ -527,7 +527,8 @@ def test_front_end_imports_no_jax() -> None:
     """What a serving front-end process imports (the engine core's process loads JAX)."""
     _imports_no_jax(
         "jaxinfer.engine.core_client, jaxinfer.engine.core_loop, serving.launch, "
-        "serving.protocol, serving.openai_protocol, serving.engine_loop, serving.http_server"
+        "serving.protocol, serving.openai_protocol, serving.engine_loop, serving.http_server, "
+        "serving.server"
     )
 
 
