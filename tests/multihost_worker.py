@@ -106,9 +106,11 @@ def main() -> int:
     engine = LLMEngine(load_model(args.model, mesh=mesh), config)
     steps: list[list[int]] = []
 
+    max_num_seqs = engine.runner.max_num_seqs  # (the leader's runner is wrapped below)
+
     def record(prepared, results) -> None:
         seq_rows = prepared.inputs["extras"].seq_rows  # padding rows hold the spare row
-        rows = np.flatnonzero(seq_rows < engine.runner.max_num_seqs)  # the scheduled requests' rows
+        rows = np.flatnonzero(seq_rows < max_num_seqs)  # the scheduled requests' rows
         steps.append(np.asarray(results[0])[rows].tolist())
 
     if multihost.is_leader():
