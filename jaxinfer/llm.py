@@ -15,9 +15,9 @@ from typing import Any
 
 from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine.core_client import spaced_young_collections
+from jaxinfer.engine.core_loop import spaced_young_collections
 from jaxinfer.engine.engine import LLMEngine, Usage
-from jaxinfer.engine.runner import TokenLogprobs
+from jaxinfer.engine.types import TokenLogprobs
 from jaxinfer.loader import check_load_format, load_model
 from jaxinfer.sampling_params import SamplingParams
 

@@ -17,7 +17,7 @@
    Not included: the jitted call's dispatch (a real program's launch, ~0.1 ms) and the core
    process's msgpack encoding of its step message (~0.08 ms at 256 sequences).
 3. Like the engine-core process after its warmup, each case freezes the heap it was built on
-   (`core_client.settle_heap`) before its requests arrive; `--no-freeze` measures without that
+   (`core_loop.settle_heap`) before its requests arrive; `--no-freeze` measures without that
    (what an in-process `LLMEngine` that never freezes pays for the cyclic collector).
 """
 
@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxinfer import params as params_lib
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.core_client import settle_heap
+from jaxinfer.engine.core_loop import settle_heap
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.loader import LoadedModel, load_model_info
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-freeze",
         action="store_true",
         help="leave the loaded heap in the cyclic collector's generations (the engine-core "
-        "process freezes it after warmup: core_client.settle_heap)",
+        "process freezes it after warmup: core_loop.settle_heap)",
     )
     args = p.parse_args(argv)
     model = load_model_info(None)

@@ -144,7 +144,7 @@ def bench_mesh(cfg, params, spec: str, args: argparse.Namespace) -> dict:
     )
 
     from jaxinfer.engine.request import Request
-    from jaxinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from jaxinfer.engine.types import ScheduledRequest, SchedulerOutput
     from jaxinfer.sampling_params import SamplingParams
 
     rng = np.random.default_rng(0)

@@ -1,12 +1,13 @@
-"""Host time of the runner's input preparation (`ModelRunner.prepare`) per decode step.
+"""Host time of the runner's input preparation (`StepInputBuilder.prepare`) per decode step.
 
     python scripts/bench_prepare.py [--seqs 1 64 256] [--prompt-len 128] [--steps 200]
 
-1. A tiny random Llama (SmolLM2's vocabulary size, so the penalty rows have their real width) and
-   a runner sized for the largest `--seqs`; nothing is compiled and nothing runs on the device.
+1. The runner's step-input builder alone (`jaxinfer.engine.runner.step_inputs`: its persistent
+   input batch and bucket plan, SmolLM2's vocabulary size for the bitmask width), sized for the
+   largest `--seqs`; no model, nothing compiled, nothing on a device.
 2. For each batch size N: N requests (half seeded at temperature 0.8, half greedy) are admitted by
    the real `Scheduler` and prefilled on paper (the scheduler is told every token was sampled).
-3. Then `--steps` decode steps of schedule -> `runner.prepare` -> update, timing `prepare` (and
+3. Then `--steps` decode steps of schedule -> `prepare` -> update, timing `prepare` (and
    `prepare` plus packing its arrays into the one-transfer buffers, which `run` does next).
 Prints p50/p99 milliseconds per step for each N, and one JSON line.
 """
@@ -19,32 +20,20 @@ import platform
 import time
 
 import _path  # noqa: F401
-import jax
 import numpy as np
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.engine import runner as runner_lib
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request
-from jaxinfer.engine.runner import ModelRunner
-from jaxinfer.engine.scheduler import RunnerOutput, Scheduler
-from jaxinfer.models import llama
-from jaxinfer.params import init_random
+from jaxinfer.engine.runner.buckets import Buckets
+from jaxinfer.engine.runner.input_batch import InputBatch
+from jaxinfer.engine.runner.programs import pack
+from jaxinfer.engine.runner.step_inputs import StepInputBuilder
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.types import RunnerOutput
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.structured import bitmask_width
 
-TINY = dict(
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=49152,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+VOCAB_SIZE = 49152  # SmolLM2's
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,12 +46,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def bench(runner: ModelRunner, n: int, args: argparse.Namespace) -> dict[str, float]:
+def bench(
+    inputs: StepInputBuilder, num_pages: int, n: int, args: argparse.Namespace
+) -> dict[str, float]:
     page_size = args.page_size
-    alloc = PageAllocator(runner.num_pages, page_size, enable_prefix_caching=False)
+    alloc = PageAllocator(num_pages, page_size, enable_prefix_caching=False)
     sched = Scheduler(
         alloc,
-        max_num_seqs=runner.max_num_seqs,
+        max_num_seqs=inputs.max_num_seqs,
         max_num_batched_tokens=max(n * args.prompt_len, n),
         max_model_len=args.max_model_len,
     )
@@ -81,20 +72,20 @@ def bench(runner: ModelRunner, n: int, args: argparse.Namespace) -> dict[str, fl
         return RunnerOutput({s.request.request_id: 7 for s in out.scheduled if s.sample})
 
     out = sched.schedule()  # the whole prefill at once
-    runner.prepare(out)
+    inputs.prepare(out)
     sched.update(out, fake(out))
     times = []
     for _ in range(args.steps):
         out = sched.schedule()
         t = time.perf_counter()
-        prepared = runner.prepare(out)
+        prepared = inputs.prepare(out)
         t1 = time.perf_counter()
-        runner_lib._pack(prepared.inputs)
+        pack(prepared.inputs)
         times.append((t1 - t, time.perf_counter() - t))
         sched.update(out, fake(out))
     for rid in list(sched._requests):
         sched.abort(rid)
-    runner.prepare(sched.schedule())  # releases the rows
+    inputs.prepare(sched.schedule())  # releases the rows
     ms = np.array(times) * 1e3
     return {
         "p50_ms": round(float(np.percentile(ms[:, 0], 50)), 3),
@@ -105,22 +96,22 @@ def bench(runner: ModelRunner, n: int, args: argparse.Namespace) -> dict[str, fl
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = ModelConfig.from_hf(TINY)
-    params = init_random(llama.param_specs(cfg), jax.random.key(0))
     top = max(args.seqs)
     pages_per_seq = -(-args.max_model_len // args.page_size)
-    runner = ModelRunner(
-        cfg,
-        params,
-        page_size=args.page_size,
-        num_pages=top * pages_per_seq + 1,
-        max_model_len=args.max_model_len,
-        max_num_seqs=top,
+    buckets = Buckets(
         max_num_batched_tokens=max(top * args.prompt_len, top),
+        pages_per_seq=pages_per_seq,
+        seqs_per_replica=top,
+    )
+    inputs = StepInputBuilder(
+        InputBatch(top, pages_per_seq),
+        buckets,
+        page_size=args.page_size,
+        bitmask_width=bitmask_width(VOCAB_SIZE),
     )
     results = {}
     for n in args.seqs:
-        results[n] = r = bench(runner, n, args)
+        results[n] = r = bench(inputs, top * pages_per_seq + 1, n, args)
         print(
             f"{n:4d} seqs: prepare p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  "
             f"(+ packing the transfer: p50 {r['with_pack_p50_ms']:.3f} ms)"

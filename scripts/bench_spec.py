@@ -30,6 +30,7 @@ import time
 import _path  # noqa: F401
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.types import EngineStats
 
 PASSAGES = [
     "The river town wakes before dawn. Fishermen push their boats into the grey water, the baker "
@@ -79,10 +80,10 @@ def timed(llm: LLM, prompts: list[list[int]], sp: SamplingParams, tag: str) -> t
     return time.perf_counter() - start, [tokens[f"{tag}-{i}"] for i in range(len(prompts))]
 
 
-def spec_numbers(before: dict, after: dict) -> tuple[float, float]:
-    steps = after["spec_steps"] - before["spec_steps"]
-    drafts = after["spec_draft_tokens"] - before["spec_draft_tokens"]
-    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+def spec_numbers(before: EngineStats, after: EngineStats) -> tuple[float, float]:
+    steps = after.spec_steps - before.spec_steps
+    drafts = after.spec_draft_tokens - before.spec_draft_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     return (accepted / drafts if drafts else 0.0), (1 + accepted / steps if steps else 0.0)
 
 

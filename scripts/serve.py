@@ -315,7 +315,7 @@ def summary(frontend, grpc_server, http, args, load_s: float, ready_s: float) ->
         f"{info.dtype}{f', {args.quantization} weights' if args.quantization else ''}"
         f"{', FAKE RUNNER' if args.fake_runner else ''}"
         f"{', DUMMY WEIGHTS' if args.load_format == 'dummy' and not args.fake_runner else ''})",
-        f"  devices   {core.get('devices', '?')}; mesh {mesh}; "
+        f"  devices   {core.devices if core is not None else '?'}; mesh {mesh}; "
         f"attention {info.attention_backend}; linear {info.linear_backend}",
         f"  kv cache  {cap.num_pages} pages x {info.page_size} tokens = {cap.max_tokens} tokens"
         f"{' (fp8)' if args.kv_cache_dtype == 'fp8' else ''}; "
@@ -419,7 +419,8 @@ def follow(args: argparse.Namespace, channel) -> int:
 async def serve(args: argparse.Namespace, channel=None) -> int:
     """Process 0: the gRPC front end; the engine core in its own process (default) or, with
     --engine-in-process and on multi-host, on a thread of this one."""
-    from jaxinfer.engine.core_client import CoreSpec, ProcessCoreClient, ThreadCoreClient
+    from jaxinfer.engine.core_client import CoreSpec, ProcessCoreClient
+    from jaxinfer.engine.core_loop import ThreadCoreClient
     from serving.launch import build_core, frontend_model
 
     t0 = time.perf_counter()
@@ -433,7 +434,7 @@ async def serve(args: argparse.Namespace, channel=None) -> int:
             from jaxinfer.engine import multihost
 
             await asyncio.to_thread(multihost.check_same_everywhere, *engine_identity(core))
-            multihost.attach_leader(core.runner, channel)
+            core.runner = multihost.attach_leader(core.runner, channel)
         client = ThreadCoreClient(core, loop_options(args))
     load_s = time.perf_counter() - t0
     try:

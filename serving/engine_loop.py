@@ -41,10 +41,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jaxinfer.engine.core import EngineLimits
-from jaxinfer.engine.core_client import Message, request_to_wire, wire_outputs
-from jaxinfer.engine.engine import split_samples
 from jaxinfer.engine.output import OutputProcessor, RequestDelta
+from jaxinfer.engine.types import (
+    Abort,
+    AddRequests,
+    Broken,
+    EngineInfo,
+    EngineLimits,
+    EngineStats,
+    Finish,
+    Loaded,
+    Message,
+    Ready,
+    StepResult,
+    split_samples,
+    wire_outputs,
+)
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
 from serving.errors import RequestFailed
@@ -118,7 +130,7 @@ class EngineLoop:
         self.on_broken: Callable[[str], None] | None = None
         self.running = False  # warmed up and serving
         self.broken: str | None = None
-        self.info: dict[str, Any] = {}  # the core's "ready" facts
+        self.info: EngineInfo | None = None  # the core's facts ("loaded", then "ready")
         self.limits: EngineLimits | None = None
         self.compiled_programs = 0
         self.outputs = OutputProcessor(tokenizer)
@@ -128,7 +140,7 @@ class EngineLoop:
         self._idle.set()
         self._ids = itertools.count()
         self._generated = 0  # tokens generated, for the throughput window
-        self._stats: dict[str, int] = {"running": 0, "waiting": 0, "pages_used": 0}
+        self._stats = EngineStats()
         self._stopped = False
         self._loaded = asyncio.Event()
 
@@ -142,9 +154,9 @@ class EngineLoop:
 
     def snapshot(self) -> dict[str, int]:
         return {
-            "running": self._stats.get("running", 0),
-            "waiting": self._stats.get("waiting", 0),
-            "pages_used": self._stats.get("pages_used", 0),
+            "running": self._stats.running,
+            "waiting": self._stats.waiting,
+            "pages_used": self._stats.pages_used,
             "in_flight": self._in_flight,
             "generated": self._generated,
         }
@@ -164,7 +176,7 @@ class EngineLoop:
             remaining=sampling.n,
         )
         self.outputs.add(engine_id, specs)
-        self.client.send(["add", [request_to_wire(r) for r in core_reqs]])
+        self.client.send(AddRequests(requests=core_reqs))
         self._streams[engine_id] = stream
         self._in_flight += sampling.n
         self._idle.clear()
@@ -175,13 +187,13 @@ class EngineLoop:
         """The client went away (cancelled, deadline): abort it; the next step frees its pages."""
         if stream.engine_id in self._streams and not stream.cancelled:
             stream.cancelled = True
-            self._send(["abort", stream.children])
+            self._send(Abort(request_ids=stream.children))
 
     def abort_all(self) -> None:
         """Server-side abort of every request (shutdown): they finish with ABORTED."""
         ids = [c for s in self._streams.values() for c in s.children]
         if ids:
-            self._send(["abort", ids])
+            self._send(Abort(request_ids=ids))
 
     async def wait_idle(self, timeout: float | None) -> bool:
         try:
@@ -211,17 +223,16 @@ class EngineLoop:
                 self.loop.call_soon_threadsafe(self._on_message, msg, now)
 
     def _on_message(self, msg: Message, now: float) -> None:
-        kind = msg[0]
-        if kind == "step":
+        if isinstance(msg, StepResult):
             self._on_step(msg, now)
-        elif kind == "ready":
-            self._on_ready(msg[1])
-        elif kind == "loaded":
-            self._on_loaded(msg[1])
-        elif kind == "broken":
-            self._on_broken(msg[1])
+        elif isinstance(msg, Ready):
+            self._on_ready(msg.info)
+        elif isinstance(msg, Loaded):
+            self._on_loaded(msg.info)
+        elif isinstance(msg, Broken):
+            self._on_broken(msg.why)
         else:
-            logger.error("unknown message from the engine core: %r", kind)
+            logger.error("unexpected message from the engine core: %r", msg)
 
     async def wait_loaded(self) -> None:
         """Waits until the core has its model on the devices (raises RuntimeError if it failed)."""
@@ -229,19 +240,17 @@ class EngineLoop:
         if self.broken is not None:
             raise RuntimeError(f"the engine did not start: {self.broken}")
 
-    def _on_loaded(self, info: dict[str, Any]) -> None:
-        self.info = info
-        self.limits = EngineLimits(**info["limits"])
-        self.metrics.pages_total.set(info["capacity"]["num_pages"])
+    def _on_loaded(self, info: EngineInfo) -> None:
+        self.info, self.limits = info, info.limits
+        self.metrics.pages_total.set(info.capacity.num_pages)
         self._loaded.set()
 
-    def _on_ready(self, info: dict[str, Any]) -> None:
-        self.info = info
-        self.limits = EngineLimits(**info["limits"])
-        self.compiled_programs = int(info.get("compiled_programs", 0))
+    def _on_ready(self, info: EngineInfo) -> None:
+        self.info, self.limits = info, info.limits
+        self.compiled_programs = info.compiled_programs
         logger.info("engine core ready: %d programs compiled", self.compiled_programs)
         self.metrics.compiled_programs.set(self.compiled_programs)
-        self.metrics.pages_total.set(info["capacity"]["num_pages"])
+        self.metrics.pages_total.set(info.capacity.num_pages)
         self.running = True
         if self.on_ready is not None:
             self.on_ready(self.compiled_programs)
@@ -256,16 +265,16 @@ class EngineLoop:
         if self.on_broken is not None:
             self.on_broken(why)
 
-    def _on_step(self, msg: Message, now: float) -> None:
-        outputs, lost, error, stats = wire_outputs(msg), msg[2], msg[3], msg[4]
+    def _on_step(self, msg: StepResult, now: float) -> None:
+        outputs, lost, error, stats = wire_outputs(msg), msg.lost, msg.error, msg.stats
         self._stats = stats
         m = self.metrics
-        m.running.set(stats["running"])
-        m.waiting.set(stats["waiting"])
-        m.pages_used.set(stats["pages_used"])
-        m.compiled_programs.set(stats.get("compiled_programs", self.compiled_programs))
-        if "step_s" in stats:
-            m.step_time.observe(stats["step_s"])
+        m.running.set(stats.running)
+        m.waiting.set(stats.waiting)
+        m.pages_used.set(stats.pages_used)
+        m.compiled_programs.set(stats.compiled_programs or self.compiled_programs)
+        if stats.step_s is not None:
+            m.step_time.observe(stats.step_s)
         m.observe_spec(stats)
         if lost:
             if error and error.startswith("engine step failed"):
@@ -276,7 +285,7 @@ class EngineLoop:
             )
         deltas, stopped = self.outputs.process(outputs)
         if stopped:
-            self._send(["finish", [[cid, stop] for cid, stop in stopped]])
+            self._send(Finish(stops=[(cid, stop) for cid, stop in stopped]))
         self._dispatch(deltas, now)
 
     def _retire(self, stream: Stream) -> None:
@@ -298,7 +307,7 @@ class EngineLoop:
             aborts += self.outputs.drop(engine_id)
             self._retire(stream)
         if aborts:
-            self._send(["abort", aborts])
+            self._send(Abort(request_ids=aborts))
 
     def _dispatch(self, deltas: list[RequestDelta], now: float) -> None:
         for d in deltas:

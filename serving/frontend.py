@@ -33,15 +33,17 @@ import logging
 import signal
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from jaxinfer.engine.core import EngineLimits, check_prompt
-from jaxinfer.engine.core_client import LoopOptions, ThreadCoreClient
-from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.engine.core_client import LoopOptions
+from jaxinfer.engine.types import EngineInfo, EngineLimits, check_prompt
 from jaxinfer.sampling_params import SamplingParams
 from serving.engine_loop import EngineLoop, Stream
 from serving.errors import InvalidArgument, QueueFull, Unavailable
 from serving.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +89,9 @@ class FrontEnd:
         trace_steps: int = 0,
         log_interval: float = 1.0,
     ) -> None:
-        if engine is not None:  # the core on a thread of this process
+        if engine is not None:  # the core on a thread of this process (it has imported JAX)
+            from jaxinfer.engine.core_loop import ThreadCoreClient
+
             model, max_num_seqs = engine.model, engine.config.max_num_seqs
             core = ThreadCoreClient(
                 engine.core,
@@ -117,8 +121,8 @@ class FrontEnd:
         self._tasks: list[asyncio.Task] = []
 
     @property
-    def info(self) -> dict[str, Any]:
-        """The core's facts (capacity, limits, mesh, backends): empty until it has loaded."""
+    def info(self) -> EngineInfo | None:
+        """The core's facts (capacity, limits, mesh, backends): None until it has loaded."""
         return self.engine_loop.info
 
     @property
@@ -357,7 +361,7 @@ class FrontEnd:
         window: collections.deque[tuple[float, int]] = collections.deque(maxlen=6)
         while True:
             await asyncio.sleep(self.log_interval)
-            usable = self.info.get("capacity", {}).get("num_pages", 0)
+            usable = self.info.capacity.num_pages if self.info is not None else 0
             snap = self.engine_loop.snapshot()
             now = time.perf_counter()
             window.append((now, snap["generated"]))

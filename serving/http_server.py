@@ -204,7 +204,7 @@ class OpenAIServer:
             "created": 0,
             "owned_by": "jaxinfer",
             "root": self.frontend.model.name,
-            "max_model_len": info.get("capacity", {}).get("max_model_len"),
+            "max_model_len": info.capacity.max_model_len if info is not None else None,
         }
 
     def _check_model(self, name: str | None) -> None:

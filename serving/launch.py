@@ -7,17 +7,21 @@
 3. `build_core(args)` (the `CoreSpec` factory, run in the engine-core process, or in this one for
    multi-host and `--engine-in-process`): loads the weights onto the mesh and builds the
    `EngineCore`; with `fake_runner` a `FakeRunner` stands in for the model.
+
+NOTE: importing this module loads no JAX (the front end imports it); `build_core` does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine.core import EngineCore
-from jaxinfer.loader import LoadedModel
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.core import EngineCore
+    from jaxinfer.loader import LoadedModel
 
 
 @dataclasses.dataclass
@@ -62,6 +66,7 @@ def build_core(args: EngineArgs) -> EngineCore:
     import jax
 
     from jaxinfer import sharding
+    from jaxinfer.engine.core import EngineCore
 
     max_model_len = args.max_model_len
     if max_model_len is None and jax.default_backend() == "cpu":

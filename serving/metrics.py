@@ -18,6 +18,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from jaxinfer.engine.types import EngineStats
+
 # Latency buckets in seconds: CPU decode steps are tens of ms, accelerator steps a few ms, and a
 # long prompt's TTFT can take seconds.
 _TOKEN_BUCKETS = (
@@ -182,10 +184,10 @@ class ServerMetrics:
         self._http: Any = None
         self.port: int | None = None
 
-    def observe_spec(self, stats: dict[str, int]) -> None:
+    def observe_spec(self, stats: EngineStats) -> None:
         """Speculative-decoding counters from the engine core's cumulative `stats()`."""
-        steps, drafts = stats.get("spec_steps", 0), stats.get("spec_draft_tokens", 0)
-        accepted = stats.get("spec_accepted_tokens", 0)
+        steps, drafts = stats.spec_steps, stats.spec_draft_tokens
+        accepted = stats.spec_accepted_tokens
         totals = (steps, drafts, accepted)
         for counter, total, seen in zip(
             (self.spec_steps, self.spec_draft_tokens, self.spec_accepted_tokens),

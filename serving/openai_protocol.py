@@ -24,7 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxinfer.engine.output import Usage
-from jaxinfer.engine.runner import TokenLogprobs
+from jaxinfer.engine.types import TokenLogprobs
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxinfer.tokenizer import Tokenizer
 from serving.errors import InvalidArgument

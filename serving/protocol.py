@@ -23,7 +23,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 
 from jaxinfer.engine.output import RequestDelta
-from jaxinfer.engine.runner import TokenLogprobs
+from jaxinfer.engine.types import TokenLogprobs
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from serving.errors import InvalidArgument
 from serving.protos.jaxinfer.v1 import generate_pb2 as pb

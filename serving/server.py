@@ -25,18 +25,20 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxinfer.engine.engine import LLMEngine
 from serving import protocol
 from serving.engine_loop import Stream
 from serving.errors import InvalidArgument, QueueFull, RequestFailed, Unavailable
 from serving.frontend import FrontEnd
 from serving.protos.jaxinfer.v1 import generate_pb2 as pb
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -95,23 +97,23 @@ class GenerateServer:
             eos_token_ids=list(model.eos_token_ids),
             has_chat_template=bool(fe.tokenizer and fe.tokenizer.chat_template is not None),
         )
-        if info:
-            cap = info["capacity"]
-            msg.dtype = info["dtype"]
-            msg.max_model_len = cap["max_model_len"]
-            msg.mesh_shape.update(info["mesh_shape"])
-            msg.page_size = info["page_size"]
+        if info is not None:
+            cap = info.capacity
+            msg.dtype = info.dtype
+            msg.max_model_len = cap.max_model_len
+            msg.mesh_shape.update(info.mesh_shape)
+            msg.page_size = info.page_size
             msg.capacity.CopyFrom(
                 pb.Capacity(
-                    num_pages=cap["num_pages"],
-                    max_tokens=cap["max_tokens"],
-                    max_num_seqs=info["max_num_seqs"],
-                    max_num_batched_tokens=info["max_num_batched_tokens"],
+                    num_pages=cap.num_pages,
+                    max_tokens=cap.max_tokens,
+                    max_num_seqs=info.max_num_seqs,
+                    max_num_batched_tokens=info.max_num_batched_tokens,
                     max_queue=fe.max_queue,
                 )
             )
-            msg.attention_backend = info["attention_backend"]
-            msg.linear_backend = info["linear_backend"]
+            msg.attention_backend = info.attention_backend
+            msg.linear_backend = info.linear_backend
         return msg
 
     async def start(self) -> int:

@@ -22,15 +22,16 @@ import threading
 import time
 import zlib
 from collections.abc import Coroutine, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.engine import LLMEngine
-from jaxinfer.engine.runner import Launched, TokenLogprobs
-from jaxinfer.engine.scheduler import RunnerOutput, SchedulerOutput
-from jaxinfer.loader import LoadedModel
+from jaxinfer.engine.types import Launched, RunnerOutput, SchedulerOutput, TokenLogprobs
 from jaxinfer.structured import allowed_ids
 from jaxinfer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.engine import LLMEngine
+    from jaxinfer.loader import LoadedModel
 
 FIRST_FAKE_TOKEN = 1000  # ordinary BPE tokens in SmolLM2's vocabulary: never EOS or special
 FAKE_TOKEN_SPAN = 2000
@@ -72,12 +73,12 @@ def fake_logprob(token: int) -> float:
 
 
 class FakeRunner:
-    """`ModelRunner`'s interface (`execute`, `launch` / `collect`, `warmup`, `num_compiled`) without
-    a model."""
+    """A `jaxinfer.engine.types.Runner` without a model."""
 
     attention_backend = "none (fake runner)"
     linear_backend = "none (fake runner)"
     split_sampling = True  # `launch(defer_sampling=True)`, then `sample` (structured output)
+    synchronous_only = False
 
     def __init__(
         self,
@@ -96,6 +97,9 @@ class FakeRunner:
         # request id -> (its prompt list, fake_key): hashing a long prompt every step would make
         # the fake, not the engine, the cost a server benchmark measures
         self._keys: dict[str, tuple[list[int], int]] = {}
+
+    def bytes_per_device(self) -> dict[str, int]:
+        return {"params": 0, "kv_cache": 0}
 
     def warmup(self, *, structured: bool = False) -> int:
         if self.warmup_gate is not None:
@@ -163,6 +167,8 @@ class FakeRunner:
 
 def fake_model(tokenizer: Tokenizer, *, name: str = "fake") -> LoadedModel:
     """A one-layer config with the tokenizer's vocabulary and no weights (for a `FakeRunner`)."""
+    from jaxinfer.loader import LoadedModel
+
     hf = dict(
         model_type="llama",
         hidden_size=16,
@@ -194,6 +200,8 @@ def fake_engine(
     **engine_options: Any,
 ) -> LLMEngine:
     """An `LLMEngine` over `tokenizer` whose runner is a `FakeRunner` (no weights)."""
+    from jaxinfer.engine.engine import LLMEngine
+
     options = {"page_size": 16, "num_pages": 1025, "max_model_len": 2048, **engine_options}
     return LLMEngine(
         fake_model(tokenizer, name=name), EngineConfig(**options), runner=runner or FakeRunner()

@@ -26,8 +26,7 @@ import pytest
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.engine import LLMEngine, RequestDelta, Usage
-from jaxinfer.engine.runner import TokenLogprobs
-from jaxinfer.engine.scheduler import SchedulerOutput
+from jaxinfer.engine.types import SchedulerOutput, TokenLogprobs
 from jaxinfer.loader import LoadedModel
 from jaxinfer.models import llama
 from jaxinfer.params import init_random

@@ -105,13 +105,16 @@ def main() -> int:
     engine = LLMEngine(load_model(args.model, mesh=mesh), config)
     steps: list[list[int]] = []
 
+    max_num_seqs = engine.runner.max_num_seqs  # (the leader's runner is wrapped below)
+
     def record(prepared, results) -> None:
         seq_rows = prepared.inputs["extras"].seq_rows  # padding rows hold the spare row
-        rows = np.flatnonzero(seq_rows < engine.runner.max_num_seqs)  # the scheduled requests' rows
+        rows = np.flatnonzero(seq_rows < max_num_seqs)  # the scheduled requests' rows
         steps.append(np.asarray(results[0])[rows].tolist())
 
     if multihost.is_leader():
-        runner = multihost.attach_leader(engine.runner, channel)
+        leader = engine.runner = multihost.attach_leader(engine.runner, channel)
+        runner = leader.runner
         run = runner.run
 
         def recording_run(prepared):
@@ -120,7 +123,7 @@ def main() -> int:
             return results
 
         runner.run = recording_run
-        report["compiled"] = runner.warmup()
+        report["compiled"] = leader.warmup()
         for i, ids in enumerate(PROMPTS):
             engine.add_request(
                 ids,

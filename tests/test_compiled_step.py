@@ -86,7 +86,7 @@ def test_packed_step_inputs_round_trip():
     """The runner's one-buffer-per-dtype transfer gives the program exactly the host arrays."""
     import numpy as np
 
-    from jaxinfer.engine import runner as runner_lib
+    from jaxinfer.engine.runner import programs
 
     rng = np.random.default_rng(0)
     inputs = {
@@ -101,10 +101,12 @@ def test_packed_step_inputs_round_trip():
             np.float32(0.5),
         ),
     }
-    buffers, layout = runner_lib._pack(inputs)
+    buffers, layout = programs.pack(inputs)
     assert len(buffers) == 3  # int32, float32, bool
     hash(layout)  # a static jit argument
-    out = jax.jit(runner_lib._unpack, static_argnums=1)(tuple(map(jnp.asarray, buffers)), layout)
+    out = jax.jit(programs.unpack_buffers, static_argnums=1)(
+        tuple(map(jnp.asarray, buffers)), layout
+    )
     want, got = jax.tree.leaves(inputs), jax.tree.leaves(out)
     assert jax.tree.structure(out) == jax.tree.structure(inputs)
     for w, g in zip(want, got, strict=True):

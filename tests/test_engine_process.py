@@ -188,7 +188,7 @@ def test_settle_heap_freezes_the_loaded_heap_and_raises_the_young_threshold():
     """What the engine-core process does once loaded and warmed up (and bench_host before timing)."""
     import gc
 
-    from jaxinfer.engine.core_client import GC_YOUNG_THRESHOLD, settle_heap
+    from jaxinfer.engine.core_loop import GC_YOUNG_THRESHOLD, settle_heap
 
     before = gc.get_threshold()
     try:
@@ -206,7 +206,7 @@ def test_offline_generate_spaces_young_collections_only_while_it_runs():
     when a step raises; nothing is frozen."""
     import gc
 
-    from jaxinfer.engine.core_client import GC_YOUNG_THRESHOLD
+    from jaxinfer.engine.core_loop import GC_YOUNG_THRESHOLD
     from jaxinfer.llm import LLM
 
     seen = []

@@ -224,9 +224,9 @@ def test_engine_fp8_capacity_log_and_tokens(backend, caplog):
     f32 = _engine(model, "auto", backend, kv_cache_memory=budget, max_num_seqs=64)
     cfg = model.cfg
     d, rows = cfg.head_dim, 4 * 2 * cfg.num_kv_heads * cfg.num_layers  # rows of a page, all layers
-    assert fp8.capacity()["num_pages"] + 1 == budget // (rows * (d + 1))
-    assert f32.capacity()["num_pages"] + 1 == budget // (rows * 4 * d)
-    assert fp8.capacity()["num_pages"] > 3.5 * f32.capacity()["num_pages"]
+    assert fp8.capacity().num_pages + 1 == budget // (rows * (d + 1))
+    assert f32.capacity().num_pages + 1 == budget // (rows * 4 * d)
+    assert fp8.capacity().num_pages > 3.5 * f32.capacity().num_pages
     assert (
         "fp8 e4m3" in caplog.text and f"{4 * d / (d + 1):.2f}x the tokens of float32" in caplog.text
     )

@@ -490,7 +490,7 @@ def test_llm_and_serve_load_a_checkpoint_onto_the_mesh(tmp_path):
     from serving.launch import build_core
 
     core = build_core(serve.engine_args(args))  # what the engine-core process builds
-    assert core.mesh.shape[T] == 8 and core.info()["mesh_shape"][T] == 8
+    assert core.mesh.shape[T] == 8 and core.info().mesh_shape[T] == 8
     assert _spec(core.runner.params.embed) == (T,)
 
 
@@ -499,7 +499,8 @@ def test_data_parallel_scheduler_spreads_requests_and_keeps_pages_per_replica():
     hits only inside the replica that cached the pages."""
     from jaxinfer.engine.page_allocator import PageAllocator
     from jaxinfer.engine.request import Request
-    from jaxinfer.engine.scheduler import RunnerOutput, Scheduler
+    from jaxinfer.engine.scheduler import Scheduler
+    from jaxinfer.engine.types import RunnerOutput
     from jaxinfer.sampling_params import SamplingParams
 
     allocs = [PageAllocator(9, 4) for _ in range(2)]  # 8 usable pages per replica

@@ -697,7 +697,7 @@ def test_serve_flags_reach_the_core_and_dummy_weights_quantize(tmp_path):
     eargs = pickle.loads(pickle.dumps(serve.engine_args(args)))
     core = build_core(eargs)
     assert core.config.quantization == "int8" and core.config.kv_cache_dtype == "fp8"
-    assert core.info()["quantization"] == "int8" and core.info()["kv_cache_dtype"] == "fp8"
+    assert core.info().quantization == "int8" and core.info().kv_cache_dtype == "fp8"
     assert quantization.quantization_of(core.runner.params) == "int8"
     assert all(isinstance(c, Fp8KVCache) for c in core.runner.kv_caches)
     down = core.runner.params.layers[0].mlp.down

@@ -100,11 +100,11 @@ def drive(
         if prepared is not None:
             if on_prepared is not None:
                 on_prepared(out, prepared)
-            sched.update(out, runner._unpack(prepared.plan, *runner.run(prepared)))
+            sched.update(out, runner.unpack(prepared.plan, *runner.run(prepared)))
         step += 1
         assert step < 200
     runner.prepare(sched.schedule())  # report the last finished requests: rows freed
-    assert not runner._rows and len(runner._free_rows) == runner.max_num_seqs
+    assert not runner.batch.rows and len(runner.batch.free_rows) == runner.max_num_seqs
     return {r.request_id: r.output_token_ids for _, r in requests}
 
 
@@ -151,7 +151,7 @@ def test_step_arrays_equal_a_from_scratch_build(small) -> None:
         for name, value in want.items():
             np.testing.assert_array_equal(getattr(step, name), value, err_msg=name)
         extras = prepared.inputs["extras"]
-        rows = [runner._rows[x.request.request_id] for x in out.scheduled]
+        rows = [runner.batch.rows[x.request.request_id] for x in out.scheduled]
         np.testing.assert_array_equal(extras.seq_rows[: len(rows)], rows)
         np.testing.assert_array_equal(
             extras.reset_rows[: len(rows)], [x.is_new for x in out.scheduled]
@@ -161,7 +161,7 @@ def test_step_arrays_equal_a_from_scratch_build(small) -> None:
     assert seen_buckets == {2, 4, 16}
     # Page buckets change nothing the model computes: the widest alone gives the same tokens (the
     # same runner, so its compiled programs are reused), and so does each request alone.
-    runner.page_buckets = (16,)
+    runner.buckets.page_buckets = (16,)
     assert drive(runner, reqs_again(reqs), abort=(6, "b")) == got
     alone = {
         r.request_id: drive(runner, [(0, x)])[r.request_id]
@@ -172,14 +172,14 @@ def test_step_arrays_equal_a_from_scratch_build(small) -> None:
 
 
 def test_decode_step_arrays_equal_the_ragged_build(small) -> None:
-    """A decode step's shortcut in `_arrays` (one token per sequence, one group) builds exactly
+    """A decode step's shortcut in `StepInputBuilder.arrays` (one token per sequence, one group) builds exactly
     what the general ragged build does (a group array of zeros takes that path)."""
     runner = small_runner(small)
     rng = np.random.default_rng(1)
     n = 3
-    runner._page_table[:n, :4] = rng.integers(1, 65, (n, 4))
-    runner._prompt_len[:n] = [5, 2, 9]
-    runner._last_sample[:n] = [4, -1, 0]  # where rows 0 and 2 sampled last step
+    runner.batch.page_table[:n, :4] = rng.integers(1, 65, (n, 4))
+    runner.batch.prompt_len[:n] = [5, 2, 9]
+    runner.batch.last_sample[:n] = [4, -1, 0]  # where rows 0 and 2 sampled last step
     rows = np.array([2, 0, 1], np.int32)
     starts = np.array([7, 13, 6], np.int32)  # row 1 computes a prompt token, the others outputs
     tokens = np.array([-1, -1, 33], np.int32)  # PENDING_TOKEN on the two rows that sampled
@@ -193,8 +193,8 @@ def test_decode_step_arrays_equal_the_ragged_build(small) -> None:
         tokens,
         np.array([False, False, True]),
     )
-    fast = runner._arrays(*args, None)
-    ragged = runner._arrays(*args, np.zeros(n, np.int32))
+    fast = runner.inputs.arrays(*args, None)
+    ragged = runner.inputs.arrays(*args, np.zeros(n, np.int32))
     for got, want in zip(fast[:2], ragged[:2]):
         for name in got.__dataclass_fields__:
             np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)

@@ -22,7 +22,8 @@ import pytest
 
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import PENDING_TOKEN, Request, RequestStatus
-from jaxinfer.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.types import RunnerOutput, SchedulerOutput
 from jaxinfer.sampling_params import SamplingParams
 
 VOCAB = 40
@@ -509,13 +510,26 @@ def test_random_mix_frees_everything_and_matches_unpreempted_outputs(
                 assert t.output_token_ids == ref, (rid, t.num_preemptions)
 
 
-def test_host_modules_import_no_jax() -> None:
-    code = (
-        "import sys; import jaxinfer.engine.scheduler, jaxinfer.engine.page_allocator, "
-        "jaxinfer.engine.request; assert 'jax' not in sys.modules, 'jax was imported'"
-    )
+def _imports_no_jax(modules: str) -> None:
+    code = f"import sys; import {modules}; assert 'jax' not in sys.modules, 'jax was imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_host_modules_import_no_jax() -> None:
+    _imports_no_jax(
+        "jaxinfer.engine.types, jaxinfer.engine.output, jaxinfer.engine.scheduler, "
+        "jaxinfer.engine.page_allocator, jaxinfer.engine.request"
+    )
+
+
+def test_front_end_imports_no_jax() -> None:
+    """What a serving front-end process imports (the engine core's process loads JAX)."""
+    _imports_no_jax(
+        "jaxinfer.engine.core_client, jaxinfer.engine.core_loop, serving.launch, "
+        "serving.protocol, serving.openai_protocol, serving.engine_loop, serving.http_server, "
+        "serving.server"
+    )
 
 
 def test_known_tokens_read_prompt_and_outputs_in_place():
@@ -538,3 +552,43 @@ def test_known_tokens_read_prompt_and_outputs_in_place():
         known[5]
     req.output_token_ids.append(6)  # a view: it follows the request
     assert len(known) == 6 and known[4:6] == [5, 6]
+
+
+def test_wire_messages_round_trip_through_msgpack() -> None:
+    """The typed messages between a front end and an engine-core process: what msgpack carries
+    decodes into the same types and values (logprobs and the info's limits included)."""
+    import msgpack
+
+    from jaxinfer.engine import types
+
+    def through(msg):
+        wire = msgpack.unpackb(msgpack.packb(types.encode(msg)), strict_map_key=False)
+        return types.decode_message(wire)
+
+    lp = types.TokenLogprobs(5, -0.5, {5: -0.5, 7: -1.5})
+    out = types.TokenOutput("a", [5], [lp], {1: lp}, True, "stop", 9, 3, 1, 0)
+    stats = types.EngineStats(running=2, pages_used=4, step_s=0.01)
+    got = through(types.StepResult(outputs=[out], lost=["b"], error="x", stats=stats))
+    assert isinstance(got, types.StepResult) and got.stats == stats
+    assert types.wire_outputs(got) == [out] and got.lost == ["b"] and got.error == "x"
+    info = types.EngineInfo(
+        types.EngineCapacity(10, 16, 160, 64),
+        types.EngineLimits(100, 64, 16, 10),
+        4,
+        32,
+        16,
+        "float32",
+        None,
+        "auto",
+        "reference",
+        "xla",
+        {"tensor": 2},
+        "cpu x1 (cpu)",
+        7,
+    )
+    assert through(types.Ready(info=info)) == types.Ready(info=info)
+    req = types.CoreRequest("c", [1, 2], SamplingParams(max_tokens=3), (0,), 1)
+    add = through(types.AddRequests(requests=[req]))
+    assert [types.request_of(w) for w in add.requests] == [req]
+    assert through(types.Finish(stops=[("c", "END")])).stops == [["c", "END"]]
+    assert isinstance(through(types.Shutdown()), types.Shutdown)

@@ -137,7 +137,7 @@ def test_deltas_waiting_for_a_reader_go_out_as_one_message(tok):
     """A stream whose handler is behind the engine (deltas of several steps queued) sends them
     as one message, exactly; a later sample's delta and the failure marker are not merged."""
     from jaxinfer.engine.output import RequestDelta, Usage
-    from jaxinfer.engine.runner import TokenLogprobs
+    from jaxinfer.engine.types import TokenLogprobs
     from serving.engine_loop import Stream
 
     server = GenerateServer(fake_engine(tok))

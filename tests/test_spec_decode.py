@@ -26,7 +26,8 @@ import pytest
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request, RequestStatus
-from jaxinfer.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.types import EngineStats, RunnerOutput, SchedulerOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.spec_decode import NgramProposer, SpeculativeConfig, accept
 
@@ -345,10 +346,11 @@ def repetitive_prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def spec_delta(engine, before: dict) -> dict:
+def spec_delta(engine, before: EngineStats) -> dict:
     after = engine.stats()
     return {
-        k: after[k] - before[k] for k in ("spec_steps", "spec_draft_tokens", "spec_accepted_tokens")
+        k: getattr(after, k) - getattr(before, k)
+        for k in ("spec_steps", "spec_draft_tokens", "spec_accepted_tokens")
     }
 
 
@@ -553,7 +555,7 @@ def test_draft_model_is_exact_and_its_cache_consistent(tiny, plain):
     for rid, _, _ in reqs:
         assert got[rid][0].token_ids == ref[rid][0].token_ids, rid
     stats = same.stats()  # greedy: every proposal of the target as its own draft is accepted
-    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 20, stats
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 20, stats
     assert log.preempted and got["d1"][0].usage.cached_prompt_tokens > 0
     assert run(same, seeded)["seeded"][0].token_ids == ref["seeded"][0].token_ids
     assert_pages_free(same)
@@ -575,10 +577,7 @@ def test_truncated_draft_model_keeps_target_tokens(tiny, plain):
     for rid, _, _ in reqs:
         assert got[rid][0].token_ids == ref[rid][0].token_ids, rid
     stats = small.stats()
-    assert (
-        stats["spec_draft_tokens"] > 0
-        and stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
-    )
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert_pages_free(small)
 
 
@@ -659,7 +658,7 @@ def test_every_family_greedy_identical(family):
     for rid, _, _ in reqs:
         assert got[rid][0].token_ids == ref[rid][0].token_ids, (family, rid)
     stats = engine.stats()
-    assert stats["spec_steps"] > 0 and stats["spec_accepted_tokens"] > 0, stats
+    assert stats.spec_steps > 0 and stats.spec_accepted_tokens > 0, stats
 
 
 @pytest.mark.slow
@@ -688,7 +687,7 @@ def test_default_model_greedy_identical():
     got = spec_llm.generate([ids], sp)[0]
     assert got.token_ids == want.token_ids and got.text == want.text
     stats = spec_llm.engine.stats()
-    assert stats["spec_accepted_tokens"] > 10, stats
+    assert stats.spec_accepted_tokens > 10, stats
 
 
 def test_metrics_and_serve_flag():

@@ -80,8 +80,7 @@ def test_constraint_crosses_the_engine_core_wire():
     """The engine-core process receives SamplingParams through msgpack (`request_to_wire`)."""
     import msgpack
 
-    from jaxinfer.engine.core import CoreRequest
-    from jaxinfer.engine.core_client import request_from_wire, request_to_wire
+    from jaxinfer.engine.types import CoreRequest, request_from_wire, request_to_wire
 
     for so in (StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(choice=CHOICES)):
         req = CoreRequest("r1", [1, 2], SamplingParams(structured_outputs=so))
@@ -227,7 +226,7 @@ def test_runner_applies_scheduled_bitmask_without_recompiling():
                 out.bitmask_rows = {"bound": 0}
                 out.token_bitmask = _mask(cfg.vocab_size, [allowed])
             prepared = runner.prepare(out)
-            sched.update(out, runner._unpack(prepared.plan, *runner.run(prepared)))
+            sched.update(out, runner.unpack(prepared.plan, *runner.run(prepared)))
             sizes.add(runner.compiled_program_count())
         return {r.request_id: r.output_token_ids for r in reqs}, len(sizes)
 
@@ -572,7 +571,7 @@ def _small_core(small_tok):
 def _drive_core(core, requests) -> tuple[dict[str, list[int]], dict[str, str], int]:
     """Runs `requests` (CoreRequest) to the end; returns each one's ids and finish reason, and how
     many steps ran with a step of the core still in flight after them."""
-    from jaxinfer.engine.scheduler import SchedulerOutput
+    from jaxinfer.engine.types import SchedulerOutput
 
     for r in requests:
         core.add(r)
@@ -605,7 +604,7 @@ def test_core_stays_async_with_constrained_rows_and_matches_the_fused_path(small
     seeded unconstrained rows at temperature 1, every constrained output follows its regex and
     equals what the fused program (mask filled before, synchronous steps) samples, and the
     unconstrained rows equal their solo outputs."""
-    from jaxinfer.engine.core import CoreRequest
+    from jaxinfer.engine.types import CoreRequest
 
     words = small_tok[1]
     so = StructuredOutputsParams(regex=SMALL_REGEX)

@@ -19,7 +19,7 @@ This is the half of the engine that a serving front end runs in its own process
    forward, and the sampler program is launched (`ModelRunner.launch(defer_sampling=True)` /
    `sample`).
 3. The step's `RequestUpdate`s become `TokenOutput`s (new ids, logprobs, finish reason, usage
-   counters): plain data that `to_wire` / `from_wire` turn into msgpack-able lists.
+   counters): plain data (`jaxinfer.engine.types`).
 4. A failing step raises after naming the requests it lost in `failed_request_ids`; the pages
    they were to write leave the prefix cache. The caller fails exactly those.
 
@@ -33,8 +33,8 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 
@@ -43,166 +43,27 @@ from jaxinfer import structured
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request
-from jaxinfer.engine.runner import Launched, ModelRunner, TokenLogprobs
-from jaxinfer.engine.scheduler import RequestUpdate, RunnerOutput, Scheduler
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.types import (
+    CoreRequest,
+    EngineCapacity,
+    EngineInfo,
+    EngineLimits,
+    EngineStats,
+    Launched,
+    RequestUpdate,
+    Runner,
+    RunnerOutput,
+    TokenOutput,
+    check_prompt,
+)
 from jaxinfer.models import family_of
-from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.spec_decode import NgramProposer, SpeculativeConfig
+from jaxinfer.spec_decode.proposer import make_proposer
 
 logger = logging.getLogger(__name__)
 
-
-@dataclasses.dataclass(frozen=True)
-class EngineLimits:
-    """What a prompt is checked against (the front end gets these from the core at start)."""
-
-    vocab_size: int
-    max_model_len: int
-    page_size: int
-    num_pages: int  # usable pages of one data replica (a request lives in one replica)
-
-
-def check_prompt(
-    ids: Sequence[int],
-    sampling: SamplingParams,
-    limits: EngineLimits,
-    *,
-    field: str = "prompt",
-    max_tokens_field: str = "max_tokens",
-) -> None:
-    """The one prompt-length / vocabulary / page check every entry point calls (ValueError);
-    a structured-output constraint must compile too."""
-    if not ids:
-        raise ValueError(f"{field} is empty (no tokens)")
-    for i, t in enumerate(ids):
-        if not 0 <= t < limits.vocab_size:
-            raise ValueError(
-                f"{field}[{i}] = {t} is outside the vocabulary [0, {limits.vocab_size})"
-            )
-    n, m = len(ids), sampling.max_tokens
-    if n + m > limits.max_model_len:
-        raise ValueError(
-            f"{max_tokens_field}: prompt of {n} tokens + max_tokens={m} exceeds "
-            f"max_model_len={limits.max_model_len}"
-        )
-    # The last sampled token is never computed: at most n + m - 1 tokens hold K/V.
-    pages = -(-(n + m - 1) // limits.page_size)
-    if pages > limits.num_pages:
-        raise ValueError(
-            f"{max_tokens_field}: prompt of {n} tokens + max_tokens={m} needs {pages} "
-            f"KV-cache pages, the cache has {limits.num_pages}"
-        )
-    if sampling.structured_outputs is not None:
-        structured.validate(sampling.structured_outputs)
-
-
-@dataclasses.dataclass
-class CoreRequest:
-    """One sample of one request, as the core sees it (ids only)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    eos_token_ids: tuple[int, ...] = ()
-    priority: int = 0
-
-
 _new_tuple = tuple.__new__  # `_new_tuple(TokenOutput, (...))`: skips NamedTuple's Python __new__
-
-
-class TokenOutput(NamedTuple):
-    """What one step added to one child request (a tuple: built once per request per step, with
-    `_new_tuple` in the hot loop, and sent as a list)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
-    prompt_logprobs: dict[int, TokenLogprobs] | None = None  # position -> logprobs, when asked
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-
-
-def _lp_wire(lp: TokenLogprobs | None) -> list | None:
-    return None if lp is None else [lp.token_id, lp.logprob, list(lp.top.items())]
-
-
-def _lp_unwire(w: list | None) -> TokenLogprobs | None:
-    return None if w is None else TokenLogprobs(w[0], w[1], dict(w[2]))
-
-
-def to_wire(out: TokenOutput) -> list:
-    """A msgpack-able list (the engine-core process sends these, one message per step)."""
-    if out.logprobs is None and out.prompt_logprobs is None:
-        return list(out)
-    plp = (
-        None
-        if out.prompt_logprobs is None
-        else [[p, _lp_wire(lp)] for p, lp in out.prompt_logprobs.items()]
-    )
-    lps = None if out.logprobs is None else [_lp_wire(lp) for lp in out.logprobs]
-    return [
-        out.request_id,
-        out.new_token_ids,
-        lps,
-        plp,
-        out.finished,
-        out.finish_reason,
-        out.stop_reason,
-        out.num_prompt_tokens,
-        out.num_output_tokens,
-        out.num_cached_tokens,
-    ]
-
-
-def from_wire(w: list) -> TokenOutput:
-    plp = None if w[3] is None else {p: _lp_unwire(lp) for p, lp in w[3]}
-    lps = None if w[2] is None else [_lp_unwire(lp) for lp in w[2]]
-    return TokenOutput(w[0], list(w[1]), lps, plp, *w[4:])
-
-
-def _proposer(
-    spec: SpeculativeConfig | None,
-    cfg: ModelConfig,
-    config: EngineConfig,
-    draft: Any,
-    **backends: str | None,
-) -> Any:
-    """What the scheduler asks for speculative tokens (None: off). The draft model is `draft`
-    (a `LoadedModel`) when given, else loaded from `speculative_config.model`."""
-    if spec is None:
-        return None
-    if spec.method == "ngram":
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    from jaxinfer.spec_decode.draft import DraftProposer, truncate
-
-    if draft is None:
-        from jaxinfer.loader import load_model
-
-        draft = load_model(spec.model, dtype=config.dtype)
-    dcfg, dparams = draft.cfg, draft.params
-    if dcfg.vocab_size != cfg.vocab_size:
-        raise ValueError(
-            f"speculative_config.model: the draft's vocabulary has {dcfg.vocab_size} "
-            f"tokens, the target's {cfg.vocab_size}"
-        )
-    if spec.draft_num_layers is not None:
-        dcfg, dparams = truncate(dcfg, dparams, spec.draft_num_layers)
-    return DraftProposer(
-        dcfg,
-        dparams,
-        num_speculative_tokens=spec.num_speculative_tokens,
-        page_size=config.page_size,
-        num_pages=config.num_pages,
-        max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        dtype=config.dtype,
-        **backends,
-    )
 
 
 def default_kv_cache_memory() -> int:
@@ -240,7 +101,7 @@ class EngineCore:
         *,
         attention_backend: str | None = None,
         linear_backend: str | None = None,
-        runner: Any = None,
+        runner: Runner | None = None,
         draft: Any = None,
         tokenizer: Any = None,
     ) -> None:
@@ -301,7 +162,7 @@ class EngineCore:
                 f"speculative_config: not supported with mesh data={data} / "
                 f"pipeline={sizes[shd.PIPELINE]} (one replica, no stages)"
             )
-        self.proposer = _proposer(
+        self.proposer = make_proposer(
             spec,
             cfg,
             self.config,
@@ -336,7 +197,7 @@ class EngineCore:
                 spec_max_seqs=spec_seqs,
                 kv_cache_dtype=config.kv_cache_dtype,
             )
-        self.runner = runner
+        self.runner: Runner = runner
         self._in_flight: Launched | None = None  # async scheduling: the step still running
         self._ready: list[TokenOutput] = []  # outputs of a step finished while the next one failed
         self._aborted: list[Request] = []
@@ -345,7 +206,7 @@ class EngineCore:
         self.failed_request_ids: list[str] = []
         self.num_steps = 0
         self.num_generated = 0
-        if params is not None and runner is not None and hasattr(runner, "bytes_per_device"):
+        if params is not None:
             gain = (
                 family.kv_cache_bytes_per_token(cfg, shd.Parallel(**sizes), itemsize) / token_bytes
             )
@@ -403,54 +264,49 @@ class EngineCore:
             self.allocators[0].num_usable_pages,
         )
 
-    def capacity(self) -> dict[str, int]:
+    def capacity(self) -> EngineCapacity:
         usable = sum(a.num_usable_pages for a in self.allocators)
-        return {
-            "num_pages": usable,
-            "page_size": self.config.page_size,
-            "max_tokens": usable * self.config.page_size,
-            "max_model_len": self.max_model_len,
-        }
+        return EngineCapacity(
+            usable, self.config.page_size, usable * self.config.page_size, self.max_model_len
+        )
 
-    def stats(self) -> dict[str, int]:
-        """Load numbers over every data replica (what serving reports and logs); `spec_*` are
-        speculative-decoding counters since start (acceptance rate = accepted / draft tokens,
-        mean accepted length = 1 + accepted / spec steps)."""
+    def stats(self) -> EngineStats:
+        """Load numbers over every data replica (what serving reports and logs)."""
         usable = sum(a.num_usable_pages for a in self.allocators)
         free = sum(a.num_free_pages for a in self.allocators)
         spec = self.scheduler.spec_stats
-        return {
-            "running": self.scheduler.num_running,
-            "waiting": self.scheduler.num_waiting,
-            "pages_total": usable,
-            "pages_used": usable - free,
-            "compiled_programs": int(getattr(self.runner, "num_compiled", 0)),
-            "steps": self.num_steps,
-            "generated": self.num_generated,
-            "spec_steps": spec.num_spec_steps,
-            "spec_draft_tokens": spec.num_draft_tokens,
-            "spec_accepted_tokens": spec.num_accepted_tokens,
-        }
+        return EngineStats(
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            pages_total=usable,
+            pages_used=usable - free,
+            compiled_programs=int(self.runner.num_compiled),
+            steps=self.num_steps,
+            generated=self.num_generated,
+            spec_steps=spec.num_spec_steps,
+            spec_draft_tokens=spec.num_draft_tokens,
+            spec_accepted_tokens=spec.num_accepted_tokens,
+        )
 
-    def info(self) -> dict[str, Any]:
-        """Static facts a front end reports (msgpack-able)."""
+    def info(self) -> EngineInfo:
+        """Static facts a front end reports."""
         devices = jax.devices()
-        return {
-            "capacity": self.capacity(),
-            "limits": dataclasses.asdict(self.limits),
-            "max_num_seqs": self.config.max_num_seqs,
-            "max_num_batched_tokens": self.config.max_num_batched_tokens,
-            "page_size": self.config.page_size,
-            "dtype": self.config.dtype,
-            "quantization": self.config.quantization,
-            "kv_cache_dtype": self.config.kv_cache_dtype,
-            "attention_backend": str(getattr(self.runner, "attention_backend", "")),
-            "linear_backend": str(getattr(self.runner, "linear_backend", "")),
-            "mesh_shape": {str(k): int(v) for k, v in self.mesh.shape.items()}
+        return EngineInfo(
+            capacity=self.capacity(),
+            limits=self.limits,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            page_size=self.config.page_size,
+            dtype=self.config.dtype,
+            quantization=self.config.quantization,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            attention_backend=str(self.runner.attention_backend),
+            linear_backend=str(self.runner.linear_backend),
+            mesh_shape={str(k): int(v) for k, v in self.mesh.shape.items()}
             if self.config.mesh
             else {},
-            "devices": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
-        }
+            devices=f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
+        )
 
     def warmup(self) -> int:
         """Compiles every program a request can need (and builds the structured-output
@@ -460,7 +316,7 @@ class EngineCore:
         n = int(
             self.runner.warmup(structured=True) if self.split_sampling else self.runner.warmup()
         )
-        if hasattr(self.proposer, "warmup"):  # a draft model's own programs
+        if self.proposer is not None:  # a draft model's own programs
             n += int(self.proposer.warmup())
         return n
 
@@ -506,8 +362,8 @@ class EngineCore:
 
     @property
     def async_scheduling(self) -> bool:
-        # NOTE: a multi-host leader broadcasts each `runner.run` to its followers: synchronous.
-        return self.config.async_scheduling and getattr(self.runner, "channel", None) is None
+        # NOTE: a multi-host leader broadcasts each step to its followers: synchronous.
+        return self.config.async_scheduling and not self.runner.synchronous_only
 
     @property
     def split_sampling(self) -> bool:
@@ -516,8 +372,8 @@ class EngineCore:
         runner that cannot) they step synchronously with the masks filled before the launch."""
         return (
             self.structured is not None
-            and getattr(self.runner, "split_sampling", False)
-            and getattr(self.runner, "channel", None) is None
+            and self.runner.split_sampling
+            and not self.runner.synchronous_only
         )
 
     def step(self) -> list[TokenOutput]:

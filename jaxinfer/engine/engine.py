@@ -16,7 +16,6 @@ that calls `step()`. A serving front end runs the same two halves in two process
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import queue
 import threading
@@ -24,14 +23,15 @@ import time
 from typing import Any
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine.core import (
-    CoreRequest,
-    EngineCore,
+from jaxinfer.engine.core import EngineCore, default_kv_cache_memory
+from jaxinfer.engine.output import OutputProcessor, RequestDelta, Usage
+from jaxinfer.engine.types import (
+    EngineCapacity,
     EngineLimits,
+    EngineStats,
     check_prompt,
-    default_kv_cache_memory,
+    split_samples,
 )
-from jaxinfer.engine.output import OutputProcessor, RequestDelta, SampleSpec, Usage
 from jaxinfer.loader import LoadedModel
 from jaxinfer.sampling_params import SamplingParams
 
@@ -40,32 +40,8 @@ __all__ = [
     "RequestDelta",
     "Usage",
     "default_kv_cache_memory",
-    "split_samples",
     "wait_all",
 ]
-
-
-def split_samples(
-    request_id: str,
-    ids: list[int],
-    sampling: SamplingParams,
-    *,
-    eos_token_ids: tuple[int, ...],
-    priority: int = 0,
-) -> tuple[list[CoreRequest], list[SampleSpec]]:
-    """One request of `n` samples -> n child requests for the core and n specs for the output
-    processor (child ids `rid#i` when n > 1, seeds spread so samples differ)."""
-    core, specs = [], []
-    for i in range(sampling.n):
-        child_sp = sampling
-        if sampling.n > 1 and sampling.seed is not None:
-            child_sp = dataclasses.replace(sampling, seed=(sampling.seed + 7919 * i) % 2**63)
-        cid = request_id if sampling.n == 1 else f"{request_id}#{i}"
-        core.append(CoreRequest(cid, list(ids), child_sp, eos_token_ids, priority))
-        specs.append(
-            SampleSpec(cid, i, ids, list(sampling.stop or []), sampling.prompt_logprobs is not None)
-        )
-    return core, specs
 
 
 class LLMEngine:
@@ -128,10 +104,10 @@ class LLMEngine:
     def limits(self) -> EngineLimits:
         return self.core.limits
 
-    def capacity(self) -> dict[str, int]:
+    def capacity(self) -> EngineCapacity:
         return self.core.capacity()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         return self.core.stats()
 
     def warmup(self) -> int:

@@ -12,9 +12,10 @@ inputs in the same order. Only process 0 (the leader) runs the scheduler and the
    fit raw); a larger payload follows in a second broadcast whose size (a power of two) every
    process reads from the header first. So shapes are known everywhere before data moves, and the
    broadcast programs compile once per size class.
-3. On the leader, `attach_leader(runner, channel)` makes the runner broadcast before it runs:
-   `warmup()` sends WARMUP, every `run(prepared)` sends RUN with the prepared host inputs (a
-   pytree of numpy arrays, `ModelRunner.prepare`'s output). The leader's engine is otherwise the
+3. On the leader, `attach_leader(runner, channel)` wraps the runner in a `LeaderRunner` (the
+   engine core's runner from then on) that broadcasts before it runs: `warmup()` sends WARMUP,
+   every step sends RUN with the prepared host inputs (a pytree of numpy arrays,
+   `ModelRunner.prepare`'s output). The leader's engine is otherwise the
    single-process engine; steps with nothing scheduled never reach the runner, so idle costs no
    traffic.
 4. On the others, `follow(runner, channel)` loops: receive → `runner.warmup()` / `runner.run(...)`
@@ -22,7 +23,7 @@ inputs in the same order. Only process 0 (the leader) runs the scheduler and the
 5. `broadcast_config(value)` sends any picklable value once (e.g. the leader's resolved server
    flags), so that every process builds the same engine; `check_same_everywhere` then proves it
    (all processes compare a digest of their engine's configuration and fail together).
-6. The runner moves data with `device_put_global` (host data every process holds in full onto a
+6. The runner moves data with `sharding.device_put_global` (host data every process holds in full onto a
    multi-process sharding, without `jax.device_put`'s per-leaf cross-process equality check)
    and `device_get` (results that span other processes' devices).
 
@@ -44,6 +45,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxinfer.engine.types import RunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -265,25 +268,59 @@ def broadcast_config(channel: StepChannel, value: Any = None) -> Any:
     return payload
 
 
-def attach_leader(runner: Any, channel: StepChannel) -> Any:
-    """Makes `runner` (a `ModelRunner`) broadcast WARMUP / RUN before doing either itself.
+class LeaderRunner:
+    """The leader's `Runner`: broadcasts WARMUP / RUN (with the prepared host inputs) to the
+    followers, then does the same itself with the `ModelRunner` it wraps.
 
-    NOTE: wraps the instance's `warmup` and `run`, not `execute`, so the runner's own
-    prepare → run → unpack sequence stays the one source of truth.
+    NOTE: every step is `execute`d (`synchronous_only`): the followers run exactly the leader's
+    sequence of prepared steps, and the wrapped runner's prepare -> run -> unpack is kept.
     """
-    run, warmup = runner.run, runner.warmup
 
-    def broadcasting_run(prepared: Any) -> Any:
-        channel.send(RUN, prepared)
-        return run(prepared)
+    synchronous_only = True
+    split_sampling = False
 
-    def broadcasting_warmup() -> int:
-        channel.send(WARMUP)
-        return warmup()
+    def __init__(self, runner: Any, channel: StepChannel) -> None:
+        self.runner, self.channel = runner, channel
 
-    runner.run, runner.warmup = broadcasting_run, broadcasting_warmup
-    runner.channel = channel
-    return runner
+    @property
+    def attention_backend(self) -> str:
+        return self.runner.attention_backend
+
+    @property
+    def linear_backend(self) -> str:
+        return self.runner.linear_backend
+
+    @property
+    def num_compiled(self) -> int:
+        return self.runner.num_compiled
+
+    def bytes_per_device(self) -> dict[str, int]:
+        return self.runner.bytes_per_device()
+
+    def warmup(self, *, structured: bool = False) -> int:
+        self.channel.send(WARMUP)
+        return self.runner.warmup()
+
+    def execute(self, sched: Any) -> Any:
+        prepared = self.runner.prepare(sched)
+        if prepared is None:
+            return RunnerOutput(sampled_token_ids={})
+        self.channel.send(RUN, prepared)
+        return self.runner.unpack(prepared.plan, *self.runner.run(prepared))
+
+    def launch(self, sched: Any, *, defer_sampling: bool = False) -> Any:
+        raise RuntimeError("a multi-host leader runs every step with execute()")
+
+    def sample(self, launched: Any) -> None:
+        raise RuntimeError("a multi-host leader runs every step with execute()")
+
+    def collect(self, launched: Any) -> Any:
+        raise RuntimeError("a multi-host leader runs every step with execute()")
+
+
+def attach_leader(runner: Any, channel: StepChannel) -> LeaderRunner:
+    """The leader's runner over `runner` (a `ModelRunner`): the engine core uses the result."""
+    return LeaderRunner(runner, channel)
 
 
 def follow(runner: Any, channel: StepChannel, *, on_step: Any = None) -> int:

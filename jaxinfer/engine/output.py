@@ -18,8 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxinfer.engine.core import TokenOutput
-from jaxinfer.engine.runner import TokenLogprobs
+from jaxinfer.engine.types import SampleSpec, TokenLogprobs, TokenOutput
 from jaxinfer.tokenizer import Tokenizer
 
 
@@ -54,17 +53,6 @@ class RequestDelta:
             self.prompt_logprobs = later.prompt_logprobs
         if later.finished:
             self.finished, self.finish_reason, self.usage = True, later.finish_reason, later.usage
-
-
-@dataclasses.dataclass
-class SampleSpec:
-    """One child request of a parent: what the processor needs to turn its ids into text."""
-
-    request_id: str  # the child's id in the core
-    index: int  # sample index within the parent
-    prompt_token_ids: Sequence[int]
-    stop: Sequence[str] = ()
-    want_prompt_logprobs: bool = False
 
 
 class _Sample:

@@ -35,20 +35,13 @@ catching up to `num_tokens`, and one loop decides how many of its tokens to comp
    request whose pending token is certain to be its last (max_tokens, max_model_len) is not
    scheduled again; one that stops on EOS / a stop id wastes that one speculative step.
    Pages filled with known tokens enter the prefix cache when scheduled.
-7. Speculative decoding (`proposer` set, see `jaxinfer.spec_decode`): a running request whose
-   tokens are all known (no pending one) and that would decode one token reserves room for up to
-   K proposed tokens - capped so that accepting all of them plus the bonus token stays within
-   max_tokens and max_model_len, and so that the requests after it keep one token of the budget
-   each; pages are allocated for them like any token (no reservation rather than preempting
-   anyone). After the running requests, one `proposer.propose_batch` call fills every
-   reservation (a draft model writes its own K/V into those pages); the proposals become extra
-   query tokens of the same step (`ScheduledRequest.num_spec_tokens`) and unused budget goes back
-   to waiting requests. Back-off rule: a
-   step speculates only while running + waiting requests <= `spec_max_requests`
-   (`disable_by_batch_size`); requests with penalties never do (their token counts are built
-   from the computed tokens). `update` rolls `num_computed_tokens` back to the accepted prefix:
-   the rejected tokens' K/V slots stay in the request's pages and are overwritten by its next
-   step; no page holding an unverified token is ever offered to the prefix cache.
+7. Speculative decoding (`proposer` set, see `jaxinfer.engine.spec` and `jaxinfer.spec_decode`):
+   decoding requests reserve room for up to K proposed tokens, one `proposer.propose_batch` call
+   after the running requests fills it, the proposals ride as extra query tokens of the step,
+   and `update` rolls back to the accepted prefix. Back-off rule: a step speculates only while
+   running + waiting requests <= `spec_max_requests` (`disable_by_batch_size`); requests with
+   penalties never do (their token counts are built from the computed tokens). No page holding
+   an unverified token is ever offered to the prefix cache.
 8. `update` registers pages a pending token filled, appends sampled tokens and applies
    the stop rules (stop_token_ids / EOS, then max_tokens, then max_model_len). Finished requests
    free their pages at once and are reported in the next `SchedulerOutput.finished`. A request
@@ -63,115 +56,21 @@ from __future__ import annotations
 
 import bisect
 import collections
-import dataclasses
 import itertools
-import operator
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
+from jaxinfer.engine import spec
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import FINISH_REASONS, PENDING_TOKEN, Request, RequestStatus
+from jaxinfer.engine.types import (
+    RequestUpdate,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SpecStats,
+)
 
-
-class ScheduledRequest(NamedTuple):
-    """One request's share of a step, as a diff against what the runner already holds.
-
-    A request that (re)joins the batch (`is_new`: first scheduled since admission or resumption)
-    comes with its whole page table in `new_page_ids`; a running one only with the pages allocated
-    for this step (usually none). The runner keeps each row's page table and sampling parameters
-    between steps and patches them from these diffs.
-
-    NOTE: a tuple (immutable): the scheduler's hot loop builds one per running request per step
-    with `_new_tuple` (one C call), and the runner reads a whole step's fields column by column
-    with one `zip(*scheduled)`.
-    """
-
-    request: Request
-    token_ids: list[int]  # all_token_ids[start_pos : ...], then num_spec_tokens proposed ones
-    start_pos: int  # num_computed_tokens before this step
-    new_page_ids: Sequence[int]  # pages the runner has not seen (the whole table when is_new)
-    sample: bool  # the chunk reaches the end of the known tokens: sample one new token
-    replica: int = 0  # data replica whose pages (ids local to its pool) hold the request
-    is_new: bool = False  # the request (re)joins the batch: its row is built from scratch
-    # NOTE: the request's live page list, not a copy: it only grows at the end while the request
-    # holds it (a release swaps in a new list), so its first cdiv(start_pos + len(token_ids),
-    # page_size) pages stay this step's table.
-    page_table: Sequence[int] = ()
-    # Speculative decoding: the last `num_spec_tokens` of `token_ids` are proposed tokens (not
-    # the request's own); the runner verifies them (`RunnerOutput.accepted_draft_ids`).
-    num_spec_tokens: int = 0
-
-    @property
-    def is_decode(self) -> bool:
-        return (
-            self.sample
-            and len(self.token_ids) == 1
-            and self.start_pos >= self.request.num_prompt_tokens
-        )
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    # NOTE: decodes (1 token, sample=True, past the prompt) first, then prefill chunks.
-    scheduled: list[ScheduledRequest]
-    num_batched_tokens: int
-    preempted: list[str]  # request ids preempted this step: drop their per-request state
-    finished: list[str]  # request ids finished or aborted since the last schedule()
-    # Structured output (filled by the engine core): request id -> its row of `token_bitmask`,
-    # i32[len(bitmask_rows), ceil(V / 32)] the tokens each may sample this step.
-    bitmask_rows: dict[str, int] = dataclasses.field(default_factory=dict)
-    token_bitmask: Any = None
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if s.is_decode)
-
-    @property
-    def num_spec_tokens(self) -> int:
-        """Proposed tokens this step verifies (its results must reach the host before the next
-        schedule: a speculating step runs synchronously)."""
-        return sum(map(_NUM_SPEC_TOKENS, self.scheduled))
-
-
-@dataclasses.dataclass
-class RunnerOutput:
-    sampled_token_ids: dict[str, int]  # every scheduled request with sample=True
-    logprobs: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed through
-    prompt_logprobs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # Speculative steps: request id -> the proposed tokens accepted before its sampled token
-    # (a prefix of its proposals), and their logprobs when asked (one per accepted token).
-    accepted_draft_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    draft_logprobs: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class SpecStats:
-    """Speculative-decoding counters since start (requests verified while still running)."""
-
-    num_spec_steps: int = 0  # (request, step) pairs that verified proposals
-    num_draft_tokens: int = 0  # tokens proposed
-    num_accepted_tokens: int = 0  # proposed tokens accepted
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per verifying (request, step): accepted proposals + 1."""
-        return 1.0 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 0.0
-
-
-class RequestUpdate(NamedTuple):
-    """One request's tokens from one step (a tuple: the hot loops build it with `_new_tuple`,
-    one C call, and unpack it)."""
-
-    request: Request
-    new_token_ids: list[int]
-    finished: bool
-
-
-_NUM_SPEC_TOKENS = operator.attrgetter("num_spec_tokens")
 _new_tuple = tuple.__new__  # `_new_tuple(RequestUpdate, (...))`: skips NamedTuple's Python __new__
 
 
@@ -388,7 +287,17 @@ class Scheduler:
                 i += 1
                 continue
             n = min(total - start, budget, max_chunk)
-            room = self._spec_room(req, n, budget - (len(running) - i - 1)) if speculate else 0
+            room = (
+                spec.room(
+                    req,
+                    n,
+                    budget - (len(running) - i - 1),
+                    self.num_speculative_tokens,
+                    self.max_model_len,
+                )
+                if speculate
+                else 0
+            )
             need = -(-(start + n + room) // page_size) - len(pages)
             if room and need > self.allocators[r].num_free_pages:  # proposals never preempt
                 room = 0
@@ -410,7 +319,7 @@ class Scheduler:
                 mine = decodes if decodes and decodes[-1].request is req else chunks
                 reserved.append((mine, len(mine) - 1, room))
             i += 1
-        for s, unused in self._fill_proposals(reserved):
+        for s, unused in spec.fill_proposals(self.proposer, reserved):
             budgets[s.replica] += unused
 
         while not preempted and (self._preempted or self._waiting):
@@ -465,52 +374,6 @@ class Scheduler:
         if not open_:
             return None
         return min(open_, key=lambda r: (load[r], -self.allocators[r].num_free_pages, r))
-
-    def _spec_room(self, req: Request, n: int, budget: int) -> int:
-        """Proposed tokens a running request about to compute `n` tokens may verify, given the
-        token `budget` it may use while the requests after it keep one each."""
-        if (
-            n != 1
-            or req.num_pending_tokens
-            or req.num_computed_tokens != req.num_tokens - 1
-            or not req.may_speculate
-        ):
-            return 0
-        return max(
-            0,
-            min(
-                self.num_speculative_tokens,
-                budget - 1,
-                req.sampling.max_tokens - req.num_output_tokens - 1,
-                self.max_model_len - req.num_tokens - 1,
-            ),
-        )
-
-    def _fill_proposals(
-        self,
-        reserved: list[tuple[list[ScheduledRequest], int, int]],
-    ) -> list[tuple[ScheduledRequest, int]]:
-        """Asks the proposer once for every reservation, appends the proposals to the scheduled
-        decodes (replacing them in their lists); returns (decode, unused reserved tokens) pairs."""
-        if not reserved:
-            return []
-        proposals = self.proposer.propose_batch([(lst[j].request, k) for lst, j, k in reserved])
-        if len(proposals) != len(reserved):
-            raise RuntimeError(
-                f"proposer returned {len(proposals)} proposals for {len(reserved)} requests"
-            )
-        unused = []
-        for (lst, j, k), drafts in zip(reserved, proposals):
-            s = lst[j]
-            drafts = list(drafts)[:k]
-            if any(not isinstance(t, int) or t < 0 for t in drafts):
-                raise RuntimeError(
-                    f"request {s.request.request_id!r}: proposer returned bad ids {drafts}"
-                )
-            s = lst[j] = s._replace(token_ids=s.token_ids + drafts, num_spec_tokens=len(drafts))
-            s.request.num_computed_tokens = s.start_pos + len(s.token_ids)  # update rolls back
-            unused.append((s, k - len(drafts)))
-        return unused
 
     def update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestUpdate]:
         """Apply one step's runner output. Requests aborted/finished since `schedule` are skipped."""
@@ -588,21 +451,7 @@ class Scheduler:
             token = sampled[req.request_id]
         except KeyError:
             raise KeyError(f"runner returned no sampled token for {req.request_id!r}") from None
-        accepted: list[int] = []
-        if s.num_spec_tokens:
-            accepted = out.accepted_draft_ids.get(req.request_id, [])
-            drafts = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
-            if accepted != drafts[: len(accepted)]:
-                raise RuntimeError(
-                    f"request {req.request_id!r}: accepted {accepted} is not a "
-                    f"prefix of the proposed {drafts}"
-                )
-            # Roll back: K/V of the rejected proposals stays in the pages, overwritten later.
-            req.num_computed_tokens = computed + len(accepted)
-            st = self.spec_stats
-            st.num_spec_steps += 1
-            st.num_draft_tokens += s.num_spec_tokens
-            st.num_accepted_tokens += len(accepted)
+        accepted = spec.verified(s, out, computed, self.spec_stats) if s.num_spec_tokens else []
         req.num_pending_tokens -= 1
         new: list[int] = []
         finished = False

@@ -29,7 +29,7 @@ from typing import Any
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.runner import ModelRunner
-from jaxinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxinfer.engine.types import ScheduledRequest, SchedulerOutput
 from jaxinfer.sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)

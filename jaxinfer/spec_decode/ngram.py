@@ -41,6 +41,10 @@ class NgramProposer:
                 return ids[start : start + k].tolist()
         return []
 
+    def warmup(self) -> int:
+        """Programs compiled (none: host only)."""
+        return 0
+
     def propose_batch(self, batch: Sequence[tuple[Any, int]]) -> list[list[int]]:
         """The scheduler's call: (request, k) pairs -> each request's proposal."""
         return [self.propose(req.all_token_ids, k) for req, k in batch]

@@ -1,0 +1,325 @@
+"""The engine-core side of the front end <-> core split: the loop that drives an `EngineCore`
+from messages (`jaxinfer.engine.types`: typed, one per step each way), the entry point of the
+engine-core process, and `ThreadCoreClient` (the loop on a thread of this process).
+
+1. `run_core_loop` says `Loaded` (the model is on its devices; `info()`: capacity, limits),
+   warms the core up (every program compiled), says `Ready`, then loops: take every queued
+   message, step while there is work (blocking on the inbox when there is none), send one
+   `StepResult` per step that produced anything.
+2. A step that raises loses the requests `failed_request_ids` names: the loop aborts them in the
+   core and reports them (with the error) in that step's message; everything else carries on.
+   After `max_step_failures` consecutive failures the core is declared broken (`Broken`), as it
+   is when warmup fails.
+3. `core_process_main` is the spawned process's entry (`core_client.ProcessCoreClient` starts
+   it): it builds the core from its `CoreSpec` (JAX is imported there, never by the front end),
+   then runs the loop over two zmq sockets with msgpack frames. It exits when its parent
+   disappears; SIGINT/SIGTERM are ignored (the front end drains on them, then says `Shutdown`).
+4. `ThreadCoreClient` runs the same loop on a daemon thread over queues (multi-host leaders,
+   tests); messages stay Python objects.
+
+NOTE: this module imports no JAX itself (the front end imports it to name the process entry).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from jaxinfer.engine.core_client import CoreSpec, LoopOptions, OnMessage
+from jaxinfer.engine.types import (
+    Abort,
+    AddRequests,
+    Broken,
+    Finish,
+    Loaded,
+    Message,
+    Ready,
+    Shutdown,
+    StepResult,
+    decode_message,
+    encode,
+    request_of,
+)
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+
+class _Tracer:
+    def __init__(self, trace_dir: str | None, steps: int) -> None:
+        self.dir, self.left = trace_dir, steps if trace_dir else 0
+        self.on = False
+
+    def before(self) -> None:
+        if self.left > 0 and not self.on:
+            import jax
+
+            try:
+                jax.profiler.start_trace(self.dir)
+                self.on = True
+                logger.info("tracing the next %d engine steps into %s", self.left, self.dir)
+            except Exception:  # noqa: BLE001 - a profiler problem must not take the core down
+                logger.exception("could not start a profiler trace in %s", self.dir)
+                self.left = 0
+
+    def after(self, busy: bool) -> None:
+        if self.on and busy:
+            self.left -= 1
+            if self.left <= 0:
+                self.stop()
+
+    def stop(self) -> None:
+        if self.on:
+            import jax
+
+            self.on, self.left = False, 0
+            try:
+                jax.profiler.stop_trace()
+                logger.info(
+                    "profiler trace written to %s (open with: tensorboard --logdir %s)",
+                    self.dir,
+                    self.dir,
+                )
+            except Exception:  # noqa: BLE001
+                logger.exception("could not stop the profiler trace")
+
+
+# Net new container objects that start a young-generation collection in the core (CPython's
+# default is 700): a step holds a few per scheduled sequence (its schedule entry, update and
+# output, their token lists) until the step ends, so with the default a 256-sequence step starts
+# collections that walk every one of them; with this many, a step's objects are freed by
+# reference counting before a collection starts (BENCHMARKS.md "Host overhead", third pass).
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def settle_heap() -> None:
+    """Prepares the collector for serving: one full collection, then every object alive now is
+    moved out of the cyclic collector's generations (`gc.freeze`): what loading and compiling
+    left behind (JAX's and the params' Python trees, traced programs) lives as long as the core,
+    and every full collection would walk it again. The young generation's threshold becomes
+    `GC_YOUNG_THRESHOLD`. Called once the core is loaded and warmed up (and by
+    `scripts/bench_host.py`, which measures the core as served)."""
+    gc.collect()
+    gc.freeze()
+    _space_young_collections()
+
+
+def _space_young_collections() -> tuple[int, int, int]:
+    """Raises the young generation's threshold to `GC_YOUNG_THRESHOLD` (never lowers it);
+    returns the thresholds before."""
+    before = gc.get_threshold()
+    gc.set_threshold(max(before[0], GC_YOUNG_THRESHOLD), *before[1:])
+    return before
+
+
+@contextlib.contextmanager
+def spaced_young_collections() -> Iterator[None]:
+    """`GC_YOUNG_THRESHOLD` for the young generation while the block runs, then the caller's
+    thresholds again: the offline `LLM.generate` steps the engine in the user's own process, so
+    it neither freezes that heap nor keeps the setting (`settle_heap` does both, for the core
+    process)."""
+    before = _space_young_collections()
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
+def run_core_loop(
+    core: EngineCore,
+    recv: Callable[[float | None], list[Message]],
+    send: Callable[[Message], None],
+    options: LoopOptions,
+) -> None:
+    """Drives `core` until a `Shutdown` message (see the module docstring).
+
+    Args:
+      recv: `recv(timeout)` returns the queued messages (waiting up to `timeout` seconds for the
+        first one; 0: do not wait).
+      send: delivers one message to the front end.
+    """
+    send(Loaded(info=core.info()))
+    if options.profile_port is not None:
+        import jax
+
+        jax.profiler.start_server(options.profile_port)
+    try:
+        programs = core.warmup() if options.warmup else int(core.runner.num_compiled)
+    except Exception as e:  # noqa: BLE001
+        logger.exception("warmup failed")
+        send(Broken(why=f"warmup failed: {type(e).__name__}: {e}"))
+        return
+    send(Ready(info=core.info()._replace(compiled_programs=programs)))
+    settle_heap()
+    tracer = _Tracer(options.trace_dir, options.trace_steps)
+    failures, stalled = 0, False
+    try:
+        while True:
+            # NOTE: with work, only take what is queued; stalled (work, but nothing could be
+            # scheduled, e.g. every request waits for pages an abort will free): wait a little.
+            timeout = (0.05 if stalled else 0.0) if core.has_unfinished() else 1.0
+            for msg in recv(timeout):
+                if not _handle(core, msg, send):
+                    return
+            if not core.has_unfinished():
+                continue
+            steps = core.num_steps
+            tracer.before()
+            start = time.perf_counter()
+            try:
+                outputs, lost, error = core.step(), [], None
+                failures = 0
+            except Exception as e:  # noqa: BLE001 - the requests it lost fail, the rest go on
+                failures += 1
+                lost, outputs = list(core.failed_request_ids), []
+                error = f"engine step failed: {type(e).__name__}: {e}"
+                logger.exception(
+                    "engine step failed; failing the %d requests it scheduled: %s", len(lost), lost
+                )
+                for rid in lost:
+                    core.abort(rid)
+            busy = core.num_steps > steps
+            tracer.after(busy)
+            if outputs or lost:
+                stats = core.stats()._replace(step_s=time.perf_counter() - start)
+                send(StepResult(outputs=outputs, lost=lost, error=error, stats=stats))
+            if failures >= options.max_step_failures:
+                why = f"{failures} consecutive engine steps failed"
+                logger.error("engine broken: %s", why)
+                send(Broken(why=why))
+                return
+            stalled = not busy and not outputs
+    finally:
+        tracer.stop()
+
+
+def _handle(core: EngineCore, msg: Message | Sequence, send: Callable[[Message], None]) -> bool:
+    """Applies one front-end message; False on `Shutdown`."""
+    try:
+        msg = decode_message(msg)
+    except ValueError:
+        logger.error("engine core: unknown message %r", msg[0])
+        return True
+    if isinstance(msg, AddRequests):
+        for w in msg.requests:
+            req = request_of(w)
+            try:
+                core.add(req)
+            except ValueError as e:  # the front end checks first; a bad one must not crash us
+                send(StepResult(lost=[req.request_id], error=f"rejected: {e}", stats=core.stats()))
+    elif isinstance(msg, Abort):
+        for rid in msg.request_ids:
+            core.abort(rid)
+    elif isinstance(msg, Finish):
+        for rid, stop in msg.stops:
+            core.finish(rid, "stop", stop)
+    elif isinstance(msg, Shutdown):
+        return False
+    else:
+        logger.error("engine core: unexpected message %r", msg.tag)
+    return True
+
+
+class ThreadCoreClient:
+    """The core loop on a daemon thread of this process (messages stay Python objects)."""
+
+    def __init__(self, core: EngineCore, options: LoopOptions | None = None) -> None:
+        self.core, self.options = core, options or LoopOptions()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, on_message: OnMessage) -> None:
+        def recv(timeout: float | None) -> list[Message]:
+            msgs = []
+            try:
+                msgs.append(
+                    self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
+                )
+                while True:
+                    msgs.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return msgs
+
+        def run() -> None:
+            try:
+                run_core_loop(self.core, recv, on_message, self.options)
+            except Exception as e:  # noqa: BLE001
+                logger.exception("engine core loop died")
+                on_message(Broken(why=f"engine core loop died: {type(e).__name__}: {e}"))
+
+        self._thread = threading.Thread(target=run, name="engine-core", daemon=True)
+        self._thread.start()
+
+    def send(self, msg: Message) -> None:
+        self._inbox.put(msg)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._inbox.put(Shutdown())
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+def core_process_main(spec: CoreSpec, in_addr: str, out_addr: str, parent_pid: int) -> None:
+    """Entry point of the engine-core process."""
+    import msgpack
+    import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end drains, then says "shutdown"
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s"
+    )
+    ctx = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.connect(in_addr)
+    outbox.connect(out_addr)
+    outbox.setsockopt(zmq.LINGER, 5000)
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+
+    def send(msg: Message) -> None:
+        outbox.send(msgpack.packb(encode(msg), use_bin_type=True))
+
+    def recv(timeout: float | None) -> list[Any]:
+        msgs: list[Any] = []
+        wait_ms = 0 if not timeout else int(timeout * 1000)
+        while True:
+            if not poller.poll(wait_ms):
+                if os.getppid() != parent_pid:  # the front end died: nobody to serve
+                    logger.error("front-end process %d is gone; engine core exiting", parent_pid)
+                    return [Shutdown()]
+                return msgs
+            msgs.append(msgpack.unpackb(inbox.recv(), raw=False, strict_map_key=False))
+            wait_ms = 0
+
+    try:
+        core = spec.factory(**spec.kwargs)
+    except Exception as e:  # noqa: BLE001 - reported to the front end, which exits
+        logger.exception("engine core failed to start")
+        send(Broken(why=f"engine core failed to start: {type(e).__name__}: {e}"))
+    else:
+        run_core_loop(core, recv, send, spec.options)
+    finally:
+        outbox.close()
+        inbox.close(0)
+        ctx.term()
+
+
+__all__ = [
+    "GC_YOUNG_THRESHOLD",
+    "ThreadCoreClient",
+    "core_process_main",
+    "run_core_loop",
+    "settle_heap",
+    "spaced_young_collections",
+]

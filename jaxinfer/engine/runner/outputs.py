@@ -1,0 +1,69 @@
+"""A step's fetched device results -> `RunnerOutput` (plain Python, per request).
+
+1. Sampled ids of the rows that sample (`UnpackPlan.sample_slots`).
+2. Speculative rows: the longest prefix of the proposals equal to the verify rows' samples
+   (`spec_decode.rejection.accept`) becomes `accepted_draft_ids`, the next sample the sampled id.
+3. Logprobs of the rows that asked (the accepted proposals' too), prompt logprobs of the token
+   rows of requests that asked for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jaxinfer.engine.runner.step_inputs import UnpackPlan
+from jaxinfer.engine.types import RunnerOutput, TokenLogprobs
+from jaxinfer.spec_decode import rejection
+
+
+def unpack_results(
+    plan: UnpackPlan,
+    token_ids: np.ndarray,  # i32[R] sampled ids of every result row (verify rows after S)
+    out: Any,  # the sampler's output as numpy (logprob arrays), or None when no row asked
+    prompt: Any,  # (chosen, top ids, top logprobs) of every token row, or None
+) -> RunnerOutput:
+    """A step's fetched results as plain Python, per request (see the module docstring)."""
+    sampled = dict(zip(plan.sample_ids, token_ids[plan.sample_slots].tolist()))
+    accepted, draft_lps, final_row = {}, {}, {}
+    for rid, slot, lo, drafts in plan.spec:
+        k = len(drafts)
+        targets = token_ids[lo : lo + k].tolist() + [sampled[rid]]
+        emitted, a = rejection.accept(drafts, targets)
+        accepted[rid], sampled[rid] = emitted[:-1], emitted[-1]
+        final_row[rid] = (lo + a if a < k else slot, lo)
+
+    def token_lps(i: int, k: int) -> TokenLogprobs:
+        return TokenLogprobs(
+            int(token_ids[i]),
+            float(out.logprobs[i]),
+            dict(zip(out.topk_ids[i, :k].tolist(), out.topk_logprobs[i, :k].tolist())),
+        )
+
+    logprobs, prompt_lps = {}, {}
+    for rid, i, k in plan.logprob_rows:
+        if rid in final_row:
+            i, lo = final_row[rid]
+            draft_lps[rid] = [token_lps(lo + j, k) for j in range(len(accepted[rid]))]
+        logprobs[rid] = token_lps(i, k)
+    for rid, lo, hi, start, num_prompt, k in plan.prompt_rows:
+        chosen, top_ids, top_lps = prompt
+        entries = {}
+        for t in range(lo, hi):
+            pos = start + (t - lo) + 1  # the prompt position this row predicts
+            if pos >= num_prompt:
+                break
+            entries[pos] = TokenLogprobs(
+                int(plan.target_ids[t]),
+                float(chosen[t]),
+                dict(zip(top_ids[t, :k].tolist(), top_lps[t, :k].tolist())),
+            )
+        prompt_lps[rid] = entries
+    return RunnerOutput(
+        sampled_token_ids=sampled,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_lps,
+        accepted_draft_ids=accepted,
+        draft_logprobs=draft_lps,
+    )

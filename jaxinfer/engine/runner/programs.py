@@ -1,0 +1,267 @@
+"""The runner's device programs: one jitted step (pending tokens fed + forward + penalty-state
+update + sampler + logprobs) and the sampler alone (split steps), plus how their host inputs
+travel (`pack`: one buffer per dtype, `unpack_buffers` by static slices inside the program).
+
+1. `step_program` runs a whole step over `StepInputs` + `BatchExtras` + `SamplingMetadata`,
+   KV cache and `PenaltyState` donated; it returns (sampler output, prompt logprobs, the sampled
+   rows' logits), the caches, the state and the sampled ids padded to a fixed `[R]` (the next
+   program's `prev_tokens`).
+2. `sample_program` is the sampler of a step launched with `defer_sampling`.
+3. `step_jit` / `sampler_jit` are their jitted forms on one device (packed inputs) or a mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import family_of
+from jaxinfer.sampling import SamplerOutput, SamplingMetadata, compute_logprobs, sample
+from jaxinfer.sampling_params import MAX_LOGPROBS
+from jaxinfer.step import StepInputs
+
+
+@struct.dataclass
+class BatchExtras:
+    """Per-step inputs beyond the model's: penalty bookkeeping and prompt-logprob targets."""
+
+    token_seq: (
+        jax.Array
+    )  # i32[T] index of each token's sequence in this step (padding -> S, dropped)
+    token_is_output: jax.Array  # bool[T] token sits past its request's prompt
+    seq_rows: jax.Array  # i32[S] penalty-state row of each sequence (padding -> the spare row)
+    reset_rows: jax.Array  # bool[S] clear this sequence's row before counting (new owner)
+    sample_rows: jax.Array  # i32[S] token row holding each sequence's last position
+    target_ids: jax.Array  # i32[T] next prompt token per position (prompt-logprob programs only)
+    feed_rows: jax.Array  # i32[T] row of prev_tokens that holds this (pending) token; -1: given
+    # Verify rows of a speculative step (W = 0 otherwise); sample_rows then has S + W entries.
+    spec_seq: jax.Array  # i32[W] result row (sequence) of each verify row (padding -> 0)
+    spec_positions: jax.Array  # i32[W] position the verify row's sampled token takes
+    # i32[S, ceil(V / 32)] structured output's allowed tokens (-1: all). None on the host when no
+    # row is constrained: the runner then passes a device-resident all-ones array (no 1.5 MiB
+    # fill, pack and transfer per 256-row step of a 49K vocabulary).
+    token_bitmask: jax.Array | None
+
+
+@struct.dataclass
+class PenaltyState:
+    prompt_mask: jax.Array  # bool[R, V]
+    output_counts: jax.Array  # i32[R, V]
+
+
+def step_program(
+    params,
+    cfg: ModelConfig,
+    kv_caches,
+    state: PenaltyState,
+    prev_tokens: jax.Array,
+    step: StepInputs,
+    extras: BatchExtras,
+    meta: SamplingMetadata,
+    *,
+    all_logits: bool,
+    attention_backend: str,
+    linear_backend: str = "xla",
+    mesh: Any = None,
+):
+    """Pending tokens fed + forward + penalty bookkeeping + sampling, as one program."""
+    stacked = step.token_ids.ndim >= 2  # [data?, M?, T]: per replica / micro-batch
+    token_ids = jnp.where(
+        extras.feed_rows >= 0,
+        prev_tokens[jnp.maximum(extras.feed_rows, 0)],
+        step.token_ids.reshape(-1),
+    )
+    step = step.replace(token_ids=token_ids.reshape(step.token_ids.shape))
+    with jax.named_scope("penalty_state"):
+        # One gather of this step's rows, small scatters on them, one write back.
+        fresh = extras.reset_rows[:, None]
+        prompt_mask = jnp.where(fresh, False, state.prompt_mask[extras.seq_rows])  # bool[S, V]
+        output_counts = jnp.where(fresh, 0, state.output_counts[extras.seq_rows])  # i32[S, V]
+        prompt_mask = prompt_mask.at[extras.token_seq, token_ids].max(
+            ~extras.token_is_output, mode="drop"
+        )
+        output_counts = output_counts.at[extras.token_seq, token_ids].add(
+            extras.token_is_output.astype(jnp.int32), mode="drop"
+        )
+        state = PenaltyState(
+            state.prompt_mask.at[extras.seq_rows].set(prompt_mask),
+            state.output_counts.at[extras.seq_rows].set(output_counts),
+        )
+    logits, kv_caches = family_of(cfg).forward(
+        params,
+        cfg,
+        step,
+        kv_caches,
+        attention_backend=attention_backend,
+        linear_backend=linear_backend,
+        mesh=mesh,
+    )
+    if stacked:
+        logits = logits.reshape(-1, logits.shape[-1])  # [data * rows, V]
+    with jax.named_scope("sampler"):
+        row_logits = jnp.take(logits, extras.sample_rows, axis=0) if all_logits else logits
+        # Each row's sampled token goes at position kv_len: its random counter (batch-invariant).
+        positions = step.kv_lens.reshape(-1)  # i32[S]
+        num_seqs = positions.shape[0]
+        bitmask = extras.token_bitmask  # i32[S, ceil(V / 32)]
+        if extras.spec_seq.shape[0]:  # verify rows: their sequence's penalty rows, own positions
+            positions = jnp.concatenate([positions, extras.spec_positions])
+            prompt_mask = jnp.concatenate([prompt_mask, prompt_mask[extras.spec_seq]])
+            output_counts = jnp.concatenate([output_counts, output_counts[extras.spec_seq]])
+            # NOTE: constrained requests never speculate: verify rows allow every token
+            bitmask = jnp.concatenate(
+                [bitmask, jnp.full((extras.spec_seq.shape[0], bitmask.shape[1]), -1, bitmask.dtype)]
+            )
+        out = sample(
+            row_logits,
+            meta,
+            prompt_mask,
+            output_counts,
+            positions,
+            num_logprobs=MAX_LOGPROBS,
+            token_bitmask=bitmask,
+        )
+    prompt = compute_logprobs(logits, extras.target_ids, MAX_LOGPROBS) if all_logits else None
+    next_tokens = jnp.zeros_like(prev_tokens).at[:num_seqs].set(out.token_ids[:num_seqs])
+    return (out, prompt, row_logits), kv_caches, state, next_tokens
+
+
+def sample_program(
+    state: PenaltyState, row_logits: jax.Array, inputs: dict, *, num_sample_rows: int
+) -> tuple[SamplerOutput, jax.Array]:
+    """The sampler of a step launched with `defer_sampling`, as its own program (one per
+    sequence bucket: it does not depend on the token or page bucket).
+
+    `row_logits` f32[S, V] and `state` come from that step's program; `inputs` holds the host
+    arrays: `meta` (SamplingMetadata of S rows), `seq_rows` i32[S] (penalty-state row of each),
+    `positions` i32[S] (where each sampled token goes) and `token_bitmask` i32[S, ceil(V / 32)].
+    The state already counts the step's tokens, so its rows are the penalty rows the fused
+    program samples with. Returns (sampler output, sampled ids padded to i32[num_sample_rows]:
+    the next program's `prev_tokens`).
+    """
+    seq_rows = inputs["seq_rows"]
+    with jax.named_scope("sampler"):
+        out = sample(
+            row_logits,
+            inputs["meta"],
+            state.prompt_mask[seq_rows],
+            state.output_counts[seq_rows],
+            inputs["positions"],
+            num_logprobs=MAX_LOGPROBS,
+            token_bitmask=inputs["token_bitmask"],
+        )
+    next_tokens = (
+        jnp.zeros(num_sample_rows, jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
+    )
+    return out, next_tokens
+
+
+def pack(inputs: dict) -> tuple[tuple[np.ndarray, ...], tuple]:
+    """The step's host inputs as one flat buffer per dtype, plus the static layout that `unpack_buffers`
+    `unpack_buffers` reverses inside the program: one device transfer of ~3 buffers instead of ~25 leaves (each
+    leaf costs ~20 us of host time in `device_put`)."""
+    leaves, treedef = jax.tree.flatten(inputs)
+    leaves = [np.asarray(x) for x in leaves]
+    groups: dict[str, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(x.dtype.str, []).append(i)
+    buffers, spec = [], [None] * len(leaves)
+    for b, (_, idx) in enumerate(sorted(groups.items())):
+        offset = 0
+        for i in idx:
+            spec[i] = (b, offset, leaves[i].shape)
+            offset += leaves[i].size
+        buffers.append(np.concatenate([leaves[i].ravel() for i in idx]))
+    return tuple(buffers), (treedef, tuple(spec))
+
+
+def unpack_buffers(buffers: tuple[jax.Array, ...], layout: tuple) -> dict:
+    treedef, spec = layout
+    return jax.tree.unflatten(
+        treedef, [buffers[b][o : o + math.prod(shape)].reshape(shape) for b, o, shape in spec]
+    )
+
+
+def packed_step_program(
+    params,
+    cfg: ModelConfig,
+    kv_caches,
+    state: PenaltyState,
+    prev_tokens,
+    buffers,
+    token_bitmask,  # i32[S, ceil(V / 32)], passed apart from the packed buffers
+    meta: SamplingMetadata,  # on the device, kept there while the rows are unchanged
+    *,
+    layout: tuple,
+    all_logits: bool,
+    **backends,
+):
+    inputs = unpack_buffers(buffers, layout)
+    extras = inputs["extras"].replace(token_bitmask=token_bitmask)
+    return step_program(
+        params,
+        cfg,
+        kv_caches,
+        state,
+        prev_tokens,
+        inputs["step"],
+        extras,
+        meta,
+        all_logits=all_logits,
+        **backends,
+    )
+
+
+def packed_sample_program(
+    state: PenaltyState, row_logits: jax.Array, buffers, *, layout: tuple, num_sample_rows: int
+) -> tuple[SamplerOutput, jax.Array]:
+    return sample_program(
+        state, row_logits, unpack_buffers(buffers, layout), num_sample_rows=num_sample_rows
+    )
+
+
+def step_jit(
+    attention_backend: str, linear_backend: str, mesh: Any = None, carried: Any = None
+) -> Any:
+    """The jitted step: on one device over packed inputs (`packed_step_program`); on a mesh over
+    the placed input tree, with what a step carries to the next (KV cache, penalty state,
+    fed-back ids) left with the `carried` shardings it came in with."""
+    if mesh is None:  # inputs packed into one buffer per dtype (see pack)
+        return jax.jit(
+            functools.partial(
+                packed_step_program,
+                attention_backend=attention_backend,
+                linear_backend=linear_backend,
+            ),
+            static_argnames=("cfg", "all_logits", "layout"),
+            donate_argnames=("kv_caches", "state"),
+        )
+    # NOTE: with the partitioner's choice instead, the first call's outputs would give the
+    # second call other input shardings (a recompile of every program warmup built, on the first
+    # real request).
+    return jax.jit(
+        functools.partial(
+            step_program,
+            attention_backend=attention_backend,
+            linear_backend=linear_backend,
+            mesh=mesh,
+        ),
+        static_argnames=("cfg", "all_logits"),
+        donate_argnames=("kv_caches", "state"),
+        out_shardings=(None, *carried),
+    )
+
+
+def sampler_jit(num_sample_rows: int) -> Any:
+    """The jitted sampler of split steps (packed inputs, one device)."""
+    return jax.jit(
+        functools.partial(packed_sample_program, num_sample_rows=num_sample_rows),
+        static_argnames=("layout",),
+    )
