@@ -3,7 +3,9 @@
 1. Config and proposer units (no JAX): every bad `speculative_config` field is named; the
    n-gram lookup takes the longest suffix, its latest earlier occurrence, at most k tokens.
 2. Scheduler with a fake runner whose "model" is a hash of the last tokens and whose fake KV
-   cache stores token ids: proposals (some wrong) are verified, rejected slots rolled back; with
+   cache stores token ids, driven as the engine core drives it (drafts proposed from the known
+   tokens, stored on the requests, then the step scheduled): proposals (some wrong) are
+   verified, rejected slots rolled back; with
    preemption, aborts and prefix caching the outputs equal a run without speculation, every
    position reads back its true token (a prefix hit never serves an unverified token), budgets
    and max_tokens hold, and every page is free at the end.
@@ -24,6 +26,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import EngineConfig
+from jaxinfer.engine import spec as spec_decoding
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.scheduler import Scheduler
@@ -179,10 +182,15 @@ def make_sched(
         max_num_seqs=6,
         max_num_batched_tokens=budget,
         max_model_len=96,
-        proposer=CorruptingProposer() if spec else None,
         num_speculative_tokens=4 if spec else 0,
         spec_max_requests=max_requests,
     )
+
+
+def schedule(sched: Scheduler) -> SchedulerOutput:
+    """The engine core's order: drafts proposed from the known tokens, then the step scheduled."""
+    spec_decoding.propose(CorruptingProposer() if sched.num_speculative_tokens else None, sched)
+    return sched.schedule()
 
 
 def drive(
@@ -197,7 +205,7 @@ def drive(
             sched.add_request(pending.pop(0))
         if aborts and step in aborts:
             sched.abort(aborts[step])
-        out = sched.schedule()
+        out = schedule(sched)
         outs.append(out)
         sched.update(out, runner.execute(out))
         sched.allocator.check_invariants()
@@ -268,16 +276,16 @@ def test_scheduler_spec_backoff_budget_and_penalties():
         sched.add_request(r)
     runner = SpecFakeRunner(sched)
     for _ in range(3):  # three requests > disable_by_batch_size=2: no proposals
-        out = sched.schedule()
+        out = schedule(sched)
         assert out.num_spec_tokens == 0
         sched.update(out, runner.execute(out))
     sched.abort("b2")
-    out = sched.schedule()
+    out = schedule(sched)
     assert out.num_spec_tokens > 0
     sched.update(out, runner.execute(out))
     sched.abort("b0")
     sched.abort("b1")
-    sched.schedule()
+    schedule(sched)
     # a tight budget: proposals never take the tokens the other running requests need
     sched = make_sched(True, budget=5)
     for r in [
@@ -292,7 +300,7 @@ def test_scheduler_spec_backoff_budget_and_penalties():
         sched.add_request(r)
     runner = SpecFakeRunner(sched)
     for _ in range(8):
-        out = sched.schedule()
+        out = schedule(sched)
         assert len(out.scheduled) == 3 or sched.num_running < 3
         assert out.num_batched_tokens <= 5
         sched.update(out, runner.execute(out))
@@ -303,7 +311,7 @@ def test_scheduler_spec_backoff_budget_and_penalties():
     )
     runner = SpecFakeRunner(sched)
     while sched.has_unfinished():
-        out = sched.schedule()
+        out = schedule(sched)
         assert out.num_spec_tokens == 0
         sched.update(out, runner.execute(out))
 
@@ -699,8 +707,8 @@ def test_metrics_and_serve_flag():
     from serving.metrics import ServerMetrics
 
     m = ServerMetrics()
-    m.observe_spec({"spec_steps": 4, "spec_draft_tokens": 12, "spec_accepted_tokens": 6})
-    m.observe_spec({"spec_steps": 5, "spec_draft_tokens": 15, "spec_accepted_tokens": 9})
+    m.observe_spec(EngineStats(spec_steps=4, spec_draft_tokens=12, spec_accepted_tokens=6))
+    m.observe_spec(EngineStats(spec_steps=5, spec_draft_tokens=15, spec_accepted_tokens=9))
     text = generate_latest(m.registry).decode()
     assert "jaxinfer_spec_decode_num_draft_tokens_total 15.0" in text
     assert "jaxinfer_spec_decode_num_accepted_tokens_total 9.0" in text

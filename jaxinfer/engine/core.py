@@ -41,6 +41,7 @@ import jax
 from jaxinfer import sharding as shd
 from jaxinfer import structured
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine import spec as spec_decoding
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner import ModelRunner
@@ -176,7 +177,6 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
-            proposer=self.proposer,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             spec_max_requests=spec_seqs,
         )
@@ -398,6 +398,7 @@ class EngineCore:
             except Exception:
                 self._ready = ready  # not lost: they come with the next call
                 raise
+        spec_decoding.propose(self.proposer, self.scheduler)
         sched = self.scheduler.schedule()
         self.num_steps += bool(sched.scheduled)
         constrained = self._constrained(sched)

@@ -65,6 +65,8 @@ class Request:
     is cleared whenever the page table is released.
     `stop_reason`: the stop token id or stop string that finished it (None for EOS or length).
     `num_pending_tokens`: tokens that scheduled steps sample but whose ids are not yet known.
+    `spec_token_ids`: the proposer's draft tokens for the next step (`jaxinfer.engine.spec`);
+    the next `schedule` takes what fits and clears them.
     """
 
     request_id: str
@@ -80,6 +82,7 @@ class Request:
     num_pending_tokens: int = 0
     page_ids: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[int] = dataclasses.field(default_factory=list)
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -35,13 +35,15 @@ catching up to `num_tokens`, and one loop decides how many of its tokens to comp
    request whose pending token is certain to be its last (max_tokens, max_model_len) is not
    scheduled again; one that stops on EOS / a stop id wastes that one speculative step.
    Pages filled with known tokens enter the prefix cache when scheduled.
-7. Speculative decoding (`proposer` set, see `jaxinfer.engine.spec` and `jaxinfer.spec_decode`):
-   decoding requests reserve room for up to K proposed tokens, one `proposer.propose_batch` call
-   after the running requests fills it, the proposals ride as extra query tokens of the step,
-   and `update` rolls back to the accepted prefix. Back-off rule: a step speculates only while
-   running + waiting requests <= `spec_max_requests` (`disable_by_batch_size`); requests with
-   penalties never do (their token counts are built from the computed tokens). No page holding
-   an unverified token is ever offered to the prefix cache.
+7. Speculative decoding (see `jaxinfer.engine.spec`): the scheduler never calls a proposer.
+   The engine core stores each request's drafts on it (`Request.spec_token_ids`) after a step's
+   `update`; `schedule` gives a decoding request the drafts that fit (`spec.fit`: token budget,
+   max_tokens, max_model_len), allocates pages for them with its decode token unless that would
+   preempt anyone (then it drops them), and they ride as extra query tokens of the step;
+   `update` rolls back to the accepted prefix. Back-off rule (`speculating`): a step speculates
+   only while running + waiting requests <= `spec_max_requests` (`disable_by_batch_size`);
+   requests with penalties never do (their token counts are built from the computed tokens).
+   No page holding an unverified token is ever offered to the prefix cache.
 8. `update` registers pages a pending token filled, appends sampled tokens and applies
    the stop rules (stop_token_ids / EOS, then max_tokens, then max_model_len). Finished requests
    free their pages at once and are reported in the next `SchedulerOutput.finished`. A request
@@ -58,7 +60,6 @@ import bisect
 import collections
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 from jaxinfer.engine import spec
 from jaxinfer.engine.page_allocator import PageAllocator
@@ -87,13 +88,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         long_prefill_token_threshold: int | None = None,
-        proposer: Any = None,
         num_speculative_tokens: int = 0,
         spec_max_requests: int = 0,
     ):
-        """`proposer` (`propose_batch([(request, k), ...])` -> up to k token ids per request)
-        turns speculative decoding on: up to `num_speculative_tokens` per request while at most `spec_max_requests`
-        requests are running or waiting (see the module docstring, step 7)."""
+        """`num_speculative_tokens` K > 0 turns speculative decoding on: each decode verifies up
+        to K stored drafts while at most `spec_max_requests` requests are running or waiting
+        (see the module docstring, step 7)."""
         threshold = long_prefill_token_threshold
         for name, v in (
             ("max_num_seqs", max_num_seqs),
@@ -124,12 +124,11 @@ class Scheduler:
         self._waiting: list[Request] = []  # sorted by _order
         self._preempted: collections.deque[Request] = collections.deque()  # resume first
         self._finished_ids: list[str] = []
-        if proposer is not None and (num_speculative_tokens < 1 or spec_max_requests < 1):
+        if num_speculative_tokens < 0 or (num_speculative_tokens and spec_max_requests < 1):
             raise ValueError(
-                f"a proposer needs num_speculative_tokens={num_speculative_tokens} "
+                f"speculation needs num_speculative_tokens={num_speculative_tokens} >= 0 "
                 f"and spec_max_requests={spec_max_requests} >= 1"
             )
-        self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.spec_max_requests = spec_max_requests
         self.spec_stats = SpecStats()
@@ -142,13 +141,18 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting) + len(self._preempted)
 
+    @property
+    def running(self) -> list[Request]:
+        """The running requests in (priority, arrival) order (read only)."""
+        return self._running
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
     def speculating(self) -> bool:
-        """The back-off rule: the next `schedule` may propose tokens (a proposer is set and at
+        """The back-off rule: the next `schedule` may verify drafts (speculation is on and at
         most `spec_max_requests` requests are running or waiting)."""
-        return self.proposer is not None and 0 < len(self._requests) <= self.spec_max_requests
+        return self.num_speculative_tokens > 0 and 0 < len(self._requests) <= self.spec_max_requests
 
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
@@ -219,16 +223,14 @@ class Scheduler:
         page_size, max_chunk = self.allocator.page_size, self._max_chunk
         running, replica_of = self._running, self._replica
         speculate = self.speculating()
-        # (list holding a decode, its index there, room for proposals)
-        reserved: list[tuple[list[ScheduledRequest], int, int]] = []
 
         # NOTE: the hot loop of a decode-heavy server (one pass per running request per step):
         # Request's properties are inlined here, and a steady decode (one token past the prompt,
-        # no proposal, at most a new page that is free) is scheduled right here without
+        # no drafts, at most a new page that is free) is scheduled right here without
         # `_schedule_tokens`.
         one_replica = len(self.allocators) == 1
         caching = [a.enable_prefix_caching for a in self.allocators]
-        steady = not speculate  # a proposal never rides on a steady decode
+        steady = not speculate  # drafts never ride on a steady decode
         i = 0
         while i < len(running):
             req = running[i]
@@ -287,8 +289,8 @@ class Scheduler:
                 i += 1
                 continue
             n = min(total - start, budget, max_chunk)
-            room = (
-                spec.room(
+            drafts = (
+                spec.fit(
                     req,
                     n,
                     budget - (len(running) - i - 1),
@@ -296,11 +298,11 @@ class Scheduler:
                     self.max_model_len,
                 )
                 if speculate
-                else 0
+                else []
             )
-            need = -(-(start + n + room) // page_size) - len(pages)
-            if room and need > self.allocators[r].num_free_pages:  # proposals never preempt
-                room = 0
+            need = -(-(start + n + len(drafts)) // page_size) - len(pages)
+            if drafts and need > self.allocators[r].num_free_pages:  # drafts never preempt
+                drafts = []
                 need = -(-(start + n) // page_size) - len(pages)
             if need > 0:
                 alloc = self.allocators[r]
@@ -313,14 +315,9 @@ class Scheduler:
                 if req.status is not RequestStatus.RUNNING:
                     stopped.add(r)  # it preempted itself: its replica schedules nothing more
                     continue
-            self._schedule_tokens(req, r, n, need, decodes, chunks, False)
-            budgets[r] = budget - n - room
-            if room:
-                mine = decodes if decodes and decodes[-1].request is req else chunks
-                reserved.append((mine, len(mine) - 1, room))
+            self._schedule_tokens(req, r, n, need, decodes, chunks, False, drafts)
+            budgets[r] = budget - n - len(drafts)
             i += 1
-        for s, unused in spec.fill_proposals(self.proposer, reserved):
-            budgets[s.replica] += unused
 
         while not preempted and (self._preempted or self._waiting):
             r = self._least_loaded(budgets)
@@ -485,7 +482,9 @@ class Scheduler:
         decodes: list[ScheduledRequest],
         chunks: list[ScheduledRequest],
         is_new: bool,
+        drafts: list[int] | None = None,
     ) -> None:
+        """Schedules `n` tokens of `req` (then `drafts`, a decode's extra query tokens)."""
         if n < 1:
             raise RuntimeError(f"request {req.request_id!r} has no token to compute")
         alloc = self.allocators[r]
@@ -504,10 +503,21 @@ class Scheduler:
             new_pages: Sequence[int] = list(req.page_ids)
         else:
             new_pages = req.page_ids[-need:] if need > 0 else ()
+        k = len(drafts) if drafts else 0
         (decodes if sample and n == 1 and start >= num_prompt else chunks).append(
-            ScheduledRequest(req, tokens, start, new_pages, sample, r, is_new, req.page_ids)
+            ScheduledRequest(
+                req,
+                tokens + drafts if k else tokens,
+                start,
+                new_pages,
+                sample,
+                r,
+                is_new,
+                req.page_ids,
+                k,
+            )
         )
-        req.num_computed_tokens = end
+        req.num_computed_tokens = end + k  # `update` rolls back to the accepted drafts
         req.num_pending_tokens += sample
         # NOTE: offered before the step runs (its K/V is written before any later step reads it),
         # so the next schedule can already share these pages; pages a failed step should have
@@ -528,6 +538,7 @@ class Scheduler:
         if r is not None:
             self.allocators[r].free(req.page_ids)
         req.page_ids = []
+        req.spec_token_ids = []
         req.page_hashes.clear()
         req.num_computed_tokens = 0
         req.num_pending_tokens = 0  # a preempted request recomputes (and resamples) them

@@ -1,23 +1,28 @@
 """`DraftProposer`: a smaller model of the same vocabulary proposes K tokens, greedily.
 
-It owns its params and a paged KV cache of its own (a `ModelRunner` over the draft model) with
-the target's page size and page count, and addresses it through the *target's* page tables: a
-request's draft K/V lives in the draft cache at the same page ids as its target K/V, so the
-scheduler's one page allocator accounts for both (nothing else is allocated).
+It owns its params, a paged KV cache of its own (a `ModelRunner` over the draft model) and a
+`PageAllocator` over that cache: a request's draft K/V lives in pages of the draft's own pool,
+so proposing needs nothing of the target's page tables or allocator, and can run after a step's
+tokens are known, before the next step is scheduled. The pool holds the target's page count plus
+room for every sequence's K draft positions; should it run out (requests sharing prefix-cached
+target pages hold separate draft pages), a request whose row cannot grow proposes nothing.
 
-Flow of `propose_batch([(request, k), ...])`, called by the scheduler after it allocated pages
-for each request's decode token and k proposal slots:
-  1. Bookkeeping: rows of requests that finished, were preempted or got a new page table since
-     the last call are dropped (their draft K/V is recomputed from position 0 when they return).
+Flow of `propose_batch([(request, k), ...])`, called by the engine core once per step
+(`jaxinfer.engine.spec.propose`) for every running request that may speculate next step:
+  1. Bookkeeping: rows of requests that finished or were preempted since the last call are
+     dropped and their pages freed (their draft K/V is recomputed from position 0 when they
+     return).
   2. Each request's valid draft prefix is extended by the tokens it fed last time that the
-     target then accepted (proposals that matched the request's real tokens).
+     target then accepted (proposals that matched the request's real tokens); its row gets the
+     pages its catch-up and the k - 1 fed proposals write.
   3. Catch-up + first proposal: one ragged draft step (several when the catch-up exceeds the
      token budget) computes every request's tokens from its valid prefix up to its last known
      token and greedily samples the first proposal.
   4. K - 1 decode steps batched over the requests that want more: each feeds its last proposal
-     and samples the next; the proposals' K/V land in slots the target step overwrites too.
+     and samples the next.
 Greedy proposals are point masses, so `rejection.accept`'s rule is the exact rejection-sampling
-rule for any target sampling parameters.
+rule for any target sampling parameters; and the first j of k greedy proposals are the j
+proposals, so the scheduler may keep a prefix of them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.types import ScheduledRequest, SchedulerOutput
@@ -39,7 +45,7 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 class _DraftSeq:
     request: Request
     shadow: Request  # what the draft runner sees: same id and prompt, greedy
-    page_ids: list[int]  # the target's live page list this row was built from
+    page_ids: list[int]  # the row's pages in the draft's own pool
     pages_seen: int  # entries of page_ids the draft runner's row holds
     computed: int  # leading positions whose draft K/V hold the request's real tokens
     fed_from: int = 0  # position of the first proposal fed last time
@@ -81,11 +87,16 @@ class DraftProposer:
         self.cfg = cfg
         self.k = num_speculative_tokens
         self.budget = max_num_batched_tokens
+        self.page_size = page_size
+        # NOTE: every running request's draft row reaches at most K positions past the pages its
+        # target holds (plus one page of rounding), so without shared prefixes this never runs out.
+        pool = num_pages + max_num_seqs * (-(-num_speculative_tokens // page_size) + 1)
+        self.allocator = PageAllocator(pool, page_size, enable_prefix_caching=False)
         self.runner = ModelRunner(
             cfg,
             params,
             page_size=page_size,
-            num_pages=num_pages,
+            num_pages=pool,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -100,25 +111,34 @@ class DraftProposer:
 
     def propose_batch(self, batch: Sequence[tuple[Request, int]]) -> list[list[int]]:
         """Up to k greedy draft tokens per (request, k) (see the module docstring)."""
-        left = self._drop_stale({req.request_id for req, _ in batch})
-        seqs = [self._seq(req) for req, _ in batch]
-        for seq in seqs:
+        left = self._drop_stale({req.request_id: req for req, _ in batch})
+        drafts: list[list[int]] = [[] for _ in batch]
+        seqs: dict[int, _DraftSeq] = {}  # index in batch -> its row (rows that have pages)
+        for i, (req, k) in enumerate(batch):
+            seq = self._seq(req)
             tokens = seq.request.all_token_ids
             real = tokens[seq.fed_from : seq.fed_from + len(seq.fed)]
             agree = next(
-                (i for i, (a, b) in enumerate(zip(seq.fed, real)) if a != b),
+                (j for j, (a, b) in enumerate(zip(seq.fed, real)) if a != b),
                 min(len(seq.fed), len(real)),
             )
             if seq.fed and seq.computed == seq.fed_from:
                 seq.computed += agree
             seq.fed = []
             seq.computed = min(seq.computed, len(tokens) - 1)
-        drafts: list[list[int]] = [[] for _ in batch]
-        first = self._catch_up(seqs, left)
-        for i, tok in first.items():
+            # positions up to the last fed proposal: len(tokens) + k - 2
+            need = -(-(len(tokens) + k - 1) // self.page_size) - len(seq.page_ids)
+            if need > self.allocator.num_free_pages:
+                self._release(req.request_id)
+                left.append(req.request_id)
+                continue
+            if need > 0:
+                seq.page_ids.extend(self.allocator.allocate(need))
+            seqs[i] = seq
+        for i, tok in self._catch_up(seqs, left).items():
             drafts[i].append(tok)
         for j in range(1, max(k for _, k in batch)):
-            want = [i for i, (_, k) in enumerate(batch) if len(drafts[i]) == j and k > j]
+            want = [i for i in seqs if len(drafts[i]) == j and batch[i][1] > j]
             if not want:
                 break
             scheduled = []
@@ -129,28 +149,35 @@ class DraftProposer:
             out = self.runner.execute(SchedulerOutput(scheduled, len(scheduled), [], []))
             for i in want:
                 drafts[i].append(out.sampled_token_ids[seqs[i].request.request_id])
-        for seq, d in zip(seqs, drafts):
+        for i, seq in seqs.items():
             seq.fed_from = len(seq.request.all_token_ids)
-            seq.fed = d[:-1]  # the last proposal is never fed (its K/V is not written)
+            seq.fed = drafts[i][:-1]  # the last proposal is never fed (its K/V is not written)
         return drafts
 
-    def _drop_stale(self, wanted: set[str]) -> list[str]:
-        """Rows of requests that left the batch or changed page table: their ids."""
+    def _release(self, rid: str) -> None:
+        """Drops a row, freeing its pages."""
+        seq = self._seqs.pop(rid, None)
+        if seq is not None:
+            self.allocator.free(seq.page_ids)
+
+    def _drop_stale(self, wanted: dict[str, Request]) -> list[str]:
+        """Rows of requests that finished or were preempted (or whose id a new request took):
+        dropped, their ids."""
         gone = [
             rid
             for rid, seq in self._seqs.items()
             if seq.request.status is not RequestStatus.RUNNING
-            or (rid in wanted and seq.request.page_ids is not seq.page_ids)
+            or wanted.get(rid, seq.request) is not seq.request
         ]
         for rid in gone:
-            del self._seqs[rid]
+            self._release(rid)
         return gone
 
     def _seq(self, req: Request) -> _DraftSeq:
         seq = self._seqs.get(req.request_id)
         if seq is None:
             shadow = Request(req.request_id, req.prompt_token_ids, _GREEDY)
-            seq = self._seqs[req.request_id] = _DraftSeq(req, shadow, req.page_ids, 0, 0)
+            seq = self._seqs[req.request_id] = _DraftSeq(req, shadow, [], 0, 0)
         return seq
 
     def _chunk(
@@ -158,16 +185,16 @@ class DraftProposer:
     ) -> ScheduledRequest:
         """One draft-runner chunk of `seq` (its row joins on the first chunk since it was made)."""
         is_new = seq.pages_seen == 0
-        pages = seq.request.page_ids
+        pages = seq.page_ids
         new_pages = list(pages) if is_new else list(pages[seq.pages_seen :])
         seq.pages_seen = len(pages)
         return ScheduledRequest(seq.shadow, tokens, start, new_pages, sample, 0, is_new, pages)
 
-    def _catch_up(self, seqs: list[_DraftSeq], gone: list[str]) -> dict[int, int]:
+    def _catch_up(self, seqs: dict[int, _DraftSeq], gone: list[str]) -> dict[int, int]:
         """Computes every request's real tokens from its valid prefix to its last known token,
         in budget-sized ragged steps; returns index -> the first proposal."""
         first: dict[int, int] = {}
-        todo = {i: seq.computed for i, seq in enumerate(seqs)}
+        todo = {i: seq.computed for i, seq in seqs.items()}
         finished = gone
         while todo:
             scheduled, budget, order = [], self.budget, []
