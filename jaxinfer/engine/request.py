@@ -102,6 +102,47 @@ class Request:
                 f"got {type(self.sampling).__name__}"
             )
 
+    def prepare(self, max_model_len: int, page_size: int, num_usable_pages: int) -> None:
+        """Checks a fresh request against the engine's limits (ValueError naming it) and sets the
+        stop-rule fields the scheduler's hot loops read (`length_limit`, `stop_token_set`)."""
+        rid, sp = self.request_id, self.sampling
+        if self.status is not RequestStatus.WAITING or self.output_token_ids or self.page_ids:
+            raise ValueError(f"request {rid!r} is not a fresh WAITING request")
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
+        if any(not isinstance(t, int) or t < 0 for t in self.prompt_token_ids):
+            raise ValueError(f"request {rid!r}: prompt_token_ids must be non-negative ints")
+        total = self.num_prompt_tokens + sp.max_tokens
+        if total > max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt length {self.num_prompt_tokens} + max_tokens "
+                f"{sp.max_tokens} = {total} exceeds max_model_len {max_model_len}"
+            )
+        self.length_limit = min(sp.max_tokens, max_model_len - self.num_prompt_tokens)
+        self.stop_token_set = frozenset(sp.stop_token_ids or ()) | (
+            frozenset() if sp.ignore_eos else frozenset(self.eos_token_ids)
+        )
+        # The last sampled token is never computed, so at most total - 1 tokens hold K/V.
+        pages = -(-(total - 1) // page_size)
+        if pages > num_usable_pages:
+            raise ValueError(
+                f"request {rid!r}: prompt length {self.num_prompt_tokens} + max_tokens "
+                f"{sp.max_tokens} needs {pages} KV-cache pages, the cache has {num_usable_pages}"
+            )
+
+    def stop_reason_of(self, token: int) -> tuple[str, int | None] | None:
+        """The stop rules, once `token` is appended: (finish reason, stop id) or None (also when
+        `min_tokens` holds a stop back). Stop ids / EOS first, then the length limit."""
+        sp, num_out = self.sampling, len(self.output_token_ids)
+        if num_out >= sp.min_tokens:
+            if sp.stop_token_ids and token in sp.stop_token_ids:
+                return "stop", token
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+        if num_out >= self.length_limit:
+            return "length", None
+        return None
+
     @property
     def may_use_prefix_cache(self) -> bool:
         """False when every token must be computed: prompt logprobs, or penalties (the runner

@@ -162,31 +162,7 @@ class Scheduler:
         rid = req.request_id
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already scheduled")
-        if req.status is not RequestStatus.WAITING or req.output_token_ids or req.page_ids:
-            raise ValueError(f"request {rid!r} is not a fresh WAITING request")
-        if not req.prompt_token_ids:
-            raise ValueError(f"request {rid!r}: prompt_token_ids is empty")
-        if any(not isinstance(t, int) or t < 0 for t in req.prompt_token_ids):
-            raise ValueError(f"request {rid!r}: prompt_token_ids must be non-negative ints")
-        total = req.num_prompt_tokens + req.sampling.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt length {req.num_prompt_tokens} + max_tokens "
-                f"{req.sampling.max_tokens} = {total} exceeds max_model_len {self.max_model_len}"
-            )
-        sp = req.sampling
-        req.length_limit = min(sp.max_tokens, self.max_model_len - req.num_prompt_tokens)
-        req.stop_token_set = frozenset(sp.stop_token_ids or ()) | (
-            frozenset() if sp.ignore_eos else frozenset(req.eos_token_ids)
-        )
-        # The last sampled token is never computed, so at most total - 1 tokens hold K/V.
-        pages = _cdiv(total - 1, self.allocator.page_size)
-        if pages > self.allocator.num_usable_pages:
-            raise ValueError(
-                f"request {rid!r}: prompt length {req.num_prompt_tokens} + max_tokens "
-                f"{req.sampling.max_tokens} needs {pages} KV-cache pages, the cache has "
-                f"{self.allocator.num_usable_pages}"
-            )
+        req.prepare(self.max_model_len, self.allocator.page_size, self.allocator.num_usable_pages)
         self._requests[rid] = req
         self._order[rid] = (req.priority, req.arrival_time, next(self._seq))
         bisect.insort(self._waiting, req, key=self._key)
@@ -403,9 +379,7 @@ class Scheduler:
             req.num_pending_tokens -= 1
             outputs.append(token)
             if len(outputs) >= req.length_limit or token in req.stop_token_set:
-                reason = self._stop_reason(
-                    req, token
-                )  # also says when min_tokens holds a stop back
+                reason = req.stop_reason_of(token)  # None: min_tokens holds a stop back
                 if reason is not None:
                     self._finish(req, *reason)
                     updates.append(RequestUpdate(req, [token], True))
@@ -429,46 +403,24 @@ class Scheduler:
         out: RunnerOutput,
         updates: list[RequestUpdate],
     ) -> None:
-        """`update` of one scheduled request in general (proposals, chunks, prefix caching)."""
+        """`update` of a chunk that does not sample, or of a decode with drafts."""
         req = s.request
-        # every one of these tokens is known now (proposed tokens are not the request's)
+        # every one of these tokens is known now (drafts are not the request's)
         computed = s.start_pos + len(s.token_ids) - s.num_spec_tokens
-        outputs = req.output_token_ids
-        if computed > len(req.prompt_token_ids) + len(outputs) or (
-            s.sample and req.num_pending_tokens < 1
-        ):
+        if computed > req.num_known_tokens or (s.sample and req.num_pending_tokens < 1):
             self._out_of_order(s)
         alloc = self.allocators[s.replica]
         if alloc.enable_prefix_caching and computed >= (len(req.page_hashes) + 1) * alloc.page_size:
             # a page completed by a pending token
             alloc.register_full_pages(req.known_tokens, req.page_ids, computed, req.page_hashes)
-        if not s.sample:
-            return
-        try:
-            token = sampled[req.request_id]
-        except KeyError:
-            raise KeyError(f"runner returned no sampled token for {req.request_id!r}") from None
-        accepted = spec.verified(s, out, computed, self.spec_stats) if s.num_spec_tokens else []
-        req.num_pending_tokens -= 1
-        new: list[int] = []
-        finished = False
-        for tok in accepted + [token]:
-            outputs.append(tok)
-            new.append(tok)
-            reason = self._stop_reason(req, tok)
-            if reason is not None:
-                self._finish(req, *reason)
-                finished = True
-                break
-        done = req.num_computed_tokens  # verified tokens only reach the prefix cache
-        if (
-            accepted
-            and not finished
-            and alloc.enable_prefix_caching
-            and done >= (len(req.page_hashes) + 1) * alloc.page_size
-        ):
-            alloc.register_full_pages(req.known_tokens, req.page_ids, done, req.page_hashes)
-        updates.append(RequestUpdate(req, new, finished))
+        if s.sample:
+            try:
+                token = sampled[req.request_id]
+            except KeyError:
+                raise KeyError(f"runner returned no sampled token for {req.request_id!r}") from None
+            updates.append(
+                spec.accept(s, out, token, computed, alloc, self.spec_stats, self._finish)
+            )
 
     def _key(self, req: Request) -> tuple[int, float, int]:
         return self._order[req.request_id]
@@ -562,14 +514,3 @@ class Scheduler:
         del self._requests[req.request_id]
         del self._order[req.request_id]
         self._finished_ids.append(req.request_id)
-
-    def _stop_reason(self, req: Request, token: int) -> tuple[str, int | None] | None:
-        sp, num_out = req.sampling, len(req.output_token_ids)
-        if num_out >= sp.min_tokens:
-            if sp.stop_token_ids and token in sp.stop_token_ids:
-                return "stop", token
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                return "stop", None
-        if num_out >= req.length_limit:
-            return "length", None
-        return None

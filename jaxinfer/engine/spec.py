@@ -16,17 +16,20 @@ the stored drafts next step):
    The scheduler then allocates pages for the decode token and those drafts; if there are too
    few free pages it drops every draft rather than preempt anyone. Drafts are consumed: a
    request not scheduled this step proposes anew next time.
-3. `verified`: the runner's accepted prefix of a request's drafts, checked; the request's
-   `num_computed_tokens` rolls back to it (the rejected tokens' K/V stays in its pages and is
-   overwritten by its next step) and `SpecStats` counts the step.
+3. `accept` (called by `Scheduler.update`): the runner's accepted prefix of a request's drafts,
+   checked, then the bonus token are appended under the stop rules; the request's
+   `num_computed_tokens` rolls back to the accepted drafts (the rejected tokens' K/V stays in its
+   pages and is overwritten by its next step) and `SpecStats` counts the step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request
-from jaxinfer.engine.types import RunnerOutput, ScheduledRequest, SpecStats
+from jaxinfer.engine.types import RequestUpdate, RunnerOutput, ScheduledRequest, SpecStats
 
 if TYPE_CHECKING:
     from jaxinfer.engine.scheduler import Scheduler
@@ -86,9 +89,20 @@ def fit(req: Request, n: int, budget: int, k: int, max_model_len: int) -> list[i
     return drafts[: max(0, min(budget - 1, cap(req, k, max_model_len)))]
 
 
-def verified(s: ScheduledRequest, out: RunnerOutput, computed: int, stats: SpecStats) -> list[int]:
-    """The accepted drafts of `s` (a prefix of them); `computed` is the request's known tokens,
-    to which its `num_computed_tokens` rolls back plus the accepted ones."""
+def accept(
+    s: ScheduledRequest,
+    out: RunnerOutput,
+    token: int,
+    computed: int,
+    alloc: PageAllocator,
+    stats: SpecStats,
+    finish: Callable[..., None],
+) -> RequestUpdate:
+    """`Scheduler.update` of a decode with drafts: its accepted drafts (a checked prefix of them)
+    and the sampled `token` are appended token by token under the stop rules (`finish` ends the
+    request); `computed` is the request's known tokens, to which its `num_computed_tokens` rolls
+    back plus the accepted drafts (the rejected ones' K/V stays in its pages, overwritten by its
+    next step). Pages the accepted drafts filled enter the prefix cache."""
     req = s.request
     accepted = out.accepted_draft_ids.get(req.request_id, [])
     drafts = s.token_ids[len(s.token_ids) - s.num_spec_tokens :]
@@ -97,9 +111,24 @@ def verified(s: ScheduledRequest, out: RunnerOutput, computed: int, stats: SpecS
             f"request {req.request_id!r}: accepted {accepted} is not a prefix of the proposed "
             f"{drafts}"
         )
-    # Roll back: K/V of the rejected drafts stays in the pages, overwritten later.
     req.num_computed_tokens = computed + len(accepted)
     stats.num_spec_steps += 1
     stats.num_draft_tokens += s.num_spec_tokens
     stats.num_accepted_tokens += len(accepted)
-    return accepted
+    req.num_pending_tokens -= 1
+    new: list[int] = []
+    for tok in accepted + [token]:
+        req.output_token_ids.append(tok)
+        new.append(tok)
+        reason = req.stop_reason_of(tok)
+        if reason is not None:
+            finish(req, *reason)
+            return RequestUpdate(req, new, True)
+    done = req.num_computed_tokens  # verified tokens only reach the prefix cache
+    if (
+        accepted
+        and alloc.enable_prefix_caching
+        and done >= (len(req.page_hashes) + 1) * alloc.page_size
+    ):
+        alloc.register_full_pages(req.known_tokens, req.page_ids, done, req.page_hashes)
+    return RequestUpdate(req, new, False)
