@@ -6,14 +6,17 @@ This is the half of the engine that a serving front end runs in its own process
 1. `add(CoreRequest)` hands a tokenized, validated child request (one sample) to the scheduler;
    `abort(id)` and `finish(id, "stop", stop_string)` end one (the front end finishes requests
    whose stop strings it matched in the detokenized text).
-2. `step()` is schedule -> launch/execute -> update. With `EngineConfig.async_scheduling` (the
+2. `step()` is [propose ->] schedule -> launch/execute -> update. With `EngineConfig.async_scheduling` (the
    default on one process) it schedules and launches step N+1 first and only then waits for step
    N and applies its update (vLLM v1's async scheduling): each call returns the outputs of the
    step launched by the previous call. Speculative decoding (`EngineConfig.speculative_config`)
    needs every token of a request on the host to propose the next ones, so while the scheduler's
-   back-off rule lets it speculate, a step first waits for the one in flight and a step that
-   verifies proposals runs synchronously (its outputs come with the same call); above the
-   back-off batch size the engine is asynchronous again. A step that samples structured-output
+   back-off rule lets it speculate, a step first waits for the one in flight (its update
+   applied), then asks the proposer once for every request that may speculate
+   (`jaxinfer.engine.spec.propose`: drafts stored on the requests, never inside
+   `Scheduler.schedule`), then schedules; a step that verifies drafts runs synchronously (its
+   outputs come with the same call); above the back-off batch size the engine is asynchronous
+   again. A step that samples structured-output
    rows stays asynchronous: its forward is launched first, then the step before lands (its
    tokens advance the grammars' matchers), the masks are filled while the device runs the
    forward, and the sampler program is launched (`ModelRunner.launch(defer_sampling=True)` /

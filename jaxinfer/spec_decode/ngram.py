@@ -46,5 +46,5 @@ class NgramProposer:
         return 0
 
     def propose_batch(self, batch: Sequence[tuple[Any, int]]) -> list[list[int]]:
-        """The scheduler's call: (request, k) pairs -> each request's proposal."""
+        """The engine core's call: (request, k) pairs -> each request's proposal (at most k)."""
         return [self.propose(req.all_token_ids, k) for req, k in batch]

@@ -1,7 +1,9 @@
 """The proposer an engine core speculates with, built from its `SpeculativeConfig`.
 
 `make_proposer` returns an `NgramProposer` (host only) or a `draft.DraftProposer` (its own model,
-loaded here unless given). Every proposer has `propose_batch([(request, k), ...])` and `warmup()`.
+loaded here unless given). Every proposer has `propose_batch([(request, k), ...])` (up to k draft
+ids per request; the engine core calls it once per step, after the step's tokens are known, and
+the scheduler may keep a prefix of each) and `warmup()`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ def make_proposer(
     draft: Any,
     **backends: str | None,
 ) -> Any:
-    """The proposer of `spec` (None: off), what the scheduler asks for speculative tokens. The
+    """The proposer of `spec` (None: off), what the engine core asks for draft tokens. The
     draft model is `draft` (a `LoadedModel`) when given, else loaded from
     `speculative_config.model`; `backends` are the target's attention / linear backends."""
     if spec is None:
