@@ -265,21 +265,10 @@ class Scheduler:
                 i += 1
                 continue
             n = min(total - start, budget, max_chunk)
-            drafts = (
-                spec.fit(
-                    req,
-                    n,
-                    budget - (len(running) - i - 1),
-                    self.num_speculative_tokens,
-                    self.max_model_len,
-                )
-                if speculate
-                else []
-            )
+            # drafts that fit the budget the requests after it leave, and free pages
+            left = budget - (len(running) - i - 1)
+            drafts = spec.fit(req, n, left, self, self.allocators[r]) if speculate else []
             need = -(-(start + n + len(drafts)) // page_size) - len(pages)
-            if drafts and need > self.allocators[r].num_free_pages:  # drafts never preempt
-                drafts = []
-                need = -(-(start + n) // page_size) - len(pages)
             if need > 0:
                 alloc = self.allocators[r]
                 while need > alloc.num_free_pages:

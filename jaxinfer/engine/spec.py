@@ -11,11 +11,11 @@ the stored drafts next step):
    allocates target pages: a draft model keeps its K/V in a page pool of its own
    (`jaxinfer.spec_decode.draft`).
 2. `fit` (called by `schedule` for each running request it visits): the stored drafts that fit
-   the step - at most the token budget minus the one token each running request after it keeps
-   - ride as extra query tokens of the request's decode (`ScheduledRequest.num_spec_tokens`).
-   The scheduler then allocates pages for the decode token and those drafts; if there are too
-   few free pages it drops every draft rather than preempt anyone. Drafts are consumed: a
-   request not scheduled this step proposes anew next time.
+   the step - at most the token budget minus the one token each running request after it keeps,
+   and none if the pages for the decode token and the drafts are not free (drafts never preempt
+   anyone) - ride as extra query tokens of the request's decode
+   (`ScheduledRequest.num_spec_tokens`), the scheduler allocating their pages with the decode
+   token's. Drafts are consumed: a request not scheduled this step proposes anew next time.
 3. `accept` (called by `Scheduler.update`): the runner's accepted prefix of a request's drafts,
    checked, then the bonus token are appended under the stop rules; the request's
    `num_computed_tokens` rolls back to the accepted drafts (the rejected tokens' K/V stays in its
@@ -80,13 +80,20 @@ def propose(proposer: Any, scheduler: Scheduler) -> None:
         req.spec_token_ids = drafts
 
 
-def fit(req: Request, n: int, budget: int, k: int, max_model_len: int) -> list[int]:
-    """The stored drafts a running request about to compute `n` tokens verifies this step,
-    given the token `budget` it may use while the requests after it keep one each; clears them."""
+def fit(req: Request, n: int, budget: int, scheduler: Scheduler, alloc: PageAllocator) -> list[int]:
+    """The stored drafts a running request about to compute `n` tokens verifies this step (and
+    clears them): within the token `budget` it may use while the requests after it keep one
+    each, and none unless `alloc` has the pages they need with the `n` tokens free (drafts never
+    preempt anyone)."""
     drafts, req.spec_token_ids = req.spec_token_ids, []
     if n != 1 or not drafts:
         return []
-    return drafts[: max(0, min(budget - 1, cap(req, k, max_model_len)))]
+    k = cap(req, scheduler.num_speculative_tokens, scheduler.max_model_len)
+    drafts = drafts[: max(0, min(budget - 1, k))]
+    end = req.num_computed_tokens + n + len(drafts)
+    if -(-end // alloc.page_size) - len(req.page_ids) > alloc.num_free_pages:
+        return []
+    return drafts
 
 
 def accept(
