@@ -316,6 +316,38 @@ def test_scheduler_spec_backoff_budget_and_penalties():
         sched.update(out, runner.execute(out))
 
 
+def test_scheduler_fits_stored_drafts():
+    """`schedule` only takes drafts stored on a request (it never proposes), consumes them, and
+    drops them all when their pages are not free rather than preempt anyone."""
+    sched = make_sched(True, num_pages=4)  # 3 usable pages
+    a = Request("a", [1, 2, 3, 1, 2], SamplingParams(max_tokens=8, ignore_eos=True))
+    b = Request("b", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), arrival_time=1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    runner = SpecFakeRunner(sched)
+    out = sched.schedule()  # both prefills: every page taken
+    sched.update(out, runner.execute(out))
+    assert sched.allocator.num_free_pages == 0
+    a.spec_token_ids = [1, 2, 3, 1]  # a's decode + 4 drafts would need a fourth page
+    out = sched.schedule()
+    assert out.num_spec_tokens == 0 and not out.preempted and len(out.scheduled) == 2
+    assert a.spec_token_ids == []
+    sched.update(out, runner.execute(out))
+    sched = make_sched(True)
+    a = Request("a", [1, 2, 3, 1, 2], SamplingParams(max_tokens=4, ignore_eos=True))
+    sched.add_request(a)
+    runner = SpecFakeRunner(sched)
+    out = sched.schedule()
+    sched.update(out, runner.execute(out))
+    a.spec_token_ids = [1, 2, 3, 1]
+    out = sched.schedule()  # max_tokens 4: one output, then at most 2 drafts + the bonus token
+    assert out.num_spec_tokens == 2 and out.scheduled[0].token_ids[1:] == [1, 2]
+    sched.update(out, runner.execute(out))
+    if sched.has_unfinished():
+        out = sched.schedule()  # no drafts proposed for this step
+        assert out.num_spec_tokens == 0
+
+
 # ---- engine on the tiny Llama ----
 # NOTE: every engine compiles its own programs (~12 s each here), so the tests share three.
 

@@ -88,8 +88,9 @@ class DraftProposer:
         self.k = num_speculative_tokens
         self.budget = max_num_batched_tokens
         self.page_size = page_size
-        # NOTE: every running request's draft row reaches at most K positions past the pages its
-        # target holds (plus one page of rounding), so without shared prefixes this never runs out.
+        # NOTE: a speculating request's draft row reaches at most K positions past the pages its
+        # target holds (plus one page of rounding); rows hold more only for requests sharing
+        # prefix-cached target pages or resumed mid-prefill (then a row may find no pages).
         pool = num_pages + max_num_seqs * (-(-num_speculative_tokens // page_size) + 1)
         self.allocator = PageAllocator(pool, page_size, enable_prefix_caching=False)
         self.runner = ModelRunner(
