@@ -37,21 +37,23 @@ catching up to `num_tokens`, and one loop decides how many of its tokens to comp
    Pages filled with known tokens enter the prefix cache when scheduled.
 7. Speculative decoding (see `jaxinfer.engine.spec`): the scheduler never calls a proposer.
    The engine core stores each request's drafts on it (`Request.spec_token_ids`) after a step's
-   `update`; `schedule` gives a decoding request the drafts that fit (`spec.fit`: token budget,
-   max_tokens, max_model_len), allocates pages for them with its decode token unless that would
-   preempt anyone (then it drops them), and they ride as extra query tokens of the step;
-   `update` rolls back to the accepted prefix. Back-off rule (`speculating`): a step speculates
-   only while running + waiting requests <= `spec_max_requests` (`disable_by_batch_size`);
-   requests with penalties never do (their token counts are built from the computed tokens).
-   No page holding an unverified token is ever offered to the prefix cache.
-8. `update` registers pages a pending token filled, appends sampled tokens and applies
-   the stop rules (stop_token_ids / EOS, then max_tokens, then max_model_len). Finished requests
-   free their pages at once and are reported in the next `SchedulerOutput.finished`. A request
-   finished, aborted or preempted while a step holding it was still in flight is skipped by that
-   step's `update` (its speculative K/V write lands in pages no live token reads).
+   `update`; `schedule` gives a decoding request the drafts that fit (`spec.fit`: the token
+   budget, max_tokens, max_model_len, and free pages - drafts never preempt anyone, they are
+   dropped), allocates their pages with its decode token's, and they ride as extra query tokens
+   of the step; `update` rolls back to the accepted prefix (`spec.accept`). Back-off rule
+   (`speculating`): a step speculates only while running + waiting requests <=
+   `spec_max_requests` (`disable_by_batch_size`); requests with penalties never do (their token
+   counts are built from the computed tokens). No page holding an unverified token is ever
+   offered to the prefix cache.
+8. `update` registers pages a pending token filled, appends sampled tokens and applies the stop
+   rules (`Request.stop_reason_of`: stop_token_ids / EOS, then max_tokens, then max_model_len).
+   Finished requests free their pages at once and are reported in the next
+   `SchedulerOutput.finished`. A request finished, aborted or preempted while a step holding it
+   was still in flight is skipped by that step's `update` (its speculative K/V write lands in
+   pages no live token reads).
 
-NOTE: `add_request` rejects a request whose K/V could never fit in the whole cache, so the
-oldest running request can always make progress and preemption cannot livelock.
+NOTE: `add_request` (`Request.prepare`) rejects a request whose K/V could never fit in the whole
+cache, so the oldest running request can always make progress and preemption cannot livelock.
 """
 
 from __future__ import annotations
