@@ -23,7 +23,8 @@ import pytest
 
 from checkpoints.errors import CheckpointError
 from jaxinfer import sharding as shd
-from jaxinfer.loader import LOAD_FORMATS, load_model
+from jaxinfer.loader import load_model
+from jaxinfer.model_info import LOAD_FORMATS
 
 
 @pytest.fixture(scope="module")
