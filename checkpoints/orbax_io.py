@@ -2,7 +2,8 @@
 
 Layout written by `save_params(path, ...)`:
 
-    path/params/        an Orbax `StandardCheckpointer` checkpoint (OCDBT + tensorstore)
+    path/params/        an Orbax `StandardCheckpointer` checkpoint (OCDBT + tensorstore); where it
+                        lies and how a finished one is told: `orbax_layout` (no JAX)
     path/config.json    any `extra_files` (config, tokenizer files), written verbatim beside it
 
 Flow:
@@ -48,10 +49,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from checkpoints.errors import CheckpointError
+from checkpoints.orbax_layout import ORBAX_MARKERS, PARAMS_DIR, is_orbax_checkpoint
 
-PARAMS_DIR = "params"
-# Files Orbax always writes into a finished StandardCheckpointer checkpoint.
-_ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
 _MAX_LISTED = 8
 
 
@@ -85,12 +84,6 @@ def _named_leaves(tree: Any) -> list[tuple[str, Any]]:
 def _listing(names: list[str]) -> str:
     more = len(names) - _MAX_LISTED
     return ", ".join(names[:_MAX_LISTED]) + (f" (and {more} more)" if more > 0 else "")
-
-
-def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
-    """True when `path` holds a finished checkpoint written by `save_params`."""
-    params_dir = Path(path) / PARAMS_DIR
-    return all((params_dir / marker).is_file() for marker in _ORBAX_MARKERS)
 
 
 def save_params(
@@ -246,7 +239,7 @@ def restore_params(path: str | os.PathLike, target: Any) -> Any:
         raise CheckpointError(f"no params checkpoint at {params_dir}")
     if not is_orbax_checkpoint(path):
         raise CheckpointError(
-            f"{params_dir} is not a finished Orbax checkpoint (missing {' / '.join(_ORBAX_MARKERS)})"
+            f"{params_dir} is not a finished Orbax checkpoint (missing {' / '.join(ORBAX_MARKERS)})"
         )
     target_leaves = [(name, _abstract_leaf(name, leaf)) for name, leaf in _named_leaves(target)]
     if not target_leaves:

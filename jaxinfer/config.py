@@ -9,7 +9,8 @@
    naming the field; nothing is silently ignored. The helpers every family's parser shares (required
    fields, RoPE, activations, unknown MoE fields) live here.
 3. `EngineConfig` holds the runtime knobs (page size, number of pages, batching budgets, dtype).
-   The mesh is never part of `ModelConfig`.
+   The mesh is never part of `ModelConfig`: `EngineConfig.mesh` is the mesh string, which
+   `parse_mesh` reads into axis sizes without devices (`jaxinfer.sharding.make_mesh` builds it).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ SUPPORTED_ACTIVATIONS = {
     "gelu_tanh": "gelu_tanh",
     "gelu": "gelu",
 }
+
+
+# The device mesh's axes, major first (`jaxinfer.sharding` names each: DATA, PIPELINE, ...).
+MESH_AXES = ("data", "pipeline", "expert", "tensor")
 
 
 class UnsupportedConfigError(ValueError):
@@ -257,7 +262,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
-    # The device mesh, e.g. "tensor=4" or "data=2,tensor=4" (see `sharding.parse_mesh`); "" is
+    # The device mesh, e.g. "tensor=4" or "data=2,tensor=4" (see `parse_mesh`); "" is
     # one device. With data=N, num_pages and max_num_seqs are totals split evenly over the N
     # replicas and max_num_batched_tokens is each replica's per-step budget.
     mesh: str = ""
@@ -307,10 +312,35 @@ class EngineConfig:
             )
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
-        from jaxinfer.sharding import parse_mesh  # NOTE: lazy: config imports no JAX
-
         parse_mesh(self.mesh)  # unknown axes and bad sizes fail here, naming the axis
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return math.ceil(num_tokens / page_size)
+
+
+def parse_mesh(spec: str | dict[str, int] | None) -> dict[str, int]:
+    """'tensor=4,pipeline=2' -> {'data': 1, 'pipeline': 2, 'expert': 1, 'tensor': 4}."""
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    if not spec:
+        return sizes
+    items = (
+        spec.items()
+        if isinstance(spec, dict)
+        else (
+            part.split("=", 1) if "=" in part else (part, "")
+            for part in spec.split(",")
+            if part.strip()
+        )
+    )
+    for name, size in items:
+        name = str(name).strip()
+        if name not in sizes:
+            raise ValueError(f"unknown mesh axis {name!r} in mesh {spec!r}; axes are {MESH_AXES}")
+        try:
+            sizes[name] = int(size)
+        except ValueError:
+            raise ValueError(f"mesh axis {name!r} needs an integer size, e.g. '{name}=2'") from None
+        if sizes[name] < 1:
+            raise ValueError(f"mesh axis {name!r} must be >= 1")
+    return sizes

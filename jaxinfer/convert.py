@@ -12,7 +12,7 @@ Layout written to `dst`, which `jaxinfer.loader.load_model(dst)` and `LLM(dst)` 
 Flow:
 1. `dst` must be missing or an empty directory; a non-empty one is replaced only with
    `force=True`, and never when it is the source itself.
-2. The source is opened with `jaxinfer.loader.open_source` and loaded with `load_from_source` on
+2. The source is opened with `jaxinfer.model_info.open_source` and loaded with `load_from_source` on
    one device, in `dtype` (float32 by default: lossless for every source we read, since GGUF
    tensors are dequantized to f32 and HF f16/bf16/fp8 widen exactly; `load_model` casts floats to
    the runtime dtype while restoring). The tokenizer is built as part of the load, so a source
@@ -33,16 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints.errors import CheckpointError
-from checkpoints.orbax_io import PARAMS_DIR, save_params
+from checkpoints.orbax_io import save_params
+from checkpoints.orbax_layout import PARAMS_DIR
 from checkpoints.quantize import check_format as check_quantization
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
-from jaxinfer.loader import (
-    GGUF_TOKENIZER_FILE,
-    load_from_source,
-    open_source,
-    resolve_model_path,
-)
+from jaxinfer.loader import load_from_source
+from jaxinfer.model_info import GGUF_TOKENIZER_FILE, open_source, resolve_model_path
 
 CONFIG_FILE = "config.json"
 INFO_FILE = "jaxinfer.json"

@@ -18,7 +18,8 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine.core_loop import spaced_young_collections
 from jaxinfer.engine.engine import LLMEngine, Usage
 from jaxinfer.engine.types import TokenLogprobs
-from jaxinfer.loader import check_load_format, load_model
+from jaxinfer.loader import load_model
+from jaxinfer.model_info import check_load_format
 from jaxinfer.sampling_params import SamplingParams
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype"}

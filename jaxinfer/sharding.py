@@ -5,7 +5,8 @@
    logical axis to a mesh axis, a tuple of mesh axes (major first) or None; `logical_to_spec`
    turns an array's logical axes into a `PartitionSpec`, refusing a spec that would use one mesh
    axis twice (a collision), also inside tuples.
-3. `make_mesh("tensor=4,pipeline=2")` parses the one mesh string used everywhere.
+3. `make_mesh("tensor=4,pipeline=2")` builds the mesh the one mesh string used everywhere names
+   (`config.parse_mesh` reads the string without JAX: the front end checks it, the core builds it).
 4. `check_mesh(cfg, sizes, ...)` rejects a mesh the model or the engine cannot be split over, with
    a message that says what to change; `model_rules(cfg, par)` is `RULES` adjusted for the
    model: the dense (non-expert) weights' split dims (heads, vocab, dense MLP) go over `DENSE` =
@@ -33,8 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-DATA, PIPELINE, EXPERT, TENSOR = "data", "pipeline", "expert", "tensor"
-MESH_AXES = (DATA, PIPELINE, EXPERT, TENSOR)
+from jaxinfer.config import MESH_AXES, parse_mesh
+
+DATA, PIPELINE, EXPERT, TENSOR = MESH_AXES
 
 # The mesh axes the dense (non-expert) weights split over on MoE models, major first: tokens stay
 # replicated over `expert` outside the MoE block, so its devices can share attention, embedding,
@@ -198,33 +200,6 @@ def check_mesh(
             )
     if errors:
         raise ValueError(f"mesh {spec!r} does not fit: " + "; ".join(errors))
-    return sizes
-
-
-def parse_mesh(spec: str | dict[str, int] | None) -> dict[str, int]:
-    """'tensor=4,pipeline=2' -> {'data': 1, 'pipeline': 2, 'expert': 1, 'tensor': 4}."""
-    sizes = dict.fromkeys(MESH_AXES, 1)
-    if not spec:
-        return sizes
-    items = (
-        spec.items()
-        if isinstance(spec, dict)
-        else (
-            part.split("=", 1) if "=" in part else (part, "")
-            for part in spec.split(",")
-            if part.strip()
-        )
-    )
-    for name, size in items:
-        name = str(name).strip()
-        if name not in sizes:
-            raise ValueError(f"unknown mesh axis {name!r} in mesh {spec!r}; axes are {MESH_AXES}")
-        try:
-            sizes[name] = int(size)
-        except ValueError:
-            raise ValueError(f"mesh axis {name!r} needs an integer size, e.g. '{name}=2'") from None
-        if sizes[name] < 1:
-            raise ValueError(f"mesh axis {name!r} must be >= 1")
     return sizes
 
 

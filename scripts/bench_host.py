@@ -38,7 +38,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.core_loop import settle_heap
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.runner import ModelRunner
-from jaxinfer.loader import LoadedModel, load_model_info
+from jaxinfer.model_info import LoadedModel, load_model_info
 from jaxinfer.models import llama
 from jaxinfer.sampling_params import SamplingParams
 

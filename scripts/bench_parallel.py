@@ -116,6 +116,7 @@ def bench_mesh(cfg, params, spec: str, args: argparse.Namespace) -> dict:
     import numpy as np
 
     from jaxinfer import sharding as shd
+    from jaxinfer.config import parse_mesh
     from jaxinfer.engine.runner import ModelRunner
 
     spec = "" if spec == "single" else spec
@@ -123,7 +124,7 @@ def bench_mesh(cfg, params, spec: str, args: argparse.Namespace) -> dict:
         cfg,
         spec,
         num_devices=len(jax.devices()),
-        max_num_seqs=args.batch * shd.parse_mesh(spec)[shd.DATA],
+        max_num_seqs=args.batch * parse_mesh(spec)[shd.DATA],
     )
     data = sizes[shd.DATA]
     mesh = shd.make_mesh(spec or None)

@@ -7,11 +7,12 @@
     python scripts/serve.py --model cfg_dir --load-format dummy  # random weights from config.json
     python scripts/serve.py --http-port 8080                 # plus the OpenAI-compatible HTTP API
 
-1. The front end (this process) reads the model's config and tokenizer (no weights, no device)
-   and spawns the engine-core process (`jaxinfer.engine.core_client`), which parses the mesh
-   (`--mesh tensor=8` style, over every device), loads the weights onto it, builds the engine
-   (`EngineConfig` from the flags) and compiles every program. `--engine-in-process` keeps the
-   core on a thread of this process instead.
+1. The front end (this process, which imports no JAX) checks the flags (a bad `--mesh` string
+   fails here), reads the model's config and tokenizer (no weights, no device) and spawns the
+   engine-core process (`jaxinfer.engine.core_client`), which builds the mesh (`--mesh tensor=8`
+   style, over every device), loads the weights onto it, builds the engine (`EngineConfig` from
+   the flags) and compiles every program. `--engine-in-process` keeps the core on a thread of
+   this process instead (JAX then loads here, as it does for multi-host serving).
 2. Build one `FrontEnd` (`serving/frontend.py`: engine loop, admission, lifecycle, metrics) and
    start it, then the gRPC server over it and, with `--http-port`, the OpenAI-compatible HTTP API
    (`serving/http_server.py`) over the same front end: health NOT_SERVING until the core says
@@ -38,10 +39,6 @@ import _path  # noqa: F401
 
 logger = logging.getLogger("serve")
 
-LOAD_FORMATS = (
-    "auto",
-    "dummy",
-)  # jaxinfer.loader.LOAD_FORMATS (not imported: no JAX before startup)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
@@ -55,6 +52,8 @@ def parse_bytes(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxinfer.model_info import LOAD_FORMATS
+
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -238,14 +237,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prof.add_argument("--trace-steps", type=int, default=10)
     return p
-
-
-def _mesh(spec: str):
-    """The mesh `spec` names over every device (none: one device); raises saying what to change."""
-    from jaxinfer import sharding
-
-    sizes = sharding.parse_mesh(spec)
-    return sharding.make_mesh(spec or None), sizes
 
 
 def engine_args(args: argparse.Namespace):

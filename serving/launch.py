@@ -1,7 +1,8 @@
 """What `scripts/serve.py` builds, in which process.
 
 1. `EngineArgs` holds everything that shapes the engine (plain data: it travels to the spawned
-   engine-core process).
+   engine-core process); a bad mesh string fails as it is made, before any process starts (the
+   checks that need the devices run in `build_core`).
 2. `frontend_model(args)`: the front end's view of the model, its config and tokenizer without
    weights (no device is touched in the front-end process).
 3. `build_core(args)` (the `CoreSpec` factory, run in the engine-core process, or in this one for
@@ -17,11 +18,11 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
-from jaxinfer.config import EngineConfig
+from jaxinfer.config import EngineConfig, parse_mesh
+from jaxinfer.model_info import LoadedModel, load_model_info
 
 if TYPE_CHECKING:
     from jaxinfer.engine.core import EngineCore
-    from jaxinfer.loader import LoadedModel
 
 
 @dataclasses.dataclass
@@ -40,6 +41,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in and out
 
     def __post_init__(self) -> None:
+        parse_mesh(self.mesh)  # unknown axes and bad sizes, named
         if self.fake_runner and self.skip_tokenizer_init:
             raise ValueError(
                 "fake_runner takes its vocabulary from the tokenizer: it cannot run "
@@ -49,8 +51,6 @@ class EngineArgs:
 
 def frontend_model(args: EngineArgs) -> LoadedModel:
     """Name, config and tokenizer of the served model, without weights."""
-    from jaxinfer.loader import load_model_info
-
     info = load_model_info(
         args.model, load_format=args.load_format, skip_tokenizer_init=args.skip_tokenizer_init
     )
@@ -71,10 +71,8 @@ def build_core(args: EngineArgs) -> EngineCore:
     max_model_len = args.max_model_len
     if max_model_len is None and jax.default_backend() == "cpu":
         max_model_len = 2048
-    sharding.parse_mesh(args.mesh)
     mesh = sharding.make_mesh(args.mesh or None)  # raises saying what to change
     if args.fake_runner:
-        from jaxinfer.loader import load_model_info
         from serving.testing import FakeRunner, fake_model
 
         model = fake_model(load_model_info(args.model, load_format=args.load_format).tokenizer)

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.types import Launched, RunnerOutput, SchedulerOutput, TokenLogprobs
+from jaxinfer.model_info import LoadedModel
 from jaxinfer.structured import allowed_ids
 from jaxinfer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from jaxinfer.engine.engine import LLMEngine
-    from jaxinfer.loader import LoadedModel
 
 FIRST_FAKE_TOKEN = 1000  # ordinary BPE tokens in SmolLM2's vocabulary: never EOS or special
 FAKE_TOKEN_SPAN = 2000
@@ -167,8 +167,6 @@ class FakeRunner:
 
 def fake_model(tokenizer: Tokenizer, *, name: str = "fake") -> LoadedModel:
     """A one-layer config with the tokenizer's vocabulary and no weights (for a `FakeRunner`)."""
-    from jaxinfer.loader import LoadedModel
-
     hf = dict(
         model_type="llama",
         hidden_size=16,

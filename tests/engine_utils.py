@@ -27,7 +27,7 @@ import pytest
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.engine import LLMEngine, RequestDelta, Usage
 from jaxinfer.engine.types import SchedulerOutput, TokenLogprobs
-from jaxinfer.loader import LoadedModel
+from jaxinfer.model_info import LoadedModel
 from jaxinfer.models import llama
 from jaxinfer.params import init_random
 from jaxinfer.sampling_params import SamplingParams

@@ -26,10 +26,11 @@ import tokenizers
 from tokenizers import models, pre_tokenizers
 
 from checkpoints.errors import CheckpointError, GGUFError
-from checkpoints.orbax_io import PARAMS_DIR
+from checkpoints.orbax_layout import PARAMS_DIR
 from jaxinfer.config import ModelConfig, UnsupportedConfigError
 from jaxinfer.convert import OUTPUT_NAMES, convert
-from jaxinfer.loader import GGUF_TOKENIZER_FILE, load_model
+from jaxinfer.loader import load_model
+from jaxinfer.model_info import GGUF_TOKENIZER_FILE
 from jaxinfer.sampling_params import SamplingParams
 from tests.model_utils import hf_config_dict, make_hf_model, params_from_torch
 

@@ -28,7 +28,7 @@ from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig, ModelConfig, UnsupportedConfigError
 from jaxinfer.engine.engine import LLMEngine, wait_all
-from jaxinfer.loader import LoadedModel
+from jaxinfer.model_info import LoadedModel
 from jaxinfer.models import deepseek, family_of
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.step import StepInputs, build_step_arrays

@@ -23,7 +23,8 @@ import pytest
 
 from checkpoints.errors import CheckpointError
 from jaxinfer import sharding as shd
-from jaxinfer.loader import LOAD_FORMATS, load_model
+from jaxinfer.loader import load_model
+from jaxinfer.model_info import LOAD_FORMATS
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,8 @@ def test_serve_builds_a_dummy_engine(checkpoint):
     assert frontend_model(eargs).params is None  # the front end reads no weights
     core = build_core(eargs)
     assert core.runner.params is not None and core.config.num_pages == 16
-    assert serve.LOAD_FORMATS == LOAD_FORMATS
+    load_format = next(a for a in serve.build_parser()._actions if a.dest == "load_format")
+    assert tuple(load_format.choices) == LOAD_FORMATS
     assert "load_format" in serve.ENGINE_FLAGS  # multi-host: every process on process 0's choice
     with pytest.raises(SystemExit):
         serve.build_parser().parse_args(["--load-format", "bogus"])

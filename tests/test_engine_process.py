@@ -5,7 +5,8 @@ process by `serving.testing.fake_core`; the front end detokenizes. Covered acros
 boundary: exact streams and stop strings, cancellation freeing pages, a failing step failing only
 its request, the core process dying (every request fails, health NOT_SERVING), the front end
 dying (the core exits), and SIGTERM draining (`test_server.py`'s serve.py test, which runs the
-core in its own process by default).
+core in its own process by default). `scripts/serve.py`'s front-end process loads no JAX (its
+memory maps hold no jaxlib library; the core's do).
 """
 
 from __future__ import annotations
@@ -146,8 +147,8 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
-@pytest.mark.slow  # two subprocesses that import JAX (~20 s)
-def test_front_end_death_ends_the_core_process():
+def _serve_fake_runner() -> subprocess.Popen:
+    """`scripts/serve.py --fake-runner` (engine core in its own process), once it says ready."""
     cmd = [
         sys.executable,
         os.path.join(ROOT, "scripts", "serve.py"),
@@ -164,11 +165,44 @@ def test_front_end_death_ends_the_core_process():
         "65",
     ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    for line in proc.stderr:
+        if "server ready" in line:
+            return proc
+    proc.wait(10)
+    raise AssertionError(f"serve.py exited {proc.returncode} before it was ready")
+
+
+def _core_pids(pid: int) -> list[int]:
+    return [p for p in _children(pid) if "spawn_main" in _read(f"/proc/{p}/cmdline")]
+
+
+def _loads_jax(pid: int) -> bool:
+    """Whether the process has JAX's compiled library mapped (jaxlib's shared objects)."""
+    maps = _read(f"/proc/{pid}/maps").splitlines()
+    return any("jaxlib" in line or "xla_extension" in line for line in maps)
+
+
+@pytest.mark.slow  # the engine-core subprocess imports JAX (~10 s)
+def test_serve_front_end_process_loads_no_jax():
+    proc = _serve_fake_runner()
     try:
-        for line in proc.stderr:
-            if "server ready" in line:
-                break
-        cores = [p for p in _children(proc.pid) if "spawn_main" in _read(f"/proc/{p}/cmdline")]
+        cores = _core_pids(proc.pid)
+        assert len(cores) == 1, cores
+        assert _loads_jax(cores[0])  # the check sees JAX where it is
+        assert not _loads_jax(proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.mark.slow  # two subprocesses, the engine core's imports JAX (~20 s)
+def test_front_end_death_ends_the_core_process():
+    proc = _serve_fake_runner()
+    try:
+        cores = _core_pids(proc.pid)
         assert len(cores) == 1, cores
         proc.kill()  # no chance to say "shutdown"
         proc.wait(10)

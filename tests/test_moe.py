@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer import moe, sharding
-from jaxinfer.config import ModelConfig, UnsupportedConfigError
+from jaxinfer.config import ModelConfig, UnsupportedConfigError, parse_mesh
 from jaxinfer.models import llama
 from jaxinfer.params import init_random, map_specs
 from jaxinfer.sharding import EXPERT, TENSOR, Parallel
@@ -272,7 +272,7 @@ def _moe_setup(num_experts=8, top_k=2, pad=9, seed=0):
 def _mesh(spec: str):
     import math
 
-    n = math.prod(sharding.parse_mesh(spec).values())
+    n = math.prod(parse_mesh(spec).values())
     return sharding.make_mesh(spec, jax.devices()[:n])
 
 
@@ -623,7 +623,7 @@ def _mixtral_engine_case(**overrides):
     """A tiny Mixtral with the SmolLM2 vocabulary, a prompt and transformers' 12 greedy tokens."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from jaxinfer.loader import LoadedModel
+    from jaxinfer.model_info import LoadedModel
     from tests.engine_utils import load_vocab, random_prompt
     from tests.model_utils import make_hf_model, params_from_torch
 

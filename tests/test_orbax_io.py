@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from checkpoints.errors import CheckpointError
-from checkpoints.orbax_io import is_orbax_checkpoint, restore_params, save_params
+from checkpoints.orbax_io import restore_params, save_params
+from checkpoints.orbax_layout import is_orbax_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

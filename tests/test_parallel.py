@@ -28,10 +28,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
-from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.config import EngineConfig, ModelConfig, parse_mesh
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.runner import ModelRunner
-from jaxinfer.loader import LoadedModel
+from jaxinfer.model_info import LoadedModel
 from jaxinfer.models import llama
 from jaxinfer.step import StepInputs, build_step_arrays
 from tests.engine_utils import assert_same_greedy, greedy, load_vocab, run
@@ -291,7 +291,7 @@ GOLDEN = {  # (mesh, KV heads, moe) -> leaf -> mesh axes per dim (trailing repli
 @pytest.mark.parametrize("spec,kv_heads,moe", list(GOLDEN))
 def test_param_shardings_match_golden_table_and_bytes_split(spec, kv_heads, moe):
     cfg = tiny_cfg(kv_heads, layers=2, moe=moe)
-    mesh = mesh_of(spec, math.prod(shd.parse_mesh(spec).values()))
+    mesh = mesh_of(spec, math.prod(parse_mesh(spec).values()))
     p = place(cfg, tiny_params(cfg), mesh)
     layer = p.layers[1]
     actual = {

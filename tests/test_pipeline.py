@@ -10,13 +10,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer import pipeline
 from jaxinfer import sharding as shd
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, parse_mesh
 from jaxinfer.models import llama
 from jaxinfer.params import init_random, is_spec
 
 
 def _mesh(spec: str):
-    sizes = shd.parse_mesh(spec)
+    sizes = parse_mesh(spec)
     n = int(np.prod(list(sizes.values())))
     return shd.make_mesh(spec, jax.devices()[:n])
 
@@ -396,7 +396,7 @@ def test_compiled_pipeline_forward_collectives():
 def _tiny_loaded(tok, num_layers: int):
     import dataclasses
 
-    from jaxinfer.loader import LoadedModel
+    from jaxinfer.model_info import LoadedModel
     from tests.engine_utils import LM_HEAD_SCALE, MATRIX_SCALE, TINY_LLAMA
 
     hf = {**TINY_LLAMA, "vocab_size": tok.vocab_size, "num_hidden_layers": num_layers}

@@ -39,7 +39,8 @@ from jaxinfer import layers, quantization
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.loader import load_from_source, load_model, open_source
+from jaxinfer.loader import load_from_source, load_model
+from jaxinfer.model_info import open_source
 from jaxinfer.models import deepseek, family_of, llama
 from jaxinfer.quantization import QArray
 from jaxinfer.tokenizer import Tokenizer

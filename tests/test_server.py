@@ -665,14 +665,41 @@ def test_serve_script_mesh_spans_every_device_or_says_what_to_change(monkeypatch
         import serve
     finally:
         sys.path.pop(0)
+    from jaxinfer import sharding
+    from jaxinfer.config import parse_mesh
+
+    # What the engine core builds from --mesh (the device-dependent checks run there).
     with pytest.raises(ValueError, match="make the product of the axis sizes equal 8"):
-        serve._mesh("tensor=3")
-    mesh, sizes = serve._mesh("tensor=8")
+        sharding.make_mesh("tensor=3")
+    mesh, sizes = sharding.make_mesh("tensor=8"), parse_mesh("tensor=8")
     assert mesh.devices.size == 8 and sizes["tensor"] == 8
-    mesh, sizes = serve._mesh("")
+    mesh, sizes = sharding.make_mesh(""), parse_mesh("")
     assert mesh.devices.size == 1 and sizes["tensor"] == 1
     assert serve.parse_bytes("2GiB") == 2 << 30 and serve.parse_bytes("512M") == 512 << 20
     assert serve.main(["--mesh", "tensor=3", "--fake-runner"]) == 2  # bad mesh: exit 2, no server
+
+
+def test_serve_script_bad_mesh_string_fails_in_the_front_end(monkeypatch, capsys):
+    """A mesh string that names no mesh fails before the engine-core process starts."""
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import serve
+    finally:
+        sys.path.pop(0)
+    from jaxinfer.engine import core_client
+
+    def no_core(*args, **kwargs):
+        raise AssertionError("the engine core was started")
+
+    monkeypatch.setattr(core_client, "ProcessCoreClient", no_core)
+    for mesh, why in [
+        ("tenser=2", "unknown mesh axis 'tenser'"),
+        ("tensor=two", "mesh axis 'tensor' needs an integer size"),
+        ("tensor=0", "mesh axis 'tensor' must be >= 1"),
+    ]:
+        assert serve.main(["--mesh", mesh, "--fake-runner"]) == 2
+        assert f"error: {why}" in capsys.readouterr().err
 
 
 def test_generated_stubs_in_sync(tmp_path):

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.loader import LoadedModel
+from jaxinfer.model_info import LoadedModel
 from jaxinfer.sampling_params import SamplingParams
 from serving.client import GenerateClient, build_request
 from serving.protos.jaxinfer.v1 import generate_pb2 as pb

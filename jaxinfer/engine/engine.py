@@ -32,7 +32,7 @@ from jaxinfer.engine.types import (
     check_prompt,
     split_samples,
 )
-from jaxinfer.loader import LoadedModel
+from jaxinfer.model_info import LoadedModel
 from jaxinfer.sampling_params import SamplingParams
 
 __all__ = [
