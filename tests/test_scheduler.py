@@ -528,7 +528,7 @@ def test_front_end_imports_no_jax() -> None:
     _imports_no_jax(
         "jaxinfer.engine.core_client, jaxinfer.engine.core_loop, serving.launch, "
         "serving.protocol, serving.openai_protocol, serving.engine_loop, serving.http_server, "
-        "serving.server"
+        "serving.server, serving.frontend, serving.testing, jaxinfer.model_info"
     )
 
 

@@ -643,7 +643,7 @@ def family_model(family: str):
     from model_utils import hf_config_dict
 
     from jaxinfer.config import ModelConfig
-    from jaxinfer.loader import LoadedModel
+    from jaxinfer.model_info import LoadedModel
     from jaxinfer.models import llama
     from jaxinfer.params import init_random
 
