@@ -42,3 +42,11 @@ def test_checkpoints_import_nothing_from_jaxinfer() -> None:
 
 def test_loader_imports_nothing_from_the_engine() -> None:
     assert _violations([REPO_ROOT / "jaxinfer" / "loader.py"], "jaxinfer.engine") == []
+
+
+def test_serving_imports_neither_the_runner_nor_the_scheduler() -> None:
+    """Serving talks to the engine through `jaxinfer.engine.types` and the core's public surface."""
+    paths = sorted((REPO_ROOT / "serving").glob("*.py"))
+    assert paths
+    for inner in ("jaxinfer.engine.runner", "jaxinfer.engine.scheduler"):
+        assert _violations(paths, inner) == [], inner
