@@ -336,6 +336,11 @@ class FrontEnd:
                 f"{prefix}stop: stop strings need a tokenizer and the server runs with "
                 f"--skip-tokenizer-init; use stop_token_ids"
             )
+        if self.tokenizer is None and sp.structured_outputs is not None:
+            raise InvalidArgument(
+                f"{prefix}structured_outputs: grammars are compiled against the vocabulary and "
+                f"the server runs with --skip-tokenizer-init (no tokenizer)"
+            )
         try:
             check_prompt(ids, sp, self.limits(), field=field, max_tokens_field=max_tokens_field)
         except ValueError as e:

@@ -8,7 +8,7 @@ unconstrained output is noise, so output that a grammar accepts shows the constr
    the reply parses and validates against the schema.
 2. `response_format` `json_object`: the reply is accepted by the JSON grammar token by token (a
    length finish may cut it; a stop finish must parse to an object).
-3. vLLM's `extra_body={"structured_outputs": ...}`: `choice` and `regex` replies match.
+3. vLLM's `extra_body={"structured_outputs": ...}`: `choice`, `regex` and `grammar` replies match.
 4. gRPC `sampling.structured_outputs` (field 17): `choice`, `regex`, `grammar` and `json_schema`
    constrain the streamed token ids.
 5. An invalid schema is a 400 / INVALID_ARGUMENT naming the field, and the server keeps serving.
@@ -139,7 +139,7 @@ def test_openai_json_object(client, tok):
         assert complete and isinstance(json.loads(text), dict), text
 
 
-def test_openai_extra_body_choice_and_regex(client):
+def test_openai_extra_body_choice_regex_and_grammar(client, tok):
     model = client.models.list().data[0].id
     r = client.completions.create(
         model=model,
@@ -158,6 +158,20 @@ def test_openai_extra_body_choice_and_regex(client):
         extra_body={"structured_outputs": {"regex": REGEX}},
     )
     assert re.fullmatch(REGEX, r.choices[0].text), r.choices[0].text
+    grammar = 'root ::= "(" [0-9]+ ")"'
+    r = client.completions.create(
+        model=model,
+        prompt="A number in parentheses:",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"structured_outputs": {"grammar": grammar}},
+    )
+    ok, complete = accepted(
+        tok,
+        StructuredOutputsParams(grammar=grammar),
+        tok.encode(r.choices[0].text, add_special_tokens=False),
+    )
+    assert ok and (complete or r.choices[0].finish_reason == "length"), r.choices[0].text
 
 
 def _grpc_ids(stub, so: pb.StructuredOutputs, max_tokens: int = 32) -> tuple[list[int], int]:

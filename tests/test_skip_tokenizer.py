@@ -162,7 +162,9 @@ def test_server_without_tokenizer(srv):
             "prompt": build_request("hello", max_tokens=2),
             "messages": build_request([{"role": "user", "content": "hi"}], max_tokens=2),
             "sampling.stop": build_request(ids, max_tokens=2, stop=["x"]),
+            "sampling.structured_outputs": build_request(ids, max_tokens=2),
         }
+        cases["sampling.structured_outputs"].sampling.structured_outputs.regex = "[a-z]+"
         for needle, req in cases.items():
             with pytest.raises(grpc.RpcError) as err:
                 list(client.stub.Generate(req))
