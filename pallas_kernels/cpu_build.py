@@ -6,8 +6,10 @@
    `clang++`) against jaxlib's FFI headers (`jax.ffi.include_dir()`) into a cache directory
    (`$JAXINFER_KERNEL_CACHE`, default `~/.cache/jaxinfer/kernels`), under a name keyed by the
    source, the headers, the flags and this CPU's instruction-set flags. The file is written
-   atomically, so concurrent processes share it. The handler is then registered for the "cpu"
-   platform. `available()` says whether that worked and `unavailable_reason()` why not, so callers
+   atomically, so concurrent processes share it; a build that fails leaves `<name>.failed` with
+   the compiler's message, so later processes (every server and test process on a CPU without
+   the kernel's instruction set) raise it without running the compiler again. The handler is
+   then registered for the "cpu" platform. `available()` says whether that worked and `unavailable_reason()` why not, so callers
    can fall back to a pure-JAX path with a reason to log.
 """
 
@@ -78,17 +80,23 @@ class CppKernel:
         ):
             key.update(part)
         out = _cache_dir() / f"{self.source.stem}_{key.hexdigest()[:20]}.so"
+        failed = out.with_suffix(".failed")
         if out.exists():
             return out
+        if failed.exists():  # NOTE: same key, same result: no compiler run per process
+            raise RuntimeError(failed.read_text())
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
             cmd = [cxx, *FLAGS, f"-I{include}", str(self.source), "-o", str(tmp_out)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
-                raise RuntimeError(
+                why = (
                     f"building {self.source.name} failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}"
                 )
+                (Path(tmp) / failed.name).write_text(why)
+                os.replace(Path(tmp) / failed.name, failed)
+                raise RuntimeError(why)
             os.replace(
                 tmp_out, out
             )  # atomic: a concurrent build of the same key wins or loses whole
