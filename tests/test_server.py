@@ -214,8 +214,12 @@ def test_n_samples_and_logprobs(client, tok):
         assert all(len(lp.top) == 2 and lp.top[0].logprob >= lp.top[1].logprob for lp in lps)
 
 
-def test_64_concurrent_streams_share_steps(srv, tok):
+def test_64_concurrent_streams_share_steps(srv, tok, monkeypatch):
     runner = srv.server.frontend.engine.runner
+    # NOTE: a request lives 10-14 steps; at 20 ms a step that outlasts the 64 arrivals even on a
+    # loaded 2-core machine (at the fixture's 2 ms the first streams could finish before the
+    # last ones arrived, and the batch peaked below max_num_seqs).
+    monkeypatch.setattr(runner, "step_delay", 0.02)
     prompts = [[1000 + 7 * i, 1001 + i, 1002] for i in range(64)]
 
     async def one(stub, i):
