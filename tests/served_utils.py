@@ -94,7 +94,8 @@ class ServedProcess:
             raise RuntimeError("serve.py did not become ready:\n" + "".join(self.log[-40:]))
         text = "".join(self.log)
         self.grpc_address = "127.0.0.1:" + re.search(r"grpc\s+\S+?:(\d+)", text).group(1)
-        self.http_url = re.search(r"(http://\S+?:\d+/v1)", text).group(1)
+        http = re.search(r"(http://\S+?:(\d+)/v1)", text)
+        self.http_url, self.http_port = http.group(1), int(http.group(2))
         self._drain = threading.Thread(target=self._read_rest, daemon=True)
         self._drain.start()
 

@@ -9,21 +9,18 @@ real default model to check that chat text comes out of the checkpoint's templat
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-import types
 import urllib.error
 import urllib.request
 
 import pytest
 
 openai = pytest.importorskip("openai")
+
+from served_utils import ServedProcess  # noqa: E402
 
 from serving.client import GenerateClient, build_request  # noqa: E402
 from serving.frontend import FrontEnd  # noqa: E402
@@ -365,42 +362,26 @@ def test_engine_failure_mid_stream_is_an_error_event(tok):
 def test_serve_script_serves_both_protocols_over_one_front_end(tok):
     """scripts/serve.py --http-port: gRPC and HTTP share one front end (one metrics registry,
     one lifecycle): SIGTERM turns HTTP /health 503 while a gRPC stream drains, then exit 0."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [
-        sys.executable,
-        os.path.join(root, "scripts", "serve.py"),
-        "--fake-runner",
-        "--fake-step-delay",
-        "0.01",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--no-metrics",
-        "--http-port",
-        "0",
-        "--max-model-len",
-        "512",
-        "--num-pages",
-        "65",
-    ]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    srv = ServedProcess(
+        [
+            "--fake-runner",
+            "--fake-step-delay",
+            "0.01",
+            "--max-model-len",
+            "512",
+            "--num-pages",
+            "65",
+        ]
+    )
+    proc = srv.proc
     try:
-        log = []
-        for line in proc.stderr:
-            log.append(line)
-            if "server ready" in line:
-                break
-        text = "".join(log)
-        port = re.search(r"listening on 127\.0\.0\.1:(\d+)", text).group(1)
-        http_port = re.search(r"HTTP API at http://[^:]*:(\d+)", text)[1]
-        http = types.SimpleNamespace(http_port=http_port)  # what _get / _post read
+        http = srv  # what _get / _post read: its http_port
         assert _get(http, "/health")[0] == 200
         status, body = _post(
             http, "/v1/completions", json.dumps({"prompt": [1000, 1001], "max_tokens": 5}).encode()
         )
         assert status == 200 and body["choices"][0]["finish_reason"] == "length"
-        c = GenerateClient(f"127.0.0.1:{port}")
+        c = GenerateClient(srv.grpc_address)
         c.wait_ready(10)
         assert list(c.generate_once([1000, 1001], max_tokens=5).token_ids) == fake_stream(
             [1000, 1001], 5
