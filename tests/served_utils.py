@@ -8,7 +8,7 @@
 2. `ServedProcess(args)` starts `scripts/serve.py` on free ports (gRPC, metrics, and the OpenAI
    HTTP API), waits for "server ready", reads the ports from the start-up summary and keeps
    draining the log on a thread (a full pipe would block the server). `stop()` sends SIGTERM and
-   returns the exit code; the log is kept for assertions.
+   returns the exit code (`wait()` after a signal the test sent); the log is kept for assertions.
 """
 
 from __future__ import annotations
@@ -103,11 +103,17 @@ class ServedProcess:
         for line in self.proc.stderr:
             self.log.append(line)
 
+    def wait(self, timeout: float) -> int:
+        """The exit code once the process has ended and its whole log is in `self.log`."""
+        rc = self.proc.wait(timeout)
+        self._drain.join(10)
+        return rc
+
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout)
+            return self.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return self.proc.wait(10)
+            return self.wait(10)

@@ -398,7 +398,7 @@ def test_serve_script_serves_both_protocols_over_one_front_end(tok):
         rest = [first, *stream]
         assert [t for m in rest for t in m.token_ids] == fake_stream([1000, 1007], 150)
         c.close()
-        assert proc.wait(30) == 0
+        assert srv.wait(30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

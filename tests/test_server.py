@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -26,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from served_utils import ServedProcess
 
 from jaxinfer.engine.engine import wait_all
 from jaxinfer.sampling_params import SamplingParams
@@ -616,32 +615,20 @@ def test_client_script(srv, tok, capsys):
 @pytest.mark.slow  # a subprocess: imports JAX and builds the tokenizer again (~15 s)
 def test_serve_script_sigterm_drains_and_exits_0(tok):
     """scripts/serve.py end to end: SIGTERM mid-stream finishes the stream, then exit 0."""
-    cmd = [
-        sys.executable,
-        os.path.join(ROOT, "scripts", "serve.py"),
-        "--fake-runner",
-        "--fake-step-delay",
-        "0.01",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--max-model-len",
-        "512",
-        "--num-pages",
-        "65",
-    ]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    srv = ServedProcess(
+        [
+            "--fake-runner",
+            "--fake-step-delay",
+            "0.01",
+            "--max-model-len",
+            "512",
+            "--num-pages",
+            "65",
+        ]
+    )
+    proc = srv.proc
     try:
-        log = []
-        for line in proc.stderr:
-            log.append(line)
-            if "server ready" in line:
-                break
-        port = re.search(r"listening on 127\.0\.0\.1:(\d+)", "".join(log)).group(1)
-        c = GenerateClient(f"127.0.0.1:{port}")
+        c = GenerateClient(srv.grpc_address)
         c.wait_ready(10)
         stream = c.stub.Generate(build_request([1000, 1007], max_tokens=150))
         first = next(stream)
@@ -655,8 +642,8 @@ def test_serve_script_sigterm_drains_and_exits_0(tok):
         rest = [first, *stream]
         assert _ids(rest) == fake_stream([1000, 1007], 150) and rest[-1].finish_reason == LENGTH
         c.close()
-        assert proc.wait(30) == 0
-        assert "server stopped" in proc.stderr.read()
+        assert srv.wait(30) == 0
+        assert "server stopped" in "".join(srv.log)
     finally:
         if proc.poll() is None:
             proc.kill()
