@@ -23,8 +23,12 @@ This is the half of the engine that a serving front end runs in its own process
    `sample`).
 3. The step's `RequestUpdate`s become `TokenOutput`s (new ids, logprobs, finish reason, usage
    counters): plain data (`jaxinfer.engine.types`).
-4. A failing step raises after naming the requests it lost in `failed_request_ids`; the pages
-   they were to write leave the prefix cache. The caller fails exactly those.
+4. A failing step raises after naming the requests it lost in `failed_request_ids` (and in
+   `failed_marks` how far each was to compute); the pages they were to write leave the prefix
+   cache. `LLMEngine` fails exactly those; the core loop isolates the culprit instead
+   (`jaxinfer.engine.isolation`) through `recover` (every running request preempted: it
+   recomputes), `check` (re-validation), `restrict` (admit only these; steps synchronous) and
+   `progress`.
 
 `stats()`, `warmup()` and the injectable `runner` are the public surface serving uses; nothing
 outside this module reads the scheduler's or the allocators' fields.
@@ -45,6 +49,7 @@ from jaxinfer import sharding as shd
 from jaxinfer import structured
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import spec as spec_decoding
+from jaxinfer.engine.capacity import log_capacity
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner import ModelRunner
@@ -205,58 +210,19 @@ class EngineCore:
         self._ready: list[TokenOutput] = []  # outputs of a step finished while the next one failed
         self._aborted: list[Request] = []
         self._requests: dict[str, Request] = {}  # every child request added and not yet reported
-        # Child request ids a failed `step()` lost (set when it raises; the caller fails them).
+        # Child request ids a failed `step()` lost (set when it raises; the caller fails them),
+        # and the token position each was to compute up to in the step(s) that failed.
         self.failed_request_ids: list[str] = []
+        self.failed_marks: dict[str, int] = {}
+        self._isolating = False  # `restrict`: steps run synchronously, admission filtered
+        self._last_sched: Any = None  # the last step's schedule (`recover` re-reports its ids)
         self.num_steps = 0
         self.num_generated = 0
         if params is not None:
             gain = (
                 family.kv_cache_bytes_per_token(cfg, shd.Parallel(**sizes), itemsize) / token_bytes
             )
-            self._log_capacity(data, shards, gain)
-
-    def _log_capacity(self, data: int, shards: int, gain: float) -> None:
-        usable = sum(a.num_usable_pages for a in self.allocators)
-        held = self.runner.bytes_per_device()
-        c = self.config
-        if self.cfg.is_mla:  # one latent row per token, shared by all heads
-            replicated = f"; MLA latent rows whole on each of the {shards} attention shard(s)"
-        elif shd.kv_heads_split(self.cfg.num_kv_heads, shards):
-            replicated = ""
-        else:
-            replicated = (
-                f"; KV replicated: {self.cfg.num_kv_heads} KV heads < {shards} attention shards, each "
-                f"shard keeps a copy of the one its query heads need"
-            )
-        logger.info(
-            "KV cache (%s): %d pages x %d tokens = %d tokens (%.1f MiB); max_model_len %d -> up to "
-            "%.1f concurrent full-length requests; max_num_seqs %d, max_num_batched_tokens %d; mesh "
-            "%s: %d data replica(s) of %d pages, per device %.1f MiB params + %.1f MiB KV%s",
-            self._kv_storage(gain),
-            usable,
-            c.page_size,
-            usable * c.page_size,
-            self.runner.kv_cache_bytes / 2**20,
-            self.max_model_len,
-            usable * c.page_size / self.max_model_len,
-            c.max_num_seqs,
-            c.max_num_batched_tokens,
-            c.mesh or "single device",
-            data,
-            self.allocators[0].num_pages,
-            held["params"] / 2**20,
-            held["kv_cache"] / 2**20,
-            replicated,
-        )
-
-    def _kv_storage(self, gain: float) -> str:
-        """How the cache is stored, and for fp8 the token capacity `gain` over the model dtype."""
-        if self.config.kv_cache_dtype != "fp8":
-            return self.config.dtype
-        return (
-            f"fp8 e4m3 + one exponent byte per {self.cfg.head_dim}-value row: "
-            f"{gain:.2f}x the tokens of {self.config.dtype} in the same memory"
-        )
+            log_capacity(self, data, shards, gain)
 
     @property
     def limits(self) -> EngineLimits:
@@ -355,6 +321,35 @@ class EngineCore:
             if self.structured is not None:
                 self.structured.remove(request_id)
 
+    def recover(self) -> list[str]:
+        """After a failed step: preempts every running request (pages freed, runner rows
+        dropped; each recomputes its prompt and outputs when it resumes), whatever the failed
+        step left half-done. Outputs of steps that did land still come with the next call."""
+        self._in_flight = None  # NOTE: None after any failure already (see `step`)
+        return self.scheduler.preempt_all(self._last_sched)
+
+    def check(self, request_id: str) -> str | None:
+        """Re-validates an unfinished request against the engine's limits: why it fails
+        (None: it passes, or it is gone)."""
+        req = self.scheduler.get_request(request_id)
+        try:
+            if req is not None:
+                check_prompt(req.prompt_token_ids, req.sampling, self.limits)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def restrict(self, request_ids: set[str] | None) -> None:
+        """Admits only these waiting requests (None: anyone) and steps synchronously meanwhile
+        (a step that returns has run). Running requests are not touched: `recover` first."""
+        self.scheduler.only = request_ids
+        self._isolating = request_ids is not None
+
+    def progress(self, request_id: str) -> int | None:
+        """Tokens an unfinished request has computed (None: finished or unknown)."""
+        req = self.scheduler.get_request(request_id)
+        return None if req is None else req.num_computed_tokens
+
     def has_unfinished(self) -> bool:
         return (
             self.scheduler.has_unfinished()
@@ -366,7 +361,11 @@ class EngineCore:
     @property
     def async_scheduling(self) -> bool:
         # NOTE: a multi-host leader broadcasts each step to its followers: synchronous.
-        return self.config.async_scheduling and not self.runner.synchronous_only
+        return (
+            self.config.async_scheduling
+            and not self.runner.synchronous_only
+            and not self._isolating
+        )
 
     @property
     def split_sampling(self) -> bool:
@@ -388,7 +387,7 @@ class EngineCore:
         steps are synchronous (proposals are made from known tokens): a step still in flight is
         first landed, as it is for structured output when the runner cannot split a step.
         """
-        self.failed_request_ids = []
+        self.failed_request_ids, self.failed_marks = [], {}
         ready, self._ready = self._ready, []
         split = self.split_sampling
         if self._in_flight is not None and (
@@ -402,7 +401,7 @@ class EngineCore:
                 self._ready = ready  # not lost: they come with the next call
                 raise
         spec_decoding.propose(self.proposer, self.scheduler)
-        sched = self.scheduler.schedule()
+        sched = self._last_sched = self.scheduler.schedule()
         self.num_steps += bool(sched.scheduled)
         constrained = self._constrained(sched)
         split = split and constrained and not sched.num_spec_tokens
@@ -507,6 +506,10 @@ class EngineCore:
         except Exception:
             self.scheduler.forget_pages(scheduled)
             self.failed_request_ids = list(dict.fromkeys(s.request.request_id for s in scheduled))
+            marks = self.failed_marks
+            for s in scheduled:
+                end = s.start_pos + len(s.token_ids) - s.num_spec_tokens
+                marks[s.request.request_id] = max(marks.get(s.request.request_id, 0), end)
             raise
 
     def _outputs(self, updates: list[RequestUpdate], out: RunnerOutput) -> list[TokenOutput]:

@@ -6,10 +6,14 @@ engine-core process, and `ThreadCoreClient` (the loop on a thread of this proces
    warms the core up (every program compiled), says `Ready`, then loops: take every queued
    message, step while there is work (blocking on the inbox when there is none), send one
    `StepResult` per step that produced anything.
-2. A step that raises loses the requests `failed_request_ids` names: the loop aborts them in the
-   core and reports them (with the error) in that step's message; everything else carries on.
-   After `max_step_failures` consecutive failures the core is declared broken (`Broken`), as it
-   is when warmup fails.
+2. A step that raises does not fail the requests it held: a `FaultIsolator`
+   (`jaxinfer.engine.isolation`) recovers the core (every running request preempted: it
+   recomputes), re-validates the suspects, then bisects them with probe steps that admit only
+   some of them; each culprit (a request the step fails with, without the others) is aborted and
+   reported lost with the step's error; everyone else carries on with unchanged outputs.
+   `max_step_failures` unexplained failures (no culprit, or no step working while isolating)
+   with no successful step between them declare the core broken (`Broken`, logged), as a failed
+   warmup does.
 3. `core_process_main` is the spawned process's entry (`core_client.ProcessCoreClient` starts
    it): it builds the core from its `CoreSpec` (JAX is imported there, never by the front end),
    then runs the loop over two zmq sockets with msgpack frames. It exits when its parent
@@ -34,6 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jaxinfer.engine.core_client import CoreSpec, LoopOptions, OnMessage
+from jaxinfer.engine.isolation import FaultIsolator
 from jaxinfer.engine.types import (
     Abort,
     AddRequests,
@@ -162,7 +167,7 @@ def run_core_loop(
     send(Ready(info=core.info()._replace(compiled_programs=programs)))
     settle_heap()
     tracer = _Tracer(options.trace_dir, options.trace_steps)
-    failures, stalled = 0, False
+    isolator, stalled = FaultIsolator(core, options.max_step_failures), False
     try:
         while True:
             # NOTE: with work, only take what is queued; stalled (work, but nothing could be
@@ -176,27 +181,33 @@ def run_core_loop(
             steps = core.num_steps
             tracer.before()
             start = time.perf_counter()
+            failed: list[tuple[list[str], str]] = []
             try:
-                outputs, lost, error = core.step(), [], None
-                failures = 0
-            except Exception as e:  # noqa: BLE001 - the requests it lost fail, the rest go on
-                failures += 1
-                lost, outputs = list(core.failed_request_ids), []
-                error = f"engine step failed: {type(e).__name__}: {e}"
-                logger.exception(
-                    "engine step failed; failing the %d requests it scheduled: %s", len(lost), lost
-                )
+                outputs, ok = core.step(), True
+            except Exception as e:  # noqa: BLE001 - isolated: its culprits fail, the rest go on
+                outputs, ok = [], False
+                if isolator.isolating:  # a probe: the first failure's traceback is logged
+                    logger.warning(
+                        "engine step failed while isolating: %s: %s", type(e).__name__, e
+                    )
+                else:
+                    logger.exception("engine step failed")
+                failed = isolator.failed(f"{type(e).__name__}: {e}")
+            busy = core.num_steps > steps
+            if ok:
+                isolator.succeeded(busy)
+            tracer.after(busy)
+            for lost, _ in failed:
                 for rid in lost:
                     core.abort(rid)
-            busy = core.num_steps > steps
-            tracer.after(busy)
-            if outputs or lost:
+            if outputs:
                 stats = core.stats()._replace(step_s=time.perf_counter() - start)
-                send(StepResult(outputs=outputs, lost=lost, error=error, stats=stats))
-            if failures >= options.max_step_failures:
-                why = f"{failures} consecutive engine steps failed"
-                logger.error("engine broken: %s", why)
-                send(Broken(why=why))
+                send(StepResult(outputs=outputs, stats=stats))
+            for lost, error in failed:
+                send(StepResult(lost=lost, error=error, stats=core.stats()))
+            if isolator.broken is not None:
+                logger.error("engine broken: %s", isolator.broken)
+                send(Broken(why=isolator.broken))
                 return
             stalled = not busy and not outputs
     finally:

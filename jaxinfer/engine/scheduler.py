@@ -52,6 +52,10 @@ catching up to `num_tokens`, and one loop decides how many of its tokens to comp
    was still in flight is skipped by that step's `update` (its speculative K/V write lands in
    pages no live token reads).
 
+9. Fault isolation (`jaxinfer.engine.isolation`): `preempt_all` preempts every running request
+   (reported in the next `SchedulerOutput.preempted`, so the runner drops their rows) and `only`,
+   when set, admits only the waiting requests it names (the others wait their turn).
+
 NOTE: `add_request` (`Request.prepare`) rejects a request whose K/V could never fit in the whole
 cache, so the oldest running request can always make progress and preemption cannot livelock.
 """
@@ -61,7 +65,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from jaxinfer.engine import spec
 from jaxinfer.engine.page_allocator import PageAllocator
@@ -126,6 +130,9 @@ class Scheduler:
         self._waiting: list[Request] = []  # sorted by _order
         self._preempted: collections.deque[Request] = collections.deque()  # resume first
         self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []  # preempted outside `schedule` (`preempt_all`)
+        # Admission filter while the engine core isolates a failure (None: admit anyone).
+        self.only: set[str] | None = None
         if num_speculative_tokens < 0 or (num_speculative_tokens and spec_max_requests < 1):
             raise ValueError(
                 f"speculation needs num_speculative_tokens={num_speculative_tokens} >= 0 "
@@ -286,12 +293,18 @@ class Scheduler:
             budgets[r] = budget - n - len(drafts)
             i += 1
 
+        only = self.only
         while not preempted and (self._preempted or self._waiting):
             r = self._least_loaded(budgets)
             if r is None:
                 break
             alloc = self.allocators[r]
-            req = self._preempted[0] if self._preempted else self._waiting[0]
+            if only is None:
+                req = self._preempted[0] if self._preempted else self._waiting[0]
+            else:
+                req = next((q for q in self._queued() if q.request_id in only), None)
+                if req is None:
+                    break
             cached: list[int] = []
             if alloc.enable_prefix_caching and req.may_use_prefix_cache:
                 cached = alloc.match_prefix(req.all_token_ids, req.page_hashes)
@@ -303,9 +316,9 @@ class Scheduler:
                 req.page_hashes.clear()
                 break
             if req.num_preemptions:
-                self._preempted.popleft()
+                self._preempted.remove(req)  # NOTE: the first one, unless `only` skipped some
             else:
-                self._waiting.pop(0)
+                self._waiting.remove(req)
                 req.num_cached_tokens = start
             req.page_ids = cached
             req.num_computed_tokens = start
@@ -316,6 +329,8 @@ class Scheduler:
             budgets[r] -= n
 
         finished, self._finished_ids = self._finished_ids, []
+        if self._preempted_ids:
+            preempted, self._preempted_ids = self._preempted_ids + preempted, []
         used = sum(self.max_num_batched_tokens - b for b in budgets)
         return SchedulerOutput(
             scheduled=decodes + chunks,
@@ -475,6 +490,25 @@ class Scheduler:
         for s in scheduled:
             end = s.start_pos + len(s.token_ids)
             self.allocators[s.replica].forget(s.page_table[: _cdiv(end, page_size)])
+
+    def _queued(self) -> Iterator[Request]:
+        """Waiting requests in admission order: preempted ones first."""
+        return itertools.chain(self._preempted, self._waiting)
+
+    def preempt_all(self, failed: SchedulerOutput | None = None) -> list[str]:
+        """Preempts every running request (a failed step may have left their pages, counters and
+        runner rows half-updated: each recomputes its prompt and outputs when it resumes, which
+        is always correct); returns their ids, reported in the next schedule's `preempted`,
+        with the `finished` and `preempted` ids of the `failed` step's schedule again (the runner
+        may have raised before it dropped their rows; dropping a row twice is harmless)."""
+        ids = [req.request_id for req in self._running]
+        for req in reversed(self._running[:]):  # NOTE: appendleft: they resume in running order
+            self._preempt(req)
+        if failed is not None:
+            self._finished_ids = failed.finished + self._finished_ids
+            self._preempted_ids += failed.preempted
+        self._preempted_ids += ids
+        return ids
 
     def _release_pages(self, req: Request) -> None:
         r = self._replica.pop(req.request_id, None)
