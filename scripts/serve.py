@@ -215,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--fake-step-delay", type=float, default=0.0, help="seconds each --fake-runner step sleeps"
     )
+    s.add_argument(
+        "--fake-poison-token",
+        type=int,
+        default=None,
+        help="testing, with --fake-runner only: a step holding a request whose prompt has this "
+        "token id raises (fault isolation fails that request alone)",
+    )
     m = p.add_argument_group("multi-host (one process per host; process 0 serves gRPC)")
     m.add_argument(
         "--coordinator-address",
@@ -267,6 +274,7 @@ def engine_args(args: argparse.Namespace):
         linear_backend=args.linear_backend,
         fake_runner=args.fake_runner,
         fake_step_delay=args.fake_step_delay,
+        fake_poison_token=args.fake_poison_token,
         load_format=args.load_format,
         quantization=args.quantization,
         skip_tokenizer_init=args.skip_tokenizer_init,

@@ -36,12 +36,15 @@ class EngineArgs:
     linear_backend: str | None = None
     fake_runner: bool = False
     fake_step_delay: float = 0.0
+    fake_poison_token: int | None = None  # testing: a prompt holding it makes the step raise
     load_format: str = "auto"  # "dummy": random weights from the config
     quantization: str | None = None  # "int8" | "fp8": weight-only, applied at load
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in and out
 
     def __post_init__(self) -> None:
         parse_mesh(self.mesh)  # unknown axes and bad sizes, named
+        if self.fake_poison_token is not None and not self.fake_runner:
+            raise ValueError("fake_poison_token (--fake-poison-token) needs fake_runner")
         if self.fake_runner and self.skip_tokenizer_init:
             raise ValueError(
                 "fake_runner takes its vocabulary from the tokenizer: it cannot run "
@@ -83,7 +86,7 @@ def build_core(args: EngineArgs) -> EngineCore:
             None,
             config,
             tokenizer=model.tokenizer,
-            runner=FakeRunner(step_delay=args.fake_step_delay),
+            runner=FakeRunner(step_delay=args.fake_step_delay, poison_token=args.fake_poison_token),
         )
     from jaxinfer.loader import load_model
 
