@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import socket
 import time
 import uuid
@@ -313,11 +314,10 @@ class OpenAIServer:
                 prompts = [await fe.tokenize_chat(req.chat(), field="messages", **kwargs)]
                 names = ["messages"]
             else:
-                texts = req.prompts()
-                names = ["prompt" if len(texts) == 1 else f"prompt[{i}]" for i in range(len(texts))]
+                names = [name for name, _ in req.prompts()]
                 prompts = [
                     p if isinstance(p, list) else await fe.tokenize(p, field=name)
-                    for p, name in zip(texts, names, strict=True)
+                    for name, p in req.prompts()
                 ]
             logprobs = _logprobs(req, chat)
             max_field = "max_tokens"
@@ -556,8 +556,9 @@ def _loc_path(body: Any, loc: list[Any], *, missing: bool) -> str:
 
 
 def _param(message: str) -> str | None:
+    """The field a message starts with ("prompt[1] is empty" -> "prompt[1]"), or None."""
     head = message.split(" ", 1)[0].rstrip(":")
-    return head if head.replace("_", "").replace(".", "").isalnum() else None
+    return head if re.fullmatch(r"[A-Za-z_][\w.]*(\[\d+\])*(\.[\w.]+)*", head) else None
 
 
 async def _until_disconnected(request: Request) -> None:

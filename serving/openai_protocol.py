@@ -123,16 +123,17 @@ class CompletionRequest(_Request):
             out.append("best_of (other than n)")
         return out
 
-    def prompts(self) -> list[str | list[int]]:
-        """The prompts of the request, each a text or token ids (a batch when a list)."""
+    def prompts(self) -> list[tuple[str, str | list[int]]]:
+        """The prompts of the request, each (its field: "prompt", or "prompt[i]" in a batch; a
+        text or token ids)."""
         p = self.prompt
         if isinstance(p, str):
-            return [p]
+            return [("prompt", p)]
         if not p:
             raise InvalidArgument("prompt is empty", "prompt")
         if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+            return [("prompt", list(p))]  # type: ignore[arg-type]
+        return [(f"prompt[{i}]", x) for i, x in enumerate(p)]  # type: ignore[misc]
 
 
 class ContentPart(BaseModel):
