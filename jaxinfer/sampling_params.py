@@ -1,11 +1,58 @@
-"""`SamplingParams`: what a request asks of the sampler and the stop logic (host-side, no JAX)."""
+"""`SamplingParams`: what a request asks of the sampler and the stop logic (host-side, no JAX).
+
+Every field is checked here against what needs no model: types, ranges, and the widths of the
+engine's arrays (`top_k`, `max_tokens`, `min_tokens`, `n` and stop ids fit an int32; `seed` is in
+[0, 2**63); floats are finite and fit a float32; lists are capped). A bad value raises
+`FieldError` (a ValueError) naming the field. The model-aware checks (ids within the vocabulary,
+the context length) are `jaxinfer.engine.types.check_prompt`'s.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 MAX_LOGPROBS = 20  # most top-k logprobs a request may ask for (one static width for every program)
+INT32_MAX = 2**31 - 1  # top_k, max_tokens, min_tokens, n, stop ids: int32 columns in the engine
+SEED_LIMIT = 2**63  # seeds lie in [0, SEED_LIMIT)
+FLOAT32_MAX = 3.4028234663852886e38  # floats are float32 columns in the sampler
+MAX_STOP_STRINGS = 64  # stop strings per request
+MAX_STOP_STRING_CHARS = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 64  # stop token ids per request
+_OWNER = "SamplingParams."  # how this module's errors name a field ("SamplingParams.top_k")
+
+
+class FieldError(ValueError):
+    """Bad input, naming the field at fault.
+
+    `field` is the field's name in this package's spelling ("top_k", "stop_token_ids[2]",
+    "structured_outputs.regex", "prompt"); `why` is the rest of the message, from the character
+    after the name (" must be >= 0, got -1"). `str(e)` is `owner + field + why`. A protocol
+    renders the same error with its own name for the field (`serving.validation.Fields`).
+    """
+
+    def __init__(self, field: str, why: str, *, owner: str = "") -> None:
+        super().__init__(f"{owner}{field}{why}")
+        self.field, self.why = field, why
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _finite32(value: Any) -> bool:
+    """A real number that a float32 holds as a finite value (NaN and inf are not)."""
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and abs(value) <= FLOAT32_MAX  # False for NaN and inf too
+    )
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclasses.dataclass
@@ -25,30 +72,32 @@ class StructuredOutputsParams:
     json_object: bool = False
 
     def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> None:
+            raise FieldError(f"structured_outputs.{field}", why)
+
         set_ = [f for f in ("json", "regex", "choice", "grammar") if getattr(self, f) is not None]
         set_ += ["json_object"] if self.json_object else []
         if len(set_) != 1:
-            raise ValueError(
-                f"structured_outputs needs exactly one of json, regex, choice, grammar, "
-                f"json_object; got {set_ or 'none'}"
+            raise FieldError(
+                "structured_outputs",
+                f" needs exactly one of json, regex, choice, grammar, json_object; "
+                f"got {set_ or 'none'}",
             )
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError(
-                f"structured_outputs.json must be a JSON schema (an object or its "
-                f"text), got {type(self.json).__name__}"
+            bad(
+                "json",
+                f" must be a JSON schema (an object or its text), got {type(self.json).__name__}",
             )
         for field in ("regex", "grammar"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{field} must be a non-empty string")
+                bad(field, " must be a non-empty string")
         if self.choice is not None and (
             not isinstance(self.choice, list)
             or not self.choice
             or any(not isinstance(c, str) or not c for c in self.choice)
         ):
-            raise ValueError(
-                "structured_outputs.choice must be a non-empty list of non-empty strings"
-            )
+            bad("choice", " must be a non-empty list of non-empty strings")
 
 
 @dataclasses.dataclass
@@ -82,49 +131,70 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
-            raise ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}")
+            raise FieldError(field, f" {why}, got {_shown(getattr(self, field))}", owner=_OWNER)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", "must be an integer >= 1")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            bad("temperature", "must be >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", "must be an integer >= 0 (0 disables it)")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", "must be in (0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", "must be in [0, 1]")
-        if not self.repetition_penalty > 0.0:
-            bad("repetition_penalty", "must be > 0")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", "must be in [-2, 2]")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            bad("seed", "must be a non-negative integer")
+        def integer(field: str, lo: int, hi: int, why: str) -> None:
+            value = getattr(self, field)
+            if not _int(value) or not lo <= value <= hi:
+                bad(field, why)
+
+        def number(field: str, ok: Any, why: str) -> None:
+            value = getattr(self, field)
+            if not _finite32(value):
+                bad(field, "must be a finite number")
+            if not ok(value):
+                bad(field, why)
+
+        integer("max_tokens", 1, INT32_MAX, f"must be an integer in [1, {INT32_MAX}]")
+        number("temperature", lambda t: t >= 0.0, "must be >= 0")
+        if self.top_k == -1:  # vLLM's spelling of "off"
+            self.top_k = 0
+        integer("top_k", 0, INT32_MAX, f"must be an integer in [0, {INT32_MAX}] (0 or -1: off)")
+        number("top_p", lambda p: 0.0 < p <= 1.0, "must be in (0, 1]")
+        number("min_p", lambda p: 0.0 <= p <= 1.0, "must be in [0, 1]")
+        number("repetition_penalty", lambda r: r > 0.0, "must be > 0")
+        number("frequency_penalty", lambda f: -2.0 <= f <= 2.0, "must be in [-2, 2]")
+        number("presence_penalty", lambda f: -2.0 <= f <= 2.0, "must be in [-2, 2]")
+        if self.seed is not None:
+            integer("seed", 0, SEED_LIMIT - 1, "must be an integer in [0, 2**63)")
         for field in ("logprobs", "prompt_logprobs"):
-            k = getattr(self, field)
-            if k is not None and (not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
-                bad(field, f"must be an integer in [0, {MAX_LOGPROBS}]")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            bad("min_tokens", "must be an integer in [0, max_tokens]")
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", "must be an integer >= 1")
+            if getattr(self, field) is not None:
+                integer(field, 0, MAX_LOGPROBS, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if _int(self.max_tokens):
+            integer("min_tokens", 0, self.max_tokens, "must be an integer in [0, max_tokens]")
+        integer("n", 1, INT32_MAX, f"must be an integer in [1, {INT32_MAX}]")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be a boolean")
         if self.stop is not None:
             if isinstance(self.stop, str):
                 self.stop = [self.stop]
-            if any(not isinstance(s, str) or not s for s in self.stop):
-                bad("stop", "must be a list of non-empty strings")
+            if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS:
+                bad("stop", f"must be a list of at most {MAX_STOP_STRINGS} strings")
+            for i, s in enumerate(self.stop):
+                if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS:
+                    raise FieldError(
+                        f"stop[{i}]",
+                        f" must be a non-empty string of at most {MAX_STOP_STRING_CHARS} "
+                        f"characters",
+                        owner=_OWNER,
+                    )
+        if self.stop_token_ids is not None:
+            ids = self.stop_token_ids
+            if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS:
+                bad("stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+            for i, t in enumerate(ids):
+                if not _int(t) or not 0 <= t <= INT32_MAX:
+                    raise FieldError(
+                        f"stop_token_ids[{i}]",
+                        f" must be a token id (an integer in [0, {INT32_MAX}]), got {_shown(t)}",
+                        owner=_OWNER,
+                    )
         if isinstance(self.structured_outputs, dict):  # from the engine-core wire (asdict)
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
             bad("structured_outputs", "must be a StructuredOutputsParams")
-        if self.stop_token_ids is not None and any(
-            not isinstance(t, int) or t < 0 for t in self.stop_token_ids
-        ):
-            bad("stop_token_ids", "must be a list of non-negative integers")
 
     @property
     def greedy(self) -> bool:

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 
 class InvalidArgument(ValueError):
-    """Bad client input; the message names the offending field."""
+    """Bad client input; the message names the offending field, and so does `field` when the
+    input is a request field (HTTP sends it as the error's `param`)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class QueueFull(Exception):

@@ -36,11 +36,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxinfer.engine.core_client import LoopOptions
-from jaxinfer.engine.types import EngineInfo, EngineLimits, check_prompt
+from jaxinfer.engine.types import EngineInfo, EngineLimits
 from jaxinfer.sampling_params import SamplingParams
 from serving.engine_loop import EngineLoop, Stream
 from serving.errors import InvalidArgument, QueueFull, Unavailable
 from serving.metrics import ServerMetrics
+from serving.validation import GRPC, Fields, check_request
 
 if TYPE_CHECKING:
     from jaxinfer.engine.engine import LLMEngine
@@ -293,14 +294,15 @@ class FrontEnd:
     async def tokenize_chat(
         self, messages: list[dict[str, Any]], *, field: str, **template_kwargs: Any
     ) -> list[int]:
-        """Token ids of a chat rendered with the checkpoint's template plus the generation prompt,
-        off the event loop (InvalidArgument naming `field`)."""
+        """Token ids of a chat rendered with the checkpoint's template plus the generation prompt
+        (unless `add_generation_prompt=False` is among `template_kwargs`), off the event loop
+        (InvalidArgument naming `field`)."""
         self._need_tokenizer(field)
 
         def render() -> list[int]:
             try:
                 return self.tokenizer.encode_chat(
-                    messages, add_generation_prompt=True, **template_kwargs
+                    messages, **{"add_generation_prompt": True, **template_kwargs}
                 )
             except ValueError as e:  # TokenizerError: no template, or the template raised
                 raise InvalidArgument(f"{field}: {e}") from None
@@ -315,41 +317,23 @@ class FrontEnd:
             )
 
     def submit(
-        self,
-        ids: Sequence[int],
-        sp: SamplingParams,
-        priority: int,
-        *,
-        field: str,
-        max_tokens_field: str = "sampling.max_tokens",
+        self, ids: Sequence[int], sp: SamplingParams, priority: int, *, fields: Fields = GRPC
     ) -> Stream:
-        """Checks a tokenized prompt against the engine's limits and admits it (event loop): the
-        one prompt check of both protocols. `field` names the prompt, `max_tokens_field` the
-        output budget; sampling fields are named with the latter's prefix ("sampling." on gRPC).
+        """Checks a tokenized request against the engine's limits and admits it (event loop): the
+        one request check of both protocols (`validation.check_request`); `fields` spells the
+        request's fields as its protocol does (the prompt field included).
 
         Raises InvalidArgument, QueueFull, Unavailable.
         """
-        prefix = max_tokens_field.rpartition(".")[0]
-        prefix = prefix + "." if prefix else ""
-        if self.tokenizer is None and sp.stop:
-            raise InvalidArgument(
-                f"{prefix}stop: stop strings need a tokenizer and the server runs with "
-                f"--skip-tokenizer-init; use stop_token_ids"
-            )
-        if self.tokenizer is None and sp.structured_outputs is not None:
-            raise InvalidArgument(
-                f"{prefix}structured_outputs: grammars are compiled against the vocabulary and "
-                f"the server runs with --skip-tokenizer-init (no tokenizer)"
-            )
-        try:
-            check_prompt(ids, sp, self.limits(), field=field, max_tokens_field=max_tokens_field)
-        except ValueError as e:
-            raise InvalidArgument(str(e)) from None
-        if sp.n > self.max_in_flight:
-            raise InvalidArgument(
-                f"{prefix}n={sp.n} exceeds what the server admits at once "
-                f"({self.max_in_flight} sequences: max_num_seqs + max_queue)"
-            )
+        check_request(
+            ids,
+            sp,
+            priority,
+            self.limits(),
+            fields,
+            has_tokenizer=self.tokenizer is not None,
+            max_in_flight=self.max_in_flight,
+        )
         self.check_admission(sp.n)
         return self.engine_loop.submit(list(ids), sp, priority)
 

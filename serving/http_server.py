@@ -28,20 +28,24 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer.engine.output import RequestDelta, Usage
 from serving import openai_protocol as oai
+from serving import validation
 from serving.engine_loop import Stream
 from serving.errors import InvalidArgument, QueueFull, RequestFailed, Unavailable
 from serving.frontend import FrontEnd
@@ -63,11 +67,11 @@ class HTTPError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
-def _http_error(e: Exception, req: Any = None) -> HTTPError:
+def _http_error(e: Exception) -> HTTPError:
     """The HTTP error of a front-end error (a ValueError: bad input, naming the API field)."""
     if isinstance(e, ValueError):
-        message = oai.field_names(req, str(e)) if req is not None else str(e)
-        return HTTPError(400, message, _param(message))
+        field = e.field if isinstance(e, InvalidArgument) else None
+        return HTTPError(400, str(e), field or _param(str(e)))
     if isinstance(e, QueueFull):
         return HTTPError(429, str(e))
     if isinstance(e, Unavailable):
@@ -164,6 +168,24 @@ class OpenAIServer:
         async def on_error(request: Request, e: HTTPError) -> JSONResponse:
             return self._error(e)
 
+        @app.exception_handler(StarletteHTTPException)
+        async def on_http_exception(request: Request, e: StarletteHTTPException) -> JSONResponse:
+            message = e.detail if isinstance(e.detail, str) else str(e.detail)
+            if e.status_code == 404:
+                message = f"{request.method} {request.url.path}: no such route ({message})"
+            elif e.status_code == 405:
+                message = f"{request.method} {request.url.path}: method not allowed"
+            return self._error(HTTPError(e.status_code, message), headers=e.headers)
+
+        @app.exception_handler(RequestValidationError)
+        async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+            return self._error(_validation_error(e.errors(), None))
+
+        @app.exception_handler(Exception)
+        async def on_exception(request: Request, e: Exception) -> JSONResponse:
+            logger.exception("%s %s failed", request.method, request.url.path)
+            return self._error(HTTPError(500, f"internal error: {type(e).__name__}: {e}"))
+
         @app.get("/health")
         async def health() -> Response:
             if self.frontend.ready:
@@ -215,23 +237,28 @@ class OpenAIServer:
                 "model",
             )
 
-    def _error(self, e: HTTPError) -> JSONResponse:
+    def _error(self, e: HTTPError, headers: Mapping[str, str] | None = None) -> JSONResponse:
         self.frontend.metrics.rejected.labels(_GRPC_NAMES.get(e.status, "INTERNAL")).inc()
-        return JSONResponse(oai.error_body(e.status, e.message, e.param), status_code=e.status)
+        return JSONResponse(
+            oai.error_body(e.status, e.message, e.param), status_code=e.status, headers=headers
+        )
 
     async def _parse(self, request: Request, cls: type[oai._Request]) -> Any:
         try:
             body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise HTTPError(400, f"the request body is not valid JSON: {e}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise HTTPError(400, f"the request body is not valid JSON: {e}"[:500]) from None
         if not isinstance(body, dict):
             raise HTTPError(400, "the request body must be a JSON object")
+        bad = validation.bad_text(body)
+        if bad is not None:
+            raise HTTPError(400, f"{bad} is not valid UTF-8 text (a lone surrogate)", bad)
         try:
             return cls.model_validate(body)
         except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
-            raise HTTPError(400, f"{loc}: {err['msg']}", loc or None) from None
+            raise _validation_error(e.errors(), body) from None
+        except RecursionError:
+            raise HTTPError(400, "the request body is nested too deeply") from None
 
     async def _handle(self, request: Request, cls: type[oai._Request], *, chat: bool) -> Response:
         try:
@@ -281,14 +308,16 @@ class OpenAIServer:
         fe = self.frontend
         try:
             if chat:
-                field = "messages"
-                kwargs = req.chat_template_kwargs or {}
-                prompts = [await fe.tokenize_chat(req.chat(), field=field, **kwargs)]
+                kwargs = validation.chat_template_kwargs(
+                    req.chat_template_kwargs, "chat_template_kwargs"
+                )
+                prompts = [await fe.tokenize_chat(req.chat(), field="messages", **kwargs)]
+                names = ["messages"]
             else:
-                field = "prompt"
+                names = [name for name, _ in req.prompts()]
                 prompts = [
-                    p if isinstance(p, list) else await fe.tokenize(p, field=field)
-                    for p in req.prompts()
+                    p if isinstance(p, list) else await fe.tokenize(p, field=name)
+                    for name, p in req.prompts()
                 ]
             logprobs = _logprobs(req, chat)
             max_field = "max_tokens"
@@ -297,24 +326,21 @@ class OpenAIServer:
                 asked, max_field = req.max_completion_tokens, "max_completion_tokens"
             streams: list[Stream] = []
             try:
-                for ids in prompts:
+                for ids, name in zip(prompts, names, strict=True):
                     max_tokens = asked
                     if max_tokens is None:  # up to the context (chat) or the OpenAI default (16)
                         room = max(fe.room(len(ids)), 1)
                         max_tokens = room if chat else min(16, room)
-                    sp = oai.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
-                    if chat and asked is None:
-                        max_field = "messages"  # too long a chat leaves no room to generate
-                    streams.append(
-                        fe.submit(ids, sp, req.priority, field=field, max_tokens_field=max_field)
-                    )
+                    fields = oai.fields(req, prompt=name, max_tokens=max_field)
+                    sp = oai.sampling_params(req, fields, max_tokens=max_tokens, logprobs=logprobs)
+                    streams.append(fe.submit(ids, sp, req.priority, fields=fields))
             except BaseException:
                 for s in streams:
                     fe.cancel(s)
                 raise
             return streams, [len(ids) for ids in prompts]
         except (ValueError, QueueFull, Unavailable) as e:  # InvalidArgument: naming the field
-            raise _http_error(e, req) from None
+            raise _http_error(e) from None
 
     async def _deltas(self, streams: list[Stream]) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(prompt index, delta) of every sample of every stream until all have finished;
@@ -428,6 +454,9 @@ class OpenAIServer:
                 yield _sse({**base, "choices": [], "usage": oai.sum_usage(usages)})
         except HTTPError as e:
             yield _sse(oai.error_body(e.status, e.message))
+        except Exception as e:  # noqa: BLE001 - the stream ends with an error, never a cut
+            logger.exception("streaming a response failed")
+            yield _sse(oai.error_body(500, f"internal error: {type(e).__name__}: {e}"))
         yield "data: [DONE]\n\n"
 
     async def _chat_events(
@@ -484,6 +513,9 @@ class OpenAIServer:
                 yield _sse({**base, "choices": [], "usage": oai.sum_usage(usages)})
         except HTTPError as e:
             yield _sse(oai.error_body(e.status, e.message))
+        except Exception as e:  # noqa: BLE001 - the stream ends with an error, never a cut
+            logger.exception("streaming a response failed")
+            yield _sse(oai.error_body(500, f"internal error: {type(e).__name__}: {e}"))
         yield "data: [DONE]\n\n"
 
 
@@ -493,13 +525,40 @@ def _logprobs(req: Any, chat: bool) -> int | None:
     if not chat:
         return req.logprobs
     if req.top_logprobs is not None and not req.logprobs:
-        raise InvalidArgument("top_logprobs needs logprobs to be true")
+        raise InvalidArgument("top_logprobs needs logprobs to be true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
+def _validation_error(errors: list[dict[str, Any]], body: Any) -> HTTPError:
+    """A 400 naming the field of pydantic's first error ("messages[0].content", "top_k")."""
+    err = errors[0]
+    loc = [p for p in err.get("loc", ()) if p != "body"]
+    field = _loc_path(body, loc, missing=err.get("type") == "missing") if body else None
+    if field is None:
+        field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    message = f"{field}: {err.get('msg', 'invalid')}" if field else str(err.get("msg"))
+    return HTTPError(400, message, field or None)
+
+
+def _loc_path(body: Any, loc: list[Any], *, missing: bool) -> str:
+    """The path of a pydantic error location in the body it was read from: keys and indexes
+    that exist in the body; the union member tags pydantic adds ("str", "list[int]",
+    "function-after[...]") are skipped; a missing field is named."""
+    path, node = "", body
+    for i, p in enumerate(loc):
+        if isinstance(node, dict) and isinstance(p, str) and p in node:
+            path, node = (f"{path}.{p}" if path else p), node[p]
+        elif isinstance(node, list) and isinstance(p, int) and 0 <= p < len(node):
+            path, node = f"{path}[{p}]", node[p]
+        elif missing and i == len(loc) - 1 and isinstance(node, dict) and isinstance(p, str):
+            path = f"{path}.{p}" if path else p
+    return path
+
+
 def _param(message: str) -> str | None:
+    """The field a message starts with ("prompt[1] is empty" -> "prompt[1]"), or None."""
     head = message.split(" ", 1)[0].rstrip(":")
-    return head if head.replace("_", "").replace(".", "").isalnum() else None
+    return head if re.fullmatch(r"[A-Za-z_][\w.]*(\[\d+\])*(\.[\w.]+)*", head) else None
 
 
 async def _until_disconnected(request: Request) -> None:

@@ -7,8 +7,12 @@ to and from the engine's types. No I/O here: `http_server.py` serves these.
    (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
    `priority`, `structured_outputs`) are accepted, and so is `response_format` (`json_object`,
    `json_schema`): structured output (`jaxinfer.structured`).
-2. `sampling_params(req, max_tokens, logprobs)` builds `SamplingParams`, reusing its ValueError
-   text with the API's field name ("top_p must be in (0, 1], got 0.0").
+2. `fields(req, prompt=..., max_tokens=...)` is how this request's fields are named in errors
+   (`validation.Fields`: the prompt field, `max_completion_tokens`, chat's `top_logprobs`,
+   `response_format` for a constraint set there); `sampling_params(req, fields, max_tokens,
+   logprobs)` builds `SamplingParams`, its FieldError becoming InvalidArgument naming the API
+   field ("top_p must be in (0, 1], got 0.0", param "top_p"). A JSON schema travels to the
+   engine core as its JSON text (whatever numbers it holds).
 3. `completion_logprobs` / `chat_logprobs` render `TokenLogprobs` the way each endpoint does;
    `usage` renders the token counts (prompt counted once per prompt, completions summed).
 4. `error_body(status, message, param)` is the OpenAI error object every failure answers with.
@@ -19,15 +23,17 @@ completions it is 16 (the OpenAI default).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxinfer.engine.output import Usage
 from jaxinfer.engine.types import TokenLogprobs
-from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxinfer.sampling_params import FieldError, SamplingParams, StructuredOutputsParams
 from jaxinfer.tokenizer import Tokenizer
 from serving.errors import InvalidArgument
+from serving.validation import HTTP, Fields
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -117,16 +123,17 @@ class CompletionRequest(_Request):
             out.append("best_of (other than n)")
         return out
 
-    def prompts(self) -> list[str | list[int]]:
-        """The prompts of the request, each a text or token ids (a batch when a list)."""
+    def prompts(self) -> list[tuple[str, str | list[int]]]:
+        """The prompts of the request, each (its field: "prompt", or "prompt[i]" in a batch; a
+        text or token ids)."""
         p = self.prompt
         if isinstance(p, str):
-            return [p]
+            return [("prompt", p)]
         if not p:
-            raise InvalidArgument("prompt is empty")
+            raise InvalidArgument("prompt is empty", "prompt")
         if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+            return [("prompt", list(p))]  # type: ignore[arg-type]
+        return [(f"prompt[{i}]", x) for i, x in enumerate(p)]  # type: ignore[misc]
 
 
 class ContentPart(BaseModel):
@@ -164,11 +171,11 @@ class ChatCompletionRequest(_Request):
     def chat(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (text parts joined)."""
         if not self.messages:
-            raise InvalidArgument("messages is empty")
+            raise InvalidArgument("messages is empty", "messages")
         out = []
         for i, m in enumerate(self.messages):
             if not m.role:
-                raise InvalidArgument(f"messages[{i}].role is empty")
+                raise InvalidArgument(f"messages[{i}].role is empty", f"messages[{i}].role")
             content = m.content
             if isinstance(content, list):
                 texts = []
@@ -176,7 +183,8 @@ class ChatCompletionRequest(_Request):
                     if part.type != "text" or part.text is None:
                         raise InvalidArgument(
                             f"messages[{i}].content[{j}]: only text parts are "
-                            f"supported, got type {part.type!r}"
+                            f"supported, got type {part.type!r}",
+                            f"messages[{i}].content[{j}]",
                         )
                     texts.append(part.text)
                 content = "".join(texts)
@@ -187,8 +195,26 @@ class ChatCompletionRequest(_Request):
         return out
 
 
-def sampling_params(req: _Request, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """The request's `SamplingParams` (InvalidArgument naming the API field)."""
+def fields(req: _Request, *, prompt: str, max_tokens: str = "max_tokens") -> Fields:
+    """How this request's fields are named in its errors (`validation.Fields`): `prompt` is the
+    prompt field ("prompt", "prompt[1]", "messages"), `max_tokens` the field that set the output
+    budget ("max_tokens", "max_completion_tokens")."""
+    renames = [("max_tokens", max_tokens)]
+    if isinstance(req, ChatCompletionRequest):
+        renames.append(("logprobs", "top_logprobs"))
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_schema":
+        renames.append(("structured_outputs.json", "response_format.json_schema.schema"))
+    if fmt is not None and fmt.type != "text":
+        renames.append(("structured_outputs.json_object", "response_format"))
+        renames.append(("structured_outputs", "response_format"))
+    return HTTP.with_(prompt=prompt, renames=tuple(renames))
+
+
+def sampling_params(
+    req: _Request, names: Fields, *, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
+    """The request's `SamplingParams` (InvalidArgument naming the API field as `names` does)."""
     kwargs: dict[str, Any] = dict(
         max_tokens=max_tokens,
         n=req.n,
@@ -208,8 +234,8 @@ def sampling_params(req: _Request, *, max_tokens: int, logprobs: int | None) -> 
     try:
         kwargs["structured_outputs"] = structured_outputs(req)
         return SamplingParams(**kwargs)
-    except ValueError as e:
-        raise InvalidArgument(str(e).replace("SamplingParams.", "")) from None
+    except FieldError as e:
+        raise names.error(e) from None
 
 
 def structured_outputs(req: _Request) -> StructuredOutputsParams | None:
@@ -218,19 +244,23 @@ def structured_outputs(req: _Request) -> StructuredOutputsParams | None:
     fmt, so = req.response_format, req.structured_outputs
     if fmt is not None and fmt.type != "text":
         if so is not None:
-            raise InvalidArgument("response_format and structured_outputs are both set; give one")
+            raise InvalidArgument(
+                "response_format and structured_outputs are both set; give one",
+                "structured_outputs",
+            )
         if fmt.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise InvalidArgument(
                 "response_format.json_schema.schema is required when "
-                "response_format.type is json_schema"
+                "response_format.type is json_schema",
+                "response_format.json_schema.schema",
             )
-        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        return StructuredOutputsParams(json=_json_text(fmt.json_schema.schema_))
     if so is None:
         return None
     return StructuredOutputsParams(
-        json=so.json_,
+        json=_json_text(so.json_),
         regex=so.regex,
         choice=so.choice,
         grammar=so.grammar,
@@ -238,14 +268,15 @@ def structured_outputs(req: _Request) -> StructuredOutputsParams | None:
     )
 
 
-def field_names(req: _Request, message: str) -> str:
-    """An error message about the constraint, naming the field the client set."""
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_schema":
-        return message.replace("structured_outputs.json", "response_format.json_schema.schema")
-    if fmt is not None and fmt.type == "json_object":
-        return message.replace("structured_outputs.json_object", "response_format")
-    return message
+def _json_text(schema: dict[str, Any] | str | None) -> str | None:
+    """A schema as JSON text: what the engine-core wire carries whatever numbers it holds (an
+    int beyond 64 bits would not pack)."""
+    if not isinstance(schema, dict):
+        return schema
+    try:
+        return json.dumps(schema)
+    except (ValueError, RecursionError) as e:
+        raise FieldError("structured_outputs.json", f" is not a JSON schema: {e}") from None
 
 
 def _token(tokenizer: Tokenizer | None, token_id: int) -> str:

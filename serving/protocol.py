@@ -5,8 +5,10 @@
    (`DecodeError: String field had bad UTF-8`), before any handler runs; gRPC would answer that
    with a generic error. Parsing here maps it to `InvalidArgument` naming the field
    (`utf8_error_path` walks the wire format to find it).
-2. `sampling_params(proto)` builds `SamplingParams` (with its `structured_outputs`), reusing its
-   ValueError text with the proto field path ("sampling.top_p must be in (0, 1], got 0.0").
+2. `sampling_params(proto)` builds `SamplingParams` (with its `structured_outputs`): its
+   `FieldError` becomes InvalidArgument with the proto field path (`validation.GRPC`:
+   "sampling.top_p must be in (0, 1], got 0.0"). The checks against the model are the front
+   end's (`FrontEnd.submit` -> `validation.check_request`).
 3. `prompt_input(request)` is whichever input is set (a text, token ids or chat messages) with
    its field name; the front end tokenizes it and checks it (`FrontEnd.submit`).
 4. `response(delta, ...)` / `merge(...)` build `GenerateResponse`s from `RequestDelta`s.
@@ -24,16 +26,16 @@ from google.protobuf import message as _message
 
 from jaxinfer.engine.output import RequestDelta
 from jaxinfer.engine.types import TokenLogprobs
-from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxinfer.sampling_params import FieldError, SamplingParams, StructuredOutputsParams
 from serving.errors import InvalidArgument
 from serving.protos.jaxinfer.v1 import generate_pb2 as pb
+from serving.validation import GRPC
 
 FINISH_REASONS = {
     "stop": pb.GenerateResponse.STOP,
     "length": pb.GenerateResponse.LENGTH,
     "abort": pb.GenerateResponse.ABORTED,
 }
-MAX_REQUEST_ID_LEN = 256
 
 # Proto field -> SamplingParams field, for the optional scalars (unset: the dataclass default).
 _OPTIONAL_SAMPLING = (
@@ -119,6 +121,8 @@ def utf8_error_path(desc: _descriptor.Descriptor, data: bytes, prefix: str = "")
 
 
 def sampling_params(sp: pb.SamplingParams) -> SamplingParams:
+    """The request's `SamplingParams` (InvalidArgument naming the proto field: "sampling.top_p
+    must be in (0, 1], got 0.0")."""
     kwargs: dict[str, Any] = {f: getattr(sp, f) for f in _OPTIONAL_SAMPLING if sp.HasField(f)}
     kwargs["stop"] = list(sp.stop) or None
     kwargs["stop_token_ids"] = list(sp.stop_token_ids) or None
@@ -127,28 +131,17 @@ def sampling_params(sp: pb.SamplingParams) -> SamplingParams:
         if sp.HasField("structured_outputs"):
             kwargs["structured_outputs"] = structured_outputs(sp.structured_outputs)
         return SamplingParams(**kwargs)
-    except ValueError as e:
-        raise InvalidArgument(str(e).replace("SamplingParams.", "sampling.")) from None
-
-
-def proto_field_names(message: str) -> str:
-    """A structured-output error message with the proto's field path
-    ("sampling.structured_outputs.json_schema is invalid: ...")."""
-    if not message.startswith("structured_outputs"):
-        return message
-    for ours, proto in ((".json ", ".json_schema "), (".choice ", ".choice.choices ")):
-        if message.startswith("structured_outputs" + ours):
-            message = "structured_outputs" + proto + message[len("structured_outputs" + ours) :]
-    return "sampling." + message
+    except FieldError as e:
+        raise GRPC.error(e) from None
 
 
 def structured_outputs(so: pb.StructuredOutputs) -> StructuredOutputsParams:
-    """`StructuredOutputsParams` of the proto (ValueError naming the field when none is set)."""
+    """`StructuredOutputsParams` of the proto (FieldError naming the field when none is set)."""
     kind = so.WhichOneof("kind")
     if kind is None:
-        raise ValueError(
-            "structured_outputs: one of json_schema, regex, choice, grammar, "
-            "json_object must be set"
+        raise FieldError(
+            "structured_outputs",
+            ": one of json_schema, regex, choice, grammar, json_object must be set",
         )
     if kind == "json_schema":
         return StructuredOutputsParams(json=so.json_schema)

@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serving import protocol
+from serving import protocol, validation
 from serving.engine_loop import Stream
 from serving.errors import InvalidArgument, QueueFull, RequestFailed, Unavailable
 from serving.frontend import FrontEnd
@@ -204,9 +204,10 @@ class GenerateServer:
         try:
             self.frontend.check_admission()
             req = protocol.parse(pb.GenerateRequest, data)
-            if len(req.request_id) > protocol.MAX_REQUEST_ID_LEN:
+            if len(req.request_id) > validation.MAX_REQUEST_ID_LEN:
                 raise InvalidArgument(
-                    f"request_id is longer than {protocol.MAX_REQUEST_ID_LEN} characters"
+                    f"request_id is longer than {validation.MAX_REQUEST_ID_LEN} characters",
+                    "request_id",
                 )
             sp = protocol.sampling_params(req.sampling)
             if once and sp.n != 1:
@@ -214,9 +215,10 @@ class GenerateServer:
                     f"sampling.n must be 1 for GenerateOnce (got {sp.n}); stream with Generate"
                 )
             field, ids = await self._encode(req)
-            return req, self.frontend.submit(ids, sp, req.priority, field=field)
-        except ValueError as e:  # InvalidArgument, and the engine's own checks
-            message = protocol.proto_field_names(str(e))
+            fields = validation.GRPC.with_(prompt=field)
+            return req, self.frontend.submit(ids, sp, req.priority, fields=fields)
+        except ValueError as e:  # InvalidArgument, naming the field
+            message = str(e)
         except QueueFull as e:
             code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
         except Unavailable as e:
@@ -284,6 +286,10 @@ class GenerateServer:
             pieces = [tokenizer.id_to_piece(i) for i in ids]
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # noqa: BLE001 - an error status, never gRPC's bare "Unexpected"
+            logger.exception("Tokenize failed")
+            why = f"internal error: {type(e).__name__}: {e}"
+            await self._reject(context, grpc.StatusCode.INTERNAL, why)
         return pb.TokenizeResponse(token_ids=ids, tokens=pieces)
 
     async def _get_model_info(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ModelInfo:

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import FieldError, SamplingParams
 
 if TYPE_CHECKING:
     from jaxinfer.engine.request import Request
@@ -44,40 +44,82 @@ class EngineLimits:
     num_pages: int  # usable pages of one data replica (a request lives in one replica)
 
 
+def _same(field: str) -> str:
+    return field
+
+
 def check_prompt(
     ids: Sequence[int],
     sampling: SamplingParams,
     limits: EngineLimits,
     *,
-    field: str = "prompt",
-    max_tokens_field: str = "max_tokens",
+    name: Callable[[str], str] = _same,
 ) -> None:
-    """The one prompt-length / vocabulary / page check every entry point calls (ValueError);
-    a structured-output constraint must compile too."""
+    """The one prompt-length / vocabulary / page check every entry point calls; a
+    structured-output constraint must compile too. Raises `FieldError` (a ValueError) naming the
+    field as `name` spells it (a protocol's spelling of "prompt", "prompt[i]", "max_tokens",
+    "stop_token_ids[i]", "structured_outputs.<kind>"; default: these).
+
+    NOTE: a prompt that alone leaves no room to generate names the prompt; a prompt that fits
+    but not with `max_tokens` names max_tokens.
+    """
+    prompt, max_tokens = name("prompt"), name("max_tokens")
     if not ids:
-        raise ValueError(f"{field} is empty (no tokens)")
+        raise FieldError(prompt, " is empty (no tokens)")
     for i, t in enumerate(ids):
         if not 0 <= t < limits.vocab_size:
-            raise ValueError(
-                f"{field}[{i}] = {t} is outside the vocabulary [0, {limits.vocab_size})"
+            raise FieldError(
+                name(f"prompt[{i}]"), f" = {t} is outside the vocabulary [0, {limits.vocab_size})"
+            )
+    for i, t in enumerate(sampling.stop_token_ids or ()):
+        if not 0 <= t < limits.vocab_size:
+            raise FieldError(
+                name(f"stop_token_ids[{i}]"),
+                f" = {t} is outside the vocabulary [0, {limits.vocab_size})",
             )
     n, m = len(ids), sampling.max_tokens
-    if n + m > limits.max_model_len:
-        raise ValueError(
-            f"{max_tokens_field}: prompt of {n} tokens + max_tokens={m} exceeds "
-            f"max_model_len={limits.max_model_len}"
-        )
     # The last sampled token is never computed: at most n + m - 1 tokens hold K/V.
     pages = -(-(n + m - 1) // limits.page_size)
+    if n + 1 > limits.max_model_len:
+        raise FieldError(
+            prompt,
+            f": prompt of {n} tokens leaves no room to generate within max_model_len="
+            f"{limits.max_model_len}; shorten the {prompt}",
+        )
+    if -(-n // limits.page_size) > limits.num_pages:
+        raise FieldError(
+            prompt,
+            f": prompt of {n} tokens needs {-(-n // limits.page_size)} KV-cache pages, the cache "
+            f"has {limits.num_pages}; shorten the {prompt}",
+        )
+    if n + m > limits.max_model_len:
+        raise FieldError(
+            max_tokens,
+            f": prompt of {n} tokens + max_tokens={m} exceeds max_model_len="
+            f"{limits.max_model_len}; reduce {max_tokens} to at most "
+            f"{limits.max_model_len - n} or shorten the {prompt}",
+        )
     if pages > limits.num_pages:
-        raise ValueError(
-            f"{max_tokens_field}: prompt of {n} tokens + max_tokens={m} needs {pages} "
-            f"KV-cache pages, the cache has {limits.num_pages}"
+        room = limits.num_pages * limits.page_size - n + 1
+        raise FieldError(
+            max_tokens,
+            f": prompt of {n} tokens + max_tokens={m} needs {pages} KV-cache pages, the cache "
+            f"has {limits.num_pages}; reduce {max_tokens} to at most {room} or shorten "
+            f"the {prompt}",
         )
     if sampling.structured_outputs is not None:
         from jaxinfer import structured  # numpy only; grammar compilers load on first use
 
-        structured.validate(sampling.structured_outputs)
+        try:
+            structured.validate(sampling.structured_outputs)
+        except FieldError:
+            raise
+        except ValueError as e:  # "structured_outputs.<kind> is invalid: ..."
+            message = str(e)
+            ours = message.partition(" ")[0].rstrip(":")
+            if not ours.startswith("structured_outputs"):
+                raise FieldError(name("structured_outputs"), f": {message}") from None
+            raise FieldError(name(ours), message[len(ours) :]) from None
 
 
 @dataclasses.dataclass

@@ -292,8 +292,11 @@ class Tokenizer:
             return self._compiled_template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables
             )
-        except jinja2.TemplateError as e:
-            raise TokenizerError(f"{self.source}: chat template failed to render: {e}") from e
+        except Exception as e:  # noqa: BLE001 - a template over user input may raise anything
+            # (a TypeError iterating a `tools` that is not a list, ...): the input is at fault.
+            raise TokenizerError(
+                f"{self.source}: chat template failed to render: {type(e).__name__}: {e}"
+            ) from e
 
     def encode_chat(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any
