@@ -18,7 +18,9 @@
    (`serving/http_server.py`) over the same front end: health NOT_SERVING until the core says
    ready, then SERVING; print a start-up summary and one load line per second while busy.
 3. SIGTERM / SIGINT: health NOT_SERVING, new requests UNAVAILABLE, in-flight streams finish
-   within `--grace-period`, then exit 0 (a second signal aborts what is left at once).
+   within `--grace-period`, then exit 0 (a second signal aborts what is left at once). If the
+   engine-core process dies, in-flight requests fail and this process exits 1 (within 2 s); if
+   this process dies, the engine core exits within 0.1 s.
 4. Multi-host (`--coordinator-address host:port --num-processes N --process-id i`, one process
    per host): `jax.distributed` starts before anything touches a device; every process adopts
    process 0's engine flags and builds the same engine on the global mesh; process 0 serves gRPC
@@ -485,7 +487,7 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
         elapsed = time.perf_counter() - t0
         logger.info("%s", summary(frontend, grpc_server, http, args, load_s, elapsed))
     await stopped
-    return 0
+    return frontend.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

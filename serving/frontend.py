@@ -18,6 +18,9 @@ process and on one event loop; neither knows the other.
 4. `shutdown(grace)` (SIGTERM / SIGINT with `install_signal_handlers`): new requests
    Unavailable, peers told to stop serving, in-flight streams finish for up to `grace` seconds,
    whatever is left is aborted (finish reason abort), then the peers and the core stop.
+5. The engine core's process exits unasked (killed, crashed): in-flight streams fail with "the
+   engine failed: the engine core process exited (code -9)", then `shutdown(0)` stops the peers
+   and `exit_code` is 1 (`scripts/serve.py` exits with it, well within 2 s of the death).
 
 Errors (`serving/errors.py`) each protocol maps to its own code: InvalidArgument, QueueFull,
 Unavailable, RequestFailed. Admission is bounded: at most `max_num_seqs + max_queue` sequences (a
@@ -119,6 +122,7 @@ class FrontEnd:
         self._stopped = asyncio.Event()
         self._shutdown_task: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
+        self.exit_code = 0  # 1 once the engine core's process died under us
 
     @property
     def info(self) -> EngineInfo | None:
@@ -180,10 +184,15 @@ class FrontEnd:
 
         self._tasks.append(self._loop.create_task(serving()))
 
-    def _on_broken(self, why: str) -> None:
+    def _on_broken(self, why: str, exited: bool) -> None:
         assert self._loop is not None
         self.metrics.ready.set(0)
         self._tasks.append(self._loop.create_task(self._tell_peers(False)))
+        started = self._started is not None and self._started.done()
+        if exited and started:  # before that, `start()` raises instead
+            logger.error("the engine core is gone (%s): shutting down, exit code 1", why)
+            self.exit_code = 1
+            self.request_shutdown(0)
 
     async def _tell_peers(self, serving: bool) -> None:
         for peer in self.peers:
