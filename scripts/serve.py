@@ -190,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequences admitted beyond --max-num-seqs before RESOURCE_EXHAUSTED",
     )
     s.add_argument(
+        "--max-request-bytes",
+        type=parse_bytes,
+        default=None,
+        help="largest HTTP request body / gRPC message read, e.g. 8MiB (HTTP 413 / "
+        "RESOURCE_EXHAUSTED beyond, before it is read; default: 128 bytes per "
+        "max_model_len token, at least 4MiB)",
+    )
+    s.add_argument(
         "--grace-period",
         type=float,
         default=30.0,
@@ -450,6 +458,7 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
         max_queue=args.max_queue,
         grace_period=args.grace_period,
         log_interval=args.log_interval,
+        max_request_bytes=args.max_request_bytes,
     )
     grpc_server = GenerateServer(frontend=frontend, host=args.host, port=args.port)
     http = None
