@@ -18,7 +18,9 @@
    (`serving/http_server.py`) over the same front end: health NOT_SERVING until the core says
    ready, then SERVING; print a start-up summary and one load line per second while busy.
 3. SIGTERM / SIGINT: health NOT_SERVING, new requests UNAVAILABLE, in-flight streams finish
-   within `--grace-period`, then exit 0 (a second signal aborts what is left at once).
+   within `--grace-period`, then exit 0 (a second signal aborts what is left at once). If the
+   engine-core process dies, in-flight requests fail and this process exits 1 (within 2 s); if
+   this process dies, the engine core exits within 0.1 s.
 4. Multi-host (`--coordinator-address host:port --num-processes N --process-id i`, one process
    per host): `jax.distributed` starts before anything touches a device; every process adopts
    process 0's engine flags and builds the same engine on the global mesh; process 0 serves gRPC
@@ -186,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="sequences admitted beyond --max-num-seqs before RESOURCE_EXHAUSTED",
+    )
+    s.add_argument(
+        "--max-request-bytes",
+        type=parse_bytes,
+        default=None,
+        help="largest HTTP request body / gRPC message read, e.g. 8MiB (HTTP 413 / "
+        "RESOURCE_EXHAUSTED beyond, before it is read; default: 128 bytes per "
+        "max_model_len token, at least 4MiB)",
     )
     s.add_argument(
         "--grace-period",
@@ -456,6 +466,7 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
         max_queue=args.max_queue,
         grace_period=args.grace_period,
         log_interval=args.log_interval,
+        max_request_bytes=args.max_request_bytes,
     )
     grpc_server = GenerateServer(frontend=frontend, host=args.host, port=args.port)
     http = None
@@ -493,7 +504,7 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
         elapsed = time.perf_counter() - t0
         logger.info("%s", summary(frontend, grpc_server, http, args, load_s, elapsed))
     await stopped
-    return 0
+    return frontend.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,8 @@ Failures. An exception raised by one request's handling here fails that request 
 (`RequestFailed` from its stream) and aborts it in the core. A step that raises in the core loses
 the requests it scheduled: exactly those fail (the core aborts them); the rest carry on. When the
 core is broken (warmup failed, too many consecutive failing steps, its process died) every
-request fails and the front end stops serving.
+request fails and the front end stops serving; when its process is gone (`core_exited`) the front
+end shuts down and exits non-zero (`FrontEnd.exit_code`).
 
 NOTE: all request bookkeeping lives on the event loop thread; core messages arrive on a receiver
 thread and are posted to the loop with `call_soon_threadsafe`.
@@ -127,9 +128,10 @@ class EngineLoop:
         self.eos_token_ids = tuple(eos_token_ids)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_ready: Callable[[int], None] | None = None
-        self.on_broken: Callable[[str], None] | None = None
+        self.on_broken: Callable[[str, bool], None] | None = None  # (why, core exited)
         self.running = False  # warmed up and serving
         self.broken: str | None = None
+        self.core_exited = False  # the core's process is gone: nothing will be served again
         self.info: EngineInfo | None = None  # the core's facts ("loaded", then "ready")
         self.limits: EngineLimits | None = None
         self.compiled_programs = 0
@@ -230,7 +232,7 @@ class EngineLoop:
         elif isinstance(msg, Loaded):
             self._on_loaded(msg.info)
         elif isinstance(msg, Broken):
-            self._on_broken(msg.why)
+            self._on_broken(msg.why, msg.exited)
         else:
             logger.error("unexpected message from the engine core: %r", msg)
 
@@ -255,15 +257,17 @@ class EngineLoop:
         if self.on_ready is not None:
             self.on_ready(self.compiled_programs)
 
-    def _on_broken(self, why: str) -> None:
-        if self.broken is not None:
+    def _on_broken(self, why: str, exited: bool = False) -> None:
+        if self.broken is not None and (self.core_exited or not exited):
             return
-        logger.error("engine broken: %s; failing every request", why)
-        self.broken, self.running = why, False
+        if self.broken is None:
+            logger.error("engine broken: %s; failing every request", why)
+            self.broken, self.running = why, False
+        self.core_exited = exited
         self._loaded.set()
         self._fail(list(self._streams), f"the engine failed: {why}")
         if self.on_broken is not None:
-            self.on_broken(why)
+            self.on_broken(why, exited)
 
     def _on_step(self, msg: StepResult, now: float) -> None:
         outputs, lost, error, stats = wire_outputs(msg), msg.lost, msg.error, msg.stats

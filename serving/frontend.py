@@ -10,14 +10,19 @@ process and on one event loop; neither knows the other.
    Prometheus `/metrics` and logs the load; the peers then bind their ports. When the core says
    ready (warmup done), every peer is told to serve (`set_serving(True)`) and `wait_ready()`
    returns; "broken" tells them to stop serving.
-3. A request: the peer calls `check_admission()` before parsing (a cheap refusal), tokenizes with
-   `tokenize` / `tokenize_chat` (off the event loop), then `submit(ids, sp, priority, field=...)`:
+3. A request: the peer calls `check_admission()` before parsing (a cheap refusal; bodies over
+   `max_request_bytes` are refused before they are read), tokenizes with `tokenize` /
+   `tokenize_chat` (off the event loop; text over `max_prompt_chars` is refused first, untokenized;
+   long texts are encoded without holding the GIL), then `submit(ids, sp, priority, field=...)`:
    the one prompt and limit check and the admission bound, then the engine loop
    (`engine_loop.py`). It reads the returned stream with `Stream.next_batch()` until every sample
    has finished, and calls `cancel(stream)` when it leaves early (client gone, deadline).
 4. `shutdown(grace)` (SIGTERM / SIGINT with `install_signal_handlers`): new requests
    Unavailable, peers told to stop serving, in-flight streams finish for up to `grace` seconds,
    whatever is left is aborted (finish reason abort), then the peers and the core stop.
+5. The engine core's process exits unasked (killed, crashed): in-flight streams fail with "the
+   engine failed: the engine core process exited (code -9)", then `shutdown(0)` stops the peers
+   and `exit_code` is 1 (`scripts/serve.py` exits with it, well within 2 s of the death).
 
 Errors (`serving/errors.py`) each protocol maps to its own code: InvalidArgument, QueueFull,
 Unavailable, RequestFailed. Admission is bounded: at most `max_num_seqs + max_queue` sequences (a
@@ -49,6 +54,39 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+MIN_PIECE_CHARS = 16  # the character cap assumes at least this many characters per token
+MIN_REQUEST_BYTES = 4 << 20  # the default body cap's floor (gRPC's own default message cap)
+REQUEST_BYTES_PER_TOKEN = 128  # the default body cap per max_model_len token
+
+
+def default_max_request_bytes(max_model_len: int | None) -> int:
+    """`--max-request-bytes`' default: 128 bytes per token of context (~8x a prompt's text or
+    JSON token ids), at least 4 MiB."""
+    return max(MIN_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN * (max_model_len or 0))
+
+
+def longest_piece(tokenizer: Any) -> int:
+    """Characters of the vocabulary's longest piece (a token never stands for more text)."""
+    longest = MIN_PIECE_CHARS
+    for i in range(tokenizer.vocab_size):
+        try:
+            longest = max(longest, len(tokenizer.id_to_piece(i)))
+        except ValueError:  # an id without a vocabulary entry
+            continue
+    return longest
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of every string in a chat (contents, parts, names), counted before rendering."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_chars(v) for v in value)
+    return 0
+
+
 class Peer(Protocol):
     """A protocol server over a `FrontEnd` (gRPC, HTTP)."""
 
@@ -73,6 +111,8 @@ class FrontEnd:
       grace_period: seconds `shutdown()` lets in-flight streams finish.
       trace_dir, trace_steps: (with `engine`) a JAX profiler trace of the first busy steps.
       log_interval: seconds between load log lines (only while there is load).
+      max_request_bytes: the largest request body (HTTP) / message (gRPC) read; None: the
+        default for the model's context (`default_max_request_bytes`).
     """
 
     def __init__(
@@ -89,6 +129,7 @@ class FrontEnd:
         trace_dir: str | None = None,
         trace_steps: int = 0,
         log_interval: float = 1.0,
+        max_request_bytes: int | None = None,
     ) -> None:
         if engine is not None:  # the core on a thread of this process (it has imported JAX)
             from jaxinfer.engine.core_loop import ThreadCoreClient
@@ -102,6 +143,10 @@ class FrontEnd:
             raise ValueError("FrontEnd needs an engine, or model + core + max_num_seqs")
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if max_request_bytes is not None and max_request_bytes <= 0:
+            raise ValueError(f"max_request_bytes must be > 0, got {max_request_bytes}")
+        self._max_request_bytes = max_request_bytes
+        self._piece_chars = MIN_PIECE_CHARS
         self.engine, self.model, self.tokenizer = engine, model, model.tokenizer
         self.metrics, self.metrics_port = ServerMetrics(), metrics_port
         self.max_queue, self.max_in_flight = max_queue, max_num_seqs + max_queue
@@ -120,6 +165,7 @@ class FrontEnd:
         self._stopped = asyncio.Event()
         self._shutdown_task: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
+        self.exit_code = 0  # 1 once the engine core's process died under us
 
     @property
     def info(self) -> EngineInfo | None:
@@ -166,6 +212,7 @@ class FrontEnd:
             raise
         if self.tokenizer is not None:
             self.tokenizer.warm()  # chat template compiled before the first chat request
+            self._piece_chars = await asyncio.to_thread(longest_piece, self.tokenizer)
         if self.metrics_port is not None:
             self.metrics_port = self.metrics.start_http(self.metrics_port)
             logger.info("metrics on :%d/metrics", self.metrics_port)
@@ -181,10 +228,15 @@ class FrontEnd:
 
         self._tasks.append(self._loop.create_task(serving()))
 
-    def _on_broken(self, why: str) -> None:
+    def _on_broken(self, why: str, exited: bool) -> None:
         assert self._loop is not None
         self.metrics.ready.set(0)
         self._tasks.append(self._loop.create_task(self._tell_peers(False)))
+        started = self._started is not None and self._started.done()
+        if exited and started:  # before that, `start()` raises instead
+            logger.error("the engine core is gone (%s): shutting down, exit code 1", why)
+            self.exit_code = 1
+            self.request_shutdown(0)
 
     async def _tell_peers(self, serving: bool) -> None:
         for peer in self.peers:
@@ -287,6 +339,7 @@ class FrontEnd:
         self._need_tokenizer(field)
         if not text:
             raise InvalidArgument(f"{field} is empty")
+        self._check_chars(len(text), field)
         return await asyncio.to_thread(
             self.tokenizer.encode, text, add_special_tokens=add_special_tokens
         )
@@ -298,6 +351,7 @@ class FrontEnd:
         (unless `add_generation_prompt=False` is among `template_kwargs`), off the event loop
         (InvalidArgument naming `field`)."""
         self._need_tokenizer(field)
+        self._check_chars(_text_chars(messages), field)
 
         def render() -> list[int]:
             try:
@@ -308,6 +362,29 @@ class FrontEnd:
                 raise InvalidArgument(f"{field}: {e}") from None
 
         return await asyncio.to_thread(render)
+
+    @property
+    def max_request_bytes(self) -> int:
+        """The largest request body / gRPC message read (`--max-request-bytes`)."""
+        if self._max_request_bytes is not None:
+            return self._max_request_bytes
+        limits = self.engine_loop.limits
+        return default_max_request_bytes(limits.max_model_len if limits else None)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The most characters of prompt text tokenized: more cannot fit `max_model_len` tokens
+        even if every token were the vocabulary's longest piece (x2 for normalizers)."""
+        return self.limits().max_model_len * self._piece_chars * 2
+
+    def _check_chars(self, chars: int, field: str) -> None:
+        """The character cap, before any tokenizing (InvalidArgument naming `field`)."""
+        cap = self.max_prompt_chars
+        if chars > cap:
+            raise InvalidArgument(
+                f"{field}: {chars} characters cannot fit max_model_len="
+                f"{self.limits().max_model_len} tokens (at most {cap} characters are tokenized)"
+            )
 
     def _need_tokenizer(self, field: str) -> None:
         if self.tokenizer is None:

@@ -17,7 +17,9 @@ registry).
 4. A client that disconnects (streaming or not) cancels the handler; its `finally` cancels the
    request in the front end, which frees its pages at the next step.
 
-Errors are OpenAI error objects: 400 (bad input, naming the field), 404 (unknown model), 429
+Errors are OpenAI error objects: 400 (bad input, naming the field), 404 (unknown model), 413 (a
+body over the front end's `max_request_bytes`, refused before it is read; `param` names the
+prompt field), 429
 (queue full), 503 (warming up, shutting down, engine broken), 500 (this request failed). A failure
 after a stream has started is sent as a last `data: {"error": ...}` event before `[DONE]`.
 """
@@ -55,6 +57,7 @@ logger = logging.getLogger(__name__)
 _GRPC_NAMES = {
     400: "INVALID_ARGUMENT",
     404: "NOT_FOUND",
+    413: "RESOURCE_EXHAUSTED",
     429: "RESOURCE_EXHAUSTED",
     500: "INTERNAL",
     503: "UNAVAILABLE",
@@ -85,6 +88,45 @@ class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):  # noqa: ANN201 - uvicorn's signature
         yield
+
+
+_BODY_FIELDS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over `server.frontend.max_request_bytes` is a 413 naming
+    the endpoint's prompt field. A Content-Length over the cap is refused before any of the body
+    is read; a chunked body as soon as the bytes read pass it (its handler's read raises)."""
+
+    def __init__(self, app: Any, server: OpenAIServer) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.server.frontend.max_request_bytes
+        param = _BODY_FIELDS.get(scope.get("path", ""))
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            e = _too_large(f"of {int(length)} bytes ", limit, param)
+            await self.server._error(e)(scope, receive, send)
+            return None
+        read = 0
+
+        async def counted() -> dict:
+            nonlocal read
+            message = await receive()
+            if message["type"] == "http.request":
+                read += len(message.get("body", b""))
+                if read > limit:
+                    raise _too_large("", limit, param)
+            return message
+
+        return await self.app(scope, counted, send)
+
+
+def _too_large(size: str, limit: int, param: str | None) -> HTTPError:
+    return HTTPError(413, f"the request body {size}exceeds --max-request-bytes={limit}", param)
 
 
 def _sse(obj: Any) -> str:
@@ -127,7 +169,7 @@ class OpenAIServer:
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.app,
+            _BodyLimit(self.app, self),
             host=self.host,
             port=self.port,
             log_level="warning",

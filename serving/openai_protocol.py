@@ -38,6 +38,7 @@ from serving.validation import HTTP, Fields
 ERROR_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable_error",

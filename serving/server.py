@@ -15,7 +15,8 @@ maps protos to and from the engine's types.
    streams finish for up to `grace` seconds, the rest are aborted (finish_reason ABORTED), then
    this server and the engine core stop.
 
-Status codes: INVALID_ARGUMENT (message names the field), RESOURCE_EXHAUSTED (queue full),
+Status codes: INVALID_ARGUMENT (message names the field), RESOURCE_EXHAUSTED (queue full, or a
+message over the front end's `max_request_bytes`),
 UNAVAILABLE (warming up, shutting down, engine broken), INTERNAL (this request failed; others
 carry on), CANCELLED / DEADLINE_EXCEEDED (set by gRPC itself).
 """
@@ -124,8 +125,12 @@ class GenerateServer:
         # NOTE: gRPC itself bounds concurrent RPCs (RESOURCE_EXHAUSTED beyond), so requests still
         # being parsed and tokenized cannot pile up either; the slack covers health checks,
         # Tokenize and GetModelInfo.
+        # NOTE: a message over the front end's body cap is RESOURCE_EXHAUSTED before it is parsed.
         server = grpc.aio.server(
-            options=[("grpc.so_reuseport", 0)],
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", self.frontend.max_request_bytes),
+            ],
             maximum_concurrent_rpcs=self.frontend.max_in_flight + RPC_SLACK,
         )
         server.add_generic_rpc_handlers((self._handlers(),))

@@ -8,7 +8,8 @@ step each way). Imports no JAX: the front-end process never loads it.
    touches the devices; its entry is `core_loop.core_process_main`), binds two ipc sockets, and
    runs a receiver thread that hands each message, decoded into its type, to the front end.
    `send(msg)` encodes and sends one. Either side's death is detected: the receiver reports
-   `Broken` when the process exits unasked; the core process exits when its parent disappears.
+   `Broken(exited=True)` within 0.2 s of the process exiting unasked (the front end then exits);
+   the core process exits within 0.1 s of its parent's death (`core_loop.core_process_main`).
 3. `core_loop.ThreadCoreClient` is the same interface over a thread of this process (it holds
    an `EngineCore`, so it lives on the core's side).
 """
@@ -110,7 +111,8 @@ class ProcessCoreClient:
                 if not self._stopping.is_set():
                     code = self.process.exitcode
                     logger.error("the engine core process exited (code %s)", code)
-                    on_message(Broken(why=f"the engine core process exited (code {code})"))
+                    why = f"the engine core process exited (code {code})"
+                    on_message(Broken(why=why, exited=True))
                 return
 
     def send(self, msg: Message | Sequence) -> None:

@@ -16,8 +16,9 @@ engine-core process, and `ThreadCoreClient` (the loop on a thread of this proces
    warmup does.
 3. `core_process_main` is the spawned process's entry (`core_client.ProcessCoreClient` starts
    it): it builds the core from its `CoreSpec` (JAX is imported there, never by the front end),
-   then runs the loop over two zmq sockets with msgpack frames. It exits when its parent
-   disappears; SIGINT/SIGTERM are ignored (the front end drains on them, then says `Shutdown`).
+   then runs the loop over two zmq sockets with msgpack frames. A watchdog thread exits the
+   process within 0.1 s of its parent's death (mid-step and mid-load too); SIGINT/SIGTERM are
+   ignored (the front end drains on them, then says `Shutdown`).
 4. `ThreadCoreClient` runs the same loop on a daemon thread over queues (multi-host leaders,
    tests); messages stay Python objects.
 
@@ -31,6 +32,7 @@ import gc
 import logging
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
@@ -280,6 +282,16 @@ class ThreadCoreClient:
             self._thread.join(timeout)
 
 
+def _exit_with_parent(parent_pid: int, ipc_dir: str, interval: float = 0.1) -> None:
+    """Watchdog thread of the engine-core process: when the front end is gone (killed, crashed)
+    nobody can be served, so the process exits within `interval` s, mid-step or mid-load too."""
+    while os.getppid() == parent_pid:
+        time.sleep(interval)
+    logger.error("front-end process %d is gone; engine core exiting", parent_pid)
+    shutil.rmtree(ipc_dir, ignore_errors=True)  # the front end's socket directory
+    os._exit(1)  # NOTE: no zmq linger, no JAX teardown: the process's resources go with it
+
+
 def core_process_main(spec: CoreSpec, in_addr: str, out_addr: str, parent_pid: int) -> None:
     """Entry point of the engine-core process."""
     import msgpack
@@ -290,11 +302,15 @@ def core_process_main(spec: CoreSpec, in_addr: str, out_addr: str, parent_pid: i
     logging.basicConfig(
         level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s"
     )
+    ipc_dir = os.path.dirname(in_addr.removeprefix("ipc://"))
+    threading.Thread(
+        target=_exit_with_parent, args=(parent_pid, ipc_dir), name="parent-watchdog", daemon=True
+    ).start()
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.connect(in_addr)
     outbox.connect(out_addr)
-    outbox.setsockopt(zmq.LINGER, 5000)
+    outbox.setsockopt(zmq.LINGER, 5000)  # last words reach a live front end on Shutdown
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
 
@@ -304,14 +320,10 @@ def core_process_main(spec: CoreSpec, in_addr: str, out_addr: str, parent_pid: i
     def recv(timeout: float | None) -> list[Any]:
         msgs: list[Any] = []
         wait_ms = 0 if not timeout else int(timeout * 1000)
-        while True:
-            if not poller.poll(wait_ms):
-                if os.getppid() != parent_pid:  # the front end died: nobody to serve
-                    logger.error("front-end process %d is gone; engine core exiting", parent_pid)
-                    return [Shutdown()]
-                return msgs
+        while poller.poll(wait_ms):
             msgs.append(msgpack.unpackb(inbox.recv(), raw=False, strict_map_key=False))
             wait_ms = 0
+        return msgs
 
     try:
         core = spec.factory(**spec.kwargs)

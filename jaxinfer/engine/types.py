@@ -480,8 +480,11 @@ class Ready(NamedTuple):
 
 
 class Broken(NamedTuple):
+    """The core cannot serve (`why`); `exited`: its process is gone (the front end exits)."""
+
     tag: str = "broken"
     why: str = ""
+    exited: bool = False
 
 
 class StepResult(NamedTuple):
