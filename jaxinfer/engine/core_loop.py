@@ -164,7 +164,7 @@ def run_core_loop(
         programs = core.warmup() if options.warmup else int(core.runner.num_compiled)
     except Exception as e:  # noqa: BLE001
         logger.exception("warmup failed")
-        send(Broken(why=f"warmup failed: {type(e).__name__}: {e}"))
+        _stay_broken(f"warmup failed: {type(e).__name__}: {e}", recv, send)
         return
     send(Ready(info=core.info()._replace(compiled_programs=programs)))
     settle_heap()
@@ -209,11 +209,30 @@ def run_core_loop(
                 send(StepResult(lost=lost, error=error, stats=core.stats()))
             if isolator.broken is not None:
                 logger.error("engine broken: %s", isolator.broken)
-                send(Broken(why=isolator.broken))
+                _stay_broken(isolator.broken, recv, send)
                 return
             stalled = not busy and not outputs
     finally:
         tracer.stop()
+
+
+def _stay_broken(
+    why: str, recv: Callable[[float | None], list[Message]], send: Callable[[Message], None]
+) -> None:
+    """Reports `Broken` and stays up, refusing work, until `Shutdown`: the front end keeps
+    serving health NOT_SERVING and UNAVAILABLE / 503 (and exits only if this process dies)."""
+    send(Broken(why=why))
+    while True:
+        for msg in recv(1.0):
+            try:
+                msg = decode_message(msg)
+            except ValueError:
+                continue
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, AddRequests):
+                lost = [request_of(w).request_id for w in msg.requests]
+                send(StepResult(lost=lost, error=f"engine broken: {why}"))
 
 
 def _handle(core: EngineCore, msg: Message | Sequence, send: Callable[[Message], None]) -> bool:
