@@ -59,7 +59,7 @@ from jaxinfer.engine.types import (
 )
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
-from serving.errors import RequestFailed
+from serving.errors import InvalidArgument, RequestFailed
 from serving.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -67,9 +67,11 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Failure:
-    """Put on a request's queue instead of a delta: the request failed with this message."""
+    """Put on a request's queue instead of a delta: the request failed with this message
+    (`bad_argument`: the core refused what the client sent; the message names the field)."""
 
     message: str
+    bad_argument: bool = False
 
 
 @dataclasses.dataclass
@@ -90,10 +92,11 @@ class Stream:
     async def next_batch(self) -> RequestDelta:
         """The next delta, merged with every later delta of the same sample already waiting (a
         reader behind the engine gets them in one piece); stops before a failure or another
-        sample's delta. Raises RequestFailed when the request failed."""
+        sample's delta. Raises RequestFailed when the request failed (InvalidArgument when the
+        core refused it for what the client sent)."""
         item, self.held = self.held or await self.queue.get(), None
         if isinstance(item, Failure):
-            raise RequestFailed(item.message)
+            raise (InvalidArgument if item.bad_argument else RequestFailed)(item.message)
         while not item.finished and not self.queue.empty():
             nxt = self.queue.get_nowait()
             if isinstance(nxt, Failure) or nxt.index != item.index:
@@ -282,6 +285,7 @@ class EngineLoop:
             self._fail(
                 self.outputs.parents_of(lost),
                 error or "the engine lost this request",
+                bad_argument=msg.bad_argument,
             )
         deltas, stopped = self.outputs.process(outputs)
         if stopped:
@@ -295,13 +299,13 @@ class EngineLoop:
             if not self._streams:
                 self._idle.set()
 
-    def _fail(self, engine_ids: list[str], message: str) -> None:
+    def _fail(self, engine_ids: list[str], message: str, *, bad_argument: bool = False) -> None:
         aborts = []
         for engine_id in engine_ids:
             stream = self._streams.get(engine_id)
             if stream is None:
                 continue
-            stream.queue.put_nowait(Failure(message))
+            stream.queue.put_nowait(Failure(message, bad_argument))
             for _ in range(stream.remaining):
                 self.metrics.requests.labels("error").inc()
             aborts += self.outputs.drop(engine_id)
