@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,19 +59,24 @@ from jaxinfer.engine.types import (
     split_samples,
     wire_outputs,
 )
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import FieldError, SamplingParams
 from jaxinfer.tokenizer import Tokenizer
-from serving.errors import RequestFailed
+from serving.errors import InvalidArgument, RequestFailed
 from serving.metrics import ServerMetrics
+from serving.validation import GRPC, Fields
 
 logger = logging.getLogger(__name__)
+
+_FIELD = re.compile(r"[A-Za-z_][\w.\[\]]*")  # "structured_outputs.regex", "prompt[3]"
 
 
 @dataclasses.dataclass
 class Failure:
-    """Put on a request's queue instead of a delta: the request failed with this message."""
+    """Put on a request's queue instead of a delta: the request failed with this message
+    (`bad_argument`: the core refused what the client sent; the message names the field)."""
 
     message: str
+    bad_argument: bool = False
 
 
 @dataclasses.dataclass
@@ -87,14 +93,21 @@ class Stream:
     first: dict[int, float] = dataclasses.field(default_factory=dict)  # sample -> first token time
     last: dict[int, float] = dataclasses.field(default_factory=dict)  # sample -> last token time
     held: RequestDelta | Failure | None = None  # taken from the queue, not merged: read next
+    fields: Fields = GRPC  # how the request's protocol spells a field the core refuses
 
     async def next_batch(self) -> RequestDelta:
         """The next delta, merged with every later delta of the same sample already waiting (a
         reader behind the engine gets them in one piece); stops before a failure or another
-        sample's delta. Raises RequestFailed when the request failed."""
+        sample's delta. Raises RequestFailed when the request failed (InvalidArgument when the
+        core refused it for what the client sent)."""
         item, self.held = self.held or await self.queue.get(), None
         if isinstance(item, Failure):
-            raise RequestFailed(item.message)
+            if not item.bad_argument:
+                raise RequestFailed(item.message)
+            named = _FIELD.match(item.message)  # the core names the field as this package does
+            if named is None:
+                raise InvalidArgument(item.message)
+            raise self.fields.error(FieldError(named[0], item.message[named.end() :]))
         while not item.finished and not self.queue.empty():
             nxt = self.queue.get_nowait()
             if isinstance(nxt, Failure) or nxt.index != item.index:
@@ -286,6 +299,7 @@ class EngineLoop:
             self._fail(
                 self.outputs.parents_of(lost),
                 error or "the engine lost this request",
+                bad_argument=msg.bad_argument,
             )
         deltas, stopped = self.outputs.process(outputs)
         if stopped:
@@ -299,13 +313,13 @@ class EngineLoop:
             if not self._streams:
                 self._idle.set()
 
-    def _fail(self, engine_ids: list[str], message: str) -> None:
+    def _fail(self, engine_ids: list[str], message: str, *, bad_argument: bool = False) -> None:
         aborts = []
         for engine_id in engine_ids:
             stream = self._streams.get(engine_id)
             if stream is None:
                 continue
-            stream.queue.put_nowait(Failure(message))
+            stream.queue.put_nowait(Failure(message, bad_argument))
             for _ in range(stream.remaining):
                 self.metrics.requests.labels("error").inc()
             aborts += self.outputs.drop(engine_id)

@@ -412,7 +412,9 @@ class FrontEnd:
             max_in_flight=self.max_in_flight,
         )
         self.check_admission(sp.n)
-        return self.engine_loop.submit(list(ids), sp, priority)
+        stream = self.engine_loop.submit(list(ids), sp, priority)
+        stream.fields = fields
+        return stream
 
     def cancel(self, stream: Stream) -> None:
         """The reader went away (client cancelled, deadline): abort; the next step frees pages."""

@@ -384,7 +384,9 @@ class OpenAIServer:
         except (ValueError, QueueFull, Unavailable) as e:  # InvalidArgument: naming the field
             raise _http_error(e) from None
 
-    async def _deltas(self, streams: list[Stream]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    async def _deltas(
+        self, streams: list[Stream], req: Any = None
+    ) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(prompt index, delta) of every sample of every stream until all have finished;
         cancels what is unfinished when left early. A failed request raises `HTTPError`."""
         unfinished = [s.n for s in streams]
@@ -401,7 +403,7 @@ class OpenAIServer:
                         done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
                         fut = next(iter(done))
                         p, item = getters.pop(fut), fut.result()
-                except RequestFailed as e:
+                except (RequestFailed, InvalidArgument) as e:  # the latter: the core refused it
                     raise _http_error(e) from None
                 unfinished[p] -= bool(item.finished)
                 yield p, item
@@ -419,7 +421,7 @@ class OpenAIServer:
         n = req.n
         choices = [{"text": "", "lps": [], "finish": None} for _ in range(n * len(streams))]
         usages: list[list[Usage | None]] = [[None] * n for _ in streams]
-        async with contextlib.aclosing(self._deltas(streams)) as deltas:
+        async with contextlib.aclosing(self._deltas(streams, req)) as deltas:
             async for p, d in deltas:
                 c = choices[p * n + d.index]
                 c["text"] += d.new_text
@@ -467,7 +469,7 @@ class OpenAIServer:
         offsets = [0] * (n * len(streams))
         base = {**meta, "object": "text_completion"}
         try:
-            async with contextlib.aclosing(self._deltas(streams)) as deltas:
+            async with contextlib.aclosing(self._deltas(streams, req)) as deltas:
                 async for p, d in deltas:
                     if not (d.new_text or d.finished or d.logprobs):
                         continue
@@ -527,7 +529,7 @@ class OpenAIServer:
                 }
             )
         try:
-            async with contextlib.aclosing(self._deltas(streams)) as deltas:
+            async with contextlib.aclosing(self._deltas(streams, req)) as deltas:
                 async for p, d in deltas:
                     if not (d.new_text or d.finished or d.logprobs):
                         continue

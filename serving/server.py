@@ -245,6 +245,8 @@ class GenerateServer:
                     item = await stream.next_batch()
                 except RequestFailed as e:
                     await context.abort(grpc.StatusCode.INTERNAL, str(e))
+                except InvalidArgument as e:  # the core refused it (a grammar too expensive)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 try:
                     msg = protocol.response(item, req.request_id)
                 except Exception as e:  # noqa: BLE001 - this request fails, the others go on

@@ -515,6 +515,7 @@ def test_tokenizer_llguidance_cannot_read_falls_back_to_its_pieces(tmp_path):
     so.prepare()
     assert so.unavailable is None
     so.add("a", StructuredOutputsParams(choice=["w7"]))
+    assert so.admit(wait=True) == ["a"] and so.take_rejected() == []
     assert allowed_ids(so.fill(["a"])[0], 32).tolist() == [words.index("w7")]
     so.advance("a", [words.index("w7")])
     assert allowed_ids(so.fill(["a"])[0], 32).tolist() == [words.index("</s>")]
@@ -575,6 +576,7 @@ def _drive_core(core, requests) -> tuple[dict[str, list[int]], dict[str, str], i
 
     for r in requests:
         core.add(r)
+    core.admit_proven(wait=True)  # each grammar is proven on a worker before it is scheduled
     ids = {r.request_id: [] for r in requests}
     reasons, in_flight, preempted = {}, 0, []
     schedule = core.scheduler.schedule

@@ -3,7 +3,8 @@
 This is the half of the engine that a serving front end runs in its own process
 (`jaxinfer.engine.core_client`); `LLMEngine` runs it in-process under the same output processor.
 
-1. `add(CoreRequest)` hands a tokenized, validated child request (one sample) to the scheduler;
+1. `add(CoreRequest)` hands a tokenized, validated child request (one sample) to the scheduler
+   (with a grammar: once proven cheap off the step thread, `take_rejected` names those refused);
    `abort(id)` and `finish(id, "stop", stop_string)` end one (the front end finishes requests
    whose stop strings it matched in the detokenized text).
 2. `step()` is [propose ->] schedule -> launch/execute -> update. With `EngineConfig.async_scheduling` (the
@@ -115,11 +116,8 @@ class EngineCore:
         tokenizer: Any = None,
     ) -> None:
         self.cfg = cfg
-        self.structured = (
-            structured.StructuredOutputs(tokenizer, cfg.vocab_size)
-            if tokenizer is not None
-            else None
-        )
+        so = None if tokenizer is None else structured.StructuredOutputs(tokenizer, cfg.vocab_size)
+        self.structured = so
         max_model_len = config.max_model_len or cfg.max_position_embeddings
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(
@@ -290,14 +288,10 @@ class EngineCore:
         return n
 
     def add(self, req: CoreRequest) -> None:
-        """Queues one child request (validated by the caller with `check_prompt`)."""
+        """Queues one child request (validated by the caller; its grammar is proven first)."""
         if req.request_id in self._requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        check_prompt(req.prompt_token_ids, req.sampling, self.limits)
-        if req.sampling.structured_outputs is not None:
-            if self.structured is None:
-                raise ValueError("structured_outputs needs the engine core to have the tokenizer")
-            self.structured.add(req.request_id, req.sampling.structured_outputs)
+        check_prompt(req.prompt_token_ids, req.sampling, self.limits, grammar=False)
         request = Request(
             req.request_id,
             list(req.prompt_token_ids),
@@ -305,13 +299,37 @@ class EngineCore:
             eos_token_ids=tuple(req.eos_token_ids),
             priority=req.priority,
         )
-        self.scheduler.add_request(request)
+        if req.sampling.structured_outputs is not None:  # proven off the step thread first
+            if self.structured is None:
+                raise ValueError("structured_outputs needs the engine core to have the tokenizer")
+            self.structured.add(req.request_id, req.sampling.structured_outputs, request)
+        else:
+            self.scheduler.add_request(request)
         self._requests[req.request_id] = request
+
+    def take_rejected(self) -> list[tuple[str, str]]:
+        """(request id, why, naming the field) of each request refused since the last call: its
+        grammar failed its proof (never scheduled) or erred mid-generation (aborted now)."""
+        rejected = self.structured.take_rejected() if self.structured is not None else []
+        for rid, _ in rejected:
+            if self.scheduler.abort(rid):
+                self._aborted.append(self._requests[rid])
+            else:  # never scheduled: nothing to report
+                self._requests.pop(rid, None)
+        return rejected
+
+    def admit_proven(self, *, wait: bool = False) -> None:
+        """Schedules the requests whose grammar is proven (`wait`: for every proof to end)."""
+        if self.structured is not None and self.structured.proving:
+            for request in self.structured.admit(wait=wait):
+                self.scheduler.add_request(request)
 
     def abort(self, request_id: str) -> None:
         """Aborts one child request; the next `step()` reports it finished with "abort"."""
-        req = self._requests.get(request_id)
-        if req is not None and self.scheduler.abort(request_id):
+        req, so = self._requests.get(request_id), self.structured
+        if req is not None and (  # NOTE: one whose grammar is being proven is not scheduled yet
+            self.scheduler.abort(request_id) or (so is not None and so.remove(request_id))
+        ):
             self._aborted.append(req)
 
     def finish(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> None:
@@ -334,7 +352,7 @@ class EngineCore:
         req = self.scheduler.get_request(request_id)
         try:
             if req is not None:
-                check_prompt(req.prompt_token_ids, req.sampling, self.limits)
+                check_prompt(req.prompt_token_ids, req.sampling, self.limits, grammar=False)
         except ValueError as e:
             return str(e)
         return None
@@ -356,6 +374,7 @@ class EngineCore:
             or bool(self._aborted)
             or self._in_flight is not None
             or bool(self._ready)
+            or (self.structured is not None and self.structured.proving)
         )
 
     @property
@@ -388,6 +407,7 @@ class EngineCore:
         first landed, as it is for structured output when the runner cannot split a step.
         """
         self.failed_request_ids, self.failed_marks = [], {}
+        self.admit_proven()
         ready, self._ready = self._ready, []
         split = self.split_sampling
         if self._in_flight is not None and (

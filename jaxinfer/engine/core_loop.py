@@ -202,6 +202,8 @@ def run_core_loop(
             for lost, _ in failed:
                 for rid in lost:
                     core.abort(rid)
+            for rid, why in core.take_rejected():  # before outputs that may finish them
+                send(StepResult(lost=[rid], error=why, stats=core.stats(), bad_argument=True))
             if outputs:
                 stats = core.stats()._replace(step_s=time.perf_counter() - start)
                 send(StepResult(outputs=outputs, stats=stats))
@@ -248,7 +250,11 @@ def _handle(core: EngineCore, msg: Message | Sequence, send: Callable[[Message],
             try:
                 core.add(req)
             except ValueError as e:  # the front end checks first; a bad one must not crash us
-                send(StepResult(lost=[req.request_id], error=f"rejected: {e}", stats=core.stats()))
+                send(
+                    StepResult(
+                        lost=[req.request_id], error=str(e), stats=core.stats(), bad_argument=True
+                    )
+                )
     elif isinstance(msg, Abort):
         for rid in msg.request_ids:
             core.abort(rid)

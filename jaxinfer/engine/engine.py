@@ -166,6 +166,11 @@ class LLMEngine:
         caller should abort them); every other request carries on."""
         self.failed_request_ids = []
         self._drain_inbox()
+        self.core.admit_proven(wait=True)  # offline: grammars are awaited, each to its deadline
+        rejected = self.core.take_rejected()
+        if rejected:
+            self.failed_request_ids = [rid for rid, _ in rejected]
+            raise ValueError("; ".join(why for _, why in rejected))
         try:
             outputs = self.core.step()
         except Exception:

@@ -54,9 +54,11 @@ def check_prompt(
     limits: EngineLimits,
     *,
     name: Callable[[str], str] = _same,
+    grammar: bool = True,
 ) -> None:
     """The one prompt-length / vocabulary / page check every entry point calls; a
-    structured-output constraint must compile too. Raises `FieldError` (a ValueError) naming the
+    structured-output constraint must compile too (unless `grammar` is False: the engine core
+    builds and proves the matcher itself, off its step thread). Raises `FieldError` (a ValueError) naming the
     field as `name` spells it (a protocol's spelling of "prompt", "prompt[i]", "max_tokens",
     "stop_token_ids[i]", "structured_outputs.<kind>"; default: these).
 
@@ -107,7 +109,7 @@ def check_prompt(
             f"has {limits.num_pages}; reduce {max_tokens} to at most {room} or shorten "
             f"the {prompt}",
         )
-    if sampling.structured_outputs is not None:
+    if grammar and sampling.structured_outputs is not None:
         from jaxinfer import structured  # numpy only; grammar compilers load on first use
 
         try:
@@ -489,13 +491,17 @@ class Broken(NamedTuple):
 
 class StepResult(NamedTuple):
     """One engine step's results: new tokens, the requests it lost (failed or rejected: the
-    front end fails them with `error`), and the load after it."""
+    front end fails them with `error`), and the load after it. `bad_argument`: the lost
+    requests were refused for what the client sent (`error` starts with the field at fault:
+    a grammar that does not compile or is too expensive, a prompt `check_prompt` refuses): the
+    front end fails them as invalid arguments (400 / INVALID_ARGUMENT), not as server errors."""
 
     tag: str = "step"
     outputs: Sequence[Any] = ()  # TokenOutput, or its `to_wire` form
     lost: Sequence[str] = ()
     error: str | None = None
     stats: EngineStats = EngineStats()
+    bad_argument: bool = False
 
 
 Message = AddRequests | Abort | Finish | Shutdown | Loaded | Ready | Broken | StepResult
@@ -511,7 +517,8 @@ def encode(msg: Message) -> Sequence:
     if isinstance(msg, (Loaded, Ready)) and msg.info is not None:
         return (msg.tag, msg.info.to_wire())
     if isinstance(msg, StepResult):
-        return (msg.tag, [to_wire(o) for o in msg.outputs], msg.lost, msg.error, msg.stats)
+        outputs = [to_wire(o) for o in msg.outputs]
+        return (msg.tag, outputs, msg.lost, msg.error, msg.stats, msg.bad_argument)
     if isinstance(msg, AddRequests):
         return (msg.tag, [request_to_wire(r) for r in msg.requests])
     return msg
@@ -525,7 +532,7 @@ def decode_message(w: Sequence) -> Message:
     if cls is None:
         raise ValueError(f"unknown engine message {w[0]!r}")
     if cls is StepResult:
-        return StepResult(w[0], w[1], w[2], w[3], EngineStats._make(w[4]))
+        return StepResult(w[0], w[1], w[2], w[3], EngineStats._make(w[4]), bool(w[5]))
     if cls is Loaded or cls is Ready:
         return cls(w[0], None if w[1] is None else EngineInfo.from_wire(w[1]))
     return cls._make(w)
