@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import socket
 import time
 import uuid
@@ -39,47 +38,19 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer.engine.output import RequestDelta, Usage
+from serving import http_errors, validation
 from serving import openai_protocol as oai
-from serving import validation
 from serving.engine_loop import Stream
 from serving.errors import InvalidArgument, QueueFull, RequestFailed, Unavailable
 from serving.frontend import FrontEnd
+from serving.http_errors import HTTPError, http_error
 
 logger = logging.getLogger(__name__)
-
-_GRPC_NAMES = {
-    400: "INVALID_ARGUMENT",
-    404: "NOT_FOUND",
-    413: "RESOURCE_EXHAUSTED",
-    429: "RESOURCE_EXHAUSTED",
-    500: "INTERNAL",
-    503: "UNAVAILABLE",
-}
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-
-def _http_error(e: Exception) -> HTTPError:
-    """The HTTP error of a front-end error (a ValueError: bad input, naming the API field)."""
-    if isinstance(e, ValueError):
-        field = e.field if isinstance(e, InvalidArgument) else None
-        return HTTPError(400, str(e), field or _param(str(e)))
-    if isinstance(e, QueueFull):
-        return HTTPError(429, str(e))
-    if isinstance(e, Unavailable):
-        return HTTPError(503, str(e))
-    return HTTPError(500, str(e))
 
 
 class _Uvicorn(uvicorn.Server):
@@ -88,45 +59,6 @@ class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):  # noqa: ANN201 - uvicorn's signature
         yield
-
-
-_BODY_FIELDS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
-
-
-class _BodyLimit:
-    """ASGI middleware: a request body over `server.frontend.max_request_bytes` is a 413 naming
-    the endpoint's prompt field. A Content-Length over the cap is refused before any of the body
-    is read; a chunked body as soon as the bytes read pass it (its handler's read raises)."""
-
-    def __init__(self, app: Any, server: OpenAIServer) -> None:
-        self.app, self.server = app, server
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        limit = self.server.frontend.max_request_bytes
-        param = _BODY_FIELDS.get(scope.get("path", ""))
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > limit:
-            e = _too_large(f"of {int(length)} bytes ", limit, param)
-            await self.server._error(e)(scope, receive, send)
-            return None
-        read = 0
-
-        async def counted() -> dict:
-            nonlocal read
-            message = await receive()
-            if message["type"] == "http.request":
-                read += len(message.get("body", b""))
-                if read > limit:
-                    raise _too_large("", limit, param)
-            return message
-
-        return await self.app(scope, counted, send)
-
-
-def _too_large(size: str, limit: int, param: str | None) -> HTTPError:
-    return HTTPError(413, f"the request body {size}exceeds --max-request-bytes={limit}", param)
 
 
 def _sse(obj: Any) -> str:
@@ -169,7 +101,7 @@ class OpenAIServer:
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            _BodyLimit(self.app, self),
+            http_errors.BodyLimit(self.app, lambda: self.frontend.max_request_bytes, self._error),
             host=self.host,
             port=self.port,
             log_level="warning",
@@ -205,28 +137,7 @@ class OpenAIServer:
         app = FastAPI(
             title="jaxinfer OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None
         )
-
-        @app.exception_handler(HTTPError)
-        async def on_error(request: Request, e: HTTPError) -> JSONResponse:
-            return self._error(e)
-
-        @app.exception_handler(StarletteHTTPException)
-        async def on_http_exception(request: Request, e: StarletteHTTPException) -> JSONResponse:
-            message = e.detail if isinstance(e.detail, str) else str(e.detail)
-            if e.status_code == 404:
-                message = f"{request.method} {request.url.path}: no such route ({message})"
-            elif e.status_code == 405:
-                message = f"{request.method} {request.url.path}: method not allowed"
-            return self._error(HTTPError(e.status_code, message), headers=e.headers)
-
-        @app.exception_handler(RequestValidationError)
-        async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-            return self._error(_validation_error(e.errors(), None))
-
-        @app.exception_handler(Exception)
-        async def on_exception(request: Request, e: Exception) -> JSONResponse:
-            logger.exception("%s %s failed", request.method, request.url.path)
-            return self._error(HTTPError(500, f"internal error: {type(e).__name__}: {e}"))
+        http_errors.install_handlers(app, self._error)
 
         @app.get("/health")
         async def health() -> Response:
@@ -280,7 +191,9 @@ class OpenAIServer:
             )
 
     def _error(self, e: HTTPError, headers: Mapping[str, str] | None = None) -> JSONResponse:
-        self.frontend.metrics.rejected.labels(_GRPC_NAMES.get(e.status, "INTERNAL")).inc()
+        self.frontend.metrics.rejected.labels(
+            http_errors.GRPC_NAMES.get(e.status, "INTERNAL")
+        ).inc()
         return JSONResponse(
             oai.error_body(e.status, e.message, e.param), status_code=e.status, headers=headers
         )
@@ -298,7 +211,7 @@ class OpenAIServer:
         try:
             return cls.model_validate(body)
         except ValidationError as e:
-            raise _validation_error(e.errors(), body) from None
+            raise http_errors.validation_error(e.errors(), body) from None
         except RecursionError:
             raise HTTPError(400, "the request body is nested too deeply") from None
 
@@ -306,7 +219,7 @@ class OpenAIServer:
         try:
             self.frontend.check_admission()
         except (Unavailable, QueueFull) as e:
-            raise _http_error(e) from None
+            raise http_error(e) from None
         req = await self._parse(request, cls)
         self._check_model(req.model)
         streams, prompt_lens = await self._admit(req, chat=chat)
@@ -382,7 +295,7 @@ class OpenAIServer:
                 raise
             return streams, [len(ids) for ids in prompts]
         except (ValueError, QueueFull, Unavailable) as e:  # InvalidArgument: naming the field
-            raise _http_error(e) from None
+            raise http_error(e) from None
 
     async def _deltas(
         self, streams: list[Stream], req: Any = None
@@ -404,7 +317,7 @@ class OpenAIServer:
                         fut = next(iter(done))
                         p, item = getters.pop(fut), fut.result()
                 except (RequestFailed, InvalidArgument) as e:  # the latter: the core refused it
-                    raise _http_error(e) from None
+                    raise http_error(e) from None
                 unfinished[p] -= bool(item.finished)
                 yield p, item
         finally:
@@ -571,38 +484,6 @@ def _logprobs(req: Any, chat: bool) -> int | None:
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidArgument("top_logprobs needs logprobs to be true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
-
-
-def _validation_error(errors: list[dict[str, Any]], body: Any) -> HTTPError:
-    """A 400 naming the field of pydantic's first error ("messages[0].content", "top_k")."""
-    err = errors[0]
-    loc = [p for p in err.get("loc", ()) if p != "body"]
-    field = _loc_path(body, loc, missing=err.get("type") == "missing") if body else None
-    if field is None:
-        field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-    message = f"{field}: {err.get('msg', 'invalid')}" if field else str(err.get("msg"))
-    return HTTPError(400, message, field or None)
-
-
-def _loc_path(body: Any, loc: list[Any], *, missing: bool) -> str:
-    """The path of a pydantic error location in the body it was read from: keys and indexes
-    that exist in the body; the union member tags pydantic adds ("str", "list[int]",
-    "function-after[...]") are skipped; a missing field is named."""
-    path, node = "", body
-    for i, p in enumerate(loc):
-        if isinstance(node, dict) and isinstance(p, str) and p in node:
-            path, node = (f"{path}.{p}" if path else p), node[p]
-        elif isinstance(node, list) and isinstance(p, int) and 0 <= p < len(node):
-            path, node = f"{path}[{p}]", node[p]
-        elif missing and i == len(loc) - 1 and isinstance(node, dict) and isinstance(p, str):
-            path = f"{path}.{p}" if path else p
-    return path
-
-
-def _param(message: str) -> str | None:
-    """The field a message starts with ("prompt[1] is empty" -> "prompt[1]"), or None."""
-    head = message.split(" ", 1)[0].rstrip(":")
-    return head if re.fullmatch(r"[A-Za-z_][\w.]*(\[\d+\])*(\.[\w.]+)*", head) else None
 
 
 async def _until_disconnected(request: Request) -> None:
