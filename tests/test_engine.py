@@ -429,7 +429,7 @@ def test_bad_sampling_params_name_the_field() -> None:
         ("temperature", -0.5),
         ("top_p", 0.0),
         ("top_p", 1.5),
-        ("top_k", -1),
+        ("top_k", -2),  # -1 (as 0) disables it, as in vLLM
         ("max_tokens", 0),
         ("min_p", 2.0),
         ("n", 0),
@@ -443,7 +443,7 @@ def test_bad_sampling_params_name_the_field() -> None:
 
 def test_bad_requests_raise_from_add_request(engine, vocab_size) -> None:
     with pytest.raises(ValueError, match="max_model_len"):
-        engine.add_request([200] * 100, greedy(MAX_MODEL_LEN - 99))
+        engine.add_request([200] * 60, greedy(MAX_MODEL_LEN - 59))
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("")
     with pytest.raises(ValueError, match="empty"):

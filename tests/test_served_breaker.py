@@ -10,6 +10,7 @@ object; SIGTERM still stops it cleanly.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -55,7 +56,11 @@ def test_three_unexplained_failures_break_the_engine_and_the_server_says_so():
                 with pytest.raises(grpc.RpcError) as e:
                     list(c.generate([1000, POISON], max_tokens=4))
                 assert e.value.code() == grpc.StatusCode.INTERNAL
-            assert c.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING
+            # NOTE: the core says Broken right after the failure the client just got: wait for it
+            deadline = time.monotonic() + 30
+            while c.health_status() != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "".join(srv.log[-30:])
+                time.sleep(0.02)
             with pytest.raises(grpc.RpcError) as e:
                 list(c.generate([1000, 1001], max_tokens=4))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -65,7 +70,17 @@ def test_three_unexplained_failures_break_the_engine_and_the_server_says_so():
         assert status == 503
         status, body = _http(srv, "/v1/completions", {"prompt": [1000, 1001], "max_tokens": 4})
         assert status == 503 and body["error"]["message"], body
+        # It stays up saying so (were the core gone, the front end would exit within ~1 s).
+        until = time.monotonic() + 3
+        c = GenerateClient(srv.grpc_address)
+        try:
+            while time.monotonic() < until:
+                assert c.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING
+                time.sleep(0.1)
+        finally:
+            c.close()
         assert srv.proc.poll() is None, "the front end must stay up while broken"
+        assert "engine core is gone" not in "".join(srv.log)
         assert "engine broken" in "".join(srv.log)
     finally:
         code = srv.stop()
