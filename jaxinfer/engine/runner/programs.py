@@ -227,29 +227,12 @@ def packed_sample_program(
     )
 
 
-# NOTE: one jitted function per distinct (backends, mesh, carried shardings), shared by every
-# runner of the process: a second engine over the same config and shapes (another `LLM`, a
-# restarted engine, the tests' many engines) reuses the first one's traced, lowered and compiled
-# programs instead of tracing, lowering and compiling them again. A jitted function's cache key
-# holds everything that shapes a program (static args, input shapes/dtypes/shardings, donation),
-# so sharing it changes no program.
-_JITS: dict[Any, Any] = {}
-
-
 def step_jit(
     attention_backend: str, linear_backend: str, mesh: Any = None, carried: Any = None
 ) -> Any:
     """The jitted step: on one device over packed inputs (`packed_step_program`); on a mesh over
     the placed input tree, with what a step carries to the next (KV cache, penalty state,
-    fed-back ids) left with the `carried` shardings it came in with. Memoized (see `_JITS`)."""
-    flat = None if carried is None else (jax.tree.structure(carried), *jax.tree.leaves(carried))
-    key = ("step", attention_backend, linear_backend, mesh, flat)
-    if key not in _JITS:
-        _JITS[key] = _step_jit(attention_backend, linear_backend, mesh, carried)
-    return _JITS[key]
-
-
-def _step_jit(attention_backend: str, linear_backend: str, mesh: Any, carried: Any) -> Any:
+    fed-back ids) left with the `carried` shardings it came in with."""
     if mesh is None:  # inputs packed into one buffer per dtype (see pack)
         return jax.jit(
             functools.partial(
@@ -276,9 +259,8 @@ def _step_jit(attention_backend: str, linear_backend: str, mesh: Any, carried: A
     )
 
 
-@functools.cache
 def sampler_jit(num_sample_rows: int) -> Any:
-    """The jitted sampler of split steps (packed inputs, one device); memoized like `step_jit`."""
+    """The jitted sampler of split steps (packed inputs, one device)."""
     return jax.jit(
         functools.partial(packed_sample_program, num_sample_rows=num_sample_rows),
         static_argnames=("layout",),
