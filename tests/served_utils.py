@@ -57,6 +57,15 @@ def tiny_model_dir(root: Path) -> Path:
     return root
 
 
+def serve_tiny(root: Path, *flags: str) -> ServedProcess:
+    """`serve.py` over `tiny_model_dir(root)` (dummy weights, no warmup, 4 sequences, 64-token
+    steps, 64 pages, max_model_len 256); `flags` come last, so they override these."""
+    model = tiny_model_dir(root)
+    base = ["--model", str(model), "--load-format", "dummy", "--no-warmup"]
+    sizes = ["--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
+    return ServedProcess([*base, *sizes, "--num-pages", "64", *flags])
+
+
 class ServedProcess:
     """`scripts/serve.py ARGS` on 127.0.0.1 with free gRPC, metrics and HTTP ports."""
 

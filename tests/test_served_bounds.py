@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 import pytest
-from served_utils import ServedProcess, tiny_model_dir
+from served_utils import serve_tiny
 
 from serving import validation
 from serving.client import build_request
@@ -43,25 +43,9 @@ VOCAB = 49152  # SmolLM2's (served_utils.tiny_model_dir)
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    model = tiny_model_dir(tmp_path_factory.mktemp("served") / "tiny")
-    srv = ServedProcess(
-        [
-            "--model",
-            str(model),
-            "--load-format",
-            "dummy",
-            "--no-warmup",
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--max-num-seqs",
-            "4",
-            "--max-queue",
-            "4",
-            "--max-num-batched-tokens",
-            "64",
-            "--num-pages",
-            "64",
-        ]
+    srv = serve_tiny(
+        tmp_path_factory.mktemp("served") / "tiny",
+        *("--max-model-len", str(MAX_MODEL_LEN), "--max-queue", "4"),
     )
     yield srv
     assert srv.stop() == 0, "".join(srv.log[-30:])

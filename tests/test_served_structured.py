@@ -21,7 +21,7 @@ import re
 
 import grpc
 import pytest
-from served_utils import ServedProcess, tiny_model_dir
+from served_utils import serve_tiny
 
 from jaxinfer.sampling_params import StructuredOutputsParams
 from jaxinfer.structured import grammar_of, llguidance_tokenizer
@@ -52,24 +52,7 @@ REGEX = r"[A-Z][a-z]{2,5} is [0-9]{1,2}"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    model = tiny_model_dir(tmp_path_factory.mktemp("served") / "tiny")
-    srv = ServedProcess(
-        [
-            "--model",
-            str(model),
-            "--load-format",
-            "dummy",
-            "--no-warmup",
-            "--max-model-len",
-            "256",
-            "--max-num-seqs",
-            "4",
-            "--max-num-batched-tokens",
-            "64",
-            "--num-pages",
-            "64",
-        ]
-    )
+    srv = serve_tiny(tmp_path_factory.mktemp("served") / "tiny")
     yield srv
     assert srv.stop() == 0, "".join(srv.log[-30:])
 
