@@ -66,6 +66,12 @@ def serve_tiny(root: Path, *flags: str) -> ServedProcess:
     return ServedProcess([*base, *sizes, "--num-pages", "64", *flags])
 
 
+def serve_fake(*flags: str) -> ServedProcess:
+    """`serve.py --fake-runner` (10 ms steps, max_model_len 512, 65 pages); `flags` come last."""
+    fake = ["--fake-runner", "--fake-step-delay", "0.01"]
+    return ServedProcess([*fake, "--max-model-len", "512", "--num-pages", "65", *flags])
+
+
 class ServedProcess:
     """`scripts/serve.py ARGS` on 127.0.0.1 with free gRPC, metrics and HTTP ports."""
 

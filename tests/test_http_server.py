@@ -20,7 +20,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from served_utils import ServedProcess  # noqa: E402
+from served_utils import serve_fake  # noqa: E402
 
 from serving.client import GenerateClient, build_request  # noqa: E402
 from serving.frontend import FrontEnd  # noqa: E402
@@ -362,17 +362,7 @@ def test_engine_failure_mid_stream_is_an_error_event(tok):
 def test_serve_script_serves_both_protocols_over_one_front_end(tok):
     """scripts/serve.py --http-port: gRPC and HTTP share one front end (one metrics registry,
     one lifecycle): SIGTERM turns HTTP /health 503 while a gRPC stream drains, then exit 0."""
-    srv = ServedProcess(
-        [
-            "--fake-runner",
-            "--fake-step-delay",
-            "0.01",
-            "--max-model-len",
-            "512",
-            "--num-pages",
-            "65",
-        ]
-    )
+    srv = serve_fake()
     proc = srv.proc
     try:
         http = srv  # what _get / _post read: its http_port

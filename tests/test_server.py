@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from served_utils import ServedProcess
+from served_utils import serve_fake
 
 from jaxinfer.engine.engine import wait_all
 from jaxinfer.sampling_params import SamplingParams
@@ -615,17 +615,7 @@ def test_client_script(srv, tok, capsys):
 @pytest.mark.slow  # a subprocess: imports JAX and builds the tokenizer again (~15 s)
 def test_serve_script_sigterm_drains_and_exits_0(tok):
     """scripts/serve.py end to end: SIGTERM mid-stream finishes the stream, then exit 0."""
-    srv = ServedProcess(
-        [
-            "--fake-runner",
-            "--fake-step-delay",
-            "0.01",
-            "--max-model-len",
-            "512",
-            "--num-pages",
-            "65",
-        ]
-    )
+    srv = serve_fake()
     proc = srv.proc
     try:
         c = GenerateClient(srv.grpc_address)
