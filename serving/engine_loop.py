@@ -19,8 +19,10 @@ The engine core (scheduler + runner + device) runs in a process of its own
 5. `cancel` aborts the request in the core; its next step frees the pages.
 
 Failures. An exception raised by one request's handling here fails that request alone
-(`RequestFailed` from its stream) and aborts it in the core. A step that raises in the core loses
-the requests it scheduled: exactly those fail (the core aborts them); the rest carry on. When the
+(`RequestFailed` from its stream) and aborts it in the core. A step that raises in the core is
+isolated there (`jaxinfer/engine/isolation.py`): only the request(s) that make it raise are lost
+and fail; the rest carry on. A request the core refuses for what it sent (`bad_argument`: a
+grammar too expensive) fails with InvalidArgument in its protocol's spelling. When the
 core is broken (warmup failed, too many consecutive failing steps, its process died) every
 request fails and the front end stops serving; when its process is gone (`core_exited`) the front
 end shuts down and exits non-zero (`FrontEnd.exit_code`).

@@ -13,8 +13,8 @@ process and on one event loop; neither knows the other.
 3. A request: the peer calls `check_admission()` before parsing (a cheap refusal; bodies over
    `max_request_bytes` are refused before they are read), tokenizes with `tokenize` /
    `tokenize_chat` (off the event loop; text over `max_prompt_chars` is refused first, untokenized;
-   long texts are encoded without holding the GIL), then `submit(ids, sp, priority, field=...)`:
-   the one prompt and limit check and the admission bound, then the engine loop
+   long texts are encoded without holding the GIL), then `submit(ids, sp, priority, fields=...)`:
+   the one request check (`validation.check_request`) and the admission bound, then the engine loop
    (`engine_loop.py`). It reads the returned stream with `Stream.next_batch()` until every sample
    has finished, and calls `cancel(stream)` when it leaves early (client gone, deadline).
 4. `shutdown(grace)` (SIGTERM / SIGINT with `install_signal_handlers`): new requests
@@ -338,7 +338,7 @@ class FrontEnd:
         """Token ids of a text, tokenized off the event loop (InvalidArgument naming `field`)."""
         self._need_tokenizer(field)
         if not text:
-            raise InvalidArgument(f"{field} is empty")
+            raise InvalidArgument(f"{field} is empty", field)
         self._check_chars(len(text), field)
         return await asyncio.to_thread(
             self.tokenizer.encode, text, add_special_tokens=add_special_tokens
@@ -359,7 +359,7 @@ class FrontEnd:
                     messages, **{"add_generation_prompt": True, **template_kwargs}
                 )
             except ValueError as e:  # TokenizerError: no template, or the template raised
-                raise InvalidArgument(f"{field}: {e}") from None
+                raise InvalidArgument(f"{field}: {e}", field) from None
 
         return await asyncio.to_thread(render)
 
@@ -383,7 +383,8 @@ class FrontEnd:
         if chars > cap:
             raise InvalidArgument(
                 f"{field}: {chars} characters cannot fit max_model_len="
-                f"{self.limits().max_model_len} tokens (at most {cap} characters are tokenized)"
+                f"{self.limits().max_model_len} tokens (at most {cap} characters are tokenized)",
+                field,
             )
 
     def _need_tokenizer(self, field: str) -> None:
