@@ -55,9 +55,8 @@ GRAMMAR_DEADLINE_S = 2.0
 # The most one mask of a proven grammar may take (its start state's mask, computed again: what
 # each step pays for it; ordinary grammars take well under a millisecond).
 STEP_MASK_BUDGET_S = 0.1
-GRAMMAR_WORKERS = (
-    2  # threads proving grammars (a runaway one holds its thread until llguidance ends)
-)
+# Threads proving grammars (a runaway proof holds its thread until llguidance returns).
+GRAMMAR_WORKERS = 2
 # llguidance's limits, tighter than its defaults where they are generous: lexer states (1-2 kB
 # each) per matcher, and no parser state or grammar dumps in error messages (they go to clients).
 LIMITS = {"max_lexer_states": 50_000, "verbose_errors": False}
