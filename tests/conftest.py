@@ -21,6 +21,10 @@
    63 -> 47 min, loaded). HLO semantics are unchanged: every
    numeric comparison runs both sides under the same setting. A caller's value wins
    (`JAX_DISABLE_MOST_OPTIMIZATIONS=0` compiles as users' processes do).
+5. JAX runs on the CPU (`JAX_PLATFORMS=cpu`, unless the caller sets it). The test venv may hold
+   the CUDA plugin and libtpu for the deviceless accelerator compiles; without this, libtpu would
+   probe for a TPU in every test process and spawned server, and the CUDA plugin would look for
+   a driver. Deviceless compiles need the CPU platform set this way in any case.
 """
 
 import os
@@ -39,6 +43,7 @@ if os.environ["JAX_COMPILATION_CACHE_DIR"]:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 HEAVY_FIRST = (
     "test_pipeline.py",
