@@ -250,8 +250,9 @@ class PagedStepper:
             seqs.append((list(toks), start, list(pages)))
             self.lens[sid] = start + len(toks)
         n = sum(len(t) for t, _, _ in seqs)
-        # Pad to a few fixed buckets so a test compiles a handful of programs, not one per step.
-        t_bucket = max(8, 1 << (n + pad_tokens - 1).bit_length())
+        # Pad to a few fixed buckets so a test compiles a handful of programs, not one per step;
+        # 16 tokens at least, so a short prefill and the decode steps after it share one program.
+        t_bucket = max(16, 1 << (n + pad_tokens - 1).bit_length())
         arrays = build_step_arrays(
             seqs,
             self.page_size,
