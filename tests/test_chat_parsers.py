@@ -1,0 +1,128 @@
+"""The tool-call and reasoning parsers on text (`serving.tool_parsers`, `serving.reasoning`):
+whole answers and the same answers streamed in small pieces give the same calls and text; the
+reasoning-then-answer grammar lets `<think>` text through and constrains what follows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serving.reasoning import REASONING_PARSERS, answer_grammar
+from serving.tool_parsers import TOOL_PARSERS, JsonArrayToolParser
+
+WEATHER = {"city": "Paris", "days": 2}
+
+CASES = {
+    "hermes": (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+        + json.dumps(WEATHER)
+        + '}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+        "Let me check.\n",
+    ),
+    "llama3_json": (
+        '<|python_tag|>{"name": "get_weather", "parameters": '
+        + json.dumps(WEATHER)
+        + '}; {"name": "get_time", "parameters": {}}',
+        None,
+    ),
+    "mistral": (
+        'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": '
+        + json.dumps(WEATHER)
+        + '}, {"name": "get_time", "arguments": {}}]',
+        "Sure. ",
+    ),
+}
+
+
+def _streamed(parser, text: str, step: int = 3):
+    content, calls = "", []
+    for i in range(0, len(text), step):
+        c, new = parser.stream(text[i : i + step])
+        content += c
+        calls += new
+    c, new = parser.finish()
+    return content + c, calls
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_tool_parser_whole_and_streamed(name):
+    text, content = CASES[name]
+    got = TOOL_PARSERS[name]().extract(text)
+    assert got.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [
+        ("get_weather", WEATHER),
+        ("get_time", {}),
+    ]
+    s_content, s_calls = _streamed(TOOL_PARSERS[name](), text)
+    assert (s_content or None) == content
+    assert [(c.name, c.arguments) for c in s_calls] == [(c.name, c.arguments) for c in got.calls]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_tool_parser_plain_text_and_broken_calls_stay_content(name):
+    for text in (
+        "The weather is fine.",
+        "x <tool_call>{not json</tool_call> [TOOL_CALLS][{",
+        '{"not": "a call"}',
+        '<tool_call>{"no": "name"}</tool_call>',
+    ):
+        got = TOOL_PARSERS[name]().extract(text)
+        assert (got.content, got.calls) == (text, [])
+        assert _streamed(TOOL_PARSERS[name](), text) == (text, [])
+
+
+def test_required_array_parser():
+    text = '[{"name":"a","parameters":{"x":1}},{"name":"b","parameters":{}}]'
+    got = JsonArrayToolParser().extract(text)
+    assert [(c.name, c.arguments) for c in got.calls] == [("a", '{"x": 1}'), ("b", "{}")]
+    _, calls = _streamed(JsonArrayToolParser(), text, step=5)
+    assert [c.name for c in calls] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "reasoning", "content"),
+    [
+        ("deepseek_r1", "I think so.</think>\n\nYes.", "I think so.", "\n\nYes."),
+        ("deepseek_r1", "<think>Hmm</think>Yes.", "Hmm", "Yes."),
+        ("deepseek_r1", "still thinking", "still thinking", None),
+        ("qwen3", "<think>\nHmm.\n</think>\n\nYes.", "\nHmm.\n", "\n\nYes."),
+        ("qwen3", "Yes, no thinking.", None, "Yes, no thinking."),
+        ("qwen3", "<think>cut off", "cut off", None),
+    ],
+)
+def test_reasoning_split_whole_and_streamed(name, text, reasoning, content):
+    assert REASONING_PARSERS[name]().split(text) == (reasoning, content)
+    for step in (1, 2, 5):
+        parser = REASONING_PARSERS[name]()
+        r = c = ""
+        for i in range(0, len(text), step):
+            dr, dc = parser.stream(text[i : i + step])
+            r, c = r + dr, c + dc
+        dr, dc = parser.finish()
+        assert ((r + dr) or None, (c + dc) or None) == (reasoning, content), step
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+def test_answer_grammar_constrains_after_the_reasoning(name):
+    llg = pytest.importorskip("llguidance")
+    from engine_utils import load_vocab
+
+    from jaxinfer.sampling_params import StructuredOutputsParams
+    from jaxinfer.structured import grammar_of, llguidance_tokenizer, validate
+
+    tok = load_vocab()
+    lltok = llguidance_tokenizer(tok, tok.vocab_size)
+    schema = {"type": "object", "properties": {"a": {"enum": ["x"]}}, "required": ["a"]}
+    params = StructuredOutputsParams(grammar=answer_grammar(name, f"%json {json.dumps(schema)}"))
+    validate(params)
+
+    def accepts(text: str) -> bool:
+        m = llg.LLMatcher(lltok, grammar_of(params))
+        return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    assert accepts('<think>Any text { here.</think>\n\n{"a":"x"}')
+    assert not accepts('<think>Any text.</think>\n\n{"a":"y"}')
+    assert not accepts("<think>Any text.</think>\n\nfree text")
+    assert accepts('reasoning first</think>{"a":"x"}') == (name == "deepseek_r1")
+    assert accepts('{"a":"x"}') == (name == "qwen3")
