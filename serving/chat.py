@@ -12,7 +12,9 @@
    whitespace (compact JSON; `x-guidance.whitespace_flexible` false). `auto` is unconstrained and
    parsed by the `--tool-call-parser`; `none` passes the tools to the template and parses
    nothing. With a `--reasoning-parser`, any constraint (these, `response_format`,
-   `structured_outputs`) applies to the answer after `</think>` (`reasoning.answer_grammar`).
+   `structured_outputs`) applies to the answer after `</think>` (`reasoning.answer_grammar`);
+   a request with `chat_template_kwargs={"enable_thinking": false}` does not think: nothing is
+   split off its output and its constraint applies from the first token.
 3. `ChatPlan.output()` is one choice's `ChatOutput`: `message(text, finish)` builds a whole
    response's message (`reasoning_content`, `content`, `tool_calls`) and finish reason
    (`tool_calls` when calls were made, `stop` for a named choice, as vLLM); `feed(delta)` /
@@ -73,6 +75,7 @@ class ChatPlan:
     structured: StructuredOutputsParams | None
     renames: tuple[tuple[str, str], ...]
     options: ChatOptions
+    thinking: bool  # a reasoning parser splits the output
 
     def output(self) -> ChatOutput:
         return ChatOutput(self)
@@ -192,11 +195,12 @@ def plan(req: oai.ChatCompletionRequest, options: ChatOptions) -> ChatPlan:
         renames = (("structured_outputs", "tools"),)
     else:
         structured = oai.structured_outputs(req)
-    if structured is not None and options.reasoning_parser is not None:
+    thinking = options.reasoning_parser is not None and kwargs.get("enable_thinking") is not False
+    if structured is not None and thinking:
         structured, field = _after_reasoning(structured, options.reasoning_parser)
         if not renames:
             renames = (("structured_outputs", oai.fields(req, prompt="messages")(field)),)
-    return ChatPlan(_messages(req), kwargs, mode, function, structured, renames, options)
+    return ChatPlan(_messages(req), kwargs, mode, function, structured, renames, options, thinking)
 
 
 def _after_reasoning(
@@ -230,7 +234,7 @@ class ChatOutput:
         self.plan = chat_plan
         opts = chat_plan.options
         self.reasoning: ReasoningParser | None = (
-            REASONING_PARSERS[opts.reasoning_parser]() if opts.reasoning_parser else None
+            REASONING_PARSERS[opts.reasoning_parser]() if chat_plan.thinking else None  # type: ignore[index]
         )
         self.tools: ToolParser | None = None
         if chat_plan.mode == "auto":
@@ -244,7 +248,7 @@ class ChatOutput:
         """A whole response's message and finish reason."""
         reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
         msg: dict[str, Any] = {"role": "assistant", "content": content}
-        if self.reasoning is not None:
+        if self.plan.options.reasoning_parser is not None:
             msg["reasoning_content"] = reasoning
         calls: list[ToolCall] = []
         if self.plan.mode == "named":

@@ -9,13 +9,16 @@
    having opened `<think>` in the prompt; a leading `<think>` is dropped; everything up to
    `</think>` is reasoning, all of it while `</think>` has not come) and `qwen3` (reasoning only
    inside an explicit `<think>...</think>` at the start; without one the output is all answer,
-   as with `chat_template_kwargs={"enable_thinking": false}`).
+   as with `chat_template_kwargs={"enable_thinking": false}`). A request that sets
+   `enable_thinking` false is not split at all (`serving.chat`): its output is all answer.
 2. `parser.split(text)` -> `(reasoning, content)`, each None when empty.
 3. Streaming, `parser.stream(delta)` -> `(reasoning delta, content delta)`; a tag cut across
    deltas is held back until it is whole; `parser.finish()` returns what was held.
 4. `answer_grammar(parser_name, answer_lark)` is a Lark grammar (llguidance's dialect) that lets
    the reasoning through unconstrained and constrains what follows `</think>` to the answer's
-   grammar: how a constrained request keeps its reasoning.
+   grammar: how a constrained request keeps its reasoning. As in vLLM (which applies the
+   constraint once the reasoning has ended), a thinking request reasons first: qwen3's output
+   opens with `<think>`, deepseek_r1's may.
 """
 
 from __future__ import annotations
@@ -100,12 +103,11 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 def answer_grammar(parser: str, answer: str) -> str:
     """A Lark grammar: the parser's reasoning (free text up to `</think>`), then `answer` (a Lark
-    expression: `%json {...}`, a regex, alternatives). deepseek_r1's reasoning comes always;
-    qwen3's only after an explicit `<think>`."""
+    expression: `%json {...}`, a regex, alternatives). The reasoning comes first: after an
+    explicit `<think>` (qwen3), or with it optional (deepseek_r1, whose template opens it)."""
     think = f'"{START}"? think_text' if parser == "deepseek_r1" else f'"{START}" think_text'
-    optional = "" if parser == "deepseek_r1" else "?"
     return (
-        f"start: think{optional} answer\n"
+        "start: think answer\n"
         f"think: {think} /[ \\t\\r\\n]*/\n"
         f"think_text[stop={json.dumps(END)}]: /(?s:.*)/\n"
         f"answer: {answer}\n"
