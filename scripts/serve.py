@@ -487,7 +487,9 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
         log_interval=args.log_interval,
         max_request_bytes=args.max_request_bytes,
     )
-    grpc_server = GenerateServer(frontend=frontend, host=args.host, port=args.port)
+    grpc_server = GenerateServer(
+        frontend=frontend, host=args.host, port=args.port, reasoning_parser=args.reasoning_parser
+    )
     http = None
     if args.http_port is not None:
         http = OpenAIServer(

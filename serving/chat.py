@@ -12,7 +12,7 @@
    whitespace (compact JSON; `x-guidance.whitespace_flexible` false). `auto` is unconstrained and
    parsed by the `--tool-call-parser`; `none` passes the tools to the template and parses
    nothing. With a `--reasoning-parser`, any constraint (these, `response_format`,
-   `structured_outputs`) applies to the answer after `</think>` (`reasoning.answer_grammar`);
+   `structured_outputs`) applies to the answer after `</think>` (`reasoning.after_reasoning`);
    a request with `chat_template_kwargs={"enable_thinking": false}` does not think: nothing is
    split off its output and its constraint applies from the first token.
 3. `ChatPlan.output()` is one choice's `ChatOutput`: `message(text, finish)` builds a whole
@@ -33,7 +33,7 @@ from typing import Any
 from jaxinfer.sampling_params import StructuredOutputsParams
 from serving import openai_protocol as oai
 from serving.errors import InvalidArgument
-from serving.reasoning import REASONING_PARSERS, ReasoningParser, answer_grammar
+from serving.reasoning import REASONING_PARSERS, ReasoningParser, after_reasoning
 from serving.tool_parsers import TOOL_PARSERS, JsonArrayToolParser, ToolCall, ToolParser
 
 AUTO_NEEDS_FLAGS = (
@@ -173,11 +173,10 @@ def plan(req: oai.ChatCompletionRequest, options: ChatOptions) -> ChatPlan:
             f"response_format or structured_outputs",
             "tool_choice",
         )
-    renames: tuple[tuple[str, str], ...] = ()
+    origin = {"named": "tool_choice", "required": "tools"}.get(mode)
     if mode == "named":
         schema = {"x-guidance": COMPACT, **tools[function]}
         structured = StructuredOutputsParams(json=json.dumps(schema))
-        renames = (("structured_outputs", "tool_choice"),)
     elif mode == "required":
         items = [
             {
@@ -192,39 +191,17 @@ def plan(req: oai.ChatCompletionRequest, options: ChatOptions) -> ChatPlan:
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
         structured = StructuredOutputsParams(json=json.dumps(schema))
-        renames = (("structured_outputs", "tools"),)
     else:
         structured = oai.structured_outputs(req)
     thinking = options.reasoning_parser is not None and kwargs.get("enable_thinking") is not False
+    renames: tuple[tuple[str, str], ...] = ()
     if structured is not None and thinking:
-        structured, field = _after_reasoning(structured, options.reasoning_parser)
-        if not renames:
-            renames = (("structured_outputs", oai.fields(req, prompt="messages")(field)),)
+        structured, field = after_reasoning(structured, options.reasoning_parser)
+        theirs = origin or oai.fields(req, prompt="messages")(field)
+        renames = (("structured_outputs.grammar", theirs),)
+    elif origin is not None:
+        renames = (("structured_outputs.json", origin),)
     return ChatPlan(_messages(req), kwargs, mode, function, structured, renames, options, thinking)
-
-
-def _after_reasoning(
-    so: StructuredOutputsParams, parser: str
-) -> tuple[StructuredOutputsParams, str]:
-    """The constraint applied after the reasoning (`reasoning.answer_grammar`), and the field
-    it came from."""
-    if so.json is not None:
-        schema = json.loads(so.json) if isinstance(so.json, str) else so.json
-        answer, field = f"%json {json.dumps(schema)}", "structured_outputs.json"
-    elif so.json_object:
-        answer, field = '%json {"type": "object"}', "structured_outputs.json_object"
-    elif so.regex is not None:
-        answer, field = "/" + so.regex.replace("/", "\\/") + "/", "structured_outputs.regex"
-    elif so.choice is not None:
-        answer = " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice)
-        field = "structured_outputs.choice"
-    else:
-        raise InvalidArgument(
-            "structured_outputs.grammar cannot be combined with --reasoning-parser (the grammar "
-            "would have to allow the reasoning); use json, regex or choice",
-            "structured_outputs.grammar",
-        )
-    return StructuredOutputsParams(grammar=answer_grammar(parser, answer)), field
 
 
 class ChatOutput:

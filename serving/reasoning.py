@@ -16,7 +16,8 @@
    deltas is held back until it is whole; `parser.finish()` returns what was held.
 4. `answer_grammar(parser_name, answer_lark)` is a Lark grammar (llguidance's dialect) that lets
    the reasoning through unconstrained and constrains what follows `</think>` to the answer's
-   grammar: how a constrained request keeps its reasoning. As in vLLM (which applies the
+   grammar: how a constrained request keeps its reasoning; `after_reasoning(params, parser)`
+   rewrites a request's `StructuredOutputsParams` so (both protocols' chat requests). As in vLLM (which applies the
    constraint once the reasoning has ended), a thinking request reasons first: qwen3's output
    opens with `<think>`, deepseek_r1's may.
 """
@@ -24,6 +25,9 @@
 from __future__ import annotations
 
 import json
+
+from jaxinfer.sampling_params import StructuredOutputsParams
+from serving.errors import InvalidArgument
 
 START, END = "<think>", "</think>"
 
@@ -112,3 +116,32 @@ def answer_grammar(parser: str, answer: str) -> str:
         f"think_text[stop={json.dumps(END)}]: /(?s:.*)/\n"
         f"answer: {answer}\n"
     )
+
+
+def after_reasoning(
+    so: StructuredOutputsParams, parser: str
+) -> tuple[StructuredOutputsParams, str]:
+    """`so` applied to the answer after the reasoning (`answer_grammar`), and the field it came
+    from (InvalidArgument for a grammar: it would have to allow the reasoning itself)."""
+    if so.json is not None:
+        try:
+            schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+        except ValueError as e:
+            raise InvalidArgument(
+                f"structured_outputs.json is not valid JSON: {e}", "structured_outputs.json"
+            ) from None
+        answer, field = f"%json {json.dumps(schema)}", "structured_outputs.json"
+    elif so.json_object:
+        answer, field = '%json {"type": "object"}', "structured_outputs.json_object"
+    elif so.regex is not None:
+        answer, field = "/" + so.regex.replace("/", "\\/") + "/", "structured_outputs.regex"
+    elif so.choice is not None:
+        answer = " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice)
+        field = "structured_outputs.choice"
+    else:
+        raise InvalidArgument(
+            "structured_outputs.grammar cannot be combined with --reasoning-parser (the grammar "
+            "would have to allow the reasoning); use json, regex or choice",
+            "structured_outputs.grammar",
+        )
+    return StructuredOutputsParams(grammar=answer_grammar(parser, answer)), field

@@ -126,3 +126,60 @@ def test_answer_grammar_constrains_after_the_reasoning(name):
     assert not accepts("<think>Any text.</think>\n\nfree text")
     assert accepts('reasoning first</think>{"a":"x"}') == (name == "deepseek_r1")
     assert not accepts('{"a":"x"}')  # a thinking request reasons first
+
+
+def _req(**kw):
+    from serving.openai_protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], **kw}
+    )
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def test_plan_refusals_name_the_field():
+    from serving.chat import AUTO_NEEDS_FLAGS, ChatOptions, plan
+    from serving.errors import InvalidArgument
+
+    plain = ChatOptions()
+    with pytest.raises(InvalidArgument) as e:  # tools default to tool_choice auto, as in vLLM
+        plan(_req(tools=[TOOL]), plain)
+    assert (str(e.value), e.value.field) == (AUTO_NEEDS_FLAGS, "tool_choice")
+    assert plan(_req(tools=[TOOL], tool_choice="none"), plain).structured is None
+    bad = [
+        (dict(tools=[{"type": "function", "function": {}}]), "tools[0].function.name"),
+        (dict(tool_choice="sometimes"), "tool_choice"),
+        (
+            dict(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}),
+            "tool_choice",
+        ),
+    ]
+    for kw, field in bad:
+        with pytest.raises(InvalidArgument) as e:
+            plan(_req(**kw), plain)
+        assert e.value.field == field, kw
+    thinking = ChatOptions(reasoning_parser="qwen3")
+    with pytest.raises(InvalidArgument) as e:
+        plan(_req(structured_outputs={"grammar": 'root ::= "a"'}), thinking)
+    assert e.value.field == "structured_outputs.grammar"
+    off = plan(
+        _req(
+            structured_outputs={"grammar": 'root ::= "a"'},
+            chat_template_kwargs={"enable_thinking": False},
+        ),
+        thinking,
+    )
+    assert off.structured.grammar == 'root ::= "a"' and not off.thinking
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        ChatOptions(enable_auto_tool_choice=True)
+
+
+def test_plan_required_schema_follows_parallel_tool_calls():
+    from serving.chat import ChatOptions, plan
+
+    one = plan(_req(tools=[TOOL], tool_choice="required", parallel_tool_calls=False), ChatOptions())
+    many = plan(_req(tools=[TOOL], tool_choice="required"), ChatOptions())
+    assert json.loads(one.structured.json)["maxItems"] == 1
+    assert "maxItems" not in json.loads(many.structured.json)

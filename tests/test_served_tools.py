@@ -15,6 +15,8 @@ module's own that renders `tools`, assistant `tool_calls`, `tool` messages and Q
    comes before the answer's constraint), so its text lands in `reasoning_content`, streamed as
    its own deltas; `enable_thinking: false` passes through to the template and the constrained
    output is all answer. The parsers' full splits are tested on text (`test_chat_parsers.py`).
+5. gRPC: a chat (`messages`) request's reasoning comes in `reasoning_text`, the answer in
+   `text`; `messages.enable_thinking` false passes through.
 """
 
 from __future__ import annotations
@@ -235,9 +237,35 @@ def test_reasoning_content_whole_and_streamed(client):
     assert "<think>" not in reasoning
     streamed = chat(client, stream=True, **kw)
     assert streamed["reasoning"] == reasoning and streamed["content"] == ""
-    assert sum(bool(getattr(d, "reasoning_content", None)) for d in streamed["deltas"]) > 1
+    assert any(getattr(d, "reasoning_content", None) for d in streamed["deltas"])
     no_thinking = chat(
         client, extra_body={"structured_outputs": {"choice": ["yes", "no"]}, **NO_THINKING}
     )
     assert no_thinking.message.content in ("yes", "no")
     assert no_thinking.message.model_extra["reasoning_content"] is None
+
+
+def test_grpc_reasoning_text(served):
+    import grpc
+
+    from serving.protos.jaxinfer.v1 import generate_pb2 as pb
+    from serving.protos.jaxinfer.v1 import generate_pb2_grpc as pb_grpc
+
+    def once(**chat):
+        req = pb.GenerateRequest(
+            messages=pb.ChatMessages(
+                messages=[pb.ChatMessage(role="user", content="Yes or no?")], **chat
+            ),
+            sampling=pb.SamplingParams(max_tokens=12, temperature=0.0),
+        )
+        req.sampling.structured_outputs.choice.choices.extend(["yes", "no"])
+        with grpc.insecure_channel(served.grpc_address) as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+            return stub.GenerateOnce(req, timeout=120), list(stub.Generate(req, timeout=120))
+
+    whole, parts = once()
+    assert whole.reasoning_text and whole.text == "", whole
+    assert "".join(m.reasoning_text for m in parts) == whole.reasoning_text
+    assert all(m.text == "" for m in parts)
+    whole, _ = once(enable_thinking=False)
+    assert whole.text in ("yes", "no") and whole.reasoning_text == "", whole
