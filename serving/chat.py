@@ -120,7 +120,7 @@ def _choice(req: oai.ChatCompletionRequest, tools: dict[str, Any]) -> tuple[str,
         if choice == "required" and not tools:
             raise InvalidArgument('tool_choice "required" needs tools', "tools")
         return choice, None
-    fn = choice.get("function") if isinstance(choice, dict) else None
+    fn = choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     if choice.get("type", "function") != "function" or not isinstance(name, str):
         raise InvalidArgument(
@@ -139,14 +139,18 @@ def _messages(req: oai.ChatCompletionRequest) -> list[dict[str, Any]]:
     """The template's messages: assistant `tool_calls` (arguments as objects, as chat templates
     expect) and `tool_call_id` kept."""
     out = req.chat()
-    for msg, m in zip(out, req.messages, strict=True):
+    for i, (msg, m) in enumerate(zip(out, req.messages, strict=True)):
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
             calls = []
-            for call in m.tool_calls:
+            for j, call in enumerate(m.tool_calls):
                 call = dict(call)
-                fn = dict(call.get("function") or {})
+                fn = call.get("function")
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    where = f"messages[{i}].tool_calls[{j}].function"
+                    raise InvalidArgument(f"{where} must be an object with a name", where)
+                fn = dict(fn)
                 if isinstance(fn.get("arguments"), str):
                     with contextlib.suppress(ValueError):  # else the template gets the text
                         fn["arguments"] = json.loads(fn["arguments"])
