@@ -183,3 +183,18 @@ def test_plan_required_schema_follows_parallel_tool_calls():
     many = plan(_req(tools=[TOOL], tool_choice="required"), ChatOptions())
     assert json.loads(one.structured.json)["maxItems"] == 1
     assert "maxItems" not in json.loads(many.structured.json)
+
+
+def test_serve_refuses_auto_tool_choice_without_a_parser(monkeypatch, capsys):
+    import logging
+    import os
+    import sys
+
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    try:
+        import serve
+    finally:
+        sys.path.pop(0)
+    assert serve.main(["--enable-auto-tool-choice", "--fake-runner"]) == 2  # before any start
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
