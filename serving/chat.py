@@ -8,7 +8,8 @@
    (`tools`, `chat_template_kwargs`), and the constraint on the output.
 2. The constraint (`ChatPlan.structured`): a named `tool_choice` constrains the output to the
    function's `parameters` schema; `required` to `[{"name": ..., "parameters": {...}}, ...]` over
-   the tools (one item when `parallel_tool_calls` is false). Both are generated without free
+   the tools (one item when `parallel_tool_calls` is false; `auto` then keeps the first call the
+   model made, as vLLM). Both are generated without free
    whitespace (compact JSON; `x-guidance.whitespace_flexible` false). `auto` is unconstrained and
    parsed by the `--tool-call-parser`; `none` passes the tools to the template and parses
    nothing. With a `--reasoning-parser`, any constraint (these, `response_format`,
@@ -76,6 +77,7 @@ class ChatPlan:
     renames: tuple[tuple[str, str], ...]
     options: ChatOptions
     thinking: bool  # a reasoning parser splits the output
+    parallel: bool = True  # `parallel_tool_calls`: more than one call is kept
 
     def output(self) -> ChatOutput:
         return ChatOutput(self)
@@ -205,7 +207,10 @@ def plan(req: oai.ChatCompletionRequest, options: ChatOptions) -> ChatPlan:
         renames = (("structured_outputs.grammar", theirs),)
     elif origin is not None:
         renames = (("structured_outputs.json", origin),)
-    return ChatPlan(_messages(req), kwargs, mode, function, structured, renames, options, thinking)
+    parallel = req.parallel_tool_calls is not False
+    return ChatPlan(
+        _messages(req), kwargs, mode, function, structured, renames, options, thinking, parallel
+    )
 
 
 class ChatOutput:
@@ -214,9 +219,9 @@ class ChatOutput:
     def __init__(self, chat_plan: ChatPlan) -> None:
         self.plan = chat_plan
         opts = chat_plan.options
-        self.reasoning: ReasoningParser | None = (
-            REASONING_PARSERS[opts.reasoning_parser]() if chat_plan.thinking else None  # type: ignore[index]
-        )
+        self.reasoning: ReasoningParser | None = None
+        if chat_plan.thinking:
+            self.reasoning = REASONING_PARSERS[opts.reasoning_parser]()  # type: ignore[index]
         self.tools: ToolParser | None = None
         if chat_plan.mode == "auto":
             self.tools = TOOL_PARSERS[opts.tool_call_parser]()  # type: ignore[index]
@@ -238,6 +243,7 @@ class ChatOutput:
         elif self.tools is not None:
             found = self.tools.extract(content or "")
             msg["content"], calls = found.content, found.calls
+            calls = calls if self.plan.parallel else calls[:1]
         if calls:
             msg["tool_calls"] = [c.to_openai() for c in calls]
         return msg, self._finish(finish, bool(calls))
@@ -280,6 +286,8 @@ class ChatOutput:
                 more_content, more = self.tools.finish()
                 content, new = content + more_content, new + more
             for call in new:
+                if self._calls and not self.plan.parallel:
+                    break
                 calls.append(call.to_openai(self._calls))
                 self._calls += 1
         if content:

@@ -198,3 +198,24 @@ def test_serve_refuses_auto_tool_choice_without_a_parser(monkeypatch, capsys):
         sys.path.pop(0)
     assert serve.main(["--enable-auto-tool-choice", "--fake-runner"]) == 2  # before any start
     assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_output_whole_and_streamed_keeps_parallel_calls_or_the_first(parallel):
+    from serving.chat import ChatOptions, merge, plan
+
+    options = ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    chat_plan = plan(_req(tools=[TOOL], parallel_tool_calls=parallel), options)
+    text, _ = CASES["hermes"]
+    msg, finish = chat_plan.output().message(text, "stop")
+    assert finish == "tool_calls" and msg["content"] == "Let me check.\n"
+    names = [c["function"]["name"] for c in msg["tool_calls"]]
+    assert names == (["get_weather", "get_time"] if parallel else ["get_weather"])
+    out, delta = chat_plan.output(), {}
+    for i in range(0, len(text), 4):
+        delta = merge(delta, out.feed(text[i : i + 4]))
+    last, finish = out.close("stop")
+    delta = merge(delta, last)
+    assert finish == "tool_calls" and delta["content"] == "Let me check.\n"
+    assert [c["function"]["name"] for c in delta["tool_calls"]] == names
+    assert [c["index"] for c in delta["tool_calls"]] == list(range(len(names)))
