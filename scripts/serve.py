@@ -179,6 +179,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--http-host", default=None, help="address of the HTTP API (default: --host)")
     s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='chat tool_choice "auto" (the default with tools): the model\'s own tool calls, '
+        "parsed by --tool-call-parser",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=("hermes", "llama3_json", "mistral"),
+        help="the model's tool-call format: hermes (Qwen, Hermes: <tool_call> JSON), "
+        "llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS] JSON)",
+    )
+    s.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=("deepseek_r1", "qwen3"),
+        help="split <think> output into chat responses' reasoning_content",
+    )
+    s.add_argument(
         "--served-model-name",
         default=None,
         help="the model id HTTP clients name (default: the checkpoint's name)",
@@ -468,7 +487,9 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
         log_interval=args.log_interval,
         max_request_bytes=args.max_request_bytes,
     )
-    grpc_server = GenerateServer(frontend=frontend, host=args.host, port=args.port)
+    grpc_server = GenerateServer(
+        frontend=frontend, host=args.host, port=args.port, reasoning_parser=args.reasoning_parser
+    )
     http = None
     if args.http_port is not None:
         http = OpenAIServer(
@@ -476,6 +497,7 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
             host=args.http_host or args.host,
             port=args.http_port,
             served_model_name=args.served_model_name,
+            chat_options=args.chat_options,
         )
     try:
         await frontend.start()
@@ -514,6 +536,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     try:
+        from serving.chat import ChatOptions
+
+        args.chat_options = ChatOptions(
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+        )
         channel = start_multihost(args) if args.num_processes > 1 else None
         if channel is not None and args.process_id != 0:
             return follow(args, channel)

@@ -43,6 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from jaxinfer.engine.output import RequestDelta, Usage
+from serving import chat as chat_api
 from serving import http_errors, validation
 from serving import openai_protocol as oai
 from serving.engine_loop import Stream
@@ -72,6 +73,7 @@ class OpenAIServer:
       frontend: the front end (engine loop, admission, tokenizer, metrics, lifecycle).
       host, port: where to listen (`port=0`: a free port; `start()` returns it).
       served_model_name: the model id clients name (default: the checkpoint's name).
+      chat_options: tool calling and reasoning flags (`serving.chat.ChatOptions`).
     """
 
     def __init__(
@@ -81,8 +83,10 @@ class OpenAIServer:
         host: str = "127.0.0.1",
         port: int = 0,
         served_model_name: str | None = None,
+        chat_options: chat_api.ChatOptions | None = None,
     ) -> None:
         self.frontend = frontend
+        self.chat_options = chat_options or chat_api.ChatOptions()
         self.host, self.port = host, port
         self.model_name = served_model_name or frontend.model.name
         self.tokenizer = frontend.tokenizer
@@ -222,14 +226,18 @@ class OpenAIServer:
             raise http_error(e) from None
         req = await self._parse(request, cls)
         self._check_model(req.model)
-        streams, prompt_lens = await self._admit(req, chat=chat)
+        try:
+            plan = chat_api.plan(req, self.chat_options) if chat else None
+        except InvalidArgument as e:
+            raise http_error(e) from None
+        streams, prompt_lens = await self._admit(req, plan)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         meta = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = (
-                self._chat_events(req, streams, meta, include_usage)
-                if chat
+                self._chat_events(req, plan, streams, meta, include_usage)
+                if plan is not None
                 else self._completion_events(req, streams, meta, include_usage)
             )
             return StreamingResponse(
@@ -237,7 +245,7 @@ class OpenAIServer:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
             )
-        collect = asyncio.ensure_future(self._collect(req, streams, meta, chat=chat))
+        collect = asyncio.ensure_future(self._collect(req, streams, meta, plan))
         watch = asyncio.ensure_future(_until_disconnected(request))
         try:
             await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -251,8 +259,12 @@ class OpenAIServer:
             return Response(status_code=499)
         return JSONResponse(collect.result(), headers={"X-Request-Id": rid})
 
-    async def _admit(self, req: Any, *, chat: bool) -> tuple[list[Stream], list[int]]:
-        """Tokenizes, validates and submits the request's prompts; returns their streams."""
+    async def _admit(
+        self, req: Any, plan: chat_api.ChatPlan | None
+    ) -> tuple[list[Stream], list[int]]:
+        """Tokenizes, validates and submits the request's prompts (a chat's as `plan` says);
+        returns their streams."""
+        chat = plan is not None
         unsupported = req.unsupported()
         if unsupported:
             raise HTTPError(
@@ -264,9 +276,9 @@ class OpenAIServer:
         try:
             if chat:
                 kwargs = validation.chat_template_kwargs(
-                    req.chat_template_kwargs, "chat_template_kwargs"
+                    plan.template_kwargs, "chat_template_kwargs"
                 )
-                prompts = [await fe.tokenize_chat(req.chat(), field="messages", **kwargs)]
+                prompts = [await fe.tokenize_chat(plan.messages, field="messages", **kwargs)]
                 names = ["messages"]
             else:
                 names = [name for name, _ in req.prompts()]
@@ -287,7 +299,13 @@ class OpenAIServer:
                         room = max(fe.room(len(ids)), 1)
                         max_tokens = room if chat else min(16, room)
                     fields = oai.fields(req, prompt=name, max_tokens=max_field)
-                    sp = oai.sampling_params(req, fields, max_tokens=max_tokens, logprobs=logprobs)
+                    extra = {}
+                    if plan is not None:
+                        fields = fields.with_(renames=plan.renames)
+                        extra["structured"] = plan.structured
+                    sp = oai.sampling_params(
+                        req, fields, max_tokens=max_tokens, logprobs=logprobs, **extra
+                    )
                     streams.append(fe.submit(ids, sp, req.priority, fields=fields))
             except BaseException:
                 for s in streams:
@@ -329,8 +347,13 @@ class OpenAIServer:
                     self.frontend.cancel(s)
 
     async def _collect(
-        self, req: Any, streams: list[Stream], meta: dict[str, Any], *, chat: bool
+        self,
+        req: Any,
+        streams: list[Stream],
+        meta: dict[str, Any],
+        plan: chat_api.ChatPlan | None,
     ) -> dict[str, Any]:
+        chat = plan is not None
         n = req.n
         choices = [{"text": "", "lps": [], "finish": None} for _ in range(n * len(streams))]
         usages: list[list[Usage | None]] = [[None] * n for _ in streams]
@@ -350,13 +373,9 @@ class OpenAIServer:
                     if req.logprobs
                     else None
                 )
+                message, finish = plan.output().message(c["text"], c["finish"])
                 out.append(
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": c["text"]},
-                        "logprobs": lps,
-                        "finish_reason": c["finish"],
-                    }
+                    {"index": i, "message": message, "logprobs": lps, "finish_reason": finish}
                 )
             else:
                 lps = (
@@ -419,6 +438,7 @@ class OpenAIServer:
     async def _chat_events(
         self,
         req: oai.ChatCompletionRequest,
+        plan: chat_api.ChatPlan,
         streams: list[Stream],
         meta: dict[str, Any],
         include_usage: bool,
@@ -426,6 +446,7 @@ class OpenAIServer:
         n = req.n
         usages: list[list[Usage | None]] = [[None] * n for _ in streams]
         base = {**meta, "object": "chat.completion.chunk"}
+        outputs = [plan.output() for _ in range(n * len(streams))]
         for i in range(n * len(streams)):
             yield _sse(
                 {
@@ -449,18 +470,23 @@ class OpenAIServer:
                     lps = None
                     if req.logprobs:
                         lps = {"content": oai.chat_logprobs(self.tokenizer, d.logprobs or [])}
+                    i = p * n + d.index
+                    delta, finish = outputs[i].feed(d.new_text), None
                     if d.finished:
                         usages[p][d.index] = d.usage
-                    delta = {"content": d.new_text} if d.new_text else {}
+                        last, finish = outputs[i].close(d.finish_reason)
+                        delta = chat_api.merge(delta, last)
+                    if not (delta or lps or d.finished):
+                        continue
                     yield _sse(
                         {
                             **base,
                             "choices": [
                                 {
-                                    "index": p * n + d.index,
+                                    "index": i,
                                     "delta": delta,
                                     "logprobs": lps,
-                                    "finish_reason": d.finish_reason if d.finished else None,
+                                    "finish_reason": finish,
                                 }
                             ],
                             "usage": None,

@@ -6,7 +6,8 @@ to and from the engine's types. No I/O here: `http_server.py` serves these.
    `logit_bias`, `tools`, ...) are refused when set, never silently ignored; vLLM's extras
    (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
    `priority`, `structured_outputs`) are accepted, and so is `response_format` (`json_object`,
-   `json_schema`): structured output (`jaxinfer.structured`).
+   `json_schema`): structured output (`jaxinfer.structured`). Chat's `tools`, `tool_choice`,
+   `parallel_tool_calls` and the reasoning split are `serving.chat`'s.
 2. `fields(req, prompt=..., max_tokens=...)` is how this request's fields are named in errors
    (`validation.Fields`: the prompt field, `max_completion_tokens`, chat's `top_logprobs`,
    `response_format` for a constraint set there); `sampling_params(req, fields, max_tokens,
@@ -150,6 +151,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (`serving.chat`)
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(_Request):
@@ -157,17 +160,10 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = None  # checked by `serving.chat.plan`
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-
-    def unsupported(self) -> list[str]:
-        out = super().unsupported()
-        if self.tools:
-            out.append("tools")
-        if self.tool_choice not in (None, "none"):
-            out.append("tool_choice")
-        return out
 
     def chat(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (text parts joined)."""
@@ -213,9 +209,15 @@ def fields(req: _Request, *, prompt: str, max_tokens: str = "max_tokens") -> Fie
 
 
 def sampling_params(
-    req: _Request, names: Fields, *, max_tokens: int, logprobs: int | None
+    req: _Request,
+    names: Fields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    structured: StructuredOutputsParams | None | Literal[False] = False,
 ) -> SamplingParams:
-    """The request's `SamplingParams` (InvalidArgument naming the API field as `names` does)."""
+    """The request's `SamplingParams` (InvalidArgument naming the API field as `names` does);
+    `structured` replaces the request's own constraint unless False (chat's tool choice)."""
     kwargs: dict[str, Any] = dict(
         max_tokens=max_tokens,
         n=req.n,
@@ -233,7 +235,9 @@ def sampling_params(
         if value is not None:
             kwargs[name] = value
     try:
-        kwargs["structured_outputs"] = structured_outputs(req)
+        kwargs["structured_outputs"] = (
+            structured_outputs(req) if structured is False else structured
+        )
         return SamplingParams(**kwargs)
     except FieldError as e:
         raise names.error(e) from None

@@ -215,6 +215,7 @@ def merge(total: pb.GenerateResponse, part: pb.GenerateResponse) -> None:
     """Appends one streamed message of a sample to the accumulated whole (GenerateOnce)."""
     total.token_ids.extend(part.token_ids)
     total.text += part.text
+    total.reasoning_text += part.reasoning_text
     total.logprobs.extend(part.logprobs)
     total.prompt_logprobs.extend(part.prompt_logprobs)
     if part.finish_reason:

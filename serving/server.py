@@ -8,7 +8,10 @@ maps protos to and from the engine's types.
 2. `Generate` parses the raw request bytes, validates them, tokenizes through the front end (off
    the event loop), submits, and streams the request's `Stream.next_batch()`es: one
    `GenerateResponse` per step, or one for every delta waiting when the client reads slower than
-   the engine steps. `GenerateOnce` folds the same deltas into one message.
+   the engine steps. `GenerateOnce` folds the same deltas into one message. With a
+   `reasoning_parser` (`--reasoning-parser`), a chat (`messages`) request's `<think>` output goes
+   to `reasoning_text`, the answer to `text`, and its structured output applies to the answer
+   (`serving.reasoning`); `messages.enable_thinking` false turns that off.
 3. Client cancellation or an expired deadline cancels the handler; its `finally` cancels the
    request in the front end, which frees its pages at the next step.
 4. `shutdown(grace)` is the front end's: health NOT_SERVING, new requests UNAVAILABLE, in-flight
@@ -24,6 +27,7 @@ carry on), CANCELLED / DEADLINE_EXCEEDED (set by gRPC itself).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -32,7 +36,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serving import protocol, validation
+from serving import protocol, reasoning, validation
 from serving.engine_loop import Stream
 from serving.errors import InvalidArgument, QueueFull, RequestFailed, Unavailable
 from serving.frontend import FrontEnd
@@ -70,6 +74,7 @@ class GenerateServer:
         frontend: FrontEnd | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        reasoning_parser: str | None = None,
         **frontend_options: Any,
     ) -> None:
         if frontend is None:
@@ -78,6 +83,7 @@ class GenerateServer:
             raise ValueError("GenerateServer takes a frontend, or what to build one from")
         self.frontend = frontend
         self.host, self.port = host, port
+        self.reasoning_parser = reasoning_parser
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         frontend.attach(self)
@@ -193,7 +199,10 @@ class GenerateServer:
         """(field, token ids) of a request's `input` oneof, tokenized by the front end."""
         field, value = protocol.prompt_input(req)
         if field == "messages":
-            return field, await self.frontend.tokenize_chat(value, field=field)
+            kwargs = {}
+            if req.messages.HasField("enable_thinking"):
+                kwargs["enable_thinking"] = req.messages.enable_thinking
+            return field, await self.frontend.tokenize_chat(value, field=field, **kwargs)
         if isinstance(value, str):
             ids = await self.frontend.tokenize(
                 value, field=field, add_special_tokens=add_special_tokens
@@ -203,8 +212,9 @@ class GenerateServer:
 
     async def _admit(
         self, data: bytes, context: grpc.aio.ServicerContext, *, once: bool
-    ) -> tuple[pb.GenerateRequest, Stream]:
-        """Parses, validates, tokenizes and submits a request; aborts the RPC when it cannot."""
+    ) -> tuple[pb.GenerateRequest, Stream, bool]:
+        """Parses, validates, tokenizes and submits a request; aborts the RPC when it cannot.
+        The flag: its output's reasoning is split off (`serving.reasoning`)."""
         code, message = grpc.StatusCode.INVALID_ARGUMENT, ""
         try:
             self.frontend.check_admission()
@@ -221,7 +231,15 @@ class GenerateServer:
                 )
             field, ids = await self._encode(req)
             fields = validation.GRPC.with_(prompt=field)
-            return req, self.frontend.submit(ids, sp, req.priority, fields=fields)
+            thinking = field == "messages" and self.reasoning_parser is not None
+            if thinking and req.messages.HasField("enable_thinking"):
+                thinking = req.messages.enable_thinking
+            if thinking and sp.structured_outputs is not None:
+                so, ours = reasoning.after_reasoning(sp.structured_outputs, self.reasoning_parser)
+                sp = dataclasses.replace(sp, structured_outputs=so)
+                renames = (("structured_outputs.grammar", validation.GRPC(ours)),)
+                fields = validation.GRPC.with_(prompt=field, renames=renames)
+            return req, self.frontend.submit(ids, sp, req.priority, fields=fields), thinking
         except ValueError as e:  # InvalidArgument, naming the field
             message = str(e)
         except QueueFull as e:
@@ -235,10 +253,16 @@ class GenerateServer:
         raise AssertionError("unreachable: context.abort raises")
 
     async def _responses(
-        self, req: pb.GenerateRequest, stream: Stream, context: grpc.aio.ServicerContext
+        self,
+        req: pb.GenerateRequest,
+        stream: Stream,
+        context: grpc.aio.ServicerContext,
+        thinking: bool = False,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """The request's responses until every sample has finished; cancels it if left early."""
+        """The request's responses until every sample has finished (`thinking`: each sample's
+        reasoning split into `reasoning_text`); cancels it if left early."""
         unfinished = stream.n
+        splitters: dict[int, reasoning.ReasoningParser] = {}
         try:
             while unfinished:
                 try:
@@ -249,6 +273,16 @@ class GenerateServer:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 try:
                     msg = protocol.response(item, req.request_id)
+                    if thinking:
+                        parser = splitters.get(item.index)
+                        if parser is None:
+                            parser = reasoning.REASONING_PARSERS[self.reasoning_parser]()
+                            splitters[item.index] = parser
+                        think, msg.text = parser.stream(item.new_text)
+                        if item.finished:
+                            more, rest = parser.finish()
+                            think, msg.text = think + more, msg.text + rest
+                        msg.reasoning_text = think
                 except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                     logger.exception("building a response for %s failed", stream.engine_id)
                     why = f"internal error: {type(e).__name__}: {e}"
@@ -263,17 +297,19 @@ class GenerateServer:
     async def _generate(
         self, data: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        req, stream = await self._admit(data, context, once=False)
-        async with contextlib.aclosing(self._responses(req, stream, context)) as responses:
+        req, stream, thinking = await self._admit(data, context, once=False)
+        responses = self._responses(req, stream, context, thinking)
+        async with contextlib.aclosing(responses) as responses:
             async for msg in responses:
                 yield msg
 
     async def _generate_once(
         self, data: bytes, context: grpc.aio.ServicerContext
     ) -> pb.GenerateResponse:
-        req, stream = await self._admit(data, context, once=True)
+        req, stream, thinking = await self._admit(data, context, once=True)
         total = pb.GenerateResponse(request_id=req.request_id)
-        async with contextlib.aclosing(self._responses(req, stream, context)) as responses:
+        responses = self._responses(req, stream, context, thinking)
+        async with contextlib.aclosing(responses) as responses:
             async for msg in responses:
                 protocol.merge(total, msg)
         return total

@@ -29,8 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVE = ROOT / "scripts" / "serve.py"
 
 
-def tiny_model_dir(root: Path) -> Path:
-    """A `config.json` + tokenizer directory for `serve.py --load-format dummy`."""
+def tiny_model_dir(root: Path, chat_template: str | None = None) -> Path:
+    """A `config.json` + tokenizer directory for `serve.py --load-format dummy` (its chat
+    template: `chat_template`, default SmolLM2's)."""
     tok = load_vocab()  # skips the calling test without the embedded SmolLM2 vocabulary
     root.mkdir(parents=True, exist_ok=True)
     config = {
@@ -50,17 +51,18 @@ def tiny_model_dir(root: Path) -> Path:
                 "bos_token": tok.bos_token,
                 "eos_token": tok.eos_token,
                 "add_bos_token": False,
-                "chat_template": tok.chat_template,
+                "chat_template": chat_template or tok.chat_template,
             }
         )
     )
     return root
 
 
-def serve_tiny(root: Path, *flags: str) -> ServedProcess:
-    """`serve.py` over `tiny_model_dir(root)` (dummy weights, no warmup, 4 sequences, 64-token
-    steps, 64 pages, max_model_len 256); `flags` come last, so they override these."""
-    model = tiny_model_dir(root)
+def serve_tiny(root: Path, *flags: str, chat_template: str | None = None) -> ServedProcess:
+    """`serve.py` over `tiny_model_dir(root, chat_template)` (dummy weights, no warmup, 4
+    sequences, 64-token steps, 64 pages, max_model_len 256); `flags` come last, so they override
+    these."""
+    model = tiny_model_dir(root, chat_template)
     base = ["--model", str(model), "--load-format", "dummy", "--no-warmup"]
     sizes = ["--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
     return ServedProcess([*base, *sizes, "--num-pages", "64", *flags])

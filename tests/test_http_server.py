@@ -246,7 +246,7 @@ def test_chat_errors(client, srv):
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2
         )
-    with pytest.raises(openai.BadRequestError, match="tools is not supported"):
+    with pytest.raises(openai.BadRequestError, match="requires --enable-auto-tool-choice"):
         client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "x"}],

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxinfer/v1/generate.proto\x12\x0bjaxinfer.v1\"\xee\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x04 \x01(\x0b\x32\x19.jaxinfer.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.jaxinfer.v1.SamplingParams\x12\x15\n\x08priority\x18\x06 \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05inputB\x0b\n\t_priority\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxinfer.v1.ChatMessage\"\x84\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12:\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1e.jaxinfer.v1.StructuredOutputsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobs\"\x95\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x14.jaxinfer.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxinfer.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xef\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12\x41\n\rfinish_reason\x18\x06 \x01(\x0e\x32*.jaxinfer.v1.GenerateResponse.FinishReason\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\"P\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\x0b\n\x07\x41\x42ORTED\x10\x03\"\x91\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12-\n\x08messages\x18\x02 \x01(\x0b\x32\x19.jaxinfer.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xf7\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x39\n\nmesh_shape\x18\x06 \x03(\x0b\x32%.jaxinfer.v1.ModelInfo.MeshShapeEntry\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\'\n\x08\x63\x61pacity\x18\x08 \x01(\x0b\x32\x15.jaxinfer.v1.Capacity\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x19\n\x11has_chat_template\x18\n \x01(\x08\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\x12\x16\n\x0elinear_backend\x18\x0c \x01(\t\x1a\x30\n\x0eMeshShapeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"z\n\x08\x43\x61pacity\x12\x11\n\tnum_pages\x18\x01 \x01(\x05\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x04 \x01(\x05\x12\x11\n\tmax_queue\x18\x05 \x01(\x05\x32\xbc\x02\n\x0fGenerateService\x12I\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse0\x01\x12K\n\x0cGenerateOnce\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse\x12G\n\x08Tokenize\x12\x1c.jaxinfer.v1.TokenizeRequest\x1a\x1d.jaxinfer.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .jaxinfer.v1.GetModelInfoRequest\x1a\x16.jaxinfer.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxinfer/v1/generate.proto\x12\x0bjaxinfer.v1\"\xee\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x04 \x01(\x0b\x32\x19.jaxinfer.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.jaxinfer.v1.SamplingParams\x12\x15\n\x08priority\x18\x06 \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05inputB\x0b\n\t_priority\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"l\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxinfer.v1.ChatMessage\x12\x1c\n\x0f\x65nable_thinking\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x12\n\x10_enable_thinking\"\x84\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12:\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1e.jaxinfer.v1.StructuredOutputsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobs\"\x95\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x14.jaxinfer.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxinfer.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\x87\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12\x41\n\rfinish_reason\x18\x06 \x01(\x0e\x32*.jaxinfer.v1.GenerateResponse.FinishReason\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.jaxinfer.v1.TokenLogprob\x12\x16\n\x0ereasoning_text\x18\t \x01(\t\"P\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\x0b\n\x07\x41\x42ORTED\x10\x03\"\x91\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12-\n\x08messages\x18\x02 \x01(\x0b\x32\x19.jaxinfer.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xf7\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x39\n\nmesh_shape\x18\x06 \x03(\x0b\x32%.jaxinfer.v1.ModelInfo.MeshShapeEntry\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\'\n\x08\x63\x61pacity\x18\x08 \x01(\x0b\x32\x15.jaxinfer.v1.Capacity\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x19\n\x11has_chat_template\x18\n \x01(\x08\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\x12\x16\n\x0elinear_backend\x18\x0c \x01(\t\x1a\x30\n\x0eMeshShapeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"z\n\x08\x43\x61pacity\x12\x11\n\tnum_pages\x18\x01 \x01(\x05\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x04 \x01(\x05\x12\x11\n\tmax_queue\x18\x05 \x01(\x05\x32\xbc\x02\n\x0fGenerateService\x12I\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse0\x01\x12K\n\x0cGenerateOnce\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse\x12G\n\x08Tokenize\x12\x1c.jaxinfer.v1.TokenizeRequest\x1a\x1d.jaxinfer.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .jaxinfer.v1.GetModelInfoRequest\x1a\x16.jaxinfer.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,35 +40,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=309
   _globals['_CHATMESSAGE']._serialized_end=353
   _globals['_CHATMESSAGES']._serialized_start=355
-  _globals['_CHATMESSAGES']._serialized_end=413
-  _globals['_SAMPLINGPARAMS']._serialized_start=416
-  _globals['_SAMPLINGPARAMS']._serialized_end=1060
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1063
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1212
-  _globals['_CHOICES']._serialized_start=1214
-  _globals['_CHOICES']._serialized_end=1240
-  _globals['_TOPLOGPROB']._serialized_start=1242
-  _globals['_TOPLOGPROB']._serialized_end=1289
-  _globals['_TOKENLOGPROB']._serialized_start=1291
-  _globals['_TOKENLOGPROB']._serialized_end=1378
-  _globals['_USAGE']._serialized_start=1380
-  _globals['_USAGE']._serialized_end=1467
-  _globals['_GENERATERESPONSE']._serialized_start=1470
-  _globals['_GENERATERESPONSE']._serialized_end=1837
-  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_start=1757
-  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_end=1837
-  _globals['_TOKENIZEREQUEST']._serialized_start=1840
-  _globals['_TOKENIZEREQUEST']._serialized_end=1985
-  _globals['_TOKENIZERESPONSE']._serialized_start=1987
-  _globals['_TOKENIZERESPONSE']._serialized_end=2040
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2042
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2063
-  _globals['_MODELINFO']._serialized_start=2066
-  _globals['_MODELINFO']._serialized_end=2441
-  _globals['_MODELINFO_MESHSHAPEENTRY']._serialized_start=2393
-  _globals['_MODELINFO_MESHSHAPEENTRY']._serialized_end=2441
-  _globals['_CAPACITY']._serialized_start=2443
-  _globals['_CAPACITY']._serialized_end=2565
-  _globals['_GENERATESERVICE']._serialized_start=2568
-  _globals['_GENERATESERVICE']._serialized_end=2884
+  _globals['_CHATMESSAGES']._serialized_end=463
+  _globals['_SAMPLINGPARAMS']._serialized_start=466
+  _globals['_SAMPLINGPARAMS']._serialized_end=1110
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1113
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1262
+  _globals['_CHOICES']._serialized_start=1264
+  _globals['_CHOICES']._serialized_end=1290
+  _globals['_TOPLOGPROB']._serialized_start=1292
+  _globals['_TOPLOGPROB']._serialized_end=1339
+  _globals['_TOKENLOGPROB']._serialized_start=1341
+  _globals['_TOKENLOGPROB']._serialized_end=1428
+  _globals['_USAGE']._serialized_start=1430
+  _globals['_USAGE']._serialized_end=1517
+  _globals['_GENERATERESPONSE']._serialized_start=1520
+  _globals['_GENERATERESPONSE']._serialized_end=1911
+  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_start=1831
+  _globals['_GENERATERESPONSE_FINISHREASON']._serialized_end=1911
+  _globals['_TOKENIZEREQUEST']._serialized_start=1914
+  _globals['_TOKENIZEREQUEST']._serialized_end=2059
+  _globals['_TOKENIZERESPONSE']._serialized_start=2061
+  _globals['_TOKENIZERESPONSE']._serialized_end=2114
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2116
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2137
+  _globals['_MODELINFO']._serialized_start=2140
+  _globals['_MODELINFO']._serialized_end=2515
+  _globals['_MODELINFO_MESHSHAPEENTRY']._serialized_start=2467
+  _globals['_MODELINFO_MESHSHAPEENTRY']._serialized_end=2515
+  _globals['_CAPACITY']._serialized_start=2517
+  _globals['_CAPACITY']._serialized_end=2639
+  _globals['_GENERATESERVICE']._serialized_start=2642
+  _globals['_GENERATESERVICE']._serialized_end=2958
 # @@protoc_insertion_point(module_scope)
