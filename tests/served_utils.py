@@ -149,7 +149,9 @@ def serve_fake(*flags: str) -> ServedProcess:
 class ServedProcess:
     """`scripts/serve.py ARGS` on 127.0.0.1 with free gRPC, metrics and HTTP ports."""
 
-    def __init__(self, args: list[str], *, ready_timeout: float = 240.0) -> None:
+    def __init__(
+        self, args: list[str], *, ready_timeout: float = 240.0, env: dict[str, str] | None = None
+    ) -> None:
         cmd = [
             sys.executable,
             str(SERVE),
@@ -163,7 +165,7 @@ class ServedProcess:
             "0",
             *args,
         ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
         )
