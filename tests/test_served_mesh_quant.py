@@ -7,7 +7,8 @@ with several engine-shaping flags at once; every one must decode exactly the mod
    (8 virtual CPU devices), `--profile-port` (the profiler server listens) and
    `--grace-period 0.5` (SIGTERM aborts a long stream once it is over; checked last);
 2. `--speculative-config` n-gram with `--kv-cache-dtype fp8` on `--mesh expert=2,tensor=2`
-   (4 devices): tokens equal plain decoding and the spec metrics move.
+   (4 devices) and `--skip-tokenizer-init`: tokens equal plain decoding, the spec metrics move,
+   the text fields stay empty and a text prompt is refused naming the flag.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import threading
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 from served_utils import ServedProcess, successor_model_dir, successors
 
@@ -67,6 +69,7 @@ def ngram(model_dir):
         [
             *("--model", str(model_dir), *SIZES, "--kv-cache-dtype", "fp8"),
             *("--mesh", "expert=2,tensor=2", "--speculative-config", json.dumps(spec)),
+            "--skip-tokenizer-init",
         ],
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
     )
@@ -141,9 +144,14 @@ def test_ngram_speculation_with_fp8_kv_on_an_expert_tensor_mesh(ngram):
     prompt = [1001, 1002, 1003, 1004, 1000]
     ids, msgs = _tokens(ngram, prompt, max_tokens=8, temperature=0)
     assert ids == successors(1000, 8, V)
+    assert not "".join(m.text for m in msgs)  # no tokenizer: ids only
     assert _metric(ngram, "jaxinfer_spec_decode_num_accepted_tokens_total") > before
     with GenerateClient(ngram.grpc_address) as c:
         info = c.model_info()
     assert dict(info.mesh_shape) == {"data": 1, "pipeline": 1, "expert": 2, "tensor": 2}
     log = "".join(ngram.log)
     assert "speculative ngram" in log and "(fp8)" in log
+    with pytest.raises(grpc.RpcError) as e, GenerateClient(ngram.grpc_address) as c:
+        list(c.generate("a text prompt", timeout=60, max_tokens=2))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "skip-tokenizer-init" in e.value.details() or "skip_tokenizer_init" in e.value.details()
