@@ -23,6 +23,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from datetime import datetime
 
@@ -364,6 +365,10 @@ def test_service_health_reflection_and_metrics(served, grpc_client):
     before = _metric(served, "jaxinfer_generation_tokens_total")
     grpc_tokens(grpc_client, [5000], max_tokens=5, temperature=0)
     assert _metric(served, "jaxinfer_generation_tokens_total") - before == 5
+    deadline = time.monotonic() + 30  # the gauge follows the load line (every 0.2 s here)
+    while _metric(served, "jaxinfer_generation_tokens_per_second") <= 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_log_interval_spaces_the_load_lines(served, grpc_client):
