@@ -36,7 +36,7 @@ PRIORITY = E + "test_priority_reorders_under_contention_and_max_queue_refuses"
 
 COVERAGE: dict[str, tuple[str, ...]] = {
     # serve.py flags
-    "`--model`": (GREEDY,),
+    "`--model`": (GREEDY, "test_served_default.py::test_default_model_answers_on_both_protocols"),
     "`--host`, `--port`": (GREEDY,),
     "`--metrics-port` / `--no-metrics`": (
         F + "test_service_health_reflection_and_metrics",
