@@ -98,12 +98,17 @@ class ServerMetrics:
         )
         self.step_time = Histogram(
             "jaxinfer_engine_step_seconds",
-            "Wall time of one engine step",
+            "Wall time of one engine step that emitted tokens",
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
         self.step_failures = Counter(
             "jaxinfer_engine_step_failures", "Engine steps that raised", registry=r
+        )
+        # NOTE: the step histogram sees only steps that emitted tokens (the core reports those);
+        # this counter follows the core's own step count, prefill-chunk steps included.
+        self.steps = Counter(
+            "jaxinfer_engine_steps", "Engine steps that computed something", registry=r
         )
         self.running = Gauge(
             "jaxinfer_num_requests_running", "Sequences (samples) running in the engine", registry=r
@@ -181,11 +186,16 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._prompt, self._cached = 0, 0
         self._spec_seen = (0, 0, 0)  # the core's cumulative spec counters at the last step
+        self._steps_seen = 0
         self._http: Any = None
         self.port: int | None = None
 
     def observe_spec(self, stats: EngineStats) -> None:
-        """Speculative-decoding counters from the engine core's cumulative `stats()`."""
+        """The step counter and the speculative-decoding counters from the engine core's
+        cumulative `stats()`."""
+        if stats.steps > self._steps_seen:
+            self.steps.inc(stats.steps - self._steps_seen)
+            self._steps_seen = stats.steps
         steps, drafts = stats.spec_steps, stats.spec_draft_tokens
         accepted = stats.spec_accepted_tokens
         totals = (steps, drafts, accepted)

@@ -9,6 +9,10 @@
    HTTP API), waits for "server ready", reads the ports from the start-up summary and keeps
    draining the log on a thread (a full pipe would block the server). `stop()` sends SIGTERM and
    returns the exit code (`wait()` after a signal the test sent); the log is kept for assertions.
+3. `successor_model_dir(root)` is the same model with real weights (`model.safetensors`) built so
+   its greedy output is known without running it: token i is followed by i + 1 (`successor`), so
+   a served test compares whole token sequences with plain Python, in every dtype and
+   quantization (the chosen token's logit leads the next one by ~15, far above any rounding).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 from engine_utils import TINY_LLAMA, load_vocab
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +63,75 @@ def tiny_model_dir(root: Path, chat_template: str | None = None) -> Path:
     return root
 
 
+# NOTE: a 3-cycle for the penalty tests: 3000 -> 3001 -> 3002 -> 3000. After 3000 the runner-up
+# is RUNNER_UP, whose logit is exactly 1 below 3001's (it has no predecessor of its own): any
+# penalty of more than 1 on 3001 (or a top-k / top-p / min-p filter the other way) shows.
+CYCLE = (3000, 3001, 3002)
+RUNNER_UP = 3003
+SUCCESSOR_LOGIT_SCALE = 0.5  # the chosen token's logit is 0.5 * hidden (64) = 32; others ~N(0, 4)
+
+
+def successor(token: int, vocab_size: int) -> int:
+    """The successor model's greedy next token."""
+    return CYCLE[0] if token == CYCLE[-1] else (token + 1) % vocab_size
+
+
+def successors(last: int, n: int, vocab_size: int) -> list[int]:
+    """The successor model's greedy continuation of a prompt ending in `last` (EOS ignored)."""
+    out = []
+    for _ in range(n):
+        last = successor(last, vocab_size)
+        out.append(last)
+    return out
+
+
+def successor_model_dir(root: Path) -> Path:
+    """`tiny_model_dir(root)` plus HF weights whose greedy next token is `successor(last token)`.
+
+    The embedding rows are random with norm sqrt(hidden) (RMS 1); every layer's weights are tiny
+    (std 0.02), so the residual stream stays the last token's embedding and the final norm hands it
+    on unchanged; LM-head row j is `SUCCESSOR_LOGIT_SCALE` x the sum of the embeddings of the
+    tokens j succeeds. So token j's logit after token i is 32 when j succeeds i and about
+    N(0, 4) otherwise (the largest of 49k such: ~17).
+    """
+    from safetensors.numpy import save_file
+
+    tiny_model_dir(root)
+    cfg = json.loads((root / "config.json").read_text())
+    vocab, hidden, inter = cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv_heads, head_dim = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+    )
+    rng = np.random.default_rng(0)
+    embed = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    embed *= np.sqrt(hidden) / np.linalg.norm(embed, axis=1, keepdims=True)
+    lm_head = np.zeros_like(embed)
+    nxt = np.array([successor(i, vocab) for i in range(vocab)])
+    np.add.at(lm_head, nxt, SUCCESSOR_LOGIT_SCALE * embed)
+    lm_head[RUNNER_UP] = (SUCCESSOR_LOGIT_SCALE - 1 / hidden) * embed[CYCLE[0]]
+    t = {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}
+    t["model.norm.weight"] = np.ones(hidden, np.float32)
+
+    def small(*shape: int) -> np.ndarray:
+        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = np.ones(hidden, np.float32)
+        t[p + "post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
+        t[p + "self_attn.q_proj.weight"] = small(heads * head_dim, hidden)
+        t[p + "self_attn.k_proj.weight"] = small(kv_heads * head_dim, hidden)
+        t[p + "self_attn.v_proj.weight"] = small(kv_heads * head_dim, hidden)
+        t[p + "self_attn.o_proj.weight"] = small(hidden, heads * head_dim)
+        t[p + "mlp.gate_proj.weight"] = small(inter, hidden)
+        t[p + "mlp.up_proj.weight"] = small(inter, hidden)
+        t[p + "mlp.down_proj.weight"] = small(hidden, inter)
+    save_file(t, str(root / "model.safetensors"))
+    return root
+
+
 def serve_tiny(root: Path, *flags: str, chat_template: str | None = None) -> ServedProcess:
     """`serve.py` over `tiny_model_dir(root, chat_template)` (dummy weights, no warmup, 4
     sequences, 64-token steps, 64 pages, max_model_len 256); `flags` come last, so they override
@@ -77,7 +151,9 @@ def serve_fake(*flags: str) -> ServedProcess:
 class ServedProcess:
     """`scripts/serve.py ARGS` on 127.0.0.1 with free gRPC, metrics and HTTP ports."""
 
-    def __init__(self, args: list[str], *, ready_timeout: float = 240.0) -> None:
+    def __init__(
+        self, args: list[str], *, ready_timeout: float = 240.0, env: dict[str, str] | None = None
+    ) -> None:
         cmd = [
             sys.executable,
             str(SERVE),
@@ -91,7 +167,7 @@ class ServedProcess:
             "0",
             *args,
         ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
         )

@@ -301,7 +301,8 @@ def test_dense_picks_the_kernel_only_where_it_pays():
             np.asarray(got, np.float32),
             np.asarray(want_y, np.float32),
             rtol=0,
-            atol=1e-2 * float(jnp.abs(want_y).max()),
+            # f32 rows: the file's bar (summation order only); bf16 rounds x and w to 8 bits.
+            atol=(1e-5 if dtype == jnp.float32 else 1e-2) * float(jnp.abs(want_y).max()),
         )
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
     emb = jnp.asarray(rng.standard_normal((300, 64)), jnp.float32)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import math
 
 import jax
 import numpy as np
@@ -489,8 +490,14 @@ def test_penalties_and_top_k_change_the_output(engine, vocab_size) -> None:
     )
     assert top_k.token_ids != base[:12]
     assert all(lp.token_id in lp.top for lp in top_k.logprobs)  # sampled from the raw top 5
-    min_p = generate(engine, prompt, SamplingParams(min_p=0.5, seed=1, max_tokens=8))
-    assert 1 <= len(min_p.token_ids) <= 8
+    min_p = generate(
+        engine,
+        prompt,
+        SamplingParams(min_p=0.2, seed=1, max_tokens=8, ignore_eos=True, logprobs=1),
+    )
+    assert len(min_p.token_ids) == 8
+    for lp in min_p.logprobs:  # at temperature 1: p >= min_p * p_max (raw logprobs)
+        assert lp.logprob >= max(lp.top.values()) + math.log(0.2) - 1e-4, lp
     assert_pages_free(engine)
 
 

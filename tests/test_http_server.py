@@ -2,8 +2,9 @@
 
 The engine is real (scheduler, pages, stop rules, detokenizer over the SmolLM2 vocabulary) with
 `serving.testing.FakeRunner`, so every stream is known in advance (`fake_stream`); the HTTP API
-and the gRPC API are served by `OpenAIServer` and `GenerateServer` over one `FrontEnd`. One test at the end runs the
-real default model to check that chat text comes out of the checkpoint's template.
+and the gRPC API are served by `OpenAIServer` and `GenerateServer` over one `FrontEnd`. The real
+default model is served over HTTP in `tests/test_served_default.py`, the served request fields'
+effects in `tests/test_served_features.py`.
 """
 
 from __future__ import annotations

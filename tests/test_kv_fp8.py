@@ -95,7 +95,11 @@ def test_attention_reads_fp8_like_the_float_values():
         np.testing.assert_allclose(bf16, want, rtol=0, atol=2e-2 * np.abs(want).max())
     float_cache, *_ = _filled(np.random.default_rng(1), "auto")
     exact = np.asarray(_attend("reference", float_cache, q))
-    assert 0 < np.abs(got - exact).max() <= 0.1 * np.abs(exact).max()  # fp8's rounding, bounded
+    # NOTE: e4m3 keeps 3 mantissa bits: each K and V value is rounded by up to 2^-4 of itself
+    # (the row's power-of-two scale keeps it in the normal range), which moves the output by up
+    # to 2^-4 of |V| directly and more through the softmax weights the rounded K shift; measured
+    # 0.075 of the output's max (2026-11-25), so 0.1 bounds fp8's rounding and nothing larger.
+    assert 0 < np.abs(got - exact).max() <= 0.1 * np.abs(exact).max()
 
 
 KERNEL_CASES = {  # name -> (backend, blocks): the GPU decode program with and without split-K

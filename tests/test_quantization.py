@@ -636,7 +636,8 @@ def test_orbax_round_trip_of_grouped_int8(tmp_path, small_groups):
 
 @pytest.mark.slow
 def test_quantized_engine_greedy_tokens_match_float():
-    """The engine end to end on a tiny int8 model: same greedy tokens as its float model here."""
+    """The engine end to end on a tiny int8 model: the same whole greedy sequences as its float
+    model (they agree on these prompts; a drift that flips any token fails here)."""
     from tests import engine_utils as eu
 
     tok = eu.load_vocab()
@@ -649,8 +650,7 @@ def test_quantized_engine_greedy_tokens_match_float():
     _, want = eu.greedy_ids_on_backends(model, prompts, 6)
     engine, got = eu.greedy_ids_on_backends(qmodel, prompts, 6)
     assert quantization.quantization_of(engine.runner.params) == "int8"
-    agree = sum(a[:3] == b[:3] for a, b in zip(got, want))
-    assert agree == len(prompts), (got, want)
+    assert got == want  # whole sequences
 
 
 def test_serve_flags_reach_the_core_and_dummy_weights_quantize(tmp_path):

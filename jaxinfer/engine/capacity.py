@@ -1,5 +1,6 @@
 """The engine core's start-up report: how many tokens the KV cache holds and how it is laid out
-(`log_capacity`, called once by `EngineCore.__init__`)."""
+(`log_capacity`, called once by `EngineCore.__init__`), and the scheduling options the engine
+runs with (the served tests read them to see that serve.py's flags reached the core)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ def log_capacity(core: EngineCore, data: int, shards: int, gain: float) -> None:
         held["params"] / 2**20,
         held["kv_cache"] / 2**20,
         replicated,
+    )
+    logger.info(
+        "scheduling %s; prefix caching %s; long_prefill_token_threshold %s; speculative %s",
+        "async" if c.async_scheduling else "sync",
+        "on" if c.enable_prefix_caching else "off",
+        c.long_prefill_token_threshold,
+        getattr(c.speculative_config, "method", "off"),
     )
 
 

