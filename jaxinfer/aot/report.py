@@ -32,6 +32,7 @@ _BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e
 _BYTES.update({"s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4})
 _BYTES.update({"s64": 8, "u64": 8, "f64": 8})
 _LAYER = re.compile(r"^layer_(\d+)$")
+_FRAMES = ("shard_map", "cond", "while", "body", "scan")
 COLLECTIVES = {
     "all-reduce": "all-reduce",
     "all-reduce-start": "all-reduce",
@@ -91,10 +92,12 @@ def _prod(dims: str) -> int:
 
 
 def scope_of(op_name: str) -> tuple[str | None, str]:
-    """(layer or None, scope): two named scopes inside a layer, the first one outside."""
-    parts = [p for p in op_name.split("/") if p and not p.startswith("jit(")][:-1]
-    if parts and _LAYER.match(parts[0]):
-        return parts[0], "/".join(parts[1:3]) or "(layer)"
+    """(layer or None, scope): two named scopes inside a layer, the first one outside (JAX's own
+    frames - `jit(...)`, `shard_map` - skipped; the last part, the primitive, dropped)."""
+    parts = [p for p in op_name.split("/")[:-1] if p and p not in _FRAMES and "(" not in p]
+    for i, part in enumerate(parts):
+        if _LAYER.match(part):
+            return part, "/".join(parts[i + 1 : i + 3]) or "(layer)"
     return None, parts[0] if parts else "(top)"
 
 
