@@ -14,8 +14,10 @@ programs, so the GPU and TPU paths are checked (and measured) on a CPU machine.
    allocated: `load_format="dummy"` without the numbers), and sizes the KV cache as the engine
    does on that device (`num_pages=None`: 85% of the HBM the weights leave, at most what
    `max_num_seqs` full-length sequences need).
-3. A model whose weights + KV cache + penalty rows do not fit one device's HBM is refused before
-   anything compiles (`DoesNotFit`, naming the numbers).
+3. A model that cannot fit one device's HBM is refused before anything compiles (`DoesNotFit`,
+   naming the numbers): with `num_pages` given, when weights + KV cache + penalty rows exceed
+   it; sized as the engine does, when the HBM the weights leave holds no full-length
+   (`max_model_len`) sequence. A compile that runs out of HBM (temporaries) raises it too.
 4. Inside `pallas_kernels.target.use_target(<a target device>)` it builds the engine's
    `ModelRunner(abstract=True)` with the engine options that shape programs (token buckets, max
    seqs, pages, page size, dtype, quantization, kv cache dtype, mesh, attention backend), so the
@@ -34,13 +36,14 @@ programs, so the GPU and TPU paths are checked (and measured) on a CPU machine.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -188,7 +191,7 @@ def compile_step(
         max_model_len,
         max_num_seqs,
     )
-    with use_target(tgt.devices[0]):
+    with use_target(tgt.devices[0]), _not_cached():
         runner = ModelRunner(
             cfg,
             params,
@@ -227,6 +230,19 @@ def compile_step(
     return out
 
 
+@contextlib.contextmanager
+def _not_cached() -> Iterator[None]:
+    """Keeps these programs out of JAX's persistent compilation cache (no writes, so no later
+    hits): a hit would skip the compile that the report times and the dumps it reads."""
+    key = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, key)
+    jax.config.update(key, 1e9)
+    try:
+        yield
+    finally:
+        jax.config.update(key, before)
+
+
 def _num_pages(
     cfg, tgt, params, par, dtype, kv_cache_dtype, page_size, num_pages, max_model_len, max_num_seqs
 ) -> int:
@@ -238,14 +254,17 @@ def _num_pages(
         cfg, par, itemsize, kv_cache_dtype
     )
     weights = bytes_per_device(params)
-    budget = int(KV_MEMORY_FRACTION * (tgt.hbm_bytes - weights))
-    if budget < 2 * page_bytes:
+    budget = max(0, int(KV_MEMORY_FRACTION * (tgt.hbm_bytes - weights)))
+    pages_per_seq = -(-max_model_len // page_size)
+    if budget // page_bytes < pages_per_seq + 1:
         raise DoesNotFit(
-            f"{_gb(weights)} of weights per device leave no room for a KV cache in the "
-            f"{_gb(tgt.hbm_bytes)} HBM of a {tgt.device_kind} ({tgt.name}); use a mesh that "
-            f"splits the weights, quantization, or a larger target"
+            f"{_gb(weights)} of weights per device leave {_gb(budget)} for the KV cache "
+            f"({KV_MEMORY_FRACTION:.0%} of the rest of {_gb(tgt.hbm_bytes)} HBM of one "
+            f"{tgt.device_kind}, {tgt.name}): {budget // page_bytes * page_size} tokens, less than "
+            f"one max_model_len={max_model_len} sequence; use a mesh that splits the weights, "
+            f"quantization, a smaller max_model_len or a larger target"
         )
-    pages_for_all = (max_num_seqs // par.data) * -(-max_model_len // page_size) + 1
+    pages_for_all = (max_num_seqs // par.data) * pages_per_seq + 1
     return int(min(budget // page_bytes, pages_for_all)) * par.data
 
 
@@ -278,7 +297,15 @@ def _compile_bucket(
         options = {"xla_dump_to": dump, **options}
     try:
         start = time.perf_counter()
-        compiled = lowered.compile(compiler_options=options)
+        try:
+            compiled = lowered.compile(compiler_options=options)
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" in str(e) and "HBM" in str(e):
+                raise DoesNotFit(
+                    f"{tgt.name}, tokens {t}: {_gb(weights)} weights + {_gb(kv)} KV cache of "
+                    f"{num_pages} pages per device compile out of HBM: {e}"
+                ) from e
+            raise
         compile_s = time.perf_counter() - start
         ops = report.hlo_ops(compiled.as_text())
         launches = report.launches(dump, ops) if tgt.platform == "gpu" else None
@@ -346,6 +373,6 @@ def compile_function(
     structs = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding), args
     )
-    with use_target(tgt.devices[0]):
+    with use_target(tgt.devices[0]), _not_cached():
         jitted = jax.jit(lambda *a: fn(*a, **(static_kwargs or {})))
         return jitted.lower(*structs).compile(compiler_options=compiler_options or {})

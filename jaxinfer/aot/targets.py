@@ -4,7 +4,7 @@
    `"v5e:2x4"`, `"v5p:2x2x1"`, `"v4:2x2x1"`: the devices of
    `jax.experimental.topologies.get_topology_desc` for it - for the GPU from XLA's own H100 SXM
    target description (`h100_sxm.txtpb` beside this file), for the TPU from libtpu - plus the
-   HBM one device has (the GPU spec's `device_memory_size`; the TPU chips' spec-sheet numbers).
+   HBM one device has (the GPU spec's `device_memory_size`; on TPU what its compiler allows).
 2. Deviceless compiles need JAX on the CPU platform (`JAX_PLATFORMS=cpu`, set before JAX starts:
    the CUDA plugin then registers its compiler without looking for a driver, and libtpu does not
    probe for a TPU) and the plugins (`pip install -e '.[aot]'`); a target whose plugin is missing
@@ -24,12 +24,13 @@ import jax
 
 SPEC_DIR = os.path.dirname(os.path.abspath(__file__))
 H100_SPEC = os.path.join(SPEC_DIR, "h100_sxm.txtpb")
-# HBM per TPU device (chip), by the topology's device_kind: the chips' published capacities.
+# HBM a program may use on one TPU device, by the topology's device_kind: what libtpu 0.0.42.1's
+# compiler reports as "available HBM" when a program exceeds it (GiB; measured 2026-11-25).
 TPU_HBM = {
-    "TPU v4": 32 << 30,
-    "TPU v5 lite": 16 << 30,
-    "TPU v5": 95 << 30,  # v5p
-    "TPU v6 lite": 32 << 30,
+    "TPU v4": int(15.25 * 2**30),  # per TensorCore (a v4 topology lists cores)
+    "TPU v5 lite": int(15.75 * 2**30),
+    "TPU v5": int(95.74 * 2**30),  # v5p
+    "TPU v6 lite": int(31.25 * 2**30),
 }
 _TPU = re.compile(r"^(v4|v5e|v5p|v6e):(\d+)x(\d+)(?:x(\d+))?$")
 _GPU = re.compile(r"^h100(?:x(\d+))?$")
@@ -100,6 +101,8 @@ def h100_spec() -> str:
 def _topology(platform: str, install: str, **kwargs: Any) -> tuple[Any, ...]:
     from jax.experimental import topologies
 
+    # NOTE: several processes (pytest -n 2) may load libtpu; without this they fight over its lock
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     if jax.default_backend() != "cpu":
         raise RuntimeError(
             f"deviceless compiles need JAX on the CPU platform: set JAX_PLATFORMS=cpu before JAX "
