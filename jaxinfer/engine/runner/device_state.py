@@ -73,6 +73,7 @@ class DeviceState:
 
         rows = max_num_seqs + 1  # the last row is a spare that padding writes into
         zeros = functools.partial(jnp.zeros, num_sample_rows, jnp.int32)
+
         def new_state():
             return PenaltyState(
                 jnp.zeros((rows, cfg.vocab_size), bool),
@@ -117,9 +118,7 @@ class DeviceState:
             )
         )
         # the penalty rows split over the vocabulary like the logits they are applied to
-        self.state = self._made(
-            new_state, NamedSharding(mesh, PartitionSpec(None, rules["vocab"]))
-        )
+        self.state = self._made(new_state, NamedSharding(mesh, PartitionSpec(None, rules["vocab"])))
         self.prev_tokens = self._made(zeros, self.replicated)
 
     def _made(self, make: Any, shardings: Any) -> Any:
