@@ -141,11 +141,13 @@ def details(r) -> list[str]:
     out = []
     if r.launches is not None:
         layers = {k: v for k, v in r.launches.per_layer.items() if k.startswith("layer_")}
-        counts = sorted(set(layers.values()))
+        counts = sorted(layers.values()) or [0]
+        top = max(layers, key=layers.get) if layers else "-"
         out.append(
             f"tokens {r.tokens}: {r.launches.kernels} kernels ({r.launches.nested_kernels} inside "
-            f"loops/conditionals), {len(layers)} layers of {'/'.join(map(str, counts)) or '-'} "
-            f"kernels, {r.launches.per_layer.get('(outside layers)', 0)} outside layers"
+            f"loops/conditionals); per layer median {counts[len(counts) // 2]}, min {counts[0]}, "
+            f"max {counts[-1]} ({top}) over {len(layers)} layers; "
+            f"{r.launches.per_layer.get('(outside layers)', 0)} outside layers"
         )
         out.append(
             "  kernels by scope (all layers): "
