@@ -99,7 +99,8 @@ class DeviceState:
             )
         cache_sharding = jax.tree.map(
             lambda spec: NamedSharding(mesh, spec),
-            family.kv_cache_specs(cfg, par, new_caches()[0]),
+            # NOTE: the structure only: new_caches() would build every layer's whole cache
+            family.kv_cache_specs(cfg, par, jax.eval_shape(new_caches)[0]),
         )
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.step_sharding = (
