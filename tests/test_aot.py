@@ -136,3 +136,14 @@ def test_scopes_come_from_named_scopes_inside_jax_frames():
         None,
         "sampler",
     )
+
+
+def test_compile_function_places_its_arguments_on_the_target():
+    _needs("tpu")
+    import jax.numpy as jnp
+
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    compiled = aot.compile_function(lambda a, *, k: a * k, [x], "v5e:1x1", static_kwargs={"k": 2})
+    assert compiled.memory_analysis().argument_size_in_bytes == 8 * 128 * 4
+    (device,) = compiled.input_shardings[0][0].device_set
+    assert device.platform == "tpu"
