@@ -92,7 +92,11 @@ def gib(n: float) -> str:
 def row(r) -> list[str]:
     lau = r.launches
     per_layer = (
-        ", ".join(f"{k} {v['per_layer']}" for k, v in r.collectives.items() if v["per_layer"])
+        ", ".join(
+            f"{k} {v['per_layer']}" + ("~" if v.get("per_layer_estimated") else "")
+            for k, v in r.collectives.items()
+            if v["per_layer"]
+        )
         or "-"
     )
     return [
@@ -155,7 +159,8 @@ def details(r) -> list[str]:
         )
     for kind, c in r.collectives.items():
         out.append(
-            f"tokens {r.tokens}: {kind} x{c['count']} ({c['per_layer']} per layer), "
+            f"tokens {r.tokens}: {kind} x{c['count']} ({c['per_layer']} per layer"
+            f"{', spread evenly: no op names' if c.get('per_layer_estimated') else ''}), "
             f"{c['bytes'] / 2**20:.2f} MiB in all, largest {c['max_bytes'] / 2**10:.1f} KiB"
         )
     return out

@@ -341,7 +341,7 @@ def _compile_bucket(
             cost=_cost(compiled),
             pallas_calls=report.pallas_calls(ops),
             custom_calls=report.custom_calls(ops),
-            collectives=report.collectives(ops),
+            collectives=report.collectives(ops, runner.cfg.num_layers),
             launches=launches,
         ),
     )

@@ -39,8 +39,11 @@ COLLECTIVES = {
     "all-gather": "all-gather",
     "all-gather-start": "all-gather",
     "all-to-all": "all-to-all",
+    "all-to-all-start": "all-to-all",
     "ragged-all-to-all": "ragged-all-to-all",
+    "ragged-all-to-all-start": "ragged-all-to-all",
     "reduce-scatter": "reduce-scatter",
+    "reduce-scatter-start": "reduce-scatter",
     "collective-permute": "collective-permute",
     "collective-permute-start": "collective-permute",
 }
@@ -183,17 +186,22 @@ def _thunk_names(path: str) -> dict[int, str]:
     return names
 
 
-def collectives(ops: list[Op]) -> dict[str, dict[str, Any]]:
-    """kind -> {"count", "bytes" (summed result bytes), "per_layer" (count in one layer: the
-    largest), "max_bytes"} over the program's collectives."""
+def collectives(ops: list[Op], num_layers: int = 0) -> dict[str, dict[str, Any]]:
+    """kind -> {"count", "bytes" (summed result bytes), "max_bytes", "per_layer" (count in one
+    layer: the largest), "unscoped" (ops without an op name)} over the program's collectives.
+
+    NOTE: XLA drops the op name of some collectives (GPU ragged-all-to-alls); where no op of a
+    kind has a layer scope, `per_layer` is its count spread evenly over `num_layers`, rounded
+    down, and "per_layer_estimated" is True."""
     found: dict[str, dict[str, Any]] = {}
     layers: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for op in ops:
         kind = COLLECTIVES.get(op.opcode)
         if kind is None:
             continue
-        entry = found.setdefault(kind, {"count": 0, "bytes": 0, "max_bytes": 0})
+        entry = found.setdefault(kind, {"count": 0, "bytes": 0, "max_bytes": 0, "unscoped": 0})
         entry["count"] += 1
+        entry["unscoped"] += not op.op_name
         entry["bytes"] += op.bytes
         entry["max_bytes"] = max(entry["max_bytes"], op.bytes)
         layer, _ = scope_of(op.op_name)
@@ -201,6 +209,9 @@ def collectives(ops: list[Op]) -> dict[str, dict[str, Any]]:
             layers[kind][layer] += 1
     for kind, entry in found.items():
         entry["per_layer"] = max(layers[kind].values(), default=0)
+        entry["per_layer_estimated"] = not layers[kind] and entry["unscoped"] > 0
+        if entry["per_layer_estimated"] and num_layers:
+            entry["per_layer"] = entry["count"] // num_layers
     return found
 
 
