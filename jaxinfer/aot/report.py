@@ -191,8 +191,8 @@ def collectives(ops: list[Op], num_layers: int = 0) -> dict[str, dict[str, Any]]
     layer: the largest), "unscoped" (ops without an op name)} over the program's collectives.
 
     NOTE: XLA drops the op name of some collectives (GPU ragged-all-to-alls); where no op of a
-    kind has a layer scope, `per_layer` is its count spread evenly over `num_layers`, rounded
-    down, and "per_layer_estimated" is True."""
+    kind has a layer scope and at least `num_layers` have none, `per_layer` is their count spread
+    evenly over the layers, rounded down, and "per_layer_estimated" is True."""
     found: dict[str, dict[str, Any]] = {}
     layers: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for op in ops:
@@ -209,7 +209,7 @@ def collectives(ops: list[Op], num_layers: int = 0) -> dict[str, dict[str, Any]]
             layers[kind][layer] += 1
     for kind, entry in found.items():
         entry["per_layer"] = max(layers[kind].values(), default=0)
-        entry["per_layer_estimated"] = not layers[kind] and entry["unscoped"] > 0
+        entry["per_layer_estimated"] = not layers[kind] and entry["unscoped"] >= max(num_layers, 1)
         if entry["per_layer_estimated"] and num_layers:
             entry["per_layer"] = entry["count"] // num_layers
     return found
