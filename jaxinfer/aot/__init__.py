@@ -82,7 +82,7 @@ class StepReport:
 
     target: str
     device_kind: str
-    num_devices: int
+    num_devices: int  # the program's (a target's first device without a mesh)
     mesh: dict[str, int]
     tokens: int  # the token bucket
     seqs: int  # its sequence bucket
@@ -323,7 +323,7 @@ def _compile_bucket(
         StepReport(
             target=tgt.name,
             device_kind=tgt.device_kind,
-            num_devices=tgt.num_devices,
+            num_devices=1 if mesh is None else int(mesh.size),
             mesh={} if mesh is None else {k: int(v) for k, v in mesh.shape.items() if v > 1},
             tokens=t,
             seqs=runner.buckets.seq_bucket(t),
