@@ -2,7 +2,9 @@
 
 1. `resolve_backend` turns `attention_backend` ("auto" | "reference" | "cpu" | "gpu" | "tpu") into
    a kernel: "auto" picks by platform (gpu -> "gpu", tpu -> "tpu", cpu -> the compiled "cpu"
-   kernel when it builds on this machine, else "reference", with a warning saying why). On a CPU
+   kernel when it builds on this machine, else "reference", with a warning saying why); the
+   platform is the target's (`pallas_kernels.target`: JAX's default backend, or the device
+   `jaxinfer.aot` compiles for), never assumed from the machine it runs on. On a CPU
    platform the "gpu" and "tpu" kernels run in Pallas interpret mode; "cpu" runs only there.
    `None` (every engine's default) is "auto" on CPU and GPU platforms (the GPU kernel ran on an
    H100 on 2026-11-24: correct, and 2.5-50x faster than the reference) and "reference" on TPU,
@@ -24,6 +26,7 @@ import logging
 import jax
 
 from jaxinfer.step import StepInputs
+from pallas_kernels import target
 from pallas_kernels.paged_common import interpret_mode
 from pallas_kernels.ragged_paged_attention import KERNELS, cpu, reference
 
@@ -42,8 +45,9 @@ def check_backend(backend: str) -> None:
 
 
 def resolve_backend(backend: str | None, platform: str | None = None) -> str:
-    """The concrete backend for `backend` (None: the default) on `platform` (default: JAX's)."""
-    platform = platform or jax.default_backend()
+    """The concrete backend for `backend` (None: the default) on `platform` (default: the target
+    platform, `pallas_kernels.target.platform()`: JAX's default backend outside `jaxinfer.aot`)."""
+    platform = platform or target.platform()
     if backend is None:
         backend = "reference" if platform == "tpu" else "auto"
     check_backend(backend)

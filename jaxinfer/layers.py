@@ -16,6 +16,7 @@ import numpy as np
 from checkpoints import quantize as qlib
 from jaxinfer.config import ModelConfig, RopeConfig
 from jaxinfer.quantization import QArray
+from pallas_kernels import target
 from pallas_kernels.linear import cpu as cpu_linear
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ def resolve_linear_backend(backend: str | None, platform: str | None = None) -> 
     """The concrete dense-product backend: "xla" (XLA's dot) or "cpu" (the compiled CPU kernel for
     steps of few token rows, `pallas_kernels.linear.cpu`). None / "auto" picks "cpu" on a CPU
     platform when the kernel builds there, else "xla"."""
-    platform = platform or jax.default_backend()
+    platform = platform or target.platform()
     backend = backend or "auto"
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend {backend!r} is not one of {LINEAR_BACKENDS}")

@@ -50,13 +50,14 @@ from jaxinfer.model_info import (
     source_hf_config,
 )
 from jaxinfer.models import family_of
+from pallas_kernels import target
 
 DUMMY_SEED = 0
 
 
 def default_dtype() -> str:
     """f32 on CPU (XLA:CPU multiplies bf16 matrices by vectors >10x slower), bf16 on accelerators."""
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return "float32" if target.platform() == "cpu" else "bfloat16"
 
 
 def _resolve_dtype(dtype: str | None) -> str:

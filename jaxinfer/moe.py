@@ -41,6 +41,7 @@ from jaxinfer import layers
 from jaxinfer.config import ModelConfig
 from jaxinfer.quantization import QArray
 from jaxinfer.sharding import EXPERT, Parallel
+from pallas_kernels import target
 
 # NOTE: below this many tokens per step the replicated dispatch is used even when all_to_all is
 # possible: decode steps and small prefills are latency-bound, and the replicated path needs no
@@ -153,7 +154,7 @@ def choose_dispatch(num_tokens: int, par: Parallel, dispatch: str = "auto") -> s
 
 def default_ragged() -> bool:
     """ragged_all_to_all is implemented by XLA on GPU and TPU, not on CPU."""
-    return jax.default_backend() in ("gpu", "tpu")
+    return target.platform() in ("gpu", "tpu")
 
 
 def moe_mlp(
@@ -213,7 +214,7 @@ def _grouped_ffn(rows: jax.Array, local_ids: jax.Array, p: MoEParams, act: str) 
     """
     num_local, e, _, f = p.gate_up.shape
     routed = (local_ids >= 0) & (local_ids < num_local)
-    if rows.shape[0] <= GATHER_MAX_ROWS and jax.default_backend() == "cpu":
+    if rows.shape[0] <= GATHER_MAX_ROWS and target.platform() == "cpu":
         with jax.named_scope("experts_gathered"):
             ids = jnp.where(routed, local_ids, 0)
             gate_up = jnp.take(_values(p.gate_up, rows.dtype), ids, axis=0)  # [N, E, 2, F]

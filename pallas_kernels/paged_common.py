@@ -46,6 +46,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import target
+
 MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
 
 Interpret = bool | pltpu.InterpretParams  # what a kernel's `interpret=` takes
@@ -53,8 +55,9 @@ Interpret = bool | pltpu.InterpretParams  # what a kernel's `interpret=` takes
 
 def interpret_mode(backend: str, platform: str | None = None) -> Interpret:
     """`interpret=` for kernel `backend` ("reference", "cpu", "gpu", "tpu") on `platform` (default:
-    JAX's default backend): False where it runs as it is, else Pallas interpret mode."""
-    platform = platform or jax.default_backend()
+    the target platform, `target.platform()`): False where it runs as it is, else Pallas interpret
+    mode."""
+    platform = platform or target.platform()
     if backend in ("reference", "cpu") or platform == backend:
         return False
     return pltpu.InterpretParams() if backend == "tpu" else True

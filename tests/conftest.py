@@ -29,7 +29,8 @@
 6. JAX runs on the CPU (`JAX_PLATFORMS=cpu`, unless the caller sets it). The test venv may hold
    the CUDA plugin and libtpu for the deviceless accelerator compiles; without this, libtpu would
    probe for a TPU in every test process and spawned server, and the CUDA plugin would look for
-   a driver. Deviceless compiles need the CPU platform set this way in any case.
+   a driver. Deviceless compiles need the CPU platform set this way in any case, and the two
+   workers may both load libtpu for them (`ALLOW_MULTIPLE_LIBTPU_LOAD`: no fight over its lock).
 """
 
 import importlib.metadata
@@ -57,6 +58,7 @@ if os.environ["JAX_COMPILATION_CACHE_DIR"]:
 
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 HEAVY_FIRST = (
     "test_pipeline.py",

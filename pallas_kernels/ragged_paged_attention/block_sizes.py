@@ -38,6 +38,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import target
 from pallas_kernels.paged_common import key_range
 
 
@@ -97,14 +98,18 @@ H100_SMS = 132  # the streaming multiprocessors assumed when no GPU is attached 
 def decode_programs_for(backend: str) -> int:
     """The split-K program target of `backend` (0: the backend never splits).
 
-    SMs come from the abstract device of an enclosing `jax.sharding.use_abstract_mesh` (lowering
-    ahead of time for a GPU), else from the attached GPU, else `H100_SMS`.
+    SMs come from the device of an enclosing `target.use_target` (compiling ahead of time for a
+    GPU topology), else from the abstract device of an enclosing `jax.sharding.use_abstract_mesh`
+    (lowering ahead of time), else from the attached GPU, else `H100_SMS`.
     """
     if backend != "gpu":
         return 0
     cores = None
     abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    if abstract is not None and abstract.platform in ("gpu", "cuda", "rocm"):
+    aimed = target.device()
+    if aimed is not None and target.platform() == "gpu":
+        cores = getattr(aimed, "core_count", None)
+    elif abstract is not None and abstract.platform in ("gpu", "cuda", "rocm"):
         cores = abstract.num_cores
     else:
         dev = jax.devices()[0]

@@ -65,7 +65,9 @@ rebuilds its counts exactly.
 Rooms: `input_batch` (the persistent per-row host arrays), `step_inputs` (the numpy step-input
 builder, steps 1-3), `buckets` (step 2's sizes and the warmup plan), `programs` (the jitted step
 and sampler, step 4's packing), `device_state` (params, KV caches, penalty rows on one device / a
-mesh / pipeline stages), `outputs` (step 5), `model_runner` (`ModelRunner`, composing them). The
+mesh / pipeline stages; with `abstract=True` only their shapes and shardings on a target's
+devices, for `jaxinfer.aot`, which compiles `ModelRunner.lower`'s programs for hardware this
+machine lacks), `outputs` (step 5), `model_runner` (`ModelRunner`, composing them). The
 `Runner` protocol (`jaxinfer.engine.types`) is what the engine core calls.
 """
 

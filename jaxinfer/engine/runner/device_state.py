@@ -7,6 +7,10 @@
    penalty rows split over the vocabulary like the logits they apply to; step inputs go on with
    `put` (replicated, the ragged step split over `data`).
 3. Pipeline stages (`pipeline` > 1): layers stacked by stage (`jaxinfer.pipeline`).
+4. `abstract=True` (`jaxinfer.aot`): nothing is allocated; every array above is the
+   `jax.ShapeDtypeStruct` (with its sharding, on the target's devices) that step 1 or 2 would
+   have placed, and the params come in as such structs. The runner can then only lower and
+   compile its programs (`ModelRunner.lower`), for a device this machine does not have.
 
 Penalty state: `prompt_mask bool[R, V]` and `output_counts i32[R, V]`, one row per running request
 (R = max_num_seqs + 1, the last a spare that padding rows write into).
@@ -19,7 +23,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxinfer import attention, pipeline
 from jaxinfer import params as params_lib
@@ -48,8 +53,10 @@ class DeviceState:
         dtype: str,
         kv_cache_dtype: str,
         attention_backend: str | None,
+        abstract: bool = False,
     ) -> None:
         self.mesh = mesh
+        self.abstract = abstract
         family = family_of(cfg)
         shape = family.kv_cache_shape(cfg, attention_backend, num_pages, page_size, par)
         family.check_kv_cache_dtype(
@@ -66,37 +73,41 @@ class DeviceState:
 
         rows = max_num_seqs + 1  # the last row is a spare that padding writes into
         zeros = functools.partial(jnp.zeros, num_sample_rows, jnp.int32)
+
+        def new_state():
+            return PenaltyState(
+                jnp.zeros((rows, cfg.vocab_size), bool),
+                jnp.zeros((rows, cfg.vocab_size), jnp.int32),
+            )
+
         if mesh is None:
             device = self.device = _device_of(params)
-            self.params = jax.device_put(params, device)
-            self.kv_caches = jax.device_put(new_caches(), device)
-            self.state = jax.device_put(
-                PenaltyState(
-                    jnp.zeros((rows, cfg.vocab_size), bool),
-                    jnp.zeros((rows, cfg.vocab_size), jnp.int32),
-                ),
-                device,
-            )
-            self.prev_tokens = jax.device_put(zeros(), device)  # i32[num_sample_rows]
+            self.params = self.to_device(params)
+            self.kv_caches = self._made(new_caches, device)
+            self.state = self._made(new_state, device)
+            self.prev_tokens = self._made(zeros, device)  # i32[num_sample_rows]
             return
+        if par.pipeline > 1 and abstract:
+            raise ValueError("an abstract device state (jaxinfer.aot) has no pipeline stages")
         rules = shd.model_rules(cfg, par)
         specs = family.param_specs(cfg, quantization=quantization_of(params))
         if par.pipeline > 1:  # layers stacked by stage (see jaxinfer.pipeline)
             self.params = pipeline.place_params(params, specs, mesh, rules)
         else:
-            self.params = jax.device_put(  # a no-op for params the loader already placed
+            self.params = self._placed(  # a no-op for params the loader already placed
                 params, params_lib.shardings(specs, mesh, rules)
             )
         cache_sharding = jax.tree.map(
             lambda spec: NamedSharding(mesh, spec),
-            family.kv_cache_specs(cfg, par, new_caches()[0]),
+            # NOTE: the structure only: new_caches() would build every layer's whole cache
+            family.kv_cache_specs(cfg, par, jax.eval_shape(new_caches)[0]),
         )
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.step_sharding = (
             NamedSharding(mesh, PartitionSpec(shd.DATA)) if par.data > 1 else self.replicated
         )
         self.kv_caches = (
-            jax.jit(new_caches, out_shardings=(cache_sharding,) * cfg.num_layers)()
+            self._made(new_caches, (cache_sharding,) * cfg.num_layers)
             if par.pipeline == 1
             else pipeline.stage_kv_caches(
                 cfg.num_layers,
@@ -108,14 +119,29 @@ class DeviceState:
             )
         )
         # the penalty rows split over the vocabulary like the logits they are applied to
-        self.state = jax.jit(
-            lambda: PenaltyState(
-                jnp.zeros((rows, cfg.vocab_size), bool),
-                jnp.zeros((rows, cfg.vocab_size), jnp.int32),
-            ),
-            out_shardings=NamedSharding(mesh, PartitionSpec(None, rules["vocab"])),
-        )()
-        self.prev_tokens = jax.jit(zeros, out_shardings=self.replicated)()
+        self.state = self._made(new_state, NamedSharding(mesh, PartitionSpec(None, rules["vocab"])))
+        self.prev_tokens = self._made(zeros, self.replicated)
+
+    def _made(self, make: Any, shardings: Any) -> Any:
+        """`make()`'s arrays on a device or created with `shardings` (a sharding tree); with
+        `abstract` their shapes only."""
+        if self.abstract:
+            if isinstance(shardings, jax.Device):
+                shardings = SingleDeviceSharding(shardings)
+            return _structs(jax.eval_shape(make), shardings)
+        if isinstance(shardings, jax.Device):
+            return jax.device_put(make(), shardings)
+        return jax.jit(make, out_shardings=shardings)()
+
+    def _placed(self, tree: Any, shardings: Any) -> Any:
+        """`jax.device_put(tree, shardings)`; with `abstract` the structs it would give."""
+        if self.abstract:
+            return _structs(tree, shardings)
+        return jax.device_put(tree, shardings)
+
+    def to_device(self, tree: Any) -> Any:
+        """A tree onto the one device (`mesh` None), committed; with `abstract` its structs."""
+        return self._placed(tree, SingleDeviceSharding(self.device))
 
     def carried(self) -> Any:
         """Shardings of what a step carries to the next: (KV caches, penalty state, ids)."""
@@ -143,7 +169,18 @@ class DeviceState:
         """A step's host input tree onto the mesh (the ragged step split over `data`)."""
         shardings = jax.tree.map(lambda _: self.replicated, inputs)
         shardings["step"] = jax.tree.map(lambda _: self.step_sharding, inputs["step"])
+        if self.abstract:
+            return _structs(inputs, shardings)
         return shd.device_put_global(inputs, shardings)  # jax.device_put on one process
+
+
+def _structs(tree: Any, shardings: Any) -> Any:
+    """`jax.ShapeDtypeStruct`s of `tree`'s leaves with `shardings` (one sharding or a tree)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), tree, shardings
+    )
 
 
 def _device_of(params: Any) -> jax.Device:
@@ -151,4 +188,6 @@ def _device_of(params: Any) -> jax.Device:
     for leaf in jax.tree.leaves(params):
         if isinstance(leaf, jax.Array):
             return next(iter(leaf.devices()))
+        if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:
+            return next(iter(leaf.sharding.device_set))
     return jax.devices()[0]

@@ -55,12 +55,15 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         spec_max_seqs: int = 0,
         kv_cache_dtype: str = "auto",
+        abstract: bool = False,
     ) -> None:
         """`num_pages` and `max_num_seqs` are totals over the data replicas (each gets 1/data);
         `page_buckets` are the widths of `page_indices` (default `default_page_buckets`);
         `num_speculative_tokens` K and `spec_max_seqs` size the verify-row buckets (K, 2K, 4K..
         up to K x spec_max_seqs) that `warmup` compiles; `kv_cache_dtype="fp8"` stores the cache
-        as `reference.Fp8KVCache` (see jaxinfer.attention)."""
+        as `reference.Fp8KVCache` (see jaxinfer.attention). `abstract=True` allocates nothing:
+        `params` are `jax.ShapeDtypeStruct`s placed on a target's devices (`jaxinfer.aot`), and
+        the runner only lowers its programs (`lower`), e.g. for a device this machine lacks."""
         par = shd.Parallel.from_mesh(mesh)
         self.mesh = None if par.is_single else mesh  # NOTE: one device keeps the plain program
         self.data = par.data
@@ -106,6 +109,7 @@ class ModelRunner:
             dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
             attention_backend=attention_backend,
+            abstract=abstract,
         )
         self.bitmask_width = bitmask_width(cfg.vocab_size)
         # The persistent input batch: row r of every array belongs to the request in batch.rows
@@ -304,11 +308,13 @@ class ModelRunner:
             if bitmask is None:
                 bitmask = self._all_allowed.get(rows)
                 if bitmask is None:
-                    bitmask = self._all_allowed[rows] = jax.device_put(
-                        np.full((rows, self.bitmask_width), -1, np.int32), self.device_state.device
+                    bitmask = self._all_allowed[rows] = self.device_state.to_device(
+                        np.full((rows, self.bitmask_width), -1, np.int32)
                     )
             else:  # committed like the cached one: the same program either way
-                bitmask = jax.device_put(bitmask, self.device_state.device)
+                bitmask = self.device_state.to_device(bitmask)
+            if self.device_state.abstract:  # NOTE: host buffers would pick the default device
+                buffers = self.device_state.to_device(buffers)
             return (*head, buffers, bitmask, self._meta_on_device(inputs["meta"])), {
                 "layout": layout,
                 "all_logits": all_logits,
@@ -332,7 +338,7 @@ class ModelRunner:
         hit = self._device_metas.get(key)
         if hit is not None and hit[0] is meta:
             return hit[1]
-        dev = jax.device_put(meta, self.device_state.device)
+        dev = self.device_state.to_device(meta)
         if len(self._device_metas) >= 4:
             self._device_metas.pop(next(iter(self._device_metas)))
         self._device_metas[key] = (meta, dev)
@@ -357,8 +363,8 @@ class ModelRunner:
         page_bucket: int | None = None,
         spec_width: int = 0,
     ) -> Any:
-        """The bucket's step program, lowered (for HLO inspection and tests); the page bucket
-        defaults to the largest."""
+        """The bucket's step program, lowered (for HLO inspection, tests and `jaxinfer.aot`, with an
+        `abstract` runner); the page bucket defaults to the largest."""
         p_bucket = page_bucket or self.pages_per_seq
         args, kwargs = self._args(
             self.inputs.idle_inputs(t_bucket, all_logits, p_bucket, spec_width), all_logits

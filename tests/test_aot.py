@@ -1,0 +1,149 @@
+"""Deviceless compiles of whole engine steps for an H100 and a TPU v5e (`jaxinfer.aot`).
+
+Each accelerator gets one 2-layer step program on one device and one tensor-parallel program on
+several (H100 x2, v5e 2x2), compiled by the target's own compiler (ptxas for sm_90a, Mosaic +
+the TPU backend) from the engine's real runner; module-scoped fixtures compile each once and
+the tests read their reports. Skipped where the CUDA plugin / libtpu are absent
+(`pip install -e '.[aot]'`). The HBM refusal and the report script need no compile.
+"""
+
+import pytest
+
+jax = pytest.importorskip("jax")
+
+from jaxinfer import aot  # noqa: E402
+from jaxinfer.aot import report  # noqa: E402
+
+# 2 layers, head_dim 128 (the TPU lane width), KV heads replicated on 4 tensor shards.
+SMALL = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+BUDGET = dict(tokens=(1,), max_num_seqs=4, max_model_len=256, num_pages=32, page_size=16)
+LLAMA_8B = "scripts/configs/llama-3-8b/config.json"
+
+
+def _needs(platform: str) -> None:
+    reason = aot.available(platform)
+    if reason is not None:
+        pytest.skip(f"no deviceless {platform} compiler: {reason}")
+
+
+def _step(target: str, mesh: str = "") -> aot.StepReport:
+    _needs("gpu" if target.startswith("h100") else "tpu")
+    (step,) = aot.compile_step(SMALL, target, mesh=mesh, attention_backend="auto", **BUDGET)
+    return step.report
+
+
+@pytest.fixture(scope="module")
+def h100() -> aot.StepReport:
+    return _step("h100")
+
+
+@pytest.fixture(scope="module")
+def v5e() -> aot.StepReport:
+    return _step("v5e:1x1")
+
+
+def test_h100_step_runs_the_triton_kernel_per_layer(h100):
+    assert jax.default_backend() == "cpu"  # NOTE: the kernel follows the target, not JAX's
+    assert h100.attention_backend == "gpu" and h100.device_kind == "NVIDIA H100 80GB HBM3"
+    assert h100.pallas_calls == 2  # one Triton attention kernel per layer, none interpreted
+    launches = h100.launches
+    assert launches.kernels > 0 and launches.loops + launches.conditionals > 0
+    assert {"layer_0", "layer_1"} <= set(launches.per_layer)
+    assert launches.per_scope.get("attention/paged_attention", 0) >= 2
+    assert h100.memory["temp"] > 0 and h100.fits
+
+
+def test_v5e_step_runs_the_mosaic_kernel_per_layer(v5e):
+    assert v5e.attention_backend == "tpu" and v5e.device_kind == "TPU v5 lite"
+    assert v5e.custom_calls.get("tpu_custom_call") == v5e.pallas_calls == 2
+    assert v5e.cost["flops"] > 0 and v5e.cost["bytes accessed"] > 0
+    assert v5e.launches is None and v5e.fits
+
+
+@pytest.mark.parametrize("target", ["h100x2", "v5e:2x2"])
+def test_tensor_parallel_step_all_reduces_twice_per_layer(target):
+    shards = 2 if target == "h100x2" else 4
+    r = _step(target, f"tensor={shards}")
+    assert r.num_devices == shards and r.mesh == {"tensor": shards}
+    # attention's o_proj and the MLP's down projection each leave partial sums per layer
+    assert r.collectives["all-reduce"]["per_layer"] == 2
+    assert r.pallas_calls == 2
+    embed = SMALL["vocab_size"] * SMALL["hidden_size"] * 2  # bf16, split over the shards
+    assert r.weight_bytes < 2 * embed + 2 * _layer_bytes() // shards * 2
+    if target == "h100x2":
+        assert r.launches.collectives > 0
+
+
+def _layer_bytes() -> int:
+    h, f, d = SMALL["hidden_size"], SMALL["intermediate_size"], SMALL["head_dim"]
+    q, kv = SMALL["num_attention_heads"] * d, SMALL["num_key_value_heads"] * d
+    return 2 * (h * (q + 2 * kv) + q * h + 3 * h * f)
+
+
+def test_a_model_too_big_for_the_hbm_is_refused_before_compiling(monkeypatch):
+    _needs("tpu")
+    from jaxinfer.engine.runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "lower", lambda *a, **k: pytest.fail("compiled"))
+    # Llama-3-8B in bf16 on a v5e (15.75 GiB): the KV cache left holds no 8192-token sequence
+    with pytest.raises(
+        aot.DoesNotFit,
+        match=r"16\.06 GB of weights per device leave 0\.72 GB for the KV cache .* 16\.91 GB HBM "
+        r"of one TPU v5 lite, v5e:1x1\): 5504 tokens, less than one max_model_len=8192",
+    ):
+        aot.compile_step(LLAMA_8B, "v5e:1x1", tokens=(1,))
+    # a v6e (31.25 GiB) holds the weights, not 10000 pages of KV cache besides
+    with pytest.raises(
+        aot.DoesNotFit,
+        match=r"needs 37\.\d\d GB per device \(16\.06 GB weights \+ 20\.97 GB KV cache of 10000 "
+        r"pages \+ 0\.04 GB penalty rows\) > 33\.55 GB HBM of one TPU v6 lite",
+    ):
+        aot.compile_step(LLAMA_8B, "v6e:1x1", tokens=(1,), num_pages=10000)
+
+
+def test_report_script_prints_a_table_and_refuses_with_status_2(h100, capsys):
+    import sys
+
+    sys.path.insert(0, "scripts")
+    try:
+        import aot_report
+    finally:
+        sys.path.remove("scripts")
+    text = aot_report.table([aot_report.row(h100)])
+    assert "| h100 | 1 device | 1 | 1 |" in text
+    _needs("tpu")
+    assert aot_report.main(["--target", "v5e:1x1", "--config", LLAMA_8B]) == 2
+    assert "refused: " in capsys.readouterr().err
+
+
+def test_scopes_come_from_named_scopes_inside_jax_frames():
+    name = "jit(step_program)/shard_map/layer_3/attention/paged_attention/jit(rpa)/x/gather"
+    assert report.scope_of(name) == ("layer_3", "attention/paged_attention")
+    assert report.scope_of("jit(step_program)/sampler/cond/branch_1_fun/top_k") == (
+        None,
+        "sampler",
+    )
+
+
+def test_compile_function_places_its_arguments_on_the_target():
+    _needs("tpu")
+    import jax.numpy as jnp
+
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    compiled = aot.compile_function(lambda a, *, k: a * k, [x], "v5e:1x1", static_kwargs={"k": 2})
+    assert compiled.memory_analysis().argument_size_in_bytes == 8 * 128 * 4
+    (device,) = compiled.input_shardings[0][0].device_set
+    assert device.platform == "tpu"
