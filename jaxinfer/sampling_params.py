@@ -277,6 +277,25 @@ class SamplingParams:
                     f"bad_words[{i}]", " must tokenize to a non-empty list of ids", owner=_OWNER
                 )
 
+    def prepare_prompt(self, ids: list[int], tokenizer: Any) -> list[int]:
+        """What every entry point does before checking a request: the prompt cut to its last
+        `truncate_prompt_tokens` ids (returned), `bad_words` tokenized into
+        `bad_words_token_ids` (each word alone and after a space, as vLLM does; ValueError
+        naming the field without a tokenizer)."""
+        if self.truncate_prompt_tokens is not None:
+            ids = ids[-self.truncate_prompt_tokens :]
+        if self.bad_words:
+            if tokenizer is None:
+                raise FieldError("bad_words", " need a tokenizer (the model has none loaded)")
+            seqs: list[list[int]] = []
+            for word in self.bad_words:
+                for text in (word.lstrip(), " " + word.lstrip()):
+                    toks = list(tokenizer.encode(text, add_special_tokens=False))
+                    if toks and toks not in seqs:
+                        seqs.append(toks)
+            self.bad_words_token_ids = seqs
+        return ids
+
     @property
     def masks_tokens(self) -> bool:
         """The engine core masks this request's tokens per step (grammar or token lists)."""

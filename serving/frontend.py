@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxinfer.engine.core_client import LoopOptions
 from jaxinfer.engine.types import EngineInfo, EngineLimits
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import FieldError, SamplingParams
 from serving.engine_loop import EngineLoop, Stream
 from serving.errors import InvalidArgument, QueueFull, Unavailable
 from serving.metrics import ServerMetrics
@@ -405,24 +405,12 @@ class FrontEnd:
             )
 
     def prepare(self, ids: Sequence[int], sp: SamplingParams, fields: Fields) -> list[int]:
-        """What the front end does to a request before its check: the prompt cut to its last
-        `truncate_prompt_tokens` tokens, `bad_words` tokenized into `bad_words_token_ids` (each
-        word alone and after a space, as vLLM does). Returns the prompt ids the engine gets."""
-        ids = list(ids)
-        if sp.truncate_prompt_tokens is not None:
-            ids = ids[-sp.truncate_prompt_tokens :]
-        if sp.bad_words:
-            if self.tokenizer is None:
-                name = fields("bad_words")
-                raise InvalidArgument(f"{name}: bad_words need a tokenizer", name)
-            seqs: list[list[int]] = []
-            for word in sp.bad_words:
-                for text in (word.lstrip(), " " + word.lstrip()):
-                    toks = self.tokenizer.encode(text, add_special_tokens=False)
-                    if toks and toks not in seqs:
-                        seqs.append(toks)
-            sp.bad_words_token_ids = seqs
-        return ids
+        """The prompt ids the engine gets (`SamplingParams.prepare_prompt`: truncation, bad words
+        tokenized); InvalidArgument naming the field as `fields` spells it."""
+        try:
+            return sp.prepare_prompt(list(ids), self.tokenizer)
+        except FieldError as e:
+            raise fields.error(e) from None
 
     def authorized(self, authorization: str | None) -> bool:
         """Whether an `Authorization` header / `authorization` metadata value passes `api_key`
