@@ -18,7 +18,8 @@ registry); vLLM's `/tokenize`, `/detokenize`, `/version`, `/ping` and `--api-key
 4. A client that disconnects (streaming or not) cancels the handler; its `finally` cancels the
    request in the front end, which frees its pages at the next step.
 
-Errors are OpenAI error objects: 400 (bad input, naming the field), 404 (unknown model), 413 (a
+Errors are OpenAI error objects: 400 (bad input, naming the field; an unknown field too), 401
+(`--api-key` set and not sent), 404 (unknown model or route), 405 (wrong method), 413 (a
 body over the front end's `max_request_bytes`, refused before it is read; `param` names the
 prompt field), 429
 (queue full), 503 (warming up, shutting down, engine broken), 500 (this request failed). A failure

@@ -4,7 +4,7 @@ tiny model with random weights), driven by the `openai` client, plain HTTP and t
 
 1. Completions `echo` with `logprobs` and `max_tokens=0` (lm-evaluation-harness's loglikelihood):
    the prompt comes back with its logprobs (None first), equal to the logprobs the same tokens
-   had when they were generated; nothing generated is returned or counted.
+   had when they were generated; nothing generated is returned or counted; streamed alike.
 2. `logit_bias` (+100 on one id: greedy emits only it), `allowed_token_ids` (every sampled id is
    one of them), `bad_words` (the greedy first word never comes), `include_stop_str_in_output`,
    the legacy `guided_choice`, `return_tokens_as_token_ids`, and the same token controls on gRPC.
@@ -114,6 +114,12 @@ def test_echo_logprobs_max_tokens_0_scores_the_prompt(client, model, root):
     assert scored == pytest.approx(gen.logprobs.token_logprobs, abs=2e-3)
     assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(full)
     assert r.choices[0].text == "".join(lp.tokens)
+    chunks = client.completions.create(
+        model=model, prompt=full, max_tokens=0, echo=True, logprobs=1, temperature=0, stream=True
+    )
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in streamed) == r.choices[0].text
+    assert streamed[0].logprobs.token_logprobs == lp.token_logprobs
     more = complete(client, model, "The quick brown fox", max_tokens=2, echo=True)
     assert more.choices[0].text.startswith("The quick brown fox")
     assert len(more.choices[0].text) > len("The quick brown fox")
