@@ -54,6 +54,8 @@ ERROR_TYPES = {
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # e.g. vLLM's continuous_usage_stats: refused
+
     include_usage: bool = False
 
 
@@ -70,6 +72,8 @@ class StructuredOutputsRequest(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -77,6 +81,8 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
