@@ -9,8 +9,10 @@ Where each check lives (one rule in one place):
    `FieldError` with this package's field name; each protocol converter (`protocol.py`,
    `openai_protocol.py`) builds them and turns the error into `InvalidArgument` with
    `Fields.error`.
-2. What needs the model: `check_request` (called by `FrontEnd.submit`, both protocols): the
-   priority within int64, then `jaxinfer.engine.types.check_prompt` (prompt ids and stop ids
+2. What needs the model: `check_request` (called by `FrontEnd.submit`, both protocols, after
+   `SamplingParams.prepare_prompt` truncated the prompt and tokenized `bad_words`): the
+   priority within int64 (and zero unless `--scheduling-policy priority`), `cache_salt`'s
+   length, then `jaxinfer.engine.types.check_prompt` (prompt ids and stop ids
    within the vocabulary, the prompt and max_tokens within the context and the KV cache, the
    structured-output constraint compiles), `n` within what the server admits at once, features
    that need a tokenizer. `top_k` larger than the vocabulary keeps every token (the sampler's
