@@ -5,7 +5,8 @@ Every per-request knob is a row of an array in `SamplingMetadata` (gathered from
 serves any mix of greedy, top-k, top-p, min-p and penalised rows; `lax.cond`s on "does any row need
 this" skip the costly stages for batches that do not. Flow of `sample`:
   1. Penalties (repetition on prompt-or-output tokens, then frequency and presence on output
-     counts), then suppressed ids (EOS/stop ids under `min_tokens`) to -inf, then tokens a
+     counts), then `logit_bias` (a sparse list of fixed width `MAX_LOGIT_BIAS` per row, added),
+     then suppressed ids (EOS/stop ids under `min_tokens`) to -inf, then tokens a
      structured-output row's bitmask forbids to -inf (`token_bitmask`).
   2. Greedy rows (`temperature < GREEDY_EPS`) take the first index of the row maximum.
   3. Sampling rows: the top-k threshold is the k-th largest logit (ties kept), from an exact
@@ -48,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxinfer.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 BLOCK = 128  # vocabulary block for blocked max / top-k / argmax / sums
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
@@ -72,6 +73,8 @@ class SamplingMetadata:
     suppress_ids: jax.Array  # i32[S, E] ids forbidden while position < suppress_until, -1 padded
     suppress_until: jax.Array  # i32[S] first position at which suppress_ids may be sampled again
     wants_logprobs: jax.Array  # bool[S] the row's request asked for `logprobs`
+    bias_ids: jax.Array  # i32[S, MAX_LOGIT_BIAS] logit_bias token ids, -1 padded
+    bias_values: jax.Array  # f32[S, MAX_LOGIT_BIAS] their biases (0 on padding)
 
     @staticmethod
     def from_params(
@@ -133,6 +136,8 @@ class SamplingRows:
         self.suppress_ids = np.full((rows, suppress_width), -1, np.int32)
         self.suppress_until = np.zeros(rows, np.int32)
         self.wants_logprobs = np.zeros(rows, np.bool_)
+        self.bias_ids = np.full((rows, MAX_LOGIT_BIAS), -1, np.int32)
+        self.bias_values = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
         self.version = 0  # bumped on every change (callers cache gathered metadata by it)
 
     def set(
@@ -166,6 +171,10 @@ class SamplingRows:
         self.suppress_ids[row, : len(ids)] = ids
         self.suppress_until[row] = suppress_until if ids else 0
         self.wants_logprobs[row] = params.logprobs is not None
+        bias = params.logit_bias or {}
+        self.bias_ids[row], self.bias_values[row] = -1, 0.0
+        self.bias_ids[row, : len(bias)] = list(bias)
+        self.bias_values[row, : len(bias)] = list(bias.values())
         self.version += 1
 
     def gather(self, slots: np.ndarray) -> SamplingMetadata:  # slots: i32[S] rows, spare = padding
@@ -182,6 +191,8 @@ class SamplingRows:
             suppress_ids=self.suppress_ids[slots],
             suppress_until=self.suppress_until[slots],
             wants_logprobs=self.wants_logprobs[slots],
+            bias_ids=self.bias_ids[slots],
+            bias_values=self.bias_values[slots],
         )
 
 
@@ -488,14 +499,19 @@ def _edit_logits(
     output_counts: jax.Array,  # i32[S, V]
     suppressing: jax.Array,  # bool[S] the row's suppress_ids apply at this position
 ) -> jax.Array:
-    """Penalties, then suppressed ids to -inf."""
+    """Penalties, then logit biases added, then suppressed ids to -inf."""
     s, vocab = logits.shape
+    rows = jnp.arange(s)[:, None]
     x = apply_penalties(logits, meta, prompt_mask, output_counts)
+    with jax.named_scope("logit_bias"):
+        # NOTE: ids are distinct within a row (a dict's keys); padding -> out of range -> dropped
+        ids = jnp.where((meta.bias_ids >= 0) & (meta.bias_ids < vocab), meta.bias_ids, vocab)
+        x = x.at[rows, ids].add(meta.bias_values, mode="drop")
     with jax.named_scope("suppress"):
         ids = meta.suppress_ids
         # padding and rows not suppressing now -> out of range -> dropped
         ids = jnp.where((ids >= 0) & (ids < vocab) & suppressing[:, None], ids, vocab)
-        return x.at[jnp.arange(s)[:, None], ids].set(-jnp.inf, mode="drop")
+        return x.at[rows, ids].set(-jnp.inf, mode="drop")
 
 
 def sample(
@@ -531,11 +547,15 @@ def sample(
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[1]
     suppressing = positions < meta.suppress_until
-    edits = jnp.any(
-        (meta.repetition_penalty != 1.0)
-        | (meta.frequency_penalty != 0.0)
-        | (meta.presence_penalty != 0.0)
-    ) | jnp.any((meta.suppress_ids >= 0) & suppressing[:, None])
+    edits = (
+        jnp.any(
+            (meta.repetition_penalty != 1.0)
+            | (meta.frequency_penalty != 0.0)
+            | (meta.presence_penalty != 0.0)
+        )
+        | jnp.any((meta.suppress_ids >= 0) & suppressing[:, None])
+        | jnp.any(meta.bias_ids >= 0)
+    )
     x = lax.cond(
         edits,
         lambda: _edit_logits(logits, meta, prompt_mask, output_counts, suppressing),

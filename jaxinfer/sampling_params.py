@@ -20,6 +20,11 @@ FLOAT32_MAX = 3.4028234663852886e38  # floats are float32 columns in the sampler
 MAX_STOP_STRINGS = 64  # stop strings per request
 MAX_STOP_STRING_CHARS = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64  # stop token ids per request
+# NOTE: the sampler's logit-bias columns have this fixed width for every row (no recompiles).
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's own cap)
+LOGIT_BIAS_LIMIT = 100.0  # |bias| at most this (OpenAI's range)
+MAX_BAD_WORDS = 64  # bad_words per request
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids per request (ids past the vocabulary refused)
 _OWNER = "SamplingParams."  # how this module's errors name a field ("SamplingParams.top_k")
 
 
@@ -109,6 +114,14 @@ class SamplingParams:
     generated token, the top-k logprobs plus the chosen token's; `prompt_logprobs=k` does the same
     for every prompt position but the first (which is `None`). `structured_outputs` constrains
     the output to a JSON schema, regex, choice or grammar (see `StructuredOutputsParams`).
+
+    vLLM's token controls: `logit_bias` ({token id: bias in [-100, 100]}, added to the logits
+    after the penalties), `allowed_token_ids` (only these may be sampled), `bad_words` (strings
+    whose tokenization may never complete in the output; the front end fills
+    `bad_words_token_ids` from them, which is what the engine reads). Text: the stop string that
+    ended a sample stays in its text with `include_stop_str_in_output`; `skip_special_tokens`
+    drops special tokens from the text; `truncate_prompt_tokens=k` keeps the prompt's last k
+    tokens (applied by the front end).
     """
 
     max_tokens: int = 16
@@ -128,6 +141,14 @@ class SamplingParams:
     min_tokens: int = 0
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -189,12 +210,100 @@ class SamplingParams:
                         f" must be a token id (an integer in [0, {INT32_MAX}]), got {_shown(t)}",
                         owner=_OWNER,
                     )
+        self._check_token_controls(bad)
         if isinstance(self.structured_outputs, dict):  # from the engine-core wire (asdict)
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
             bad("structured_outputs", "must be a StructuredOutputsParams")
+
+    def _check_token_controls(self, bad: Any) -> None:
+        """logit_bias, allowed_token_ids, bad_words, the text flags, truncate_prompt_tokens."""
+        for field in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, field), bool):
+                bad(field, "must be a boolean")
+        if self.spaces_between_special_tokens is not True:
+            bad(
+                "spaces_between_special_tokens",
+                "can only be true (this server's fast tokenizers decode special tokens as they "
+                "are)",
+            )
+        if self.truncate_prompt_tokens is not None and (
+            not _int(self.truncate_prompt_tokens)
+            or not 1 <= self.truncate_prompt_tokens <= INT32_MAX
+        ):
+            bad("truncate_prompt_tokens", f"must be an integer in [1, {INT32_MAX}]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            for t, v in self.logit_bias.items():
+                if not _int(t) or not 0 <= t <= INT32_MAX:
+                    raise FieldError(f"logit_bias.{_shown(t)}", " is not a token id", owner=_OWNER)
+                if not _finite32(v) or abs(v) > LOGIT_BIAS_LIMIT:
+                    raise FieldError(
+                        f"logit_bias.{t}",
+                        f" must be a number in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], "
+                        f"got {_shown(v)}",
+                        owner=_OWNER,
+                    )
+        for field, cap in (
+            ("allowed_token_ids", MAX_ALLOWED_TOKEN_IDS),
+            ("bad_words", MAX_BAD_WORDS),
+            ("bad_words_token_ids", MAX_BAD_WORDS),
+        ):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, list) or not 0 < len(value) <= cap):
+                bad(field, f"must be a non-empty list of at most {cap} entries")
+        for i, t in enumerate(self.allowed_token_ids or ()):
+            if not _int(t) or not 0 <= t <= INT32_MAX:
+                raise FieldError(
+                    f"allowed_token_ids[{i}]", f" must be a token id, got {_shown(t)}", owner=_OWNER
+                )
+        for i, w in enumerate(self.bad_words or ()):
+            if not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_STRING_CHARS:
+                raise FieldError(
+                    f"bad_words[{i}]",
+                    f" must be a non-empty string of at most {MAX_STOP_STRING_CHARS} characters",
+                    owner=_OWNER,
+                )
+        for i, ids in enumerate(self.bad_words_token_ids or ()):
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(_int(t) and 0 <= t <= INT32_MAX for t in ids)
+            ):
+                raise FieldError(
+                    f"bad_words[{i}]", " must tokenize to a non-empty list of ids", owner=_OWNER
+                )
+
+    def prepare_prompt(self, ids: list[int], tokenizer: Any) -> list[int]:
+        """What every entry point does before checking a request: the prompt cut to its last
+        `truncate_prompt_tokens` ids (returned), `bad_words` tokenized into
+        `bad_words_token_ids` (each word alone and after a space, as vLLM does; ValueError
+        naming the field without a tokenizer)."""
+        if self.truncate_prompt_tokens is not None:
+            ids = ids[-self.truncate_prompt_tokens :]
+        if self.bad_words:
+            if tokenizer is None:
+                raise FieldError("bad_words", " need a tokenizer (the model has none loaded)")
+            seqs: list[list[int]] = []
+            for word in self.bad_words:
+                for text in (word.lstrip(), " " + word.lstrip()):
+                    toks = list(tokenizer.encode(text, add_special_tokens=False))
+                    if toks and toks not in seqs:
+                        seqs.append(toks)
+            self.bad_words_token_ids = seqs
+        return ids
+
+    @property
+    def masks_tokens(self) -> bool:
+        """The engine core masks this request's tokens per step (grammar or token lists)."""
+        return (
+            self.structured_outputs is not None
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
+        )
 
     @property
     def greedy(self) -> bool:

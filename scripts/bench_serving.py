@@ -6,6 +6,7 @@ its OpenAI-compatible HTTP API.
     python scripts/bench_serving.py --spawn --spawn-args="--fake-runner" --num-requests 512
     python scripts/bench_serving.py --spawn --model cfg_dir --load-format dummy  # random weights
     python scripts/bench_serving.py --spawn --backend both --spawn-args="--fake-runner"  # gRPC vs HTTP
+    python scripts/bench_serving.py --backend openai --http-url http://localhost:8000/v1  # vLLM, ...
 
 In the spirit of vLLM's `benchmark_serving.py` and JetStream's `benchmark_serving.py`:
 1. Workload: `bench_offline.sharegpt_like` prompt/output lengths (fixed seed, clipped to the
@@ -21,8 +22,12 @@ In the spirit of vLLM's `benchmark_serving.py` and JetStream's `benchmark_servin
    client stamps every message. Reported: request
    throughput, output and total tok/s, TTFT, inter-token latency (gaps between tokens after the
    first, each token of a multi-token message getting its share), TPOT ((e2e - TTFT) / (output
-   - 1) per request) and end-to-end latency as mean / p50 / p99, and goodput: requests/s that met
-   the SLO (TTFT <= --slo-ttft and TPOT <= --slo-tpot).
+   - 1) per request) and end-to-end latency as mean / p50 / p90 / p99, and goodput: requests/s
+   that met the SLO (TTFT <= --slo-ttft and TPOT <= --slo-tpot).
+   `--backend openai` needs nothing but `--http-url` (any OpenAI-compatible server: this one,
+   vLLM, ...): the model id and max_model_len come from `GET /v1/models`, prompts are random ids
+   below `--vocab-size` (default 32000 there), `--api-key` (or $OPENAI_API_KEY) is sent as a
+   Bearer token; no gRPC port is contacted.
 4. `--spawn` starts `scripts/serve.py` (port 0, `--http-port 0`, plus `--model`,
    `--load-format` and `--spawn-args`) as a subprocess, waits for health SERVING, runs the benchmark, then stops it
    with SIGTERM. `--load-format dummy` serves random weights made on the device from `--model`'s
@@ -74,12 +79,14 @@ class Result:
         return (self.e2e - self.ttft) / (self.output_len - 1)
 
 
-async def one_request(stub, prompt: list[int], max_tokens: int, timeout: float | None) -> Result:
+async def one_request(
+    stub, prompt: list[int], max_tokens: int, timeout: float | None, metadata: tuple = ()
+) -> Result:
     res = Result(len(prompt))
     req = build_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = last = time.perf_counter()
     try:
-        async for msg in stub.Generate(req, timeout=timeout):
+        async for msg in stub.Generate(req, timeout=timeout, metadata=metadata):
             now = time.perf_counter()
             k = len(msg.token_ids)
             if k:
@@ -155,6 +162,7 @@ async def run(
     backend: str = "grpc",
     http_url: str | None = None,
     model: str = "",
+    api_key: str | None = None,
 ) -> tuple[list[Result], float]:
     rng = np.random.default_rng(seed + 2)
     gaps = (
@@ -166,7 +174,10 @@ async def run(
             import aiohttp
 
             session = await stack.enter_async_context(
-                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+                aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0),
+                    headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+                )
             )
             url = f"{http_url}/completions"
 
@@ -177,7 +188,8 @@ async def run(
             stub = pb_grpc.GenerateServiceStub(channel)
 
             def request(prompt, out_len):
-                return one_request(stub, prompt, out_len, timeout)
+                auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+                return one_request(stub, prompt, out_len, timeout, auth)
 
         async def limited(prompt, out_len):
             async with limit:
@@ -195,18 +207,19 @@ async def run(
 
 def _stats(values: list[float]) -> dict[str, float]:
     if not values:
-        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
+        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
     a = np.asarray(values)
     return {
         "mean": float(a.mean()),
         "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)),
         "p99": float(np.percentile(a, 99)),
     }
 
 
 def report(results: list[Result], elapsed: float, slo_ttft: float, slo_tpot: float) -> dict:
     ok = [r for r in results if r.error is None]
-    out_tokens = sum(r.output_len for r in ok)
+    out_tokens = sum(r.output_len for r in ok)  # NOTE: from each stream's usage
     good = [
         r
         for r in ok
@@ -315,7 +328,19 @@ def main() -> None:
     p.add_argument(
         "--http-url",
         default=None,
-        help="base URL of the HTTP API without --spawn (default http://HOST:8080/v1)",
+        help="base URL of the HTTP API without --spawn (default http://HOST:8080/v1); with "
+        "--backend openai nothing else is needed (any OpenAI-compatible server)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="Bearer key for the HTTP API (default $OPENAI_API_KEY)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="prompt ids are drawn below this (default: the gRPC model info, else 32000)",
     )
     args = p.parse_args()
 
@@ -336,14 +361,18 @@ def main() -> None:
     backends = ("grpc", "openai") if args.backend == "both" else (args.backend,)
     runs = {}
     try:
-        with GenerateClient(address) as client:
-            client.wait_ready(timeout=900)
-            info = client.model_info()
-        model = _http_model(http_url) if "openai" in backends else ""
+        if backends == ("openai",):  # any OpenAI-compatible server: no gRPC port
+            info = _http_info(http_url, args.api_key)
+        else:
+            with GenerateClient(address) as client:
+                client.wait_ready(timeout=900)
+                info = client.model_info()
+        model = _http_info(http_url, args.api_key).name if "openai" in backends else ""
         max_len = args.max_model_len or min(info.max_model_len, 1024)
         workload = sharegpt_like(args.num_requests, args.seed, max_len)
         rng = np.random.default_rng(args.seed + 1)
-        prompts = [rng.integers(100, min(40000, info.vocab_size), n).tolist() for n, _ in workload]
+        vocab = args.vocab_size or info.vocab_size
+        prompts = [rng.integers(100, min(40000, vocab), n).tolist() for n, _ in workload]
         for backend in backends:
             warm = min(16, len(workload))  # first requests of a backend pay one-off costs
             asyncio.run(
@@ -358,6 +387,7 @@ def main() -> None:
                     backend,
                     http_url,
                     model,
+                    args.api_key,
                 )
             )
             runs[backend] = asyncio.run(
@@ -372,6 +402,7 @@ def main() -> None:
                     backend,
                     http_url,
                     model,
+                    args.api_key,
                 )
             )
     finally:
@@ -384,12 +415,38 @@ def main() -> None:
         print(f"HTTP / gRPC output throughput: {ratio:.3f}")
 
 
-def _http_model(http_url: str) -> str:
-    """The model id the HTTP API serves (GET /v1/models)."""
-    import openai
+@dataclasses.dataclass
+class HTTPInfo:
+    """What `GET /v1/models` tells of an OpenAI-compatible server (the fields `show` reads)."""
 
-    with openai.OpenAI(base_url=http_url, api_key="none", max_retries=3) as client:
-        return client.models.list().data[0].id
+    name: str
+    max_model_len: int
+    vocab_size: int = 32000  # unknown over HTTP: --vocab-size
+    dtype: str = "?"
+
+
+def _http_info(http_url: str, api_key: str | None, timeout: float = 900) -> HTTPInfo:
+    """The served model of an OpenAI-compatible server (`GET /v1/models`), retried until it
+    answers (a server still starting) or `timeout` passes."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{http_url}/models")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                card = json.loads(r.read())["data"][0]
+            break
+        except (urllib.error.URLError, ConnectionError) as e:
+            if isinstance(e, urllib.error.HTTPError) and e.code in (401, 403, 404):
+                raise SystemExit(f"{http_url}/models: HTTP {e.code}: {e.read()[:200]!r}") from None
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{http_url} did not answer within {timeout:.0f}s: {e}") from None
+            time.sleep(1.0)
+    return HTTPInfo(card["id"], int(card.get("max_model_len") or 1024))
 
 
 def show(backend: str, results: list[Result], elapsed: float, info, args, max_len: int) -> dict:
@@ -406,7 +463,7 @@ def show(backend: str, results: list[Result], elapsed: float, info, args, max_le
         s = r[key]
         print(
             f"  {name:5s} mean {s['mean'] * 1e3:9.1f} ms  p50 {s['p50'] * 1e3:9.1f} ms  "
-            f"p99 {s['p99'] * 1e3:9.1f} ms"
+            f"p90 {s['p90'] * 1e3:9.1f} ms  p99 {s['p99'] * 1e3:9.1f} ms"
         )
     for err in r["errors"]:
         print("  error:", err)

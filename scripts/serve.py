@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import re
 import sys
 import time
@@ -201,6 +202,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name",
         default=None,
         help="the model id HTTP clients name (default: the checkpoint's name)",
+    )
+    s.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="fcfs (default, as vLLM): first come first served, a non-zero request `priority` "
+        "is refused; priority: lower `priority` first, and when KV-cache pages run short the "
+        "lowest-priority (then newest) running request is preempted",
+    )
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every HTTP endpoint but /health, /ping and "
+        "/metrics, and the same `authorization` metadata on gRPC (default: open; also read "
+        "from $JAXINFER_API_KEY)",
     )
     s.add_argument(
         "--max-queue",
@@ -486,6 +502,8 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
         grace_period=args.grace_period,
         log_interval=args.log_interval,
         max_request_bytes=args.max_request_bytes,
+        scheduling_policy=args.scheduling_policy,
+        api_key=args.api_key or os.environ.get("JAXINFER_API_KEY") or None,
     )
     grpc_server = GenerateServer(
         frontend=frontend, host=args.host, port=args.port, reasoning_parser=args.reasoning_parser

@@ -23,7 +23,8 @@ from serving.protos.jaxinfer.v1 import generate_pb2 as pb
 from serving.protos.jaxinfer.v1 import generate_pb2_grpc as pb_grpc
 
 SERVICE_NAME = "jaxinfer.v1.GenerateService"
-_REPEATED = {"stop", "stop_token_ids"}
+_REPEATED = {"stop", "stop_token_ids", "allowed_token_ids", "bad_words"}
+_MAPS = {"logit_bias"}
 
 
 def build_request(
@@ -52,6 +53,8 @@ def build_request(
             continue
         if key in _REPEATED:
             getattr(req.sampling, key).extend(value)
+        elif key in _MAPS:
+            getattr(req.sampling, key).update(value)
         else:
             setattr(req.sampling, key, value)
     if priority is not None:

@@ -96,6 +96,7 @@ class Stream:
     last: dict[int, float] = dataclasses.field(default_factory=dict)  # sample -> last token time
     held: RequestDelta | Failure | None = None  # taken from the queue, not merged: read next
     fields: Fields = GRPC  # how the request's protocol spells a field the core refuses
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)  # what the engine got
 
     async def next_batch(self) -> RequestDelta:
         """The next delta, merged with every later delta of the same sample already waiting (a
@@ -178,11 +179,23 @@ class EngineLoop:
             "generated": self._generated,
         }
 
-    def submit(self, ids: list[int], sampling: SamplingParams, priority: int) -> Stream:
+    def submit(
+        self,
+        ids: list[int],
+        sampling: SamplingParams,
+        priority: int,
+        *,
+        cache_salt: str | None = None,
+    ) -> Stream:
         """Sends an admitted request (`FrontEnd.submit`) to the core (event loop thread)."""
         engine_id = f"r{next(self._ids)}"
         core_reqs, specs = split_samples(
-            engine_id, ids, sampling, eos_token_ids=self.eos_token_ids, priority=priority
+            engine_id,
+            ids,
+            sampling,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            cache_salt=cache_salt,
         )
         stream = Stream(
             engine_id,
@@ -191,6 +204,7 @@ class EngineLoop:
             asyncio.Queue(),
             children=[r.request_id for r in core_reqs],
             remaining=sampling.n,
+            prompt_ids=ids,
         )
         self.outputs.add(engine_id, specs)
         self.client.send(AddRequests(requests=core_reqs))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hmac
 import logging
 import signal
 import time
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxinfer.engine.core_client import LoopOptions
 from jaxinfer.engine.types import EngineInfo, EngineLimits
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import FieldError, SamplingParams
 from serving.engine_loop import EngineLoop, Stream
 from serving.errors import InvalidArgument, QueueFull, Unavailable
 from serving.metrics import ServerMetrics
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy names
 MIN_PIECE_CHARS = 16  # the character cap assumes at least this many characters per token
 MIN_REQUEST_BYTES = 4 << 20  # the default body cap's floor (gRPC's own default message cap)
 REQUEST_BYTES_PER_TOKEN = 128  # the default body cap per max_model_len token
@@ -130,7 +132,15 @@ class FrontEnd:
         trace_steps: int = 0,
         log_interval: float = 1.0,
         max_request_bytes: int | None = None,
+        scheduling_policy: str = "fcfs",
+        api_key: str | None = None,
     ) -> None:
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}"
+            )
+        self.scheduling_policy = scheduling_policy
+        self.api_key = api_key  # both peers require it as a Bearer token when set
         if engine is not None:  # the core on a thread of this process (it has imported JAX)
             from jaxinfer.engine.core_loop import ThreadCoreClient
 
@@ -394,15 +404,41 @@ class FrontEnd:
                 f"send token_ids"
             )
 
+    def prepare(self, ids: Sequence[int], sp: SamplingParams, fields: Fields) -> list[int]:
+        """The prompt ids the engine gets (`SamplingParams.prepare_prompt`: truncation, bad words
+        tokenized); InvalidArgument naming the field as `fields` spells it."""
+        try:
+            return sp.prepare_prompt(list(ids), self.tokenizer)
+        except FieldError as e:
+            raise fields.error(e) from None
+
+    def authorized(self, authorization: str | None) -> bool:
+        """Whether an `Authorization` header / `authorization` metadata value passes `api_key`
+        (`Bearer KEY`; always, without a key). Compared in constant time."""
+        if self.api_key is None:
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        )
+
     def submit(
-        self, ids: Sequence[int], sp: SamplingParams, priority: int, *, fields: Fields = GRPC
+        self,
+        ids: Sequence[int],
+        sp: SamplingParams,
+        priority: int,
+        *,
+        fields: Fields = GRPC,
+        cache_salt: str | None = None,
     ) -> Stream:
         """Checks a tokenized request against the engine's limits and admits it (event loop): the
-        one request check of both protocols (`validation.check_request`); `fields` spells the
-        request's fields as its protocol does (the prompt field included).
+        one request check of both protocols (`validation.check_request`, after `prepare`);
+        `fields` spells the request's fields as its protocol does (the prompt field included);
+        `cache_salt` keeps its prefix-cache pages among requests with the same salt.
 
         Raises InvalidArgument, QueueFull, Unavailable.
         """
+        ids = self.prepare(ids, sp, fields)
         check_request(
             ids,
             sp,
@@ -411,9 +447,11 @@ class FrontEnd:
             fields,
             has_tokenizer=self.tokenizer is not None,
             max_in_flight=self.max_in_flight,
+            priority_scheduling=self.scheduling_policy == "priority",
+            cache_salt=cache_salt,
         )
         self.check_admission(sp.n)
-        stream = self.engine_loop.submit(list(ids), sp, priority)
+        stream = self.engine_loop.submit(ids, sp, priority, cache_salt=cache_salt)
         stream.fields = fields
         return stream
 

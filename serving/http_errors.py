@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 # The gRPC status name of each HTTP status: the label of the shared "rejected" metric.
 GRPC_NAMES = {
     400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
     404: "NOT_FOUND",
+    405: "UNIMPLEMENTED",
     413: "RESOURCE_EXHAUSTED",
     429: "RESOURCE_EXHAUSTED",
     500: "INTERNAL",
@@ -133,6 +135,11 @@ def validation_error(errors: list[dict[str, Any]], body: Any) -> HTTPError:
     if field is None:
         field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
     message = f"{field}: {err.get('msg', 'invalid')}" if field else str(err.get("msg"))
+    if err.get("type") == "extra_forbidden":  # NOTE: never ignored silently (README: API)
+        message = (
+            f"{field} is not a field this server knows: unknown request fields are refused, "
+            f"not ignored (see the README's list of supported and refused fields)"
+        )
     return HTTPError(400, message, field or None)
 
 

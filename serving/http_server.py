@@ -4,7 +4,8 @@
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both streamed as server-sent
 events ending in `data: [DONE]` when `stream` is true), `GET /v1/models`, `GET /health` (200 once
 warmed up, 503 before and while shutting down), `GET /metrics` (the front end's Prometheus
-registry).
+registry); vLLM's `/tokenize`, `/detokenize`, `/version`, `/ping` and `--api-key`
+(`http_extras.py`).
 
 1. `start()` starts the front end (its core) if no peer has, binds the port and serves on the
    running event loop (uvicorn's signal handling is off: the front end's handlers drain every
@@ -17,7 +18,8 @@ registry).
 4. A client that disconnects (streaming or not) cancels the handler; its `finally` cancels the
    request in the front end, which frees its pages at the next step.
 
-Errors are OpenAI error objects: 400 (bad input, naming the field), 404 (unknown model), 413 (a
+Errors are OpenAI error objects: 400 (bad input, naming the field; an unknown field too), 401
+(`--api-key` set and not sent), 404 (unknown model or route), 405 (wrong method), 413 (a
 body over the front end's `max_request_bytes`, refused before it is read; `param` names the
 prompt field), 429
 (queue full), 503 (warming up, shutting down, engine broken), 500 (this request failed). A failure
@@ -44,7 +46,7 @@ from pydantic import ValidationError
 
 from jaxinfer.engine.output import RequestDelta, Usage
 from serving import chat as chat_api
-from serving import http_errors, validation
+from serving import http_errors, http_extras, validation
 from serving import openai_protocol as oai
 from serving.engine_loop import Stream
 from serving.errors import InvalidArgument, QueueFull, RequestFailed, Unavailable
@@ -142,6 +144,8 @@ class OpenAIServer:
             title="jaxinfer OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None
         )
         http_errors.install_handlers(app, self._error)
+        http_extras.install(app, self)
+        app.add_middleware(http_extras.ApiKey, server=self)
 
         @app.get("/health")
         async def health() -> Response:
@@ -231,7 +235,7 @@ class OpenAIServer:
         except InvalidArgument as e:
             raise http_error(e) from None
         streams, prompt_lens = await self._admit(req, plan)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = req.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         meta = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -267,28 +271,33 @@ class OpenAIServer:
         chat = plan is not None
         unsupported = req.unsupported()
         if unsupported:
-            raise HTTPError(
-                400, f"{unsupported[0]} is not supported by this server", unsupported[0].split()[0]
-            )
+            raise HTTPError(400, unsupported[0], unsupported[0].split()[0])
         if self.tokenizer is None:
             raise HTTPError(400, "this server has no tokenizer")
         fe = self.frontend
         try:
             if chat:
                 kwargs = validation.chat_template_kwargs(
-                    plan.template_kwargs, "chat_template_kwargs"
+                    {"add_generation_prompt": req.add_generation_prompt} | plan.template_kwargs,
+                    "chat_template_kwargs",
                 )
                 prompts = [await fe.tokenize_chat(plan.messages, field="messages", **kwargs)]
                 names = ["messages"]
             else:
                 names = [name for name, _ in req.prompts()]
+                special = req.add_special_tokens is not False
                 prompts = [
-                    p if isinstance(p, list) else await fe.tokenize(p, field=name)
+                    p
+                    if isinstance(p, list)
+                    else await fe.tokenize(p, field=name, add_special_tokens=special)
                     for name, p in req.prompts()
                 ]
             logprobs = _logprobs(req, chat)
             max_field = "max_tokens"
             asked = req.max_tokens
+            echo_only = not chat and req.echo and asked == 0
+            if echo_only:  # lm-evaluation-harness's loglikelihood: the prompt's logprobs alone
+                asked = 1  # NOTE: the one token sampled is dropped from the response
             if chat and req.max_completion_tokens is not None:
                 asked, max_field = req.max_completion_tokens, "max_completion_tokens"
             streams: list[Stream] = []
@@ -304,14 +313,21 @@ class OpenAIServer:
                         fields = fields.with_(renames=plan.renames)
                         extra["structured"] = plan.structured
                     sp = oai.sampling_params(
-                        req, fields, max_tokens=max_tokens, logprobs=logprobs, **extra
+                        req,
+                        fields,
+                        max_tokens=max_tokens,
+                        logprobs=logprobs,
+                        prompt_logprobs=_prompt_logprobs(req, chat),
+                        **extra,
                     )
-                    streams.append(fe.submit(ids, sp, req.priority, fields=fields))
+                    streams.append(
+                        fe.submit(ids, sp, req.priority, fields=fields, cache_salt=req.cache_salt)
+                    )
             except BaseException:
                 for s in streams:
                     fe.cancel(s)
                 raise
-            return streams, [len(ids) for ids in prompts]
+            return streams, [len(s.prompt_ids) for s in streams]
         except (ValueError, QueueFull, Unavailable) as e:  # InvalidArgument: naming the field
             raise http_error(e) from None
 
@@ -355,39 +371,64 @@ class OpenAIServer:
     ) -> dict[str, Any]:
         chat = plan is not None
         n = req.n
-        choices = [{"text": "", "lps": [], "finish": None} for _ in range(n * len(streams))]
+        choices = [
+            {"text": "", "lps": [], "finish": None, "plps": None} for _ in range(n * len(streams))
+        ]
         usages: list[list[Usage | None]] = [[None] * n for _ in streams]
         async with contextlib.aclosing(self._deltas(streams, req)) as deltas:
             async for p, d in deltas:
                 c = choices[p * n + d.index]
                 c["text"] += d.new_text
                 c["lps"] += d.logprobs or []
+                c["plps"] = d.prompt_logprobs or c["plps"]
                 if d.finished:
                     c["finish"] = d.finish_reason
                     usages[p][d.index] = d.usage
+        tok = None if req.return_tokens_as_token_ids else self.tokenizer
         out = []
         for i, c in enumerate(choices):
+            plps = oai.prompt_logprobs(tok, c["plps"]) if req.prompt_logprobs is not None else None
             if chat:
-                lps = (
-                    {"content": oai.chat_logprobs(self.tokenizer, c["lps"])}
-                    if req.logprobs
-                    else None
-                )
+                lps = {"content": oai.chat_logprobs(tok, c["lps"])} if req.logprobs else None
                 message, finish = plan.output().message(c["text"], c["finish"])
-                out.append(
-                    {"index": i, "message": message, "logprobs": lps, "finish_reason": finish}
-                )
-            else:
-                lps = (
-                    oai.completion_logprobs(self.tokenizer, c["lps"], 0)
-                    if req.logprobs is not None
-                    else None
-                )
-                out.append(
-                    {"index": i, "text": c["text"], "logprobs": lps, "finish_reason": c["finish"]}
-                )
+                choice = {"index": i, "message": message, "logprobs": lps}
+                out.append({**choice, "finish_reason": finish, "prompt_logprobs": plps})
+                continue
+            text, lps = c["text"], None
+            if req.logprobs is not None:
+                lps = oai.completion_logprobs(tok, c["lps"], 0)
+            if req.echo:
+                text, lps = self._echoed(req, i // n, streams[i // n], c["plps"], text, lps)
+            choice = {"index": i, "text": text, "logprobs": lps, "finish_reason": c["finish"]}
+            out.append({**choice, "prompt_logprobs": plps})
         obj = "chat.completion" if chat else "text_completion"
-        return {**meta, "object": obj, "choices": out, "usage": oai.sum_usage(usages)}
+        return {**meta, "object": obj, "choices": out, "usage": _usage(req, usages)}
+
+    def _echoed(
+        self,
+        req: oai.CompletionRequest,
+        p: int,
+        stream: Stream,
+        plps: list | None,
+        text: str,
+        lps: dict[str, Any] | None,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """(text, logprobs) of a completion choice with `echo`: the prompt (its text as sent,
+        else its tokens decoded) and, with `logprobs`, its logprobs, then the output's (none
+        with `max_tokens=0`, whose one sampled token is dropped)."""
+        ids, given = stream.prompt_ids, req.prompts()[p][1]
+        prompt = given if isinstance(given, str) and req.truncate_prompt_tokens is None else None
+        if prompt is None:
+            prompt = self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else ""
+        if req.max_tokens == 0:
+            text, lps = "", None
+        if req.logprobs is None:
+            return prompt + text, None
+        tok = None if req.return_tokens_as_token_ids else self.tokenizer
+        head = oai.echo_logprobs(tok, ids, plps or [])
+        if lps is not None:
+            lps = {**lps, "text_offset": [o + len(prompt) for o in lps["text_offset"]]}
+        return prompt + text, oai.joined_logprobs(head, lps)
 
     async def _completion_events(
         self,
@@ -399,17 +440,26 @@ class OpenAIServer:
         n = req.n
         usages: list[list[Usage | None]] = [[None] * n for _ in streams]
         offsets = [0] * (n * len(streams))
+        echoed = [not req.echo] * (n * len(streams))
+        tok = None if req.return_tokens_as_token_ids else self.tokenizer
         base = {**meta, "object": "text_completion"}
         try:
             async with contextlib.aclosing(self._deltas(streams, req)) as deltas:
                 async for p, d in deltas:
-                    if not (d.new_text or d.finished or d.logprobs):
+                    if not (d.new_text or d.finished or d.logprobs or d.prompt_logprobs):
                         continue
                     i = p * n + d.index
                     lps = None
                     if req.logprobs is not None:
-                        lps = oai.completion_logprobs(self.tokenizer, d.logprobs or [], offsets[i])
+                        lps = oai.completion_logprobs(tok, d.logprobs or [], offsets[i])
                     offsets[i] += len(d.new_text)
+                    text = d.new_text
+                    if not echoed[i]:  # the prompt comes first, on the sample's first chunk
+                        echoed[i] = True
+                        text, lps = self._echoed(req, p, streams[p], d.prompt_logprobs, text, lps)
+                        offsets[i] = len(text)
+                    elif req.echo and req.max_tokens == 0:
+                        text, lps = "", None
                     if d.finished:
                         usages[p][d.index] = d.usage
                     yield _sse(
@@ -418,7 +468,7 @@ class OpenAIServer:
                             "choices": [
                                 {
                                     "index": i,
-                                    "text": d.new_text,
+                                    "text": text,
                                     "logprobs": lps,
                                     "finish_reason": d.finish_reason if d.finished else None,
                                 }
@@ -427,7 +477,7 @@ class OpenAIServer:
                         }
                     )
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": oai.sum_usage(usages)})
+                yield _sse({**base, "choices": [], "usage": _usage(req, usages)})
         except HTTPError as e:
             yield _sse(oai.error_body(e.status, e.message))
         except Exception as e:  # noqa: BLE001 - the stream ends with an error, never a cut
@@ -500,6 +550,24 @@ class OpenAIServer:
             logger.exception("streaming a response failed")
             yield _sse(oai.error_body(500, f"internal error: {type(e).__name__}: {e}"))
         yield "data: [DONE]\n\n"
+
+
+def _usage(req: Any, usages: list[list[Usage | None]]) -> dict[str, Any]:
+    """The response's usage; `echo` with `max_tokens=0` generated nothing it returns."""
+    out = oai.sum_usage(usages)
+    if getattr(req, "echo", False) and req.max_tokens == 0:
+        out.update(completion_tokens=0, total_tokens=out["prompt_tokens"])
+    return out
+
+
+def _prompt_logprobs(req: Any, chat: bool) -> int | None:
+    """SamplingParams.prompt_logprobs of a request: vLLM's `prompt_logprobs`, or completions'
+    `logprobs` when `echo` returns the prompt with its logprobs (the wider of the two)."""
+    widths = [req.prompt_logprobs]
+    if not chat and req.echo and req.logprobs is not None:
+        widths.append(req.logprobs)
+    given = [w for w in widths if w is not None]
+    return max(given) if given else None
 
 
 def _logprobs(req: Any, chat: bool) -> int | None:

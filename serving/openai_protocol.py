@@ -2,12 +2,19 @@
 to and from the engine's types. No I/O here: `http_server.py` serves these.
 
 1. `CompletionRequest` / `ChatCompletionRequest` parse a request body (pydantic; a bad type is
-   a 400 naming the field). Fields of the OpenAI API we do not implement (`echo`, `suffix`,
-   `logit_bias`, `tools`, ...) are refused when set, never silently ignored; vLLM's extras
-   (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
-   `priority`, `structured_outputs`) are accepted, and so is `response_format` (`json_object`,
-   `json_schema`): structured output (`jaxinfer.structured`). Chat's `tools`, `tool_choice`,
-   `parallel_tool_calls` and the reasoning split are `serving.chat`'s.
+   a 400 naming the field). Every field is honoured or refused, never silently ignored: a field
+   no model declares is a 400 naming it (as OpenAI's own API answers; not vLLM's lenient
+   warning: a misspelt `max_token` would otherwise run unbounded and look fine); declared
+   fields we do not implement (`suffix`, `use_beam_search`, ... : `REFUSED`) are refused when
+   set to anything but their no-op value. vLLM's extras are honoured: sampling (`top_k`,
+   `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `logit_bias`,
+   `allowed_token_ids`, `bad_words`), text (`include_stop_str_in_output`, `skip_special_tokens`,
+   `return_tokens_as_token_ids`), prompts (`truncate_prompt_tokens`, `prompt_logprobs`,
+   completions' `echo`, `add_special_tokens`), `priority`, `cache_salt`, `structured_outputs`
+   and the legacy `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, and
+   `response_format` (`json_object`, `json_schema`): structured output (`jaxinfer.structured`).
+   Chat's `tools`, `tool_choice`, `parallel_tool_calls` and the reasoning split are
+   `serving.chat`'s.
 2. `fields(req, prompt=..., max_tokens=...)` is how this request's fields are named in errors
    (`validation.Fields`: the prompt field, `max_completion_tokens`, chat's `top_logprobs`,
    `response_format` for a constraint set there); `sampling_params(req, fields, max_tokens,
@@ -38,7 +45,9 @@ from serving.validation import HTTP, Fields
 
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -47,6 +56,8 @@ ERROR_TYPES = {
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # e.g. vLLM's continuous_usage_stats: refused
+
     include_usage: bool = False
 
 
@@ -63,6 +74,8 @@ class StructuredOutputsRequest(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -70,14 +83,48 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+
+# Declared fields this server refuses unless they hold their no-op value: name -> (is it a
+# no-op?, why it is refused).
+REFUSED: dict[str, tuple[Any, str]] = {
+    "suffix": (lambda v: not v, "is not supported (no fill-in-the-middle)"),
+    "use_beam_search": (lambda v: not v, "is not supported (no beam search)"),
+    "length_penalty": (lambda v: v in (None, 1.0), "only applies to beam search (not supported)"),
+    "logits_processors": (lambda v: not v, "is not supported (no custom logits processors)"),
+    "prompt_embeds": (lambda v: v is None, "is not supported"),
+    "kv_transfer_params": (lambda v: v is None, "is not supported (no disaggregated prefill)"),
+    "vllm_xargs": (lambda v: not v, "is not supported"),
+    "return_token_ids": (lambda v: not v, "is not supported; use logprobs"),
+    "guided_whitespace_pattern": (lambda v: v is None, "is not supported"),
+    "guided_decoding_backend": (
+        lambda v: v in (None, "auto", "guidance", "llguidance"),
+        "must be guidance (llguidance is this server's only grammar backend)",
+    ),
+    "store": (lambda v: not v, "is not supported (this server stores no completions)"),
+    "modalities": (lambda v: v in (None, ["text"]), "only text is supported"),
+    "audio": (lambda v: v is None, "is not supported"),
+    "prediction": (lambda v: v is None, "is not supported (no predicted outputs)"),
+    "web_search_options": (lambda v: v is None, "is not supported"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), "is not supported"),
+    "functions": (lambda v: not v, "is deprecated and not supported; use tools"),
+    "function_call": (lambda v: v in (None, "none"), "is deprecated and not supported"),
+    "continue_final_message": (lambda v: not v, "is not supported"),
+    "documents": (lambda v: not v, "is not supported"),
+    "chat_template": (lambda v: v is None, "is not supported (the checkpoint's template is used)"),
+    "mm_processor_kwargs": (lambda v: not v, "is not supported (text-only models)"),
+}
 
 
 class _Request(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    # NOTE: an undeclared field is a 400 naming it (`http_errors.validation_error`).
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -90,7 +137,8 @@ class _Request(BaseModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None
+    user: str | None = None  # accepted, recorded nowhere (as OpenAI: for abuse monitoring)
+    metadata: dict[str, str] | None = None  # accepted, stored nowhere
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
     top_k: int | None = None
@@ -102,10 +150,53 @@ class _Request(BaseModel):
     priority: int = 0
     structured_outputs: StructuredOutputsRequest | None = None
     response_format: ResponseFormat | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
+    cache_salt: str | None = None
+    request_id: str | None = None  # vLLM's: the response's id
+    add_special_tokens: bool | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # refused unless at their no-op value (`REFUSED`)
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    logits_processors: Any = None
+    prompt_embeds: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    return_token_ids: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
+    store: Any = None
+    service_tier: Any = None
 
     def unsupported(self) -> list[str]:
-        """Names of set fields this server does not implement."""
-        return ["logit_bias"] if self.logit_bias else []
+        """ "field why" of each set field this server refuses (`REFUSED`)."""
+        out = []
+        for name in type(self).model_fields:
+            rule = REFUSED.get(name)
+            if rule is not None and not rule[0](getattr(self, name)):
+                out.append(f"{name} {rule[1]}")
+        return out
+
+    def guided(self) -> StructuredOutputsRequest | None:
+        """vLLM's legacy `guided_*` fields as the `structured_outputs` they stand for."""
+        set_ = {
+            k: getattr(self, f"guided_{k}")
+            for k in ("json", "regex", "choice", "grammar")
+            if getattr(self, f"guided_{k}") is not None
+        }
+        if not set_:
+            return None
+        return StructuredOutputsRequest.model_validate(set_)
 
 
 class CompletionRequest(_Request):
@@ -117,12 +208,8 @@ class CompletionRequest(_Request):
 
     def unsupported(self) -> list[str]:
         out = super().unsupported()
-        if self.echo:
-            out.append("echo")
-        if self.suffix:
-            out.append("suffix")
         if self.best_of is not None and self.best_of != self.n:
-            out.append("best_of (other than n)")
+            out.append("best_of other than n is not supported")
         return out
 
     def prompts(self) -> list[tuple[str, str | list[int]]]:
@@ -164,6 +251,27 @@ class ChatCompletionRequest(_Request):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    echo: bool = False
+    # refused unless at their no-op value (`REFUSED`)
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    continue_final_message: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
+
+    def unsupported(self) -> list[str]:
+        out = super().unsupported()
+        if self.echo:
+            out.append("echo is not supported on chat completions (only on completions)")
+        if self.prompt_logprobs is not None and self.stream:
+            out.append("prompt_logprobs is not supported on streamed chat completions")
+        return out
 
     def chat(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (text parts joined)."""
@@ -199,6 +307,10 @@ def fields(req: _Request, *, prompt: str, max_tokens: str = "max_tokens") -> Fie
     renames = [("max_tokens", max_tokens)]
     if isinstance(req, ChatCompletionRequest):
         renames.append(("logprobs", "top_logprobs"))
+    guided = [k for k in ("json", "regex", "choice", "grammar") if getattr(req, f"guided_{k}")]
+    renames += [(f"structured_outputs.{k}", f"guided_{k}") for k in guided]
+    if guided:
+        renames.append(("structured_outputs", f"guided_{guided[0]}"))
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_schema":
         renames.append(("structured_outputs.json", "response_format.json_schema.schema"))
@@ -215,10 +327,19 @@ def sampling_params(
     max_tokens: int,
     logprobs: int | None,
     structured: StructuredOutputsParams | None | Literal[False] = False,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The request's `SamplingParams` (InvalidArgument naming the API field as `names` does);
     `structured` replaces the request's own constraint unless False (chat's tool choice)."""
     kwargs: dict[str, Any] = dict(
+        logit_bias=_logit_bias(req.logit_bias),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words or None,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        prompt_logprobs=prompt_logprobs,
         max_tokens=max_tokens,
         n=req.n,
         presence_penalty=req.presence_penalty,
@@ -243,16 +364,51 @@ def sampling_params(
         raise names.error(e) from None
 
 
-def structured_outputs(req: _Request) -> StructuredOutputsParams | None:
-    """The request's constraint: `response_format` (json_object / json_schema) or vLLM's
-    `structured_outputs` extra (json / regex / choice / grammar / json_object)."""
-    fmt, so = req.response_format, req.structured_outputs
-    if fmt is not None and fmt.type != "text":
-        if so is not None:
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token ids as JSON keys) with int keys."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
             raise InvalidArgument(
-                "response_format and structured_outputs are both set; give one",
-                "structured_outputs",
-            )
+                f"logit_bias.{key} is not a token id (keys are token ids)", f"logit_bias.{key}"
+            ) from None
+    return out
+
+
+def structured_outputs(req: _Request) -> StructuredOutputsParams | None:
+    """The request's constraint: `response_format` (json_object / json_schema), vLLM's
+    `structured_outputs` extra (json / regex / choice / grammar / json_object) or its legacy
+    `guided_*` fields (one of them)."""
+    fmt, so, guided = req.response_format, req.structured_outputs, req.guided()
+    given = [
+        name
+        for name, v in (
+            ("response_format", fmt if fmt is not None and fmt.type != "text" else None),
+            ("structured_outputs", so),
+            (
+                next(
+                    (
+                        f"guided_{k}"
+                        for k in ("json", "regex", "choice", "grammar")
+                        if getattr(req, f"guided_{k}") is not None
+                    ),
+                    "guided_json",
+                ),
+                guided,
+            ),
+        )
+        if v is not None
+    ]
+    if len(given) > 1:
+        raise InvalidArgument(
+            f"{' and '.join(given)} are all constraints on the output; give one", given[-1]
+        )
+    so = so or guided
+    if fmt is not None and fmt.type != "text":
         if fmt.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
@@ -330,6 +486,62 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def echo_logprobs(
+    tokenizer: Tokenizer | None, prompt_ids: list[int], lps: list[TokenLogprobs | None]
+) -> dict[str, Any]:
+    """`choices[i].logprobs` of an echoed prompt (`echo` with `logprobs`): the first token has
+    no logprob (None, as in vLLM and OpenAI); the others' come from the engine's prompt
+    logprobs. Text offsets start at 0."""
+    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+    for i, t in enumerate(prompt_ids):
+        text = _token(tokenizer, t)
+        lp = lps[i] if i < len(lps) else None
+        tokens.append(text)
+        token_lps.append(None if lp is None else lp.logprob)
+        tops.append(
+            None
+            if lp is None
+            else {_token(tokenizer, j): v for j, v in sorted(lp.top.items(), key=lambda kv: -kv[1])}
+        )
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def joined_logprobs(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]:
+    """Two `completion_logprobs` one after the other (an echoed prompt, then the output)."""
+    if tail is None:
+        return head
+    return {k: head[k] + tail[k] for k in head}
+
+
+def prompt_logprobs(
+    tokenizer: Tokenizer | None, lps: list[TokenLogprobs | None] | None
+) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs` of a choice: per prompt position None (the first) or {token id:
+    {"logprob", "decoded_token"}} holding the prompt token and the top-k."""
+    if lps is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entries = {lp.token_id: lp.logprob, **lp.top}
+        out.append(
+            {
+                str(t): {"logprob": v, "decoded_token": _token(tokenizer, t)}
+                for t, v in entries.items()
+            }
+        )
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

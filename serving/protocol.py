@@ -120,13 +120,20 @@ def utf8_error_path(desc: _descriptor.Descriptor, data: bytes, prefix: str = "")
     return None
 
 
-def sampling_params(sp: pb.SamplingParams) -> SamplingParams:
+def sampling_params(sp: pb.SamplingParams, req: pb.GenerateRequest | None = None) -> SamplingParams:
     """The request's `SamplingParams` (InvalidArgument naming the proto field: "sampling.top_p
-    must be in (0, 1], got 0.0")."""
+    must be in (0, 1], got 0.0"); `req`: its request, for `truncate_prompt_tokens`."""
     kwargs: dict[str, Any] = {f: getattr(sp, f) for f in _OPTIONAL_SAMPLING if sp.HasField(f)}
     kwargs["stop"] = list(sp.stop) or None
     kwargs["stop_token_ids"] = list(sp.stop_token_ids) or None
     kwargs["ignore_eos"] = sp.ignore_eos
+    kwargs["logit_bias"] = dict(sp.logit_bias) or None
+    kwargs["allowed_token_ids"] = list(sp.allowed_token_ids) or None
+    kwargs["bad_words"] = list(sp.bad_words) or None
+    kwargs["include_stop_str_in_output"] = sp.include_stop_str_in_output
+    kwargs["skip_special_tokens"] = not sp.keep_special_tokens
+    if req is not None and req.HasField("truncate_prompt_tokens"):
+        kwargs["truncate_prompt_tokens"] = req.truncate_prompt_tokens
     try:
         if sp.HasField("structured_outputs"):
             kwargs["structured_outputs"] = structured_outputs(sp.structured_outputs)

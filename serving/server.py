@@ -195,6 +195,19 @@ class GenerateServer:
         self.frontend.metrics.rejected.labels(code.name).inc()
         await context.abort(code, message)
 
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        """With `--api-key`: `authorization: Bearer KEY` metadata, else UNAUTHENTICATED (the
+        health and reflection services stay open)."""
+        if self.frontend.api_key is None:
+            return
+        auth = dict(context.invocation_metadata() or ()).get("authorization")
+        if not self.frontend.authorized(auth):
+            await self._reject(
+                context,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "invalid or missing API key (send metadata authorization: Bearer KEY)",
+            )
+
     async def _encode(self, req: Any, *, add_special_tokens: bool = True) -> tuple[str, list[int]]:
         """(field, token ids) of a request's `input` oneof, tokenized by the front end."""
         field, value = protocol.prompt_input(req)
@@ -215,6 +228,7 @@ class GenerateServer:
     ) -> tuple[pb.GenerateRequest, Stream, bool]:
         """Parses, validates, tokenizes and submits a request; aborts the RPC when it cannot.
         The flag: its output's reasoning is split off (`serving.reasoning`)."""
+        await self._authorize(context)
         code, message = grpc.StatusCode.INVALID_ARGUMENT, ""
         try:
             self.frontend.check_admission()
@@ -224,7 +238,7 @@ class GenerateServer:
                     f"request_id is longer than {validation.MAX_REQUEST_ID_LEN} characters",
                     "request_id",
                 )
-            sp = protocol.sampling_params(req.sampling)
+            sp = protocol.sampling_params(req.sampling, req)
             if once and sp.n != 1:
                 raise InvalidArgument(
                     f"sampling.n must be 1 for GenerateOnce (got {sp.n}); stream with Generate"
@@ -239,7 +253,9 @@ class GenerateServer:
                 sp = dataclasses.replace(sp, structured_outputs=so)
                 renames = (("structured_outputs.grammar", validation.GRPC(ours)),)
                 fields = validation.GRPC.with_(prompt=field, renames=renames)
-            return req, self.frontend.submit(ids, sp, req.priority, fields=fields), thinking
+            salt = req.cache_salt if req.HasField("cache_salt") else None
+            stream = self.frontend.submit(ids, sp, req.priority, fields=fields, cache_salt=salt)
+            return req, stream, thinking
         except ValueError as e:  # InvalidArgument, naming the field
             message = str(e)
         except QueueFull as e:
@@ -317,6 +333,7 @@ class GenerateServer:
     async def _tokenize(
         self, data: bytes, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
+        await self._authorize(context)
         tokenizer = self.frontend.tokenizer
         try:
             req = protocol.parse(pb.TokenizeRequest, data)
@@ -336,4 +353,5 @@ class GenerateServer:
         return pb.TokenizeResponse(token_ids=ids, tokens=pieces)
 
     async def _get_model_info(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        await self._authorize(context)
         return self.model_info

@@ -9,8 +9,10 @@ Where each check lives (one rule in one place):
    `FieldError` with this package's field name; each protocol converter (`protocol.py`,
    `openai_protocol.py`) builds them and turns the error into `InvalidArgument` with
    `Fields.error`.
-2. What needs the model: `check_request` (called by `FrontEnd.submit`, both protocols): the
-   priority within int64, then `jaxinfer.engine.types.check_prompt` (prompt ids and stop ids
+2. What needs the model: `check_request` (called by `FrontEnd.submit`, both protocols, after
+   `SamplingParams.prepare_prompt` truncated the prompt and tokenized `bad_words`): the
+   priority within int64 (and zero unless `--scheduling-policy priority`), `cache_salt`'s
+   length, then `jaxinfer.engine.types.check_prompt` (prompt ids and stop ids
    within the vocabulary, the prompt and max_tokens within the context and the KV cache, the
    structured-output constraint compiles), `n` within what the server admits at once, features
    that need a tokenizer. `top_k` larger than the vocabulary keeps every token (the sampler's
@@ -52,6 +54,7 @@ __all__ = [
     "HTTP",
     "INT32_MAX",
     "MAX_LOGPROBS",
+    "MAX_CACHE_SALT_CHARS",
     "MAX_REQUEST_ID_LEN",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
@@ -68,6 +71,7 @@ __all__ = [
 
 PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1  # int64, as the engine-core wire packs it
 MAX_REQUEST_ID_LEN = 256  # characters of a gRPC request_id
+MAX_CACHE_SALT_CHARS = 256  # characters of a cache_salt
 # Chat-template variables the server sets itself (`messages`) or takes from its own field.
 RESERVED_TEMPLATE_KWARGS = ("messages",)
 
@@ -108,6 +112,8 @@ HTTP = Fields()
 GRPC = Fields(
     prefix="sampling.",
     renames=(
+        ("truncate_prompt_tokens", "truncate_prompt_tokens"),  # GenerateRequest's own field
+        ("skip_special_tokens", "sampling.keep_special_tokens"),
         ("structured_outputs.json", "sampling.structured_outputs.json_schema"),
         ("structured_outputs.choice", "sampling.structured_outputs.choice.choices"),
     ),
@@ -123,14 +129,31 @@ def check_request(
     *,
     has_tokenizer: bool,
     max_in_flight: int,
+    priority_scheduling: bool = True,
+    cache_salt: str | None = None,
 ) -> None:
     """The front end's check of a tokenized request against the engine (see the module
-    docstring, step 2). Raises InvalidArgument naming the field as `fields` spells it."""
+    docstring, step 2). Raises InvalidArgument naming the field as `fields` spells it.
+    `priority_scheduling`: the server runs `--scheduling-policy priority` (else a non-zero
+    priority is refused, as vLLM does)."""
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidArgument(f"{fields('priority')} must be an integer", fields("priority"))
     if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
         raise InvalidArgument(
             f"{fields('priority')} must be in [-2**63, 2**63), got {priority}", fields("priority")
+        )
+    if priority and not priority_scheduling:
+        raise InvalidArgument(
+            f"{fields('priority')}={priority}: priority scheduling is off (the server runs "
+            f"--scheduling-policy fcfs; start it with --scheduling-policy priority)",
+            fields("priority"),
+        )
+    if cache_salt is not None and (
+        not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS
+    ):
+        raise InvalidArgument(
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+            "cache_salt",
         )
     if not has_tokenizer and sp.stop:
         name = fields("stop")

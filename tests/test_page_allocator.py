@@ -8,7 +8,13 @@ import struct
 
 import pytest
 
-from jaxinfer.engine.page_allocator import NULL_PAGE, OutOfPagesError, PageAllocator, chain_hash
+from jaxinfer.engine.page_allocator import (
+    NULL_PAGE,
+    OutOfPagesError,
+    PageAllocator,
+    chain_hash,
+    salt_root,
+)
 
 
 def test_allocate_free_refcount() -> None:
@@ -193,3 +199,14 @@ def test_chain_hash_bytes_are_fixed() -> None:
     assert chain_hash(0, []) == int.from_bytes(
         hashlib.blake2b(bytes(16), digest_size=16).digest(), "little"
     )
+
+
+def test_cache_salt_pages_are_found_only_under_the_same_salt() -> None:
+    alloc = PageAllocator(16, 4)
+    tokens = list(range(1, 14))  # 3 full pages + 1 token
+    pages = alloc.allocate(4)
+    alloc.register_full_pages(tokens, pages, 12, root=salt_root("tenant-a"))
+    assert salt_root(None) == salt_root("") == 0 and salt_root("a") != salt_root("b")
+    assert alloc.match_prefix(tokens, root=salt_root("tenant-b")) == []
+    assert alloc.match_prefix(tokens) == []  # unsalted requests miss salted pages too
+    assert alloc.match_prefix(tokens, root=salt_root("tenant-a")) == pages[:3]

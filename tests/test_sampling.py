@@ -542,6 +542,7 @@ def test_one_compiled_program_serves_every_mix() -> None:
         [SamplingParams(top_k=200)] * s,  # beyond the candidate width: bisection branch
         [SamplingParams(top_p=0.5)] * s,
         [SamplingParams(min_p=0.2, repetition_penalty=1.2)] * s,
+        [SamplingParams(logit_bias={i: 1.0 for i in range(300)})] * s,  # the widest bias list
         (MIXED + MIXED)[:s],
     ]
     cache_sizes = []
@@ -551,6 +552,32 @@ def test_one_compiled_program_serves_every_mix() -> None:
         jax.block_until_ready(SAMPLE(logits, meta, prompt_mask, counts, np.full(s, i, np.int32)))
         cache_sizes.append(SAMPLE._cache_size())
     assert len(set(cache_sizes)) == 1, cache_sizes  # only the first call may have compiled
+
+
+def test_logit_bias_is_added_after_the_penalties() -> None:
+    rng = np.random.default_rng(12)
+    logits = rng.standard_normal((3, V)).astype(np.float32)
+    counts = np.zeros((3, V), np.int32)
+    counts[:, 5] = 2
+    bias = {7: 30.0, 5: 40.0}
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=bias, presence_penalty=2.0),
+        SamplingParams(temperature=0.0, logit_bias={int(np.argmax(logits[1])): -100.0}),
+        SamplingParams(temperature=1.0, logit_bias={i: -100.0 for i in range(300)}),
+    ]
+    out = run(logits, params, output_counts=counts).token_ids
+    edited = logits[0] - 2.0 * (counts[0] > 0)
+    edited[[7, 5]] += [30.0, 40.0]
+    assert out[0] == np.argmax(edited) == 5
+    assert out[1] == np.argsort(logits[1])[-2]
+    draws_ = run(np.zeros((64, V), np.float32), [params[2]] * 64, seeds=list(range(64)))
+    assert (draws_.token_ids >= 300).all()
+    # a biased sampled row draws what it draws alone, whatever shares its batch
+    mixed = [SamplingParams(temperature=0.9, logit_bias={3: 4.0, V - 1: 2.5})] + MIXED
+    logits2 = rng.standard_normal((len(mixed), V)).astype(np.float32)
+    together = run(logits2, mixed, seeds=list(range(len(mixed))), pad_to=16).token_ids
+    alone = run(logits2[:1], mixed[:1], seeds=[0]).token_ids
+    assert together[0] == alone[0]
 
 
 def test_suppression_lasts_until_its_position() -> None:

@@ -314,6 +314,19 @@ def test_preemption_recomputes_and_keeps_outputs() -> None:
         assert r.finish_reason == "length" and len(r.output_token_ids) == 6
 
 
+def test_memory_pressure_preempts_the_lower_priority_request_first() -> None:
+    # as above, but the older request has the lower priority (a larger value): it gives way
+    sched = make_scheduler(num_pages=7, page_size=2, prefix_caching=False)
+    low = make_request("low", [3, 4, 5, 6], eos=(), max_tokens=6, priority=5)
+    high = make_request("high", [3, 4, 5, 6], eos=(), max_tokens=6, priority=-5)
+    sched.add_request(low)
+    sched.add_request(high)
+    outs = run_to_end(sched, FakeRunner(sched))
+    preempted = [rid for o in outs for rid in o.preempted]
+    assert preempted and set(preempted) == {"low"}
+    assert high.num_preemptions == 0 and len(high.output_token_ids) == 6
+
+
 def test_request_that_is_newest_preempts_itself_and_stops_the_step() -> None:
     sched = make_scheduler(num_pages=4, page_size=2, max_num_batched_tokens=8)  # 3 usable pages
     a = make_request("a", [1, 2, 3], eos=(), max_tokens=2)

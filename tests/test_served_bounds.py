@@ -46,6 +46,7 @@ def served(tmp_path_factory):
     srv = serve_tiny(
         tmp_path_factory.mktemp("served") / "tiny",
         *("--max-model-len", str(MAX_MODEL_LEN), "--max-queue", "4"),
+        *("--scheduling-policy", "priority"),  # priorities span int64 here
     )
     yield srv
     assert srv.stop() == 0, "".join(srv.log[-30:])

@@ -33,6 +33,7 @@ FP8_MESH = M + "test_fp8_bf16_on_a_data_pipeline_tensor_mesh_decodes_the_models_
 NGRAM = M + "test_ngram_speculation_with_fp8_kv_on_an_expert_tensor_mesh"
 INT8_DRAFT = E + "test_int8_with_a_saved_draft_model_decodes_the_models_tokens"
 TOOLS = "test_served_tools.py::"
+FIELDS = "test_served_fields.py::"
 PRIORITY = E + "test_priority_reorders_under_contention_and_max_queue_refuses"
 
 COVERAGE: dict[str, tuple[str, ...]] = {
@@ -85,6 +86,8 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "`--enable-auto-tool-choice`": (TOOLS + "test_auto_parses_the_hermes_format",),
     "`--tool-call-parser`": (TOOLS + "test_auto_parses_the_hermes_format",),
     "`--reasoning-parser`": (TOOLS + "test_reasoning_content_whole_and_streamed",),
+    "`--scheduling-policy`": (FIELDS + "test_priority_runs_the_urgent_request_first",),
+    "`--api-key`": (FIELDS + "test_api_key_on_both_protocols",),
     "`--fake-poison-token`": (
         "test_served_breaker.py::test_three_unexplained_failures_break_the_engine_and_the_server_says_so",
         "test_served_isolation.py::test_a_poisoned_request_fails_alone_beside_eight_streams",
@@ -120,6 +123,18 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         TOOLS + "test_required_calls_validate",
         TOOLS + "test_named_call_validates_whole_and_streamed",
         TOOLS + "test_reasoning_content_whole_and_streamed",
+    ),
+    "vLLM request fields (`logit_bias`, `allowed_token_ids`, `bad_words`, `echo` + prompt logprobs incl. `max_tokens=0`, `prompt_logprobs`, `include_stop_str_in_output`, `skip_special_tokens`, `truncate_prompt_tokens`, `return_tokens_as_token_ids`, `guided_*`; unknown fields refused)": (
+        FIELDS + "test_echo_logprobs_max_tokens_0_scores_the_prompt",
+        FIELDS + "test_logit_bias_allowed_token_ids_and_bad_words",
+        FIELDS + "test_include_stop_str_and_guided_choice",
+        FIELDS + "test_unknown_field_and_endpoints",
+    ),
+    "`cache_salt` prefix-cache isolation, `--scheduling-policy priority`, `--api-key`": (
+        FIELDS + "test_cache_salt_isolates_prefix_cache",
+        FIELDS + "test_grpc_fields_and_cache_salt",
+        FIELDS + "test_priority_runs_the_urgent_request_first",
+        FIELDS + "test_api_key_on_both_protocols",
     ),
     # quantization
     '`quantization="int8"`': (INT8_DRAFT,),

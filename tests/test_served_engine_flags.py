@@ -66,6 +66,7 @@ def served(model_dir, trace_dir):
         *("--linear-backend", "xla", "--quantization", "int8", "--max-queue", "2"),
         *("--grace-period", "60", "--trace-dir", str(trace_dir), "--trace-steps", "2"),
         *("--no-metrics", "--speculative-config", json.dumps(spec)),
+        *("--scheduling-policy", "priority"),
     ]
     srv = ServedProcess(args)
     yield srv

@@ -70,6 +70,7 @@ from jaxinfer.engine.types import (
 )
 from jaxinfer.models import family_of
 from jaxinfer.spec_decode.proposer import make_proposer
+from jaxinfer.token_masks import TokenMasks
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class EngineCore:
     ) -> None:
         self.cfg = cfg
         so = None if tokenizer is None else structured.StructuredOutputs(tokenizer, cfg.vocab_size)
-        self.structured = so
+        self.structured = TokenMasks(cfg.vocab_size, so)  # grammars + allowed / bad token lists
         max_model_len = config.max_model_len or cfg.max_position_embeddings
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(
@@ -298,13 +299,10 @@ class EngineCore:
             req.sampling,
             eos_token_ids=tuple(req.eos_token_ids),
             priority=req.priority,
+            cache_salt=req.cache_salt,
         )
-        if req.sampling.structured_outputs is not None:  # proven off the step thread first
-            if self.structured is None:
-                raise ValueError("structured_outputs needs the engine core to have the tokenizer")
-            self.structured.add(req.request_id, req.sampling.structured_outputs, request)
-        else:
-            self.scheduler.add_request(request)
+        if not self.structured.add(req.request_id, req.sampling, request):  # a grammar: proven
+            self.scheduler.add_request(request)  # off the step thread first, then `admit_proven`
         self._requests[req.request_id] = request
 
     def take_rejected(self) -> list[tuple[str, str]]:

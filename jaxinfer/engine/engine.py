@@ -135,6 +135,7 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
+        ids = sampling.prepare_prompt(ids, self.tokenizer)
         self.validate_prompt(ids, sampling)
         children = split_samples(
             request_id, ids, sampling, eos_token_ids=self.model.eos_token_ids, priority=priority

@@ -7,7 +7,7 @@ whose engine core is another process.
 2. `process(outputs)` feeds each `TokenOutput`'s ids to its sample's detokenizer and matches the
    sample's stop strings on a tail window of the text (linear in the output length: only text
    that could still hold the start of a match is searched again), holding back text that could
-   be the start of a stop string.
+   be the start of a stop string (kept in the text with `include_stop_str_in_output`).
 3. It returns the `RequestDelta`s and the samples that a stop string finished: the caller ends
    those in the core (`EngineCore.finish`), which may already have computed a token or two more;
    those are dropped here.
@@ -70,11 +70,19 @@ class _Sample:
         "sent_prompt_lps",
         "want_prompt_lps",
         "num_tokens",
+        "include_stop",
     )
 
     def __init__(self, parent: str, spec: SampleSpec, tokenizer: Tokenizer | None) -> None:
         self.parent, self.index = parent, spec.index
-        self.detok = tokenizer.detokenizer(spec.prompt_token_ids) if tokenizer else None
+        self.detok = (
+            tokenizer.detokenizer(
+                spec.prompt_token_ids, skip_special_tokens=spec.skip_special_tokens
+            )
+            if tokenizer
+            else None
+        )
+        self.include_stop = spec.include_stop_str  # the matched stop string stays in the text
         self.stop = [s for s in spec.stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # emitted so far
@@ -119,7 +127,7 @@ class _Sample:
         if hits:
             i, stop = min(hits)
             cut = base + i - len(self.text)  # chars of pending before the stop string
-            new = self.pending[: max(cut, 0)]
+            new = self.pending[: max(cut + len(stop) if self.include_stop else cut, 0)]
             self.text += new
             self.pending = ""
             return new, stop

@@ -6,7 +6,8 @@
 2. `allocate(n)` hands out n pages with reference count 1, taken from the free list first and
    then by evicting the least-recently-used cached page. `free(pages)` drops one reference each.
 3. Prefix cache: a page whose page_size tokens are all computed gets a chain hash
-   h_i = H(h_{i-1}, tokens of page i) (h_{-1} = 0), so a hash names the page's whole prefix.
+   h_i = H(h_{i-1}, tokens of page i) (h_{-1} = 0, or a hash of the request's `cache_salt`:
+   `salt_root`), so a hash names the page's whole prefix (and salt).
    `register_full_pages` records hash -> page. A cached page whose last reference is dropped is
    not freed but becomes *evictable* (an LRU); it still counts as free capacity.
 4. `match_prefix(token_ids)` walks the chain of a new sequence and takes a reference on every
@@ -48,6 +49,15 @@ def chain_hash(parent: int, tokens: Sequence[int]) -> int:
 
 
 _BIG_ENDIAN = sys.byteorder == "big"
+
+
+def salt_root(cache_salt: str | None) -> int:
+    """The chain's parent of a request's first page: 0 without a salt, else a 128-bit hash of
+    the salt, so pages cached under one salt are found only by requests with that salt."""
+    if not cache_salt:
+        return 0
+    digest = hashlib.blake2b(b"cache_salt\0" + cache_salt.encode(), digest_size=16).digest()
+    return int.from_bytes(digest, "little")
 
 
 class PageAllocator:
@@ -121,9 +131,10 @@ class PageAllocator:
                     self._free.append(page)
 
     def match_prefix(
-        self, token_ids: Sequence[int], page_hashes: list[int] | None = None
+        self, token_ids: Sequence[int], page_hashes: list[int] | None = None, root: int = 0
     ) -> list[int]:
-        """Take a reference on the longest run of cached leading full pages of `token_ids`.
+        """Take a reference on the longest run of cached leading full pages of `token_ids`
+        (`root`: the first page's parent, `salt_root` of the request's cache salt).
 
         NOTE: never covers the whole sequence: at most (len-1)//page_size pages, so at least one
         token is left to compute and the last position's logits exist.
@@ -135,7 +146,7 @@ class PageAllocator:
         if not self.enable_prefix_caching:
             return []
         pages: list[int] = []
-        parent = 0
+        parent = root
         ps = self.page_size
         for i in range((len(token_ids) - 1) // ps):
             h = chain_hash(parent, token_ids[i * ps : (i + 1) * ps])
@@ -157,8 +168,10 @@ class PageAllocator:
         page_ids: Sequence[int],
         num_computed_tokens: int,
         page_hashes: list[int] | None = None,
+        root: int = 0,
     ) -> None:
-        """Offer to the cache every page of `page_ids` that is full and computed (idempotent).
+        """Offer to the cache every page of `page_ids` that is full and computed (idempotent;
+        `root`: the first page's parent, as in `match_prefix`).
 
         Only pages past `len(page_hashes)` are hashed, so with persistent chain state each page
         is hashed once; with `page_hashes=None` the chain is recomputed from page 0.
@@ -178,7 +191,7 @@ class PageAllocator:
             )
         ps = self.page_size
         for i in range(len(page_hashes), num_full):
-            parent = page_hashes[i - 1] if i else 0
+            parent = page_hashes[i - 1] if i else root
             h = chain_hash(parent, request_token_ids[i * ps : (i + 1) * ps])
             page_hashes.append(h)
             page = page_ids[i]

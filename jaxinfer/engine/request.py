@@ -24,6 +24,7 @@ import enum
 import time
 from collections.abc import Sequence
 
+from jaxinfer.engine.page_allocator import salt_root
 from jaxinfer.sampling_params import SamplingParams
 
 # The id `token_slice` gives a sampled token that has not reached the host yet.
@@ -59,6 +60,8 @@ class Request:
     """A prompt, how to sample it, and how far it has got.
 
     `priority`: lower values are served first, then earlier `arrival_time`.
+    `cache_salt`: prefix-cache pages are shared only among requests with the same salt
+    (`cache_root`, the first page's parent hash).
     `num_cached_tokens`: prompt tokens served from the prefix cache when first admitted.
     `page_ids`: the page table; page i holds the K/V of tokens [i*page_size, (i+1)*page_size).
     `page_hashes`: prefix-cache chain state of the current page table (see `PageAllocator`); it
@@ -90,12 +93,15 @@ class Request:
     # finishes by length, and every token id that may stop it (EOS unless ignored, stop ids).
     length_limit: int = 0
     stop_token_set: frozenset[int] = frozenset()
+    cache_salt: str | None = None
+    cache_root: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"Request.request_id must be a non-empty str, got {self.request_id!r}")
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.eos_token_ids = tuple(self.eos_token_ids)
+        self.cache_root = salt_root(self.cache_salt)
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(
                 f"Request {self.request_id!r}: sampling must be SamplingParams, "
@@ -158,14 +164,14 @@ class Request:
     @property
     def may_speculate(self) -> bool:
         """False with penalties (the runner counts output tokens as it computes them, and
-        proposed tokens that are rejected must not count) and with structured output (a
+        proposed tokens that are rejected must not count) and with token masks (a
         proposal's grammar mask would need the matcher advanced over unverified tokens)."""
         sp = self.sampling
         return (
             sp.repetition_penalty == 1.0
             and sp.frequency_penalty == 0.0
             and sp.presence_penalty == 0.0
-            and sp.structured_outputs is None
+            and not sp.masks_tokens
         )
 
     @property

@@ -268,7 +268,7 @@ class Scheduler:
                 req.num_pending_tokens = pending + 1
                 if caching[r] and known >= (len(req.page_hashes) + 1) * page_size:
                     self.allocators[r].register_full_pages(
-                        req.known_tokens, pages, known, req.page_hashes
+                        req.known_tokens, pages, known, req.page_hashes, req.cache_root
                     )
                 budgets[r] = budget - 1
                 i += 1
@@ -307,7 +307,7 @@ class Scheduler:
                     break
             cached: list[int] = []
             if alloc.enable_prefix_caching and req.may_use_prefix_cache:
-                cached = alloc.match_prefix(req.all_token_ids, req.page_hashes)
+                cached = alloc.match_prefix(req.all_token_ids, req.page_hashes, req.cache_root)
             start = len(cached) * page_size
             n = min(req.num_tokens - start, budgets[r], self._max_chunk)
             need = _cdiv(start + n, page_size) - len(cached)
@@ -376,7 +376,7 @@ class Scheduler:
             if caching[replica] and computed >= (len(req.page_hashes) + 1) * page_size:
                 # a page completed by a pending token
                 self.allocators[replica].register_full_pages(
-                    req.known_tokens, req.page_ids, computed, req.page_hashes
+                    req.known_tokens, req.page_ids, computed, req.page_hashes, req.cache_root
                 )
             try:
                 token = sampled[req.request_id]
@@ -418,7 +418,9 @@ class Scheduler:
         alloc = self.allocators[s.replica]
         if alloc.enable_prefix_caching and computed >= (len(req.page_hashes) + 1) * alloc.page_size:
             # a page completed by a pending token
-            alloc.register_full_pages(req.known_tokens, req.page_ids, computed, req.page_hashes)
+            alloc.register_full_pages(
+                req.known_tokens, req.page_ids, computed, req.page_hashes, req.cache_root
+            )
         if s.sample:
             try:
                 token = sampled[req.request_id]
@@ -482,7 +484,9 @@ class Scheduler:
         # written are taken back by `forget_pages`.
         computed = end if end < known else known
         if alloc.enable_prefix_caching and computed >= (len(req.page_hashes) + 1) * alloc.page_size:
-            alloc.register_full_pages(req.known_tokens, req.page_ids, computed, req.page_hashes)
+            alloc.register_full_pages(
+                req.known_tokens, req.page_ids, computed, req.page_hashes, req.cache_root
+            )
 
     def forget_pages(self, scheduled: list[ScheduledRequest]) -> None:
         """A step holding these failed: none of their pages may serve a prefix-cache hit."""

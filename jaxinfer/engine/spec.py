@@ -137,5 +137,7 @@ def accept(
         and alloc.enable_prefix_caching
         and done >= (len(req.page_hashes) + 1) * alloc.page_size
     ):
-        alloc.register_full_pages(req.known_tokens, req.page_ids, done, req.page_hashes)
+        alloc.register_full_pages(
+            req.known_tokens, req.page_ids, done, req.page_hashes, req.cache_root
+        )
     return RequestUpdate(req, new, False)

@@ -73,11 +73,17 @@ def check_prompt(
             raise FieldError(
                 name(f"prompt[{i}]"), f" = {t} is outside the vocabulary [0, {limits.vocab_size})"
             )
-    for i, t in enumerate(sampling.stop_token_ids or ()):
+    listed = [(f"stop_token_ids[{i}]", t) for i, t in enumerate(sampling.stop_token_ids or ())]
+    listed += [
+        (f"allowed_token_ids[{i}]", t) for i, t in enumerate(sampling.allowed_token_ids or ())
+    ]
+    listed += [(f"logit_bias.{t}", t) for t in sampling.logit_bias or ()]
+    for i, ids in enumerate(sampling.bad_words_token_ids or ()):
+        listed += [(f"bad_words[{i}]", t) for t in ids]
+    for field, t in listed:
         if not 0 <= t < limits.vocab_size:
             raise FieldError(
-                name(f"stop_token_ids[{i}]"),
-                f" = {t} is outside the vocabulary [0, {limits.vocab_size})",
+                name(field), f" = {t} is outside the vocabulary [0, {limits.vocab_size})"
             )
     n, m = len(ids), sampling.max_tokens
     # The last sampled token is never computed: at most n + m - 1 tokens hold K/V.
@@ -133,6 +139,7 @@ class CoreRequest:
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
+    cache_salt: str | None = None  # prefix-cache pages shared only under the same salt
 
 
 @dataclasses.dataclass
@@ -144,6 +151,8 @@ class SampleSpec:
     prompt_token_ids: Sequence[int]
     stop: Sequence[str] = ()
     want_prompt_logprobs: bool = False
+    include_stop_str: bool = False  # the matched stop string stays in the text
+    skip_special_tokens: bool = True
 
 
 def split_samples(
@@ -153,6 +162,7 @@ def split_samples(
     *,
     eos_token_ids: tuple[int, ...],
     priority: int = 0,
+    cache_salt: str | None = None,
 ) -> tuple[list[CoreRequest], list[SampleSpec]]:
     """One request of `n` samples -> n child requests for the core and n specs for the output
     processor (child ids `rid#i` when n > 1, seeds spread so samples differ)."""
@@ -162,9 +172,17 @@ def split_samples(
         if sampling.n > 1 and sampling.seed is not None:
             child_sp = dataclasses.replace(sampling, seed=(sampling.seed + 7919 * i) % 2**63)
         cid = request_id if sampling.n == 1 else f"{request_id}#{i}"
-        core.append(CoreRequest(cid, list(ids), child_sp, eos_token_ids, priority))
+        core.append(CoreRequest(cid, list(ids), child_sp, eos_token_ids, priority, cache_salt))
         specs.append(
-            SampleSpec(cid, i, ids, list(sampling.stop or []), sampling.prompt_logprobs is not None)
+            SampleSpec(
+                cid,
+                i,
+                ids,
+                list(sampling.stop or []),
+                sampling.prompt_logprobs is not None,
+                sampling.include_stop_str_in_output,
+                sampling.skip_special_tokens,
+            )
         )
     return core, specs
 
@@ -239,11 +257,12 @@ def request_to_wire(r: CoreRequest) -> list:
         dataclasses.asdict(r.sampling),
         list(r.eos_token_ids),
         r.priority,
+        r.cache_salt,
     ]
 
 
 def request_from_wire(w: list) -> CoreRequest:
-    return CoreRequest(w[0], list(w[1]), SamplingParams(**w[2]), tuple(w[3]), w[4])
+    return CoreRequest(w[0], list(w[1]), SamplingParams(**w[2]), tuple(w[3]), w[4], w[5])
 
 
 class ScheduledRequest(NamedTuple):
