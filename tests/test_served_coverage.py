@@ -33,6 +33,7 @@ FP8_MESH = M + "test_fp8_bf16_on_a_data_pipeline_tensor_mesh_decodes_the_models_
 NGRAM = M + "test_ngram_speculation_with_fp8_kv_on_an_expert_tensor_mesh"
 INT8_DRAFT = E + "test_int8_with_a_saved_draft_model_decodes_the_models_tokens"
 TOOLS = "test_served_tools.py::"
+MOE = "test_served_moe.py::test_deepseek_moe_on_an_expert_mesh_decodes_transformers_tokens"
 FIELDS = "test_served_fields.py::"
 PRIORITY = E + "test_priority_reorders_under_contention_and_max_queue_refuses"
 
@@ -97,8 +98,8 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "tensor parallelism (`tensor=N`)": (FP8_MESH, NGRAM),
     "data parallelism (`data=N`, with `tensor`)": (FP8_MESH,),
     "pipeline parallelism (`pipeline=S`, with the other axes)": (FP8_MESH,),
-    # NOTE: on the dense served model `expert` is more tensor parallelism; no MoE is served yet.
-    "expert parallelism (`expert=N`, MoE models)": (NGRAM,),
+    "expert parallelism (`expert=N`, MoE models)": (MOE, NGRAM),
+    "MLA attention (DeepSeek)": (MOE,),
     "multi-host (`--coordinator-address --num-processes --process-id`)": (
         "test_multihost.py::test_serve_script_two_processes_sigterm_stops_both",
     ),
@@ -147,10 +148,6 @@ COVERAGE: dict[str, tuple[str, ...]] = {
 
 # Rows with no served test yet: (why, the tests they do have).
 NOT_SERVED: dict[str, tuple[str, tuple[str, ...]]] = {
-    "MLA attention (DeepSeek)": (
-        "no DeepSeek checkpoint is served yet (a dummy-weights served module would cost ~30 s)",
-        ("test_dummy_load.py::test_serve_builds_a_dummy_engine",),
-    ),
     "attention backends `gpu` (Pallas/Triton, default on GPU), `tpu` (Pallas/Mosaic)": (
         "on the CPU they run in Pallas interpret mode, minutes per served step program",
         ("test_kernels.py",),
