@@ -14,6 +14,7 @@ started (so it sees the first batch).
    `jaxinfer_kv_cache_pages_total` gauge broke that); the page capacity counts both replicas;
    prefix-cache hits, prompt tokens and per-phase histograms follow the requests sent; and
    `promtool check metrics` (when installed) finds nothing but the ':' in vLLM's own names.
+3. (no server) Under a Kubernetes LeaderWorkerSet the multi-host flags default from its env.
 """
 
 from __future__ import annotations
@@ -196,3 +197,28 @@ def test_vllm_metrics_named_typed_and_counted(served):
         findings = [line for line in (run.stdout + run.stderr).splitlines() if line.strip()]
         colon = "metric names should not contain ':'"
         assert all(f.startswith("vllm:") and f.endswith(colon) for f in findings), findings
+
+
+def test_leaderworkerset_env_names_the_multihost_flags():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        import serve
+    finally:
+        sys.path.pop(0)
+    lws = {"LWS_LEADER_ADDRESS": "llm-0.llm", "LWS_GROUP_SIZE": "4", "LWS_WORKER_INDEX": "2"}
+    args = serve.build_parser().parse_args([])
+    serve.lws_defaults(args, lws)
+    assert (args.coordinator_address, args.num_processes, args.process_id) == (
+        f"llm-0.llm:{serve.LWS_COORDINATOR_PORT}",
+        4,
+        2,
+    )
+    given = serve.build_parser().parse_args(["--process-id", "1", "--coordinator-address", "h:1"])
+    serve.lws_defaults(given, lws)  # flags given win
+    assert (given.coordinator_address, given.num_processes, given.process_id) == ("h:1", 4, 1)
+    alone = serve.build_parser().parse_args([])
+    serve.lws_defaults(alone, {})
+    assert (alone.coordinator_address, alone.num_processes, alone.process_id) == (None, 1, 0)
