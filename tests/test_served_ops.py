@@ -14,7 +14,8 @@ started (so it sees the first batch).
    `jaxinfer_kv_cache_pages_total` gauge broke that); the page capacity counts both replicas;
    prefix-cache hits, prompt tokens and per-phase histograms follow the requests sent; and
    `promtool check metrics` (when installed) finds nothing but the ':' in vLLM's own names.
-3. (no server) Under a Kubernetes LeaderWorkerSet the multi-host flags default from its env.
+3. Every data replica counted: a running request's pages over both replicas' pages.
+4. (no server) Under a Kubernetes LeaderWorkerSet the multi-host flags default from its env.
 """
 
 from __future__ import annotations
@@ -222,3 +223,28 @@ def test_leaderworkerset_env_names_the_multihost_flags():
     alone = serve.build_parser().parse_args([])
     serve.lws_defaults(alone, {})
     assert (alone.coordinator_address, alone.num_processes, alone.process_id) == (None, 1, 0)
+
+
+def test_kv_usage_counts_every_data_replica(served):
+    """A request running on either replica: `vllm:kv_cache_usage_perc` is its pages over both
+    replicas' 18 (replica 0 alone would say x/9, or 0 when it runs on replica 1)."""
+    srv, _ = served
+    for attempt in range(3):  # a scrape that came after the stream ended (a loaded machine)
+        prompt = [(11 * i + attempt) % 40000 + 200 for i in range(100)]  # 7 pages, 8 past 112
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 28, "stream": True}
+        body |= {"ignore_eos": True, "temperature": 0.0}
+        req = urllib.request.Request(
+            srv.http_url + "/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as stream:
+            assert stream.readline().startswith(b"data: ")  # the first token: it runs
+            _, fams = _families(srv)
+            stream.read()
+        if _value(fams["vllm:num_requests_running"]) == 1:
+            break
+    else:
+        pytest.fail("every stream finished before its scrape")
+    usage = _value(fams["vllm:kv_cache_usage_perc"])
+    assert round(usage * 2 * USABLE_PER_REPLICA, 6) in (7, 8), usage
