@@ -25,7 +25,14 @@
    per host): `jax.distributed` starts before anything touches a device; every process adopts
    process 0's engine flags and builds the same engine on the global mesh; process 0 serves gRPC
    and broadcasts each step to the others, which only follow (`jaxinfer/engine/multihost.py`)
-   and exit 0 when process 0 shuts down.
+   and exit 0 when process 0 shuts down. Under a Kubernetes LeaderWorkerSet the three flags
+   default from its env (`lws_defaults`): `LWS_LEADER_ADDRESS` (+ port 8476) names the
+   coordinator, `LWS_GROUP_SIZE` the number of processes, `LWS_WORKER_INDEX` the process id.
+5. Under an orchestrator: `GET /health` (HTTP) or gRPC health is the readiness probe (200 /
+   SERVING once warmed up; 503 / NOT_SERVING while loading, warming up or draining); on SIGTERM
+   the server drains for `--grace-period` seconds, so give the pod a termination grace period a
+   little longer. `scripts/deploy/` has a Deployment (one host) and a LeaderWorkerSet
+   (multi-host); README "Running under an orchestrator" says more.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ import time
 import _path  # noqa: F401
 
 logger = logging.getLogger("serve")
+
+LWS_COORDINATOR_PORT = 8476  # jax.distributed's usual port, on the LeaderWorkerSet's leader
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
@@ -271,10 +280,30 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--coordinator-address",
         default=None,
-        help="host:port of process 0's jax.distributed coordinator (same on every process)",
+        help="host:port of process 0's jax.distributed coordinator (same on every process; "
+        "default under a LeaderWorkerSet with more than one process: "
+        f"$LWS_LEADER_ADDRESS:{LWS_COORDINATOR_PORT})",
     )
-    m.add_argument("--num-processes", type=int, default=1)
-    m.add_argument("--process-id", type=int, default=0)
+    m.add_argument(
+        "--num-processes",
+        type=int,
+        default=None,
+        help="processes (hosts) in all (default: $LWS_GROUP_SIZE under a Kubernetes "
+        "LeaderWorkerSet, else 1)",
+    )
+    m.add_argument(
+        "--process-id",
+        type=int,
+        default=None,
+        help="this process's index, 0 serves (default: $LWS_WORKER_INDEX, else 0)",
+    )
+    s.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's KV-cache events JSON, e.g. '{\"enable_kv_cache_events\": true, "
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}\': BlockStored / '
+        "BlockRemoved / AllBlocksCleared batches over ZMQ PUB for cache-aware routers",
+    )
     prof = p.add_argument_group("profiling")
     prof.add_argument(
         "--profile-port",
@@ -334,6 +363,7 @@ def loop_options(args: argparse.Namespace):
         trace_dir=args.trace_dir,
         trace_steps=args.trace_steps if args.trace_dir else 0,
         profile_port=args.profile_port,
+        kv_events=args.kv_events_config,
     )
 
 
@@ -547,8 +577,21 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
     return frontend.exit_code
 
 
+def lws_defaults(args: argparse.Namespace, env: dict[str, str] | os._Environ = os.environ) -> None:
+    """Fills the multi-host flags left unset from a Kubernetes LeaderWorkerSet's env
+    (`LWS_GROUP_SIZE`, `LWS_WORKER_INDEX`, `LWS_LEADER_ADDRESS`); 1 process without it."""
+    if args.num_processes is None:
+        args.num_processes = int(env.get("LWS_GROUP_SIZE", "1"))
+    if args.process_id is None:
+        args.process_id = int(env.get("LWS_WORKER_INDEX", "0"))
+    leader = env.get("LWS_LEADER_ADDRESS")
+    if args.coordinator_address is None and leader and args.num_processes > 1:
+        args.coordinator_address = f"{leader}:{LWS_COORDINATOR_PORT}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    lws_defaults(args)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -561,6 +604,10 @@ def main(argv: list[str] | None = None) -> int:
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
         )
+        if args.kv_events_config is not None:
+            from jaxinfer.engine.kv_events import KVEventsConfig
+
+            KVEventsConfig.parse(args.kv_events_config)  # a bad field fails before loading
         channel = start_multihost(args) if args.num_processes > 1 else None
         if channel is not None and args.process_id != 0:
             return follow(args, channel)

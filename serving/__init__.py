@@ -8,6 +8,6 @@ over one continuous-batching engine.
   `errors.py` — the front end's errors, which each protocol maps to its code.
 - `server.py` — `GenerateServer` (grpc.aio) with `protocol.py` (proto <-> engine); `http_server.py`
   — `OpenAIServer` (FastAPI) with `openai_protocol.py`: peers over a `FrontEnd`.
-- `metrics.py` — Prometheus metrics; `client.py` — client helpers; `launch.py` — what
+- `metrics.py` — Prometheus metrics (+ `vllm_metrics.py`: vLLM's names); `client.py` — client helpers; `launch.py` — what
   `scripts/serve.py` builds; `testing.py` — fake runner.
 """

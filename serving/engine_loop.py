@@ -302,9 +302,7 @@ class EngineLoop:
         outputs, lost, error, stats = wire_outputs(msg), msg.lost, msg.error, msg.stats
         self._stats = stats
         m = self.metrics
-        m.running.set(stats.running)
-        m.waiting.set(stats.waiting)
-        m.pages_used.set(stats.pages_used)
+        m.observe_load(stats)
         m.compiled_programs.set(stats.compiled_programs or self.compiled_programs)
         if stats.step_s is not None:
             m.step_time.observe(stats.step_s)
@@ -359,21 +357,38 @@ class EngineLoop:
                 logger.exception("request %s failed while dispatching", d.request_id)
                 self.fail_request(stream, f"internal error: {type(e).__name__}: {e}")
 
+    def _record_phases(self, stream: Stream, d: RequestDelta, now: float) -> None:
+        """vLLM's queue / prefill / decode times of a finished sample (`serving/vllm_metrics.py`):
+        the queue time is the core's; the front end's arrival stands for the core's (one ipc
+        hop apart). A sample that never got a token (aborted while waiting) has no phases."""
+        v, first = self.metrics.vllm, stream.first.get(d.index)
+        queue_s = d.usage.queue_s if d.usage is not None else None
+        if queue_s is None or first is None:
+            return
+        v.queue.observe(queue_s)
+        v.prefill.observe(max(0.0, first - stream.arrival - queue_s))
+        v.decode.observe(stream.last[d.index] - first)
+
     def _record(self, stream: Stream, d: RequestDelta, now: float) -> None:
-        m, i = self.metrics, d.index
+        m, v, i = self.metrics, self.metrics.vllm, d.index
         if d.new_token_ids:
             self._generated += len(d.new_token_ids)
             m.generation_tokens.inc(len(d.new_token_ids))
+            v.generation_tokens.inc(len(d.new_token_ids))
             if i not in stream.first:
                 stream.first[i] = now
                 m.ttft.observe(now - stream.arrival)
+                v.ttft.observe(now - stream.arrival)
             else:
                 gap = (now - stream.last[i]) / len(d.new_token_ids)
                 for _ in d.new_token_ids:
                     m.itl.observe(gap)
+                    v.itl.observe(gap)
             stream.last[i] = now
         if d.finished:
             m.e2e.observe(now - stream.arrival)
+            v.e2e.observe(now - stream.arrival)
+            self._record_phases(stream, d, now)
             reason = (
                 "cancelled" if stream.cancelled and d.finish_reason == "abort" else d.finish_reason
             )

@@ -158,7 +158,7 @@ class FrontEnd:
         self._max_request_bytes = max_request_bytes
         self._piece_chars = MIN_PIECE_CHARS
         self.engine, self.model, self.tokenizer = engine, model, model.tokenizer
-        self.metrics, self.metrics_port = ServerMetrics(), metrics_port
+        self.metrics, self.metrics_port = ServerMetrics(model.name), metrics_port
         self.max_queue, self.max_in_flight = max_queue, max_num_seqs + max_queue
         self.grace_period, self.log_interval = grace_period, log_interval
         self.engine_loop = EngineLoop(

@@ -91,6 +91,7 @@ class OpenAIServer:
         self.chat_options = chat_options or chat_api.ChatOptions()
         self.host, self.port = host, port
         self.model_name = served_model_name or frontend.model.name
+        frontend.metrics.vllm.bind(self.model_name)  # vLLM's `model_name` label
         self.tokenizer = frontend.tokenizer
         self.app = self._build_app()
         self._uvicorn: _Uvicorn | None = None

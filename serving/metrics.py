@@ -5,6 +5,8 @@
 2. The engine thread sets the load gauges after every step (`observe_step`); the event loop
    records per-request timings as deltas arrive (`observe_*`) and the finish of each sample.
 3. `start_http(port)` serves `/metrics` (`port=0` picks a free port; `.port` says which).
+4. vLLM's metrics (`serving/vllm_metrics.py`, `vllm:*` with a `model_name` label) are fed beside
+   ours from the same observations (`self.vllm`), so vLLM dashboards and routers read us.
 
 Rates are left to Prometheus (`rate(jaxinfer_generation_tokens_total[1m])`); the
 `jaxinfer_generation_tokens_per_second` gauge is the server's own recent window, for dashboards
@@ -19,6 +21,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from jaxinfer.engine.types import EngineStats
+from serving.vllm_metrics import VllmMetrics
 
 # Latency buckets in seconds: CPU decode steps are tens of ms, accelerator steps a few ms, and a
 # long prompt's TTFT can take seconds.
@@ -63,8 +66,12 @@ FINISH_LABELS = ("stop", "length", "abort", "cancelled", "error")
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    """Every metric of the front end; `model_name` labels the `vllm:*` ones (`vllm.bind`)."""
+
+    def __init__(self, model_name: str = "") -> None:
         self.registry = r = CollectorRegistry()
+        self.vllm = VllmMetrics(r)
+        self.vllm.bind(model_name)
         self.requests = Counter(
             "jaxinfer_requests",
             "Finished samples by finish reason (stop, length, abort: by the "
@@ -126,8 +133,9 @@ class ServerMetrics:
         self.pages_used = Gauge(
             "jaxinfer_kv_cache_pages_used", "KV-cache pages referenced by requests", registry=r
         )
+        # NOTE: not "_total": that suffix is for counters (promtool check metrics).
         self.pages_total = Gauge(
-            "jaxinfer_kv_cache_pages_total", "Usable KV-cache pages", registry=r
+            "jaxinfer_kv_cache_pages_capacity", "Usable KV-cache pages", registry=r
         )
         self.prompt_tokens = Counter(
             "jaxinfer_prompt_tokens", "Prompt tokens of finished samples", registry=r
@@ -187,8 +195,23 @@ class ServerMetrics:
         self._prompt, self._cached = 0, 0
         self._spec_seen = (0, 0, 0)  # the core's cumulative spec counters at the last step
         self._steps_seen = 0
+        self._preemptions_seen = 0
         self._http: Any = None
         self.port: int | None = None
+
+    def observe_load(self, stats: EngineStats) -> None:
+        """The load gauges of one engine step's `stats` (every data replica)."""
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.pages_used.set(stats.pages_used)
+        v = self.vllm
+        v.running.set(stats.running)
+        v.waiting.set(stats.waiting)
+        if stats.pages_total:
+            v.kv_usage.set(stats.pages_used / stats.pages_total)
+        if stats.preemptions > self._preemptions_seen:
+            v.preemptions.inc(stats.preemptions - self._preemptions_seen)
+            self._preemptions_seen = stats.preemptions
 
     def observe_spec(self, stats: EngineStats) -> None:
         """The step counter and the speculative-decoding counters from the engine core's
@@ -216,6 +239,9 @@ class ServerMetrics:
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
             self.cached_prompt_tokens.inc(cached_tokens)
+            self.vllm.prompt_tokens.inc(prompt_tokens)
+            self.vllm.prefix_queries.inc(prompt_tokens)
+            self.vllm.prefix_hits.inc(cached_tokens)
             with self._lock:
                 self._prompt += prompt_tokens
                 self._cached += cached_tokens

@@ -132,14 +132,16 @@ def successor_model_dir(root: Path) -> Path:
     return root
 
 
-def serve_tiny(root: Path, *flags: str, chat_template: str | None = None) -> ServedProcess:
+def serve_tiny(
+    root: Path, *flags: str, chat_template: str | None = None, env: dict[str, str] | None = None
+) -> ServedProcess:
     """`serve.py` over `tiny_model_dir(root, chat_template)` (dummy weights, no warmup, 4
     sequences, 64-token steps, 64 pages, max_model_len 256); `flags` come last, so they override
-    these."""
+    these; `env` adds to the process's environment."""
     model = tiny_model_dir(root, chat_template)
     base = ["--model", str(model), "--load-format", "dummy", "--no-warmup"]
     sizes = ["--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
-    return ServedProcess([*base, *sizes, "--num-pages", "64", *flags])
+    return ServedProcess([*base, *sizes, "--num-pages", "64", *flags], env=env)
 
 
 def serve_fake(*flags: str) -> ServedProcess:

@@ -61,6 +61,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "`--mesh`": (FP8_MESH, NGRAM),
     "`--coordinator-address`, `--num-processes`, `--process-id`": (
         "test_multihost.py::test_serve_script_two_processes_sigterm_stops_both",
+        "test_served_ops.py::test_leaderworkerset_env_names_the_multihost_flags",
     ),
     "`--attention-backend`": (FLAGS,),
     "`--linear-backend`": (FLAGS,),
@@ -79,6 +80,9 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "`--profile-port`, `--trace-dir` + `--trace-steps`": (
         M + "test_engine_in_process_and_profile_port",
         E + "test_trace_dir_is_written_by_the_engine_core",
+    ),
+    "`--kv-events-config`": (
+        "test_served_ops.py::test_kv_events_stored_on_prefill_removed_on_eviction",
     ),
     "`--engine-in-process`": (M + "test_engine_in_process_and_profile_port",),
     "`--fake-runner`, `--fake-step-delay`": (
@@ -110,6 +114,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "async scheduling (default on one process)": (GREEDY,),
     "gRPC `Generate` service, health, reflection, Prometheus metrics": (
         F + "test_service_health_reflection_and_metrics",
+        "test_served_ops.py::test_vllm_metrics_named_typed_and_counted",
     ),
     "OpenAI-compatible HTTP API (`--http-port`: completions, chat, SSE streaming, models, health, metrics)": (
         F + "test_n_streams_and_usage",

@@ -557,7 +557,7 @@ def test_metrics(srv, client):
     assert _metric(srv, "jaxinfer_generation_tokens_total") == tokens_before + 14
     assert 0 < _metric(srv, "jaxinfer_prefix_cache_hit_rate") <= 1
     assert _metric(srv, "jaxinfer_prompt_tokens_cached_total") >= 32
-    assert _metric(srv, "jaxinfer_kv_cache_pages_total") == ENGINE["num_pages"] - 1
+    assert _metric(srv, "jaxinfer_kv_cache_pages_capacity") == ENGINE["num_pages"] - 1
     assert _metric(srv, "jaxinfer_kv_cache_pages_used") == 0
     assert _metric(srv, "jaxinfer_num_requests_running") == 0
     assert _metric(srv, "jaxinfer_num_requests_waiting") == 0

@@ -254,6 +254,7 @@ class EngineCore:
             spec_steps=spec.num_spec_steps,
             spec_draft_tokens=spec.num_draft_tokens,
             spec_accepted_tokens=spec.num_accepted_tokens,
+            preemptions=self.scheduler.num_preemptions,
         )
 
     def info(self) -> EngineInfo:
@@ -556,11 +557,7 @@ class EngineCore:
         if so is not None and not so.active:
             so = None  # no matcher to advance: keep the hot loop as it was
         generated = 0
-        for (
-            req,
-            new_ids,
-            done,
-        ) in updates:  # NOTE: a hot loop (one pass per sampled request per step)
+        for req, new_ids, done in updates:  # NOTE: a hot loop (one pass per sampled request)
             rid = req.request_id
             if rid not in live:
                 continue  # finished outside (a stop string) while this step ran
@@ -587,6 +584,9 @@ class EngineCore:
                         len(req.prompt_token_ids),
                         len(req.output_token_ids),
                         req.num_cached_tokens,
+                        req.scheduled_time - req.arrival_time
+                        if done and req.scheduled_time is not None
+                        else None,
                     ),
                 )
             )

@@ -43,6 +43,7 @@ class LoopOptions:
     trace_dir: str | None = None  # jax profiler trace of the first `trace_steps` busy steps
     trace_steps: int = 0
     profile_port: int | None = None  # jax.profiler server in the core's process (live capture)
+    kv_events: str | None = None  # vLLM's --kv-events-config JSON (jaxinfer/engine/kv_events.py)
 
 
 @dataclasses.dataclass

@@ -19,6 +19,8 @@ engine-core process, and `ThreadCoreClient` (the loop on a thread of this proces
    then runs the loop over two zmq sockets with msgpack frames. A watchdog thread exits the
    process within 0.1 s of its parent's death (mid-step and mid-load too); SIGINT/SIGTERM are
    ignored (the front end drains on them, then says `Shutdown`).
+   With `LoopOptions.kv_events`, a `KVEventPublisher` (`kv_events.py`) publishes what the prefix
+   cache stored and evicted after each step (queued for its own thread: never blocks the step).
 4. `ThreadCoreClient` runs the same loop on a daemon thread over queues (multi-host leaders,
    tests); messages stay Python objects.
 
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxinfer.engine.core_client import CoreSpec, LoopOptions, OnMessage
 from jaxinfer.engine.isolation import FaultIsolator
+from jaxinfer.engine.kv_events import KVEventPublisher, KVEventsConfig
 from jaxinfer.engine.types import (
     Abort,
     AddRequests,
@@ -169,6 +172,7 @@ def run_core_loop(
     send(Ready(info=core.info()._replace(compiled_programs=programs)))
     settle_heap()
     tracer = _Tracer(options.trace_dir, options.trace_steps)
+    events = _kv_events(core, options.kv_events)
     isolator, stalled = FaultIsolator(core, options.max_step_failures), False
     try:
         while True:
@@ -204,6 +208,8 @@ def run_core_loop(
                     core.abort(rid)
             for rid, why in core.take_rejected():  # before outputs that may finish them
                 send(StepResult(lost=[rid], error=why, stats=core.stats(), bad_argument=True))
+            if events is not None:
+                events.publish()
             if outputs:
                 stats = core.stats()._replace(step_s=time.perf_counter() - start)
                 send(StepResult(outputs=outputs, stats=stats))
@@ -216,6 +222,16 @@ def run_core_loop(
             stalled = not busy and not outputs
     finally:
         tracer.stop()
+        if events is not None:
+            events.close()
+
+
+def _kv_events(core: EngineCore, config: str | None) -> KVEventPublisher | None:
+    """The KV-event publisher of `--kv-events-config` (None when off)."""
+    if not config:
+        return None
+    cfg = KVEventsConfig.parse(config)
+    return KVEventPublisher(cfg, core.allocators) if cfg.active else None
 
 
 def _stay_broken(

@@ -27,6 +27,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
+    queue_s: float | None = None  # arrival in the engine core to first scheduled
 
 
 @dataclasses.dataclass
@@ -205,7 +206,7 @@ class OutputProcessor:
             if o.finished or stop is not None:
                 delta.finished = True
                 delta.finish_reason = "stop" if stop is not None else o.finish_reason
-                delta.usage = Usage(s.num_prompt, s.num_tokens, o.num_cached_tokens)
+                delta.usage = Usage(s.num_prompt, s.num_tokens, o.num_cached_tokens, o.queue_s)
                 self._close(o.request_id, s)
             deltas.append(delta)
         return deltas, stopped

@@ -12,6 +12,9 @@
    not freed but becomes *evictable* (an LRU); it still counts as free capacity.
 4. `match_prefix(token_ids)` walks the chain of a new sequence and takes a reference on every
    leading page already in the cache (reviving evictable ones), stopping at the first miss.
+5. KV events (`jaxinfer/engine/kv_events.py`): when `events` is a list, every page the cache
+   stores appends `(hash, parent hash, its tokens)` and every hash it drops (eviction,
+   `forget`) appends the hash; the engine core takes them after each step.
 
 NOTE: every usable page is in exactly one state: free (refcount 0, no hash), evictable (refcount
 0, hashed, in the LRU) or referenced (refcount > 0, hashed or not). `check_invariants` checks it.
@@ -81,6 +84,7 @@ class PageAllocator:
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._hash_to_page: dict[int, int] = {}
         self._page_to_hash: dict[int, int] = {}
+        self.events: list | None = None  # KV events to publish (None: not recorded)
 
     @property
     def num_usable_pages(self) -> int:
@@ -109,7 +113,10 @@ class PageAllocator:
                 page = self._free.popleft()
             else:
                 page, _ = self._evictable.popitem(last=False)
-                del self._hash_to_page[self._page_to_hash.pop(page)]
+                h = self._page_to_hash.pop(page)
+                del self._hash_to_page[h]
+                if self.events is not None:
+                    self.events.append(h)
             self._refcount[page] = 1
             pages.append(page)
         return pages
@@ -205,6 +212,8 @@ class PageAllocator:
             if h not in self._hash_to_page:
                 self._hash_to_page[h] = page
                 self._page_to_hash[page] = h
+                if self.events is not None:
+                    self.events.append((h, parent, request_token_ids[i * ps : (i + 1) * ps]))
 
     def forget(self, pages: Sequence[int]) -> None:
         """Drop these pages from the prefix cache (their K/V may be wrong: a failed step wrote
@@ -214,6 +223,8 @@ class PageAllocator:
             if h is None:
                 continue
             del self._hash_to_page[h]
+            if self.events is not None:
+                self.events.append(h)
             if page in self._evictable:
                 del self._evictable[page]
                 self._free.append(page)

@@ -77,6 +77,7 @@ class Request:
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # first admitted to a running batch (monotonic)
     priority: int = 0
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0

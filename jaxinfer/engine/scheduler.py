@@ -65,6 +65,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import time
 from collections.abc import Iterator, Sequence
 
 from jaxinfer.engine import spec
@@ -131,6 +132,7 @@ class Scheduler:
         self._preempted: collections.deque[Request] = collections.deque()  # resume first
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []  # preempted outside `schedule` (`preempt_all`)
+        self.num_preemptions = 0  # since start, every replica (vllm:num_preemptions)
         # Admission filter while the engine core isolates a failure (None: admit anyone).
         self.only: set[str] | None = None
         if num_speculative_tokens < 0 or (num_speculative_tokens and spec_max_requests < 1):
@@ -319,7 +321,7 @@ class Scheduler:
                 self._preempted.remove(req)  # NOTE: the first one, unless `only` skipped some
             else:
                 self._waiting.remove(req)
-                req.num_cached_tokens = start
+                req.num_cached_tokens, req.scheduled_time = start, time.monotonic()
             req.page_ids = cached
             req.num_computed_tokens = start
             req.status = RequestStatus.RUNNING
@@ -529,6 +531,7 @@ class Scheduler:
         self._release_pages(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self._preempted.appendleft(req)
 
     def _finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:

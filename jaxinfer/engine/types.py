@@ -210,6 +210,7 @@ class TokenOutput(NamedTuple):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    queue_s: float | None = None  # (finished only) arrival in the core to first scheduled
 
 
 def _lp_wire(lp: TokenLogprobs | None) -> list | None:
@@ -440,6 +441,7 @@ class EngineStats(NamedTuple):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     step_s: float | None = None  # host time of the step this message reports (None: no step)
+    preemptions: int = 0  # requests preempted since start (every replica)
 
 
 class EngineInfo(NamedTuple):
