@@ -276,8 +276,21 @@ def _run_class(
         exp_width = kv_cache.exponent.shape[-1]
         scratch.append(pltpu.VMEM((2, blocks.pages_per_block, 1, exp_width), jnp.int32))
     scratch.append(pltpu.SemaphoreType.DMA((2,)))
+    # NOTE: a work item reads at most its sequence's pages; together at most every page once per
+    # query block of a sequence, and never more than the whole cache per KV head.
+    reach = min(cls.num_work * (pages_per_row - blocks.pages_per_block), num_pages)
+    cost = pc.attention_cost(
+        programs=cls.num_work * hkv,
+        rows=rows,
+        keys=(pages_per_row - blocks.pages_per_block) * page_size,
+        score_width=d,
+        value_width=d,
+        cache_bytes=pc.nbytes(kv_cache) * reach // num_pages,
+        io_bytes=2 * pc.nbytes(q_blocks) + pc.nbytes(seq, qblk, kv_lens, cu_q_lens, pages_flat),
+    )
     out_blocks = pl.pallas_call(
         kernel,
+        cost_estimate=cost,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(cls.num_work, hkv),
