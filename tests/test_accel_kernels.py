@@ -139,19 +139,25 @@ def test_tpu_cache_is_read_in_place(fp8):
 
 
 def test_tpu_cost_estimate_counts_the_kernel():
-    """flops of a decode: 2 dots of rows x keys x D per program, bounded by the page table."""
-    case = dataclasses.replace(TPU_CASES["8b_p16_bf16"], tokens=4)  # the decode class only
+    """flops of each query class's call: 2 dots of rows x keys x D per program (keys bounded by
+    the page table), one exp per score; bytes: at least the cache pages each call can reach
+    (`attention_cost`). NOTE: no upper bound on bytes here: XLA's TPU cost analysis also counts
+    a custom call's whole operands (the cache once per call) at this toy size."""
+    case = dataclasses.replace(TPU_CASES["8b_p16_bf16"], tokens=4)
     compiled = _compile(tpu.ragged_paged_attention, tpu_device("v5e"), case, "tpu")
     blocks = block_sizes.get_block_sizes(
         "tpu", head_dim=128, page_size=16, dtype=jnp.bfloat16, group=4, pages_per_seq=16, pow2=False
     )
-    (cls,) = block_sizes.query_classes(4, case.max_seqs, blocks)
-    rows, keys = cls.block_q * 4, case.pages_per_seq * case.page_size
-    want = 4 * cls.num_work * case.hkv * rows * keys * case.head_dim
+    classes = block_sizes.query_classes(case.tokens, case.max_seqs, blocks)
+    assert len(classes) == 2  # a decode and a prefill call
+    keys = case.pages_per_seq * case.page_size
+    want = sum(4 * c.num_work * case.hkv * c.block_q * 4 * keys * case.head_dim for c in classes)
+    cache_bytes = case.num_pages * case.hkv * case.page_size * 2 * case.head_dim * 2
+    reach = sum(min(c.num_work * case.pages_per_seq, case.num_pages) for c in classes)
     cost = compiled.cost_analysis()
     assert want <= cost["flops"] <= 1.5 * want
-    cache_bytes = case.num_pages * case.hkv * case.page_size * 256 * 2
-    assert cache_bytes <= cost["bytes accessed"] <= 2 * cache_bytes
+    assert want / (2 * 2 * case.head_dim) <= cost["transcendentals"] <= 1.5 * want / 512
+    assert cost["bytes accessed"] >= cache_bytes * reach // case.num_pages
 
 
 GPU_CASES = {  # the GPU rows of the table; split-K on (the default decode) and off
@@ -162,6 +168,11 @@ GPU_CASES = {  # the GPU rows of the table; split-K on (the default decode) and 
     "8b_p16_f32": (Case(dtype="float32"), {}),
     "8b_p16_fp8": (Case(fp8=True), {}),
 }
+
+
+def _triton_calls(compiled) -> int:
+    """Triton kernels in the compiled program (a deviceless GPU compile has no cost analysis)."""
+    return compiled.as_text().count('custom_call_target="__gpu$xla.gpu.triton"')
 
 
 @pytest.mark.parametrize("name", GPU_CASES)
@@ -181,13 +192,16 @@ def test_gpu_kernel_compiles_for_h100(name):
         )
         extra["blocks"] = dataclasses.replace(blocks, decode_programs=0)
     compiled = _compile(gpu.ragged_paged_attention, device, case, "gpu", **extra)
-    assert compiled.cost_analysis()["flops"] > 0
+    assert _triton_calls(compiled) >= 2  # a decode and a prefill class
 
 
-def test_mla_kernel_compiles_for_h100():
+@pytest.mark.parametrize("heads,ps", [(16, 16), (128, 32)])  # DeepSeek-V2-Lite; V3 unsharded
+def test_mla_kernel_compiles_for_h100(heads, ps):
+    """The default blocks for 576-wide rows fit the H100's shared memory (a block holds
+    block_q x heads query rows)."""
     device = h100_device()
     sds = jax.ShapeDtypeStruct
-    t, h, lat, rope, ps, pages, s = 32, 16, 512, 64, 16, 64, 4
+    t, h, lat, rope, pages, s = 32, heads, 512, 64, 64, 4
     args = (
         sds((t, h, lat + rope), jnp.bfloat16),
         sds(mla_paged_attention.kv_cache_shape(pages, ps, lat, rope), jnp.bfloat16),
@@ -202,4 +216,4 @@ def test_mla_kernel_compiles_for_h100():
         return fn(*a, sm_scale=0.1, kv_lora_rank=lat, interpret=False)
 
     compiled = jax.jit(call).lower(*on(device, args)).compile()
-    assert compiled.cost_analysis()["flops"] > 0
+    assert _triton_calls(compiled) >= 1

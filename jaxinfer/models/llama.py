@@ -451,9 +451,11 @@ def kv_cache_spec(cfg: ModelConfig, par: Parallel, backend: str | None = None) -
 
 def kv_cache_specs(cfg: ModelConfig, par: Parallel, cache: Any, backend: str | None = None) -> Any:
     """`kv_cache_spec` for one layer's cache pytree: an fp8 cache's exponents ([data*P, page,
-    2*Hkv'], the TPU layout's [data*P, Hkv', 1, E]) split like its values."""
+    2*Hkv'], the TPU layout's [Hkv', data*P, 1, E]) split like its values."""
     spec = kv_cache_spec(cfg, par, backend)
     if isinstance(cache, Fp8KVCache):
+        if cache.exponent.ndim == 4:  # the TPU layout: heads lead
+            return Fp8KVCache(spec, PartitionSpec(spec[1], spec[0], None, None))
         return Fp8KVCache(spec, PartitionSpec(*spec[: cache.exponent.ndim]))
     return spec
 

@@ -8,24 +8,26 @@ Flow of `ragged_paged_attention`:
      `[W, Hkv, R, D]` blocks (R = block_q * G rows, token-major), which BlockSpecs bring into VMEM.
   4. One `pallas_call` per class, grid `(W, Hkv)`, with the work table, lengths and the flattened
      page table scalar-prefetched into SMEM (`PrefetchScalarGridSpec`). The cache stays in HBM
-     (`memory_space=pl.ANY`); a program DMAs the pages it needs, one `[page_size, 2, D]` (K, V of
-     its KV head) copy per page, into a two-slot VMEM buffer: while block b is computed, block b+1
-     is in flight (one DMA semaphore per slot). Only pages that hold keys the block's rows can see
-     are copied (causal end; sliding-window start rounded down to a page).
-  5. Per KV block: K and V are the two halves of the slot's `[pages, page_size, 2, D]`, scores get the
-     soft-cap and the causal / length / window mask, then an online-softmax update (f32; sinks
-     seed the running max and denominator). The output blocks are gathered back to token order.
+     (`memory_space=pl.ANY`, in the `tpu_layout` `[P, Hkv, page_size, W]`, read in place); a
+     program DMAs the pages it needs, one `[page_size, W]` (K and V rows of its KV head) copy per
+     page, into a two-slot VMEM buffer: while block b is computed, block b+1 is in flight (one
+     DMA semaphore per slot). Only pages that hold keys the block's rows can see are copied
+     (causal end; sliding-window start rounded down to a page).
+  5. Per KV block: K and V are the lanes [0, D) and [D, 2D) of the slot's `[pages, page_size,
+     W]`, scores get the soft-cap and the causal / length / window mask, then an online-softmax
+     update (f32; sinks seed the running max and denominator). The output blocks are gathered
+     back to token order.
   6. An fp8 cache (`reference.Fp8KVCache`, `kv_cache_dtype="fp8"`): each page copy brings its
-     float8_e4m3fn `[page_size, 2, D]` rows and, from the exponent array (also in HBM), their
-     `[page_size, 2]` int8 exponents into a second two-slot buffer on the same semaphore; K and V
-     widen to f32, take their rows' power-of-two scales (exact) and cast to q's dtype for the MXU.
+     float8_e4m3fn rows and, from the exponent array `i32[Hkv, P, 1, E]` (also in HBM), the
+     page's exponent row into a second two-slot buffer on the same semaphore; K and V widen to
+     q's dtype (exact) for the MXU, and their rows' power-of-two scales (exact) multiply the
+     scores' columns (K) and the probabilities' columns (V).
 
 NOTE: the last KV block may cover pages past the sequence's end: those are not copied, so their
 buffer rows hold stale (or, in interpret mode, NaN) data; masked values are zeroed and masked
 probabilities are exactly 0, so it never reaches the output.
-NOTE: on real TPUs `page_size` should be a multiple of 8 (f32) / 16 (bf16) so each page copy lands
-on whole sublane tiles; the K / V loads pick one index of a size-2 second-minor dimension (a
-sublane-strided load). Both are untested on hardware (validated in interpret mode only).
+NOTE: every configuration in tests/test_accel_kernels.py compiles for TPU v5e and v6e (Mosaic:
+tile alignment and VMEM limits checked); none has run on a TPU yet.
 
 Legend: R = query rows of a block, K = keys of a KV block (`pages_per_block * page_size`),
 D = head_dim.
@@ -86,7 +88,7 @@ def _kernel(
     pages_ref,  # SMEM i32[S * pages_per_row] (page table flattened, padded by one KV block)
     q_ref,  # VMEM [R, D]
     *rest,  # (sinks VMEM f32[R, 1]?), kv HBM [P, Hkv, page_size, W], (exponents HBM
-    # i32[P, Hkv, 1, E]?), o VMEM [R, D], scratch
+    # i32[Hkv, P, 1, E]?), o VMEM [R, D], scratch
     block_q: int,
     group: int,
     page_size: int,
@@ -142,7 +144,7 @@ def _kernel(
                     (col < page_end, pltpu.make_async_copy(src, kv_buf.at[slot, j], sems.at[slot]))
                 )
                 if fp8:
-                    src = exp_hbm.at[page, h]  # i32[1, E]
+                    src = exp_hbm.at[h, page]  # i32[1, E]
                     copies.append(
                         (
                             col < page_end,

@@ -4,20 +4,23 @@ XLA picks a TPU array's physical layout to avoid tile padding: an array whose mi
 not a multiple of 128 lanes gets its largest axis moved minor-most. The reference layout
 `[P, page_size, 2*Hkv, D]` with D = 64 (SmolLM2: `bf16[P,16,6,64]`) is stored page-minor, so
 every Mosaic call (which needs row-major) copied the whole cache first. This layout is row-major
-under XLA's own choice for every head_dim and KV-head count, so the kernel reads it in place:
+under XLA's own choice for every KV-head count, so the kernel reads it in place:
 
-1. Values: `[P, Hkv, page_size, W]`, W = 2*D rounded up to 128 lanes: the row of (page, head,
-   slot) is K (lanes [0, D)), V (lanes [D, 2D)), zero padding. A program DMAs one
-   `[page_size, W]` block per page (its KV head is a leading, untiled index: always aligned).
+1. Values: `[P, Hkv, page_size, W]`, W = 2*D (D a multiple of 64: whole 128-lane tiles, and W
+   names D exactly, so a query of another head_dim is refused): the row of (page, head, slot)
+   is K (lanes [0, D)) then V (lanes [D, 2D)). A program DMAs one `[page_size, W]` block per
+   page (its KV head is a leading, untiled index: always aligned).
 2. An fp8 cache (`Fp8KVCache`) keeps its values in that layout as float8_e4m3fn and its row
-   exponents as `i32[P, Hkv, 1, E]`, E = 2*page_size rounded up to 128: K's exponents of the
-   page's slots in lanes [0, page_size), V's in [page_size, 2*page_size) (one (1, 128) tile per
-   page and head; int8 exponents in a minor dimension under 128 would be stored page-minor too).
+   exponents as `i32[Hkv, P, 1, E]`, E = 2*page_size rounded up to 128: K's exponents of the
+   page's slots in lanes [0, page_size), V's in [page_size, 2*page_size). Heads lead so that
+   XLA's scatter (the cache write) keeps the array's own layout for any KV-head count (pages
+   second, `[P, Hkv, 1, E]` with Hkv = 3 was re-laid-out, a whole copy, on every write).
 3. `update_kv_cache` writes a step's rows in place (the reference's quantization for fp8);
    `from_reference_cache` converts a reference-layout cache (tests, tools).
 
-NOTE: padding only where D is not a multiple of 64 (the values) and page_size < 64 (the fp8
-exponents: 512 bytes per page and KV head); `cache_bytes_per_row` counts both.
+NOTE: memory is padded to whole tiles: page_size rounds up to 8 rows per 32-bit word of
+sublane packing (16 for bf16, 32 for fp8) and the fp8 exponents to 128 lanes per page and
+head; `cache_bytes_per_row` counts both.
 """
 
 from __future__ import annotations
@@ -31,8 +34,13 @@ LANES = 128
 
 
 def row_width(head_dim: int) -> int:
-    """W: lanes of one (slot, head) row holding K and V, rounded up to whole 128-lane tiles."""
-    return -(-2 * head_dim // LANES) * LANES
+    """W = 2*head_dim: lanes of one (slot, head) row holding K and V (whole 128-lane tiles)."""
+    if head_dim <= 0 or head_dim % (LANES // 2):
+        raise ValueError(
+            f"the TPU kernel needs a head_dim that is a multiple of {LANES // 2} (its cache rows "
+            f"are whole {LANES}-lane tiles), got {head_dim}; use attention_backend='reference'"
+        )
+    return 2 * head_dim
 
 
 def exponent_width(page_size: int) -> int:
@@ -46,11 +54,19 @@ def kv_cache_shape(
     return (num_pages, num_kv_heads, page_size, row_width(head_dim))
 
 
+def padded_page_size(page_size: int, dtype_bytes: int) -> int:
+    """Rows a page takes in memory: whole (8 x 32-bit-word) sublane tiles of its dtype."""
+    rows = 8 * 4 // dtype_bytes
+    return -(-page_size // rows) * rows
+
+
 def cache_bytes_per_row(head_dim: int, page_size: int, dtype_bytes: int, fp8: bool) -> float:
-    """Bytes per (slot, K-or-V head) row, padding and the fp8 exponent tiles included."""
+    """Bytes per (slot, K-or-V head) row, tile padding and the fp8 exponent tiles included."""
+    values = 1 if fp8 else dtype_bytes
+    row = head_dim * values * padded_page_size(page_size, values) / page_size
     if fp8:
-        return row_width(head_dim) / 2 + 4 * exponent_width(page_size) / (2 * page_size)
-    return row_width(head_dim) * dtype_bytes / 2
+        return row + 4 * exponent_width(page_size) / (2 * page_size)
+    return row
 
 
 def new_kv_cache(
@@ -61,24 +77,25 @@ def new_kv_cache(
         p, hkv, ps, _ = shape
         return Fp8KVCache(
             jnp.zeros(shape, jnp.float8_e4m3fn),
-            jnp.zeros((p, hkv, 1, exponent_width(ps)), jnp.int32),
+            jnp.zeros((hkv, p, 1, exponent_width(ps)), jnp.int32),
         )
     return jnp.zeros(shape, dtype)
 
 
 def head_dim_of(kv_cache, q_head_dim: int) -> int:
-    """Checks that `kv_cache`'s rows fit q's head_dim; returns it."""
+    """Checks that `kv_cache`'s rows are those of q's head_dim; returns it."""
     if kv_cache.shape[3] != row_width(q_head_dim):
         raise ValueError(
-            f"kv_cache rows of {kv_cache.shape[3]} lanes do not hold head_dim {q_head_dim} "
-            f"(want {row_width(q_head_dim)})"
+            f"kv_cache rows of {kv_cache.shape[3]} lanes hold head_dim {kv_cache.shape[3] // 2}, "
+            f"not q's head_dim {q_head_dim}"
         )
     return q_head_dim
 
 
 def _rows(k: jax.Array, v: jax.Array, width: int) -> jax.Array:  # [T, Hkv, W]
-    kv = jnp.concatenate([k, v], axis=-1)
-    return jnp.pad(kv, ((0, 0), (0, 0), (0, width - kv.shape[-1])))
+    if 2 * k.shape[-1] != width:
+        raise ValueError(f"K/V of head_dim {k.shape[-1]} do not fill the cache's {width}-lane rows")
+    return jnp.concatenate([k, v], axis=-1)
 
 
 def update_kv_cache(
@@ -94,12 +111,13 @@ def update_kv_cache(
     if isinstance(kv_cache, Fp8KVCache):
         data, exponent = quantize_kv_rows(jnp.stack([k, v], axis=2))  # [T, Hkv, 2, D], [T, Hkv, 2]
         rows = _rows(data[:, :, 0], data[:, :, 1], width)
-        lanes = jnp.concatenate([offset, offset + page_size])  # K's, then V's exponent lanes
-        pages = jnp.concatenate([page, page])
+        lanes = jnp.concatenate([offset, offset + page_size])[:, None]  # K's, then V's lanes
+        pages = jnp.concatenate([page, page])[:, None]
         exps = jnp.concatenate([exponent[:, :, 0], exponent[:, :, 1]]).astype(jnp.int32)
+        heads = jnp.arange(exps.shape[1])[None, :]
         new_cache = Fp8KVCache(
             kv_cache.data.at[page, :, offset].set(rows, mode="drop"),
-            kv_cache.exponent.at[pages, :, jnp.zeros_like(lanes), lanes].set(exps, mode="drop"),
+            kv_cache.exponent.at[heads, pages, 0, lanes].set(exps, mode="drop"),  # [2T, Hkv]
         )
     else:
         rows = _rows(k, v, width).astype(kv_cache.dtype)
@@ -114,11 +132,10 @@ def from_reference_cache(cache: jax.Array | Fp8KVCache) -> jax.Array | Fp8KVCach
     hkv, width = h2 // 2, row_width(d)
 
     def values(x):  # [P, ps, 2*Hkv, D] -> [P, Hkv, ps, W]
-        x = x.reshape(p, ps, hkv, 2 * d).transpose(0, 2, 1, 3)
-        return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, width - 2 * d)))
+        return x.reshape(p, ps, hkv, width).transpose(0, 2, 1, 3)
 
     if not isinstance(cache, Fp8KVCache):
         return values(cache)
-    e = cache.exponent.reshape(p, ps, hkv, 2).transpose(0, 2, 3, 1).reshape(p, hkv, 1, 2 * ps)
+    e = cache.exponent.reshape(p, ps, hkv, 2).transpose(2, 0, 3, 1).reshape(hkv, p, 1, 2 * ps)
     e = jnp.pad(e.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, exponent_width(ps) - 2 * ps)))
     return Fp8KVCache(values(cache.data), e)
