@@ -3,7 +3,8 @@
 1. TPU (v5e and v6e, libtpu): the ragged paged attention Mosaic kernel for each TPU row of the
    block-size table and the default at other page sizes, bf16 / f32 / fp8 KV caches, with and
    without sliding window + soft-cap + sinks. Configurations that give the same kernel are
-   compiled once: each case differs in block sizes, dtype, page size, head layout or feature.
+   compiled once: each case differs in block sizes, dtype, page size, head layout or feature;
+   all of a chip's cases compile as one program (v6e: the cases where it differs from v5e).
    Mosaic checks what interpret mode never does (tile alignment, VMEM limits).
 2. The TPU cache layout is read in place: a SmolLM2 decode (cache write + attention) compiled for
    v5e holds no cache-sized copy in its optimized HLO and accesses <= 2x its KV cache bytes.
@@ -11,7 +12,8 @@
    `paged_common.attention_cost`), not the zero of an opaque custom call.
 4. H100 (CUDA plugin): the Triton kernels for the GPU rows of the table, split-K decode on and
    off, an fp8 cache, and the MLA kernel compile to sm_90a code (a too-large block would fail here
-   with RESOURCE_EXHAUSTED).
+   with RESOURCE_EXHAUSTED), each family as one program; a failing program is recompiled case by
+   case so the failure names the configurations.
 Each check skips when its plugin is absent (tests/accel_utils.py).
 """
 
@@ -45,17 +47,18 @@ class Case:
     pages_per_seq: int = 16
 
 
-TPU_CASES = {
-    "8b_p16_bf16": Case(),
+TPU_CASES = {  # the plain 8B and SmolLM2 kernels (bf16, fp8) compile in the tests below
     "8b_p16_bf16_features": Case(features=True),
     "8b_p32_bf16": Case(page_size=32, pages_per_seq=8),
-    "smollm2_p16_bf16": Case(hq=9, hkv=3, head_dim=64),
     "8b_p16_f32": Case(dtype="float32"),
     "8b_p16_fp8_features": Case(fp8=True, features=True),
     "smollm2_p16_fp8": Case(hq=9, hkv=3, head_dim=64, fp8=True),
     "default_p8_group7": Case(hq=28, hkv=4, page_size=8, pages_per_seq=32),
     "default_p128": Case(page_size=128, pages_per_seq=2),
 }
+# v6e: what differs from v5e is the MXU (256 wide) and the VMEM budget; the cases with the most
+# VMEM per program (fp8's exponent buffers, 32 pages of 8, f32) and the features.
+V6E_CASES = ("8b_p16_bf16_features", "8b_p16_fp8_features", "default_p8_group7", "8b_p16_f32")
 
 
 def _args(case: Case, backend: str):
@@ -83,20 +86,47 @@ def _args(case: Case, backend: str):
     return args, sinks, kw
 
 
-def _compile(kernel, device, case: Case, backend: str, **extra):
+def _call(kernel, device, case: Case, backend: str, **extra):
+    """(fn, abstract args on `device`) of one kernel configuration."""
     args, sinks, kw = _args(case, backend)
 
-    def call(*a, sinks=None):
-        return kernel(*a, sinks=sinks, interpret=False, **kw, **extra)
+    def call(*a):
+        return kernel(*a[:-1], sinks=a[-1], interpret=False, **kw, **extra)
 
-    return jax.jit(call).lower(*on(device, args), sinks=on(device, sinks)).compile()
+    return call, on(device, (*args, sinks))
+
+
+def _compile(kernel, device, case: Case, backend: str, **extra):
+    call, args = _call(kernel, device, case, backend, **extra)
+    return jax.jit(call).lower(*args).compile()
+
+
+def _compile_all(calls: dict[str, tuple]):
+    """One program calling every configuration (one compile, not one per configuration); when it
+    fails, each configuration alone, so the failure names the ones that do not compile."""
+
+    def program(*args):
+        return [fn(*a) for (fn, _), a in zip(calls.values(), args)]
+
+    try:
+        return jax.jit(program).lower(*[a for _, a in calls.values()]).compile()
+    except Exception:
+        failed = {}
+        for name, (fn, a) in calls.items():
+            try:
+                jax.jit(fn).lower(*a).compile()
+            except Exception as e:
+                failed[name] = str(e).splitlines()[0][:300]
+        pytest.fail(f"configurations that do not compile: {failed}")
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
-@pytest.mark.parametrize("name", TPU_CASES)
-def test_tpu_kernel_compiles(chip, name):
-    compiled = _compile(tpu.ragged_paged_attention, tpu_device(chip), TPU_CASES[name], "tpu")
-    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2
+def test_tpu_kernel_compiles(chip):
+    device = tpu_device(chip)
+    names = TPU_CASES if chip == "v5e" else V6E_CASES
+    calls = {n: _call(tpu.ragged_paged_attention, device, TPU_CASES[n], "tpu") for n in names}
+    compiled = _compile_all(calls)
+    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2 * len(calls)
 
 
 SMOLLM2 = Case(hq=9, hkv=3, head_dim=64, tokens=8, max_seqs=8, pages_per_seq=64)
@@ -143,7 +173,7 @@ def test_tpu_cost_estimate_counts_the_kernel():
     the page table), one exp per score; bytes: at least the cache pages each call can reach
     (`attention_cost`). NOTE: no upper bound on bytes here: XLA's TPU cost analysis also counts
     a custom call's whole operands (the cache once per call) at this toy size."""
-    case = dataclasses.replace(TPU_CASES["8b_p16_bf16"], tokens=4)
+    case = Case(tokens=4)
     compiled = _compile(tpu.ragged_paged_attention, tpu_device("v5e"), case, "tpu")
     blocks = block_sizes.get_block_sizes(
         "tpu", head_dim=128, page_size=16, dtype=jnp.bfloat16, group=4, pages_per_seq=16, pow2=False
@@ -175,45 +205,47 @@ def _triton_calls(compiled) -> int:
     return compiled.as_text().count('custom_call_target="__gpu$xla.gpu.triton"')
 
 
-@pytest.mark.parametrize("name", GPU_CASES)
-def test_gpu_kernel_compiles_for_h100(name):
+def test_gpu_kernel_compiles_for_h100():
     device = h100_device()
-    case, opts = GPU_CASES[name]
-    extra = {}
-    if opts.get("split") is False:
-        blocks = block_sizes.get_block_sizes(
-            "gpu",
-            head_dim=case.head_dim,
-            page_size=case.page_size,
-            dtype=case.dtype,
-            group=case.hq // case.hkv,
-            pages_per_seq=case.pages_per_seq,
-            pow2=True,
-        )
-        extra["blocks"] = dataclasses.replace(blocks, decode_programs=0)
-    compiled = _compile(gpu.ragged_paged_attention, device, case, "gpu", **extra)
-    assert _triton_calls(compiled) >= 2  # a decode and a prefill class
+    calls = {}
+    for name, (case, opts) in GPU_CASES.items():
+        extra = {}
+        if opts.get("split") is False:
+            blocks = block_sizes.get_block_sizes(
+                "gpu",
+                head_dim=case.head_dim,
+                page_size=case.page_size,
+                dtype=case.dtype,
+                group=case.hq // case.hkv,
+                pages_per_seq=case.pages_per_seq,
+                pow2=True,
+            )
+            extra["blocks"] = dataclasses.replace(blocks, decode_programs=0)
+        calls[name] = _call(gpu.ragged_paged_attention, device, case, "gpu", **extra)
+    compiled = _compile_all(calls)
+    assert _triton_calls(compiled) >= 2 * len(calls)  # a decode and a prefill class each
 
 
-@pytest.mark.parametrize("heads,ps", [(16, 16), (128, 32)])  # DeepSeek-V2-Lite; V3 unsharded
-def test_mla_kernel_compiles_for_h100(heads, ps):
+def test_mla_kernel_compiles_for_h100():
     """The default blocks for 576-wide rows fit the H100's shared memory (a block holds
-    block_q x heads query rows)."""
+    block_q x heads query rows): DeepSeek-V2-Lite (16 heads), and V3's 128 heads unsharded."""
     device = h100_device()
     sds = jax.ShapeDtypeStruct
-    t, h, lat, rope, pages, s = 32, heads, 512, 64, 64, 4
-    args = (
-        sds((t, h, lat + rope), jnp.bfloat16),
-        sds(mla_paged_attention.kv_cache_shape(pages, ps, lat, rope), jnp.bfloat16),
-        sds((s,), jnp.int32),
-        sds((s, 16), jnp.int32),
-        sds((s + 1,), jnp.int32),
-        sds((1,), jnp.int32),
-    )
     fn = mla_paged_attention.gpu.mla_ragged_paged_attention
+    t, lat, rope, pages, s = 32, 512, 64, 64, 4
 
     def call(*a):
         return fn(*a, sm_scale=0.1, kv_lora_rank=lat, interpret=False)
 
-    compiled = jax.jit(call).lower(*on(device, args)).compile()
-    assert _triton_calls(compiled) >= 1
+    calls = {}
+    for heads, ps in ((16, 16), (128, 32)):
+        args = (
+            sds((t, heads, lat + rope), jnp.bfloat16),
+            sds(mla_paged_attention.kv_cache_shape(pages, ps, lat, rope), jnp.bfloat16),
+            sds((s,), jnp.int32),
+            sds((s, 16), jnp.int32),
+            sds((s + 1,), jnp.int32),
+            sds((1,), jnp.int32),
+        )
+        calls[f"{heads}_heads_p{ps}"] = (call, on(device, args))
+    assert _triton_calls(_compile_all(calls)) >= len(calls)
