@@ -690,6 +690,7 @@ def _greedy_tokens(monkeypatch, family: str, backend: str, steps: int) -> list[l
     # PagedStepper calls llama.forward_jit(params, cfg, step, caches)
     monkeypatch.setattr(llama, "forward_jit", jax.jit(forward, static_argnames=("cfg",)))
     stepper = PagedStepper(params, cfg, page_size=4, num_pages=64, seed=1)
+    stepper.caches = tuple(in_layout(resolved, (None, c))[1] for c in stepper.caches)
     prompts = {0: [3, 17, 101, 9, 44, 250, 7], 1: [88, 2, 61, 5, 190]}
     last = stepper.step(list(prompts.items()))  # 12 tokens: the 16-token bucket
     tokens = {sid: [] for sid in prompts}

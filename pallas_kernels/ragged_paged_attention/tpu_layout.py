@@ -4,12 +4,13 @@ XLA picks a TPU array's physical layout to avoid tile padding: an array whose mi
 not a multiple of 128 lanes gets its largest axis moved minor-most. The reference layout
 `[P, page_size, 2*Hkv, D]` with D = 64 (SmolLM2: `bf16[P,16,6,64]`) is stored page-minor, so
 every Mosaic call (which needs row-major) copied the whole cache first. This layout is row-major
-under XLA's own choice for every KV-head count, so the kernel reads it in place:
+under XLA's own choice for every KV-head count when D is a multiple of 64 (W whole 128-lane
+tiles: every model we list), so the kernel reads it in place:
 
-1. Values: `[P, Hkv, page_size, W]`, W = 2*D (D a multiple of 64: whole 128-lane tiles, and W
-   names D exactly, so a query of another head_dim is refused): the row of (page, head, slot)
-   is K (lanes [0, D)) then V (lanes [D, 2D)). A program DMAs one `[page_size, W]` block per
-   page (its KV head is a leading, untiled index: always aligned).
+1. Values: `[P, Hkv, page_size, W]`, W = 2*D (W names D exactly, so a query of another
+   head_dim is refused): the row of (page, head, slot) is K (lanes [0, D)) then V (lanes
+   [D, 2D)). A program DMAs one `[page_size, W]` block per page (its KV head is a leading,
+   untiled index: always aligned).
 2. An fp8 cache (`Fp8KVCache`) keeps its values in that layout as float8_e4m3fn and its row
    exponents as `i32[Hkv, P, 1, E]`, E = 2*page_size rounded up to 128: K's exponents of the
    page's slots in lanes [0, page_size), V's in [page_size, 2*page_size). Heads lead so that
@@ -18,6 +19,8 @@ under XLA's own choice for every KV-head count, so the kernel reads it in place:
 3. `update_kv_cache` writes a step's rows in place (the reference's quantization for fp8);
    `from_reference_cache` converts a reference-layout cache (tests, tools).
 
+NOTE: a D that is not a multiple of 64 (toy test models; head_dim 80/96) is correct but gets
+XLA's padding-avoiding layout again (a cache copy per call on a TPU), as the reference did.
 NOTE: memory is padded to whole tiles: page_size rounds up to 8 rows per 32-bit word of
 sublane packing (16 for bf16, 32 for fp8) and the fp8 exponents to 128 lanes per page and
 head; `cache_bytes_per_row` counts both.
@@ -34,12 +37,9 @@ LANES = 128
 
 
 def row_width(head_dim: int) -> int:
-    """W = 2*head_dim: lanes of one (slot, head) row holding K and V (whole 128-lane tiles)."""
-    if head_dim <= 0 or head_dim % (LANES // 2):
-        raise ValueError(
-            f"the TPU kernel needs a head_dim that is a multiple of {LANES // 2} (its cache rows "
-            f"are whole {LANES}-lane tiles), got {head_dim}; use attention_backend='reference'"
-        )
+    """W = 2*head_dim: lanes of one (slot, head) row holding K and V (W names head_dim exactly)."""
+    if head_dim <= 0:
+        raise ValueError(f"head_dim must be positive, got {head_dim}")
     return 2 * head_dim
 
 
