@@ -6,11 +6,14 @@
    platform is the target's (`pallas_kernels.target`: JAX's default backend, or the device
    `jaxinfer.aot` compiles for), never assumed from the machine it runs on. On a CPU
    platform the "gpu" and "tpu" kernels run in Pallas interpret mode; "cpu" runs only there.
-   `None` (every engine's default) is "auto" on CPU and GPU platforms (the GPU kernel ran on an
-   H100 on 2026-11-24: correct, and 2.5-50x faster than the reference) and "reference" on TPU,
-   where the Mosaic kernel stays opt-in until it has run on a TPU.
-2. `update_kv_cache` scatters this step's K/V into their slots (`slot_mapping`); every backend
-   shares it and the cache layout (`kv_cache_shape`). `kv_cache_dtype="fp8"` makes the cache a
+   `None` (every engine's default) is "auto" on every platform: the GPU kernel ran on an H100 on
+   2026-11-24 (correct, and 2.5-50x faster than the reference) and the Mosaic kernel compiles
+   for TPU v5e and v6e in every shipped configuration (tests/test_accel_kernels.py); the
+   reference stays selectable by name.
+2. `update_kv_cache` scatters this step's K/V into their slots (`slot_mapping`) in the cache
+   layout of the backend (`kv_cache_shape`): the reference layout `[P, page_size, 2*Hkv, D]`
+   for every backend but "tpu", whose `tpu_layout` `[P, Hkv, page_size, W]` XLA stores
+   row-major on a TPU, so the kernel reads it in place. `kv_cache_dtype="fp8"` makes the cache a
    `reference.Fp8KVCache` (float8_e4m3fn values, one power-of-two scale per slot and K/V head);
    `FP8_KV_BACKENDS` (every backend today) read it; a backend missing there is refused naming the
    field (`check_kv_cache_dtype`).
@@ -28,7 +31,7 @@ import jax
 from jaxinfer.step import StepInputs
 from pallas_kernels import target
 from pallas_kernels.paged_common import interpret_mode
-from pallas_kernels.ragged_paged_attention import KERNELS, cpu, reference
+from pallas_kernels.ragged_paged_attention import KERNELS, cpu, reference, tpu_layout
 
 BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -49,7 +52,7 @@ def resolve_backend(backend: str | None, platform: str | None = None) -> str:
     platform, `pallas_kernels.target.platform()`: JAX's default backend outside `jaxinfer.aot`)."""
     platform = platform or target.platform()
     if backend is None:
-        backend = "reference" if platform == "tpu" else "auto"
+        backend = "auto"
     check_backend(backend)
     if backend == "cpu" and platform != "cpu":
         raise ValueError(f"attention_backend 'cpu' runs on the CPU platform only, not {platform!r}")
@@ -84,29 +87,66 @@ def check_kv_cache_dtype(backend: str, kv_cache_dtype: str) -> None:
         )
 
 
-def new_kv_cache(shape: tuple[int, ...], dtype, kv_cache_dtype: str = "auto"):
-    """An empty cache of `shape` (`kv_cache_shape`): the model dtype, or an `Fp8KVCache`."""
+def _tpu_layout(backend: str | None, platform: str | None = None) -> bool:
+    return resolve_backend(backend, platform) == "tpu"
+
+
+def new_kv_cache(
+    shape: tuple[int, ...],
+    dtype,
+    kv_cache_dtype: str = "auto",
+    backend: str | None = "reference",
+    platform: str | None = None,
+):
+    """An empty cache of `shape` (`kv_cache_shape` of `backend`): the model dtype, or an
+    `Fp8KVCache`."""
+    if _tpu_layout(backend, platform):
+        check_kv_cache_dtype("tpu", kv_cache_dtype)
+        return tpu_layout.new_kv_cache(shape, dtype, kv_cache_dtype)
     return reference.new_kv_cache(shape, dtype, kv_cache_dtype)
 
 
-def kv_cache_bytes_per_row(head_dim: int, dtype_bytes: int, kv_cache_dtype: str) -> int:
-    """Bytes of one (slot, K-or-V head) row: head_dim values (+ the fp8 row's exponent byte)."""
+def kv_cache_bytes_per_row(
+    head_dim: int,
+    dtype_bytes: int,
+    kv_cache_dtype: str,
+    backend: str | None = "reference",
+    page_size: int = 16,
+    platform: str | None = None,
+) -> float:
+    """Bytes of one (slot, K-or-V head) row: head_dim values (+ the fp8 row's exponent byte); in
+    the TPU layout with its lane padding and fp8 exponent tiles (`tpu_layout`)."""
+    if _tpu_layout(backend, platform):
+        fp8 = kv_cache_dtype == "fp8"
+        return tpu_layout.cache_bytes_per_row(head_dim, page_size, dtype_bytes, fp8)
     return head_dim + 1 if kv_cache_dtype == "fp8" else head_dim * dtype_bytes
 
 
 def kv_cache_shape(
-    backend: str | None, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int
+    backend: str | None,
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    platform: str | None = None,
 ) -> tuple[int, ...]:
-    """NOTE: every backend shares the reference layout [P, page_size, 2*Hkv, D] (K even, V odd)."""
-    resolve_backend(backend)
+    """The reference layout [P, page_size, 2*Hkv, D] (K even, V odd), or for "tpu" its own
+    [P, Hkv, page_size, W] (`tpu_layout`)."""
+    if _tpu_layout(backend, platform):
+        return tpu_layout.kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim)
     return reference.kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim)
+
+
+def kv_cache_heads_axis(backend: str | None, platform: str | None = None) -> int:
+    """The KV-heads axis of `kv_cache_shape` (the one tensor parallelism splits)."""
+    return 1 if _tpu_layout(backend, platform) else 2
 
 
 def attention(
     q: jax.Array,  # [T, Hq, D]
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
-    kv_cache: jax.Array | reference.Fp8KVCache,  # [P, page_size, 2*Hkv, D]
+    kv_cache: jax.Array | reference.Fp8KVCache,  # `kv_cache_shape(backend, ...)`
     step: StepInputs,
     *,
     sm_scale: float,
@@ -120,7 +160,8 @@ def attention(
     if isinstance(kv_cache, reference.Fp8KVCache):
         check_kv_cache_dtype(backend, "fp8")
     with jax.named_scope("kv_write"):
-        kv_cache = reference.update_kv_cache(kv_cache, k, v, step.slot_mapping)
+        update = tpu_layout.update_kv_cache if backend == "tpu" else reference.update_kv_cache
+        kv_cache = update(kv_cache, k, v, step.slot_mapping)
     with jax.named_scope("paged_attention"):
         out = KERNELS[backend](
             q,

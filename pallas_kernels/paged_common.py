@@ -63,6 +63,36 @@ def interpret_mode(backend: str, platform: str | None = None) -> Interpret:
     return pltpu.InterpretParams() if backend == "tpu" else True
 
 
+def attention_cost(
+    *,
+    programs: int,
+    rows: int,
+    keys: int,
+    score_width: int,
+    value_width: int,
+    cache_bytes: int,
+    io_bytes: int,
+) -> pl.CostEstimate:
+    """The `cost_estimate` of one paged-attention `pallas_call`, so XLA's cost analysis counts it.
+
+    A static bound: each of `programs` programs scores `rows` query rows against up to `keys`
+    keys (dots of `score_width`, then `value_width` columns: 2 flops a multiply-add) with one exp
+    per score; bytes are the cache bytes the call may read (`cache_bytes`, at most the pages its
+    work items can reach) plus its q / output / metadata blocks (`io_bytes`).
+    """
+    scores = programs * rows * keys
+    return pl.CostEstimate(
+        flops=int(2 * scores * (score_width + value_width)),
+        transcendentals=int(scores),
+        bytes_accessed=int(cache_bytes + io_bytes),
+    )
+
+
+def nbytes(*xs) -> int:
+    """Bytes of arrays / shape-dtype structs (pytrees of them)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(xs))
+
+
 def trunc_div(x, n: int):
     """x // n for x >= 0: a plain truncating division (Mosaic form; jnp's floor division adds sign
     fix-ups)."""

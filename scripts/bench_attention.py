@@ -49,7 +49,7 @@ import numpy as np
 
 from jaxinfer.attention import resolve_backend
 from pallas_kernels.paged_common import interpret_mode
-from pallas_kernels.ragged_paged_attention import KERNELS, block_sizes
+from pallas_kernels.ragged_paged_attention import KERNELS, block_sizes, tpu_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +126,14 @@ def work(
     kv_bytes = sum(batch.kv_lens) * kv_heads * 2 * head_dim * itemsize
     pairs = sum(q * (k - q) + q * (q + 1) // 2 for q, k in zip(batch.q_lens, batch.kv_lens))
     return kv_bytes, 4 * head_dim * heads * pairs
+
+
+def in_layout(backend: str, inputs):
+    """`inputs` with the cache in `backend`'s layout (the TPU kernel's own `tpu_layout`)."""
+    if backend != "tpu":
+        return inputs
+    q, cache, *meta = inputs
+    return (q, tpu_layout.from_reference_cache(cache), *meta)
 
 
 def kernel_options(backend: str, args, inputs) -> dict:
@@ -224,7 +232,8 @@ def sanity_interpret(kernel_backends, dtype) -> dict[str, float]:
     errs = {}
     for b in kernel_backends:
         interpret = interpret_mode(b, "cpu")
-        out = np.asarray(KERNELS[b](*inputs, sm_scale=0.125, interpret=interpret), np.float32)
+        out = KERNELS[b](*in_layout(b, inputs), sm_scale=0.125, interpret=interpret)
+        out = np.asarray(out, np.float32)
         errs[b] = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
     return errs
 
@@ -323,7 +332,7 @@ def main() -> None:
                         KERNELS[b], sm_scale=sm_scale, **kernel_options(b, args, inputs)
                     )
                 ),
-                *inputs,
+                *in_layout(b, inputs),
             )
             for b in on_device
         }

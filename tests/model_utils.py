@@ -230,7 +230,9 @@ class PagedStepper:
         self.params, self.cfg, self.page_size = params, cfg, page_size
         self.attention_backend = attention_backend
         self.family = family_of(cfg)
-        shape = self.family.kv_cache_shape(cfg, "reference", num_pages, page_size)
+        shape = self.family.kv_cache_shape(
+            cfg, attention_backend or "reference", num_pages, page_size
+        )
         self.caches = tuple(jnp.full(shape, jnp.nan, dtype) for _ in range(cfg.num_layers))
         self.free = list(np.random.default_rng(seed).permutation(num_pages))
         self.pages: dict[int, list[int]] = {}

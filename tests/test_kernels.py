@@ -38,7 +38,7 @@ from jaxinfer.models import llama
 from jaxinfer.params import init_random
 from jaxinfer.step import StepInputs
 from pallas_kernels.paged_common import interpret_mode
-from pallas_kernels.ragged_paged_attention import KERNELS, block_sizes, reference
+from pallas_kernels.ragged_paged_attention import KERNELS, block_sizes, reference, tpu_layout
 from tests.model_utils import PagedStepper, hf_config_dict
 
 # (platform, dtype) -> bound on both ||out - ref|| / ||ref|| and max|out - ref| / max|ref|, the
@@ -147,13 +147,22 @@ def make_batch(shape: Shape, q_lens, kv_lens, seed: int = 0, dtype=jnp.float32):
     )
 
 
+def in_layout(backend: str, args):
+    """The batch with its reference-layout cache in `backend`'s layout (the TPU kernel's own)."""
+    if backend != "tpu":
+        return args
+    return (args[0], tpu_layout.from_reference_cache(args[1]), *args[2:])
+
+
 def assert_matches_reference(backend, args, *, blocks=SMALL_BLOCKS, interpret=None, **kw):
     kw.setdefault("sm_scale", 0.125)
     reference.check_values(*args)
     ref = np.asarray(run_reference(*args, **kw), np.float32)
     if interpret is None:
         interpret = interpret_mode(backend)
-    out = KERNELS[backend](*args, interpret=interpret, blocks=_blocks(blocks, interpret), **kw)
+    out = KERNELS[backend](
+        *in_layout(backend, args), interpret=interpret, blocks=_blocks(blocks, interpret), **kw
+    )
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
     out = np.asarray(out, np.float32)
     assert np.isfinite(ref).all() and np.isfinite(out).all()
@@ -228,8 +237,9 @@ def test_window_skips_pages_before_it(backend):
     args[1] = jnp.asarray(cache)
     kw = dict(sliding_window=4, sm_scale=0.125)
     interpret = interpret_mode(backend)
+    blocks = _blocks(SMALL_BLOCKS, interpret)
     out = np.asarray(
-        KERNELS[backend](*args, interpret=interpret, blocks=_blocks(SMALL_BLOCKS, interpret), **kw)
+        KERNELS[backend](*in_layout(backend, args), interpret=interpret, blocks=blocks, **kw)
     )
     clean = list(make_batch(shape, [2, 3], [40, 61], seed=11))
     ref = np.asarray(run_reference(*clean, **kw))
@@ -496,7 +506,9 @@ def test_kernel_lowers_for_its_platform(backend, platform, marker):
         num_tokens=64,
         max_seqs=8,
     )
-    args = make_batch(shape, [1, 1, 1, 30], [40, 17, 200, 64], dtype=jnp.bfloat16)
+    args = in_layout(
+        backend, make_batch(shape, [1, 1, 1, 30], [40, 17, 200, 64], dtype=jnp.bfloat16)
+    )
     kw = dict(
         sm_scale=0.088, sliding_window=128, soft_cap=30.0, sinks=jnp.zeros((32,), jnp.float32)
     )
@@ -545,7 +557,7 @@ def test_cache_write_is_exact(dtype):
 
 @pytest.mark.parametrize("backend", ["reference", *BACKEND_PARAMS])
 def test_bad_shapes_and_dtypes_raise(backend):
-    q, cache, lens, table, cu, n = make_batch(BASE, [1], [3])
+    q, cache, lens, table, cu, n = in_layout(backend, make_batch(BASE, [1], [3]))
     fn = functools.partial(KERNELS[backend], sm_scale=1.0, interpret=interpret_mode(backend))
     with pytest.raises(ValueError, match="head_dim"):
         fn(q[..., :32], cache, lens, table, cu, n)
@@ -603,11 +615,11 @@ def test_dispatch():
     # the compiled CPU kernel builds on the CI machine (a CPU platform); elsewhere it may not
     want_cpu = ("cpu",) if jax.default_backend() == "cpu" else ("cpu", "reference")
     assert attn.resolve_backend("auto", "cpu") in want_cpu
-    # the default (None): the compiled kernel on CPU, the Pallas kernel on GPU; the reference on
-    # TPU until the Mosaic kernel has run on a TPU
+    # the default (None) is "auto": the compiled kernel on CPU, the Pallas kernels on GPU and TPU
     assert attn.resolve_backend(None, "cpu") in want_cpu
     assert attn.resolve_backend(None, "gpu") == attn.resolve_backend(None, "cuda") == "gpu"
-    assert attn.resolve_backend(None, "tpu") == "reference"
+    assert attn.resolve_backend(None, "tpu") == "tpu"
+    assert attn.resolve_backend("reference", "tpu") == "reference"  # still selectable
     assert attn.resolve_backend("tpu", "cpu") == "tpu"
     with pytest.raises(ValueError, match="CPU platform only"):
         attn.resolve_backend("cpu", "gpu")
@@ -621,7 +633,9 @@ def test_dispatch():
             with pytest.raises(ValueError, match="CPU platform only"):
                 attn.kv_cache_shape(backend, 4, 16, 2, 64)
             continue
-        assert attn.kv_cache_shape(backend, 4, 16, 2, 64) == (4, 16, 4, 64)
+        want = (4, 2, 16, 128) if backend == "tpu" else (4, 16, 4, 64)  # tpu_layout's own
+        assert attn.kv_cache_shape(backend, 4, 16, 2, 64) == want
+    assert attn.kv_cache_shape(None, 4, 16, 2, 64, platform="tpu") == (4, 2, 16, 128)
 
 
 def test_attention_op_with_each_backend():
@@ -647,12 +661,15 @@ def test_attention_op_with_each_backend():
         logits_indices=jnp.zeros(1, jnp.int32),
     )
     outs = {
-        b: attn.attention(q, k, v, cache, step, sm_scale=0.125, sliding_window=6, backend=b)
+        b: attn.attention(
+            q, k, v, in_layout(b, (q, cache))[1], step, sm_scale=0.125, sliding_window=6, backend=b
+        )
         for b in ("reference", *RUNNABLE)
     }
     ref_out, ref_cache = outs["reference"]
     for b, (out, new_cache) in outs.items():
-        assert np.asarray(new_cache).tobytes() == np.asarray(ref_cache).tobytes(), b
+        want = in_layout(b, (q, ref_cache))[1]
+        assert np.asarray(new_cache).tobytes() == np.asarray(want).tobytes(), b
         np.testing.assert_allclose(
             out, ref_out, rtol=0, atol=tol(jnp.float32) * np.abs(ref_out).max()
         )
@@ -673,6 +690,7 @@ def _greedy_tokens(monkeypatch, family: str, backend: str, steps: int) -> list[l
     # PagedStepper calls llama.forward_jit(params, cfg, step, caches)
     monkeypatch.setattr(llama, "forward_jit", jax.jit(forward, static_argnames=("cfg",)))
     stepper = PagedStepper(params, cfg, page_size=4, num_pages=64, seed=1)
+    stepper.caches = tuple(in_layout(resolved, (None, c))[1] for c in stepper.caches)
     prompts = {0: [3, 17, 101, 9, 44, 250, 7], 1: [88, 2, 61, 5, 190]}
     last = stepper.step(list(prompts.items()))  # 12 tokens: the 16-token bucket
     tokens = {sid: [] for sid in prompts}

@@ -26,8 +26,9 @@ from jaxinfer import attention
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
 from pallas_kernels.paged_common import interpret_mode
-from pallas_kernels.ragged_paged_attention import KERNELS, block_sizes, cpu, reference
+from pallas_kernels.ragged_paged_attention import KERNELS, block_sizes, cpu, reference, tpu_layout
 from pallas_kernels.ragged_paged_attention.reference import Fp8KVCache
+from pallas_kernels.ragged_paged_attention.tpu_layout import from_reference_cache
 from tests.test_kernels import BASE, SCENARIOS, SMALL_BLOCKS, Shape, make_batch, tol
 
 P, PS, H, D, HQ = 16, 4, 2, 64, 8
@@ -126,6 +127,8 @@ def test_kernels_read_fp8_like_the_reference(case, dtype):
             reference.ragged_paged_attention(args[0], values, *args[2:], **kw), np.float32
         )
     interpret = interpret_mode(backend)
+    if backend == "tpu":
+        fp8 = from_reference_cache(fp8)
     got = KERNELS[backend](args[0], fp8, *args[2:], interpret=interpret, blocks=blocks, **kw)
     assert got.dtype == dtype
     got = np.asarray(got, np.float32)
@@ -154,9 +157,12 @@ def test_kernels_lower_fp8_for_their_platform(backend, platform, marker):
         jax.ShapeDtypeStruct(a.shape, a.dtype)
         for a in make_batch(shape, [1, 1, 1, 30], [40, 17, 200, 64], dtype=jnp.bfloat16)
     ]
-    args[1] = Fp8KVCache(
-        jax.ShapeDtypeStruct(args[1].shape, jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct(args[1].shape[:3], jnp.int8),
+    args[1] = jax.eval_shape(
+        from_reference_cache if backend == "tpu" else lambda c: c,
+        Fp8KVCache(
+            jax.ShapeDtypeStruct(args[1].shape, jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct(args[1].shape[:3], jnp.int8),
+        ),
     )
     if backend == "gpu":  # NOTE: Triton lowering reads the target GPU from the abstract mesh
         device = jax.sharding.AbstractDevice(
@@ -270,3 +276,23 @@ def test_engine_rejects_fp8_on_a_backend_that_cannot_read_it(monkeypatch):
                 num_pages=8,
                 mesh=f"pipeline=2,tensor={jax.device_count() // 2}",
             )
+
+
+@pytest.mark.parametrize("dtype_kv", ["auto", "fp8"])
+def test_tpu_layout_write_is_the_reference_write(dtype_kv):
+    """The TPU kernel's layout (`tpu_layout`) holds exactly the reference's rows after a write:
+    the same values, the same fp8 rounding and exponents, padding tokens dropped."""
+    rng = np.random.default_rng(3)
+    want, k, v, slots = _filled(rng, dtype_kv)
+    start = attention.new_kv_cache((P, PS, 2 * H, D), jnp.float32, dtype_kv)
+    if dtype_kv == "auto":
+        start = jnp.full((P, PS, 2 * H, D), jnp.nan, jnp.float32)
+    got = tpu_layout.update_kv_cache(from_reference_cache(start), k, v, slots)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(from_reference_cache(want))):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    shape = attention.kv_cache_shape("tpu", P, PS, H, D)
+    fresh = attention.new_kv_cache(shape, jnp.float32, dtype_kv, backend="tpu")
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), fresh) == jax.tree.map(
+        lambda x: (x.shape, x.dtype), from_reference_cache(start)
+    )

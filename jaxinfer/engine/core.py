@@ -134,12 +134,12 @@ class EngineCore:
         )
         self.mesh = shd.make_mesh(config.mesh or None)
         data, shards = sizes[shd.DATA], shd.Parallel(**sizes).dense
-        # Bytes one page takes on one device (its share of the KV heads, as fp8 rows with
-        # kv_cache_dtype='fp8'; MLA: the latent rows).
+        # Bytes a page takes on one device: its KV heads' rows in the backend's layout (or MLA's).
         itemsize = 4 if config.dtype == "float32" else 2
         family = family_of(cfg)
+        kv_layout = (config.kv_cache_dtype, attention_backend, config.page_size)
         token_bytes = family.kv_cache_bytes_per_token(
-            cfg, shd.Parallel(**sizes), itemsize, config.kv_cache_dtype
+            cfg, shd.Parallel(**sizes), itemsize, *kv_layout
         )
         page_bytes = config.page_size * token_bytes
         pages_for_all = (config.max_num_seqs // data) * -(-max_model_len // config.page_size) + 1

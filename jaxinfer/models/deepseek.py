@@ -381,10 +381,15 @@ def kv_cache_shape(
 
 
 def kv_cache_bytes_per_token(
-    cfg: ModelConfig, par: Parallel, itemsize: int, kv_cache_dtype: str = "auto"
+    cfg: ModelConfig,
+    par: Parallel,
+    itemsize: int,
+    kv_cache_dtype: str = "auto",
+    backend: str | None = None,
+    page_size: int = 16,
 ) -> int:
     """(kv_lora_rank + qk_rope_head_dim) x dtype bytes x layers, on every device."""
-    del par
+    del par, backend, page_size
     check_kv_cache_dtype(cfg, None, kv_cache_dtype)
     return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize * cfg.num_layers
 
@@ -399,15 +404,17 @@ def check_kv_cache_dtype(cfg: ModelConfig, backend: str | None, kv_cache_dtype: 
         )
 
 
-def kv_cache_spec(cfg: ModelConfig, par: Parallel) -> PartitionSpec:
+def kv_cache_spec(cfg: ModelConfig, par: Parallel, backend: str | None = None) -> PartitionSpec:
     """A layer's cache [data*P, page, L + R]: pages per data replica, replicated elsewhere."""
-    del cfg, par
+    del cfg, par, backend
     return PartitionSpec(DATA, None, None)
 
 
-def kv_cache_specs(cfg: ModelConfig, par: Parallel, cache: Any) -> PartitionSpec:
+def kv_cache_specs(
+    cfg: ModelConfig, par: Parallel, cache: Any, backend: str | None = None
+) -> PartitionSpec:
     """`kv_cache_spec` for one layer's cache pytree (always one array: no fp8 latent cache)."""
-    del cache
+    del cache, backend
     return kv_cache_spec(cfg, par)
 
 

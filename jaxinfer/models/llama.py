@@ -27,6 +27,7 @@ Einsum legend: t = token, e = embed, f = heads*head_dim or MLP hidden, v = vocab
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -416,13 +417,21 @@ def kv_cache_shape(
 
 
 def kv_cache_bytes_per_token(
-    cfg: ModelConfig, par: Parallel, itemsize: int, kv_cache_dtype: str = "auto"
+    cfg: ModelConfig,
+    par: Parallel,
+    itemsize: int,
+    kv_cache_dtype: str = "auto",
+    backend: str | None = "reference",
+    page_size: int = 16,
 ) -> int:
     """Cache bytes one token takes on one device, over all layers (its share of the KV heads):
-    rows of `itemsize`-byte values, or fp8 rows with their exponent byte."""
+    rows of `itemsize`-byte values, or fp8 rows with their exponent byte (the backend's layout:
+    the TPU one pads rows to 128 lanes)."""
     kv_heads = kv_cache_heads(cfg.num_kv_heads, par.dense) // par.dense
-    row_bytes = attention_lib.kv_cache_bytes_per_row(cfg.head_dim, itemsize, kv_cache_dtype)
-    return 2 * kv_heads * row_bytes * cfg.num_layers
+    row_bytes = attention_lib.kv_cache_bytes_per_row(
+        cfg.head_dim, itemsize, kv_cache_dtype, backend, page_size
+    )
+    return math.ceil(2 * kv_heads * row_bytes * cfg.num_layers)
 
 
 def check_kv_cache_dtype(cfg: ModelConfig, backend: str, kv_cache_dtype: str) -> None:
@@ -431,19 +440,23 @@ def check_kv_cache_dtype(cfg: ModelConfig, backend: str, kv_cache_dtype: str) ->
     attention_lib.check_kv_cache_dtype(backend, kv_cache_dtype)
 
 
-def kv_cache_spec(cfg: ModelConfig, par: Parallel) -> PartitionSpec:
+def kv_cache_spec(cfg: ModelConfig, par: Parallel, backend: str | None = None) -> PartitionSpec:
     """A layer's cache [data*P, page, 2*Hkv', D] on the mesh: pages per data replica, KV heads
     (K/V interleaved, so each shard keeps whole (K, V) pairs) over the attention's shards
-    (`dense_axes`: tensor, or expert x tensor)."""
-    return PartitionSpec(DATA, None, dense_axes(cfg, par), None)
+    (`dense_axes`: tensor, or expert x tensor); the TPU layout's [data*P, Hkv', page, W] alike."""
+    spec = [DATA, None, None, None]
+    spec[attention_lib.kv_cache_heads_axis(backend)] = dense_axes(cfg, par)
+    return PartitionSpec(*spec)
 
 
-def kv_cache_specs(cfg: ModelConfig, par: Parallel, cache: Any) -> Any:
-    """`kv_cache_spec` for one layer's cache pytree: an fp8 cache's exponents [data*P, page, 2*Hkv']
-    split like its values."""
-    spec = kv_cache_spec(cfg, par)
+def kv_cache_specs(cfg: ModelConfig, par: Parallel, cache: Any, backend: str | None = None) -> Any:
+    """`kv_cache_spec` for one layer's cache pytree: an fp8 cache's exponents ([data*P, page,
+    2*Hkv'], the TPU layout's [Hkv', data*P, 1, E]) split like its values."""
+    spec = kv_cache_spec(cfg, par, backend)
     if isinstance(cache, Fp8KVCache):
-        return Fp8KVCache(spec, PartitionSpec(*spec[:3]))
+        if cache.exponent.ndim == 4:  # the TPU layout: heads lead
+            return Fp8KVCache(spec, PartitionSpec(spec[1], spec[0], None, None))
+        return Fp8KVCache(spec, PartitionSpec(*spec[: cache.exponent.ndim]))
     return spec
 
 

@@ -71,7 +71,7 @@ def forward(
     param_specs = partition_specs(specs, model_rules(cfg, par))
     stacked = par.data > 1
     step_spec = PartitionSpec(DATA) if stacked else PartitionSpec()
-    cache_spec = cache_specs_of(cfg, par, kv_caches[0])
+    cache_spec = cache_specs_of(cfg, par, kv_caches[0], attention_backend)
     if par.pipeline > 1:
         cache_spec = PartitionSpec(PIPELINE, *cache_spec)
     cache_specs = tuple(cache_spec for _ in kv_caches)

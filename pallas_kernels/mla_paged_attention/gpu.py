@@ -208,8 +208,19 @@ def mla_ragged_paged_attention(
             soft_cap=soft_cap,
         )
         whole = pl.BlockSpec()
+        reach = min(cls.num_work * page_indices.shape[1], num_pages)
+        cost = pc.attention_cost(
+            programs=cls.num_work,
+            rows=rows,
+            keys=page_indices.shape[1] * page_size,
+            score_width=c,
+            value_width=lat,
+            cache_bytes=pc.nbytes(kv_cache) * reach // num_pages,
+            io_bytes=pc.nbytes(q_blocks) * (2 * lat + rope) // c + pc.nbytes(pages_flat),
+        )
         out_blocks = pl.pallas_call(
             kernel,
+            cost_estimate=cost,
             grid=(cls.num_work,),
             in_specs=[
                 whole,

@@ -87,6 +87,13 @@ DEFAULT_KEYS = {"gpu": 64, "tpu": 512}
 MAX_DEFAULT_PAGES = {"gpu": 64, "tpu": 32}
 MIN_KEYS = {"gpu": 16, "tpu": 1}  # Triton's dot needs every dimension >= 16
 DEFAULTS = {"gpu": BlockSizes(64, 16, 0), "tpu": BlockSizes(128, 8, 0)}
+# Rows wider than 256 (MLA: latent + rope = 576) on GPU: 32 query rows, 32 keys (at most one page
+# per block beyond that), 8 warps and one stage: the H100's 227 KiB of shared memory holds the
+# query block and a KV block even at 128 heads (block_q * H rows); the 64-row, 64-key, two-stage
+# default asked for 272 KiB at 16 heads (RESOURCE_EXHAUSTED, tests/test_accel_kernels.py).
+# NOTE: 128 heads on one GPU need page_size <= 32 (a 64-key page block does not fit with them).
+WIDE_GPU = BlockSizes(32, 16, 0, num_warps=8, num_stages=1)
+WIDE_GPU_KEYS = 32
 
 # NOTE: split-K decode aims for this many programs per SM: a decode program is small (4 warps, a
 # 16-row tile), so several stay resident per SM and hide each other's page-gather latency; 4 per SM
@@ -146,8 +153,10 @@ def get_block_sizes(
     key = (backend, int(head_dim), int(page_size), jnp.dtype(dtype).name)
     entry = TUNED.get(key)
     if entry is None:
-        pages = min(MAX_DEFAULT_PAGES[backend], max(1, DEFAULT_KEYS[backend] // page_size))
-        entry = dataclasses.replace(DEFAULTS[backend], pages_per_block=pages)
+        wide = backend == "gpu" and head_dim > 256
+        keys = WIDE_GPU_KEYS if wide else DEFAULT_KEYS[backend]
+        pages = min(MAX_DEFAULT_PAGES[backend], max(1, keys // page_size))
+        entry = dataclasses.replace(WIDE_GPU if wide else DEFAULTS[backend], pages_per_block=pages)
     g = next_pow2(group) if pow2 else group
     block_q = max(1, entry.q_rows // g)
     decode_block_q = max(1, entry.decode_q_rows // g) if entry.decode_q_rows else 0

@@ -236,8 +236,20 @@ def _run_class(
             jax.ShapeDtypeStruct((num_work, hkv, rows), jnp.float32),
         )
         out_spec = (q_spec, pl.BlockSpec((None, None, rows), lambda w, h: (w, h, 0)))
+    pages_per_seq = pages_per_row - blocks.pages_per_block
+    reach = min(cls.num_work * pages_per_seq, num_pages)  # split-K shares a sequence's keys out
+    cost = pc.attention_cost(
+        programs=cls.num_work * hkv,
+        rows=rows,
+        keys=pages_per_seq * page_size,
+        score_width=d,
+        value_width=d,
+        cache_bytes=pc.nbytes(kv_rows, exp_rows) * reach // num_pages,
+        io_bytes=2 * pc.nbytes(q_blocks) + pc.nbytes(seq, kv_lens, cu_q_lens, pages_flat),
+    )
     out_blocks = pl.pallas_call(
         kernel,
+        cost_estimate=cost,
         grid=(num_work, hkv),
         in_specs=[
             whole,

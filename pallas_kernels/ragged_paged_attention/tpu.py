@@ -8,24 +8,26 @@ Flow of `ragged_paged_attention`:
      `[W, Hkv, R, D]` blocks (R = block_q * G rows, token-major), which BlockSpecs bring into VMEM.
   4. One `pallas_call` per class, grid `(W, Hkv)`, with the work table, lengths and the flattened
      page table scalar-prefetched into SMEM (`PrefetchScalarGridSpec`). The cache stays in HBM
-     (`memory_space=pl.ANY`); a program DMAs the pages it needs, one `[page_size, 2, D]` (K, V of
-     its KV head) copy per page, into a two-slot VMEM buffer: while block b is computed, block b+1
-     is in flight (one DMA semaphore per slot). Only pages that hold keys the block's rows can see
-     are copied (causal end; sliding-window start rounded down to a page).
-  5. Per KV block: K and V are the two halves of the slot's `[pages, page_size, 2, D]`, scores get the
-     soft-cap and the causal / length / window mask, then an online-softmax update (f32; sinks
-     seed the running max and denominator). The output blocks are gathered back to token order.
+     (`memory_space=pl.ANY`, in the `tpu_layout` `[P, Hkv, page_size, W]`, read in place); a
+     program DMAs the pages it needs, one `[page_size, W]` (K and V rows of its KV head) copy per
+     page, into a two-slot VMEM buffer: while block b is computed, block b+1 is in flight (one
+     DMA semaphore per slot). Only pages that hold keys the block's rows can see are copied
+     (causal end; sliding-window start rounded down to a page).
+  5. Per KV block: K and V are the lanes [0, D) and [D, 2D) of the slot's `[pages, page_size,
+     W]`, scores get the soft-cap and the causal / length / window mask, then an online-softmax
+     update (f32; sinks seed the running max and denominator). The output blocks are gathered
+     back to token order.
   6. An fp8 cache (`reference.Fp8KVCache`, `kv_cache_dtype="fp8"`): each page copy brings its
-     float8_e4m3fn `[page_size, 2, D]` rows and, from the exponent array (also in HBM), their
-     `[page_size, 2]` int8 exponents into a second two-slot buffer on the same semaphore; K and V
-     widen to f32, take their rows' power-of-two scales (exact) and cast to q's dtype for the MXU.
+     float8_e4m3fn rows and, from the exponent array `i32[Hkv, P, 1, E]` (also in HBM), the
+     page's exponent row into a second two-slot buffer on the same semaphore; K and V widen to
+     q's dtype (exact) for the MXU, and their rows' power-of-two scales (exact) multiply the
+     scores' columns (K) and the probabilities' columns (V).
 
 NOTE: the last KV block may cover pages past the sequence's end: those are not copied, so their
 buffer rows hold stale (or, in interpret mode, NaN) data; masked values are zeroed and masked
 probabilities are exactly 0, so it never reaches the output.
-NOTE: on real TPUs `page_size` should be a multiple of 8 (f32) / 16 (bf16) so each page copy lands
-on whole sublane tiles; the K / V loads pick one index of a size-2 second-minor dimension (a
-sublane-strided load). Both are untested on hardware (validated in interpret mode only).
+NOTE: every configuration in tests/test_accel_kernels.py compiles for TPU v5e and v6e (Mosaic:
+tile alignment and VMEM limits checked); none has run on a TPU yet.
 
 Legend: R = query rows of a block, K = keys of a KV block (`pages_per_block * page_size`),
 D = head_dim.
@@ -42,18 +44,40 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import paged_common as pc
 from pallas_kernels.ragged_paged_attention import block_sizes as bs
-from pallas_kernels.ragged_paged_attention.reference import (
-    Fp8KVCache,
-    check_inputs,
+from pallas_kernels.ragged_paged_attention import tpu_layout
+from pallas_kernels.ragged_paged_attention.reference import Fp8KVCache, check_inputs
+from pallas_kernels.ragged_paged_attention.tpu_layout import (
     kv_cache_shape,
+    new_kv_cache,
     update_kv_cache,
 )
 
-__all__ = ["kv_cache_shape", "ragged_paged_attention", "update_kv_cache"]
+__all__ = ["kv_cache_shape", "new_kv_cache", "ragged_paged_attention", "update_kv_cache"]
 
 
-def _scale_rows(x, e):  # x [K, D] (fp8), e i8[K, 1] -> f32 x * 2**e, exact for e in [-126, 127]
-    return x.astype(jnp.float32) * pc.exp2_i8(e)
+def _key_scales(exps, half: int, page_size: int, block_k: int):
+    """f32[1, K]: 2**exponent of each key of a KV block, from its pages' exponent rows.
+
+    exps: i32[pages, E] (page j's K exponents in lanes [0, page_size), V's after them); half: 0
+    for K, 1 for V. Key k's exponent sits in page k // page_size at lane half * page_size +
+    k % page_size: a one-hot matmul moves the lanes to the keys, a masked sum over the pages picks
+    each key's own page. Exact: one nonzero term per key, integers |e| <= 127 (exact in bf16).
+    """
+    pages, width = exps.shape
+    lane = jax.lax.broadcasted_iota(jnp.int32, (width, block_k), 0)
+    key = jax.lax.broadcasted_iota(jnp.int32, (width, block_k), 1)
+    pick = (lane == half * page_size + jax.lax.rem(key, page_size)).astype(jnp.float32)
+    per_page = jax.lax.dot_general(
+        exps.astype(jnp.float32),
+        pick,
+        (((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision.HIGHEST,
+    )  # [pages, K]: every page's exponent for each key's slot
+    page = jax.lax.broadcasted_iota(jnp.int32, (pages, block_k), 0)
+    key = jax.lax.broadcasted_iota(jnp.int32, (pages, block_k), 1)
+    own = jnp.where(page == pc.trunc_div(key, page_size), per_page, 0.0)
+    return pc.exp2_i8(own.sum(axis=0, keepdims=True).astype(jnp.int32))
 
 
 def _kernel(
@@ -63,8 +87,8 @@ def _kernel(
     cu_q_lens_ref,  # SMEM i32[S+1]
     pages_ref,  # SMEM i32[S * pages_per_row] (page table flattened, padded by one KV block)
     q_ref,  # VMEM [R, D]
-    *rest,  # (sinks VMEM f32[R, 1]?), kv HBM [P, page_size, 2*Hkv, D], (exponents HBM
-    # i8[P, page_size, 2*Hkv]?), o VMEM [R, D], scratch
+    *rest,  # (sinks VMEM f32[R, 1]?), kv HBM [P, Hkv, page_size, W], (exponents HBM
+    # i32[Hkv, P, 1, E]?), o VMEM [R, D], scratch
     block_q: int,
     group: int,
     page_size: int,
@@ -83,14 +107,15 @@ def _kernel(
         kv_hbm, exp_hbm, o_ref, kv_buf, exp_buf, sems = rest
     else:
         (kv_hbm, o_ref, kv_buf, sems), exp_hbm, exp_buf = rest, None, None
-    # kv_buf: VMEM [2 slots, pages_per_block, page_size, 2, D]; exp_buf (fp8): VMEM i8[2 slots,
-    # pages_per_block, page_size, 2]; sems: DMA semaphores (2,)
+    # kv_buf: VMEM [2 slots, pages_per_block, page_size, W]; exp_buf (fp8): VMEM i32[2 slots,
+    # pages_per_block, 1, E]; sems: DMA semaphores (2,)
     w, h = pl.program_id(0), pl.program_id(1)
     s = work_seq_ref[w]
 
     @pl.when(s >= 0)
     def _():
         rows, d = q_ref.shape
+        dk = q_ref.dtype
         block_k = pages_per_block * page_size
         first_pos, key_end, page_lo = pc.query_block_keys(  # key_end is exclusive
             w,
@@ -114,12 +139,12 @@ def _kernel(
             for j in range(pages_per_block):
                 col = page_lo + b * pages_per_block + j
                 page = jnp.clip(pages_ref[s * pages_per_row + col], 0, num_pages - 1)
-                src = kv_hbm.at[:, :, pl.ds(2 * h, 2), :].at[page]  # [page_size, 2, D]
+                src = kv_hbm.at[page, h]  # [page_size, W]
                 copies.append(
                     (col < page_end, pltpu.make_async_copy(src, kv_buf.at[slot, j], sems.at[slot]))
                 )
                 if fp8:
-                    src = exp_hbm.at[:, :, pl.ds(2 * h, 2)].at[page]  # i8[page_size, 2]
+                    src = exp_hbm.at[h, page]  # i32[1, E]
                     copies.append(
                         (
                             col < page_end,
@@ -161,13 +186,16 @@ def _kernel(
                 start(b + 1, 1 - slot)
 
             wait(b, slot)
-            k = kv_buf[slot, :, :, 0, :].reshape(block_k, d)  # [K, D]
-            v = kv_buf[slot, :, :, 1, :].reshape(block_k, d)
-            if fp8:  # values times their rows' 2**exponent, in q's dtype
-                k_exp = exp_buf[slot, :, :, 0].reshape(block_k, 1)  # i8[K, 1]
-                v_exp = exp_buf[slot, :, :, 1].reshape(block_k, 1)
-                k = _scale_rows(k, k_exp).astype(q_ref.dtype)
-                v = _scale_rows(v, v_exp).astype(q_ref.dtype)
+            k = kv_buf[slot, :, :, pl.ds(0, d)].reshape(block_k, d)  # [K, D]
+            v = kv_buf[slot, :, :, pl.ds(d, d)].reshape(block_k, d)
+            k_scale = v_scale = None
+            if fp8:  # e4m3 values are exact in q's dtype; their rows' 2**exponent scale the
+                # scores' columns (K) and the probabilities' columns (V), exactly
+                k = k.astype(jnp.float32).astype(dk)
+                v = v.astype(jnp.float32).astype(dk)
+                exps = exp_buf[slot, :, 0, :]  # i32[pages, E]
+                k_scale = _key_scales(exps, 0, page_size, block_k)  # f32[1, K]
+                v_scale = _key_scales(exps, 1, page_size, block_k)
             key0 = (page_lo + b * pages_per_block) * page_size
             k_pos = key0 + offs  # i32[R, K]; every key the block's rows can see was copied
             v = jnp.where(key0 + offs_col < key_end, v, jnp.zeros_like(v))
@@ -177,12 +205,14 @@ def _kernel(
                 )
                 * sm_scale
             )  # [R, K]
+            if fp8:
+                sc = sc * k_scale
             sc = pc.apply_soft_cap(sc, soft_cap)
             mask = pc.causal_mask(q_pos, k_pos, key_end, sliding_window)
 
             def pv(p):  # [R, D]
                 return jax.lax.dot_general(
-                    p.astype(v.dtype),
+                    (p if v_scale is None else p * v_scale).astype(v.dtype),
                     v,
                     (((1,), (0,)), ((), ())),
                     preferred_element_type=jnp.float32,
@@ -213,7 +243,7 @@ def _run_class(
 ):
     """One pallas_call over one query class; returns (out [T, Hkv, G, D], bool[T] membership)."""
     t, hkv, g, d = q.shape
-    num_pages, page_size, _, _ = kv_cache.shape
+    num_pages, _, page_size, width = kv_cache.shape
     fp8 = isinstance(kv_cache, Fp8KVCache)
     rows = cls.block_q * g
     with jax.named_scope("rpa_work_table"):
@@ -241,14 +271,28 @@ def _run_class(
         operands.append(sinks_rows)
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     operands.append(kv_cache.data if fp8 else kv_cache)
-    scratch = [pltpu.VMEM((2, blocks.pages_per_block, page_size, 2, d), kv_cache.dtype)]
+    scratch = [pltpu.VMEM((2, blocks.pages_per_block, page_size, width), kv_cache.dtype)]
     if fp8:
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
         operands.append(kv_cache.exponent)
-        scratch.append(pltpu.VMEM((2, blocks.pages_per_block, page_size, 2), jnp.int8))
+        exp_width = kv_cache.exponent.shape[-1]
+        scratch.append(pltpu.VMEM((2, blocks.pages_per_block, 1, exp_width), jnp.int32))
     scratch.append(pltpu.SemaphoreType.DMA((2,)))
+    # NOTE: a work item reads at most its sequence's pages; together at most every page once per
+    # query block of a sequence, and never more than the whole cache per KV head.
+    reach = min(cls.num_work * (pages_per_row - blocks.pages_per_block), num_pages)
+    cost = pc.attention_cost(
+        programs=cls.num_work * hkv,
+        rows=rows,
+        keys=(pages_per_row - blocks.pages_per_block) * page_size,
+        score_width=d,
+        value_width=d,
+        cache_bytes=pc.nbytes(kv_cache) * reach // num_pages,
+        io_bytes=2 * pc.nbytes(q_blocks) + pc.nbytes(seq, qblk, kv_lens, cu_q_lens, pages_flat),
+    )
     out_blocks = pl.pallas_call(
         kernel,
+        cost_estimate=cost,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(cls.num_work, hkv),
@@ -270,7 +314,7 @@ def _run_class(
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    kv_cache: jax.Array | Fp8KVCache,  # [P, page_size, 2*Hkv, D]
+    kv_cache: jax.Array | Fp8KVCache,  # [P, Hkv, page_size, W] (`tpu_layout`)
     kv_lens: jax.Array,  # i32[S]
     page_indices: jax.Array,  # i32[S, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[S+1]
@@ -291,10 +335,13 @@ def ragged_paged_attention(
     Returns:
       [T, Hq, D] in q's dtype; zeros for padding tokens.
     """
-    check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     t, hq, d = q.shape
-    _, page_size, h2, _ = kv_cache.shape
-    hkv = h2 // 2
+    if kv_cache.ndim != 4:
+        raise ValueError(f"kv_cache must be [P, Hkv, page_size, W], got {kv_cache.shape}")
+    num_pages, hkv, page_size, _ = kv_cache.shape
+    tpu_layout.head_dim_of(kv_cache, d)
+    as_reference = jax.ShapeDtypeStruct((num_pages, page_size, 2 * hkv, d), kv_cache.dtype)
+    check_inputs(q, as_reference, kv_lens, page_indices, cu_q_lens, num_seqs)
     g = hq // hkv
     if sinks is not None and sinks.shape != (hq,):
         raise ValueError(f"sinks must be f32[{hq}], got {sinks.shape}")

@@ -67,7 +67,7 @@ class DeviceState:
 
         def new_caches():
             return tuple(
-                attention.new_kv_cache(shape, DTYPES[dtype], kv_cache_dtype)
+                attention.new_kv_cache(shape, DTYPES[dtype], kv_cache_dtype, attention_backend)
                 for _ in range(cfg.num_layers)
             )
 
@@ -100,7 +100,7 @@ class DeviceState:
         cache_sharding = jax.tree.map(
             lambda spec: NamedSharding(mesh, spec),
             # NOTE: the structure only: new_caches() would build every layer's whole cache
-            family.kv_cache_specs(cfg, par, jax.eval_shape(new_caches)[0]),
+            family.kv_cache_specs(cfg, par, jax.eval_shape(new_caches)[0], attention_backend),
         )
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.step_sharding = (
@@ -115,7 +115,7 @@ class DeviceState:
                 shape,
                 DTYPES[dtype],
                 mesh,
-                family.kv_cache_spec(cfg, par),
+                family.kv_cache_spec(cfg, par, attention_backend),
             )
         )
         # the penalty rows split over the vocabulary like the logits they are applied to
