@@ -99,7 +99,7 @@ def _metric(srv, name: str) -> float:
 
 
 def _tokens(c: GenerateClient, prompt, **kw) -> tuple[list[int], list]:
-    msgs = list(c.generate(prompt, timeout=120, **kw))
+    msgs = list(c.generate(prompt, timeout=600, **kw))
     return [t for m in msgs for t in m.token_ids], msgs
 
 
@@ -149,7 +149,7 @@ def test_priority_reorders_under_contention_and_max_queue_refuses(served, client
     def run(name: str, prompt: list[int], max_tokens: int, priority: int) -> None:
         for m in client.generate(
             prompt,
-            timeout=120,
+            timeout=300,
             max_tokens=max_tokens,
             temperature=0,
             ignore_eos=True,
@@ -197,7 +197,7 @@ def test_sigterm_drains_with_503_and_a_second_sigterm_aborts_at_once(served, cli
 
     def stream() -> None:
         for m in client.generate(
-            [100], timeout=120, max_tokens=240, temperature=0, ignore_eos=True
+            [100], timeout=300, max_tokens=240, temperature=0, ignore_eos=True
         ):
             msgs.append(m)
             started.set()

@@ -90,12 +90,12 @@ def grpc_client(served):
 
 @pytest.fixture(scope="module")
 def http(served):
-    return openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=300)
 
 
 def grpc_tokens(c: GenerateClient, prompt, **kw) -> tuple[list[int], int, list]:
     """(token ids, finish reason, responses) of one gRPC stream."""
-    msgs = list(c.generate(prompt, timeout=120, **kw))
+    msgs = list(c.generate(prompt, timeout=300, **kw))
     return [t for m in msgs for t in m.token_ids], msgs[-1].finish_reason, msgs
 
 
@@ -413,7 +413,7 @@ def test_client_script_chat(served, grpc_client):
         "--temperature",
         "0",
     ]
-    res = subprocess.run(cmd, capture_output=True, timeout=120, cwd=ROOT)
+    res = subprocess.run(cmd, capture_output=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     ids, _, _ = grpc_tokens(
         grpc_client, [{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0

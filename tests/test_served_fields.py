@@ -55,7 +55,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served.http_url, api_key=KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=served.http_url, api_key=KEY, max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,7 @@ def test_grpc_fields_and_cache_salt(stub):
         req = build_request("grpc salted prompt " * 12, **kw)
         if salt is not None:
             req.cache_salt = salt
-        return stub.GenerateOnce(req, metadata=AUTH, timeout=120)
+        return stub.GenerateOnce(req, metadata=AUTH, timeout=300)
 
     assert list(run(logit_bias={77: 100.0}).token_ids) == [77] * 3
     assert set(run(allowed_token_ids=[5000, 6000], temperature=1.0, seed=1).token_ids) <= {
