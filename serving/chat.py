@@ -82,6 +82,13 @@ class ChatPlan:
     def output(self) -> ChatOutput:
         return ChatOutput(self)
 
+    @property
+    def keep_special_tokens(self) -> bool:
+        """`auto` with a parser whose call marker is a special token: the output's text keeps
+        special tokens (`skip_special_tokens=False`)."""
+        parser = TOOL_PARSERS.get(self.options.tool_call_parser or "")
+        return self.mode == "auto" and parser is not None and parser.keeps_special_tokens
+
 
 def _tools(req: oai.ChatCompletionRequest) -> dict[str, dict[str, Any]]:
     """The request's functions by name (400 naming the field of a malformed tool)."""

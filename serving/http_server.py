@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -321,6 +322,8 @@ class OpenAIServer:
                         prompt_logprobs=_prompt_logprobs(req, chat),
                         **extra,
                     )
+                    if plan is not None and plan.keep_special_tokens:
+                        sp = dataclasses.replace(sp, skip_special_tokens=False)
                     streams.append(
                         fe.submit(ids, sp, req.priority, fields=fields, cache_salt=req.cache_salt)
                     )

@@ -91,6 +91,10 @@ class ToolParser:
 
     name = ""
     start = ""  # where calls begin; text before it is content
+    # NOTE: true where `start` is a special token of the model's tokenizer (Mistral's
+    # `[TOOL_CALLS]`, Llama's `<|python_tag|>`): the output must keep special tokens in its text
+    # for the parser to see it (vLLM sets skip_special_tokens=False for these parsers too).
+    keeps_special_tokens = False
 
     def __init__(self) -> None:
         self._text = ""  # what was streamed so far
@@ -199,6 +203,7 @@ class Llama3JsonToolParser(ToolParser):
     an optional `<|python_tag|>` (Llama 3.1-3.3's JSON tool calling)."""
 
     name = "llama3_json"
+    keeps_special_tokens = True
     start = "<|python_tag|>"
 
     def _start_of_calls(self, text: str) -> int:
@@ -243,6 +248,7 @@ def _complete_prefix(text: str) -> list[Any]:
 class MistralToolParser(ToolParser):
     """`[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]` after optional text (Mistral)."""
 
+    keeps_special_tokens = True
     name = "mistral"
     start = "[TOOL_CALLS]"
 

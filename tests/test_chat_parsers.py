@@ -185,6 +185,19 @@ def test_plan_required_schema_follows_parallel_tool_calls():
     assert "maxItems" not in json.loads(many.structured.json)
 
 
+def test_auto_keeps_special_tokens_where_the_call_marker_is_one():
+    """Mistral's `[TOOL_CALLS]` and Llama's `<|python_tag|>` are special tokens: `auto` with
+    their parsers keeps special tokens in the output text (else the parser never sees them)."""
+    from serving.chat import ChatOptions, plan
+
+    def keeps(parser: str, **kw) -> bool:
+        options = ChatOptions(enable_auto_tool_choice=True, tool_call_parser=parser)
+        return plan(_req(tools=[TOOL], **kw), options).keep_special_tokens
+
+    assert keeps("mistral") and keeps("llama3_json")
+    assert not keeps("hermes") and not keeps("mistral", tool_choice="none")
+
+
 def test_serve_refuses_auto_tool_choice_without_a_parser(monkeypatch, capsys):
     import logging
     import os
