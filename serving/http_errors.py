@@ -16,6 +16,7 @@ object `{"error": {"message", "type", "param", "code"}}`, never text/plain.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Callable
@@ -24,8 +25,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving import validation
 from serving.errors import InvalidArgument, QueueFull, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -162,3 +165,23 @@ def param_of(message: str) -> str | None:
     """The field a message starts with ("prompt[1] is empty" -> "prompt[1]"), or None."""
     head = message.split(" ", 1)[0].rstrip(":")
     return head if re.fullmatch(r"[A-Za-z_][\w.]*(\[\d+\])*(\.[\w.]+)*", head) else None
+
+
+async def parse_body(request: Request, cls: type[BaseModel]) -> Any:
+    """The request's JSON body parsed as `cls`; a 400 naming what is wrong (not JSON, not an
+    object, a lone surrogate, a field's type or value, nesting too deep)."""
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise HTTPError(400, f"the request body is not valid JSON: {e}"[:500]) from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    bad = validation.bad_text(body)
+    if bad is not None:
+        raise HTTPError(400, f"{bad} is not valid UTF-8 text (a lone surrogate)", bad)
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e.errors(), body) from None
+    except RecursionError:
+        raise HTTPError(400, "the request body is nested too deeply") from None

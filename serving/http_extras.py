@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from serving import http_errors, validation
 from serving import openai_protocol as oai
@@ -58,22 +58,6 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-async def _body(request: Request, cls: type[BaseModel]) -> Any:
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise HTTPError(400, f"the request body is not valid JSON: {e}"[:500]) from None
-    if not isinstance(body, dict):
-        raise HTTPError(400, "the request body must be a JSON object")
-    bad = validation.bad_text(body)
-    if bad is not None:
-        raise HTTPError(400, f"{bad} is not valid UTF-8 text (a lone surrogate)", bad)
-    try:
-        return cls.model_validate(body)
-    except ValidationError as e:
-        raise http_errors.validation_error(e.errors(), body) from None
-
-
 def install(app: FastAPI, server: OpenAIServer) -> None:
     """Adds /tokenize, /detokenize, /version and /ping to `server`'s app (step 1)."""
     fe = server.frontend
@@ -85,7 +69,7 @@ def install(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        req = await _body(request, TokenizeRequest)
+        req = await http_errors.parse_body(request, TokenizeRequest)
         server._check_model(req.model)  # noqa: SLF001 - the server's own helper
         tok = need_tokenizer()
         if (req.prompt is None) == (req.messages is None):
@@ -121,7 +105,7 @@ def install(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
-        req = await _body(request, DetokenizeRequest)
+        req = await http_errors.parse_body(request, DetokenizeRequest)
         server._check_model(req.model)  # noqa: SLF001 - the server's own helper
         tok = need_tokenizer()
         for i, t in enumerate(req.tokens):

@@ -43,7 +43,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 
 from jaxinfer.engine.output import RequestDelta, Usage
 from serving import chat as chat_api
@@ -208,29 +207,12 @@ class OpenAIServer:
             oai.error_body(e.status, e.message, e.param), status_code=e.status, headers=headers
         )
 
-    async def _parse(self, request: Request, cls: type[oai._Request]) -> Any:
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise HTTPError(400, f"the request body is not valid JSON: {e}"[:500]) from None
-        if not isinstance(body, dict):
-            raise HTTPError(400, "the request body must be a JSON object")
-        bad = validation.bad_text(body)
-        if bad is not None:
-            raise HTTPError(400, f"{bad} is not valid UTF-8 text (a lone surrogate)", bad)
-        try:
-            return cls.model_validate(body)
-        except ValidationError as e:
-            raise http_errors.validation_error(e.errors(), body) from None
-        except RecursionError:
-            raise HTTPError(400, "the request body is nested too deeply") from None
-
     async def _handle(self, request: Request, cls: type[oai._Request], *, chat: bool) -> Response:
         try:
             self.frontend.check_admission()
         except (Unavailable, QueueFull) as e:
             raise http_error(e) from None
-        req = await self._parse(request, cls)
+        req = await http_errors.parse_body(request, cls)
         self._check_model(req.model)
         try:
             plan = chat_api.plan(req, self.chat_options) if chat else None

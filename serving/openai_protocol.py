@@ -470,22 +470,7 @@ def completion_logprobs(
     tokenizer: Tokenizer | None, lps: list[TokenLogprobs], offset: int
 ) -> dict[str, Any]:
     """`choices[i].logprobs` of a completion; text offsets start at `offset`."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for lp in lps:
-        text = _token(tokenizer, lp.token_id)
-        tokens.append(text)
-        token_lps.append(lp.logprob)
-        tops.append(
-            {_token(tokenizer, i): v for i, v in sorted(lp.top.items(), key=lambda kv: -kv[1])}
-        )
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_lps,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
+    return _logprob_columns(tokenizer, [(lp.token_id, lp) for lp in lps], offset)
 
 
 def echo_logprobs(
@@ -494,16 +479,25 @@ def echo_logprobs(
     """`choices[i].logprobs` of an echoed prompt (`echo` with `logprobs`): the first token has
     no logprob (None, as in vLLM and OpenAI); the others' come from the engine's prompt
     logprobs. Text offsets start at 0."""
-    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
-    for i, t in enumerate(prompt_ids):
-        text = _token(tokenizer, t)
-        lp = lps[i] if i < len(lps) else None
+    entries = [(t, lps[i] if i < len(lps) else None) for i, t in enumerate(prompt_ids)]
+    return _logprob_columns(tokenizer, entries, 0)
+
+
+def _logprob_columns(
+    tokenizer: Tokenizer | None,
+    entries: list[tuple[int, TokenLogprobs | None]],
+    offset: int,
+) -> dict[str, Any]:
+    """The completions API's column-wise logprobs of (token id, its logprobs or None) entries."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for token_id, lp in entries:
+        text = _token(tokenizer, token_id)
         tokens.append(text)
         token_lps.append(None if lp is None else lp.logprob)
         tops.append(
             None
             if lp is None
-            else {_token(tokenizer, j): v for j, v in sorted(lp.top.items(), key=lambda kv: -kv[1])}
+            else {_token(tokenizer, i): v for i, v in sorted(lp.top.items(), key=lambda kv: -kv[1])}
         )
         offsets.append(offset)
         offset += len(text)
