@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-backend",
         default=None,
         choices=("auto", "reference", "cpu", "gpu", "tpu"),
-        help="'auto': the platform's kernel (compiled C++ on CPU, Pallas on GPU/TPU); "
-        "default: 'auto' on CPU and GPU, 'reference' on TPU",
+        help="'auto' (default): the platform's kernel (compiled C++ on CPU, Pallas on GPU and "
+        "TPU); 'reference' is the pure-JAX oracle",
     )
     e.add_argument(
         "--linear-backend",

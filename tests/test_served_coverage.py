@@ -108,7 +108,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "test_multihost.py::test_serve_script_two_processes_sigterm_stops_both",
     ),
     "attention backend `cpu` (default on CPU)": (GREEDY,),
-    "attention backend `reference` (default on TPU)": (FLAGS,),
+    "attention backend `reference`": (FLAGS,),
     "linear backend `cpu` (default on CPU)": (GREEDY,),
     "`skip_tokenizer_init=True` (`LLM`, `load_model`; `serve.py --skip-tokenizer-init`)": (NGRAM,),
     "async scheduling (default on one process)": (GREEDY,),
@@ -153,7 +153,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
 
 # Rows with no served test yet: (why, the tests they do have).
 NOT_SERVED: dict[str, tuple[str, tuple[str, ...]]] = {
-    "attention backends `gpu` (Pallas/Triton, default on GPU), `tpu` (Pallas/Mosaic)": (
+    "attention backends `gpu` (Pallas/Triton, default on GPU), `tpu` (Pallas/Mosaic, default on TPU)": (
         "on the CPU they run in Pallas interpret mode, minutes per served step program",
         ("test_kernels.py",),
     ),
