@@ -27,7 +27,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
-    queue_s: float | None = None  # arrival in the engine core to first scheduled
+    # arrival in the engine core to first scheduled: a measurement, not part of what the request
+    # used (two runs of the same request compare equal)
+    queue_s: float | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass
