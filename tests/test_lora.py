@@ -134,3 +134,48 @@ def test_bad_adapters_refused_by_name(setup, tmp_path):
 def open_text(path: str) -> str:
     with open(f"{path}/adapter_config.json") as f:
         return f.read()
+
+
+def _chosen_logprobs(ref_logits: np.ndarray, prompt_len: int, out_ids: list[int]) -> np.ndarray:
+    lp = _logprobs(ref_logits)
+    return np.array([lp[prompt_len - 1 + i, t] for i, t in enumerate(out_ids)])
+
+
+def test_llm_generate_with_lora_requests(setup, tmp_path_factory):
+    """`LLM(enable_lora=True, max_loras=1)`: one prompt under a8, b16, the base and a8 again in one
+    `generate`: b16 waits for a8's slot (never fails), the shared prompt's cached pages are not
+    shared across adapters, each sample's logprobs match HF + PEFT; adapters add no programs."""
+    from jaxinfer import LLM, LoRARequest, SamplingParams
+
+    base, _, _, paths = setup
+    model_dir = tmp_path_factory.mktemp("base")
+    base.save_pretrained(model_dir, safe_serialization=True)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=16,
+        max_cpu_loras=2,
+        page_size=4,
+        num_pages=64,
+        max_model_len=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+    )
+    programs = llm.engine.warmup()
+    compiled = llm.engine.runner.compiled_program_count()
+    a8, b16 = LoRARequest("a8", 1, paths["a8"]), LoRARequest("b16", 2, paths["b16"])
+    prompt = _tokens(9, 5)
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0)
+    outs = llm.generate([prompt] * 4, sp, lora_request=[a8, b16, None, a8])
+    for out, name in zip(outs, ["a8", "b16", None, "a8"]):
+        ids = out.token_ids
+        full = prompt + ids
+        ref = hf_logits(base, full) if name is None else peft_logits(base, paths[name], full)
+        got = np.array([lp[t] for lp, t in zip(out.logprobs, ids)])
+        assert np.abs(got - _chosen_logprobs(ref, len(prompt), ids)).max() <= TOL, name
+    assert llm.engine.runner.compiled_program_count() == compiled, programs
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        llm.generate([prompt], sp, lora_request=LoRARequest("bad", 3, paths["b16"] + "/missing"))

@@ -6,7 +6,7 @@
    for the shrink, (N, R) contracted for the expand), so nothing is transposed in the step.
 2. `write_slot(stacks, slot, adapter)` pads an adapter's host weights to R (zeros: a missing target
    or a lower rank adds nothing) and writes them into slot `slot` (1..N) in one jitted update of
-   fixed shapes (donated: no copy of the other slots).
+   fixed shapes (new arrays: a step still in flight reads the old ones).
 3. `attach(params, stacks)` puts each layer's stacks on `LayerParams.lora`; the model then calls
    `apply(pair, slots, x, y)` right after each dense projection: `slots` i32[T] holds each token's
    slot (0 = no adapter), the shrink `x @ A` runs for every slot at once, a one-hot mask keeps each
@@ -18,7 +18,6 @@ Einsum legend: t = token, i = in, p = fused part, n = slot, r = rank, o = out.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -71,7 +70,7 @@ def slot_weights(stacks: tuple[LayerStacks, ...], adapter: LoRAAdapter | None) -
     return tuple(out)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
+@jax.jit  # NOTE: not donated: a step still in flight may read the old stacks
 def _write(stacks: tuple, index: jax.Array, new: tuple) -> tuple:
     def put(pair: LoRAPair, w: LoRAPair) -> LoRAPair:
         return LoRAPair(
@@ -85,7 +84,7 @@ def _write(stacks: tuple, index: jax.Array, new: tuple) -> tuple:
 def write_slot(
     stacks: tuple[LayerStacks, ...], slot: int, adapter: LoRAAdapter | None
 ) -> tuple[LayerStacks, ...]:
-    """`stacks` with slot `slot` (1..N) holding `adapter` (None: zeros); `stacks` is donated."""
+    """`stacks` with slot `slot` (1..N) holding `adapter` (None: zeros)."""
     n = stacks[0][TARGETS[0]].a.shape[2]
     if not 1 <= slot <= n:
         raise ValueError(f"LoRA slot {slot} out of range 1..{n}")
