@@ -324,45 +324,47 @@ def _iq1_m_block(b: np.ndarray) -> np.ndarray:
     return y
 
 
-SPEC_BLOCKS = {
-    T.F16: _f16_value,
-    T.Q5_K: _q5_k_block,
-    T.TQ1_0: _tq1_0_block,
-    T.TQ2_0: _tq2_0_block,
-    T.IQ4_NL: _iq4_nl_block,
-    T.IQ4_XS: _iq4_xs_block,
-    T.MXFP4: _mxfp4_block,
-    T.NVFP4: _nvfp4_block,
-    T.IQ2_XXS: _iq2_xxs_block,
-    T.IQ2_XS: _iq2_xs_block,
-    T.IQ2_S: _iq2_s_block,
-    T.IQ3_XXS: _iq3_xxs_block,
-    T.IQ3_S: _iq3_s_block,
-    T.IQ1_S: _iq1_s_block,
-    T.IQ1_M: _iq1_m_block,
+# Keyed by name: a type the installed `gguf` does not know (older versions lack NVFP4) drops out.
+_BLOCKS_BY_NAME = {
+    "F16": _f16_value,
+    "Q5_K": _q5_k_block,
+    "TQ1_0": _tq1_0_block,
+    "TQ2_0": _tq2_0_block,
+    "IQ4_NL": _iq4_nl_block,
+    "IQ4_XS": _iq4_xs_block,
+    "MXFP4": _mxfp4_block,
+    "NVFP4": _nvfp4_block,
+    "IQ2_XXS": _iq2_xxs_block,
+    "IQ2_XS": _iq2_xs_block,
+    "IQ2_S": _iq2_s_block,
+    "IQ3_XXS": _iq3_xxs_block,
+    "IQ3_S": _iq3_s_block,
+    "IQ1_S": _iq1_s_block,
+    "IQ1_M": _iq1_m_block,
 }
+SPEC_BLOCKS = {getattr(T, n): f for n, f in _BLOCKS_BY_NAME.items() if hasattr(T, n)}
 
-# Byte offsets of each block's f16 scales (F16, MXFP4 and NVFP4 have none; IQ1_M's is split).
+# Byte offsets of each block's f16 scales, by type name (F16, MXFP4 and NVFP4 have none; IQ1_M's is split).
 _F16_SCALES_AT = {
-    T.Q5_K: (0, 2),
-    T.TQ1_0: (52,),
-    T.TQ2_0: (64,),
-    T.IQ4_NL: (0,),
-    T.IQ4_XS: (0,),
-    T.IQ2_XXS: (0,),
-    T.IQ2_XS: (0,),
-    T.IQ2_S: (0,),
-    T.IQ3_XXS: (0,),
-    T.IQ3_S: (0,),
-    T.IQ1_S: (0,),
+    "Q5_K": (0, 2),
+    "TQ1_0": (52,),
+    "TQ2_0": (64,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+    "IQ2_XXS": (0,),
+    "IQ2_XS": (0,),
+    "IQ2_S": (0,),
+    "IQ3_XXS": (0,),
+    "IQ3_S": (0,),
+    "IQ1_S": (0,),
 }
 
 
 # Codes placed at the start of each row: F16 inf, -inf, the smallest subnormal, -0; NVFP4's scale
 # bytes 0, 0x7F (the E4M3 NaN code, read as 0), the smallest subnormal, a set (ignored) top bit.
 _EDGE_BYTES = {
-    T.F16: np.array([0x7C00, 0xFC00, 0x0001, 0x8000], "<u2").view(np.uint8),
-    T.NVFP4: np.array([0x00, 0x7F, 0x01, 0xFF], np.uint8),
+    "F16": np.array([0x7C00, 0xFC00, 0x0001, 0x8000], "<u2").view(np.uint8),
+    "NVFP4": np.array([0x00, 0x7F, 0x01, 0xFF], np.uint8),
 }
 
 
@@ -371,14 +373,14 @@ def set_scales(qtype: T, raw: np.ndarray, block_bytes: int) -> None:
     with small finite values (a NaN scale would compare as NaN on both sides, checking nothing),
     and each row's first bytes with the format's edge codes (`_EDGE_BYTES`)."""
     for r in range(raw.shape[0]):
-        edge = _EDGE_BYTES.get(qtype)
+        edge = _EDGE_BYTES.get(qtype.name)
         if edge is not None:
             raw[r, : edge.size] = edge
         for k in range(raw.shape[1] // block_bytes):
             blk = raw[r, k * block_bytes : (k + 1) * block_bytes]
-            for o in _F16_SCALES_AT.get(qtype, ()):
+            for o in _F16_SCALES_AT.get(qtype.name, ()):
                 blk[o : o + 2] = np.array([np.float16(0.01 * (o + 1 + k))]).view(np.uint8)
-            if qtype == T.IQ1_M:
+            if qtype.name == "IQ1_M":
                 bits = int(np.array([np.float16(0.01 * (1 + k))]).view(np.uint16)[0])
                 for n in range(4):  # nibble n of the scale is the top nibble of word n
                     at = 48 + 2 * n + 1
