@@ -39,8 +39,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from jaxinfer.compile_cache import active_dir, cache_counts
+from jaxinfer.engine import tracing
 from jaxinfer.engine.core_client import CoreSpec, LoopOptions, OnMessage
 from jaxinfer.engine.isolation import FaultIsolator
+from jaxinfer.engine.tracing import Profiler
 from jaxinfer.engine.types import (
     Abort,
     AddRequests,
@@ -50,7 +53,9 @@ from jaxinfer.engine.types import (
     Message,
     Ready,
     Shutdown,
+    StartProfile,
     StepResult,
+    StopProfile,
     decode_message,
     encode,
     request_of,
@@ -60,45 +65,6 @@ if TYPE_CHECKING:
     from jaxinfer.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
-
-
-class _Tracer:
-    def __init__(self, trace_dir: str | None, steps: int) -> None:
-        self.dir, self.left = trace_dir, steps if trace_dir else 0
-        self.on = False
-
-    def before(self) -> None:
-        if self.left > 0 and not self.on:
-            import jax
-
-            try:
-                jax.profiler.start_trace(self.dir)
-                self.on = True
-                logger.info("tracing the next %d engine steps into %s", self.left, self.dir)
-            except Exception:  # noqa: BLE001 - a profiler problem must not take the core down
-                logger.exception("could not start a profiler trace in %s", self.dir)
-                self.left = 0
-
-    def after(self, busy: bool) -> None:
-        if self.on and busy:
-            self.left -= 1
-            if self.left <= 0:
-                self.stop()
-
-    def stop(self) -> None:
-        if self.on:
-            import jax
-
-            self.on, self.left = False, 0
-            try:
-                jax.profiler.stop_trace()
-                logger.info(
-                    "profiler trace written to %s (open with: tensorboard --logdir %s)",
-                    self.dir,
-                    self.dir,
-                )
-            except Exception:  # noqa: BLE001
-                logger.exception("could not stop the profiler trace")
 
 
 # Net new container objects that start a young-generation collection in the core (CPython's
@@ -160,15 +126,23 @@ def run_core_loop(
         import jax
 
         jax.profiler.start_server(options.profile_port)
+    hits = cache_counts()["hits"]
     try:
         programs = core.warmup() if options.warmup else int(core.runner.num_compiled)
     except Exception as e:  # noqa: BLE001
         logger.exception("warmup failed")
         _stay_broken(f"warmup failed: {type(e).__name__}: {e}", recv, send)
         return
-    send(Ready(info=core.info()._replace(compiled_programs=programs)))
+    cached = cache_counts()["hits"] - hits
+    info = core.info()._replace(
+        compiled_programs=programs, cached_programs=cached, compilation_cache=active_dir()
+    )
+    send(Ready(info=info))
     settle_heap()
-    tracer = _Tracer(options.trace_dir, options.trace_steps)
+    profiler = Profiler(options.trace_dir, options.trace_steps)
+    profiling = options.trace_dir is not None or options.profile_port is not None
+    if profiling:
+        tracing.instrument(core)
     isolator, stalled = FaultIsolator(core, options.max_step_failures), False
     try:
         while True:
@@ -176,16 +150,20 @@ def run_core_loop(
             # scheduled, e.g. every request waits for pages an abort will free): wait a little.
             timeout = (0.05 if stalled else 0.0) if core.has_unfinished() else 1.0
             for msg in recv(timeout):
-                if not _handle(core, msg, send):
+                if not _handle(core, msg, send, profiler):
                     return
             if not core.has_unfinished():
                 continue
             steps = core.num_steps
-            tracer.before()
+            profiler.before()
             start = time.perf_counter()
             failed: list[tuple[list[str], str]] = []
             try:
-                outputs, ok = core.step(), True
+                if profiling:
+                    with tracing.step_annotation(steps):
+                        outputs, ok = core.step(), True
+                else:
+                    outputs, ok = core.step(), True
             except Exception as e:  # noqa: BLE001 - isolated: its culprits fail, the rest go on
                 outputs, ok = [], False
                 if isolator.isolating:  # a probe: the first failure's traceback is logged
@@ -198,7 +176,7 @@ def run_core_loop(
             busy = core.num_steps > steps
             if ok:
                 isolator.succeeded(busy)
-            tracer.after(busy)
+            profiler.after(busy)
             for lost, _ in failed:
                 for rid in lost:
                     core.abort(rid)
@@ -215,7 +193,7 @@ def run_core_loop(
                 return
             stalled = not busy and not outputs
     finally:
-        tracer.stop()
+        profiler.stop(wait=True)
 
 
 def _stay_broken(
@@ -237,7 +215,12 @@ def _stay_broken(
                 send(StepResult(lost=lost, error=f"engine broken: {why}"))
 
 
-def _handle(core: EngineCore, msg: Message | Sequence, send: Callable[[Message], None]) -> bool:
+def _handle(
+    core: EngineCore,
+    msg: Message | Sequence,
+    send: Callable[[Message], None],
+    profiler: Profiler | None = None,
+) -> bool:
     """Applies one front-end message; False on `Shutdown`."""
     try:
         msg = decode_message(msg)
@@ -263,6 +246,10 @@ def _handle(core: EngineCore, msg: Message | Sequence, send: Callable[[Message],
             core.finish(rid, "stop", stop)
     elif isinstance(msg, Shutdown):
         return False
+    elif isinstance(msg, StartProfile) and profiler is not None:
+        profiler.start()
+    elif isinstance(msg, StopProfile) and profiler is not None:
+        profiler.stop()
     else:
         logger.error("engine core: unexpected message %r", msg.tag)
     return True
