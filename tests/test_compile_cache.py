@@ -4,14 +4,15 @@
    cache) and writes them there; a restart with the same flags reads every one of them back.
 2. Another KV-cache shape (`--num-pages`) changes every step program's HLO, so it shares none of
    them: the cache key is the program, never a wrong one reused.
-3. Which directory: an explicit one, else `JAX_COMPILATION_CACHE_DIR`, else the per-user default;
+3. `--no-compilation-cache` serves with it off (the summary says so).
+4. Which directory: an explicit one, else `JAX_COMPILATION_CACHE_DIR`, else the per-user default;
    an empty one is off.
 """
 
 import re
 
 import pytest
-from served_utils import ServedProcess, tiny_model_dir
+from served_utils import ServedProcess, serve_fake, tiny_model_dir
 
 SUMMARY = re.compile(
     r"(\d+) programs, (?:(\d+) from the compilation cache ([^\s;]+)|compilation cache off)"
@@ -53,6 +54,14 @@ def test_restart_reads_every_program_and_another_shape_none(model, tmp_path):
     assert other == programs and shared < programs
     after = len(list((tmp_path / "xla").glob("jit_packed_step_program-*-cache")))
     assert after == 2 * step_programs
+
+
+def test_no_compilation_cache_serves_with_it_off():
+    served = serve_fake("--no-compilation-cache")
+    try:
+        assert "programs, compilation cache off;" in "".join(served.log)
+    finally:
+        assert served.stop() == 0
 
 
 def test_which_directory(monkeypatch, tmp_path):

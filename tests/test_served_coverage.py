@@ -77,6 +77,11 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "`--profile-port`, `--trace-dir` + `--trace-steps`": (
         M + "test_engine_in_process_and_profile_port",
         E + "test_trace_dir_is_written_by_the_engine_core",
+        "test_served_profile.py::test_step_markers_and_annotations",
+    ),
+    "`--compilation-cache-dir` / `--no-compilation-cache`": (
+        "test_compile_cache.py::test_restart_reads_every_program_and_another_shape_none",
+        "test_compile_cache.py::test_no_compilation_cache_serves_with_it_off",
     ),
     "`--engine-in-process`": (M + "test_engine_in_process_and_profile_port",),
     "`--fake-runner`, `--fake-step-delay`": (

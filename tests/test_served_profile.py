@@ -2,12 +2,14 @@
 process; jaxinfer/engine/tracing.py).
 
 1. With `--trace-dir` (and `--trace-steps 0`: on demand only), `POST /start_profile`, a request,
-   `POST /stop_profile` write a trace; the server logs its path. Read back from its
+   then gRPC `StopProfile` (HTTP's `POST /stop_profile` is the same call) write a trace; the
+   server logs its path and goes on serving. Read back from its
    `.xplane.pb` (tests/xplane.py), the host plane has one `engine_step` step marker per engine
    step (with `step_num`), the `schedule` / `prepare` / `launch` (with the step's kind and token
    count) / `collect` annotations, and the device ops' names reach `layer_0/attention`,
    `layer_0/mlp` and `sampler` (the model's and the step program's `jax.named_scope`s).
-2. Without `--trace-dir` the endpoints do not exist (404), as vLLM's without a profiler dir.
+2. Without `--trace-dir` the HTTP endpoints do not exist (404), as vLLM's without a profiler dir,
+   and gRPC's answer FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ import re
 import time
 from urllib.parse import urlparse
 
+import grpc
 import pytest
 from served_utils import serve_fake, serve_tiny
 from xplane import read_planes
+
+from serving.protos.jaxinfer.v1 import generate_pb2 as pb
+from serving.protos.jaxinfer.v1 import generate_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow  # a server subprocess: imports JAX, compiles on first use
 
@@ -65,7 +71,9 @@ def trace(tmp_path_factory):
         completion(served.http_url)  # NOTE: compiles outside the trace (--no-warmup)
         assert post(served.http_url, "/start_profile")[0] == 200
         completion(served.http_url)
-        assert post(served.http_url, "/stop_profile")[0] == 200
+        with grpc.insecure_channel(served.grpc_address) as channel:
+            answer = pb_grpc.GenerateServiceStub(channel).StopProfile(pb.ProfileRequest())
+        assert answer.trace_dir == str(root / "trace")
         path = wait_for(served, WRITTEN).group(1)
         completion(served.http_url)  # still serving after the trace
     finally:
@@ -117,5 +125,11 @@ def test_no_profile_endpoints_without_trace_dir():
     try:
         assert post(served.http_url, "/start_profile")[0] == 404
         assert post(served.http_url, "/stop_profile")[0] == 404
+        with (
+            grpc.insecure_channel(served.grpc_address) as channel,
+            pytest.raises(grpc.RpcError) as e,
+        ):
+            pb_grpc.GenerateServiceStub(channel).StartProfile(pb.ProfileRequest())
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     finally:
         assert served.stop() == 0
