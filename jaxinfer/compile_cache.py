@@ -94,6 +94,20 @@ def active_dir() -> str:
     return jax.config.jax_compilation_cache_dir or ""
 
 
+def stable_bytes(n: int, step: int | None = None) -> int:
+    """`n` rounded down to a multiple of `step` (None: to a power of two), never below one step.
+
+    NOTE: a size read from the free memory (the default KV cache) moves a little between runs;
+    the page count is in every step program's shapes, so an exact size would key every restart's
+    programs afresh. Rounded down, restarts on the same machine compile the same programs.
+    """
+    if n <= 0:
+        return n
+    if step is None:
+        return 1 << (n.bit_length() - 1)
+    return n - n % step if n >= step else n
+
+
 def cache_counts() -> dict[str, int]:
     """JAX's compilation-cache events in this process so far: hits, misses, requests."""
     with _lock:
@@ -117,4 +131,4 @@ def _listen() -> None:
     jax.monitoring.register_event_listener(on_event)
 
 
-__all__ = ["active_dir", "cache_counts", "default_dir", "enable", "resolve_dir"]
+__all__ = ["active_dir", "cache_counts", "stable_bytes", "default_dir", "enable", "resolve_dir"]

@@ -81,7 +81,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     ),
     "`--compilation-cache-dir` / `--no-compilation-cache`": (
         "test_compile_cache.py::test_restart_reads_every_program_and_another_shape_none",
-        "test_compile_cache.py::test_no_compilation_cache_serves_with_it_off",
+        "test_served_profile.py::test_no_profile_endpoints_without_trace_dir",
     ),
     "`--engine-in-process`": (M + "test_engine_in_process_and_profile_port",),
     "`--fake-runner`, `--fake-step-delay`": (

@@ -9,7 +9,8 @@ process; jaxinfer/engine/tracing.py).
    count) / `collect` annotations, and the device ops' names reach `layer_0/attention`,
    `layer_0/mlp` and `sampler` (the model's and the step program's `jax.named_scope`s).
 2. Without `--trace-dir` the HTTP endpoints do not exist (404), as vLLM's without a profiler dir,
-   and gRPC's answer FAILED_PRECONDITION.
+   and gRPC's answer FAILED_PRECONDITION. (That server also runs with `--no-compilation-cache`,
+   which its start-up summary reports: one fake server for both.)
 """
 
 from __future__ import annotations
@@ -121,8 +122,9 @@ def test_named_scopes_reach_the_device_ops(trace):
 
 
 def test_no_profile_endpoints_without_trace_dir():
-    served = serve_fake()
+    served = serve_fake("--no-compilation-cache")
     try:
+        assert "programs, compilation cache off;" in "".join(served.log)
         assert post(served.http_url, "/start_profile")[0] == 404
         assert post(served.http_url, "/stop_profile")[0] == 404
         with (
