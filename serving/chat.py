@@ -31,7 +31,7 @@ import dataclasses
 import json
 from typing import Any
 
-from jaxinfer.sampling_params import StructuredOutputsParams
+from jaxinfer.sampling_params import FieldError, StructuredOutputsParams
 from serving import openai_protocol as oai
 from serving.errors import InvalidArgument
 from serving.reasoning import REASONING_PARSERS, ReasoningParser, after_reasoning
@@ -205,7 +205,10 @@ def plan(req: oai.ChatCompletionRequest, options: ChatOptions) -> ChatPlan:
             schema["maxItems"] = 1
         structured = StructuredOutputsParams(json=json.dumps(schema))
     else:
-        structured = oai.structured_outputs(req)
+        try:
+            structured = oai.structured_outputs(req)
+        except FieldError as e:  # e.g. structured_outputs={"json_object": false}: nothing set
+            raise oai.fields(req, prompt="messages").error(e) from None
     thinking = options.reasoning_parser is not None and kwargs.get("enable_thinking") is not False
     renames: tuple[tuple[str, str], ...] = ()
     if structured is not None and thinking:

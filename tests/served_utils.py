@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -193,6 +194,14 @@ class ServedProcess:
         self.http_url, self.http_port = http.group(1), int(http.group(2))
         self._drain = threading.Thread(target=self._read_rest, daemon=True)
         self._drain.start()
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled sample `name` on the HTTP API's /metrics (the same registry
+        as the metrics port, which `--no-metrics` drops); 0.0 when absent."""
+        url = self.http_url.removesuffix("/v1") + "/metrics"
+        text = urllib.request.urlopen(url, timeout=30).read().decode()
+        m = re.search(rf"^{name} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
 
     def _read_rest(self) -> None:
         for line in self.proc.stderr:

@@ -193,6 +193,16 @@ HTTP_REFUSED = {
         "messages[0].content",
     ),
     "missing": ("chat", {"messages": None}, "messages"),
+    "structured_outputs nothing set (chat)": (
+        "chat",
+        {"structured_outputs": {"json_object": False}},
+        "structured_outputs",
+    ),
+    "structured_outputs nothing set": (
+        "completions",
+        {"structured_outputs": {"json_object": False}},
+        "structured_outputs",
+    ),
     "schema with huge numbers": (
         "chat",
         {

@@ -94,7 +94,10 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "test_server.py::test_serve_script_sigterm_drains_and_exits_0",
     ),
     "`--enable-auto-tool-choice`": (TOOLS + "test_auto_parses_the_hermes_format",),
-    "`--tool-call-parser`": (TOOLS + "test_auto_parses_the_hermes_format",),
+    "`--tool-call-parser`": (
+        TOOLS + "test_auto_parses_the_hermes_format",
+        "test_served_tool_parsers.py::test_auto_parses_the_models_own_format",
+    ),
     "`--reasoning-parser`": (TOOLS + "test_reasoning_content_whole_and_streamed",),
     "`--scheduling-policy`": (FIELDS + "test_priority_runs_the_urgent_request_first",),
     "`--api-key`": (FIELDS + "test_api_key_on_both_protocols",),

@@ -19,7 +19,6 @@ shows in what the engine core reports or does:
 from __future__ import annotations
 
 import json
-import re
 import signal
 import threading
 import time
@@ -91,13 +90,6 @@ def _http(srv, path: str, body: dict | None = None) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
-def _metric(srv, name: str) -> float:
-    """From the HTTP API's /metrics (the same registry; --no-metrics drops only its own port)."""
-    _, text = _http(srv, "/metrics")
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
-
-
 def _tokens(c: GenerateClient, prompt, **kw) -> tuple[list[int], list]:
     msgs = list(c.generate(prompt, timeout=600, **kw))
     return [t for m in msgs for t in m.token_ids], msgs
@@ -119,11 +111,11 @@ def test_the_flags_reach_the_engine_core(served, client):
 
 
 def test_int8_with_a_saved_draft_model_decodes_the_models_tokens(served, client):
-    before = _metric(served, "jaxinfer_spec_decode_num_accepted_tokens_total")
+    before = served.metric("jaxinfer_spec_decode_num_accepted_tokens_total")
     ids, msgs = _tokens(client, [1000, 1001, 5000], max_tokens=12, temperature=0)
     assert ids == successors(5000, 12, V) and msgs[-1].finish_reason == 2
     assert len(msgs) < 12  # several tokens per step: the draft's proposals were accepted
-    assert _metric(served, "jaxinfer_spec_decode_num_accepted_tokens_total") > before
+    assert served.metric("jaxinfer_spec_decode_num_accepted_tokens_total") > before
 
 
 def test_no_prefix_caching_caches_nothing(client):
@@ -135,9 +127,9 @@ def test_no_prefix_caching_caches_nothing(client):
 
 def test_long_prefill_threshold_splits_the_prompt(served, client):
     """40 prompt tokens at 8 per step: >= 5 steps (the 32-token budget alone would take 2)."""
-    before = _metric(served, "jaxinfer_engine_steps_total")
+    before = served.metric("jaxinfer_engine_steps_total")
     _tokens(client, list(range(9000, 9040)), max_tokens=1, temperature=0)
-    assert _metric(served, "jaxinfer_engine_steps_total") - before >= 5
+    assert served.metric("jaxinfer_engine_steps_total") - before >= 5
 
 
 def test_priority_reorders_under_contention_and_max_queue_refuses(served, client):
@@ -165,12 +157,12 @@ def test_priority_reorders_under_contention_and_max_queue_refuses(served, client
     b = threading.Thread(target=run, args=("B", [200], 2, 5))
     b.start()
     deadline = time.monotonic() + 30
-    while _metric(served, "jaxinfer_num_requests_in_flight") < 2:
+    while served.metric("jaxinfer_num_requests_in_flight") < 2:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     c = threading.Thread(target=run, args=("C", [300], 2, -5))
     c.start()
-    while _metric(served, "jaxinfer_num_requests_in_flight") < 3:
+    while served.metric("jaxinfer_num_requests_in_flight") < 3:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     with pytest.raises(grpc.RpcError) as e:

@@ -20,11 +20,9 @@ logit below 3001), so every answer is known in plain Python:
 from __future__ import annotations
 
 import math
-import re
 import subprocess
 import sys
 import time
-import urllib.request
 from datetime import datetime
 
 import grpc
@@ -132,11 +130,19 @@ def test_stop_token_ids_stop_on_both_protocols(grpc_client, http):
     ids, finish, _ = grpc_tokens(
         grpc_client, [5000], max_tokens=8, temperature=0, stop_token_ids=[want[2]]
     )
-    assert ids == want[:3] and finish == 1  # STOP, the stop id included
+    assert ids == want[:3] and finish == 1  # STOP, the stop id included in the ids
     got, finish = http_text(
         http, [5000], max_tokens=8, temperature=0, extra_body={"stop_token_ids": [want[2]]}
     )
-    assert got == text(want[:3]) and finish == "stop"
+    assert got == text(want[:2]) and finish == "stop"  # but not in the text (as vLLM)
+    got, _ = http_text(
+        http,
+        [5000],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"stop_token_ids": [want[2]], "include_stop_str_in_output": True},
+    )
+    assert got == text(want[:3])
 
 
 def test_eos_stops_and_ignore_eos_runs_past_it(grpc_client, http):
@@ -326,13 +332,6 @@ def test_response_format_text_leaves_the_output_alone(http):
     assert r.choices[0].message.content == plain.choices[0].message.content
 
 
-def _metric(served, name: str) -> float:
-    port = re.search(r"metrics on :(\d+)", "".join(served.log)).group(1)
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
-
-
 def test_budgets_and_limits_reach_the_engine(served, grpc_client):
     """--max-num-batched-tokens 64: a 130-token prompt takes 3 prefill steps (/metrics counts
     them); --num-pages 64 (63 usable), --max-model-len 256, --max-num-seqs 4 are reported and a
@@ -341,9 +340,9 @@ def test_budgets_and_limits_reach_the_engine(served, grpc_client):
     assert info.max_model_len == 256 and info.page_size == 16
     assert info.capacity.num_pages == 63 and info.capacity.max_num_batched_tokens == 64
     assert info.capacity.max_num_seqs == 4
-    before = _metric(served, "jaxinfer_engine_steps_total")
+    before = served.metric("jaxinfer_engine_steps_total")
     grpc_tokens(grpc_client, list(range(8000, 8130)), max_tokens=1, temperature=0)
-    assert _metric(served, "jaxinfer_engine_steps_total") - before >= 3
+    assert served.metric("jaxinfer_engine_steps_total") - before >= 3
     with pytest.raises(grpc.RpcError) as e:
         grpc_tokens(grpc_client, [5000] * 10, max_tokens=250)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -362,11 +361,11 @@ def test_service_health_reflection_and_metrics(served, grpc_client):
         for s in r.list_services_response.service
     ]
     assert "jaxinfer.v1.GenerateService" in names
-    before = _metric(served, "jaxinfer_generation_tokens_total")
+    before = served.metric("jaxinfer_generation_tokens_total")
     grpc_tokens(grpc_client, [5000], max_tokens=5, temperature=0)
-    assert _metric(served, "jaxinfer_generation_tokens_total") - before == 5
+    assert served.metric("jaxinfer_generation_tokens_total") - before == 5
     deadline = time.monotonic() + 30  # the gauge follows the load line (every 0.2 s here)
-    while _metric(served, "jaxinfer_generation_tokens_per_second") <= 0:
+    while served.metric("jaxinfer_generation_tokens_per_second") <= 0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
 

@@ -14,11 +14,9 @@ with several engine-shaping flags at once; every one must decode exactly the mod
 from __future__ import annotations
 
 import json
-import re
 import signal
 import socket
 import threading
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -83,13 +81,6 @@ def _tokens(srv: ServedProcess, prompt: list[int], **kw) -> tuple[list[int], lis
     return [t for m in msgs for t in m.token_ids], msgs
 
 
-def _metric(srv: ServedProcess, name: str) -> float:
-    port = re.search(r"metrics on :(\d+)", "".join(srv.log)).group(1)
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
-
-
 def test_fp8_bf16_on_a_data_pipeline_tensor_mesh_decodes_the_models_tokens(in_process):
     got: dict[int, list[int]] = {}
 
@@ -140,12 +131,12 @@ def test_grace_period_aborts_what_is_left(in_process):
 
 def test_ngram_speculation_with_fp8_kv_on_an_expert_tensor_mesh(ngram):
     """The prompt repeats 1001 1002 1003: after 1001 the n-gram proposes 1002 1003 (accepted)."""
-    before = _metric(ngram, "jaxinfer_spec_decode_num_accepted_tokens_total")
+    before = ngram.metric("jaxinfer_spec_decode_num_accepted_tokens_total")
     prompt = [1001, 1002, 1003, 1004, 1000]
     ids, msgs = _tokens(ngram, prompt, max_tokens=8, temperature=0)
     assert ids == successors(1000, 8, V)
     assert not "".join(m.text for m in msgs)  # no tokenizer: ids only
-    assert _metric(ngram, "jaxinfer_spec_decode_num_accepted_tokens_total") > before
+    assert ngram.metric("jaxinfer_spec_decode_num_accepted_tokens_total") > before
     with GenerateClient(ngram.grpc_address) as c:
         info = c.model_info()
     assert dict(info.mesh_shape) == {"data": 1, "pipeline": 1, "expert": 2, "tensor": 2}

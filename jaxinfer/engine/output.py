@@ -27,7 +27,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
-    queue_s: float | None = None  # arrival in the engine core to first scheduled
+    # arrival in the engine core to first scheduled: a measurement, not part of what the request
+    # used (two runs of the same request compare equal)
+    queue_s: float | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass
@@ -72,6 +74,7 @@ class _Sample:
         "want_prompt_lps",
         "num_tokens",
         "include_stop",
+        "stop_ids",
     )
 
     def __init__(self, parent: str, spec: SampleSpec, tokenizer: Tokenizer | None) -> None:
@@ -84,6 +87,7 @@ class _Sample:
             else None
         )
         self.include_stop = spec.include_stop_str  # the matched stop string stays in the text
+        self.stop_ids = spec.stop_token_ids
         self.stop = [s for s in spec.stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # emitted so far
@@ -109,7 +113,10 @@ class _Sample:
                 if stop is not None:
                     return text, stop, i + 1
             return text, None, len(ids)
-        for tok in ids:
+        text_ids = ids
+        if finishing and ids and ids[-1] in self.stop_ids and not self.include_stop:
+            text_ids = ids[:-1]  # NOTE: the EOS / stop token that ended the sample is no text
+        for tok in text_ids:
             self.pending += self.detok.add(tok)
         if finishing:
             self.pending += self.detok.flush()

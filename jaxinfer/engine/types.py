@@ -153,6 +153,8 @@ class SampleSpec:
     want_prompt_logprobs: bool = False
     include_stop_str: bool = False  # the matched stop string stays in the text
     skip_special_tokens: bool = True
+    # EOS (unless ignored) and `stop_token_ids`: the one that ends the sample is not text (vLLM)
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 def split_samples(
@@ -182,6 +184,8 @@ def split_samples(
                 sampling.prompt_logprobs is not None,
                 sampling.include_stop_str_in_output,
                 sampling.skip_special_tokens,
+                frozenset(sampling.stop_token_ids or ())
+                | (frozenset() if sampling.ignore_eos else frozenset(eos_token_ids)),
             )
         )
     return core, specs
