@@ -8,8 +8,9 @@
    the loop wraps around each `EngineCore.step()`: the Overview page's steps, and the trace
    viewer's step markers. The device ops carry the model's `jax.named_scope`s
    (`layer_N/attention`, `layer_N/mlp`, `sampler`) in their op names.
-3. `Profiler` captures: the first `--trace-steps` busy steps into `--trace-dir`, and on demand
-   (`start()` / `stop()`, from the front end's `/start_profile` / `/stop_profile`). `stop()`
+3. `Profiler` captures (without JAX's Python tracer: `_options`): the first `--trace-steps` busy
+   steps into `--trace-dir`, and on demand (`start()` / `stop()`, from the front end's
+   `/start_profile` / `/stop_profile`). `stop()`
    hands `jax.profiler.stop_trace` (it collects and serializes the trace: seconds) to a thread of
    its own, so the engine thread goes on stepping; the path is logged once the trace is written.
 
@@ -119,7 +120,7 @@ class Profiler:
         import jax
 
         try:
-            jax.profiler.start_trace(self.dir)
+            jax.profiler.start_trace(self.dir, profiler_options=_options())
         except Exception:  # noqa: BLE001 - a profiler problem must not take the core down
             logger.exception("could not start a profiler trace in %s", self.dir)
             return False
@@ -152,6 +153,22 @@ class Profiler:
             time.perf_counter() - start,
             self.dir,
         )
+
+
+def _options() -> Any:
+    """The capture's options: JAX's defaults without the Python tracer.
+
+    NOTE: the Python tracer records every Python call of every thread: a capture whose steps
+    compile (the first `--trace-steps` steps under `--no-warmup`, a new bucket) holds JAX's
+    whole tracing and lowering, and `stop_trace` took 29.3 s to write two such steps of a
+    draft-model int8 engine (1.3 s without it; tests/test_served_engine_flags.py waits for that
+    trace). The annotations above name the engine's host phases instead.
+    """
+    import jax
+
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    return options
 
 
 def latest_trace(trace_dir: str | None) -> str | None:
