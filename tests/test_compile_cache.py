@@ -1,9 +1,12 @@
-"""The persistent compilation cache through the real `scripts/serve.py` (jaxinfer/compile_cache.py).
+"""The persistent compilation cache (jaxinfer/compile_cache.py).
 
-1. A cold start into an empty `--compilation-cache-dir` compiles every program (none from the
-   cache) and writes them there; a restart with the same flags reads every one of them back.
-2. Another KV-cache shape (`--num-pages`) changes every step program's HLO, so it shares none of
-   them: the cache key is the program, never a wrong one reused.
+1. One served pair over the tiny model, warmup on, the smallest budgets (a few programs): a cold
+   start into an empty `--compilation-cache-dir` reads no program from the cache and writes them
+   there; a restart with the same flags reads every one of them back.
+2. In process, the keying: JAX keys an entry by the program's HLO, so a program is reused only
+   where the HLO is the same. The step program lowered twice for one configuration is the same
+   (what lets a restart read it); another page count, page size, token bucket, logits variant or
+   attention backend lowers to another one (never a wrong program reused).
 3. (`--no-compilation-cache` is served by tests/test_served_profile.py's fake server, to share it.)
 4. The default KV-cache size (read from free memory) is rounded down, so restarts on a machine
    whose free memory moved a little size it alike (the page count is in every program).
@@ -13,8 +16,14 @@
 
 import re
 
+import jax
 import pytest
 from served_utils import ServedProcess, tiny_model_dir
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.models import llama
+from jaxinfer.params import init_random
 
 SUMMARY = re.compile(
     r"(\d+) programs, (?:(\d+) from the compilation cache ([^\s;]+)|compilation cache off)"
@@ -24,7 +33,7 @@ SUMMARY = re.compile(
 def start(model, *flags: str) -> tuple[int, int | None, str | None]:
     """Starts the tiny model with warmup (every program compiled), stops it; returns (programs,
     from the cache or None when off, the cache dir)."""
-    sizes = ["--max-model-len", "32", "--max-num-seqs", "2", "--max-num-batched-tokens", "8"]
+    sizes = ["--max-model-len", "16", "--max-num-seqs", "1", "--max-num-batched-tokens", "2"]
     served = ServedProcess(["--model", str(model), "--load-format", "dummy", *sizes, *flags])
     try:
         m = SUMMARY.search("".join(served.log))
@@ -34,28 +43,57 @@ def start(model, *flags: str) -> tuple[int, int | None, str | None]:
     return int(m.group(1)), None if m.group(2) is None else int(m.group(2)), m.group(3)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny"))
-
-
-def test_restart_reads_every_program_and_another_shape_none(model, tmp_path):
+def test_restart_reads_every_program(tmp_path):
+    model = tiny_model_dir(tmp_path / "tiny")
     cache = str(tmp_path / "xla")
-    programs, hits, where = start(model, "--compilation-cache-dir", cache, "--num-pages", "32")
+    programs, hits, where = start(model, "--compilation-cache-dir", cache, "--num-pages", "8")
     assert programs > 0 and hits == 0 and where == cache
-    assert start(model, "--compilation-cache-dir", cache, "--num-pages", "32") == (
-        programs,
-        programs,
-        cache,
-    )
-    step_programs = len(list((tmp_path / "xla").glob("jit_packed_step_program-*-cache")))
-    assert step_programs > 0
-    # NOTE: only the few programs that never see the KV cache (they hold no pages) may be shared;
-    # every step program is new.
-    other, shared, _ = start(model, "--compilation-cache-dir", cache, "--num-pages", "24")
-    assert other == programs and shared < programs
-    after = len(list((tmp_path / "xla").glob("jit_packed_step_program-*-cache")))
-    assert after == 2 * step_programs
+    assert list((tmp_path / "xla").glob("jit_packed_step_program-*-cache"))
+    again = start(model, "--compilation-cache-dir", cache, "--num-pages", "8")
+    assert again == (programs, programs, cache)
+
+
+TINY = dict(
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    vocab_size=128,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig.from_hf(TINY)
+    return cfg, init_random(llama.param_specs(cfg), jax.random.key(0))
+
+
+def step_hlo(tiny, t_bucket: int = 4, all_logits: bool = False, **over) -> str:
+    """The step program's HLO text for a runner over `tiny` with `over` changed."""
+    cfg, params = tiny
+    kw = dict(page_size=8, num_pages=16, max_model_len=32, max_num_seqs=2)
+    kw |= over
+    runner = ModelRunner(cfg, params, max_num_batched_tokens=8, token_buckets=(4, 8), **kw)
+    return runner.lower(t_bucket, all_logits).as_text()
+
+
+def test_another_shape_or_option_is_another_program(tiny):
+    base = step_hlo(tiny)
+    assert step_hlo(tiny) == base  # one configuration, one program: a restart reads it back
+    others = [
+        step_hlo(tiny, num_pages=24),
+        step_hlo(tiny, page_size=16),
+        step_hlo(tiny, t_bucket=8),
+        step_hlo(tiny, all_logits=True),
+        step_hlo(tiny, attention_backend="reference"),
+    ]
+    assert len({base, *others}) == len(others) + 1
 
 
 def test_which_directory(monkeypatch, tmp_path):
