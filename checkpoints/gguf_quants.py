@@ -195,7 +195,8 @@ def _library_kernel(qtype: GGMLType) -> Callable[[np.ndarray], np.ndarray]:
 # it measured faster than `gguf.quants` (1.2-7x on the block formats below, 4x on BF16), the
 # library where ours was not faster (F16: equal; Q5_K: the library 1.2-1.5x faster) or where we
 # have no kernel of our own (the IQ, TQ and FP4 families). Q8_K and F64 are ours alone: the
-# library cannot dequantize them.
+# library cannot dequantize them. Every LIBRARY_TYPES kernel is tested bit-exactly against ggml's
+# reference dequantizer written out in tests/ggml_spec_blocks.py.
 _OWN_KERNELS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
     GGMLType.F32: _float_kernel("<f4"),
     GGMLType.F64: _float_kernel("<f8"),

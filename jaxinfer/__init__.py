@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,6 +16,10 @@ def __getattr__(name: str) -> Any:
         from jaxinfer import sampling_params
 
         return getattr(sampling_params, name)
+    if name == "LoRARequest":
+        from jaxinfer.lora.request import LoRARequest
+
+        return LoRARequest
     if name in ("LLM", "RequestOutput"):
         from jaxinfer import llm
 

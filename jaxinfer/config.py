@@ -283,6 +283,12 @@ class EngineConfig:
     # The paged KV cache's storage: "auto" (the model dtype) or "fp8" (float8_e4m3fn values with a
     # power-of-two scale per slot and K/V head: (D + 1) bytes a row instead of 2 * D in bf16).
     kv_cache_dtype: str = "auto"
+    # Multi-LoRA (vLLM's names, `jaxinfer.lora`): `max_loras` device slots of adapters of rank
+    # up to `max_lora_rank` in one batch; `max_cpu_loras` parsed adapters kept on the host.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         from jaxinfer.spec_decode.config import SpeculativeConfig  # NOTE: no JAX there either
@@ -302,7 +308,7 @@ class EngineConfig:
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
                 f"('auto', 'fp8')"
             )
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
@@ -313,6 +319,12 @@ class EngineConfig:
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
         parse_mesh(self.mesh)  # unknown axes and bad sizes fail here, naming the axis
+        if self.max_lora_rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+            raise ValueError(f"max_lora_rank must be one of vLLM's sizes, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:

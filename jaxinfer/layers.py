@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -128,12 +129,21 @@ def activation(name: str, x: jax.Array) -> jax.Array:
 
 
 def gated_mlp(
-    x: jax.Array, gate_up: jax.Array, down: jax.Array, act: str, backend: str = "xla"
+    x: jax.Array,
+    gate_up: jax.Array,
+    down: jax.Array,
+    act: str,
+    backend: str = "xla",
+    lora: Callable | None = None,
 ) -> jax.Array:
-    """x [T, E]; gate_up [E, 2, F] (gate at 0, up at 1); down [F, E] -> [T, E]."""
+    """x [T, E]; gate_up [E, 2, F] (gate at 0, up at 1); down [F, E] -> [T, E]. `lora(target, x,
+    y) -> y'` adds each token's adapter product to a projection (`jaxinfer.lora.device`)."""
     (gu,) = dense(x, gate_up, backend=backend)  # [T, 2, F]
-    (out,) = dense(activation(act, gu[:, 0]) * gu[:, 1], down, backend=backend)
-    return out
+    if lora is not None:
+        gu = lora("gate_up", x, gu)
+    hidden = activation(act, gu[:, 0]) * gu[:, 1]
+    (out,) = dense(hidden, down, backend=backend)
+    return out if lora is None else lora("down", hidden, out)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:

@@ -20,6 +20,7 @@ from jaxinfer.engine.core_loop import spaced_young_collections
 from jaxinfer.engine.engine import LLMEngine, Usage
 from jaxinfer.engine.types import TokenLogprobs
 from jaxinfer.loader import load_model
+from jaxinfer.lora.request import LoRARequest
 from jaxinfer.model_info import check_load_format
 from jaxinfer.sampling_params import SamplingParams
 
@@ -85,7 +86,8 @@ class LLM:
         None uses `$JAX_COMPILATION_CACHE_DIR`, else `~/.cache/jaxinfer/xla`; "" turns it off.
       **engine_options: `EngineConfig` fields (page_size, num_pages, kv_cache_memory,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, mesh,
-        long_prefill_token_threshold, quantization), `attention_backend` and `linear_backend`.
+        long_prefill_token_threshold, quantization, enable_lora, max_loras, max_lora_rank,
+        max_cpu_loras), `attention_backend` and `linear_backend`.
         `quantization="int8"` (or "fp8") stores the linear weights and the embedding quantized
         with group-wise (int8: 128 input channels) or per-output-channel (fp8) scales, applied
         at load (see `jaxinfer.loader.load_model`);
@@ -139,17 +141,25 @@ class LLM:
         self,
         prompts: str | list[str] | list[list[int]],
         sampling: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """One output per prompt, in order; `lora_request` (one for all, or one per prompt; None:
+        the base model) runs them with PEFT adapters (an `LLM(enable_lora=True)`)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt, text or token ids
         if not isinstance(sampling, list):
             sampling = [sampling or SamplingParams()] * len(prompts)
         if len(sampling) != len(prompts):
             raise ValueError(f"{len(sampling)} SamplingParams for {len(prompts)} prompts")
+        if not isinstance(lora_request, list):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"{len(lora_request)} lora_request for {len(prompts)} prompts")
         results: dict[str, RequestOutput] = {}
         order = []
         try:
-            for prompt, sp in zip(prompts, sampling):
+            for prompt, sp, lora in zip(prompts, sampling, lora_request):
                 rid = f"gen-{next(self._ids)}"
                 if isinstance(prompt, str) and not prompt:
                     raise ValueError("prompt is empty")
@@ -158,7 +168,7 @@ class LLM:
                         "LLM(skip_tokenizer_init=True) takes prompts as token ids, not text"
                     )
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                self.engine.add_request(ids, sp, request_id=rid)
+                self.engine.add_request(ids, sp, request_id=rid, lora_request=lora)
                 order.append(rid)
                 results[rid] = RequestOutput(rid, ids, [CompletionOutput(i) for i in range(sp.n)])
         except Exception:

@@ -3,7 +3,9 @@
 Every per-request knob is a row of an array in `SamplingMetadata` (gathered from the persistent
 `SamplingRows` of a runner's batch), so a single compiled program
 serves any mix of greedy, top-k, top-p, min-p and penalised rows; `lax.cond`s on "does any row need
-this" skip the costly stages for batches that do not. Flow of `sample`:
+this" skip the costly stages for batches that do not. A batch of greedy rows with no edits,
+bitmask or logprobs takes one conditional and a row argmax (one kernel on an accelerator); the
+others go through the stages below (`_sample_staged`). Flow of `sample`:
   1. Penalties (repetition on prompt-or-output tokens, then frequency and presence on output
      counts), then `logit_bias` (a sparse list of fixed width `MAX_LOGIT_BIAS` per row, added),
      then suppressed ids (EOS/stop ids under `min_tokens`) to -inf, then tokens a
@@ -46,154 +48,16 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from jaxinfer.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from jaxinfer.sampling_metadata import SUPPRESS_WIDTH, SamplingMetadata, SamplingRows  # noqa: F401
+from jaxinfer.sampling_params import MAX_LOGPROBS
+from pallas_kernels import target
 
 BLOCK = 128  # vocabulary block for blocked max / top-k / argmax / sums
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
 TOP_K_CANDIDATES = 64  # top_k up to this uses one blocked lax.top_k; larger k bisects
 MAX_ROUNDS = 64  # rejection rounds before a row falls back to its top token (~never)
-SUPPRESS_WIDTH = 8  # default static width of `suppress_ids`
-
-
-@flax.struct.dataclass
-class SamplingMetadata:
-    """Per-row sampling parameters, one row per sampled sequence; padding rows are greedy."""
-
-    temperature: jax.Array  # f32[S] (< GREEDY_EPS = greedy)
-    top_k: jax.Array  # i32[S] (0 = off)
-    top_p: jax.Array  # f32[S] (1 = off)
-    min_p: jax.Array  # f32[S] (0 = off)
-    repetition_penalty: jax.Array  # f32[S] (1 = off)
-    frequency_penalty: jax.Array  # f32[S] (0 = off)
-    presence_penalty: jax.Array  # f32[S] (0 = off)
-    seed: jax.Array  # u32[S, 2] threefry key data (hi, lo) of the row's 64-bit seed
-    suppress_ids: jax.Array  # i32[S, E] ids forbidden while position < suppress_until, -1 padded
-    suppress_until: jax.Array  # i32[S] first position at which suppress_ids may be sampled again
-    wants_logprobs: jax.Array  # bool[S] the row's request asked for `logprobs`
-    bias_ids: jax.Array  # i32[S, MAX_LOGIT_BIAS] logit_bias token ids, -1 padded
-    bias_values: jax.Array  # f32[S, MAX_LOGIT_BIAS] their biases (0 on padding)
-
-    @staticmethod
-    def from_params(
-        params: list[SamplingParams],
-        seeds: list[int],
-        suppress: list[list[int]],
-        pad_to: int,
-        *,
-        suppress_until: list[int] | None = None,
-        suppress_width: int = SUPPRESS_WIDTH,
-    ) -> SamplingMetadata:
-        """Builds the metadata of `pad_to` rows on the host (numpy fields).
-
-        Args:
-          params: one `SamplingParams` per sampled row.
-          seeds: each row's seed in [0, 2**64) (the caller draws one for requests without a seed).
-          suppress: ids each row must not sample.
-          pad_to: number of rows; rows past `len(params)` are greedy and harmless.
-          suppress_until: per row, the first position at which its `suppress` ids are allowed
-            again (default: never).
-          suppress_width: static width E of `suppress_ids`.
-        """
-        n = len(params)
-        if not len(seeds) == len(suppress) == n:
-            raise ValueError(
-                f"params, seeds and suppress need one entry per row; got "
-                f"{n}, {len(seeds)}, {len(suppress)}"
-            )
-        if pad_to < n:
-            raise ValueError(f"pad_to={pad_to} is smaller than the number of rows {n}")
-        until = [np.iinfo(np.int32).max] * n if suppress_until is None else suppress_until
-        rows = SamplingRows(pad_to, suppress_width=suppress_width)
-        for row, (p, seed, ids, u) in enumerate(zip(params, seeds, suppress, until, strict=True)):
-            rows.set(row, p, seed, ids, u)
-        return rows.gather(np.arange(pad_to))
-
-
-class SamplingRows:
-    """Sampling parameters of a persistent batch: host columns with one row per slot, patched in
-    place when a request takes or leaves a slot; `gather(slots)` builds a step's metadata.
-
-    NOTE: row `num_rows` is a spare that always holds the padding defaults (greedy, no penalties);
-    gather it for padding rows. A row suppressing more distinct ids than the width doubles the
-    width of every row, which compiles one more program: size `suppress_width` for the usual stop
-    lists.
-    """
-
-    def __init__(self, num_rows: int, *, suppress_width: int = SUPPRESS_WIDTH) -> None:
-        rows = num_rows + 1
-        self.num_rows = num_rows
-        self.temperature = np.zeros(rows, np.float32)
-        self.top_k = np.zeros(rows, np.int32)
-        self.top_p = np.ones(rows, np.float32)
-        self.min_p = np.zeros(rows, np.float32)
-        self.repetition_penalty = np.ones(rows, np.float32)
-        self.frequency_penalty = np.zeros(rows, np.float32)
-        self.presence_penalty = np.zeros(rows, np.float32)
-        self.seed = np.zeros((rows, 2), np.uint32)
-        self.suppress_ids = np.full((rows, suppress_width), -1, np.int32)
-        self.suppress_until = np.zeros(rows, np.int32)
-        self.wants_logprobs = np.zeros(rows, np.bool_)
-        self.bias_ids = np.full((rows, MAX_LOGIT_BIAS), -1, np.int32)
-        self.bias_values = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
-        self.version = 0  # bumped on every change (callers cache gathered metadata by it)
-
-    def set(
-        self, row: int, params: SamplingParams, seed: int, suppress: list[int], suppress_until: int
-    ) -> None:
-        """Row `row` now samples with `params` and `seed` (in [0, 2**64)), never choosing an id in
-        `suppress` at a position below `suppress_until`."""
-        if not 0 <= row < self.num_rows:
-            raise ValueError(f"row {row} is outside [0, {self.num_rows})")
-        if not 0 <= seed < 2**64:
-            raise ValueError(f"seeds must be integers in [0, 2**64), got {seed}")
-        ids = sorted(set(suppress))
-        if any(i < 0 for i in ids):
-            raise ValueError(f"suppress ids must be non-negative, got {suppress}")
-        width = self.suppress_ids.shape[1]
-        while width < len(ids):
-            width *= 2
-        if width > self.suppress_ids.shape[1]:
-            wide = np.full((self.num_rows + 1, width), -1, np.int32)
-            wide[:, : self.suppress_ids.shape[1]] = self.suppress_ids
-            self.suppress_ids = wide
-        self.temperature[row] = params.temperature
-        self.top_k[row] = params.top_k
-        self.top_p[row] = params.top_p
-        self.min_p[row] = params.min_p
-        self.repetition_penalty[row] = params.repetition_penalty
-        self.frequency_penalty[row] = params.frequency_penalty
-        self.presence_penalty[row] = params.presence_penalty
-        self.seed[row] = (seed >> 32, seed & 0xFFFFFFFF)
-        self.suppress_ids[row] = -1
-        self.suppress_ids[row, : len(ids)] = ids
-        self.suppress_until[row] = suppress_until if ids else 0
-        self.wants_logprobs[row] = params.logprobs is not None
-        bias = params.logit_bias or {}
-        self.bias_ids[row], self.bias_values[row] = -1, 0.0
-        self.bias_ids[row, : len(bias)] = list(bias)
-        self.bias_values[row, : len(bias)] = list(bias.values())
-        self.version += 1
-
-    def gather(self, slots: np.ndarray) -> SamplingMetadata:  # slots: i32[S] rows, spare = padding
-        """The metadata of a step whose sampled row i is persistent row `slots[i]` (numpy fields)."""
-        return SamplingMetadata(
-            temperature=self.temperature[slots],
-            top_k=self.top_k[slots],
-            top_p=self.top_p[slots],
-            min_p=self.min_p[slots],
-            repetition_penalty=self.repetition_penalty[slots],
-            frequency_penalty=self.frequency_penalty[slots],
-            presence_penalty=self.presence_penalty[slots],
-            seed=self.seed[slots],
-            suppress_ids=self.suppress_ids[slots],
-            suppress_until=self.suppress_until[slots],
-            wants_logprobs=self.wants_logprobs[slots],
-            bias_ids=self.bias_ids[slots],
-            bias_values=self.bias_values[slots],
-        )
 
 
 @flax.struct.dataclass
@@ -545,14 +409,77 @@ def sample(
       rows of a 49k vocabulary on XLA:CPU).
     """
     logits = logits.astype(jnp.float32)
-    vocab = logits.shape[1]
     suppressing = positions < meta.suppress_until
+    greedy = meta.temperature < GREEDY_EPS
+    penalised = (
+        (meta.repetition_penalty != 1.0)
+        | (meta.frequency_penalty != 0.0)
+        | (meta.presence_penalty != 0.0)
+    )
+    row_flags = [  # bool[S, n] each: something a row needs beyond a plain argmax
+        penalised[:, None],
+        (meta.suppress_ids >= 0) & suppressing[:, None],
+        meta.bias_ids >= 0,
+        ~greedy[:, None],
+        meta.wants_logprobs[:, None],
+    ]
+    if token_bitmask is not None:
+        row_flags.append(token_bitmask != -1)
+    s = logits.shape[0]
+    # NOTE: one reduction and one conditional on the common path (issue 31): a batch of greedy
+    # rows without edits, constraints or logprobs takes the row argmax alone, the others the
+    # staged sampler (whose own conditionals skip the stages no row needs).
+    return lax.cond(
+        jnp.any(jnp.concatenate(row_flags, axis=1)),
+        lambda: _sample_staged(
+            logits,
+            meta,
+            prompt_mask,
+            output_counts,
+            positions,
+            suppressing,
+            penalised,
+            greedy,
+            num_logprobs,
+            token_bitmask,
+        ),
+        lambda: SamplerOutput(
+            _greedy_ids(logits),
+            jnp.zeros((s,), jnp.float32),
+            jnp.zeros((s, num_logprobs), jnp.int32),
+            jnp.zeros((s, num_logprobs), jnp.float32),
+        ),
+    )
+
+
+def _greedy_ids(logits: jax.Array) -> jax.Array:
+    """i32[S] first index of each row's maximum: one argmax kernel on an accelerator, the blocked
+    `_argmax` on XLA:CPU (whose argmax is slow; module NOTE). Both pick the lowest id on ties."""
+    vocab = logits.shape[1]
+    if target.platform() == "cpu":
+        x = _pad_vocab(logits)
+        ids = _argmax(x, _blocks(x).max(axis=2))
+    else:
+        ids = jnp.argmax(logits, axis=1).astype(jnp.int32)
+    return jnp.minimum(ids, vocab - 1)
+
+
+def _sample_staged(
+    logits: jax.Array,  # f32[S, V]
+    meta: SamplingMetadata,
+    prompt_mask: jax.Array,
+    output_counts: jax.Array,
+    positions: jax.Array,
+    suppressing: jax.Array,  # bool[S] the row's suppress_ids apply now
+    penalised: jax.Array,  # bool[S] the row has a penalty
+    greedy: jax.Array,  # bool[S]
+    num_logprobs: int,
+    token_bitmask: jax.Array | None,
+) -> SamplerOutput:
+    """Steps 1-5 of the module docstring, each stage skipped by a conditional when no row needs it."""
+    vocab = logits.shape[1]
     edits = (
-        jnp.any(
-            (meta.repetition_penalty != 1.0)
-            | (meta.frequency_penalty != 0.0)
-            | (meta.presence_penalty != 0.0)
-        )
+        jnp.any(penalised)
         | jnp.any((meta.suppress_ids >= 0) & suppressing[:, None])
         | jnp.any(meta.bias_ids >= 0)
     )
@@ -572,7 +499,6 @@ def sample(
     with jax.named_scope("greedy"):
         block_max = _blocks(x).max(axis=2)  # f32[S, NB]
         greedy_ids = _argmax(x, block_max)
-    greedy = meta.temperature < GREEDY_EPS
     token_ids = lax.cond(
         jnp.all(greedy),
         lambda: greedy_ids,

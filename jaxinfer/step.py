@@ -21,6 +21,7 @@ class StepInputs:
     cu_q_lens: jax.Array  # i32[S+1]
     num_seqs: jax.Array  # i32[1]
     logits_indices: jax.Array  # i32[N] token rows whose logits are returned
+    lora_slots: jax.Array | None = None  # i32[T] each token's LoRA slot (0: none); enable_lora
 
 
 def build_step_arrays(

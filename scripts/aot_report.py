@@ -16,7 +16,12 @@
 3. Prints one table row per program (compile time, per-device weight / KV / temp / peak bytes
    against the HBM, flops and bytes accessed (TPU), Pallas calls, GPU launches, collectives per
    layer), the GPU launch breakdown (per layer, per named scope) and the collectives, then one
-   JSON line with every number, the command and the jax / jaxlib / libtpu / CUDA plugin versions.
+   JSON line with every number, the command and the jax / jaxlib / libtpu / CUDA plugin versions
+   (`--json-out PATH` also writes it to a file).
+4. `--compare REF` (a file holding such a JSON line: `--json-out`'s, or a saved stdout) adds a
+   before/after table of the GPU launch counts per token bucket: kernels per step, per layer
+   (median), outside the layers, the sampler group (sampler + penalty state + logits: every
+   kernel, and those outside conditionals), loops/conditionals and host-level launches.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import json
 import os
 import sys
 from importlib import metadata
+from typing import Any
 
 os.environ["JAX_PLATFORMS"] = "cpu"  # NOTE: deviceless compiles need the CPU platform
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -82,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--linear-backend", default=None)
     p.add_argument("--all-logits", action="store_true", help="the prompt-logprobs program")
     p.add_argument("--dump-dir", default=None, help="keep XLA's dumps here")
+    p.add_argument("--json-out", default=None, help="also write the JSON line to this file")
+    p.add_argument(
+        "--compare", default=None, help="a JSON line of an earlier run: print a before/after table"
+    )
     return p.parse_args(argv)
 
 
@@ -113,6 +123,7 @@ def row(r) -> list[str]:
         f"{r.cost['bytes accessed'] / 2**30:.2f}" if "bytes accessed" in r.cost else "-",
         str(r.pallas_calls),
         "-" if lau is None else f"{lau.kernels} ({lau.memory_ops}, {lau.loops}/{lau.conditionals})",
+        "-" if lau is None else str(lau.host_launches),
         per_layer,
     ]
 
@@ -131,8 +142,61 @@ HEADER = [
     "GiB accessed",
     "Pallas",
     "GPU kernels (mem ops, loops/conds)",
+    "host launches",
     "collectives per layer",
 ]
+SAMPLER_GROUP = ("sampler", "penalty_state", "logits")  # outside the layers
+
+
+def launch_counts(launches: dict[str, Any]) -> dict[str, int]:
+    """The compared numbers of one program's `Launches` (as a dict, from JSON or `as_dict`)."""
+    layers = sorted(v for k, v in launches["per_layer"].items() if k.startswith("layer_")) or [0]
+
+    def group(per_scope: dict[str, int]) -> int:
+        return sum(per_scope.get(f"{s} (outside layers)", 0) for s in SAMPLER_GROUP)
+
+    return {
+        "kernels": launches["kernels"],
+        "per layer (median)": layers[len(layers) // 2],
+        "per layer (max)": layers[-1],
+        "outside layers": launches["per_layer"].get("(outside layers)", 0),
+        "sampler+penalties+logits": group(launches["per_scope"]),
+        "  outside conditionals": group(launches.get("per_scope_unconditional", {})),
+        "loops": launches["loops"],
+        "conditionals": launches["conditionals"],
+        "host launches": launches.get("host_launches", -1),
+    }
+
+
+def read_reports(path: str) -> list[dict[str, Any]]:
+    """The `reports` of the last JSON line in `path` (aot_report's output or --json-out)."""
+    with open(path) as f:
+        lines = [ln for ln in f if ln.lstrip().startswith("{")]
+    if not lines:
+        raise ValueError(f"{path}: no JSON line of scripts/aot_report.py in it")
+    return json.loads(lines[-1])["reports"]
+
+
+def compare(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
+    """A markdown before/after table of the GPU launch counts, one column pair per bucket."""
+    old = {r["tokens"]: r for r in before if r.get("launches")}
+    new = {r["tokens"]: r for r in after if r.get("launches")}
+    buckets = sorted(set(old) & set(new))
+    if not buckets:
+        return "no token bucket with GPU launches in both runs"
+    counts = {
+        t: (launch_counts(old[t]["launches"]), launch_counts(new[t]["launches"])) for t in buckets
+    }
+    head = ["launches"] + [f"{t} token{'s' * (t > 1)}: before -> after" for t in buckets]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in counts[buckets[0]][0]:
+        cells = [f"{counts[t][0][key]} -> {counts[t][1][key]}" for t in buckets]
+        lines.append(
+            f"| {key.strip()}{' (of those)' if key.startswith(' ') else ''} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
 
 
 def table(rows: list[list[str]]) -> str:
@@ -156,6 +220,10 @@ def details(r) -> list[str]:
         out.append(
             "  kernels by scope (all layers): "
             + ", ".join(f"{k} {v}" for k, v in r.launches.per_scope.items())
+        )
+        out.append(
+            f"  host launches {r.launches.host_launches} (top-level thunks after command-buffer "
+            "conversion): " + ", ".join(f"{k} {v}" for k, v in r.launches.host_thunks.items())
         )
     for kind, c in r.collectives.items():
         out.append(
@@ -199,17 +267,22 @@ def main(argv: list[str] | None = None) -> int:
     for r in reports:
         for line in details(r):
             print(line)
-    print(
-        json.dumps(
-            {
-                "command": "python scripts/aot_report.py "
-                + " ".join(sys.argv[1:] if argv is None else argv),
-                "date": datetime.date.today().isoformat(),
-                "versions": versions(),
-                "reports": [r.as_dict() for r in reports],
-            }
-        )
+    line = json.dumps(
+        {
+            "command": "python scripts/aot_report.py "
+            + " ".join(sys.argv[1:] if argv is None else argv),
+            "date": datetime.date.today().isoformat(),
+            "versions": versions(),
+            "reports": [r.as_dict() for r in reports],
+        }
     )
+    if args.compare:
+        print(f"compared with {args.compare}:")
+        print(compare(read_reports(args.compare), json.loads(line)["reports"]))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(line + "\n")
+    print(line)
     return 0
 
 

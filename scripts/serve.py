@@ -157,6 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
         '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' (speculates while at '
         'most "disable_by_batch_size" requests are queued; default: off)',
     )
+    e.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (vLLM)")
+    e.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT LoRA adapters served as OpenAI model NAME (needs --enable-lora)",
+    )
+    e.add_argument("--max-loras", type=int, default=1, help="adapters in one batch (slots)")
+    e.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank")
+    e.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept on the host")
     e.add_argument(
         "--mesh",
         default="",
@@ -351,6 +362,10 @@ def engine_args(args: argparse.Namespace):
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         speculative_config=spec.to_dict() if spec else None,
         kv_cache_dtype=args.kv_cache_dtype,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
     return EngineArgs(
         model=args.model,
@@ -553,6 +568,12 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
         scheduling_policy=args.scheduling_policy,
         api_key=args.api_key or os.environ.get("JAXINFER_API_KEY") or None,
     )
+    if args.enable_lora:
+        from serving.lora_adapters import LoRAAdapters, parse_lora_modules
+
+        frontend.loras = LoRAAdapters(args.max_lora_rank)
+        for name, path in parse_lora_modules(args.lora_modules):
+            frontend.loras.add(name, path)
     grpc_server = GenerateServer(
         frontend=frontend, host=args.host, port=args.port, reasoning_parser=args.reasoning_parser
     )

@@ -63,6 +63,7 @@ from jaxinfer.engine.types import (
     split_samples,
     wire_outputs,
 )
+from jaxinfer.lora.request import LoRARequest
 from jaxinfer.sampling_params import FieldError, SamplingParams
 from jaxinfer.tokenizer import Tokenizer
 from serving.errors import InvalidArgument, RequestFailed
@@ -188,6 +189,7 @@ class EngineLoop:
         priority: int,
         *,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Stream:
         """Sends an admitted request (`FrontEnd.submit`) to the core (event loop thread)."""
         engine_id = f"r{next(self._ids)}"
@@ -198,6 +200,7 @@ class EngineLoop:
             eos_token_ids=self.eos_token_ids,
             priority=priority,
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         stream = Stream(
             engine_id,

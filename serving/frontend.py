@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxinfer.engine.core_client import LoopOptions
 from jaxinfer.engine.types import EngineInfo, EngineLimits
+from jaxinfer.lora.request import LoRARequest
 from jaxinfer.sampling_params import FieldError, SamplingParams
 from serving.engine_loop import EngineLoop, Stream
 from serving.errors import InvalidArgument, QueueFull, Unavailable
@@ -141,6 +142,7 @@ class FrontEnd:
             )
         self.scheduling_policy = scheduling_policy
         self.api_key = api_key  # both peers require it as a Bearer token when set
+        self.loras: Any = None  # serving.lora_adapters.LoRAAdapters with --enable-lora
         if engine is not None:  # the core on a thread of this process (it has imported JAX)
             from jaxinfer.engine.core_loop import ThreadCoreClient
 
@@ -444,6 +446,7 @@ class FrontEnd:
         *,
         fields: Fields = GRPC,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Stream:
         """Checks a tokenized request against the engine's limits and admits it (event loop): the
         one request check of both protocols (`validation.check_request`, after `prepare`);
@@ -465,7 +468,9 @@ class FrontEnd:
             cache_salt=cache_salt,
         )
         self.check_admission(sp.n)
-        stream = self.engine_loop.submit(ids, sp, priority, cache_salt=cache_salt)
+        stream = self.engine_loop.submit(
+            ids, sp, priority, cache_salt=cache_salt, lora_request=lora_request
+        )
         stream.fields = fields
         return stream
 

@@ -45,8 +45,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxinfer.engine.output import RequestDelta, Usage
+from jaxinfer.lora.request import LoRARequest
 from serving import chat as chat_api
-from serving import http_errors, http_extras, validation
+from serving import http_errors, http_extras, http_lora, validation
 from serving import openai_protocol as oai
 from serving.engine_loop import Stream
 from serving.errors import InvalidArgument, QueueFull, RequestFailed, Unavailable
@@ -163,12 +164,14 @@ class OpenAIServer:
 
         @app.get("/v1/models")
         async def models() -> JSONResponse:
-            return JSONResponse({"object": "list", "data": [self._model_card()]})
+            cards = [self._model_card()] + [self._model_card(a) for a in self._loras()]
+            return JSONResponse({"object": "list", "data": cards})
 
         @app.get("/v1/models/{model_id:path}")
         async def model(model_id: str) -> JSONResponse:
-            self._check_model(model_id)
-            return JSONResponse(self._model_card())
+            return JSONResponse(self._model_card(self._check_model(model_id)))
+
+        http_lora.install(app, self)
 
         if self.frontend.trace_dir is not None:  # NOTE: as vLLM: only with a profiler dir
 
@@ -192,9 +195,9 @@ class OpenAIServer:
 
         return app
 
-    def _model_card(self) -> dict[str, Any]:
+    def _model_card(self, lora: LoRARequest | None = None) -> dict[str, Any]:
         info = self.frontend.info
-        return {
+        card = {
             "id": self.model_name,
             "object": "model",
             "created": 0,
@@ -202,8 +205,18 @@ class OpenAIServer:
             "root": self.frontend.model.name,
             "max_model_len": info.capacity.max_model_len if info is not None else None,
         }
+        if lora is not None:  # vLLM's adapter card: the base model is its parent
+            card.update(id=lora.lora_name, root=lora.lora_path, parent=self.model_name)
+        return card
 
-    def _check_model(self, name: str | None) -> None:
+    def _loras(self) -> list[LoRARequest]:
+        return list(self.frontend.loras.by_name.values()) if self.frontend.loras else []
+
+    def _check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter `name` is (None: the base model); 404 naming `model` if unknown."""
+        lora = self.frontend.loras.resolve(name) if self.frontend.loras else None
+        if lora is not None:
+            return lora
         if name is not None and name not in (self.model_name, self.frontend.model.name):
             raise HTTPError(
                 404,
@@ -225,14 +238,14 @@ class OpenAIServer:
         except (Unavailable, QueueFull) as e:
             raise http_error(e) from None
         req = await http_errors.parse_body(request, cls)
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         try:
             plan = chat_api.plan(req, self.chat_options) if chat else None
         except InvalidArgument as e:
             raise http_error(e) from None
-        streams, prompt_lens = await self._admit(req, plan)
+        streams, prompt_lens = await self._admit(req, plan, lora)
         rid = req.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        meta = {"id": rid, "created": int(time.time()), "model": self.model_name}
+        meta = {"id": rid, "created": int(time.time()), "model": req.model or self.model_name}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = (
@@ -260,7 +273,7 @@ class OpenAIServer:
         return JSONResponse(collect.result(), headers={"X-Request-Id": rid})
 
     async def _admit(
-        self, req: Any, plan: chat_api.ChatPlan | None
+        self, req: Any, plan: chat_api.ChatPlan | None, lora: LoRARequest | None = None
     ) -> tuple[list[Stream], list[int]]:
         """Tokenizes, validates and submits the request's prompts (a chat's as `plan` says);
         returns their streams."""
@@ -319,7 +332,14 @@ class OpenAIServer:
                     if plan is not None and plan.keep_special_tokens:
                         sp = dataclasses.replace(sp, skip_special_tokens=False)
                     streams.append(
-                        fe.submit(ids, sp, req.priority, fields=fields, cache_salt=req.cache_salt)
+                        fe.submit(
+                            ids,
+                            sp,
+                            req.priority,
+                            fields=fields,
+                            cache_salt=req.cache_salt,
+                            lora_request=lora,
+                        )
                     )
             except BaseException:
                 for s in streams:

@@ -240,9 +240,14 @@ class PagedStepper:
         self.pages_per_seq = -(-64 // page_size)
 
     def step(
-        self, chunks: list[tuple[int, list[int]]], pad_tokens: int = 0, pad_seqs: int = 0
+        self,
+        chunks: list[tuple[int, list[int]]],
+        pad_tokens: int = 0,
+        pad_seqs: int = 0,
+        lora_slots: dict[int, int] | None = None,
     ) -> list[np.ndarray]:
-        """chunks: (seq_id, new tokens). Returns the logits of every new token, per chunk."""
+        """chunks: (seq_id, new tokens). Returns the logits of every new token, per chunk.
+        `lora_slots`: seq_id -> LoRA slot (params with stacks attached; others get slot 0)."""
         seqs = []
         for sid, toks in chunks:
             start = self.lens.get(sid, 0)
@@ -264,6 +269,13 @@ class PagedStepper:
             logits_rows=list(range(n)),
             num_logits=t_bucket,
         )
+        if lora_slots is not None:
+            slots = np.zeros(t_bucket, np.int32)
+            t = 0
+            for (sid, _), (toks, _, _) in zip(chunks, seqs):
+                slots[t : t + len(toks)] = lora_slots.get(sid, 0)
+                t += len(toks)
+            arrays["lora_slots"] = slots
         step = StepInputs(**{k: jnp.asarray(v) for k, v in arrays.items()})
         # NOTE: the backend goes as a keyword only when asked for: tests/test_kernels.py swaps
         # forward_jit for a 4-argument function that fixes its own.

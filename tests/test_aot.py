@@ -191,3 +191,31 @@ def test_compile_function_places_its_arguments_on_the_target():
     assert compiled.memory_analysis().argument_size_in_bytes == 8 * 128 * 4
     (device,) = compiled.input_shardings[0][0].device_set
     assert device.platform == "tpu"
+
+
+# Issue 31's launch budget of a 2-layer step of 16 tokens (both query classes: decode and
+# prefill) on an H100, counted from XLA's thunk sequence: kernels per layer, the sampler group's
+# kernels outside conditionals (what a greedy step without edits launches), and the host-level
+# launches (command buffers, conditionals, loops, kernels left outside a graph) with no loop at
+# the top level. Measured 2026-11-25 with jax 0.10.2; BENCHMARKS.md, "GPU decode step launches",
+# has the 8B-shaped numbers before and after.
+H100_LAYER_KERNELS = 24  # layer 0 also builds the attention work tables the layers share
+H100_SAMPLER_GROUP_KERNELS = 16  # at 4 rows: sampler 7, penalty state 5, logits 4
+H100_HOST_LAUNCHES = 10
+
+
+def test_h100_step_launch_budget():
+    _needs("gpu")
+    budget = {**BUDGET, "tokens": (16,)}
+    (step,) = aot.compile_step(SMALL, "h100", attention_backend="auto", **budget)
+    launches = step.report.launches
+    layers = [v for k, v in launches.per_layer.items() if k.startswith("layer_")]
+    group = sum(
+        launches.per_scope_unconditional.get(f"{s} (outside layers)", 0)
+        for s in ("sampler", "penalty_state", "logits")
+    )
+    assert layers and max(layers) <= H100_LAYER_KERNELS, launches.per_layer
+    assert 0 < group <= H100_SAMPLER_GROUP_KERNELS, launches.per_scope_unconditional
+    # NOTE: a loop at the top level (searchsorted's binary search) splits the command buffers
+    assert launches.host_thunks.get("kWhile", 0) == 0, launches.host_thunks
+    assert 0 < launches.host_launches <= H100_HOST_LAUNCHES, launches.host_thunks

@@ -154,6 +154,12 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     '`quantization="int8"`': (INT8_DRAFT,),
     '`quantization="fp8"`': (FP8_MESH,),
     '`kv_cache_dtype="fp8"`': (NGRAM,),
+    "`--enable-lora`, `--lora-modules NAME=PATH ...`, `--max-loras`, `--max-lora-rank`, `--max-cpu-loras`": (
+        "test_served_lora.py::test_adapters_served_listed_loaded_and_unloaded",
+    ),
+    "multi-LoRA (`LLM(enable_lora=True, max_loras=N, max_lora_rank=R, max_cpu_loras=M)`, `LoRARequest`; served adapters as OpenAI model ids)": (
+        "test_served_lora.py::test_adapters_served_listed_loaded_and_unloaded",
+    ),
     # dtypes
     "float32": (GREEDY,),
     "bfloat16": (FP8_MESH,),

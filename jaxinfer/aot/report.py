@@ -7,7 +7,12 @@
    and conditionals nested) and `*.thunk_metadata.txt` (thunk id -> HLO instruction) into
    `Launches`: kernels, memory ops (copies, memsets), loops/conditionals and collectives, the
    kernels per layer and per scope. NOTE: counts are static - every branch of a conditional and
-   one trip of a loop body count once - so a decode step launches at most `kernels`.
+   one trip of a loop body count once - so a decode step launches at most `kernels`;
+   `per_scope_unconditional` counts only the kernels outside loops and conditionals (what a
+   step launches when every conditional skips). `host_launches` reads
+   `*.thunk_sequence_after_thunk_passes.txt`: the top-level thunks after XLA turned runs of
+   kernels into command buffers (CUDA graphs), i.e. what the host issues per step (a loop or a
+   conditional stays on the host and splits the graph around it).
 4. Every target: `collectives(ops)` groups all-reduces, all-gathers, all-to-alls,
    reduce-scatters and permutes by kind: count, bytes, and count per layer; `custom_calls(ops)`
    counts Pallas kernels (Mosaic on TPU, Triton on GPU).
@@ -116,6 +121,10 @@ class Launches:
     nested_kernels: int = 0  # inside a loop body or a conditional branch
     per_layer: dict[str, int] = dataclasses.field(default_factory=dict)  # kernels
     per_scope: dict[str, int] = dataclasses.field(default_factory=dict)  # kernels, all layers
+    # kernels outside loops and conditionals, by scope ("sampler (outside layers)", ...)
+    per_scope_unconditional: dict[str, int] = dataclasses.field(default_factory=dict)
+    host_launches: int = 0  # top-level thunks after command-buffer conversion (-1: no dump)
+    host_thunks: dict[str, int] = dataclasses.field(default_factory=dict)  # their kinds
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -129,6 +138,7 @@ def launches(dump_dir: str, ops: list[Op]) -> Launches:
     out = Launches()
     per_layer: collections.Counter[str] = collections.Counter()
     per_scope: collections.Counter[str] = collections.Counter()
+    unconditional: collections.Counter[str] = collections.Counter()
     base = None
     with open(seq) as f:
         for line in f:
@@ -152,10 +162,30 @@ def launches(dump_dir: str, ops: list[Op]) -> Launches:
                 out.nested_kernels += indent > base
                 layer, scope = scope_of(op_names.get(meta.get(thunk_id, ""), ""))
                 per_layer[layer or "(outside layers)"] += 1
-                per_scope[scope if layer else f"{scope} (outside layers)"] += 1
+                key = scope if layer else f"{scope} (outside layers)"
+                per_scope[key] += 1
+                unconditional[key] += indent == base
     out.per_layer = dict(sorted(per_layer.items(), key=lambda kv: _layer_key(kv[0])))
     out.per_scope = dict(per_scope.most_common())
+    out.per_scope_unconditional = {k: v for k, v in unconditional.most_common() if v}
+    out.host_thunks = host_thunks(dump_dir)
+    out.host_launches = sum(out.host_thunks.values()) if out.host_thunks else -1
     return out
+
+
+def host_thunks(dump_dir: str) -> dict[str, int]:
+    """kind -> count of the top-level thunks after XLA's thunk passes (command buffers, loops,
+    conditionals, kernels left outside a graph); {} where XLA dumped no such file."""
+    found = sorted(glob.glob(os.path.join(dump_dir, "*.thunk_sequence_after_thunk_passes.txt")))
+    if not found:
+        return {}
+    kinds: collections.Counter[str] = collections.Counter()
+    with open(found[-1]) as f:
+        for line in f:
+            m = _THUNK.match(line)
+            if m and not m.group(1):
+                kinds[m.group(3)] += 1
+    return dict(kinds.most_common())
 
 
 def _layer_key(name: str) -> tuple[int, str]:

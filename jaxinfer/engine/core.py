@@ -3,33 +3,31 @@
 This is the half of the engine that a serving front end runs in its own process
 (`jaxinfer.engine.core_client`); `LLMEngine` runs it in-process under the same output processor.
 
-1. `add(CoreRequest)` hands a tokenized, validated child request (one sample) to the scheduler
-   (with a grammar: once proven cheap off the step thread, `take_rejected` names those refused);
-   `abort(id)` and `finish(id, "stop", stop_string)` end one (the front end finishes requests
-   whose stop strings it matched in the detokenized text).
-2. `step()` is [propose ->] schedule -> launch/execute -> update. With `EngineConfig.async_scheduling` (the
-   default on one process) it schedules and launches step N+1 first and only then waits for step
-   N and applies its update (vLLM v1's async scheduling): each call returns the outputs of the
-   step launched by the previous call. Speculative decoding (`EngineConfig.speculative_config`)
-   needs every token of a request on the host to propose the next ones, so while the scheduler's
-   back-off rule lets it speculate, a step first waits for the one in flight (its update
-   applied), then asks the proposer once for every request that may speculate
-   (`jaxinfer.engine.spec.propose`: drafts stored on the requests, never inside
+1. `add(CoreRequest)` hands a tokenized, validated child request (one sample) to the scheduler (with
+   a grammar: once proven cheap off the step thread, `take_rejected` names those refused);
+   `abort(id)` and `finish(id, "stop", stop_string)` end one (the front end finishes requests whose
+   stop strings it matched in the detokenized text).
+2. `step()` is [propose ->] schedule -> launch/execute -> update. With
+   `EngineConfig.async_scheduling` (the default on one process) it schedules and launches step N+1
+   first and only then waits for step N and applies its update (vLLM v1's async scheduling): each
+   call returns the outputs of the step launched by the previous call. Speculative decoding
+   (`EngineConfig.speculative_config`) needs every token of a request on the host to propose the
+   next ones, so while the scheduler's back-off rule lets it speculate, a step first waits for the
+   one in flight (its update applied), then asks the proposer once for every request that may
+   speculate (`jaxinfer.engine.spec.propose`: drafts stored on the requests, never inside
    `Scheduler.schedule`), then schedules; a step that verifies drafts runs synchronously (its
-   outputs come with the same call); above the back-off batch size the engine is asynchronous
-   again. A step that samples structured-output
-   rows stays asynchronous: its forward is launched first, then the step before lands (its
-   tokens advance the grammars' matchers), the masks are filled while the device runs the
-   forward, and the sampler program is launched (`ModelRunner.launch(defer_sampling=True)` /
-   `sample`).
+   outputs come with the same call); above the back-off batch size the engine is asynchronous again.
+   A step that samples structured-output rows stays asynchronous: its forward is launched first,
+   then the step before lands (its tokens advance the grammars' matchers), the masks are filled
+   while the device runs the forward, and the sampler program is launched
+   (`ModelRunner.launch(defer_sampling=True)` / `sample`).
 3. The step's `RequestUpdate`s become `TokenOutput`s (new ids, logprobs, finish reason, usage
    counters): plain data (`jaxinfer.engine.types`).
 4. A failing step raises after naming the requests it lost in `failed_request_ids` (and in
-   `failed_marks` how far each was to compute); the pages they were to write leave the prefix
-   cache. `LLMEngine` fails exactly those; the core loop isolates the culprit instead
-   (`jaxinfer.engine.isolation`) through `recover` (every running request preempted: it
-   recomputes), `check` (re-validation), `restrict` (admit only these; steps synchronous) and
-   `progress`.
+   `failed_marks` how far each was to compute); the pages they were to write leave the prefix cache.
+   `LLMEngine` fails exactly those; the core loop isolates the culprit instead
+   (`jaxinfer.engine.isolation`) through `recover` (every running request preempted: it recomputes),
+   `check` (re-validation), `restrict` (admit only these; steps synchronous) and `progress`.
 
 `stats()`, `warmup()` and the injectable `runner` are the public surface serving uses; nothing
 outside this module reads the scheduler's or the allocators' fields.
@@ -68,6 +66,7 @@ from jaxinfer.engine.types import (
     TokenOutput,
     check_prompt,
 )
+from jaxinfer.lora.slots import LoRASlots, lora_options
 from jaxinfer.models import family_of
 from jaxinfer.spec_decode.proposer import make_proposer
 from jaxinfer.token_masks import TokenMasks
@@ -188,6 +187,7 @@ class EngineCore:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             spec_max_requests=spec_seqs,
+            lora_slots=LoRASlots(config.max_loras) if config.enable_lora else None,
         )
         if runner is None:
             runner = ModelRunner(
@@ -205,6 +205,7 @@ class EngineCore:
                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                 spec_max_seqs=spec_seqs,
                 kv_cache_dtype=config.kv_cache_dtype,
+                lora=lora_options(config),
             )
         self.runner: Runner = runner
         self._in_flight: Launched | None = None  # async scheduling: the step still running
@@ -301,6 +302,7 @@ class EngineCore:
             eos_token_ids=tuple(req.eos_token_ids),
             priority=req.priority,
             cache_salt=req.cache_salt,
+            lora_request=req.lora_request,
         )
         if not self.structured.add(req.request_id, req.sampling, request):  # a grammar: proven
             self.scheduler.add_request(request)  # off the step thread first, then `admit_proven`

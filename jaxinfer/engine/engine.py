@@ -32,6 +32,8 @@ from jaxinfer.engine.types import (
     check_prompt,
     split_samples,
 )
+from jaxinfer.lora.adapter import read_config
+from jaxinfer.lora.request import LoRARequest
 from jaxinfer.model_info import LoadedModel
 from jaxinfer.sampling_params import SamplingParams
 
@@ -120,8 +122,12 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Validates, tokenizes and queues a request; returns its id. Bad input raises ValueError."""
+        """Validates, tokenizes and queues a request; returns its id. Bad input raises ValueError.
+        `lora_request` runs it with that adapter (an engine with `enable_lora`)."""
+        if lora_request is not None:
+            self._check_lora(lora_request)
         sampling = sampling or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self.tokenizer is None and (isinstance(prompt, str) or sampling.stop):
@@ -138,7 +144,12 @@ class LLMEngine:
         ids = sampling.prepare_prompt(ids, self.tokenizer)
         self.validate_prompt(ids, sampling)
         children = split_samples(
-            request_id, ids, sampling, eos_token_ids=self.model.eos_token_ids, priority=priority
+            request_id,
+            ids,
+            sampling,
+            eos_token_ids=self.model.eos_token_ids,
+            priority=priority,
+            lora_request=lora_request,
         )
         with self._live_ids_lock:
             keys = {request_id, *(c.request_id for c in children[0])}
@@ -147,6 +158,13 @@ class LLMEngine:
             self._live_ids |= keys
         self._inbox.put(("add", request_id, children))
         return request_id
+
+    def _check_lora(self, lora: LoRARequest) -> None:
+        """An adapter request this engine can run: LoRA on, a readable adapter of a fitting rank."""
+        config = self.core.config
+        if not config.enable_lora:
+            raise ValueError("lora_request needs an engine with enable_lora=True")
+        read_config(lora.lora_path, config.max_lora_rank)
 
     def validate_prompt(self, ids: list[int], sampling: SamplingParams) -> None:
         check_prompt(ids, sampling, self.core.limits)

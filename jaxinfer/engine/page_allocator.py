@@ -54,12 +54,16 @@ def chain_hash(parent: int, tokens: Sequence[int]) -> int:
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
-def salt_root(cache_salt: str | None) -> int:
+def salt_root(cache_salt: str | None, lora_int_id: int = 0) -> int:
     """The chain's parent of a request's first page: 0 without a salt, else a 128-bit hash of
-    the salt, so pages cached under one salt are found only by requests with that salt."""
-    if not cache_salt:
+    the salt, so pages cached under one salt are found only by requests with that salt; a LoRA
+    adapter (`lora_int_id` > 0) salts it too: two adapters (or one and the base) never share."""
+    if not cache_salt and not lora_int_id:
         return 0
-    digest = hashlib.blake2b(b"cache_salt\0" + cache_salt.encode(), digest_size=16).digest()
+    key = b"cache_salt\0" + (cache_salt or "").encode()
+    if lora_int_id:
+        key += b"\0lora\0" + str(lora_int_id).encode()
+    digest = hashlib.blake2b(key, digest_size=16).digest()
     return int.from_bytes(digest, "little")
 
 

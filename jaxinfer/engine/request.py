@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 
 from jaxinfer.engine.page_allocator import salt_root
+from jaxinfer.lora.request import LoRARequest
 from jaxinfer.sampling_params import SamplingParams
 
 # The id `token_slice` gives a sampled token that has not reached the host yet.
@@ -96,13 +97,16 @@ class Request:
     stop_token_set: frozenset[int] = frozenset()
     cache_salt: str | None = None
     cache_root: int = 0
+    lora_request: LoRARequest | None = None  # the adapter it runs with
+    lora_slot: int = 0  # its pinned device slot while running (0: none; `jaxinfer.lora.slots`)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"Request.request_id must be a non-empty str, got {self.request_id!r}")
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.eos_token_ids = tuple(self.eos_token_ids)
-        self.cache_root = salt_root(self.cache_salt)
+        lora_id = self.lora_request.lora_int_id if self.lora_request is not None else 0
+        self.cache_root = salt_root(self.cache_salt, lora_id)
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(
                 f"Request {self.request_id!r}: sampling must be SamplingParams, "

@@ -78,6 +78,7 @@ from jaxinfer.engine.types import (
     SchedulerOutput,
     SpecStats,
 )
+from jaxinfer.lora.slots import LoRASlots
 
 _new_tuple = tuple.__new__  # `_new_tuple(RequestUpdate, (...))`: skips NamedTuple's Python __new__
 
@@ -97,6 +98,7 @@ class Scheduler:
         long_prefill_token_threshold: int | None = None,
         num_speculative_tokens: int = 0,
         spec_max_requests: int = 0,
+        lora_slots: LoRASlots | None = None,
     ):
         """`num_speculative_tokens` K > 0 turns speculative decoding on: each decode verifies up
         to K stored drafts while at most `spec_max_requests` requests are running or waiting
@@ -143,6 +145,7 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.spec_max_requests = spec_max_requests
         self.spec_stats = SpecStats()
+        self.lora_slots = lora_slots  # enable_lora: a request runs once its adapter has a slot
 
     @property
     def num_running(self) -> int:
@@ -173,6 +176,8 @@ class Scheduler:
         rid = req.request_id
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already scheduled")
+        if req.lora_request is not None and self.lora_slots is None:
+            raise ValueError(f"request {rid!r}: lora_request needs an engine with enable_lora=True")
         req.prepare(self.max_model_len, self.allocator.page_size, self.allocator.num_usable_pages)
         self._requests[rid] = req
         self._order[rid] = (req.priority, req.arrival_time, next(self._seq))
@@ -301,10 +306,10 @@ class Scheduler:
             if r is None:
                 break
             alloc = self.allocators[r]
-            if only is None:
+            if only is None and self.lora_slots is None:
                 req = self._preempted[0] if self._preempted else self._waiting[0]
-            else:
-                req = next((q for q in self._queued() if q.request_id in only), None)
+            else:  # NOTE: skips requests whose adapter finds no free slot: they wait
+                req = next((q for q in self._queued() if self._admissible(q, only)), None)
                 if req is None:
                     break
             cached: list[int] = []
@@ -316,6 +321,7 @@ class Scheduler:
             if need > alloc.num_free_pages:
                 alloc.free(cached)
                 req.page_hashes.clear()
+                self._unpin_lora(req)
                 break
             if req.num_preemptions:
                 self._preempted.remove(req)  # NOTE: the first one, unless `only` skipped some
@@ -339,7 +345,23 @@ class Scheduler:
             num_batched_tokens=used,
             preempted=preempted,
             finished=finished,
+            lora_loads=self.lora_slots.take_loads() if self.lora_slots else [],
         )
+
+    def _admissible(self, req: Request, only: set[str] | None) -> bool:
+        """Whether a queued request may be admitted now; pins its adapter's slot if it has one."""
+        if only is not None and req.request_id not in only:
+            return False
+        if req.lora_request is None or self.lora_slots is None:
+            return True
+        slot = self.lora_slots.acquire(req.lora_request)
+        req.lora_slot = slot or 0
+        return slot is not None
+
+    def _unpin_lora(self, req: Request) -> None:
+        if req.lora_slot:
+            self.lora_slots.release(req.lora_slot)
+            req.lora_slot = 0
 
     def _least_loaded(self, budgets: list[int]) -> int | None:
         """The replica a new request goes to: token budget and a sequence slot left, then the
@@ -517,6 +539,7 @@ class Scheduler:
         return ids
 
     def _release_pages(self, req: Request) -> None:
+        self._unpin_lora(req)
         r = self._replica.pop(req.request_id, None)
         if r is not None:
             self.allocators[r].free(req.page_ids)

@@ -26,6 +26,7 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from jaxinfer.lora.request import LoRARequest
 from jaxinfer.sampling_params import FieldError, SamplingParams
 
 if TYPE_CHECKING:
@@ -140,6 +141,7 @@ class CoreRequest:
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
     cache_salt: str | None = None  # prefix-cache pages shared only under the same salt
+    lora_request: LoRARequest | None = None  # the adapter it runs with (enable_lora)
 
 
 @dataclasses.dataclass
@@ -165,6 +167,7 @@ def split_samples(
     eos_token_ids: tuple[int, ...],
     priority: int = 0,
     cache_salt: str | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> tuple[list[CoreRequest], list[SampleSpec]]:
     """One request of `n` samples -> n child requests for the core and n specs for the output
     processor (child ids `rid#i` when n > 1, seeds spread so samples differ)."""
@@ -174,7 +177,9 @@ def split_samples(
         if sampling.n > 1 and sampling.seed is not None:
             child_sp = dataclasses.replace(sampling, seed=(sampling.seed + 7919 * i) % 2**63)
         cid = request_id if sampling.n == 1 else f"{request_id}#{i}"
-        core.append(CoreRequest(cid, list(ids), child_sp, eos_token_ids, priority, cache_salt))
+        core.append(
+            CoreRequest(cid, list(ids), child_sp, eos_token_ids, priority, cache_salt, lora_request)
+        )
         specs.append(
             SampleSpec(
                 cid,
@@ -263,11 +268,13 @@ def request_to_wire(r: CoreRequest) -> list:
         list(r.eos_token_ids),
         r.priority,
         r.cache_salt,
+        None if r.lora_request is None else dataclasses.astuple(r.lora_request),
     ]
 
 
 def request_from_wire(w: list) -> CoreRequest:
-    return CoreRequest(w[0], list(w[1]), SamplingParams(**w[2]), tuple(w[3]), w[4], w[5])
+    lora = None if w[6] is None else LoRARequest(*w[6])
+    return CoreRequest(w[0], list(w[1]), SamplingParams(**w[2]), tuple(w[3]), w[4], w[5], lora)
 
 
 class ScheduledRequest(NamedTuple):
@@ -321,6 +328,8 @@ class SchedulerOutput:
     # i32[len(bitmask_rows), ceil(V / 32)] the tokens each may sample this step.
     bitmask_rows: dict[str, int] = dataclasses.field(default_factory=dict)
     token_bitmask: Any = None
+    # (slot, adapter) pairs the runner loads before this step (`jaxinfer.lora.slots`)
+    lora_loads: list[tuple[int, LoRARequest]] = dataclasses.field(default_factory=list)
 
     @property
     def num_decodes(self) -> int:

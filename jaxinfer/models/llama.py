@@ -42,6 +42,7 @@ from jaxinfer import layers, moe
 from jaxinfer import pipeline as pipeline_lib
 from jaxinfer.attention import attention
 from jaxinfer.config import ModelConfig
+from jaxinfer.lora import device as lora_device
 from jaxinfer.models import sharded
 from jaxinfer.models.hf_weights import IGNORED, fill_params
 from jaxinfer.models.llama_weights import checkpoint_view, hf_name_map, renamed
@@ -88,6 +89,7 @@ class LayerParams:
     mlp: MLPParams | MoEParams  # MoEParams on the sparse layers of Mixtral / Qwen3-MoE
     post_attn_norm: Any = None  # [E] Gemma 2
     post_mlp_norm: Any = None  # [E] Gemma 2
+    lora: Any = None  # jaxinfer.lora.device.LayerStacks: attached by the runner (enable_lora)
 
 
 @struct.dataclass
@@ -210,6 +212,7 @@ def _attention_block(
     kv_cache: jax.Array,
     kernels: Kernels,
     par: Parallel = SINGLE,
+    lora: Callable | None = None,
 ):
     """x [T, E] -> [T, E]. Under tensor parallelism p.q/p.kv hold this shard's heads (columns; one
     of `par.dense` shards), p.o its rows: the o_proj output is a partial sum, all-reduced here
@@ -221,6 +224,8 @@ def _attention_block(
         # NOTE: 2-D weights with heads folded into the output dim: a single plain contraction is
         # ~10x faster on XLA:CPU than contracting over (heads, head_dim) at once.
         q, kv = layers.dense(x, p.q, p.kv, backend=kernels.linear)  # [T, Hq*D], [T, 2, Hkv*D]
+        if lora is not None:  # each token's adapter (jaxinfer.lora.device.apply)
+            q, kv = lora("q", x, q), lora("kv", x, kv)
         if cfg.qkv_bias:
             q, kv = q + p.q_bias, kv + p.kv_bias
         if kv_heads_split(cfg.num_kv_heads, shards):
@@ -256,7 +261,9 @@ def _attention_block(
         backend=kernels.attention,
     )
     with jax.named_scope("o_proj"):
-        (out,) = layers.dense(out.reshape(t, -1), p.o, backend=kernels.linear)
+        out = out.reshape(t, -1)
+        (o,) = layers.dense(out, p.o, backend=kernels.linear)
+        out = o if lora is None else lora("o", out, o)  # partial sums too under TP
         out = par.psum(out, EXPERT, TENSOR)
         if cfg.o_bias:
             out = out + p.o_bias
@@ -276,10 +283,11 @@ def _decoder_layer(
     par: Parallel = SINGLE,
 ):
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
+    lora = lora_device.adapter_hook(p.lora, step.lora_slots)
     with jax.named_scope("attention"):
         x = layers.rms_norm(h, p.attn_norm, eps, off)
         x, kv_cache = _attention_block(
-            p.attn, cfg, window, x, step, cos, sin, kv_cache, kernels, par
+            p.attn, cfg, window, x, step, cos, sin, kv_cache, kernels, par, lora
         )
         if cfg.sandwich_norm:
             x = layers.rms_norm(x, p.post_attn_norm, eps, off)
@@ -290,7 +298,7 @@ def _decoder_layer(
             x = moe.moe_mlp(x, p.mlp, cfg, par, step.slot_mapping >= 0)
             x = par.psum(x, EXPERT, TENSOR)
         else:
-            x = layers.gated_mlp(x, p.mlp.gate_up, p.mlp.down, cfg.activation, kernels.linear)
+            x = layers.gated_mlp(x, p.mlp.gate_up, p.mlp.down, cfg.activation, kernels.linear, lora)
             x = par.psum(x, EXPERT, TENSOR)  # down was row-split: partial sums
         if cfg.sandwich_norm:
             x = layers.rms_norm(x, p.post_mlp_norm, eps, off)

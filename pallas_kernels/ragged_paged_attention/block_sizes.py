@@ -25,6 +25,10 @@ Both kernels (`gpu.py`, `tpu.py`) share this plumbing; only the kernel bodies di
    serves batch 1 (many splits per sequence) and batch 256 (one split each) alike; the grid is
    the static bound max(class blocks, budget). `combine_splits` merges the partial results by
    their log-sum-exp.
+6. Every search of a sorted table here (`search_sorted`) compares all pairs instead of
+   `jnp.searchsorted`'s default binary search, which XLA runs as a while loop: a loop in a GPU
+   step splits XLA's command buffers (CUDA graphs) and costs host launches on every trip; the
+   tables hold at most a few hundred entries.
 
 Legend: T = query tokens, S = sequences, W = work items (query blocks, or KV splits of a query
 block), R = rows of a query block, Hkv = KV heads, G = query heads per KV head (G_pad: padded to a
@@ -206,9 +210,16 @@ def query_classes(num_tokens: int, max_seqs: int, blocks: KernelBlocks) -> tuple
     return tuple(classes)
 
 
+def search_sorted(table: jax.Array, values: jax.Array) -> jax.Array:
+    """i32: `jnp.searchsorted(table, values, side="right")` without a loop (step 6 above): one
+    fused compare-and-count over [values, table], or a sort where that would pass 2**22 pairs."""
+    method = "compare_all" if table.size * values.size <= 1 << 22 else "sort"
+    return jnp.searchsorted(table, values, side="right", method=method).astype(jnp.int32)
+
+
 def _seq_of_tokens(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
     tok = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_q_lens[1:], tok, side="right").astype(jnp.int32)
+    seq = search_sorted(cu_q_lens[1:], tok)
     return jnp.minimum(seq, cu_q_lens.shape[0] - 2)  # i32[T]
 
 
@@ -228,7 +239,7 @@ def work_table(
     """Returns (seq i32[W], qblk i32[W]); seq is -1 for the items past the class's live blocks."""
     _, starts, ends = _class_blocks(cu_q_lens, num_seqs, cls)
     w = jnp.arange(cls.num_work, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), ends.shape[0] - 1).astype(jnp.int32)
+    seq = jnp.minimum(search_sorted(ends, w), ends.shape[0] - 1)
     live = w < ends[-1]
     return jnp.where(live, seq, -1), jnp.where(live, w - starts[seq], 0)
 
@@ -321,7 +332,7 @@ def split_work_table(
     splits = jnp.where(member, per_seq, 0).astype(jnp.int32)
     ends = jnp.cumsum(splits).astype(jnp.int32)
     w = jnp.arange(num_work, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), ends.shape[0] - 1).astype(jnp.int32)
+    seq = jnp.minimum(search_sorted(ends, w), ends.shape[0] - 1)
     ok = w < ends[-1]
     return SplitTable(
         seq=jnp.where(ok, seq, -1),

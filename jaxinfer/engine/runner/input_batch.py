@@ -27,7 +27,7 @@ from jaxinfer.sampling import SamplingRows
 class InputBatch:
     """Rows of the running requests (see the module docstring)."""
 
-    def __init__(self, max_num_seqs: int, pages_per_seq: int) -> None:
+    def __init__(self, max_num_seqs: int, pages_per_seq: int, enable_lora: bool = False) -> None:
         self.max_num_seqs, self.pages_per_seq = max_num_seqs, pages_per_seq
         rows = max_num_seqs + 1
         self.rows: dict[str, int] = {}  # request id -> its row
@@ -38,6 +38,8 @@ class InputBatch:
         self.wants_prompt_lps = np.zeros(rows, bool)
         self.last_sample = np.full(rows, -1, np.int32)  # row of the previous sampled ids; -1: none
         self.sampling = SamplingRows(max_num_seqs)
+        self.enable_lora = enable_lora  # steps carry each token's LoRA slot
+        self.lora_slot = np.zeros(rows, np.int32)  # the row's pinned LoRA slot (0: none)
         self.seeds: dict[str, int] = {}  # NOTE: kept across preemption (resamples identically)
         self._rng = random.Random()
 
@@ -75,6 +77,7 @@ class InputBatch:
         self.prompt_len[row] = req.num_prompt_tokens
         self.wants_prompt_lps[row] = sp.prompt_logprobs is not None
         self.last_sample[row] = -1
+        self.lora_slot[row] = req.lora_slot
         seed = self.seeds.get(rid)
         if seed is None:
             seed = self.seeds[rid] = sp.seed if sp.seed is not None else self._rng.getrandbits(63)

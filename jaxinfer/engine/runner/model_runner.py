@@ -27,6 +27,9 @@ from jaxinfer.engine.runner.outputs import unpack_results
 from jaxinfer.engine.runner.programs import pack, sampler_jit, step_jit
 from jaxinfer.engine.runner.step_inputs import Prepared, StepInputBuilder, UnpackPlan
 from jaxinfer.engine.types import Launched, RunnerOutput, SchedulerOutput
+from jaxinfer.lora import device as lora_device
+from jaxinfer.lora.manager import LoRAManager
+from jaxinfer.params import DTYPES
 from jaxinfer.sampling import SamplerOutput, SamplingMetadata
 from jaxinfer.structured import bitmask_width
 
@@ -58,6 +61,7 @@ class ModelRunner:
         spec_max_seqs: int = 0,
         kv_cache_dtype: str = "auto",
         abstract: bool = False,
+        lora: tuple[int, int, int | None] | None = None,
     ) -> None:
         """`num_pages` and `max_num_seqs` are totals over the data replicas (each gets 1/data);
         `page_buckets` are the widths of `page_indices` (default `default_page_buckets`);
@@ -65,7 +69,8 @@ class ModelRunner:
         up to K x spec_max_seqs) that `warmup` compiles; `kv_cache_dtype="fp8"` stores the cache
         as `reference.Fp8KVCache` (see jaxinfer.attention). `abstract=True` allocates nothing:
         `params` are `jax.ShapeDtypeStruct`s placed on a target's devices (`jaxinfer.aot`), and
-        the runner only lowers its programs (`lower`), e.g. for a device this machine lacks."""
+        the runner only lowers its programs (`lower`), e.g. for a device this machine lacks.
+        `lora` (max_loras, max_lora_rank, max_cpu_loras) turns multi-LoRA on (`jaxinfer.lora`)."""
         par = shd.Parallel.from_mesh(mesh)
         self.mesh = None if par.is_single else mesh  # NOTE: one device keeps the plain program
         self.data = par.data
@@ -116,7 +121,8 @@ class ModelRunner:
         self.bitmask_width = bitmask_width(cfg.vocab_size)
         # The persistent input batch: row r of every array belongs to the request in batch.rows
         # with value r (the same row as its penalty state); row max_num_seqs is the padding spare.
-        self.batch = InputBatch(max_num_seqs, self.pages_per_seq)
+        self.lora = self._lora_manager(lora, dtype) if lora is not None and not abstract else None
+        self.batch = InputBatch(max_num_seqs, self.pages_per_seq, self.lora is not None)
         self.inputs = StepInputBuilder(
             self.batch,
             self.buckets,
@@ -173,13 +179,30 @@ class ModelRunner:
     def page_buckets(self) -> tuple[int, ...]:
         return self.buckets.page_buckets
 
+    def _lora_manager(self, lora: tuple[int, int, int | None], dtype: str) -> LoRAManager:
+        """The LoRA room, its (empty) stacks attached to the params: refused by name where the
+        model or the mesh cannot take it."""
+        if self.mesh is not None:
+            raise ValueError("enable_lora: not supported with a mesh (tensor/data/pipeline) yet")
+        layer = self.params.layers[0]
+        if not hasattr(layer, "lora") or any(
+            self.cfg.is_moe_layer(i) for i in range(self.cfg.num_layers)
+        ):
+            raise ValueError(f"enable_lora: not supported for model_type {self.cfg.model_type!r}")
+        manager = LoRAManager(self.cfg, *lora, dtype=DTYPES[dtype])
+        self.params = lora_device.attach(self.params, manager.stacks)
+        return manager
+
     def prepare(self, sched: SchedulerOutput) -> Prepared | None:
         """Host half of a step (`StepInputBuilder.prepare`): numpy inputs (None: nothing to run).
+        Adapters the schedule assigned to slots are written to the device first (`lora_loads`).
 
         NOTE: apart from its unpacking plan (which stays on this process) the result is plain numpy
         plus Python scalars, so a multi-host driver can build it on one process and broadcast it;
         `run` on every process then does the device half.
         """
+        if sched.lora_loads:
+            self.params = lora_device.attach(self.params, self.lora.load(sched.lora_loads))
         return self.inputs.prepare(sched)
 
     def unpack(

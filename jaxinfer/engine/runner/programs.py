@@ -103,6 +103,9 @@ def step_program(
         linear_backend=linear_backend,
         mesh=mesh,
     )
+    # NOTE: the penalty-state writes are done before the sampler's conditional: XLA scheduled them
+    # after it, outside the step's first command buffer (two more host launches a GPU step).
+    state, logits = jax.lax.optimization_barrier((state, logits))
     if stacked:
         logits = logits.reshape(-1, logits.shape[-1])  # [data * rows, V]
     with jax.named_scope("sampler"):

@@ -139,6 +139,11 @@ def step_arrays(
         feed_rows[tok[pending]] = feed
 
     lead = tuple(d for d in (data, microbatches) if d > 1)  # [data?, M?, ...]
+    lora_slots = None
+    if batch.enable_lora:
+        lora_slots = np.zeros(n_groups * t, np.int32)
+        lora_slots[tok] = batch.lora_slot[row_of]
+        lora_slots = lora_slots.reshape(lead + (t,))
     step = StepInputs(
         token_ids=token_ids.reshape(lead + (t,)),
         positions=positions.reshape(lead + (t,)),
@@ -148,6 +153,7 @@ def step_arrays(
         cu_q_lens=cu_q_lens.reshape(lead + (s_bucket + 1,)),
         num_seqs=num_seqs.reshape(lead + (1,)),
         logits_indices=logits_indices.reshape(lead + (-1,)),
+        lora_slots=lora_slots,
     )
     extras = BatchExtras(
         token_seq=token_seq,

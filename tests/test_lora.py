@@ -1,0 +1,181 @@
+"""Multi-LoRA (issue 34): PEFT adapters loaded into device slots give HF + PEFT's logprobs, alone
+and mixed in one ragged batch with base-only rows; bad adapters are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from jaxinfer.config import ModelConfig  # noqa: E402
+from jaxinfer.lora import device as lora_device  # noqa: E402
+from jaxinfer.lora.adapter import LoRAError, load_adapter  # noqa: E402
+from tests.model_utils import (  # noqa: E402
+    PagedStepper,
+    hf_config_dict,
+    hf_logits,
+    make_hf_model,
+    params_from_torch,
+)
+
+TOL = 1e-3  # logprobs, f32
+# rank 8 on q/v/down; rank 16 (rsLoRA scaling) on k/o/gate/up
+ADAPTERS = {
+    "a8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]),
+    "b16": dict(
+        r=16,
+        lora_alpha=8,
+        use_rslora=True,
+        target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"],
+    ),
+}
+
+
+def make_adapter(base, out_dir, seed: int, **kw) -> None:
+    """A random PEFT LoRA adapter of `base` saved to `out_dir`."""
+    import copy
+
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **kw))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out_dir)
+
+
+def peft_logits(base, path, toks) -> np.ndarray:
+    import copy
+
+    model = peft.PeftModel.from_pretrained(copy.deepcopy(base), path).eval()
+    with torch.no_grad():
+        return model(torch.tensor([toks])).logits[0].float().numpy()
+
+
+def _logprobs(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base, _ = make_hf_model("llama")
+    cfg = ModelConfig.from_hf(hf_config_dict("llama"))
+    paths = {}
+    for seed, (name, kw) in enumerate(ADAPTERS.items()):
+        paths[name] = str(root / name)
+        make_adapter(base, paths[name], seed + 1, **kw)
+    return base, cfg, params_from_torch(base, cfg), paths
+
+
+def _tokens(n, seed):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 256, n)]
+
+
+def test_adapters_alone_and_mixed_match_peft(setup):
+    base, cfg, params, paths = setup
+    stacks = lora_device.empty_stacks(cfg, max_loras=3, max_lora_rank=16)
+    # slot 1 stays empty, adapters in slots 2 and 3: slot order must not matter
+    stacks = lora_device.write_slot(stacks, 2, load_adapter(paths["a8"], cfg, 16))
+    stacks = lora_device.write_slot(stacks, 3, load_adapter(paths["b16"], cfg, 16))
+    with_lora = lora_device.attach(params, stacks)
+    seqs = {0: _tokens(9, 1), 1: _tokens(6, 2), 2: _tokens(7, 3), 3: _tokens(5, 4)}
+    slots = {0: 2, 1: 3, 2: 0, 3: 2}  # a8, b16, base, a8
+    refs = {
+        0: peft_logits(base, paths["a8"], seqs[0]),
+        1: peft_logits(base, paths["b16"], seqs[1]),
+        2: hf_logits(base, seqs[2]),
+        3: peft_logits(base, paths["a8"], seqs[3]),
+    }
+    for sid in (0, 1):  # each alone, prefill then one decode step
+        stepper = PagedStepper(with_lora, cfg)
+        (pre,) = stepper.step([(sid, seqs[sid][:-1])], lora_slots=slots)
+        (dec,) = stepper.step([(sid, seqs[sid][-1:])], lora_slots=slots)
+        got = _logprobs(np.concatenate([pre, dec]))
+        assert np.abs(got - _logprobs(refs[sid])).max() <= TOL
+        # the adapter matters: far from the base model's logprobs
+        assert np.abs(got - _logprobs(hf_logits(base, seqs[sid]))).max() > 50 * TOL
+    mixed = PagedStepper(with_lora, cfg).step(list(seqs.items()), pad_tokens=3, lora_slots=slots)
+    for sid, out in zip(seqs, mixed):
+        assert np.abs(_logprobs(out) - _logprobs(refs[sid])).max() <= TOL, sid
+
+
+def test_bad_adapters_refused_by_name(setup, tmp_path):
+    _, cfg, _, paths = setup
+    with pytest.raises(LoRAError, match="max_lora_rank"):
+        load_adapter(paths["b16"], cfg, 8)
+    with pytest.raises(LoRAError, match="adapter_config.json"):
+        load_adapter(str(tmp_path), cfg, 16)
+    conf = json.loads(open_text(paths["a8"]))
+    for field, value in [
+        ("modules_to_save", ["lm_head"]),
+        ("use_dora", True),
+        ("target_modules", ["q_proj", "embed_tokens"]),
+        ("bias", "all"),
+    ]:
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**conf, field: value}))
+        with pytest.raises(LoRAError, match=field) as err:
+            load_adapter(str(tmp_path), cfg, 16)
+        assert err.value.field == field
+    (tmp_path / "adapter_config.json").write_text(json.dumps(conf))
+    with pytest.raises(LoRAError, match="adapter_model.safetensors"):
+        load_adapter(str(tmp_path), cfg, 16)
+    other = ModelConfig.from_hf({**hf_config_dict("llama"), "hidden_size": 32})
+    with pytest.raises(LoRAError, match="expected"):
+        load_adapter(paths["a8"], other, 16)
+
+
+def open_text(path: str) -> str:
+    with open(f"{path}/adapter_config.json") as f:
+        return f.read()
+
+
+def _chosen_logprobs(ref_logits: np.ndarray, prompt_len: int, out_ids: list[int]) -> np.ndarray:
+    lp = _logprobs(ref_logits)
+    return np.array([lp[prompt_len - 1 + i, t] for i, t in enumerate(out_ids)])
+
+
+def test_llm_generate_with_lora_requests(setup, tmp_path_factory):
+    """`LLM(enable_lora=True, max_loras=1)`: one prompt under a8, b16, the base and a8 again in one
+    `generate`: b16 waits for a8's slot (never fails), the shared prompt's cached pages are not
+    shared across adapters, each sample's logprobs match HF + PEFT; adapters add no programs."""
+    from jaxinfer import LLM, LoRARequest, SamplingParams
+
+    base, _, _, paths = setup
+    model_dir = tmp_path_factory.mktemp("base")
+    base.save_pretrained(model_dir, safe_serialization=True)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=16,
+        max_cpu_loras=2,
+        page_size=4,
+        num_pages=64,
+        max_model_len=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+    )
+    programs = llm.engine.warmup()
+    compiled = llm.engine.runner.compiled_program_count()
+    a8, b16 = LoRARequest("a8", 1, paths["a8"]), LoRARequest("b16", 2, paths["b16"])
+    prompt = _tokens(9, 5)
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0)
+    outs = llm.generate([prompt] * 4, sp, lora_request=[a8, b16, None, a8])
+    for out, name in zip(outs, ["a8", "b16", None, "a8"]):
+        ids = out.token_ids
+        full = prompt + ids
+        ref = hf_logits(base, full) if name is None else peft_logits(base, paths[name], full)
+        got = np.array([lp[t] for lp, t in zip(out.logprobs, ids)])
+        assert np.abs(got - _chosen_logprobs(ref, len(prompt), ids)).max() <= TOL, name
+    assert llm.engine.runner.compiled_program_count() == compiled, programs
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        llm.generate([prompt], sp, lora_request=LoRARequest("bad", 3, paths["b16"] + "/missing"))

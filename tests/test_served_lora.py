@@ -1,0 +1,119 @@
+"""Multi-LoRA through the real `scripts/serve.py` (one server): `--enable-lora --lora-modules`,
+the OpenAI `model` field naming an adapter, `/v1/models` listing adapters with their `parent`,
+and vLLM's runtime `/v1/load_lora_adapter` / `/v1/unload_lora_adapter` (with
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING`), refusals naming the field."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from engine_utils import TINY_LLAMA
+from served_utils import serve_tiny
+
+pytestmark = pytest.mark.slow  # a server subprocess: imports JAX, compiles on first use
+
+
+def write_adapter(path, rank: int, seed: int, modules=("q_proj", "v_proj", "down_proj")) -> str:
+    """A random PEFT LoRA adapter of the tiny served llama, written without peft."""
+    from safetensors.numpy import save_file
+
+    e, f = TINY_LLAMA["hidden_size"], TINY_LLAMA["intermediate_size"]
+    d = TINY_LLAMA["head_dim"]
+    dims = {"q_proj": (e, 4 * d), "v_proj": (e, 2 * d), "down_proj": (f, e)}
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(TINY_LLAMA["num_hidden_layers"]):
+        for m in modules:
+            block = "mlp" if m == "down_proj" else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{block}.{m}"
+            d_in, d_out = dims[m]
+            tensors[f"{key}.lora_A.weight"] = rng.normal(0, 1, (rank, d_in)).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = rng.normal(0, 1, (d_out, rank)).astype(np.float32)
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    conf = dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=list(modules))
+    (path / "adapter_config.json").write_text(json.dumps(conf))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served_lora")
+    ada = write_adapter(root / "ada", 8, 1)
+    srv = serve_tiny(
+        root / "tiny",
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "16",
+        "--lora-modules",
+        f"ada={ada}",
+        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"},
+    )
+    yield srv, root
+    srv.stop()
+
+
+def _call(url: str, body: dict | None = None) -> tuple[int, dict | str]:
+    """(status, JSON body or text) of a GET (no body) or a JSON POST."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def _complete(srv, model: str) -> tuple[int, dict]:
+    body = dict(model=model, prompt="Hello there", max_tokens=2, temperature=0.0, logprobs=1)
+    return _call(f"{srv.http_url}/completions", body)
+
+
+def _first_logprob(out: dict) -> float:
+    return out["choices"][0]["logprobs"]["token_logprobs"][0]
+
+
+def test_adapters_served_listed_loaded_and_unloaded(served):
+    srv, root = served
+    cards = {c["id"]: c for c in _call(f"{srv.http_url}/models")[1]["data"]}
+    base_id = next(i for i, c in cards.items() if "parent" not in c)
+    assert cards["ada"]["parent"] == base_id and cards["ada"]["root"].endswith("ada")
+
+    (s_base, base), (s_ada, ada) = _complete(srv, base_id), _complete(srv, "ada")
+    assert s_base == s_ada == 200, ada
+    lp = [_first_logprob(base), _first_logprob(ada)]
+    assert abs(lp[0] - lp[1]) > 1e-3  # the adapter changes the model
+    assert ada["model"] == "ada"
+
+    status, missing = _complete(srv, "nope")
+    assert status == 404 and missing["error"]["param"] == "model"
+
+    url = srv.http_url.removesuffix("/v1")
+    adb = write_adapter(root / "adb", 16, 2, modules=("q_proj",))
+    big = write_adapter(root / "big", 32, 3)
+    for body, param in [
+        ({"lora_name": "adb2", "lora_path": str(root / "none")}, "lora_path"),
+        ({"lora_name": "big", "lora_path": big}, "max_lora_rank"),
+        ({"lora_name": "ada", "lora_path": adb}, "lora_name"),
+    ]:
+        status, out = _call(f"{url}/v1/load_lora_adapter", body)
+        assert status == 400 and out["error"]["param"] == param, out
+    status, out = _call(f"{url}/v1/load_lora_adapter", {"lora_name": "adb", "lora_path": adb})
+    assert status == 200, out
+    status, got = _complete(srv, "adb")
+    assert status == 200, got
+    assert _first_logprob(got) not in lp
+    status, out = _call(f"{url}/v1/unload_lora_adapter", {"lora_name": "adb"})
+    assert status == 200, out
+    assert _complete(srv, "adb")[0] == 404
+    assert "adb" not in {c["id"] for c in _call(f"{srv.http_url}/models")[1]["data"]}
