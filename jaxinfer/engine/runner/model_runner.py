@@ -404,8 +404,8 @@ class ModelRunner:
         NOTE: nothing runs. Each program is lowered here (tracing holds the GIL) and compiled
         on `compile_threads()` threads (XLA compiles without it); `jit(...).lower(...).compile()`
         leaves the executable where the calls look it up, so the first step of a bucket compiles
-        nothing. On a restart the compiles are reads from the persistent compilation cache, and
-        running each program once (seconds per 512-token prefill on a CPU) was most of the warmup.
+        nothing. On a restart the compiles are reads from the persistent compilation cache; what
+        is left is tracing and lowering each program (BENCHMARKS.md "Restarts").
         """
         start = time.perf_counter()
         with ThreadPoolExecutor(compile_threads(), thread_name_prefix="compile") as pool:
