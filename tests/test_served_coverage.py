@@ -83,7 +83,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "test_served_profile.py::test_step_markers_and_annotations",
     ),
     "`--compilation-cache-dir` / `--no-compilation-cache`": (
-        "test_compile_cache.py::test_restart_reads_every_program_and_another_shape_none",
+        "test_compile_cache.py::test_restart_reads_every_program",
         "test_served_profile.py::test_no_profile_endpoints_without_trace_dir",
     ),
     "`--kv-events-config`": (
