@@ -13,6 +13,7 @@ import itertools
 import os
 from typing import Any
 
+from jaxinfer import compile_cache
 from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.core_loop import spaced_young_collections
@@ -81,6 +82,8 @@ class LLM:
       skip_tokenizer_init: load no tokenizer (a checkpoint without one loads): prompts are token
         ids, outputs carry token ids with empty text, generation stops at the config's
         `eos_token_id` or `stop_token_ids`; text prompts, `stop` strings and `chat` raise.
+      compilation_cache_dir: the persistent XLA compilation cache (`jaxinfer.compile_cache`):
+        None uses `$JAX_COMPILATION_CACHE_DIR`, else `~/.cache/jaxinfer/xla`; "" turns it off.
       **engine_options: `EngineConfig` fields (page_size, num_pages, kv_cache_memory,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, mesh,
         long_prefill_token_threshold, quantization, enable_lora, max_loras, max_lora_rank,
@@ -100,8 +103,10 @@ class LLM:
         dtype: str | None = None,
         load_format: str = "auto",
         skip_tokenizer_init: bool = False,
+        compilation_cache_dir: str | None = None,
         **engine_options: Any,
     ) -> None:
+        compile_cache.enable(compilation_cache_dir)
         backend = engine_options.pop("attention_backend", None)
         linear_backend = engine_options.pop("linear_backend", None)
         unknown = set(engine_options) - _ENGINE_OPTIONS

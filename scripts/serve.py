@@ -261,6 +261,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--no-warmup", action="store_true", help="serve at once and compile programs on first use"
     )
+    cache = s.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--compilation-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="persistent XLA compilation cache: a restart reads its compiled programs from here "
+        "(default: $JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/jaxinfer/xla or "
+        "~/.cache/jaxinfer/xla; an empty DIR turns it off)",
+    )
+    cache.add_argument(
+        "--no-compilation-cache",
+        action="store_true",
+        help="compile every program at start (no persistent compilation cache)",
+    )
     s.add_argument(
         "--log-interval", type=float, default=1.0, help="seconds between load log lines while busy"
     )
@@ -367,6 +381,7 @@ def engine_args(args: argparse.Namespace):
         load_format=args.load_format,
         quantization=args.quantization,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        compilation_cache_dir="" if args.no_compilation_cache else args.compilation_cache_dir,
     )
 
 
@@ -397,9 +412,12 @@ def summary(frontend, grpc_server, http, args, load_s: float, ready_s: float) ->
     if http is not None:
         http_line = f"http://{http.host}:{http.port}/v1 (OpenAI API, model id {http.model_name!r})"
     metrics = frontend.metrics_port
+    cache = "compilation cache off"
+    if core is not None and core.compilation_cache:
+        cache = f"{core.cached_programs} from the compilation cache {core.compilation_cache}"
     lines = [
         f"jaxinfer server ready in {ready_s:.1f}s (front end {load_s:.1f}s, engine load + warmup "
-        f"{ready_s - load_s:.1f}s, {frontend.compiled_programs} programs; {where})",
+        f"{ready_s - load_s:.1f}s, {frontend.compiled_programs} programs, {cache}; {where})",
         f"  model     {info.name} ({info.architecture}, {cfg.num_params() / 1e6:.1f}M params, "
         f"{info.dtype}{f', {args.quantization} weights' if args.quantization else ''}"
         f"{', FAKE RUNNER' if args.fake_runner else ''}"

@@ -57,7 +57,9 @@ from jaxinfer.engine.types import (
     Loaded,
     Message,
     Ready,
+    StartProfile,
     StepResult,
+    StopProfile,
     split_samples,
     wire_outputs,
 )
@@ -222,6 +224,10 @@ class EngineLoop:
         if stream.engine_id in self._streams and not stream.cancelled:
             stream.cancelled = True
             self._send(Abort(request_ids=stream.children))
+
+    def profile(self, start: bool) -> None:
+        """Starts / stops a profiler trace in the core (it logs where the trace went)."""
+        self._send(StartProfile() if start else StopProfile())
 
     def abort_all(self) -> None:
         """Server-side abort of every request (shutdown): they finish with ABORTED."""

@@ -185,6 +185,20 @@ class FrontEnd:
         return self.engine_loop.info
 
     @property
+    def trace_dir(self) -> str | None:
+        """Where on-demand profiler traces go (`--trace-dir`); None: profiling is off and
+        `/start_profile` / `/stop_profile` do not exist."""
+        options = getattr(self.engine_loop.client, "options", None)
+        return None if options is None else options.trace_dir
+
+    def profile(self, start: bool) -> None:
+        """Starts (`start`) or stops a profiler trace of the engine core into `trace_dir`; the
+        core writes it off its engine thread and logs the path."""
+        if self.trace_dir is None:
+            raise RuntimeError("profiling is off (start the server with --trace-dir)")
+        self.engine_loop.profile(start)
+
+    @property
     def compiled_programs(self) -> int:
         return self.engine_loop.compiled_programs
 

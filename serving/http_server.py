@@ -173,6 +173,18 @@ class OpenAIServer:
 
         http_lora.install(app, self)
 
+        if self.frontend.trace_dir is not None:  # NOTE: as vLLM: only with a profiler dir
+
+            @app.post("/start_profile")
+            async def start_profile() -> Response:
+                self.frontend.profile(True)
+                return Response(status_code=200)
+
+            @app.post("/stop_profile")
+            async def stop_profile() -> Response:
+                self.frontend.profile(False)
+                return Response(status_code=200)
+
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             return await self._handle(request, oai.CompletionRequest, chat=False)

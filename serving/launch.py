@@ -40,6 +40,8 @@ class EngineArgs:
     load_format: str = "auto"  # "dummy": random weights from the config
     quantization: str | None = None  # "int8" | "fp8": weight-only, applied at load
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in and out
+    # None: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/jaxinfer/xla; "": off (jaxinfer.compile_cache)
+    compilation_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         parse_mesh(self.mesh)  # unknown axes and bad sizes, named
@@ -66,6 +68,9 @@ def frontend_model(args: EngineArgs) -> LoadedModel:
 
 def build_core(args: EngineArgs) -> EngineCore:
     """Loads the model onto its mesh and builds the engine core (the device's process)."""
+    from jaxinfer import compile_cache
+
+    compile_cache.enable(args.compilation_cache_dir)  # NOTE: before anything compiles
     import jax
 
     from jaxinfer import sharding

@@ -186,6 +186,12 @@ class GenerateServer:
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 self._get_model_info, response_serializer=pb.ModelInfo.SerializeToString
             ),
+            "StartProfile": grpc.unary_unary_rpc_method_handler(
+                self._start_profile, response_serializer=pb.ProfileResponse.SerializeToString
+            ),
+            "StopProfile": grpc.unary_unary_rpc_method_handler(
+                self._stop_profile, response_serializer=pb.ProfileResponse.SerializeToString
+            ),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
@@ -355,3 +361,18 @@ class GenerateServer:
     async def _get_model_info(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         await self._authorize(context)
         return self.model_info
+
+    async def _start_profile(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await self._profile(True, context)
+
+    async def _stop_profile(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await self._profile(False, context)
+
+    async def _profile(self, start: bool, context: grpc.aio.ServicerContext) -> Any:
+        """HTTP's /start_profile and /stop_profile (`FrontEnd.profile`)."""
+        if self.frontend.trace_dir is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "profiling is off: start with --trace-dir"
+            )
+        self.frontend.profile(start)
+        return pb.ProfileResponse(trace_dir=self.frontend.trace_dir)

@@ -111,7 +111,6 @@ def test_no_compilation_after_warmup(engine, vocab_size) -> None:
     n_programs = engine.runner.warmup()
     # with and without prompt logprobs, per token bucket and page bucket
     assert n_programs == 2 * len(engine.runner.token_buckets) * len(engine.runner.page_buckets)
-    before = engine.runner.compiled_program_count()
 
     compiles: list[str] = []
 
@@ -147,7 +146,6 @@ def test_no_compilation_after_warmup(engine, vocab_size) -> None:
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
-    assert engine.runner.compiled_program_count() == before
     assert all(c.finish_reason for samples in out.values() for c in samples)
     assert_pages_free(engine)
 

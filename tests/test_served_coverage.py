@@ -80,6 +80,11 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "`--profile-port`, `--trace-dir` + `--trace-steps`": (
         M + "test_engine_in_process_and_profile_port",
         E + "test_trace_dir_is_written_by_the_engine_core",
+        "test_served_profile.py::test_step_markers_and_annotations",
+    ),
+    "`--compilation-cache-dir` / `--no-compilation-cache`": (
+        "test_compile_cache.py::test_restart_reads_every_program",
+        "test_served_profile.py::test_no_profile_endpoints_without_trace_dir",
     ),
     "`--kv-events-config`": (
         "test_served_ops.py::test_kv_events_stored_on_prefill_removed_on_eviction",

@@ -44,8 +44,8 @@ from typing import Any
 
 import jax
 
+from jaxinfer import compile_cache, structured
 from jaxinfer import sharding as shd
-from jaxinfer import structured
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import spec as spec_decoding
 from jaxinfer.engine.capacity import log_capacity
@@ -77,16 +77,18 @@ _new_tuple = tuple.__new__  # `_new_tuple(TokenOutput, (...))`: skips NamedTuple
 
 
 def default_kv_cache_memory() -> int:
-    """Bytes for the KV cache when the user gives neither num_pages nor kv_cache_memory."""
+    """Bytes for the KV cache when the user gives neither num_pages nor kv_cache_memory, rounded
+    down (`compile_cache.stable_bytes`: a restart sizes it alike and reuses the compiled programs)."""
     dev = jax.devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
-        return int(0.85 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+        free = int(0.85 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+        return compile_cache.stable_bytes(free, step=1 << 30)
     try:  # CPU: a quarter of the available host memory, at most 4 GiB
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         avail = 4 << 30
-    return min(avail // 4, 4 << 30)
+    return compile_cache.stable_bytes(min(avail // 4, 4 << 30))
 
 
 class EngineCore:
@@ -283,9 +285,7 @@ class EngineCore:
         tokenizer); returns how many programs exist."""
         if self.structured is not None:
             self.structured.prepare()
-        n = int(
-            self.runner.warmup(structured=True) if self.split_sampling else self.runner.warmup()
-        )
+        n = int(self.runner.warmup(structured=self.split_sampling))
         if self.proposer is not None:  # a draft model's own programs
             n += int(self.proposer.warmup())
         return n

@@ -64,6 +64,7 @@ class ProcessCoreClient:
 
     def __init__(self, spec: CoreSpec) -> None:
         self.spec = spec
+        self.options = spec.options
         self.process: Any = None
         self._stopping = threading.Event()
         self._lock = threading.Lock()

@@ -41,9 +41,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from jaxinfer.compile_cache import active_dir, cache_counts
+from jaxinfer.engine import tracing
 from jaxinfer.engine.core_client import CoreSpec, LoopOptions, OnMessage
 from jaxinfer.engine.isolation import FaultIsolator
 from jaxinfer.engine.kv_events import KVEventPublisher, KVEventsConfig
+from jaxinfer.engine.tracing import Profiler
 from jaxinfer.engine.types import (
     Abort,
     AddRequests,
@@ -53,7 +56,9 @@ from jaxinfer.engine.types import (
     Message,
     Ready,
     Shutdown,
+    StartProfile,
     StepResult,
+    StopProfile,
     decode_message,
     encode,
     request_of,
@@ -63,45 +68,6 @@ if TYPE_CHECKING:
     from jaxinfer.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
-
-
-class _Tracer:
-    def __init__(self, trace_dir: str | None, steps: int) -> None:
-        self.dir, self.left = trace_dir, steps if trace_dir else 0
-        self.on = False
-
-    def before(self) -> None:
-        if self.left > 0 and not self.on:
-            import jax
-
-            try:
-                jax.profiler.start_trace(self.dir)
-                self.on = True
-                logger.info("tracing the next %d engine steps into %s", self.left, self.dir)
-            except Exception:  # noqa: BLE001 - a profiler problem must not take the core down
-                logger.exception("could not start a profiler trace in %s", self.dir)
-                self.left = 0
-
-    def after(self, busy: bool) -> None:
-        if self.on and busy:
-            self.left -= 1
-            if self.left <= 0:
-                self.stop()
-
-    def stop(self) -> None:
-        if self.on:
-            import jax
-
-            self.on, self.left = False, 0
-            try:
-                jax.profiler.stop_trace()
-                logger.info(
-                    "profiler trace written to %s (open with: tensorboard --logdir %s)",
-                    self.dir,
-                    self.dir,
-                )
-            except Exception:  # noqa: BLE001
-                logger.exception("could not stop the profiler trace")
 
 
 # Net new container objects that start a young-generation collection in the core (CPython's
@@ -163,15 +129,23 @@ def run_core_loop(
         import jax
 
         jax.profiler.start_server(options.profile_port)
+    hits = cache_counts()["hits"]
     try:
         programs = core.warmup() if options.warmup else int(core.runner.num_compiled)
     except Exception as e:  # noqa: BLE001
         logger.exception("warmup failed")
         _stay_broken(f"warmup failed: {type(e).__name__}: {e}", recv, send)
         return
-    send(Ready(info=core.info()._replace(compiled_programs=programs)))
+    cached = cache_counts()["hits"] - hits
+    info = core.info()._replace(
+        compiled_programs=programs, cached_programs=cached, compilation_cache=active_dir()
+    )
+    send(Ready(info=info))
     settle_heap()
-    tracer = _Tracer(options.trace_dir, options.trace_steps)
+    profiler = Profiler(options.trace_dir, options.trace_steps)
+    profiling = options.trace_dir is not None or options.profile_port is not None
+    if profiling:
+        tracing.instrument(core)
     events = _kv_events(core, options.kv_events)
     isolator, stalled = FaultIsolator(core, options.max_step_failures), False
     try:
@@ -180,16 +154,20 @@ def run_core_loop(
             # scheduled, e.g. every request waits for pages an abort will free): wait a little.
             timeout = (0.05 if stalled else 0.0) if core.has_unfinished() else 1.0
             for msg in recv(timeout):
-                if not _handle(core, msg, send):
+                if not _handle(core, msg, send, profiler):
                     return
             if not core.has_unfinished():
                 continue
             steps = core.num_steps
-            tracer.before()
+            profiler.before()
             start = time.perf_counter()
             failed: list[tuple[list[str], str]] = []
             try:
-                outputs, ok = core.step(), True
+                if profiling:
+                    with tracing.step_annotation(steps):
+                        outputs, ok = core.step(), True
+                else:
+                    outputs, ok = core.step(), True
             except Exception as e:  # noqa: BLE001 - isolated: its culprits fail, the rest go on
                 outputs, ok = [], False
                 if isolator.isolating:  # a probe: the first failure's traceback is logged
@@ -202,7 +180,7 @@ def run_core_loop(
             busy = core.num_steps > steps
             if ok:
                 isolator.succeeded(busy)
-            tracer.after(busy)
+            profiler.after(busy)
             for lost, _ in failed:
                 for rid in lost:
                     core.abort(rid)
@@ -221,7 +199,7 @@ def run_core_loop(
                 return
             stalled = not busy and not outputs
     finally:
-        tracer.stop()
+        profiler.stop(wait=True)
         if events is not None:
             events.close()
 
@@ -253,7 +231,12 @@ def _stay_broken(
                 send(StepResult(lost=lost, error=f"engine broken: {why}"))
 
 
-def _handle(core: EngineCore, msg: Message | Sequence, send: Callable[[Message], None]) -> bool:
+def _handle(
+    core: EngineCore,
+    msg: Message | Sequence,
+    send: Callable[[Message], None],
+    profiler: Profiler | None = None,
+) -> bool:
     """Applies one front-end message; False on `Shutdown`."""
     try:
         msg = decode_message(msg)
@@ -279,6 +262,10 @@ def _handle(core: EngineCore, msg: Message | Sequence, send: Callable[[Message],
             core.finish(rid, "stop", stop)
     elif isinstance(msg, Shutdown):
         return False
+    elif isinstance(msg, StartProfile) and profiler is not None:
+        profiler.start()
+    elif isinstance(msg, StopProfile) and profiler is not None:
+        profiler.stop()
     else:
         logger.error("engine core: unexpected message %r", msg.tag)
     return True

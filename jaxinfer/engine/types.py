@@ -473,6 +473,8 @@ class EngineInfo(NamedTuple):
     mesh_shape: dict[str, int]  # mesh axis -> size ({} without a mesh)
     devices: str
     compiled_programs: int = 0  # set once warmup is done ("ready")
+    cached_programs: int = 0  # of those, read from the persistent compilation cache
+    compilation_cache: str = ""  # its directory ("": off)
 
     def to_wire(self) -> list:
         return [*self[:1], list(dataclasses.astuple(self.limits)), *self[2:]]
@@ -499,6 +501,18 @@ class Finish(NamedTuple):
 
 class Shutdown(NamedTuple):
     tag: str = "shutdown"
+
+
+class StartProfile(NamedTuple):
+    """Start a profiler trace into the core's trace dir (vLLM's `/start_profile`)."""
+
+    tag: str = "start_profile"
+
+
+class StopProfile(NamedTuple):
+    """Stop it; the core writes it off its engine thread and logs the path."""
+
+    tag: str = "stop_profile"
 
 
 class Loaded(NamedTuple):
@@ -538,11 +552,33 @@ class StepResult(NamedTuple):
     bad_argument: bool = False
 
 
-Message = AddRequests | Abort | Finish | Shutdown | Loaded | Ready | Broken | StepResult
+Message = (
+    AddRequests
+    | Abort
+    | Finish
+    | Shutdown
+    | StartProfile
+    | StopProfile
+    | Loaded
+    | Ready
+    | Broken
+    | StepResult
+)
 
 _MESSAGES: dict[str, Any] = {
     m._field_defaults["tag"]: m
-    for m in (AddRequests, Abort, Finish, Shutdown, Loaded, Ready, Broken, StepResult)
+    for m in (
+        AddRequests,
+        Abort,
+        Finish,
+        Shutdown,
+        StartProfile,
+        StopProfile,
+        Loaded,
+        Ready,
+        Broken,
+        StepResult,
+    )
 }
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -302,8 +304,8 @@ class ModelRunner:
             self.num_compiled = len(self._compiled) + len(self._compiled_samplers)
 
     def compiled_program_count(self) -> int:
-        """Programs in the step and sampler functions' own jit caches (a recompile would grow
-        them)."""
+        """Programs in the step and sampler functions' own jit caches: those the calls have used
+        (a recompile grows it; programs `warmup` compiled ahead join it on their first call)."""
         return self._jit._cache_size() + self._sample_jit._cache_size()
 
     def _args(self, inputs: dict, all_logits: bool) -> tuple[tuple, dict]:
@@ -395,32 +397,63 @@ class ModelRunner:
         return self._jit.lower(*args, **kwargs)
 
     def warmup(self, *, structured: bool = False) -> int:
-        """Compiles every (token bucket, page bucket, logits variant) program, and with
-        `structured` (and `split_sampling`) the sampler program of each sequence bucket that steps
-        sampling structured-output rows run (`sample`); returns how many were built."""
+        """Compiles every (token bucket, page bucket, logits variant, verify rows) program, and
+        with `structured` (and `split_sampling`) the sampler program of each sequence bucket that
+        steps sampling structured-output rows run (`sample`); returns how many were built.
+
+        NOTE: nothing runs. Each program is lowered here (tracing holds the GIL) and compiled
+        on `compile_threads()` threads (XLA compiles without it); `jit(...).lower(...).compile()`
+        leaves the executable where the calls look it up, so the first step of a bucket compiles
+        nothing. On a restart the compiles are reads from the persistent compilation cache; what
+        is left is tracing and lowering each program (BENCHMARKS.md "Restarts").
+        """
         start = time.perf_counter()
-        self.batch.last_sample.fill(-1)  # NOTE: warmup programs overwrite the previous sampled ids
-        if structured and self.split_sampling:
-            rows_done: set[int] = set()
-            for t_bucket in self.token_buckets:
-                inputs = self.inputs.idle_inputs(t_bucket, False, self.page_buckets[0])
-                rows = inputs["extras"].seq_rows.shape[0]
-                if rows in rows_done:
-                    continue
-                rows_done.add(rows)
-                _, _, row_logits = self._call(inputs, False)
-                out = self._call_sampler(
-                    row_logits, inputs, np.full((rows, self.bitmask_width), -1, np.int32)
+        with ThreadPoolExecutor(compile_threads(), thread_name_prefix="compile") as pool:
+            jobs, lowered = [], {}
+            for key in self.buckets.warmup_plan():
+                t_bucket, p_bucket, all_logits, width = key
+                inputs = self.inputs.idle_inputs(t_bucket, all_logits, p_bucket, width)
+                args, kwargs = self._args(inputs, all_logits)
+                lowered[key] = self._jit.lower(*args, **kwargs)
+                jobs.append(pool.submit(lowered[key].compile))
+                self._note_compiled(
+                    Prepared(inputs, all_logits, t_bucket, p_bucket, False, spec_width=width)
                 )
-                jax.block_until_ready(out)
-        for t_bucket, p_bucket, all_logits, width in self.buckets.warmup_plan():
-            inputs = self.inputs.idle_inputs(t_bucket, all_logits, p_bucket, width)
-            out, _, _ = self._call(inputs, all_logits)
-            jax.block_until_ready(out)
-            self._note_compiled(
-                Prepared(inputs, all_logits, t_bucket, p_bucket, False, spec_width=width)
-            )
+            if structured and self.split_sampling:
+                for t_bucket in self.token_buckets:
+                    inputs = self.inputs.idle_inputs(t_bucket, False, self.page_buckets[0])
+                    rows = inputs["extras"].seq_rows.shape[0]
+                    if rows not in self._compiled_samplers:
+                        step = lowered[(t_bucket, self.page_buckets[0], False, 0)]
+                        row_logits = step.out_info[0][2]  # (results, ...): its sampled rows' logits
+                        sampler = self._lower_sampler(inputs, row_logits.shape, row_logits.dtype)
+                        jobs.append(pool.submit(sampler.compile))
+                        self._compiled_samplers.add(rows)
+            self.num_compiled = len(self._compiled) + len(self._compiled_samplers)
+            for job in jobs:
+                job.result()
         logger.info(
             "warmup compiled %d programs in %.1fs", self.num_compiled, time.perf_counter() - start
         )
         return self.num_compiled
+
+    def _lower_sampler(self, inputs: dict, shape: tuple[int, ...], dtype: Any) -> Any:
+        """The sampler program of a split step over host `inputs` (`_call_sampler`'s call), lowered
+        with the step program's row logits (`shape`, `dtype`) as an abstract committed array."""
+        rows = inputs["extras"].seq_rows.shape[0]
+        state = self.device_state.state
+        sharding = jax.tree.leaves(state)[0].sharding
+        row_logits = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        host = {
+            "meta": inputs["meta"],
+            "seq_rows": inputs["extras"].seq_rows,
+            "positions": inputs["step"].kv_lens.reshape(-1),
+            "token_bitmask": np.full((rows, self.bitmask_width), -1, np.int32),
+        }
+        buffers, layout = pack(host)
+        return self._sample_jit.lower(state, row_logits, buffers, layout=layout)
+
+
+def compile_threads() -> int:
+    """Threads that compile warmup's programs: the CPU cores (at most 8)."""
+    return max(1, min(8, os.cpu_count() or 1))

@@ -206,6 +206,16 @@ class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ProfileResponse(_message.Message):
+    __slots__ = ("trace_dir",)
+    TRACE_DIR_FIELD_NUMBER: _ClassVar[int]
+    trace_dir: str
+    def __init__(self, trace_dir: _Optional[str] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
     __slots__ = ("name", "architecture", "dtype", "max_model_len", "vocab_size", "mesh_shape", "page_size", "capacity", "eos_token_ids", "has_chat_template", "attention_backend", "linear_backend")
     class MeshShapeEntry(_message.Message):

@@ -55,6 +55,16 @@ class GenerateServiceStub:
                 request_serializer=jaxinfer_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=jaxinfer_dot_v1_dot_generate__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/jaxinfer.v1.GenerateService/StartProfile',
+                request_serializer=jaxinfer_dot_v1_dot_generate__pb2.ProfileRequest.SerializeToString,
+                response_deserializer=jaxinfer_dot_v1_dot_generate__pb2.ProfileResponse.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/jaxinfer.v1.GenerateService/StopProfile',
+                request_serializer=jaxinfer_dot_v1_dot_generate__pb2.ProfileRequest.SerializeToString,
+                response_deserializer=jaxinfer_dot_v1_dot_generate__pb2.ProfileResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
@@ -90,6 +100,20 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartProfile(self, request, context):
+        """Start / stop a profiler trace of the engine core into the server's --trace-dir (HTTP:
+        POST /start_profile, /stop_profile); FAILED_PRECONDITION without --trace-dir.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +136,16 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=jaxinfer_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=jaxinfer_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=jaxinfer_dot_v1_dot_generate__pb2.ProfileRequest.FromString,
+                    response_serializer=jaxinfer_dot_v1_dot_generate__pb2.ProfileResponse.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=jaxinfer_dot_v1_dot_generate__pb2.ProfileRequest.FromString,
+                    response_serializer=jaxinfer_dot_v1_dot_generate__pb2.ProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +257,60 @@ class GenerateService:
             '/jaxinfer.v1.GenerateService/GetModelInfo',
             jaxinfer_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             jaxinfer_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxinfer.v1.GenerateService/StartProfile',
+            jaxinfer_dot_v1_dot_generate__pb2.ProfileRequest.SerializeToString,
+            jaxinfer_dot_v1_dot_generate__pb2.ProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxinfer.v1.GenerateService/StopProfile',
+            jaxinfer_dot_v1_dot_generate__pb2.ProfileRequest.SerializeToString,
+            jaxinfer_dot_v1_dot_generate__pb2.ProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,
