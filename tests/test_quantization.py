@@ -1,4 +1,8 @@
-"""Weight-only quantization (`quantization="int8" | "fp8"`).
+"""Weight-only quantization (`quantization="int8" | "fp8" | "int4"`).
+
+0. int4: uint4 codes with per-group scales and offsets (symmetric and asymmetric grids) round
+   trip within half a step, numpy == JAX; its specs (int8 embedding, offsets like scales) and
+   format names with group sizes; int4 orbax saves are refused by name.
 
 1. The quantizer: round trips within half a grid step (int8) / fp8's relative precision, numpy
    and JAX agree bit for bit, all-zero channels, bad formats named; group-wise scales beat
@@ -39,6 +43,7 @@ from jaxinfer import layers, quantization
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.convert import convert
 from jaxinfer.loader import load_from_source, load_model
 from jaxinfer.model_info import open_source
 from jaxinfer.models import deepseek, family_of, llama
@@ -52,11 +57,11 @@ T = gguf.GGMLQuantizationType
 # init scale (measured 2026-11-25: int8 <= 0.016, fp8 <= 0.058; random weights amplify weight
 # error layer after layer, so these bound the tiny models, not real checkpoints: see
 # scripts/eval_quant.py and BENCHMARKS.md for the default model).
-BOUND = {"int8": 0.03, "fp8": 0.1}
+BOUND = {"int8": 0.03, "fp8": 0.1, "int4": 0.3}
 # Tiny models that amplify weight error more, measured 2026-11-25: DeepSeek chains more quantized
 # matrices per layer (q_a, q_b, kv_a, o, shared and routed experts; v3 int8 <= 0.026, fp8 <= 0.105),
 # Gemma 3's tiny config int8 <= 0.035, fp8 <= 0.116.
-WIDE_BOUND = {"int8": 0.045, "fp8": 0.15}
+WIDE_BOUND = {"int8": 0.045, "fp8": 0.15, "int4": 0.5}
 FAMILY_BOUND = {"gemma3": WIDE_BOUND, "deepseek_v2": WIDE_BOUND, "deepseek_v3": WIDE_BOUND}
 
 
@@ -64,7 +69,7 @@ def test_round_trip_int8_and_fp8():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((96, 3, 40)).astype(np.float32)
     w[:, 1, 7] = 0.0  # an all-zero output channel
-    for fmt in qlib.FORMATS:
+    for fmt in ("int8", "fp8"):
         data, scale = qlib.quantize(w, fmt, axis=0)
         assert data.dtype == qlib.STORAGE[fmt] and data.shape == w.shape
         assert scale.dtype == np.float32 and scale.shape == (1, 3, 40)
@@ -85,7 +90,7 @@ def test_group_scales_beat_channel_scales_on_outliers():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((256, 48)).astype(np.float32)  # [K, N], contracted over K (axis 0)
     w[rng.choice(256, 6, replace=False)] *= 12.0  # a few outlier input channels
-    for fmt in qlib.FORMATS:
+    for fmt in ("int8", "fp8"):
         per_channel = qlib.dequantize(*qlib.quantize(w, fmt, 0), 0)
         data, scale = qlib.quantize(w, fmt, 0, groups=8)
         assert data.dtype == qlib.STORAGE[fmt] and data.shape == w.shape and scale.shape == (8, 48)
@@ -98,6 +103,43 @@ def test_group_scales_beat_channel_scales_on_outliers():
         np.testing.assert_array_equal(np.asarray(jd).astype(np.float32), data.astype(np.float32))
     with pytest.raises(ValueError, match="24 groups do not divide"):
         qlib.quantize(w, "int8", 0, 24)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_round_trip_groups_and_offsets(symmetric):
+    """int4: uint4 codes, per-group scale and offset (value = code * scale + offset) within half a
+    step of the weight; asymmetric: integer zero points (offset / scale integral), the group's
+    range over 15 steps; symmetric: offset = -8 * scale; numpy == JAX bit for bit."""
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((256, 24)) + 0.7).astype(np.float32)  # [K, N], skewed positive
+    w[:, 3] = 0.0
+    data, scale, offset = qlib.quantize4(w, 0, 2, symmetric)
+    assert data.dtype == ml_dtypes.uint4 and data.shape == w.shape
+    assert scale.shape == offset.shape == (2, 24) and scale[0, 3] == 1.0
+    back = qlib.dequantize(data, scale, 0, offset=offset)
+    assert np.all(np.abs(back - w) <= 0.5 * np.repeat(scale, 128, 0) + 1e-6)
+    zero = -offset / scale
+    np.testing.assert_allclose(zero, np.rint(zero), rtol=0, atol=1e-5)
+    if symmetric:
+        np.testing.assert_array_equal(zero, 8.0)
+    else:
+        span = np.maximum(w.reshape(2, 128, 24).max(1), 0) - np.minimum(
+            w.reshape(2, 128, 24).min(1), 0
+        )
+        np.testing.assert_allclose(scale[:, :3], span[:, :3] / 15, rtol=1e-6)
+    jd, js, jo = jax.jit(lambda x: qlib.quantize4(x, 0, 2, symmetric, xp=jnp))(w)
+    np.testing.assert_array_equal(np.asarray(js), scale)
+    np.testing.assert_array_equal(np.asarray(jo), offset)
+    np.testing.assert_array_equal(np.asarray(jd).astype(np.int32), data.astype(np.int32))
+    assert qlib.parse_format("int4-g32-sym") == ("int4", 32, True)
+    assert qlib.num_groups(576, "int4") == 9 and qlib.num_groups(576, "int4-g32") == 18
+    cfg = ModelConfig.from_hf(hf_config_dict("smollm2"))
+    specs = llama.param_specs(cfg, quantization="int4-g16")
+    assert specs.layers[0].attn.o.data.dtype == jnp.uint4 and specs.embed.data.dtype == jnp.int8
+    assert specs.layers[0].attn.o.offset.logical_axes == specs.layers[0].attn.o.scale.logical_axes
+    assert specs.embed.offset is None
+    assert quantization.quantization_of(specs) == "int4-g16"
+    assert quantization.quantization_of(llama.param_specs(cfg, quantization="int4")) == "int4"
 
 
 def test_num_groups():
@@ -131,7 +173,7 @@ def test_group_scales_of_gguf_q8_0_blocks_keep_their_values():
     assert np.abs(per_channel - stored).max() > 100 * np.abs(grouped - stored).max()
 
 
-@pytest.mark.parametrize("bad", ["int3", "int4", "FP8", ""])
+@pytest.mark.parametrize("bad", ["int3", "int4-g7", "fp8-g32", "int8-sym", "FP8", ""])
 def test_bad_quantization_is_named(bad):
     with pytest.raises(ValueError, match=f"quantization={bad!r} is not supported"):
         qlib.check_format(bad)
@@ -290,6 +332,7 @@ def small_groups(monkeypatch):
     """int8 scales per 16 input channels (the tiny models' K of 64-128 are below the real 128):
     G = 4 for K = 64, 8 for K = 128, divisible by 4 shards of a contraction axis."""
     monkeypatch.setitem(qlib.GROUP_SIZE, "int8", 16)
+    monkeypatch.setitem(qlib.GROUP_SIZE, "int4", 16)
     monkeypatch.setattr(qlib, "MIN_GROUP", 16)
 
 
@@ -386,7 +429,7 @@ def test_quantized_logits_within_bound_of_float(family, groups, request):
     for fmt in qlib.FORMATS:
         _, params = _family_params(family, fmt, mult=1.0)
         k = params.layers[0].attn.o.data.shape[0]
-        want_groups = k // 16 if groups == "small" and fmt == "int8" else 1
+        want_groups = k // 16 if groups == "small" and fmt != "fp8" else 1
         assert params.layers[0].attn.o.scale.shape[0] == want_groups
         got = _run(params, cfg)
         errs = [rel_err(g, w) for g, w in zip(got, want)]
@@ -544,15 +587,17 @@ def test_group_scales_of_decode_rows_apply_to_partial_sums():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "spec,family,groups",
+    "spec,family,groups,fmt",
     [
-        ("tensor=4", "llama", "default"),
-        ("tensor=4", "llama", "small"),
-        ("expert=2,tensor=2", "mixtral", "small"),
+        ("tensor=4", "llama", "default", "int8"),
+        ("tensor=4", "llama", "small", "int8"),
+        ("expert=2,tensor=2", "mixtral", "small", "int8"),
+        ("tensor=4", "llama", "small", "int4"),
     ],
 )
-def test_sharded_quantized_equals_single_device(spec, family, groups, request):
-    """Also with int8 groups split over the shards of o_proj's and down_proj's input channels."""
+def test_sharded_quantized_equals_single_device(spec, family, groups, fmt, request):
+    """Also with int8 / int4 groups split over the shards of o_proj's and down_proj's input
+    channels (int4: offsets sharded like the scales)."""
     if groups == "small":
         request.getfixturevalue("small_groups")
     from jaxinfer.step import StepInputs
@@ -563,12 +608,12 @@ def test_sharded_quantized_equals_single_device(spec, family, groups, request):
     params = quantization.quantize_params(
         jax.tree.map(lambda x: x * 4.0, params_lib.init_random(specs, jax.random.key(0))),
         specs,
-        "int8",
+        fmt,
     )
     mesh = mesh_of(spec, 4)
     par = shd.Parallel.from_mesh(mesh)
     rules = shd.model_rules(cfg, par)
-    qspecs = llama.param_specs(cfg, quantization="int8")
+    qspecs = llama.param_specs(cfg, quantization=fmt)
     sharded = jax.device_put(params, params_lib.shardings(qspecs, mesh, rules))
     kv = sharded.layers[0].attn.kv
     assert kv.data.sharding.spec == jax.sharding.PartitionSpec(None, None, shd.dense_axes(cfg, par))
@@ -576,6 +621,8 @@ def test_sharded_quantized_equals_single_device(spec, family, groups, request):
         None, None, shd.dense_axes(cfg, par)
     )
     o = sharded.layers[0].attn.o.scale
+    if fmt == "int4":
+        assert sharded.layers[0].attn.o.offset.sharding.spec == o.sharding.spec
     assert o.shape[0] == (4 if groups == "small" else 1)
     assert o.sharding.spec == jax.sharding.PartitionSpec(
         shd.dense_axes(cfg, par) if groups == "small" else None, None
@@ -598,7 +645,9 @@ def test_sharded_quantized_equals_single_device(spec, family, groups, request):
 def test_orbax_round_trip_and_float_checkpoint_quantized_at_load(tmp_path):
     cfg, floats = _family_params("smollm2", None)
     specs = llama.param_specs(cfg)
-    for fmt in qlib.FORMATS:
+    with pytest.raises(ValueError, match="quantization='int4'.*cannot be saved to orbax"):
+        convert(None, tmp_path / "int4", quantization="int4")
+    for fmt in ("int8", "fp8"):
         params = quantization.quantize_params(floats, specs, fmt)
         save_params(tmp_path / fmt, params)
         target = params_lib.abstract(llama.param_specs(cfg, quantization=fmt), shd.make_mesh(None))
