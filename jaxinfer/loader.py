@@ -11,8 +11,9 @@
    tokenizer (before any weight is read, so a missing tokenizer fails fast; none at all with
    `skip_tokenizer_init`), then fills the params
    tree tensor by tensor (HF and GGUF sources) or restores it from orbax straight into the target
-   shardings. With `quantization` ("int8" | "fp8") HF and GGUF tensors are quantized on the host
-   as they are read (GGUF block formats requantized row chunk by row chunk, no float32 copy), a
+   shardings. With `quantization` ("int8" | "fp8" | "int4") HF and GGUF tensors are quantized on
+   the host as they are read (GGUF block formats requantized row chunk by row chunk, no float32
+   copy; a GGUF file of Q4_0 / Q4_1 weights loads "int4" as "int4-g32", its blocks kept exactly), a
    float orbax checkpoint is quantized on device after its restore, and a quantized orbax
    checkpoint restores as it is. On a pipeline mesh the params come back stacked by stage (`jaxinfer.pipeline`):
    orbax restores each layer onto its stage's devices, HF/GGUF tensors are read to the host and
@@ -208,6 +209,9 @@ def load_from_source(
             f"quantization={quantization!r} (convert the float source instead)"
         )
     quantization = quantization or saved
+    if kind == "gguf" and quantization in ("int4", "int4-sym") and handle.native_int4_groups():
+        # NOTE: a file of Q4_0 / Q4_1 blocks keeps them exactly in groups of their 32 values.
+        quantization = quantization.replace("int4", f"int4-g{handle.native_int4_groups()}")
     family = family_of(cfg)
     float_specs = family.param_specs(cfg, jdtype)
     specs = family.param_specs(cfg, jdtype, quantization)

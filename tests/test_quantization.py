@@ -322,6 +322,53 @@ def test_gguf_loads_quantized(tmp_path, monkeypatch):
         assert np.all(np.abs(back - np.asarray(f)) <= 0.5 * step + 1e-6)
 
 
+def test_gguf_q4_blocks_load_exactly_as_int4(tmp_path, monkeypatch):
+    """A tiny llama GGUF of Q4_0 / Q4_1 linear weights and a Q8_0 embedding loads "int4" as
+    "int4-g32": every quantized leaf dequantizes to the float load bit for bit (Q4 blocks as
+    codes + scale + offset, the Q8_0 embedding as int8 groups of 32); "int4-g128" requantizes."""
+    from tests.test_gguf import (
+        _gguf_name,
+        _permute_like_llama_cpp,
+        _tiny_hf_weights,
+        _tiny_kv,
+        _write_gguf,
+    )
+
+    hf = _tiny_hf_weights()
+    tensors = {}
+    for name, w in hf.items():
+        stored, qtype = w, (T.Q4_0 if ".q_proj." in name or "down" in name else T.Q4_1)
+        if ".q_proj." in name:
+            stored = _permute_like_llama_cpp(w, 4)
+        elif ".k_proj." in name:
+            stored = _permute_like_llama_cpp(w, 2)
+        if "embed_tokens" in name:
+            qtype = T.Q8_0
+        elif w.ndim == 1:
+            qtype = T.F32
+        tensors[_gguf_name(name)] = (stored, qtype)
+    path = _write_gguf(tmp_path / "q4.gguf", "llama", _tiny_kv("llama"), tensors)
+    monkeypatch.setattr(Tokenizer, "from_gguf_metadata", classmethod(lambda cls, *a, **k: None))
+    floats = _load_params(path, None)
+    quant = _load_params(path, "int4")
+    assert quantization.quantization_of(quant) == "int4-g32"
+    assert quant.layers[0].attn.q.data.dtype == jnp.uint4 and quant.embed.data.dtype == jnp.int8
+    specs = llama.param_specs(ModelConfig.from_hf(read_gguf(path).hf_config()))
+    leaves = zip(
+        jax.tree.leaves(floats),
+        jax.tree.leaves(quant, is_leaf=quantization.is_quantized),
+        jax.tree.leaves(specs, is_leaf=params_lib.is_spec),
+        strict=True,
+    )
+    for f, q, s in leaves:
+        got = q if s.quant_axis is None else quantization.dequantize(q, s.quant_axis)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(f))
+    coarse = _load_params(path, "int4-g128")  # K = 64: one group, requantized from the blocks
+    assert coarse.layers[0].attn.o.scale.shape[0] == 1
+    back = quantization.dequantize(coarse.layers[0].attn.o, 0)
+    assert np.abs(np.asarray(back) - np.asarray(floats.layers[0].attn.o)).max() > 0
+
+
 def _load_params(path, fmt):
     kind, handle = open_source(str(path))
     return load_from_source(str(path), kind, handle, quantization=fmt).params

@@ -227,7 +227,8 @@ def _quantized_part(
         and len(shape) == 2
         and (transform, axis) in ((transpose, 0), (ident, 1))
     ):
-        native = get_quantized(name, fmt, groups)
+        asked = quantization if spec.offset is not None and quantization else fmt
+        native = get_quantized(name, asked, groups)
     if native is not None:
         native = tuple(map(transform, native))
     else:
