@@ -287,12 +287,15 @@ class GGUFCheckpoint:
         return w
 
     def native_int4_groups(self) -> int | None:
-        """32 when every 2-D block-quantized tensor but the embedding is Q4_0 / Q4_1 (an int4
-        layout with groups of 32 holds them exactly), else None."""
+        """32 when every 2-D block-quantized tensor but the embedding and LM head (int8 under
+        int4) is Q4_0 / Q4_1 (an int4 layout with groups of 32 holds them exactly), else None."""
         kinds = {
             e.qtype
             for name, e in self._entries.items()
-            if len(e.shape) == 2 and e.qtype not in _FLOAT_TYPES and "embed_tokens" not in name
+            if len(e.shape) == 2
+            and e.qtype not in _FLOAT_TYPES
+            and "embed_tokens" not in name
+            and "lm_head" not in name
         }
         return 32 if kinds and kinds <= set(_NATIVE4) else None
 

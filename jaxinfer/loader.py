@@ -34,7 +34,9 @@ from typing import Any
 
 import jax
 
+from checkpoints import quantize as qlib
 from checkpoints.errors import CheckpointError
+from checkpoints.hf_quant import PackedScheme, PackedView, packed_scheme
 from checkpoints.orbax_io import restore_params, saved_leaves
 from jaxinfer import params as params_lib
 from jaxinfer import pipeline
@@ -145,6 +147,23 @@ def orbax_quantization(path: str) -> str | None:
     return fmt
 
 
+def _packed_quantization(path: str, scheme: PackedScheme, asked: str | None) -> str:
+    """The int4 format a GPTQ / AWQ checkpoint loads in (its group size); `asked` must be None or
+    int4 of that group size."""
+    if scheme.group_size not in qlib.GROUP_CHOICES:
+        raise CheckpointError(
+            f"{path!r}: {scheme.method} group_size={scheme.group_size} is not supported "
+            f"(supported: {qlib.GROUP_CHOICES})"
+        )
+    fmt = qlib.format_name("int4", scheme.group_size)
+    if asked not in (None, "int4", fmt):
+        raise CheckpointError(
+            f"{path!r} is a {scheme.method} checkpoint (4-bit, groups of {scheme.group_size}): "
+            f"it loads as quantization={fmt!r}, not {asked!r}"
+        )
+    return fmt
+
+
 def load_dummy(
     path: str,
     *,
@@ -209,6 +228,10 @@ def load_from_source(
             f"quantization={quantization!r} (convert the float source instead)"
         )
     quantization = quantization or saved
+    scheme = packed_scheme(handle.config) if kind == "hf" else None
+    if scheme is not None:  # GPTQ / AWQ: its packed linears kept as int4 (checkpoints.hf_quant)
+        quantization = _packed_quantization(path, scheme, quantization)
+        handle = PackedView(handle, scheme)
     if kind == "gguf" and quantization in ("int4", "int4-sym") and handle.native_int4_groups():
         # NOTE: a file of Q4_0 / Q4_1 blocks keeps them exactly in groups of their 32 values.
         quantization = quantization.replace("int4", f"int4-g{handle.native_int4_groups()}")
@@ -246,7 +269,7 @@ def load_from_source(
                 jdtype,
                 put,
                 quantization,
-                get_quantized=handle.quantized if kind == "gguf" else None,
+                get_quantized=getattr(handle, "quantized", None),
             )
         except CheckpointError:
             raise

@@ -80,10 +80,11 @@ def num_groups(spec: ParamSpec, fmt: str) -> int:
 
 
 def leaf_format(spec: ParamSpec, fmt: str) -> str:
-    """The base format of one weight under `fmt`: int4 keeps weights contracted over a last axis
-    (the embedding, the tied LM head) in int8."""
+    """The base format of one weight under `fmt`: int4 keeps the vocabulary-sized weights (the
+    embedding, the LM head, tied or not) in int8, as GGUF files (Q8_0 / Q6_K) and GPTQ / AWQ
+    checkpoints (16 bits) keep them wider than the layers."""
     base = qlib.base_format(fmt)
-    if base == "int4" and spec.quant_axis == len(spec.shape) - 1 and spec.quant_axis != 0:
+    if base == "int4" and "vocab" in spec.logical_axes:
         return "int8"
     return base
 

@@ -342,7 +342,7 @@ def test_gguf_q4_blocks_load_exactly_as_int4(tmp_path, monkeypatch):
             stored = _permute_like_llama_cpp(w, 4)
         elif ".k_proj." in name:
             stored = _permute_like_llama_cpp(w, 2)
-        if "embed_tokens" in name:
+        if "embed_tokens" in name or "lm_head" in name:
             qtype = T.Q8_0
         elif w.ndim == 1:
             qtype = T.F32
