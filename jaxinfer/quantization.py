@@ -82,9 +82,10 @@ def num_groups(spec: ParamSpec, fmt: str) -> int:
 def leaf_format(spec: ParamSpec, fmt: str) -> str:
     """The base format of one weight under `fmt`: int4 keeps the vocabulary-sized weights (the
     embedding, the LM head, tied or not) in int8, as GGUF files (Q8_0 / Q6_K) and GPTQ / AWQ
-    checkpoints (16 bits) keep them wider than the layers."""
+    checkpoints (16 bits) keep them wider than the layers, and the stacked MoE experts too
+    (contracted over an inner axis: their ragged grouped product has no offset term)."""
     base = qlib.base_format(fmt)
-    if base == "int4" and "vocab" in spec.logical_axes:
+    if base == "int4" and ("vocab" in spec.logical_axes or spec.quant_axis != 0):
         return "int8"
     return base
 

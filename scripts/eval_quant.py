@@ -96,7 +96,10 @@ def main() -> None:
     for fmt in formats:
         start = time.perf_counter()
         llm = LLM(args.model, quantization=None if fmt == "none" else fmt, **common)
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
+        weight_bytes = sum(  # NOTE: XLA stores 4-bit leaves two values per byte
+            x.size // 2 if x.dtype.name in ("int4", "uint4") else x.nbytes
+            for x in jax.tree.leaves(llm.engine.runner.params)
+        )
         conts, lps, ppl = evaluate(llm, args.tokens, ref_conts)
         if ref_conts is None:
             ref_conts, ref_weight_bytes = conts, weight_bytes

@@ -10,7 +10,8 @@
    int8 groups of 128 (gcd with K) and fp8 one group.
 2. GGUF: block formats requantized row chunk by row chunk equal quantizing the `gguf` library's
    own dequantization; Q8_0 / Q4_0 rows whose block scales allow it fold exactly (bit for bit
-   the library's values); a tiny GGUF loads quantized through the model loader.
+   the library's values); a tiny GGUF loads quantized through the model loader; one of Q4_0 /
+   Q4_1 weights and a Q8_0 embedding loads "int4" as "int4-g32", every leaf bit for bit.
 3. Specs: a quantized leaf is (data, scale), the scale's contraction axis cut to G groups (named
    like the weight's when G > 1, replicated when G = 1; MoE experts G = 1); abstract trees,
    shardings and random init follow; groups a mesh cannot split are named at load. The tiny
@@ -57,12 +58,19 @@ T = gguf.GGMLQuantizationType
 # init scale (measured 2026-11-25: int8 <= 0.016, fp8 <= 0.058; random weights amplify weight
 # error layer after layer, so these bound the tiny models, not real checkpoints: see
 # scripts/eval_quant.py and BENCHMARKS.md for the default model).
-BOUND = {"int8": 0.03, "fp8": 0.1, "int4": 0.3}
+BOUND = {"int8": 0.03, "fp8": 0.1, "int4": 0.25}
 # Tiny models that amplify weight error more, measured 2026-11-25: DeepSeek chains more quantized
 # matrices per layer (q_a, q_b, kv_a, o, shared and routed experts; v3 int8 <= 0.026, fp8 <= 0.105),
 # Gemma 3's tiny config int8 <= 0.035, fp8 <= 0.116.
-WIDE_BOUND = {"int8": 0.045, "fp8": 0.15, "int4": 0.5}
-FAMILY_BOUND = {"gemma3": WIDE_BOUND, "deepseek_v2": WIDE_BOUND, "deepseek_v3": WIDE_BOUND}
+# int4 (2026-11-25, default / small groups): llama-likes <= 0.19, DeepSeek <= 0.2, Gemma 2 / 3 0.39
+# / 0.37 (their tiny configs amplify most).
+WIDE_BOUND = {"int8": 0.045, "fp8": 0.15, "int4": 0.45}
+FAMILY_BOUND = {
+    "gemma2": WIDE_BOUND,
+    "gemma3": WIDE_BOUND,
+    "deepseek_v2": WIDE_BOUND,
+    "deepseek_v3": WIDE_BOUND,
+}
 
 
 def test_round_trip_int8_and_fp8():
