@@ -214,7 +214,8 @@ def _stored_bytes(w: np.ndarray, qtype: T) -> np.ndarray:
 def test_gguf_block_formats_requantize_like_the_library(tmp_path, monkeypatch, qtype):
     """Every GGUF block format -> int8 / fp8 with 1 or 2 scales per row: equal to quantizing the
     library's own dequantization of the same bytes (exactly, or exactly folded for symmetric
-    formats, group by group)."""
+    formats, group by group); -> int4: Q4_0 / Q4_1 in groups of 32 equal the library's values,
+    everything else equals `quantize4` of them."""
     from tests.test_gguf import _gguf_name, _tiny_hf_weights, _tiny_kv, _write_gguf
 
     hf = _tiny_hf_weights(seed=3)
@@ -244,7 +245,16 @@ def test_gguf_block_formats_requantize_like_the_library(tmp_path, monkeypatch, q
     lib = gguf.quants.dequantize(stored, qtype)
     assert ckpt.quantized("model.norm.weight", "int8") is None  # 1-D: read as float
     assert ckpt.quantized("model.layers.0.self_attn.q_proj.weight", "int8") is None  # stored F32
-    for fmt, groups in [(f, g) for f in qlib.FORMATS for g in (1, 2)]:
+    for groups in (1, 2, 8):  # int4: 8 groups of 32 keep Q4_0 / Q4_1 blocks, others requantize
+        codes, scale, offset = ckpt.quantized(name, "int4", groups)
+        back = qlib.dequantize(codes, scale, 1, offset=offset)
+        if groups == 8 and qtype in (T.Q4_0, T.Q4_1):
+            np.testing.assert_array_equal(back, lib)
+        else:
+            want = qlib.quantize4(lib, 1, groups)
+            np.testing.assert_array_equal(codes.astype(np.int32), want[0].astype(np.int32))
+            np.testing.assert_array_equal(scale, want[1])
+    for fmt, groups in [(f, g) for f in ("int8", "fp8") for g in (1, 2)]:
         data, scale = ckpt.quantized(name, fmt, groups)
         assert (
             data.dtype == qlib.STORAGE[fmt]
