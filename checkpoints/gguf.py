@@ -17,10 +17,8 @@ Flow:
 5. `GGUFCheckpoint.quantized(hf_name, fmt, groups)` is the loader's path when `quantization` is
    set: a block-quantized tensor requantized to int8 / fp8 with `groups` scales per row, a chunk
    of rows at a time (`gguf_quants.requantize`; exactly, by folding the block scales, for the
-   symmetric formats where a group's block scales allow it); int4 (`fmt` "int4...") gives
-   (codes, scales, offsets), Q4_0 / Q4_1 kept exactly with groups of 32
-   (`gguf_quants.requantize4`). `native_int4_groups()` says whether every quantized 2-D weight
-   is Q4_0 / Q4_1 (the loader then picks groups of 32 for "int4").
+   symmetric formats where a group's block scales allow it); int4 gives (codes, scales, offsets),
+   Q4_0 / Q4_1 exactly in groups of 32 (`gguf_quants.requantize4`, `native_int4_groups`).
 6. `GGUFCheckpoint.hf_config()` derives a HF `config.json`-style dict from the metadata.
 
 Layout: GGUF lists dimensions fastest first (`ne[0]` is the contiguous one), so the numpy shape is
@@ -287,16 +285,10 @@ class GGUFCheckpoint:
         return w
 
     def native_int4_groups(self) -> int | None:
-        """32 when every 2-D block-quantized tensor but the embedding and LM head (int8 under
-        int4) is Q4_0 / Q4_1 (an int4 layout with groups of 32 holds them exactly), else None."""
-        kinds = {
-            e.qtype
-            for name, e in self._entries.items()
-            if len(e.shape) == 2
-            and e.qtype not in _FLOAT_TYPES
-            and "embed_tokens" not in name
-            and "lm_head" not in name
-        }
+        """32 when every 2-D block-quantized tensor but the (int8) embedding and LM head is Q4_0 /
+        Q4_1 (int4 groups of 32 hold them exactly), else None."""
+        skip = re.compile(r".*(embed_tokens|lm_head)")
+        kinds = {e.qtype for n, e in self._entries.items() if not skip.match(n)} - _FLOAT_TYPES
         return 32 if kinds and kinds <= set(_NATIVE4) else None
 
     def quantized(self, hf_name: str, fmt: str, groups: int = 1) -> tuple[np.ndarray, ...] | None:
