@@ -137,25 +137,24 @@ def quantize4(
     w: Any, axis: int, groups: int = 1, symmetric: bool = False, xp: Any = np
 ) -> tuple[Any, Any, Any]:
     """(codes uint4, scale f32, offset f32) of `w` on a 4-bit grid per group (shapes as `quantize`):
-    value = code * scale + offset. Asymmetric: the group's [min, max] (widened to hold 0) over 15
-    steps with an integer zero point z (offset = -z * scale, GPTQ / AWQ's grid); symmetric:
-    scale = absmax / 7, z = 8 (codes 1..15)."""
+    value = code * scale + offset. Asymmetric: the group's [min, max] over 15 steps, offset = min
+    (GGUF Q4_1's grid: the float offset need not be an integer zero point, so the range need not
+    hold 0 as GPTQ's does); symmetric: scale = absmax / 7, offset = -8 * scale (codes 1..15)."""
     shape = tuple(w.shape)
     k = shape[axis]
     if groups < 1 or k % groups:
         raise ValueError(f"{groups} groups do not divide the contraction axis ({k} of {shape})")
     wf = xp.reshape(xp.asarray(w).astype(xp.float32), _grouped(shape, axis, groups))
-    hi = xp.maximum(xp.max(wf, axis=axis + 1), 0.0)
-    lo = xp.minimum(xp.min(wf, axis=axis + 1), 0.0)
+    hi, lo = xp.max(wf, axis=axis + 1), xp.min(wf, axis=axis + 1)
     if symmetric:
         span = xp.maximum(hi, -lo) * np.float32(2.0 / 14.0)
     else:
         span = (hi - lo) * (np.float32(1.0) / np.float32(QMAX["int4"]))
     scale = xp.where(span > 0, span, xp.float32(1.0)).astype(xp.float32)
-    zero = xp.full_like(scale, INT4_MID) if symmetric else xp.clip(xp.rint(-lo / scale), 0, 15)
-    codes = xp.rint(wf / xp.expand_dims(scale, axis + 1)) + xp.expand_dims(zero, axis + 1)
+    offset = (-INT4_MID * scale if symmetric else lo).astype(xp.float32)
+    codes = xp.rint((wf - xp.expand_dims(offset, axis + 1)) / xp.expand_dims(scale, axis + 1))
     data = xp.clip(codes, 0, 15).astype(STORAGE["int4"])
-    return xp.reshape(data, shape), scale, (-zero * scale).astype(xp.float32)
+    return xp.reshape(data, shape), scale, offset
 
 
 def dequantize(data: Any, scale: Any, axis: int, xp: Any = np, offset: Any = None) -> Any:
