@@ -17,7 +17,8 @@ Flow:
 5. `GGUFCheckpoint.quantized(hf_name, fmt, groups)` is the loader's path when `quantization` is
    set: a block-quantized tensor requantized to int8 / fp8 with `groups` scales per row, a chunk
    of rows at a time (`gguf_quants.requantize`; exactly, by folding the block scales, for the
-   symmetric formats where a group's block scales allow it).
+   symmetric formats where a group's block scales allow it); int4 gives (codes, scales, offsets),
+   Q4_0 / Q4_1 exactly in groups of 32 (`gguf_quants.requantize4`, `native_int4_groups`).
 6. `GGUFCheckpoint.hf_config()` derives a HF `config.json`-style dict from the metadata.
 
 Layout: GGUF lists dimensions fastest first (`ne[0]` is the contiguous one), so the numpy shape is
@@ -43,11 +44,13 @@ import numpy.typing as npt
 from checkpoints.errors import GGUFError
 from checkpoints.gguf_quants import (
     _FLOAT_TYPES,
+    _NATIVE4,
     SUPPORTED_TYPES,
     GGMLType,
     _type_name,
     dequantize,
     requantize,
+    requantize4,
 )
 
 _GGUF_MAGIC = b"GGUF"
@@ -281,9 +284,14 @@ class GGUFCheckpoint:
             w -= np.float32(entry.norm_offset)
         return w
 
-    def quantized(
-        self, hf_name: str, fmt: str, groups: int = 1
-    ) -> tuple[np.ndarray, np.ndarray] | None:
+    def native_int4_groups(self) -> int | None:
+        """32 when every 2-D block-quantized tensor but the (int8) embedding and LM head is Q4_0 /
+        Q4_1 (int4 groups of 32 hold them exactly), else None."""
+        skip = re.compile(r".*(embed_tokens|lm_head)")
+        kinds = {e.qtype for n, e in self._entries.items() if not skip.match(n)} - _FLOAT_TYPES
+        return 32 if kinds and kinds <= set(_NATIVE4) else None
+
+    def quantized(self, hf_name: str, fmt: str, groups: int = 1) -> tuple[np.ndarray, ...] | None:
         """A 2-D block-quantized tensor requantized to `fmt` ("int8" | "fp8") with `groups` scales
         per row (HF layout: data [out, in], scale f32[out, groups] along `in`), a chunk of rows at
         a time, never whole in float32. Groups of symmetric blocks (Q8_0, Q4_0, Q5_0) fold their
@@ -308,11 +316,13 @@ class GGUFCheckpoint:
         if cols % groups:
             raise GGUFError(f"{what}: {groups} scale groups do not divide its {cols} columns")
         by_row = raw.reshape(rows, cols // block_size * block_bytes)
-        data, scale = requantize(by_row, entry.qtype, cols, fmt, groups)
+        if fmt.startswith("int4"):
+            out = requantize4(by_row, entry.qtype, cols, groups, fmt.endswith("-sym"))
+        else:
+            out = requantize(by_row, entry.qtype, cols, fmt, groups)
         if entry.unpermute_heads is not None:
-            data = _undo_rotary_permutation(data, entry.unpermute_heads, what)
-            scale = _undo_rotary_permutation(scale, entry.unpermute_heads, what)
-        return data, scale
+            out = tuple(_undo_rotary_permutation(x, entry.unpermute_heads, what) for x in out)
+        return out
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(HF name, float32 array) for every tensor, reading one at a time."""

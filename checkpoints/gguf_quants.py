@@ -9,6 +9,11 @@
    with `groups` scales per row, a chunk of rows at a time (`checkpoints.quantize.requantize_rows`);
    the symmetric formats (Q4_0, Q5_0, Q8_0: values are block scale x integer, `_SYMMETRIC`) hand
    over their integers so that groups whose block scales allow it are folded exactly.
+4. `requantize4(by_row, qtype, cols, groups, symmetric)` is the same for int4 (codes, scales,
+   offsets): Q4_0 and Q4_1 with groups of 32 (one per block) are kept exactly as they are stored
+   (`_NATIVE4`: Q4_0's d * (q - 8) as code q, scale d, offset -8 d; Q4_1's d * q + m as code q,
+   scale d, offset m; f16 d and m widen exactly and -8 d is exact), every other type / group size
+   is requantized from its dequantized rows (`quantize.quantize4`, one rounding).
 
 Layout: a quantized row of `ne[0]` values is packed into blocks of 32 or 256 values
 (`gguf.GGML_QUANT_SIZES` gives the block size and its byte count).
@@ -288,6 +293,55 @@ def dequantize(raw: np.ndarray, ggml_type: int | GGMLType, shape: tuple[int, ...
             f"{qtype.name} tensor of shape {shape} needs {n_blocks * block_bytes} bytes, got {data.size}"
         )
     return kernel(data.reshape(n_blocks, block_bytes)).reshape(shape)
+
+
+def _native_q4_0(blocks: np.ndarray) -> tuple[np.ndarray, ...]:  # u8[n_blocks, 18]
+    d = _f16(blocks, 0)[:, 0]
+    return _low_high_nibbles(blocks[:, 2:18]).reshape(-1, 32), d, np.float32(-8.0) * d
+
+
+def _native_q4_1(blocks: np.ndarray) -> tuple[np.ndarray, ...]:  # u8[n_blocks, 20]
+    return (
+        _low_high_nibbles(blocks[:, 4:20]).reshape(-1, 32),
+        _f16(blocks, 0)[:, 0],
+        _f16(blocks, 2)[:, 0],
+    )
+
+
+# Block formats an int4 layout with groups of 32 holds exactly: (codes u8[n_blocks, 32] in 0..15,
+# scale f32[n_blocks], offset f32[n_blocks]).
+_NATIVE4: dict[GGMLType, Callable[[np.ndarray], tuple[np.ndarray, ...]]] = {
+    GGMLType.Q4_0: _native_q4_0,
+    GGMLType.Q4_1: _native_q4_1,
+}
+
+
+def requantize4(
+    by_row: np.ndarray, qtype: GGMLType, cols: int, groups: int, symmetric: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # u8[rows, row_bytes]
+    """(codes uint4[rows, cols], scale f32[rows, groups], offset f32[rows, groups]) of a
+    block-quantized 2-D tensor: Q4_0 / Q4_1 with one group per block exactly, others requantized
+    from their dequantized rows a chunk at a time."""
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows = by_row.shape[0]
+    if qtype in _NATIVE4 and cols // groups == block_size:
+        codes, d, m = _NATIVE4[qtype](by_row.reshape(-1, block_bytes))
+        return (
+            codes.reshape(rows, cols).astype(qlib.STORAGE["int4"]),
+            d.reshape(rows, groups),
+            m.reshape(rows, groups),
+        )
+    parts = [
+        qlib.quantize4(
+            dequantize(by_row[start : start + qlib.ROW_CHUNK], qtype, (stop - start, cols)),
+            1,
+            groups,
+            symmetric,
+        )
+        for start in range(0, rows, qlib.ROW_CHUNK)
+        for stop in [min(rows, start + qlib.ROW_CHUNK)]
+    ]
+    return tuple(np.concatenate(x) for x in zip(*parts))
 
 
 def requantize(

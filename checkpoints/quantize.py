@@ -1,7 +1,16 @@
-"""Weight-only quantization of one tensor: symmetric, one scale per group of input channels.
+"""Weight-only quantization of one tensor: one scale (int4: and one offset) per group of input
+channels.
 
-1. `FORMATS` names the stored formats: "int8" (values in [-127, 127]) and "fp8" (`float8_e4m3fn`,
-   values in [-448, 448]). `check_format(name, field)` rejects anything else naming the field.
+1. `FORMATS` names the stored formats: "int8" (values in [-127, 127]), "fp8" (`float8_e4m3fn`,
+   values in [-448, 448]) and "int4" (`uint4` codes u in [0, 15], stored two per byte, with an f32
+   offset per group: value = u * scale + offset; one layout holds symmetric grids (offset =
+   -8 * scale: GGUF Q4_0), asymmetric ones with integer zero points (offset = -zero * scale: GPTQ,
+   AWQ) and GGUF Q4_1's scale + min blocks (offset = min) exactly). A name may add options:
+   "int4-g32" (groups of 32 instead of 128), "int4-sym" (a symmetric grid, u - 8 in [-7, 7]),
+   "int8-g32"; `parse_format` splits them. `check_format(name, field)` rejects anything else
+   naming the field. Under "int4" the linear weights are 4-bit and the embedding (also the tied LM
+   head, contracted over its last axis) is int8 with the same group size: GGUF files keep their
+   embedding in 8 bits (Q8_0) and GPTQ / AWQ keep it in 16.
 2. `num_groups(k, fmt)` is how many scales a weight contracted over `k` input channels gets per
    output channel: int8 one per `GROUP_SIZE["int8"]` (128) consecutive input channels (the group
    size of GPTQ / AWQ checkpoints; gcd(k, 128) where k has no such factor, e.g. 64 for k = 576;
@@ -34,25 +43,65 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-FORMATS = ("int8", "fp8")
-QMAX = {"int8": 127.0, "fp8": 448.0}
-STORAGE = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
+FORMATS = ("int8", "fp8", "int4")
+QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 15.0}
+STORAGE = {
+    "int8": np.dtype(np.int8),
+    "fp8": np.dtype(ml_dtypes.float8_e4m3fn),
+    "int4": np.dtype(ml_dtypes.uint4),
+}
 # Input channels per scale (None: one scale per output channel), and the smallest group used.
-GROUP_SIZE: dict[str, int | None] = {"int8": 128, "fp8": None}
+GROUP_SIZE: dict[str, int | None] = {"int8": 128, "fp8": None, "int4": 128}
+GROUP_CHOICES = (16, 32, 64, 128, 256)
 MIN_GROUP = 32
+# The int4 code of zero on a symmetric grid (GGUF Q4_0's q - 8).
+INT4_MID = 8
 ROW_CHUNK = 256
 
 
+def parse_format(fmt: str) -> tuple[str, int | None, bool]:
+    """(base format, input channels per group, symmetric) of a format name such as "int4-g32"."""
+    base, *opts = fmt.split("-")
+    if base not in FORMATS:
+        raise ValueError(fmt)
+    size, symmetric = GROUP_SIZE[base], base != "int4"
+    for opt in opts:
+        if opt == "sym" and base == "int4" and not symmetric:
+            symmetric = True
+        elif opt[:1] == "g" and opt[1:].isdigit() and int(opt[1:]) in GROUP_CHOICES and size:
+            size = int(opt[1:])
+        else:
+            raise ValueError(fmt)
+    return base, size, symmetric
+
+
+def format_name(base: str, size: int | None) -> str:
+    """The name `parse_format` reads back as (base, size)."""
+    return base if size == GROUP_SIZE[base] else f"{base}-g{size}"
+
+
 def check_format(fmt: str | None, field: str = "quantization") -> str | None:
-    """`fmt` when it is None or one of `FORMATS`; else a ValueError naming `field`."""
-    if fmt is None or fmt in FORMATS:
+    """`fmt` when it is None or a format name (`FORMATS` with options); else a ValueError naming
+    `field`."""
+    if fmt is None:
         return fmt
-    raise ValueError(f"{field}={fmt!r} is not supported; choose one of {FORMATS} (or None)")
+    try:
+        parse_format(fmt)
+        return fmt
+    except (ValueError, AttributeError):
+        raise ValueError(
+            f"{field}={fmt!r} is not supported; choose one of {FORMATS} (or None); int8 and int4 "
+            f"take a group size suffix -g<n> (n in {GROUP_CHOICES}), int4 also -sym"
+        ) from None
+
+
+def base_format(fmt: str) -> str:
+    return parse_format(fmt)[0]
 
 
 def num_groups(k: int, fmt: str) -> int:
     """Scales per output channel of a weight of `fmt` contracted over `k` input channels."""
-    size = GROUP_SIZE[check_format(fmt)]
+    size = parse_format(check_format(fmt))[1]
     if not size:
         return 1
     group = math.gcd(k, size)
@@ -61,8 +110,11 @@ def num_groups(k: int, fmt: str) -> int:
 
 def quantize(w: Any, fmt: str, axis: int, groups: int = 1, xp: Any = np) -> tuple[Any, Any]:
     """(data, scale): `w` [.., K, ..] as `fmt` (data of `w`'s shape) with f32 scales
-    [.., groups, ..]: one per `K // groups` consecutive entries along `axis` and output channel."""
-    check_format(fmt)
+    [.., groups, ..]: one per `K // groups` consecutive entries along `axis` and output channel.
+    int4: `quantize4` (it returns an offset too)."""
+    fmt = base_format(check_format(fmt))
+    if fmt == "int4":
+        raise ValueError("int4 has offsets: use quantize4")
     shape = tuple(w.shape)
     k = shape[axis]
     if groups < 1 or k % groups:
@@ -81,12 +133,39 @@ def quantize(w: Any, fmt: str, axis: int, groups: int = 1, xp: Any = np) -> tupl
     return xp.reshape(data, shape), scale
 
 
-def dequantize(data: Any, scale: Any, axis: int, xp: Any = np) -> Any:
-    """f32 `data * scale`, each of the scale's `scale.shape[axis]` groups broadcast over its
-    consecutive entries along `axis`."""
+def quantize4(
+    w: Any, axis: int, groups: int = 1, symmetric: bool = False, xp: Any = np
+) -> tuple[Any, Any, Any]:
+    """(codes uint4, scale f32, offset f32) of `w` on a 4-bit grid per group (shapes as `quantize`):
+    value = code * scale + offset. Asymmetric: the group's [min, max] over 15 steps, offset = min
+    (GGUF Q4_1's grid: the float offset need not be an integer zero point, so the range need not
+    hold 0 as GPTQ's does); symmetric: scale = absmax / 7, offset = -8 * scale (codes 1..15)."""
+    shape = tuple(w.shape)
+    k = shape[axis]
+    if groups < 1 or k % groups:
+        raise ValueError(f"{groups} groups do not divide the contraction axis ({k} of {shape})")
+    wf = xp.reshape(xp.asarray(w).astype(xp.float32), _grouped(shape, axis, groups))
+    hi, lo = xp.max(wf, axis=axis + 1), xp.min(wf, axis=axis + 1)
+    if symmetric:
+        span = xp.maximum(hi, -lo) * np.float32(2.0 / 14.0)
+    else:
+        span = (hi - lo) * (np.float32(1.0) / np.float32(QMAX["int4"]))
+    scale = xp.where(span > 0, span, xp.float32(1.0)).astype(xp.float32)
+    offset = (-INT4_MID * scale if symmetric else lo).astype(xp.float32)
+    codes = xp.rint((wf - xp.expand_dims(offset, axis + 1)) / xp.expand_dims(scale, axis + 1))
+    data = xp.clip(codes, 0, 15).astype(STORAGE["int4"])
+    return xp.reshape(data, shape), scale, offset
+
+
+def dequantize(data: Any, scale: Any, axis: int, xp: Any = np, offset: Any = None) -> Any:
+    """f32 `data * scale (+ offset)`, each of the scale's `scale.shape[axis]` groups broadcast over
+    its consecutive entries along `axis`."""
     shape = tuple(data.shape)
     grouped = xp.reshape(data, _grouped(shape, axis, scale.shape[axis]))
-    return xp.reshape(grouped.astype(xp.float32) * xp.expand_dims(scale, axis + 1), shape)
+    out = grouped.astype(xp.float32) * xp.expand_dims(scale, axis + 1)
+    if offset is not None:
+        out = out + xp.expand_dims(offset, axis + 1)
+    return xp.reshape(out, shape)
 
 
 def _grouped(shape: tuple[int, ...], axis: int, groups: int) -> tuple[int, ...]:

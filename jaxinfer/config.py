@@ -276,9 +276,10 @@ class EngineConfig:
     # Speculative decoding (`jaxinfer.spec_decode.SpeculativeConfig`; a dict or JSON string is
     # parsed): e.g. {"method": "ngram", "num_speculative_tokens": 4}. None: off.
     speculative_config: Any = None
-    # Weight-only quantization of the linear weights and the embedding: None, "int8" or "fp8"
-    # (float8_e4m3fn); int8 keeps one f32 scale per output channel and group of 128 input
-    # channels, fp8 one per output channel (see `jaxinfer.quantization`).
+    # Weight-only quantization of the linear weights and the embedding: None, "int8", "fp8"
+    # (float8_e4m3fn) or "int4"; int8 keeps one f32 scale per output channel and group of 128 input
+    # channels, fp8 one per output channel, int4 a scale and an offset per group of 128 (names
+    # such as "int4-g32" pick other group sizes; see `checkpoints.quantize`).
     quantization: str | None = None
     # The paged KV cache's storage: "auto" (the model dtype) or "fp8" (float8_e4m3fn values with a
     # power-of-two scale per slot and K/V head: (D + 1) bytes a row instead of 2 * D in bf16).
@@ -298,11 +299,9 @@ class EngineConfig:
         )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.quantization not in (None, "int8", "fp8"):
-            raise ValueError(
-                f"quantization={self.quantization!r} is not supported; choose one of "
-                f"('int8', 'fp8') (or None)"
-            )
+        from checkpoints.quantize import check_format  # NOTE: numpy only, no JAX
+
+        check_format(self.quantization)
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "

@@ -148,6 +148,12 @@ def convert(
       The absolute path of `dst`.
     """
     check_quantization(quantization)
+    if quantization and quantization.startswith("int4"):
+        # NOTE: tensorstore (orbax's storage) has no 4-bit dtype; load the source with int4 instead.
+        raise ValueError(
+            f"quantization={quantization!r}: int4 checkpoints cannot be saved to orbax yet "
+            "(tensorstore has no 4-bit type); load the source with quantization='int4' instead"
+        )
     src_path = resolve_model_path(src)
     dtype = dtype or DEFAULT_DTYPE
     if dtype not in params_lib.DTYPES:

@@ -186,9 +186,10 @@ def dense(
 ) -> tuple[jax.Array, ...]:
     """x [T, E] times each weight [E, ...] (contracting E) -> ([T, ...], ...).
 
-    A weight may be a `QArray` (int8 / fp8 data with scales [G, ...]: one per output channel and
-    group of E // G input channels): the product runs on the stored values, each group's scales
-    applied to that group's share of the product (see `_xla_dense`). With backend "cpu" a step of
+    A weight may be a `QArray` (int8 / fp8 / int4 data with scales [G, ...]: one per output channel
+    and group of E // G input channels; int4 also offsets [G, ...]): the product runs on the stored
+    values, each group's scales applied to that group's share of the product, plus x's group sums
+    times the offsets (see `_xla_dense`). With backend "cpu" a step of
     at most `cpu_linear.MAX_ROWS` float32 rows runs every weight in one call of the compiled kernel
     (float32 or int8 weights, all of one kind); anything else is XLA's dot (same contraction as
     `einsum("te,e...->t...")`).
@@ -220,13 +221,20 @@ def _xla_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
     data = w.data.reshape(e, -1)  # [E, N]
     scale = w.scale.reshape(groups, -1)  # f32[G, N]
     out_shape = (t, *w.shape[1:])
+    offset = None if w.offset is None else w.offset.reshape(groups, -1)  # f32[G, N]
+    # int4 offsets: sum_k x[t, k] * offset[k // g, n] = (x's per-group sums) @ offset.
+    shift = (
+        0.0
+        if offset is None
+        else jnp.dot(x.reshape(t, groups, -1).sum(-1, dtype=jnp.float32), offset)
+    )
     if groups == 1:
         # NOTE: the stored values are converted to x's dtype right at the dot, whose f32 output is
         # then scaled per output channel: on GPU XLA fuses that convert into the GEMM (no converted
         # weight in memory); XLA:CPU materializes it (measured: BENCHMARKS.md), which is why
         # decode rows take the CPU kernel.
         y = jnp.dot(x, data.astype(x.dtype), preferred_element_type=jnp.float32)
-        return (y * scale[0]).astype(x.dtype).reshape(out_shape)
+        return (y * scale[0] + shift).astype(x.dtype).reshape(out_shape)
     if _per_group_products(x, e, groups):
         # t: token rows, G: scale groups, g: input channels of a group, n: output channels.
         parts = jnp.einsum(
@@ -235,8 +243,9 @@ def _xla_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
             data.reshape(groups, -1, data.shape[1]).astype(x.dtype),
             preferred_element_type=jnp.float32,
         )
-        return jnp.einsum("tGn,Gn->tn", parts, scale).astype(x.dtype).reshape(out_shape)
-    weight = qlib.dequantize(data, scale, 0, xp=jnp).astype(x.dtype)
+        y = jnp.einsum("tGn,Gn->tn", parts, scale) + shift
+        return y.astype(x.dtype).reshape(out_shape)
+    weight = qlib.dequantize(data, scale, 0, xp=jnp, offset=offset).astype(x.dtype)
     return jnp.dot(x, weight, preferred_element_type=jnp.float32).astype(x.dtype).reshape(out_shape)
 
 
@@ -270,8 +279,13 @@ def dense_transposed(x: jax.Array, w: jax.Array | QArray, backend: str = "xla") 
 def embed_rows(embed: jax.Array | QArray, ids: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
     """Rows `ids` i32[T] of an embedding [V, E] (quantized: scales [V, G]) -> [T, E] of `dtype`."""
     if isinstance(embed, QArray):
+        offset = None if embed.offset is None else jnp.take(embed.offset, ids, axis=0)
         return qlib.dequantize(
-            jnp.take(embed.data, ids, axis=0), jnp.take(embed.scale, ids, axis=0), 1, xp=jnp
+            jnp.take(embed.data, ids, axis=0),
+            jnp.take(embed.scale, ids, axis=0),
+            1,
+            xp=jnp,
+            offset=offset,
         ).astype(dtype)
     return jnp.take(embed, ids, axis=0)
 

@@ -11,8 +11,9 @@
    tokenizer (before any weight is read, so a missing tokenizer fails fast; none at all with
    `skip_tokenizer_init`), then fills the params
    tree tensor by tensor (HF and GGUF sources) or restores it from orbax straight into the target
-   shardings. With `quantization` ("int8" | "fp8") HF and GGUF tensors are quantized on the host
-   as they are read (GGUF block formats requantized row chunk by row chunk, no float32 copy), a
+   shardings. With `quantization` ("int8" | "fp8" | "int4") HF and GGUF tensors are quantized on
+   the host as they are read (GGUF block formats requantized row chunk by row chunk, no float32
+   copy; a GGUF file of Q4_0 / Q4_1 weights loads "int4" as "int4-g32", its blocks kept exactly), a
    float orbax checkpoint is quantized on device after its restore, and a quantized orbax
    checkpoint restores as it is. On a pipeline mesh the params come back stacked by stage (`jaxinfer.pipeline`):
    orbax restores each layer onto its stage's devices, HF/GGUF tensors are read to the host and
@@ -33,7 +34,9 @@ from typing import Any
 
 import jax
 
+from checkpoints import quantize as qlib
 from checkpoints.errors import CheckpointError
+from checkpoints.hf_quant import PackedScheme, PackedView, packed_scheme
 from checkpoints.orbax_io import restore_params, saved_leaves
 from jaxinfer import params as params_lib
 from jaxinfer import pipeline
@@ -144,6 +147,23 @@ def orbax_quantization(path: str) -> str | None:
     return fmt
 
 
+def _packed_quantization(path: str, scheme: PackedScheme, asked: str | None) -> str:
+    """The int4 format a GPTQ / AWQ checkpoint loads in (its group size); `asked` must be None or
+    int4 of that group size."""
+    if scheme.group_size not in qlib.GROUP_CHOICES:
+        raise CheckpointError(
+            f"{path!r}: {scheme.method} group_size={scheme.group_size} is not supported "
+            f"(supported: {qlib.GROUP_CHOICES})"
+        )
+    fmt = qlib.format_name("int4", scheme.group_size)
+    if asked not in (None, "int4", fmt):
+        raise CheckpointError(
+            f"{path!r} is a {scheme.method} checkpoint (4-bit, groups of {scheme.group_size}): "
+            f"it loads as quantization={fmt!r}, not {asked!r}"
+        )
+    return fmt
+
+
 def load_dummy(
     path: str,
     *,
@@ -208,6 +228,13 @@ def load_from_source(
             f"quantization={quantization!r} (convert the float source instead)"
         )
     quantization = quantization or saved
+    scheme = packed_scheme(handle.config) if kind == "hf" else None
+    if scheme is not None:  # GPTQ / AWQ: its packed linears kept as int4 (checkpoints.hf_quant)
+        quantization = _packed_quantization(path, scheme, quantization)
+        handle = PackedView(handle, scheme)
+    if kind == "gguf" and quantization in ("int4", "int4-sym") and handle.native_int4_groups():
+        # NOTE: a file of Q4_0 / Q4_1 blocks keeps them exactly in groups of their 32 values.
+        quantization = quantization.replace("int4", f"int4-g{handle.native_int4_groups()}")
     family = family_of(cfg)
     float_specs = family.param_specs(cfg, jdtype)
     specs = family.param_specs(cfg, jdtype, quantization)
@@ -242,7 +269,7 @@ def load_from_source(
                 jdtype,
                 put,
                 quantization,
-                get_quantized=handle.quantized if kind == "gguf" else None,
+                get_quantized=getattr(handle, "quantized", None),
             )
         except CheckpointError:
             raise

@@ -81,8 +81,10 @@ def _init_leaf(s: ParamSpec, key: jax.Array) -> jax.Array:
     if s.init == "constant":
         return jnp.full(s.shape, s.scale, s.dtype)
     x = s.scale * jax.random.normal(key, s.shape, jnp.float32)
-    if jnp.issubdtype(s.dtype, jnp.integer):  # quantized data: the symmetric int8 grid
-        x = jnp.clip(jnp.rint(x), -127, 127)
+    if jnp.issubdtype(s.dtype, jnp.integer):  # quantized data: the int8 grid, int4 codes 0..15
+        info = jnp.iinfo(s.dtype)
+        mid = (int(info.max) + 1) // 2 if int(info.min) == 0 else 0
+        x = jnp.clip(jnp.rint(x) + mid, max(int(info.min), -127), int(info.max))
     return x.astype(s.dtype)
 
 

@@ -1,4 +1,5 @@
-"""Weight-only quantization (`quantization="int8" | "fp8"`): the quantized leaf and its specs.
+"""Weight-only quantization (`quantization="int8" | "fp8" | "int4"`): the quantized leaf and its
+specs (format names and their options: `checkpoints.quantize`).
 
 1. A weight a model declares with `ParamSpec(..., quant_axis=a)` (its contraction axis: the input
    dim of a linear weight, `embed` of the embedding) becomes, under `quantize_specs(specs, fmt)`,
@@ -9,7 +10,11 @@
    linear weights) or their last (the embedding, also the tied LM head); the MoE experts' stacked
    weights keep G = 1 (their ragged grouped product has no per-group form). Everything derived
    from the specs (abstract tree, shardings, shard_map specs, orbax restore targets, random init)
-   follows: the scale is sharded like the weight (a G = 1 axis replicated). Norms, biases and the
+   follows: the scale is sharded like the weight (a G = 1 axis replicated). "int4" adds `offset`
+   (f32, the scale's shape and axes; value = code * scale + offset) to the linear weights, whose
+   `data` is `uint4` (XLA packs it two per byte on CPU, GPU and TPU: measured, `jnp.int4` /
+   `uint4` arrays take K * N / 2 bytes on XLA:CPU, and its dequantizing dot ran 1.6x faster than
+   unpacking uint8 pairs by hand); the embedding (contracted over its last axis) is int8 there. Norms, biases and the
    MoE router (`quant_axis=None`) stay in the model dtype.
 2. Loaders fill those leaves with `checkpoints.quantize.quantize` on the host (HF tensors, GGUF
    blocks requantized row chunk by row chunk); `quantize_params` does it on device for a float
@@ -30,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from checkpoints import quantize as qlib
@@ -44,10 +50,12 @@ STORAGE = {fmt: jnp.dtype(dt) for fmt, dt in qlib.STORAGE.items()}
 @struct.dataclass
 class QArray:
     """A weight stored quantized: `data` (the weight's shape) times `scale` (the weight's shape with
-    its contraction axis cut to G groups), each group's scale broadcast over its input channels."""
+    its contraction axis cut to G groups), each group's scale broadcast over its input channels,
+    plus `offset` (int4: same shape as the scale; None otherwise)."""
 
-    data: Any  # i8 | f8e4m3fn[weight shape]; as a spec it keeps the weight's quant_axis
+    data: Any  # i8 | f8e4m3fn | u4[weight shape]; as a spec it keeps the weight's quant_axis
     scale: Any  # f32[weight shape with the contraction axis of size G]
+    offset: Any = None  # f32[like scale] for uint4 codes, else None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -71,14 +79,26 @@ def num_groups(spec: ParamSpec, fmt: str) -> int:
     return qlib.num_groups(spec.shape[a], fmt)
 
 
+def leaf_format(spec: ParamSpec, fmt: str) -> str:
+    """The base format of one weight under `fmt`: int4 keeps the vocabulary-sized weights (the
+    embedding, the LM head, tied or not) in int8, as GGUF files (Q8_0 / Q6_K) and GPTQ / AWQ
+    checkpoints (16 bits) keep them wider than the layers, and the stacked MoE experts too
+    (contracted over an inner axis: their ragged grouped product has no offset term)."""
+    base = qlib.base_format(fmt)
+    if base == "int4" and ("vocab" in spec.logical_axes or spec.quant_axis != 0):
+        return "int8"
+    return base
+
+
 def quantized_spec(spec: ParamSpec, fmt: str) -> QArray:
-    """The (data, scale) specs of one weight declared with a `quant_axis`."""
+    """The (data, scale[, offset]) specs of one weight declared with a `quant_axis`."""
     a = spec.quant_axis
     groups = num_groups(spec, fmt)
-    # Random init (tests, dummy weights): data uniform over the grid; scale chosen so that
+    base = leaf_format(spec, fmt)
+    # Random init (tests, dummy weights): data spread over the grid; scale chosen so that
     # data * scale has about the float spec's std (uniform ints in [-127, 127] have std ~73).
-    data_std = 73.0 if fmt == "int8" else 1.0
-    data = ParamSpec(spec.shape, STORAGE[fmt], spec.logical_axes, "normal", data_std, a)
+    data_std = {"int8": 73.0, "int4": 4.0}.get(base, 1.0)
+    data = ParamSpec(spec.shape, STORAGE[base], spec.logical_axes, "normal", data_std, a)
     shape = spec.shape[:a] + (groups,) + spec.shape[a + 1 :]
     # NOTE: a single group is replicated (a size-1 axis splits over nothing); G groups split like
     # the input channels they scale, so a sharded contraction axis needs G divisible by its shards.
@@ -88,7 +108,12 @@ def quantized_spec(spec: ParamSpec, fmt: str) -> QArray:
         + spec.logical_axes[a + 1 :]
     )
     scale = ParamSpec(shape, jnp.float32, axes, "constant", spec.scale / data_std)
-    return QArray(data=data, scale=scale)
+    if base != "int4":
+        return QArray(data=data, scale=scale)
+    mid = -qlib.INT4_MID * spec.scale / data_std
+    return QArray(
+        data=data, scale=scale, offset=ParamSpec(shape, jnp.float32, axes, "constant", mid)
+    )
 
 
 def quantize_specs(specs: Any, fmt: str | None) -> Any:
@@ -110,18 +135,34 @@ def _takes_quantization(spec: ParamSpec) -> bool:
 
 
 def quantization_of(params: Any) -> str | None:
-    """The format of a params (or spec / abstract) tree: None when no leaf is a `QArray`."""
-    found = {
-        jnp.dtype(q.data.dtype)
-        for q in jax.tree.leaves(params, is_leaf=is_quantized)
-        if is_quantized(q)
-    }
+    """The format of a params (or spec / abstract) tree: None when no leaf is a `QArray`; int4 and
+    int8 name their group size when it is not the default (see `group_size_of`)."""
+    leaves = [q for q in jax.tree.leaves(params, is_leaf=is_quantized) if is_quantized(q)]
+    found = {jnp.dtype(q.data.dtype) for q in leaves}
+    if STORAGE["int4"] in found and found <= {STORAGE["int4"], STORAGE["int8"]}:
+        return qlib.format_name("int4", group_size_of(leaves, "int4"))
     for fmt, dtype in STORAGE.items():
         if found == {dtype}:
-            return fmt
+            return qlib.format_name(fmt, group_size_of(leaves, fmt)) if fmt == "int8" else fmt
     if found:
         raise ValueError(f"params mix quantized formats {sorted(map(str, found))}")
     return None
+
+
+def group_size_of(leaves: list[QArray], fmt: str) -> int | None:
+    """The group size a format name must carry to give `leaves` their scale groups: the format's
+    default when it does, else the first of `qlib.GROUP_CHOICES` that does (leaves of one group
+    constrain nothing: MoE experts, small K)."""
+    grouped = []
+    for q in leaves:
+        for k, g in zip(tuple(q.data.shape), tuple(q.scale.shape)):
+            if g != k and g > 1:
+                grouped.append((k, g))
+    for size in (qlib.GROUP_SIZE[fmt], *qlib.GROUP_CHOICES):
+        name = qlib.format_name(fmt, size)
+        if all(qlib.num_groups(k, name) == g for k, g in grouped):
+            return size
+    raise ValueError(f"{fmt} leaves with scale groups {grouped[:4]} fit no group size")
 
 
 def check_group_splits(specs: Any, mesh: jax.sharding.Mesh, rules: dict | None = None) -> None:
@@ -139,8 +180,8 @@ def check_group_splits(specs: Any, mesh: jax.sharding.Mesh, rules: dict | None =
                 raise ValueError(
                     f"quantization: weight {jax.tree_util.keystr(path)} has {n} scale groups along "
                     f"its input channels, which do not split over mesh axes {names} of size "
-                    f"{shards}; use a mesh whose size there divides {n} (int8 keeps one scale per "
-                    f"{qlib.GROUP_SIZE['int8']} input channels)"
+                    f"{shards}; use a mesh whose size there divides {n} (int8 and int4 keep one "
+                    f"scale per {qlib.GROUP_SIZE['int8']} input channels, or per -g<n>)"
                 )
 
 
@@ -155,12 +196,20 @@ def quantize_params(params: Any, specs: Any, fmt: str | None) -> Any:
     def one(spec: ParamSpec, w: Any) -> Any:
         if not _takes_quantization(spec):
             return w
-        data, scale = _quantize_jit(w, fmt, spec.quant_axis, num_groups(spec, fmt))
-        return QArray(data=data, scale=scale)
+        groups, base = num_groups(spec, fmt), leaf_format(spec, fmt)
+        return QArray(*_quantize_jit(w, fmt, spec.quant_axis, groups, base))
 
     out = jax.tree.map(one, specs, params, is_leaf=is_spec)
     jax.tree.map(lambda s, x: _check_leaf(s, x), target, out, is_leaf=is_spec)
     return out
+
+
+def quantize_leaf(spec: ParamSpec, w: Any, fmt: str, xp: Any = None) -> tuple[Any, ...]:
+    """(data, scale[, offset]) of one float weight `w` of `spec` under `fmt` (numpy on the host
+    by default; `xp=jnp` traces)."""
+    return _quantize_impl(
+        w, fmt, spec.quant_axis, num_groups(spec, fmt), leaf_format(spec, fmt), xp
+    )
 
 
 def _check_leaf(spec: ParamSpec, x: Any) -> None:
@@ -168,13 +217,20 @@ def _check_leaf(spec: ParamSpec, x: Any) -> None:
         raise ValueError(f"quantized leaf {x.shape} {x.dtype} != spec {spec.shape} {spec.dtype}")
 
 
-def _quantize_impl(w: jax.Array, fmt: str, axis: int, groups: int) -> tuple[jax.Array, jax.Array]:
-    return qlib.quantize(w, fmt, axis, groups, xp=jnp)
+def _quantize_impl(
+    w: Any, fmt: str, axis: int, groups: int, base: str | None = None, xp: Any = jnp
+) -> tuple[Any, ...]:
+    xp = np if xp is None else xp
+    if (base or qlib.base_format(fmt)) == "int4":
+        symmetric = qlib.parse_format(fmt)[2]
+        return qlib.quantize4(w, axis, groups, symmetric, xp=xp)
+    return qlib.quantize(w, "int8" if base == "int8" else fmt, axis, groups, xp=xp)
 
 
-_quantize_jit = jax.jit(_quantize_impl, static_argnames=("fmt", "axis", "groups"))
+_quantize_jit = jax.jit(_quantize_impl, static_argnames=("fmt", "axis", "groups", "base", "xp"))
 
 
 def dequantize(q: QArray, axis: int, dtype: Any = jnp.float32) -> jax.Array:
-    """`data * scale` as `dtype` (tests and the reference paths; the model never calls it)."""
-    return qlib.dequantize(q.data, q.scale, axis, xp=jnp).astype(dtype)
+    """`data * scale (+ offset)` as `dtype` (tests and the reference paths; the model never
+    calls it)."""
+    return qlib.dequantize(q.data, q.scale, axis, xp=jnp, offset=q.offset).astype(dtype)

@@ -2,7 +2,7 @@
 
     python scripts/bench_generate.py [--model PATH] [--prompt-len 128] [--decode-tokens 64] [--runs 5]
                                      [--linear-backend cpu,xla] [--scheduling async,sync]
-                                     [--quantization none,int8] [--llama-cpp BUILD_DIR]
+                                     [--quantization none,int8,int4] [--llama-cpp BUILD_DIR]
                                      [--load-format dummy]
 
 1. jaxinfer: an `LLM` with one sequence slot (one per `--quantization`, `--linear-backend` and
@@ -114,7 +114,11 @@ def read_bandwidth(nbytes: int, runs: int = 9) -> float:
 def weight_bytes(llm) -> int:
     import jax
 
-    return sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
+    # NOTE: 4-bit leaves report a byte per value (`nbytes`) but XLA stores two per byte.
+    return sum(
+        x.size // 2 if x.dtype.name in ("int4", "uint4") else x.nbytes
+        for x in jax.tree.leaves(llm.engine.runner.params)
+    )
 
 
 def bench_hf(args, prompt_ids, path):
@@ -217,7 +221,7 @@ def main() -> None:
     p.add_argument(
         "--quantization",
         default="none",
-        help="weight quantization(s), comma-separated: none, int8, fp8 (one jaxinfer "
+        help="weight quantization(s), comma-separated: none, int8, fp8, int4 (one jaxinfer "
         "row each; the roofline row uses the first one's weight bytes)",
     )
     p.add_argument(

@@ -1,6 +1,6 @@
 """Accuracy of each weight quantization against the unquantized model, on the same prompts.
 
-    python scripts/eval_quant.py [--model PATH] [--formats int8,fp8] [--tokens 32] [--markdown]
+    python scripts/eval_quant.py [--model PATH] [--formats int8,fp8,int4] [--tokens 32] [--markdown]
 
 1. One `LLM` per format (`none` first: the reference, in the loader's default dtype), all loaded
    from the same source (default: the embedded SmolLM2-135M-Instruct GGUF).
@@ -78,7 +78,12 @@ def main() -> None:
     )
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-    p.add_argument("--formats", default="int8,fp8", help="comma-separated: int8, fp8")
+    p.add_argument(
+        "--formats",
+        default="int8,fp8,int4",
+        help="comma-separated format names: int8, fp8, int4 (GGUF Q4_0 / Q4_1: kept in its bits), "
+        "int4-g128 (GGUF: requantized to groups of 128), int4-sym, ...",
+    )
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--markdown", action="store_true", help="also print the BENCHMARKS.md table")
     args = p.parse_args()
@@ -91,7 +96,10 @@ def main() -> None:
     for fmt in formats:
         start = time.perf_counter()
         llm = LLM(args.model, quantization=None if fmt == "none" else fmt, **common)
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
+        weight_bytes = sum(  # NOTE: XLA stores 4-bit leaves two values per byte
+            x.size // 2 if x.dtype.name in ("int4", "uint4") else x.nbytes
+            for x in jax.tree.leaves(llm.engine.runner.params)
+        )
         conts, lps, ppl = evaluate(llm, args.tokens, ref_conts)
         if ref_conts is None:
             ref_conts, ref_weight_bytes = conts, weight_bytes

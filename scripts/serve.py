@@ -99,11 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quantization",
-        choices=["int8", "fp8"],
+        choices=["int8", "fp8", "int4"],
         default=None,
         help="weight-only quantization of the linear weights and the embedding (int8: "
         "a scale per output channel and 128 input channels; fp8: per output "
-        "channel), applied at load",
+        "channel; int4: 4-bit layers, scale + offset per 128 input channels, GGUF Q4_0/Q4_1 "
+        "kept exactly), applied at load",
     )
     p.add_argument(
         "--skip-tokenizer-init",

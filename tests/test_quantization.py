@@ -1,4 +1,8 @@
-"""Weight-only quantization (`quantization="int8" | "fp8"`).
+"""Weight-only quantization (`quantization="int8" | "fp8" | "int4"`).
+
+0. int4: uint4 codes with per-group scales and offsets (symmetric and asymmetric grids) round
+   trip within half a step, numpy == JAX; its specs (int8 embedding, offsets like scales) and
+   format names with group sizes; int4 orbax saves are refused by name.
 
 1. The quantizer: round trips within half a grid step (int8) / fp8's relative precision, numpy
    and JAX agree bit for bit, all-zero channels, bad formats named; group-wise scales beat
@@ -6,7 +10,8 @@
    int8 groups of 128 (gcd with K) and fp8 one group.
 2. GGUF: block formats requantized row chunk by row chunk equal quantizing the `gguf` library's
    own dequantization; Q8_0 / Q4_0 rows whose block scales allow it fold exactly (bit for bit
-   the library's values); a tiny GGUF loads quantized through the model loader.
+   the library's values); a tiny GGUF loads quantized through the model loader; one of Q4_0 /
+   Q4_1 weights and a Q8_0 embedding loads "int4" as "int4-g32", every leaf bit for bit.
 3. Specs: a quantized leaf is (data, scale), the scale's contraction axis cut to G groups (named
    like the weight's when G > 1, replicated when G = 1; MoE experts G = 1); abstract trees,
    shardings and random init follow; groups a mesh cannot split are named at load. The tiny
@@ -39,6 +44,7 @@ from jaxinfer import layers, quantization
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.convert import convert
 from jaxinfer.loader import load_from_source, load_model
 from jaxinfer.model_info import open_source
 from jaxinfer.models import deepseek, family_of, llama
@@ -52,19 +58,26 @@ T = gguf.GGMLQuantizationType
 # init scale (measured 2026-11-25: int8 <= 0.016, fp8 <= 0.058; random weights amplify weight
 # error layer after layer, so these bound the tiny models, not real checkpoints: see
 # scripts/eval_quant.py and BENCHMARKS.md for the default model).
-BOUND = {"int8": 0.03, "fp8": 0.1}
+BOUND = {"int8": 0.03, "fp8": 0.1, "int4": 0.25}
 # Tiny models that amplify weight error more, measured 2026-11-25: DeepSeek chains more quantized
 # matrices per layer (q_a, q_b, kv_a, o, shared and routed experts; v3 int8 <= 0.026, fp8 <= 0.105),
 # Gemma 3's tiny config int8 <= 0.035, fp8 <= 0.116.
-WIDE_BOUND = {"int8": 0.045, "fp8": 0.15}
-FAMILY_BOUND = {"gemma3": WIDE_BOUND, "deepseek_v2": WIDE_BOUND, "deepseek_v3": WIDE_BOUND}
+# int4 (2026-11-25, default / small groups): llama-likes <= 0.19, DeepSeek <= 0.2, Gemma 2 / 3 0.39
+# / 0.37 (their tiny configs amplify most).
+WIDE_BOUND = {"int8": 0.045, "fp8": 0.15, "int4": 0.45}
+FAMILY_BOUND = {
+    "gemma2": WIDE_BOUND,
+    "gemma3": WIDE_BOUND,
+    "deepseek_v2": WIDE_BOUND,
+    "deepseek_v3": WIDE_BOUND,
+}
 
 
 def test_round_trip_int8_and_fp8():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((96, 3, 40)).astype(np.float32)
     w[:, 1, 7] = 0.0  # an all-zero output channel
-    for fmt in qlib.FORMATS:
+    for fmt in ("int8", "fp8"):
         data, scale = qlib.quantize(w, fmt, axis=0)
         assert data.dtype == qlib.STORAGE[fmt] and data.shape == w.shape
         assert scale.dtype == np.float32 and scale.shape == (1, 3, 40)
@@ -85,7 +98,7 @@ def test_group_scales_beat_channel_scales_on_outliers():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((256, 48)).astype(np.float32)  # [K, N], contracted over K (axis 0)
     w[rng.choice(256, 6, replace=False)] *= 12.0  # a few outlier input channels
-    for fmt in qlib.FORMATS:
+    for fmt in ("int8", "fp8"):
         per_channel = qlib.dequantize(*qlib.quantize(w, fmt, 0), 0)
         data, scale = qlib.quantize(w, fmt, 0, groups=8)
         assert data.dtype == qlib.STORAGE[fmt] and data.shape == w.shape and scale.shape == (8, 48)
@@ -98,6 +111,41 @@ def test_group_scales_beat_channel_scales_on_outliers():
         np.testing.assert_array_equal(np.asarray(jd).astype(np.float32), data.astype(np.float32))
     with pytest.raises(ValueError, match="24 groups do not divide"):
         qlib.quantize(w, "int8", 0, 24)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_round_trip_groups_and_offsets(symmetric):
+    """int4: uint4 codes, per-group scale and offset (value = code * scale + offset) within half a
+    step of the weight; asymmetric: the group's range over 15 steps from its min; symmetric:
+    offset = -8 * scale; numpy == JAX bit for bit."""
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((256, 24)) + 0.7).astype(np.float32)  # [K, N], skewed positive
+    w[:, 3] = 0.0
+    data, scale, offset = qlib.quantize4(w, 0, 2, symmetric)
+    assert data.dtype == ml_dtypes.uint4 and data.shape == w.shape
+    assert scale.shape == offset.shape == (2, 24) and scale[0, 3] == 1.0
+    back = qlib.dequantize(data, scale, 0, offset=offset)
+    assert np.all(np.abs(back - w) <= 0.5 * np.repeat(scale, 128, 0) + 1e-6)
+    groups = w.reshape(2, 128, 24)
+    if symmetric:
+        np.testing.assert_allclose(-offset / scale, 8.0, rtol=1e-6)
+    else:  # the group's min and range, offset not tied to an integer zero point
+        np.testing.assert_array_equal(offset, groups.min(1))
+        span = groups.max(1) - groups.min(1)
+        np.testing.assert_allclose(scale[:, :3], span[:, :3] / 15, rtol=1e-6)
+    jd, js, jo = jax.jit(lambda x: qlib.quantize4(x, 0, 2, symmetric, xp=jnp))(w)
+    np.testing.assert_array_equal(np.asarray(js), scale)
+    np.testing.assert_array_equal(np.asarray(jo), offset)
+    np.testing.assert_array_equal(np.asarray(jd).astype(np.int32), data.astype(np.int32))
+    assert qlib.parse_format("int4-g32-sym") == ("int4", 32, True)
+    assert qlib.num_groups(576, "int4") == 9 and qlib.num_groups(576, "int4-g32") == 18
+    cfg = ModelConfig.from_hf(hf_config_dict("smollm2"))
+    specs = llama.param_specs(cfg, quantization="int4-g16")
+    assert specs.layers[0].attn.o.data.dtype == jnp.uint4 and specs.embed.data.dtype == jnp.int8
+    assert specs.layers[0].attn.o.offset.logical_axes == specs.layers[0].attn.o.scale.logical_axes
+    assert specs.embed.offset is None
+    assert quantization.quantization_of(specs) == "int4-g16"
+    assert quantization.quantization_of(llama.param_specs(cfg, quantization="int4")) == "int4"
 
 
 def test_num_groups():
@@ -131,7 +179,7 @@ def test_group_scales_of_gguf_q8_0_blocks_keep_their_values():
     assert np.abs(per_channel - stored).max() > 100 * np.abs(grouped - stored).max()
 
 
-@pytest.mark.parametrize("bad", ["int3", "int4", "FP8", ""])
+@pytest.mark.parametrize("bad", ["int3", "int4-g7", "fp8-g32", "int8-sym", "FP8", ""])
 def test_bad_quantization_is_named(bad):
     with pytest.raises(ValueError, match=f"quantization={bad!r} is not supported"):
         qlib.check_format(bad)
@@ -164,7 +212,8 @@ def _stored_bytes(w: np.ndarray, qtype: T) -> np.ndarray:
 def test_gguf_block_formats_requantize_like_the_library(tmp_path, monkeypatch, qtype):
     """Every GGUF block format -> int8 / fp8 with 1 or 2 scales per row: equal to quantizing the
     library's own dequantization of the same bytes (exactly, or exactly folded for symmetric
-    formats, group by group)."""
+    formats, group by group); -> int4: Q4_0 / Q4_1 in groups of 32 equal the library's values,
+    everything else equals `quantize4` of them."""
     from tests.test_gguf import _gguf_name, _tiny_hf_weights, _tiny_kv, _write_gguf
 
     hf = _tiny_hf_weights(seed=3)
@@ -194,7 +243,16 @@ def test_gguf_block_formats_requantize_like_the_library(tmp_path, monkeypatch, q
     lib = gguf.quants.dequantize(stored, qtype)
     assert ckpt.quantized("model.norm.weight", "int8") is None  # 1-D: read as float
     assert ckpt.quantized("model.layers.0.self_attn.q_proj.weight", "int8") is None  # stored F32
-    for fmt, groups in [(f, g) for f in qlib.FORMATS for g in (1, 2)]:
+    for groups in (1, 2, 8):  # int4: 8 groups of 32 keep Q4_0 / Q4_1 blocks, others requantize
+        codes, scale, offset = ckpt.quantized(name, "int4", groups)
+        back = qlib.dequantize(codes, scale, 1, offset=offset)
+        if groups == 8 and qtype in (T.Q4_0, T.Q4_1):
+            np.testing.assert_array_equal(back, lib)
+        else:
+            want = qlib.quantize4(lib, 1, groups)
+            np.testing.assert_array_equal(codes.astype(np.int32), want[0].astype(np.int32))
+            np.testing.assert_array_equal(scale, want[1])
+    for fmt, groups in [(f, g) for f in ("int8", "fp8") for g in (1, 2)]:
         data, scale = ckpt.quantized(name, fmt, groups)
         assert (
             data.dtype == qlib.STORAGE[fmt]
@@ -280,6 +338,53 @@ def test_gguf_loads_quantized(tmp_path, monkeypatch):
         assert np.all(np.abs(back - np.asarray(f)) <= 0.5 * step + 1e-6)
 
 
+def test_gguf_q4_blocks_load_exactly_as_int4(tmp_path, monkeypatch):
+    """A tiny llama GGUF of Q4_0 / Q4_1 linear weights and a Q8_0 embedding loads "int4" as
+    "int4-g32": every quantized leaf dequantizes to the float load bit for bit (Q4 blocks as
+    codes + scale + offset, the Q8_0 embedding as int8 groups of 32); "int4-g128" requantizes."""
+    from tests.test_gguf import (
+        _gguf_name,
+        _permute_like_llama_cpp,
+        _tiny_hf_weights,
+        _tiny_kv,
+        _write_gguf,
+    )
+
+    hf = _tiny_hf_weights()
+    tensors = {}
+    for name, w in hf.items():
+        stored, qtype = w, (T.Q4_0 if ".q_proj." in name or "down" in name else T.Q4_1)
+        if ".q_proj." in name:
+            stored = _permute_like_llama_cpp(w, 4)
+        elif ".k_proj." in name:
+            stored = _permute_like_llama_cpp(w, 2)
+        if "embed_tokens" in name or "lm_head" in name:
+            qtype = T.Q8_0
+        elif w.ndim == 1:
+            qtype = T.F32
+        tensors[_gguf_name(name)] = (stored, qtype)
+    path = _write_gguf(tmp_path / "q4.gguf", "llama", _tiny_kv("llama"), tensors)
+    monkeypatch.setattr(Tokenizer, "from_gguf_metadata", classmethod(lambda cls, *a, **k: None))
+    floats = _load_params(path, None)
+    quant = _load_params(path, "int4")
+    assert quantization.quantization_of(quant) == "int4-g32"
+    assert quant.layers[0].attn.q.data.dtype == jnp.uint4 and quant.embed.data.dtype == jnp.int8
+    specs = llama.param_specs(ModelConfig.from_hf(read_gguf(path).hf_config()))
+    leaves = zip(
+        jax.tree.leaves(floats),
+        jax.tree.leaves(quant, is_leaf=quantization.is_quantized),
+        jax.tree.leaves(specs, is_leaf=params_lib.is_spec),
+        strict=True,
+    )
+    for f, q, s in leaves:
+        got = q if s.quant_axis is None else quantization.dequantize(q, s.quant_axis)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(f))
+    coarse = _load_params(path, "int4-g128")  # K = 64: one group, requantized from the blocks
+    assert coarse.layers[0].attn.o.scale.shape[0] == 1
+    back = quantization.dequantize(coarse.layers[0].attn.o, 0)
+    assert np.abs(np.asarray(back) - np.asarray(floats.layers[0].attn.o)).max() > 0
+
+
 def _load_params(path, fmt):
     kind, handle = open_source(str(path))
     return load_from_source(str(path), kind, handle, quantization=fmt).params
@@ -290,6 +395,7 @@ def small_groups(monkeypatch):
     """int8 scales per 16 input channels (the tiny models' K of 64-128 are below the real 128):
     G = 4 for K = 64, 8 for K = 128, divisible by 4 shards of a contraction axis."""
     monkeypatch.setitem(qlib.GROUP_SIZE, "int8", 16)
+    monkeypatch.setitem(qlib.GROUP_SIZE, "int4", 16)
     monkeypatch.setattr(qlib, "MIN_GROUP", 16)
 
 
@@ -386,7 +492,7 @@ def test_quantized_logits_within_bound_of_float(family, groups, request):
     for fmt in qlib.FORMATS:
         _, params = _family_params(family, fmt, mult=1.0)
         k = params.layers[0].attn.o.data.shape[0]
-        want_groups = k // 16 if groups == "small" and fmt == "int8" else 1
+        want_groups = k // 16 if groups == "small" and fmt != "fp8" else 1
         assert params.layers[0].attn.o.scale.shape[0] == want_groups
         got = _run(params, cfg)
         errs = [rel_err(g, w) for g, w in zip(got, want)]
@@ -544,15 +650,17 @@ def test_group_scales_of_decode_rows_apply_to_partial_sums():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "spec,family,groups",
+    "spec,family,groups,fmt",
     [
-        ("tensor=4", "llama", "default"),
-        ("tensor=4", "llama", "small"),
-        ("expert=2,tensor=2", "mixtral", "small"),
+        ("tensor=4", "llama", "default", "int8"),
+        ("tensor=4", "llama", "small", "int8"),
+        ("expert=2,tensor=2", "mixtral", "small", "int8"),
+        ("tensor=4", "llama", "small", "int4"),
     ],
 )
-def test_sharded_quantized_equals_single_device(spec, family, groups, request):
-    """Also with int8 groups split over the shards of o_proj's and down_proj's input channels."""
+def test_sharded_quantized_equals_single_device(spec, family, groups, fmt, request):
+    """Also with int8 / int4 groups split over the shards of o_proj's and down_proj's input
+    channels (int4: offsets sharded like the scales)."""
     if groups == "small":
         request.getfixturevalue("small_groups")
     from jaxinfer.step import StepInputs
@@ -563,12 +671,12 @@ def test_sharded_quantized_equals_single_device(spec, family, groups, request):
     params = quantization.quantize_params(
         jax.tree.map(lambda x: x * 4.0, params_lib.init_random(specs, jax.random.key(0))),
         specs,
-        "int8",
+        fmt,
     )
     mesh = mesh_of(spec, 4)
     par = shd.Parallel.from_mesh(mesh)
     rules = shd.model_rules(cfg, par)
-    qspecs = llama.param_specs(cfg, quantization="int8")
+    qspecs = llama.param_specs(cfg, quantization=fmt)
     sharded = jax.device_put(params, params_lib.shardings(qspecs, mesh, rules))
     kv = sharded.layers[0].attn.kv
     assert kv.data.sharding.spec == jax.sharding.PartitionSpec(None, None, shd.dense_axes(cfg, par))
@@ -576,6 +684,8 @@ def test_sharded_quantized_equals_single_device(spec, family, groups, request):
         None, None, shd.dense_axes(cfg, par)
     )
     o = sharded.layers[0].attn.o.scale
+    if fmt == "int4":
+        assert sharded.layers[0].attn.o.offset.sharding.spec == o.sharding.spec
     assert o.shape[0] == (4 if groups == "small" else 1)
     assert o.sharding.spec == jax.sharding.PartitionSpec(
         shd.dense_axes(cfg, par) if groups == "small" else None, None
@@ -598,7 +708,9 @@ def test_sharded_quantized_equals_single_device(spec, family, groups, request):
 def test_orbax_round_trip_and_float_checkpoint_quantized_at_load(tmp_path):
     cfg, floats = _family_params("smollm2", None)
     specs = llama.param_specs(cfg)
-    for fmt in qlib.FORMATS:
+    with pytest.raises(ValueError, match="quantization='int4'.*cannot be saved to orbax"):
+        convert(None, tmp_path / "int4", quantization="int4")
+    for fmt in ("int8", "fp8"):
         params = quantization.quantize_params(floats, specs, fmt)
         save_params(tmp_path / fmt, params)
         target = params_lib.abstract(llama.param_specs(cfg, quantization=fmt), shd.make_mesh(None))

@@ -16,12 +16,13 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from checkpoints import quantize as qlib
 from jaxinfer.config import ModelConfig
-from jaxinfer.params import ParamSpec, checked_array, map_specs
+from jaxinfer.params import ParamSpec, checked_array, is_spec, map_specs
 from jaxinfer.quantization import QArray, quantization_of
 
 # Tensors some checkpoints carry that hold no weights of ours.
@@ -98,13 +99,15 @@ def fill_params(
     *,
     what: str,
     skip: Callable[[str], bool],
-    get_quantized: Callable[[str, str, int], tuple[np.ndarray, np.ndarray] | None] | None = None,
+    get_quantized: Callable[[str, str, int], tuple[np.ndarray, ...] | None] | None = None,
+    quantization: str | None = None,
 ) -> Any:
     """The spec tree `specs` filled from the checkpoint tensors `names` through `name_map`.
 
     `name_map[name]` is one entry `(path, transform[, slot])` (see `llama_weights.hf_name_map`) or
     a list of them (one tensor feeding several leaves); names `skip` accepts are ignored. `QArray`
-    specs are filled quantized (see `llama.params_from_hf`, whose `get_quantized` this takes).
+    specs are filled quantized (see `llama.params_from_hf`, whose `get_quantized` this takes;
+    `quantization`, the requested format, gives the options the specs do not show, e.g. "-sym").
     Raises on unexpected, missing or mis-shaped tensors, naming them.
     """
     put = put or (lambda x, spec: jnp.asarray(x))
@@ -146,7 +149,9 @@ def fill_params(
                 index = slot[0] if isinstance(slot[0], tuple) else (..., slot[0], slice(None))
                 index = _full_index(index, len(shape))
             if quantized:
-                value = _quantized_part(name, spec, index, transform, read, get_quantized)
+                value = _quantized_part(
+                    name, spec, index, transform, read, get_quantized, quantization
+                )
             else:
                 part = spec
                 if slot:
@@ -166,14 +171,10 @@ def fill_params(
                 continue
             if quantized:
                 buf = fused.setdefault(
-                    path,
-                    QArray(
-                        np.empty(spec.data.shape, spec.data.dtype),
-                        np.empty(spec.scale.shape, spec.scale.dtype),
-                    ),
+                    path, jax.tree.map(lambda s: np.empty(s.shape, s.dtype), spec, is_leaf=is_spec)
                 )
-                buf.data[index] = value.data
-                buf.scale[index] = value.scale  # NOTE: slots index axes other than the contraction
+                # NOTE: slots index axes other than the contraction
+                jax.tree.map(lambda b, v, i=index: b.__setitem__(i, v), buf, value)
             else:
                 buf = fused.setdefault(path, np.empty(spec.shape, spec.dtype))
                 buf[index] = value
@@ -185,7 +186,7 @@ def fill_params(
 
 def _put_leaf(put: Callable[[np.ndarray, ParamSpec], Any], value: Any, spec: Any) -> Any:
     if isinstance(spec, QArray):
-        return QArray(data=put(value.data, spec.data), scale=put(value.scale, spec.scale))
+        return jax.tree.map(put, value, spec, is_leaf=is_spec)
     return put(value, spec)
 
 
@@ -205,8 +206,11 @@ def _quantized_part(
     transform: Callable,
     read: Callable[[], np.ndarray],
     get_quantized: Callable[[str, str, int], Any] | None,
+    quantization: str | None = None,
 ) -> QArray:
-    """One HF tensor as the quantized piece `index` (None: all) of the leaf `spec` (host arrays)."""
+    """One HF tensor as the quantized piece `index` (None: all) of the leaf `spec` (host arrays):
+    the source's own quantized form when `get_quantized` has it in this layout, else quantized
+    here (int4 leaves with `quantization`'s options)."""
     fmt = quantization_of(spec)
     axis = spec.data.quant_axis
     groups = spec.scale.shape[axis]
@@ -223,9 +227,10 @@ def _quantized_part(
         and len(shape) == 2
         and (transform, axis) in ((transpose, 0), (ident, 1))
     ):
-        native = get_quantized(name, fmt, groups)
+        asked = quantization if spec.offset is not None and quantization else fmt
+        native = get_quantized(name, asked, groups)
     if native is not None:
-        data, scale = map(transform, native)
+        native = tuple(map(transform, native))
     else:
         raw = read()
         try:
@@ -236,7 +241,15 @@ def _quantized_part(
             ) from None
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {shape}")
-        data, scale = qlib.quantize(value, fmt, axis, groups)
+        if spec.offset is not None:
+            symmetric = bool(quantization) and qlib.parse_format(quantization)[2]
+            native = qlib.quantize4(value, axis, groups, symmetric)
+        else:
+            native = qlib.quantize(value, fmt, axis, groups)
+    data = native[0]
     if tuple(data.shape) != tuple(shape):
         raise ValueError(f"tensor {name!r} has shape {tuple(data.shape)}, expected {shape}")
-    return QArray(data=np.asarray(data, spec.data.dtype), scale=np.asarray(scale, np.float32))
+    if (len(native) == 3) != (spec.offset is not None):
+        raise ValueError(f"tensor {name!r}: the source's quantized form does not fit {fmt}")
+    rest = [np.asarray(x, np.float32) for x in native[1:]]
+    return QArray(np.asarray(data, spec.data.dtype), *rest)

@@ -195,6 +195,7 @@ def params_from_hf(
         put,
         what=cfg.model_type,
         get_quantized=get_quantized,
+        quantization=quantization,
         skip=lambda n: (
             bool(IGNORED.match(n)) or (cfg.tie_word_embeddings and n == "lm_head.weight")
         ),

@@ -1,0 +1,160 @@
+"""GPTQ and AWQ checkpoints (`quantization_config.quant_method` "gptq" / "awq"): their packed
+4-bit linear weights repacked once at load into the int4 layout (`checkpoints.quantize`), never
+through float32.
+
+1. `packed_scheme(config)` reads the HF config's `quantization_config`: None without one; a
+   `PackedScheme` for 4-bit GPTQ (checkpoint_format "gptq" or "gptq_v2") and 4-bit AWQ "gemm";
+   anything else raises `CheckpointError` naming the method / field it refuses.
+2. `PackedView(ckpt, scheme)` shows the checkpoint under plain names: the tensors `X.qweight`,
+   `X.qzeros`, `X.scales` (and GPTQ's `X.g_idx`) of a packed linear are listed once, as
+   `X.weight`; `quantized(name, fmt, groups)` returns that weight as (codes uint4[out, in], scale
+   f32[out, G], offset f32[out, G]) in HF's [out, in] layout (`None` for every other tensor,
+   which `tensor` reads as stored); `tensor(name)` of a packed weight refuses (it would mean a
+   float copy).
+3. Layouts (K = in_features, N = out_features, g = group_size, value = (code - zero) * scale;
+   ours: code * scale + offset with offset = -zero * scale, exact in f32: a 4-bit integer times
+   an f16 scale needs at most 15 significant bits):
+   - GPTQ: qweight i32[K / 8, N], input row k's code in bits 4 (k % 8) .. of qweight[k // 8, n];
+     qzeros i32[K / g, N / 8], column n's zero in bits 4 (n % 8) .. of qzeros[., n // 8], stored
+     minus one by checkpoint_format "gptq" (v1), as is by "gptq_v2"; scales f16[K / g, N]; g_idx
+     i32[K], each input row's group: with desc_act (act-order) rows of one group need not be
+     consecutive, which our contiguous groups can hold only when g_idx is k // g anyway (checked;
+     any other g_idx is refused by name).
+   - AWQ (GEMM): qweight i32[K, N / 8] and qzeros i32[K / g, N / 8]: 8 columns per int32, column
+     8 j + AWQ_ORDER[i] in bits 4 i of word j; scales f16[K / g, N].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from checkpoints import quantize as qlib
+from checkpoints.errors import CheckpointError
+
+# AWQ's GEMM packing: the column held by each 4-bit slot of a word (slot i -> column AWQ_ORDER[i]).
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedScheme:
+    method: str  # "gptq" | "awq"
+    group_size: int  # input channels per scale group (-1 in the config: all K)
+    zero_offset: int  # added to the stored zeros (GPTQ v1: 1)
+
+
+def packed_scheme(config: dict[str, Any]) -> PackedScheme | None:
+    """The packed 4-bit scheme of a HF config, None when it has no `quantization_config`."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in ("gptq", "awq"):
+        raise CheckpointError(
+            f"quantization_config.quant_method={method!r} is not supported (supported: 'gptq' "
+            "and 'awq', 4-bit)"
+        )
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise CheckpointError(f"quantization_config.bits={bits!r} ({method}): only 4 is supported")
+    group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise CheckpointError(
+                f"quantization_config.version={version!r} (awq): only 'gemm' is supported"
+            )
+        if qc.get("zero_point", True) is False:
+            raise CheckpointError("quantization_config.zero_point=False (awq) is not supported")
+        return PackedScheme("awq", group, 0)
+    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise CheckpointError(
+            f"quantization_config.checkpoint_format={fmt!r} (gptq): only 'gptq' and 'gptq_v2'"
+        )
+    return PackedScheme("gptq", group, 1 if fmt == "gptq" else 0)
+
+
+def _nibbles(words: np.ndarray, axis: int) -> np.ndarray:
+    """u8 codes of i32 `words`, each word's 8 nibbles (lowest first) spread along `axis`."""
+    shifts = np.arange(0, 32, 4, dtype=np.uint32)
+    w = np.asarray(words).astype(np.uint32)
+    parts = (np.expand_dims(w, axis + 1) >> shifts.reshape((8,) + (1,) * (w.ndim - axis - 1))) & 15
+    shape = list(w.shape)
+    shape[axis] *= 8
+    return parts.astype(np.uint8).reshape(shape)
+
+
+class PackedView:
+    """A HF checkpoint of GPTQ / AWQ packed linears under plain names (module docstring, step 2)."""
+
+    def __init__(self, ckpt: Any, scheme: PackedScheme) -> None:
+        self.ckpt, self.scheme = ckpt, scheme
+        self.config = ckpt.config
+        self._packed = {
+            n.removesuffix(".qweight") for n in ckpt.tensor_names() if n.endswith(".qweight")
+        }
+
+    def tensor_names(self) -> list[str]:
+        names = []
+        for n in self.ckpt.tensor_names():
+            base, _, part = n.rpartition(".")
+            if base in self._packed and part in PACKED_PARTS:
+                if part == "qweight":
+                    names.append(base + ".weight")
+            else:
+                names.append(n)
+        return names
+
+    def tensor(self, name: str) -> np.ndarray:
+        if name.removesuffix(".weight") in self._packed:
+            raise CheckpointError(
+                f"{name!r} is a packed {self.scheme.method} weight: it loads with "
+                "quantization='int4' only (no float copy)"
+            )
+        return self.ckpt.tensor(name)
+
+    def quantized(self, name: str, fmt: str, groups: int) -> tuple[np.ndarray, ...] | None:
+        base = name.removesuffix(".weight")
+        if base not in self._packed:
+            return None
+        if qlib.base_format(fmt) != "int4":
+            raise CheckpointError(f"{name!r}: a packed {self.scheme.method} weight loads as int4")
+        codes, scale, offset = self._unpack(base)  # [K, N], [G, N], [G, N]
+        if scale.shape[0] != groups:
+            raise CheckpointError(
+                f"{name!r}: {scale.shape[0]} scale groups in the checkpoint, {groups} expected"
+            )
+        return codes.T, scale.T, offset.T
+
+    def _unpack(self, base: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        get = self.ckpt.tensor
+        scale = np.asarray(get(base + ".scales"), np.float32)  # [G, N]
+        if self.scheme.method == "awq":
+            order = np.argsort(AWQ_ORDER)  # column c sits in slot order[c]
+
+            def cols(words: np.ndarray) -> np.ndarray:
+                raw = _nibbles(words, 1)  # [.., N] in slot order within each 8 columns
+                return raw.reshape(raw.shape[0], -1, 8)[:, :, order].reshape(raw.shape)
+
+            codes, zeros = cols(get(base + ".qweight")), cols(get(base + ".qzeros"))
+        else:
+            codes = _nibbles(get(base + ".qweight"), 0)  # [K, N]
+            zeros = _nibbles(get(base + ".qzeros"), 1)  # [G, N]
+            k = codes.shape[0]
+            size = k // scale.shape[0]
+            if base + ".g_idx" in self.ckpt:
+                g_idx = np.asarray(get(base + ".g_idx"))
+                if not np.array_equal(g_idx, np.arange(k) // size):
+                    raise CheckpointError(
+                        f"{base}.g_idx: act-order groups (desc_act=True) whose rows are not "
+                        f"consecutive groups of {size} are not supported yet"
+                    )
+        zero = zeros[:, : scale.shape[1]].astype(np.float32) + np.float32(self.scheme.zero_offset)
+        return codes.astype(qlib.STORAGE["int4"]), scale, (-zero * scale).astype(np.float32)
+
+    def close(self) -> None:
+        self.ckpt.close()

@@ -1,0 +1,149 @@
+"""GPTQ and AWQ checkpoints load as int4 (`checkpoints.hf_quant`).
+
+1. A tiny random Llama is quantized to 4 bits per group of 32 (f16 scales, integer zero points)
+   and packed here from the formats' documented layouts (GPTQ v1: qweight packed along the input
+   rows, qzeros minus one along the output columns, g_idx; AWQ GEMM: both packed along the output
+   columns in AWQ's interleaved order); each loads through `load_model` with no quantization
+   asked, as "int4-g32".
+2. Every packed linear dequantizes to the packer's (code - zero) * scale, and the model's logits
+   equal the float model on those dequantized weights (the embedding is int8 under int4 on both
+   sides) within 1e-4.
+3. Anything else in `quantization_config` is refused by name, and so is an act-order g_idx whose
+   groups are not consecutive rows.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from checkpoints.errors import CheckpointError
+from checkpoints.hf_quant import AWQ_ORDER
+from jaxinfer import params as params_lib
+from jaxinfer import quantization
+from jaxinfer.loader import load_model
+from jaxinfer.models import llama
+from tests.model_utils import make_hf_model, rel_err
+from tests.test_quantization import _dequantized, _run
+
+GROUP = 32
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _quantize(w_kn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """codes u8[K, N], zeros u8[G, N], scales f16[G, N]: min/max grid per group of GROUP rows."""
+    k, n = w_kn.shape
+    g = w_kn.reshape(k // GROUP, GROUP, n)
+    lo, hi = np.minimum(g.min(1), 0), np.maximum(g.max(1), 0)
+    scale = ((hi - lo) / 15).astype(np.float16)
+    s = scale.astype(np.float32)
+    zero = np.clip(np.rint(-lo / s), 0, 15)
+    codes = np.clip(np.rint(g / s[:, None]) + zero[:, None], 0, 15).reshape(k, n)
+    return codes.astype(np.uint8), zero.astype(np.uint8), scale
+
+
+def _pack(values: np.ndarray, axis: int, order=tuple(range(8))) -> np.ndarray:
+    """i32 words of 8 nibbles along `axis`: slot i of word j holds entry 8 j + order[i]."""
+    v = np.moveaxis(values.astype(np.uint32), axis, -1)
+    v = v.reshape(*v.shape[:-1], -1, 8)[..., list(order)]
+    words = (v << (4 * np.arange(8, dtype=np.uint32))).sum(-1, dtype=np.uint32)
+    return np.ascontiguousarray(np.moveaxis(words, -1, axis)).view(np.int32)
+
+
+def _write(root, config: dict, sd: dict, method: str, **qc) -> dict[str, np.ndarray]:
+    """The packed checkpoint in `root`; returns the dequantized f32 [out, in] of each linear."""
+    tensors, dequantized = {}, {}
+    for name, w in sd.items():
+        base = name.removesuffix(".weight")
+        if not any(f".{p}." in name for p in LINEARS):
+            tensors[name] = w
+            continue
+        codes, zero, scale = _quantize(w.T)
+        deq = (codes.reshape(-1, GROUP, codes.shape[1]).astype(np.float32) - zero[:, None]) * (
+            scale.astype(np.float32)[:, None]
+        )
+        dequantized[name] = deq.reshape(codes.shape).T
+        if method == "gptq":
+            tensors[base + ".qweight"] = _pack(codes, 0)
+            tensors[base + ".qzeros"] = _pack((zero.astype(np.int32) - 1) & 15, 1)
+            tensors[base + ".g_idx"] = (np.arange(codes.shape[0]) // GROUP).astype(np.int32)
+        else:
+            tensors[base + ".qweight"] = _pack(codes, 1, AWQ_ORDER)
+            tensors[base + ".qzeros"] = _pack(zero, 1, AWQ_ORDER)
+        tensors[base + ".scales"] = np.ascontiguousarray(scale)
+    bits = {"gptq": {"bits": 4, "desc_act": False}, "awq": {"bits": 4, "version": "gemm"}}
+    qconf = {"quant_method": method, "group_size": GROUP, **bits[method], **qc}
+    (root / "config.json").write_text(json.dumps({**config, "quantization_config": qconf}))
+    save_file(tensors, str(root / "model.safetensors"))
+    return dequantized
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, config = make_hf_model("llama", intermediate_size=128)
+    sd = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    return config.to_dict(), sd
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_packed_checkpoint_loads_as_int4_and_matches_its_dequantized_weights(
+    tmp_path, tiny, method
+):
+    config, sd = tiny
+    dequantized = _write(tmp_path, config, sd, method)
+    loaded = load_model(str(tmp_path), skip_tokenizer_init=True)
+    assert loaded.quantization == "int4-g32"
+    params, cfg = loaded.params, loaded.cfg
+    assert quantization.quantization_of(params) == "int4-g32"
+    specs = llama.param_specs(cfg, quantization="int4-g32")
+    layer = params.layers[1]
+    for leaf, name in ((layer.attn.o, "o_proj"), (layer.mlp.down, "down_proj")):
+        want = dequantized[
+            f"model.layers.1.{'self_attn' if name == 'o_proj' else 'mlp'}.{name}.weight"
+        ]
+        got = np.asarray(quantization.dequantize(leaf, 0))
+        np.testing.assert_allclose(got, want.T, rtol=0, atol=1e-6)
+    gu = np.asarray(quantization.dequantize(layer.mlp.gate_up, 0))  # fused [E, 2, F]
+    np.testing.assert_allclose(
+        gu[:, 1], dequantized["model.layers.1.mlp.up_proj.weight"].T, atol=1e-6
+    )
+    assert jax.tree.structure(params) == jax.tree.structure(
+        jax.tree.map(lambda s: 0, specs, is_leaf=params_lib.is_spec)
+    )
+    got = _run(params, cfg)
+    want = _run(_dequantized(cfg, params), cfg)
+    assert max(rel_err(g, w) for g, w in zip(got, want)) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "qc,match",
+    [
+        ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'"),
+        ({"quant_method": "gptq", "bits": 8}, "bits=8"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version='gemv'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "group_size=-1"),
+    ],
+)
+def test_other_quantization_configs_are_refused_by_name(tmp_path, tiny, qc, match):
+    config, sd = tiny
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    save_file({k: v for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=match):
+        load_model(str(tmp_path), skip_tokenizer_init=True)
+
+
+def test_act_order_groups_that_are_not_consecutive_are_refused(tmp_path, tiny):
+    config, sd = tiny
+    _write(tmp_path, config, sd, "gptq")
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.g_idx"
+    tensors[name] = np.roll(tensors[name], 1)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="g_idx.*desc_act"):
+        load_model(str(tmp_path), skip_tokenizer_init=True)
