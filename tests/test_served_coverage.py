@@ -30,7 +30,7 @@ GREEDY = F + "test_greedy_tokens_are_the_models_on_both_protocols"
 FLAGS = E + "test_the_flags_reach_the_engine_core"
 BUDGETS = F + "test_budgets_and_limits_reach_the_engine"
 FP8_MESH = M + "test_fp8_bf16_on_a_data_pipeline_tensor_mesh_decodes_the_models_tokens"
-NGRAM = M + "test_ngram_speculation_with_fp8_kv_on_an_expert_tensor_mesh"
+NGRAM = M + "test_ngram_speculation_with_fp8_kv_and_int4_on_an_expert_tensor_mesh"
 INT8_DRAFT = E + "test_int8_with_a_saved_draft_model_decodes_the_models_tokens"
 TOOLS = "test_served_tools.py::"
 MOE = "test_served_moe.py::test_deepseek_moe_on_an_expert_mesh_decodes_transformers_tokens"
@@ -152,6 +152,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     ),
     # quantization
     '`quantization="int8"`': (INT8_DRAFT,),
+    '`quantization="int4"` (`int4-g32`, `int4-sym`, ...)': (NGRAM,),
     '`quantization="fp8"`': (FP8_MESH,),
     '`kv_cache_dtype="fp8"`': (NGRAM,),
     "`--enable-lora`, `--lora-modules NAME=PATH ...`, `--max-loras`, `--max-lora-rank`, `--max-cpu-loras`": (

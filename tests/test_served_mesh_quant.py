@@ -6,7 +6,8 @@ with several engine-shaping flags at once; every one must decode exactly the mod
 1. `--engine-in-process --dtype bfloat16 --quantization fp8 --mesh data=2,pipeline=2,tensor=2`
    (8 virtual CPU devices), `--profile-port` (the profiler server listens) and
    `--grace-period 0.5` (SIGTERM aborts a long stream once it is over; checked last);
-2. `--speculative-config` n-gram with `--kv-cache-dtype fp8` on `--mesh expert=2,tensor=2`
+2. `--speculative-config` n-gram with `--kv-cache-dtype fp8` and `--quantization int4` (4-bit
+   layer weights; the vocabulary-sized ones int8) on `--mesh expert=2,tensor=2`
    (4 devices) and `--skip-tokenizer-init`: tokens equal plain decoding, the spec metrics move,
    the text fields stay empty and a text prompt is refused naming the flag.
 """
@@ -66,7 +67,8 @@ def ngram(model_dir):
     srv = ServedProcess(
         [
             *("--model", str(model_dir), *SIZES, "--kv-cache-dtype", "fp8"),
-            *("--mesh", "expert=2,tensor=2", "--speculative-config", json.dumps(spec)),
+            *("--quantization", "int4", "--mesh", "expert=2,tensor=2"),
+            *("--speculative-config", json.dumps(spec)),
             "--skip-tokenizer-init",
         ],
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
@@ -129,7 +131,7 @@ def test_grace_period_aborts_what_is_left(in_process):
     assert sum(len(m.token_ids) for m in msgs) < 240
 
 
-def test_ngram_speculation_with_fp8_kv_on_an_expert_tensor_mesh(ngram):
+def test_ngram_speculation_with_fp8_kv_and_int4_on_an_expert_tensor_mesh(ngram):
     """The prompt repeats 1001 1002 1003: after 1001 the n-gram proposes 1002 1003 (accepted)."""
     before = ngram.metric("jaxinfer_spec_decode_num_accepted_tokens_total")
     prompt = [1001, 1002, 1003, 1004, 1000]
@@ -141,7 +143,7 @@ def test_ngram_speculation_with_fp8_kv_on_an_expert_tensor_mesh(ngram):
         info = c.model_info()
     assert dict(info.mesh_shape) == {"data": 1, "pipeline": 1, "expert": 2, "tensor": 2}
     log = "".join(ngram.log)
-    assert "speculative ngram" in log and "(fp8)" in log
+    assert "speculative ngram" in log and "(fp8)" in log and "int4" in log
     with pytest.raises(grpc.RpcError) as e, GenerateClient(ngram.grpc_address) as c:
         list(c.generate("a text prompt", timeout=60, max_tokens=2))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
