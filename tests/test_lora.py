@@ -141,17 +141,22 @@ def _chosen_logprobs(ref_logits: np.ndarray, prompt_len: int, out_ids: list[int]
     return np.array([lp[prompt_len - 1 + i, t] for i, t in enumerate(out_ids)])
 
 
-def test_llm_generate_with_lora_requests(setup, tmp_path_factory):
+@pytest.fixture(scope="module")
+def model_dir(setup, tmp_path_factory):
+    path = tmp_path_factory.mktemp("base")
+    setup[0].save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def test_llm_generate_with_lora_requests(setup, model_dir):
     """`LLM(enable_lora=True, max_loras=1)`: one prompt under a8, b16, the base and a8 again in one
     `generate`: b16 waits for a8's slot (never fails), the shared prompt's cached pages are not
     shared across adapters, each sample's logprobs match HF + PEFT; adapters add no programs."""
     from jaxinfer import LLM, LoRARequest, SamplingParams
 
     base, _, _, paths = setup
-    model_dir = tmp_path_factory.mktemp("base")
-    base.save_pretrained(model_dir, safe_serialization=True)
     llm = LLM(
-        str(model_dir),
+        model_dir,
         dtype="float32",
         skip_tokenizer_init=True,
         enable_lora=True,
@@ -179,3 +184,55 @@ def test_llm_generate_with_lora_requests(setup, tmp_path_factory):
     assert llm.engine.runner.compiled_program_count() == compiled, programs
     with pytest.raises(ValueError, match="adapter_config.json"):
         llm.generate([prompt], sp, lora_request=LoRARequest("bad", 3, paths["b16"] + "/missing"))
+
+
+@pytest.mark.parametrize("spec", ["tensor=2", "tensor=4"])
+def test_mixed_batch_on_tensor_mesh_matches_peft(setup, spec):
+    """The stacks split as their base weights (`lora.device.AXES`) on a tensor mesh of virtual CPU
+    devices: KV heads split (tensor=2) or replicated (tensor=4, 2 KV heads); a mixed batch matches
+    HF + PEFT."""
+    import jax
+
+    from jaxinfer import params as params_lib
+    from jaxinfer import sharding as shd
+    from jaxinfer.models import llama
+
+    base, cfg, params, paths = setup
+    mesh = shd.make_mesh(spec, devices=jax.devices()[: int(spec.split("=")[1])])
+    rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
+    stacks = lora_device.empty_stacks(cfg, max_loras=2, max_lora_rank=16)
+    stacks = lora_device.write_slot(stacks, 1, load_adapter(paths["a8"], cfg, 16))
+    stacks = lora_device.write_slot(stacks, 2, load_adapter(paths["b16"], cfg, 16))
+    stack_shardings = params_lib.shardings(lora_device.stack_specs(stacks), mesh, rules)
+    placed = lora_device.attach(
+        jax.device_put(params, params_lib.shardings(llama.param_specs(cfg), mesh, rules)),
+        jax.device_put(stacks, stack_shardings),
+    )
+    seqs = {0: _tokens(9, 1), 1: _tokens(6, 2), 2: _tokens(7, 3)}
+    slots = {0: 1, 1: 2, 2: 0}
+    refs = [
+        peft_logits(base, paths["a8"], seqs[0]),
+        peft_logits(base, paths["b16"], seqs[1]),
+        hf_logits(base, seqs[2]),
+    ]
+    stepper = PagedStepper(placed, cfg, mesh=mesh)
+    for sid, out in enumerate(stepper.step(list(seqs.items()), lora_slots=slots)):
+        assert np.abs(_logprobs(out) - _logprobs(refs[sid])).max() <= TOL, (spec, sid)
+
+
+def test_lora_refused_by_name_on_data_and_pipeline_meshes(model_dir):
+    from jaxinfer import LLM
+
+    for mesh in ("data=2,tensor=4", "pipeline=2,tensor=4"):
+        with pytest.raises(ValueError, match="enable_lora: .*data or pipeline"):
+            LLM(
+                model_dir,
+                dtype="float32",
+                skip_tokenizer_init=True,
+                enable_lora=True,
+                mesh=mesh,
+                page_size=4,
+                num_pages=64,
+                max_model_len=32,
+                max_num_seqs=4,
+            )

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxinfer import attention, layers
+from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import multihost
@@ -180,14 +181,24 @@ class ModelRunner:
     def _lora_manager(self, lora: tuple[int, int, int | None], dtype: str) -> LoRAManager:
         """The LoRA room, its (empty) stacks attached to the params: refused by name where the
         model or the mesh cannot take it."""
-        if self.mesh is not None:
-            raise ValueError("enable_lora: not supported with a mesh (tensor/data/pipeline) yet")
+        if self.data > 1 or self.microbatches > 1:
+            raise ValueError(
+                f"enable_lora: not supported with a data or pipeline mesh axis > 1 (data="
+                f"{self.data}, pipeline={self.microbatches}); use tensor (or expert) parallelism"
+            )
         layer = self.params.layers[0]
         if not hasattr(layer, "lora") or any(
             self.cfg.is_moe_layer(i) for i in range(self.cfg.num_layers)
         ):
             raise ValueError(f"enable_lora: not supported for model_type {self.cfg.model_type!r}")
-        manager = LoRAManager(self.cfg, *lora, dtype=DTYPES[dtype])
+        mesh, rules = self.mesh, shd.model_rules(self.cfg, shd.Parallel.from_mesh(self.mesh))
+
+        def shardings(stacks: tuple) -> Any:  # split as the base weights are (`lora.device.AXES`)
+            return params_lib.shardings(lora_device.stack_specs(stacks), mesh, rules)
+
+        manager = LoRAManager(
+            self.cfg, *lora, dtype=DTYPES[dtype], shardings=None if mesh is None else shardings
+        )
         self.params = lora_device.attach(self.params, manager.stacks)
         return manager
 
