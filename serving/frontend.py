@@ -458,6 +458,8 @@ class FrontEnd:
             ids, sp, priority, cache_salt=cache_salt, lora_request=lora_request
         )
         stream.fields = fields
+        if lora_request is not None:
+            self.metrics.lora_requests.labels(lora_request.lora_name).inc()
         return stream
 
     def cancel(self, stream: Stream) -> None:
