@@ -153,3 +153,30 @@ def test_lora_metrics(served):
     assert _lora_count(text, "ada") == before + 1
     assert _complete(srv, "ada")[0] == 200
     assert _lora_count(_metrics(srv), "ada") == before + 2
+
+
+def test_grpc_lora_name(served):
+    """gRPC `lora_name` runs the adapter as the HTTP `model` field does; an unknown name is
+    INVALID_ARGUMENT naming lora_name."""
+    import grpc
+
+    from serving.protos.jaxinfer.v1 import generate_pb2 as pb
+    from serving.protos.jaxinfer.v1 import generate_pb2_grpc as pb_grpc
+
+    srv, _ = served
+    sampling = pb.SamplingParams(max_tokens=2, temperature=0.0, logprobs=0)
+    with grpc.insecure_channel(srv.grpc_address) as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+
+        def first_logprob(**kw) -> float:
+            req = pb.GenerateRequest(prompt="Hello there", sampling=sampling, **kw)
+            return stub.GenerateOnce(req, timeout=120).logprobs[0].logprob
+
+        ada, base = first_logprob(lora_name="ada"), first_logprob()
+        status, out = _complete(srv, "ada")
+        assert status == 200 and abs(ada - _first_logprob(out)) < 1e-4
+        assert abs(ada - base) > 1e-3
+        with pytest.raises(grpc.RpcError) as info:
+            first_logprob(lora_name="nope")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "lora_name" in info.value.details()
