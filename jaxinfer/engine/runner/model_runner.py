@@ -120,8 +120,8 @@ class ModelRunner:
         self.bitmask_width = bitmask_width(cfg.vocab_size)
         # The persistent input batch: row r of every array belongs to the request in batch.rows
         # with value r (the same row as its penalty state); row max_num_seqs is the padding spare.
-        self.lora = self._lora_manager(lora, dtype) if lora is not None and not abstract else None
-        self.batch = InputBatch(max_num_seqs, self.pages_per_seq, self.lora is not None)
+        self.lora = self._lora_manager(lora, dtype) if lora is not None else None
+        self.batch = InputBatch(max_num_seqs, self.pages_per_seq, lora is not None)
         self.inputs = StepInputBuilder(
             self.batch,
             self.buckets,
@@ -178,9 +178,9 @@ class ModelRunner:
     def page_buckets(self) -> tuple[int, ...]:
         return self.buckets.page_buckets
 
-    def _lora_manager(self, lora: tuple[int, int, int | None], dtype: str) -> LoRAManager:
+    def _lora_manager(self, lora: tuple[int, int, int | None], dtype: str) -> LoRAManager | None:
         """The LoRA room, its (empty) stacks attached to the params: refused by name where the
-        model or the mesh cannot take it."""
+        model or the mesh cannot take it. Abstract (`jaxinfer.aot`): the stacks' structs only."""
         if self.data > 1 or self.microbatches > 1:
             raise ValueError(
                 f"enable_lora: not supported with a data or pipeline mesh axis > 1 (data="
@@ -196,6 +196,12 @@ class ModelRunner:
         def shardings(stacks: tuple) -> Any:  # split as the base weights are (`lora.device.AXES`)
             return params_lib.shardings(lora_device.stack_specs(stacks), mesh, rules)
 
+        if self.device_state.abstract:
+            n, r, _ = lora
+            stacks = jax.eval_shape(lambda: lora_device.empty_stacks(self.cfg, n, r, DTYPES[dtype]))
+            placed = self.device_state.place(stacks, None if mesh is None else shardings(stacks))
+            self.params = lora_device.attach(self.params, placed)
+            return None
         manager = LoRAManager(
             self.cfg, *lora, dtype=DTYPES[dtype], shardings=None if mesh is None else shardings
         )
