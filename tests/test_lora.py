@@ -165,9 +165,10 @@ def test_llm_generate_with_lora_requests(setup, model_dir):
         max_cpu_loras=2,
         page_size=4,
         num_pages=64,
-        max_model_len=32,
+        max_model_len=16,
         max_num_seqs=4,
-        max_num_batched_tokens=16,
+        # NOTE: token buckets 1 and 2 only (6 programs): prompts prefill in chunks, 2 rows a step
+        max_num_batched_tokens=2,
     )
     programs = llm.engine.warmup()
     compiled = llm.engine.runner.compiled_program_count()
