@@ -72,21 +72,25 @@ class VllmMetrics:
             "prefill": histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", REQUEST_BUCKETS),
             "decode": histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_BUCKETS),
         }  # fmt: skip
-        # NOTE: vLLM's labels, no model_name; the value is the time of the last update (routers
-        # such as the Inference Extension read the newest series for the adapters loaded).
-        self._lora_info = Gauge(
-            "vllm:lora_requests_info",
-            "Running stats on lora requests.",
-            ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
-            registry=r,
-        )
+        self._registry = r
+        self._lora_info: Gauge | None = None  # declared by the first `set_lora_info` (LoRA on)
         self._lora_labels: tuple[str, str, str] | None = None
         self.model_name: str | None = None
         self.bind("")
 
     def set_lora_info(self, max_lora: int, running: str, waiting: str) -> None:
         """`vllm:lora_requests_info` after a step: the adapters (comma-joined names) of running
-        and waiting requests, set to the current time; only the current label set is kept."""
+        and waiting requests, set to the current time; only the current label set is kept.
+        Declared on the first call, so a server without LoRA exports no such family (as vLLM)."""
+        if self._lora_info is None:
+            # NOTE: vLLM's labels, no model_name; the value is the time of the last update
+            # (routers such as the Inference Extension read the newest series).
+            self._lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+                registry=self._registry,
+            )
         labels = (str(max_lora), waiting, running)
         if labels != self._lora_labels:
             self._lora_info.clear()
