@@ -10,8 +10,12 @@
 2. "base": the params without LoRA stacks (an engine without enable_lora). "lora": `--adapters`
    random PEFT-shaped adapters of rank `--rank` on every target (q/k/v/o/gate/up/down) written
    into `max_loras = --adapters` slots, the batch's rows spread over them round-robin.
-3. Each is compiled once, then `--rounds` rounds alternate base and lora, `--steps` timed steps
-   each; the table gives each one's median ms per step over the rounds and the overhead.
+3. "lora-2d" (with `--try-2d`): the same adapters through plain 2-D dots (`apply_2d`: the
+   shrink as `[T, in] @ [in, P*N*R]`, the expand per fused part as `[T, N*R] @ [N*R, out]`), an
+   alternative to `lora.device.apply`'s einsums measured beside it.
+4. Each is compiled once (its own jit), then `--rounds` rounds alternate the cases, `--steps`
+   timed steps each; the table gives each one's median ms per step over the rounds and the
+   overhead against base.
 """
 
 from __future__ import annotations
@@ -49,6 +53,16 @@ def random_adapter(cfg: ModelConfig, rank: int, seed: int) -> LoRAAdapter:
     return LoRAAdapter(rank, 1.0, weights)
 
 
+def apply_2d(pair, slots, x, y):
+    """`lora.device.apply` as plain 2-D dots (see the module docstring, step 3)."""
+    i, p, n, r = pair.a.shape
+    mask = (slots[:, None] == jnp.arange(1, n + 1, dtype=slots.dtype)).astype(x.dtype)
+    s = (x @ pair.a.reshape(i, p * n * r)).reshape(-1, p, n, r) * mask[:, None, :, None]
+    s, b = s.reshape(-1, p, n * r), pair.b.reshape(p, n * r, -1)
+    d = s[:, 0] @ b[0] if p == 1 else jnp.stack([s[:, k] @ b[k] for k in range(p)], axis=1)
+    return y + d.reshape(y.shape).astype(y.dtype)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=int, default=64)
@@ -58,6 +72,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--try-2d", action="store_true", help="also time apply_2d (step 3)")
     args = ap.parse_args()
 
     with open(CONFIG) as f:
@@ -94,24 +109,35 @@ def main() -> None:
         for name in ("base", "lora")
     }
     cases = {"base": (params, base_step), "lora": (with_lora, lora_step)}
+    if args.try_2d:
+        cases["lora-2d"] = (with_lora, lora_step)
+        caches["lora-2d"] = tuple(jnp.zeros(shape, jnp.float32) for _ in range(cfg.num_layers))
+    statics = ("cfg", "attention_backend", "linear_backend")
+    jits = {name: jax.jit(llama.forward, static_argnames=statics) for name in cases}
 
     def run(name: str, n: int) -> float:
         p, step = cases[name]
         start = time.perf_counter()
         for _ in range(n):
-            logits, caches[name] = llama.forward_jit(
+            logits, caches[name] = jits[name](
                 p, cfg, step, caches[name], attention_backend=backend, linear_backend=linear
             )
         logits.block_until_ready()
         return (time.perf_counter() - start) / n * 1e3
 
     for name in cases:
-        run(name, 2)  # compile + one warm step
+        original = lora_device.apply
+        if name == "lora-2d":  # traced with the 2-D formulation (its own jit)
+            lora_device.apply = apply_2d
+        try:
+            run(name, 2)  # compile + one warm step
+        finally:
+            lora_device.apply = original
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name in cases:
             times[name].append(run(name, args.steps))
-    base, lora = (statistics.median(times[n]) for n in cases)
+    base = statistics.median(times["base"])
     print(
         f"{args.seqs} decodes, context {args.context}, {cfg.num_layers} layers, {args.adapters} "
         f"adapters of rank {args.rank}, attention {backend}, linear {linear}, load "
@@ -121,7 +147,8 @@ def main() -> None:
     for name in cases:
         print(f"| {name} | {statistics.median(times[name]):.1f} | "
               f"{', '.join(f'{t:.1f}' for t in times[name])} |")  # fmt: skip
-    print(f"overhead: {100 * (lora / base - 1):+.1f}%")
+    for name in list(cases)[1:]:
+        print(f"{name} overhead: {100 * (statistics.median(times[name]) / base - 1):+.1f}%")
 
 
 if __name__ == "__main__":
