@@ -187,11 +187,11 @@ def test_llm_generate_with_lora_requests(setup, model_dir):
         llm.generate([prompt], sp, lora_request=LoRARequest("bad", 3, paths["b16"] + "/missing"))
 
 
-@pytest.mark.parametrize("spec", ["tensor=2", "tensor=4"])
+@pytest.mark.parametrize("spec", ["tensor=2", "expert=2,tensor=2"])
 def test_mixed_batch_on_tensor_mesh_matches_peft(setup, spec):
-    """The stacks split as their base weights (`lora.device.AXES`) on a tensor mesh of virtual CPU
-    devices: KV heads split (tensor=2) or replicated (tensor=4, 2 KV heads); a mixed batch matches
-    HF + PEFT."""
+    """The stacks split as their base weights (`lora.device.AXES`) on a mesh of virtual CPU
+    devices: KV heads split (tensor=2) or replicated (4 dense shards: expert x tensor on a dense
+    model, 2 KV heads); a mixed batch matches HF + PEFT."""
     import jax
 
     from jaxinfer import params as params_lib
@@ -199,7 +199,8 @@ def test_mixed_batch_on_tensor_mesh_matches_peft(setup, spec):
     from jaxinfer.models import llama
 
     base, cfg, params, paths = setup
-    mesh = shd.make_mesh(spec, devices=jax.devices()[: int(spec.split("=")[1])])
+    sizes = shd.check_mesh(cfg, spec)
+    mesh = shd.make_mesh(spec, devices=jax.devices()[: int(np.prod(list(sizes.values())))])
     rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
     stacks = lora_device.empty_stacks(cfg, max_loras=2, max_lora_rank=16)
     stacks = lora_device.write_slot(stacks, 1, load_adapter(paths["a8"], cfg, 16))
