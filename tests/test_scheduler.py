@@ -580,7 +580,7 @@ def test_wire_messages_round_trip_through_msgpack() -> None:
 
     lp = types.TokenLogprobs(5, -0.5, {5: -0.5, 7: -1.5})
     out = types.TokenOutput("a", [5], [lp], {1: lp}, True, "stop", 9, 3, 1, 0)
-    stats = types.EngineStats(running=2, pages_used=4, step_s=0.01, lora=(2, "a,b", ""))
+    stats = types.EngineStats(running=2, pages_used=4, step_s=0.01, lora=[2, "a,b", ""])
     got = through(types.StepResult(outputs=[out], lost=["b"], error="x", stats=stats))
     assert isinstance(got, types.StepResult) and got.stats == stats
     assert types.wire_outputs(got) == [out] and got.lost == ["b"] and got.error == "x"
@@ -624,4 +624,4 @@ def test_lora_info_names_running_and_waiting_adapters() -> None:
         req.lora_request = lora
         sched.add_request(req)
     sched.schedule()
-    assert sched.lora_info() == (1, "ada", "adb")
+    assert sched.lora_info() == [1, "ada", "adb"]

@@ -455,7 +455,7 @@ class EngineStats(NamedTuple):
     spec_accepted_tokens: int = 0
     step_s: float | None = None  # host time of the step this message reports (None: no step)
     preemptions: int = 0  # requests preempted since start (every replica)
-    lora: tuple[int, str, str] | None = None  # enable_lora: `Scheduler.lora_info`
+    lora: list | None = None  # enable_lora: [max_loras, running, waiting] (`Scheduler.lora_info`)
 
 
 class EngineInfo(NamedTuple):
@@ -567,9 +567,7 @@ def decode_message(w: Sequence) -> Message:
     if cls is None:
         raise ValueError(f"unknown engine message {w[0]!r}")
     if cls is StepResult:
-        stats = EngineStats._make(w[4])
-        stats = stats._replace(lora=stats.lora and tuple(stats.lora))
-        return StepResult(w[0], w[1], w[2], w[3], stats, bool(w[5]))
+        return StepResult(w[0], w[1], w[2], w[3], EngineStats._make(w[4]), bool(w[5]))
     if cls is Loaded or cls is Ready:
         return cls(w[0], None if w[1] is None else EngineInfo.from_wire(w[1]))
     return cls._make(w)
