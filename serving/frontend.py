@@ -472,7 +472,22 @@ class FrontEnd:
             ids, sp, priority, cache_salt=cache_salt, lora_request=lora_request
         )
         stream.fields = fields
+        if lora_request is not None:
+            self.metrics.lora_requests.labels(lora_request.lora_name).inc()
         return stream
+
+    def lora_request(self, name: str, field: str = "lora_name") -> LoRARequest:
+        """The loaded LoRA adapter `name`; InvalidArgument naming `field` when it is unknown or
+        the server runs without --enable-lora."""
+        if self.loras is None:
+            raise InvalidArgument(f"{field} needs a server started with --enable-lora", field)
+        lora = self.loras.resolve(name)
+        if lora is None:
+            loaded = ", ".join(sorted(self.loras.by_name)) or "none"
+            raise InvalidArgument(
+                f"{field} {name!r} is not a loaded LoRA adapter (loaded: {loaded})", field
+            )
+        return lora
 
     def cancel(self, stream: Stream) -> None:
         """The reader went away (client cancelled, deadline): abort; the next step frees pages."""

@@ -79,6 +79,12 @@ class ServerMetrics:
             ["finish_reason"],
             registry=r,
         )
+        self.lora_requests = Counter(
+            "jaxinfer_lora_requests",
+            "Requests admitted per LoRA adapter (the OpenAI model field or gRPC lora_name)",
+            ["lora_name"],
+            registry=r,
+        )
         self.rejected = Counter(
             "jaxinfer_requests_rejected",
             "Requests refused before admission, by gRPC status code",
@@ -212,6 +218,8 @@ class ServerMetrics:
         if stats.preemptions > self._preemptions_seen:
             v.preemptions.inc(stats.preemptions - self._preemptions_seen)
             self._preemptions_seen = stats.preemptions
+        if stats.lora is not None:
+            v.set_lora_info(*stats.lora)
 
     def observe_spec(self, stats: EngineStats) -> None:
         """The step counter and the speculative-decoding counters from the engine core's

@@ -260,7 +260,10 @@ class GenerateServer:
                 renames = (("structured_outputs.grammar", validation.GRPC(ours)),)
                 fields = validation.GRPC.with_(prompt=field, renames=renames)
             salt = req.cache_salt if req.HasField("cache_salt") else None
-            stream = self.frontend.submit(ids, sp, req.priority, fields=fields, cache_salt=salt)
+            lora = self.frontend.lora_request(req.lora_name) if req.HasField("lora_name") else None
+            stream = self.frontend.submit(
+                ids, sp, req.priority, fields=fields, cache_salt=salt, lora_request=lora
+            )
             return req, stream, thinking
         except ValueError as e:  # InvalidArgument, naming the field
             message = str(e)

@@ -8,7 +8,9 @@ and the Gateway API Inference Extension (which routes on `vllm:num_requests_wait
 2. `ServerMetrics` feeds them from the same places as our `jaxinfer_*` metrics: the load gauges
    and the preemption count after each engine step (from the core's `EngineStats`, summed over
    every data replica's scheduler budget and page pool), token counters and latencies as
-   deltas arrive, per-request phase times at a sample's finish.
+   deltas arrive, per-request phase times at a sample's finish; with LoRA on,
+   `vllm:lora_requests_info` (labels `max_lora`, `running_lora_adapters`, `waiting_lora_adapters`:
+   comma-joined adapter names; value: the time of the last step) after each step.
 
 Phases (vLLM's definitions): queue = arrival in the engine core to first scheduled (measured in
 the core, `TokenOutput.queue_s`); prefill = first scheduled to first token; decode = first token
@@ -70,8 +72,30 @@ class VllmMetrics:
             "prefill": histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", REQUEST_BUCKETS),
             "decode": histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_BUCKETS),
         }  # fmt: skip
+        self._registry = r
+        self._lora_info: Gauge | None = None  # declared by the first `set_lora_info` (LoRA on)
+        self._lora_labels: tuple[str, str, str] | None = None
         self.model_name: str | None = None
         self.bind("")
+
+    def set_lora_info(self, max_lora: int, running: str, waiting: str) -> None:
+        """`vllm:lora_requests_info` after a step: the adapters (comma-joined names) of running
+        and waiting requests, set to the current time; only the current label set is kept.
+        Declared on the first call, so a server without LoRA exports no such family (as vLLM)."""
+        if self._lora_info is None:
+            # NOTE: vLLM's labels, no model_name; the value is the time of the last update
+            # (routers such as the Inference Extension read the newest series).
+            self._lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+                registry=self._registry,
+            )
+        labels = (str(max_lora), waiting, running)
+        if labels != self._lora_labels:
+            self._lora_info.clear()
+            self._lora_labels = labels
+        self._lora_info.labels(*labels).set_to_current_time()
 
     def bind(self, model_name: str) -> None:
         """Label every metric with this model id (exported from now on; a previous id's series

@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
+from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import family_of
 from jaxinfer.step import StepInputs, build_step_arrays
@@ -226,14 +228,20 @@ class PagedStepper:
         seed: int = 0,
         dtype=jnp.float32,
         attention_backend: str | None = None,
+        mesh=None,
     ):
+        """`mesh`: run the sharded forward (params already placed on it; caches split here)."""
         self.params, self.cfg, self.page_size = params, cfg, page_size
         self.attention_backend = attention_backend
         self.family = family_of(cfg)
-        shape = self.family.kv_cache_shape(
-            cfg, attention_backend or "reference", num_pages, page_size
-        )
+        self.mesh = mesh
+        par = shd.Parallel.from_mesh(mesh)
+        backend = attention_backend or "reference"
+        shape = self.family.kv_cache_shape(cfg, backend, num_pages, page_size, par)
         self.caches = tuple(jnp.full(shape, jnp.nan, dtype) for _ in range(cfg.num_layers))
+        if mesh is not None:
+            spec = self.family.kv_cache_spec(cfg, par, backend)
+            self.caches = jax.device_put(self.caches, NamedSharding(mesh, spec))
         self.free = list(np.random.default_rng(seed).permutation(num_pages))
         self.pages: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
@@ -280,6 +288,8 @@ class PagedStepper:
         # NOTE: the backend goes as a keyword only when asked for: tests/test_kernels.py swaps
         # forward_jit for a 4-argument function that fixes its own.
         kw = {} if self.attention_backend is None else {"attention_backend": self.attention_backend}
+        if self.mesh is not None:
+            kw["mesh"] = self.mesh
         logits, self.caches = self.family.forward_jit(
             self.params, self.cfg, step, self.caches, **kw
         )

@@ -141,17 +141,22 @@ def _chosen_logprobs(ref_logits: np.ndarray, prompt_len: int, out_ids: list[int]
     return np.array([lp[prompt_len - 1 + i, t] for i, t in enumerate(out_ids)])
 
 
-def test_llm_generate_with_lora_requests(setup, tmp_path_factory):
+@pytest.fixture(scope="module")
+def model_dir(setup, tmp_path_factory):
+    path = tmp_path_factory.mktemp("base")
+    setup[0].save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def test_llm_generate_with_lora_requests(setup, model_dir):
     """`LLM(enable_lora=True, max_loras=1)`: one prompt under a8, b16, the base and a8 again in one
     `generate`: b16 waits for a8's slot (never fails), the shared prompt's cached pages are not
     shared across adapters, each sample's logprobs match HF + PEFT; adapters add no programs."""
     from jaxinfer import LLM, LoRARequest, SamplingParams
 
     base, _, _, paths = setup
-    model_dir = tmp_path_factory.mktemp("base")
-    base.save_pretrained(model_dir, safe_serialization=True)
     llm = LLM(
-        str(model_dir),
+        model_dir,
         dtype="float32",
         skip_tokenizer_init=True,
         enable_lora=True,
@@ -160,9 +165,10 @@ def test_llm_generate_with_lora_requests(setup, tmp_path_factory):
         max_cpu_loras=2,
         page_size=4,
         num_pages=64,
-        max_model_len=32,
+        max_model_len=16,
         max_num_seqs=4,
-        max_num_batched_tokens=16,
+        # NOTE: token buckets 1 and 2 only (6 programs): prompts prefill in chunks, 2 rows a step
+        max_num_batched_tokens=2,
     )
     programs = llm.engine.warmup()
     compiled = llm.engine.runner.compiled_program_count()
@@ -179,3 +185,89 @@ def test_llm_generate_with_lora_requests(setup, tmp_path_factory):
     assert llm.engine.runner.compiled_program_count() == compiled, programs
     with pytest.raises(ValueError, match="adapter_config.json"):
         llm.generate([prompt], sp, lora_request=LoRARequest("bad", 3, paths["b16"] + "/missing"))
+
+
+@pytest.mark.parametrize("spec", ["tensor=2", "expert=2,tensor=2"])
+def test_mixed_batch_on_tensor_mesh_matches_peft(setup, spec):
+    """The stacks split as their base weights (`lora.device.AXES`) on a mesh of virtual CPU
+    devices: KV heads split (tensor=2) or replicated (4 dense shards: expert x tensor on a dense
+    model, 2 KV heads); a mixed batch matches HF + PEFT."""
+    import jax
+
+    from jaxinfer import params as params_lib
+    from jaxinfer import sharding as shd
+    from jaxinfer.models import llama
+
+    base, cfg, params, paths = setup
+    sizes = shd.check_mesh(cfg, spec)
+    mesh = shd.make_mesh(spec, devices=jax.devices()[: int(np.prod(list(sizes.values())))])
+    rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
+    stacks = lora_device.empty_stacks(cfg, max_loras=2, max_lora_rank=16)
+    stacks = lora_device.write_slot(stacks, 1, load_adapter(paths["a8"], cfg, 16))
+    stacks = lora_device.write_slot(stacks, 2, load_adapter(paths["b16"], cfg, 16))
+    stack_shardings = params_lib.shardings(lora_device.stack_specs(stacks), mesh, rules)
+    placed = lora_device.attach(
+        jax.device_put(params, params_lib.shardings(llama.param_specs(cfg), mesh, rules)),
+        jax.device_put(stacks, stack_shardings),
+    )
+    seqs = {0: _tokens(9, 1), 1: _tokens(6, 2), 2: _tokens(7, 3)}
+    slots = {0: 1, 1: 2, 2: 0}
+    refs = [
+        peft_logits(base, paths["a8"], seqs[0]),
+        peft_logits(base, paths["b16"], seqs[1]),
+        hf_logits(base, seqs[2]),
+    ]
+    stepper = PagedStepper(placed, cfg, mesh=mesh)
+    for sid, out in enumerate(stepper.step(list(seqs.items()), lora_slots=slots)):
+        assert np.abs(_logprobs(out) - _logprobs(refs[sid])).max() <= TOL, (spec, sid)
+
+
+def test_lora_refused_by_name_on_data_and_pipeline_meshes(model_dir):
+    from jaxinfer import LLM
+
+    for mesh in ("data=2,tensor=4", "pipeline=2,tensor=4"):
+        with pytest.raises(ValueError, match="enable_lora: .*data or pipeline"):
+            LLM(
+                model_dir,
+                dtype="float32",
+                skip_tokenizer_init=True,
+                enable_lora=True,
+                mesh=mesh,
+                page_size=4,
+                num_pages=64,
+                max_model_len=32,
+                max_num_seqs=4,
+            )
+
+
+def test_lora_over_int8_base_weights(setup):
+    """`quantization="int8"` base weights: the adapters add to the int8 projections' outputs, so a
+    mixed batch gives what LoRA over the dequantized (f32) base gives."""
+    import jax
+
+    from jaxinfer.models import llama
+    from jaxinfer.params import is_spec
+    from jaxinfer.quantization import dequantize, is_quantized, quantize_params
+
+    base, cfg, params, paths = setup
+    specs = llama.param_specs(cfg)
+    q8 = quantize_params(params, specs, "int8")
+    deq = jax.tree.map(
+        lambda s, w: dequantize(w, s.quant_axis) if is_quantized(w) else w,
+        specs,
+        q8,
+        is_leaf=is_spec,
+    )
+    stacks = lora_device.empty_stacks(cfg, max_loras=2, max_lora_rank=16)
+    stacks = lora_device.write_slot(stacks, 1, load_adapter(paths["a8"], cfg, 16))
+    stacks = lora_device.write_slot(stacks, 2, load_adapter(paths["b16"], cfg, 16))
+    seqs = {0: _tokens(9, 1), 1: _tokens(6, 2), 2: _tokens(7, 3)}
+    slots = {0: 1, 1: 2, 2: 0}
+    got, want = (
+        PagedStepper(lora_device.attach(p, stacks), cfg).step(list(seqs.items()), lora_slots=slots)
+        for p in (q8, deq)
+    )
+    for sid in seqs:
+        assert np.abs(_logprobs(got[sid]) - _logprobs(want[sid])).max() <= TOL, sid
+    # the adapter matters over int8 weights too
+    assert np.abs(_logprobs(got[0]) - _logprobs(hf_logits(base, seqs[0]))).max() > 50 * TOL

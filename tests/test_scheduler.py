@@ -580,7 +580,7 @@ def test_wire_messages_round_trip_through_msgpack() -> None:
 
     lp = types.TokenLogprobs(5, -0.5, {5: -0.5, 7: -1.5})
     out = types.TokenOutput("a", [5], [lp], {1: lp}, True, "stop", 9, 3, 1, 0)
-    stats = types.EngineStats(running=2, pages_used=4, step_s=0.01)
+    stats = types.EngineStats(running=2, pages_used=4, step_s=0.01, lora=[2, "a,b", ""])
     got = through(types.StepResult(outputs=[out], lost=["b"], error="x", stats=stats))
     assert isinstance(got, types.StepResult) and got.stats == stats
     assert types.wire_outputs(got) == [out] and got.lost == ["b"] and got.error == "x"
@@ -605,3 +605,23 @@ def test_wire_messages_round_trip_through_msgpack() -> None:
     assert [types.request_of(w) for w in add.requests] == [req]
     assert through(types.Finish(stops=[("c", "END")])).stops == [["c", "END"]]
     assert isinstance(through(types.Shutdown()), types.Shutdown)
+
+
+def test_lora_info_names_running_and_waiting_adapters() -> None:
+    """`lora_info` (vLLM's lora_requests_info labels): with one slot, the second adapter's request
+    waits for it while a base-only request runs."""
+    from jaxinfer.lora.request import LoRARequest
+    from jaxinfer.lora.slots import LoRASlots
+
+    sched = make_scheduler()
+    assert sched.lora_info() is None
+    sched = Scheduler(
+        PageAllocator(64, 4), max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
+        lora_slots=LoRASlots(1),
+    )  # fmt: skip
+    for rid, lora in [("a", LoRARequest("ada", 1)), ("b", LoRARequest("adb", 2)), ("c", None)]:
+        req = make_request(rid, [1, 2, 3], max_tokens=4)
+        req.lora_request = lora
+        sched.add_request(req)
+    sched.schedule()
+    assert sched.lora_info() == [1, "ada", "adb"]

@@ -160,6 +160,8 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     ),
     "multi-LoRA (`LLM(enable_lora=True, max_loras=N, max_lora_rank=R, max_cpu_loras=M)`, `LoRARequest`; served adapters as OpenAI model ids)": (
         "test_served_lora.py::test_adapters_served_listed_loaded_and_unloaded",
+        "test_served_lora.py::test_lora_metrics",
+        "test_served_lora.py::test_grpc_lora_name",
     ),
     # dtypes
     "float32": (GREEDY,),

@@ -1,11 +1,14 @@
 """Multi-LoRA through the real `scripts/serve.py` (one server): `--enable-lora --lora-modules`,
 the OpenAI `model` field naming an adapter, `/v1/models` listing adapters with their `parent`,
 and vLLM's runtime `/v1/load_lora_adapter` / `/v1/unload_lora_adapter` (with
-`VLLM_ALLOW_RUNTIME_LORA_UPDATING`), refusals naming the field."""
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING`), refusals naming the field; `vllm:lora_requests_info` and the
+per-adapter request counter on /metrics."""
 
 from __future__ import annotations
 
 import json
+import re
+import time
 import urllib.error
 import urllib.request
 
@@ -117,3 +120,63 @@ def test_adapters_served_listed_loaded_and_unloaded(served):
     assert status == 200, out
     assert _complete(srv, "adb")[0] == 404
     assert "adb" not in {c["id"] for c in _call(f"{srv.http_url}/models")[1]["data"]}
+
+
+def _metrics(srv) -> str:
+    with urllib.request.urlopen(srv.http_url.removesuffix("/v1") + "/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
+def _lora_count(text: str, name: str) -> float:
+    m = re.search(rf'^jaxinfer_lora_requests_total{{lora_name="{name}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_lora_metrics(served):
+    """vLLM's `vllm:lora_requests_info` (max_lora, running/waiting adapter names, value = time of
+    the last step) while an adapter's request streams; per-adapter request counts."""
+    srv, _ = served
+    before = _lora_count(_metrics(srv), "ada")
+    body = dict(model="ada", prompt="Hi", max_tokens=200, ignore_eos=True, stream=True)
+    req = urllib.request.Request(
+        f"{srv.http_url}/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as stream:
+        assert stream.readline().startswith(b"data:")  # a step with the request running is seen
+        text = _metrics(srv)
+    (info,) = re.findall(r"^vllm:lora_requests_info\{(.*)\} (\S+)$", text, re.M)
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info[0]))
+    assert labels == {"max_lora": "2", "running_lora_adapters": "ada", "waiting_lora_adapters": ""}
+    assert abs(float(info[1]) - time.time()) < 600
+    assert _lora_count(text, "ada") == before + 1
+    assert _complete(srv, "ada")[0] == 200
+    assert _lora_count(_metrics(srv), "ada") == before + 2
+
+
+def test_grpc_lora_name(served):
+    """gRPC `lora_name` runs the adapter as the HTTP `model` field does; an unknown name is
+    INVALID_ARGUMENT naming lora_name."""
+    import grpc
+
+    from serving.protos.jaxinfer.v1 import generate_pb2 as pb
+    from serving.protos.jaxinfer.v1 import generate_pb2_grpc as pb_grpc
+
+    srv, _ = served
+    sampling = pb.SamplingParams(max_tokens=2, temperature=0.0, logprobs=0)
+    with grpc.insecure_channel(srv.grpc_address) as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+
+        def first_logprob(**kw) -> float:
+            req = pb.GenerateRequest(prompt="Hello there", sampling=sampling, **kw)
+            return stub.GenerateOnce(req, timeout=120).logprobs[0].logprob
+
+        ada, base = first_logprob(lora_name="ada"), first_logprob()
+        status, out = _complete(srv, "ada")
+        assert status == 200 and abs(ada - _first_logprob(out)) < 1e-4
+        assert abs(ada - base) > 1e-3
+        with pytest.raises(grpc.RpcError) as info:
+            first_logprob(lora_name="nope")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "lora_name" in info.value.details()

@@ -158,11 +158,13 @@ def compile_step(
     all_logits: bool = False,
     dump_dir: str | None = None,
     compiler_options: dict[str, Any] | None = None,
+    lora: tuple[int, int] | None = None,
 ) -> list[CompiledStep]:
     """Compiles the engine's step program of each token bucket in `tokens` for `target` (see the
     module docstring); raises `DoesNotFit` before compiling when the model exceeds one device's
     HBM. `dump_dir` keeps XLA's dumps (one subdirectory per bucket; GPU targets always dump,
-    into a temporary directory otherwise)."""
+    into a temporary directory otherwise). `lora` (max_loras, max_lora_rank) compiles the programs
+    of an engine with enable_lora (every projection with its adapter stacks)."""
     from jaxinfer.engine.runner import ModelRunner  # NOTE: the engine's own runner and programs
 
     tgt = get_target(target) if isinstance(target, str) else target
@@ -207,6 +209,7 @@ def compile_step(
             mesh=mesh_obj,
             kv_cache_dtype=kv_cache_dtype,
             abstract=True,
+            lora=None if lora is None else (*lora, None),
         )
         state = runner.device_state
         weights, kv = bytes_per_device(state.params), bytes_per_device(state.kv_caches)

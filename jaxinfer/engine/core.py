@@ -244,13 +244,12 @@ class EngineCore:
     def stats(self) -> EngineStats:
         """Load numbers over every data replica (what serving reports and logs)."""
         usable = sum(a.num_usable_pages for a in self.allocators)
-        free = sum(a.num_free_pages for a in self.allocators)
         spec = self.scheduler.spec_stats
         return EngineStats(
             running=self.scheduler.num_running,
             waiting=self.scheduler.num_waiting,
             pages_total=usable,
-            pages_used=usable - free,
+            pages_used=usable - sum(a.num_free_pages for a in self.allocators),
             compiled_programs=int(self.runner.num_compiled),
             steps=self.num_steps,
             generated=self.num_generated,
@@ -258,6 +257,7 @@ class EngineCore:
             spec_draft_tokens=spec.num_draft_tokens,
             spec_accepted_tokens=spec.num_accepted_tokens,
             preemptions=self.scheduler.num_preemptions,
+            lora=self.scheduler.lora_info(),
         )
 
     def info(self) -> EngineInfo:

@@ -160,6 +160,19 @@ class Scheduler:
         """The running requests in (priority, arrival) order (read only)."""
         return self._running
 
+    def lora_info(self) -> list | None:
+        """[max_loras, running adapters, waiting adapters] with the names comma-joined (vLLM's
+        `vllm:lora_requests_info` labels; a list: what msgpack gives back); None without LoRA."""
+        if self.lora_slots is None:
+            return None
+
+        def names(reqs: list[Request]) -> str:
+            loras = (r.lora_request for r in reqs if r.lora_request is not None)
+            return ",".join(dict.fromkeys(lora.lora_name for lora in loras))
+
+        waiting = names(list(self._preempted) + self._waiting)
+        return [self.lora_slots.max_loras, names(self._running), waiting]
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 

@@ -455,6 +455,7 @@ class EngineStats(NamedTuple):
     spec_accepted_tokens: int = 0
     step_s: float | None = None  # host time of the step this message reports (None: no step)
     preemptions: int = 0  # requests preempted since start (every replica)
+    lora: list | None = None  # enable_lora: [max_loras, running, waiting] (`Scheduler.lora_info`)
 
 
 class EngineInfo(NamedTuple):

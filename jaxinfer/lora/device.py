@@ -12,6 +12,11 @@
    slot (0 = no adapter), the shrink `x @ A` runs for every slot at once, a one-hot mask keeps each
    token's own slot, the expand contracts (slot, rank) together. Same shapes whatever the mix of
    adapters: 0, 1 or N active adapters run the same compiled program.
+4. On a tensor-parallel mesh the stacks are split as their base weight is (`AXES`, `stack_specs`;
+   `sharded.forward` adds them to the `shard_map` specs with `attach_specs`): column-split q / kv /
+   gate_up keep A replicated and split B along out (with the base weight's output columns; B stays
+   replicated where the KV heads are), row-split o / down split A along in and keep B replicated:
+   their product is a partial sum, added before the base output's all-reduce.
 
 Einsum legend: t = token, i = in, p = fused part, n = slot, r = rank, o = out.
 """
@@ -27,6 +32,16 @@ from flax import struct
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.lora.adapter import TARGETS, LoRAAdapter, target_dims
+from jaxinfer.params import ParamSpec
+
+# target -> logical axes of its (in, out) dims: the base weight's (`llama.param_specs`)
+AXES = {
+    "q": ("embed", "q_heads"),
+    "kv": ("embed", "kv_heads"),
+    "o": ("q_heads", "embed"),
+    "gate_up": ("embed", "mlp"),
+    "down": ("mlp", "embed"),
+}
 
 
 @struct.dataclass
@@ -49,6 +64,29 @@ def empty_stacks(
         return LoRAPair(jnp.zeros((d_in, p, n, r), dtype), jnp.zeros((p, n, r, d_out), dtype))
 
     return tuple({t: pair(t) for t in TARGETS} for _ in range(cfg.num_layers))
+
+
+def stack_specs(stacks: tuple[LayerStacks, ...]) -> tuple[dict[str, LoRAPair], ...]:
+    """`ParamSpec` leaves of `stacks` (arrays or shape structs): A split along in, B along out,
+    by the base weight's logical axes (`AXES`; the slot, part and rank dims replicated)."""
+
+    def spec(target: str, pair: LoRAPair) -> LoRAPair:
+        d_in, d_out = AXES[target]
+        return LoRAPair(
+            ParamSpec(tuple(pair.a.shape), pair.a.dtype, (d_in, None, None, None), "zeros"),
+            ParamSpec(tuple(pair.b.shape), pair.b.dtype, (None, None, None, d_out), "zeros"),
+        )
+
+    return tuple({t: spec(t, pair) for t, pair in st.items()} for st in stacks)
+
+
+def attach_specs(specs: Any, params: Any) -> Any:
+    """`specs` (a family's `param_specs` tree) with the LoRA stacks' specs of `params` attached
+    (unchanged when `params` carries none)."""
+    layers = getattr(params, "layers", None)
+    if not layers or getattr(layers[0], "lora", None) is None:
+        return specs
+    return attach(specs, stack_specs(tuple(layer.lora for layer in layers)))
 
 
 def slot_weights(stacks: tuple[LayerStacks, ...], adapter: LoRAAdapter | None) -> tuple:

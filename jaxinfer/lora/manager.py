@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
@@ -29,10 +31,14 @@ class LoRAManager:
         max_lora_rank: int,
         max_cpu_loras: int | None = None,
         dtype: Any = jnp.float32,
+        shardings: Callable[[tuple], Any] | None = None,
     ) -> None:
+        """`shardings(stacks)` gives the stacks' sharding tree on a mesh (None: one device)."""
         self.cfg, self.max_lora_rank = cfg, max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
-        self.stacks = device.empty_stacks(cfg, max_loras, max_lora_rank, dtype)
+        stacks = device.empty_stacks(cfg, max_loras, max_lora_rank, dtype)
+        self._shardings = None if shardings is None else shardings(stacks)
+        self.stacks = self._placed(stacks)
         self._host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
 
     def adapter(self, lora: LoRARequest) -> LoRAAdapter:
@@ -47,5 +53,9 @@ class LoRAManager:
 
     def load(self, loads: list[tuple[int, LoRARequest]]) -> tuple:
         for slot, lora in loads:
-            self.stacks = device.write_slot(self.stacks, slot, self.adapter(lora))
+            self.stacks = self._placed(device.write_slot(self.stacks, slot, self.adapter(lora)))
         return self.stacks
+
+    def _placed(self, stacks: tuple) -> tuple:
+        """NOTE: a no-op where the write kept the stacks' shardings."""
+        return stacks if self._shardings is None else jax.device_put(stacks, self._shardings)

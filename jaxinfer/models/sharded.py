@@ -4,8 +4,9 @@
    kernels (`Kernels`) and the mesh's axis sizes (`sharding.Parallel`). On one device it calls
    `local(params, cfg, step, kv_caches, kernels, par)` directly.
 2. On a mesh it runs that same `local` inside one `shard_map` (manual SPMD): the params' specs
-   from the family's `param_specs` through the sharding rules (`sharding.model_rules`), stacked by
-   stage on a pipeline mesh (`pipeline.stack_stages`; the caches get a leading stage dim), each
+   from the family's `param_specs` (plus any LoRA stacks', `lora.device.attach_specs`) through
+   the sharding rules (`sharding.model_rules`), stacked by stage on a pipeline mesh
+   (`pipeline.stack_stages`; the caches get a leading stage dim), each
    layer's cache spec from the family's `kv_cache_specs`, the step replicated or split over `data`
    (a leading `[data]` dim, one ragged step per replica), logits sharded on vocab over the dense
    axes (`sharding.dense_axes`). `local` adds the collectives (`Parallel.psum`) itself and
@@ -23,6 +24,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxinfer import layers
 from jaxinfer import pipeline as pipeline_lib
 from jaxinfer.config import ModelConfig
+from jaxinfer.lora import device as lora_device
 from jaxinfer.params import partition_specs
 from jaxinfer.quantization import quantization_of
 from jaxinfer.sharding import DATA, PIPELINE, Parallel, dense_axes, model_rules
@@ -65,7 +67,7 @@ def forward(
     kernels = Kernels(attention_backend, layers.resolve_linear_backend(linear_backend))
     if par.is_single:
         return local(params, cfg, step, kv_caches, kernels, SINGLE)
-    specs = specs_of(cfg, quantization=quantization_of(params))
+    specs = lora_device.attach_specs(specs_of(cfg, quantization=quantization_of(params)), params)
     if par.pipeline > 1:  # layers stacked by stage, caches per stage position [S, data*P, ...]
         specs = pipeline_lib.stack_stages(specs, par.pipeline)
     param_specs = partition_specs(specs, model_rules(cfg, par))

@@ -139,6 +139,11 @@ class DeviceState:
             return _structs(tree, shardings)
         return jax.device_put(tree, shardings)
 
+    def place(self, tree: Any, shardings: Any = None) -> Any:
+        """`tree` onto the one device (`shardings` None) or `shardings`; with `abstract` its
+        structs."""
+        return self.to_device(tree) if shardings is None else self._placed(tree, shardings)
+
     def to_device(self, tree: Any) -> Any:
         """A tree onto the one device (`mesh` None), committed; with `abstract` its structs."""
         return self._placed(tree, SingleDeviceSharding(self.device))

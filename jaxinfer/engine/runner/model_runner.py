@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxinfer import attention, layers
+from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import multihost
@@ -121,8 +122,8 @@ class ModelRunner:
         self.bitmask_width = bitmask_width(cfg.vocab_size)
         # The persistent input batch: row r of every array belongs to the request in batch.rows
         # with value r (the same row as its penalty state); row max_num_seqs is the padding spare.
-        self.lora = self._lora_manager(lora, dtype) if lora is not None and not abstract else None
-        self.batch = InputBatch(max_num_seqs, self.pages_per_seq, self.lora is not None)
+        self.lora = self._lora_manager(lora, dtype) if lora is not None else None
+        self.batch = InputBatch(max_num_seqs, self.pages_per_seq, lora is not None)
         self.inputs = StepInputBuilder(
             self.batch,
             self.buckets,
@@ -179,17 +180,33 @@ class ModelRunner:
     def page_buckets(self) -> tuple[int, ...]:
         return self.buckets.page_buckets
 
-    def _lora_manager(self, lora: tuple[int, int, int | None], dtype: str) -> LoRAManager:
+    def _lora_manager(self, lora: tuple[int, int, int | None], dtype: str) -> LoRAManager | None:
         """The LoRA room, its (empty) stacks attached to the params: refused by name where the
-        model or the mesh cannot take it."""
-        if self.mesh is not None:
-            raise ValueError("enable_lora: not supported with a mesh (tensor/data/pipeline) yet")
+        model or the mesh cannot take it. Abstract (`jaxinfer.aot`): the stacks' structs only."""
+        if self.data > 1 or self.microbatches > 1:
+            raise ValueError(
+                f"enable_lora: not supported with a data or pipeline mesh axis > 1 (data="
+                f"{self.data}, pipeline={self.microbatches}); use tensor (or expert) parallelism"
+            )
         layer = self.params.layers[0]
         if not hasattr(layer, "lora") or any(
             self.cfg.is_moe_layer(i) for i in range(self.cfg.num_layers)
         ):
             raise ValueError(f"enable_lora: not supported for model_type {self.cfg.model_type!r}")
-        manager = LoRAManager(self.cfg, *lora, dtype=DTYPES[dtype])
+        mesh, rules = self.mesh, shd.model_rules(self.cfg, shd.Parallel.from_mesh(self.mesh))
+
+        def shardings(stacks: tuple) -> Any:  # split as the base weights are (`lora.device.AXES`)
+            return params_lib.shardings(lora_device.stack_specs(stacks), mesh, rules)
+
+        if self.device_state.abstract:
+            n, r, _ = lora
+            stacks = jax.eval_shape(lambda: lora_device.empty_stacks(self.cfg, n, r, DTYPES[dtype]))
+            placed = self.device_state.place(stacks, None if mesh is None else shardings(stacks))
+            self.params = lora_device.attach(self.params, placed)
+            return None
+        manager = LoRAManager(
+            self.cfg, *lora, dtype=DTYPES[dtype], shardings=None if mesh is None else shardings
+        )
         self.params = lora_device.attach(self.params, manager.stacks)
         return manager
 
