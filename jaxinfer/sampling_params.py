@@ -4,7 +4,7 @@ Every field is checked here against what needs no model: types, ranges, and the 
 engine's arrays (`top_k`, `max_tokens`, `min_tokens`, `n` and stop ids fit an int32; `seed` is in
 [0, 2**63); floats are finite and fit a float32; lists are capped). A bad value raises
 `FieldError` (a ValueError) naming the field. The model-aware checks (ids within the vocabulary,
-the context length) are `jaxinfer.engine.types.check_prompt`'s.
+the context length) are `jaxinfer.engine.limits.check_prompt`'s.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxinfer.engine.core_client import LoopOptions
-from jaxinfer.engine.types import EngineInfo, EngineLimits
+from jaxinfer.engine.limits import EngineLimits
+from jaxinfer.engine.types import EngineInfo
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.sampling_params import FieldError, SamplingParams
 from serving.engine_loop import EngineLoop, Stream

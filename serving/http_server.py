@@ -301,7 +301,7 @@ class OpenAIServer:
                     else await fe.tokenize(p, field=name, add_special_tokens=special)
                     for name, p in req.prompts()
                 ]
-            logprobs = _logprobs(req, chat)
+            logprobs = oai.logprobs_width(req, chat)
             max_field = "max_tokens"
             asked = req.max_tokens
             echo_only = not chat and req.echo and asked == 0
@@ -326,7 +326,7 @@ class OpenAIServer:
                         fields,
                         max_tokens=max_tokens,
                         logprobs=logprobs,
-                        prompt_logprobs=_prompt_logprobs(req, chat),
+                        prompt_logprobs=oai.prompt_logprobs_width(req, chat),
                         **extra,
                     )
                     if plan is not None and plan.keep_special_tokens:
@@ -576,26 +576,6 @@ def _usage(req: Any, usages: list[list[Usage | None]]) -> dict[str, Any]:
     if getattr(req, "echo", False) and req.max_tokens == 0:
         out.update(completion_tokens=0, total_tokens=out["prompt_tokens"])
     return out
-
-
-def _prompt_logprobs(req: Any, chat: bool) -> int | None:
-    """SamplingParams.prompt_logprobs of a request: vLLM's `prompt_logprobs`, or completions'
-    `logprobs` when `echo` returns the prompt with its logprobs (the wider of the two)."""
-    widths = [req.prompt_logprobs]
-    if not chat and req.echo and req.logprobs is not None:
-        widths.append(req.logprobs)
-    given = [w for w in widths if w is not None]
-    return max(given) if given else None
-
-
-def _logprobs(req: Any, chat: bool) -> int | None:
-    """SamplingParams.logprobs of a request: completions' `logprobs`; chat's `top_logprobs`
-    when `logprobs` is true."""
-    if not chat:
-        return req.logprobs
-    if req.top_logprobs is not None and not req.logprobs:
-        raise InvalidArgument("top_logprobs needs logprobs to be true", "top_logprobs")
-    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 async def _until_disconnected(request: Request) -> None:

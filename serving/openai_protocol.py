@@ -568,3 +568,23 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
             "code": status,
         }
     }
+
+
+def prompt_logprobs_width(req: Any, chat: bool) -> int | None:
+    """SamplingParams.prompt_logprobs of a request: vLLM's `prompt_logprobs`, or completions'
+    `logprobs` when `echo` returns the prompt with its logprobs (the wider of the two)."""
+    widths = [req.prompt_logprobs]
+    if not chat and req.echo and req.logprobs is not None:
+        widths.append(req.logprobs)
+    given = [w for w in widths if w is not None]
+    return max(given) if given else None
+
+
+def logprobs_width(req: Any, chat: bool) -> int | None:
+    """SamplingParams.logprobs of a request: completions' `logprobs`; chat's `top_logprobs`
+    when `logprobs` is true."""
+    if not chat:
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidArgument("top_logprobs needs logprobs to be true", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None

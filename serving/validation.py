@@ -12,7 +12,7 @@ Where each check lives (one rule in one place):
 2. What needs the model: `check_request` (called by `FrontEnd.submit`, both protocols, after
    `SamplingParams.prepare_prompt` truncated the prompt and tokenized `bad_words`): the
    priority within int64 (and zero unless `--scheduling-policy priority`), `cache_salt`'s
-   length, then `jaxinfer.engine.types.check_prompt` (prompt ids and stop ids
+   length, then `jaxinfer.engine.limits.check_prompt` (prompt ids and stop ids
    within the vocabulary, the prompt and max_tokens within the context and the KV cache, the
    structured-output constraint compiles), `n` within what the server admits at once, features
    that need a tokenizer. `top_k` larger than the vocabulary keeps every token (the sampler's
@@ -34,7 +34,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxinfer.engine.types import EngineLimits, check_prompt
+from jaxinfer.engine.limits import EngineLimits, check_prompt
 from jaxinfer.sampling_params import (
     FLOAT32_MAX,
     INT32_MAX,

@@ -573,6 +573,7 @@ def test_wire_messages_round_trip_through_msgpack() -> None:
     import msgpack
 
     from jaxinfer.engine import types
+    from jaxinfer.engine.limits import EngineLimits
 
     def through(msg):
         wire = msgpack.unpackb(msgpack.packb(types.encode(msg)), strict_map_key=False)
@@ -586,7 +587,7 @@ def test_wire_messages_round_trip_through_msgpack() -> None:
     assert types.wire_outputs(got) == [out] and got.lost == ["b"] and got.error == "x"
     info = types.EngineInfo(
         types.EngineCapacity(10, 16, 160, 64),
-        types.EngineLimits(100, 64, 16, 10),
+        EngineLimits(100, 64, 16, 10),
         4,
         32,
         16,

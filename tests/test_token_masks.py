@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxinfer.engine.types import EngineLimits
+from jaxinfer.engine.limits import EngineLimits
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.structured import allowed_ids
 from jaxinfer.token_masks import TokenMasks
