@@ -45,13 +45,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jaxinfer.engine.limits import EngineLimits
 from jaxinfer.engine.output import OutputProcessor, RequestDelta
 from jaxinfer.engine.types import (
     Abort,
     AddRequests,
     Broken,
     EngineInfo,
-    EngineLimits,
     EngineStats,
     Finish,
     Loaded,

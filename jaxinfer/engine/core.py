@@ -49,6 +49,7 @@ from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import spec as spec_decoding
 from jaxinfer.engine.capacity import log_capacity
+from jaxinfer.engine.limits import EngineLimits, check_prompt
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner import ModelRunner
@@ -57,14 +58,12 @@ from jaxinfer.engine.types import (
     CoreRequest,
     EngineCapacity,
     EngineInfo,
-    EngineLimits,
     EngineStats,
     Launched,
     RequestUpdate,
     Runner,
     RunnerOutput,
     TokenOutput,
-    check_prompt,
 )
 from jaxinfer.lora.slots import LoRASlots, lora_options
 from jaxinfer.models import family_of

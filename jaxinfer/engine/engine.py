@@ -24,12 +24,11 @@ from typing import Any
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.core import EngineCore, default_kv_cache_memory
+from jaxinfer.engine.limits import EngineLimits, check_prompt
 from jaxinfer.engine.output import OutputProcessor, RequestDelta, Usage
 from jaxinfer.engine.types import (
     EngineCapacity,
-    EngineLimits,
     EngineStats,
-    check_prompt,
     split_samples,
 )
 from jaxinfer.lora.adapter import read_config
