@@ -9,15 +9,18 @@
 3. `make_engine(model, **overrides)` builds an `LLMEngine`. Every engine in the tests has the same
    device shapes (KV cache, penalty rows, page-table width, sequence buckets), so they all share
    one set of compiled programs and differ only in host-side policy (token budget, prefix cache).
-4. `run` / `collect` fold engine deltas into one `Completion` per (request, sample);
+4. `compile_events()` lists the programs XLA compiles while a block runs (how a test sees a
+   program built again after warmup).
+5. `run` / `collect` fold engine deltas into one `Completion` per (request, sample);
    `ScheduleLog` records what each step scheduled; `assert_pages_free` checks the allocator;
    `drain` aborts leftovers so one failing test does not poison a shared engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -260,3 +263,24 @@ def assert_same_greedy(
         a = np.array([lp.logprob for lp in ours[rid][0].logprobs])
         b = np.array([lp.logprob for lp in ref[rid][0].logprobs])
         np.testing.assert_allclose(a, b, atol=atol)
+
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def compile_events() -> Iterator[list[str]]:
+    """The `fun_name` of every XLA compilation while the block runs (a persistent-cache hit
+    included). Warmup compiles without running, so the calls' own jit caches fill on first use:
+    only these events show a program built again."""
+    names: list[str] = []
+
+    def listener(event: str, duration: float, **kw: Any) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            names.append(str(kw.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

@@ -33,6 +33,7 @@ from engine_utils import (
     ScheduleLog,
     assert_pages_free,
     collect,
+    compile_events,
     drain,
     generate,
     greedy,
@@ -48,7 +49,6 @@ from jaxinfer.engine.request import PENDING_TOKEN, RequestStatus
 from jaxinfer.sampling_params import SamplingParams
 
 STORY = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 @pytest.fixture(scope="module")
@@ -112,14 +112,7 @@ def test_no_compilation_after_warmup(engine, vocab_size) -> None:
     # with and without prompt logprobs, per token bucket and page bucket
     assert n_programs == 2 * len(engine.runner.token_buckets) * len(engine.runner.page_buckets)
 
-    compiles: list[str] = []
-
-    def listener(event: str, duration: float, **kw) -> None:
-        if event == BACKEND_COMPILE_EVENT:
-            compiles.append(str(kw.get("fun_name")))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with compile_events() as compiles:
         jax.jit(lambda x: x * 3 + 1)(np.float32(2))  # the listener does see a compilation
         assert len(compiles) == 1, compiles
         compiles.clear()
@@ -143,8 +136,6 @@ def test_no_compilation_after_warmup(engine, vocab_size) -> None:
             ]
             out = run(engine, reqs)
         assert log.preempted, "the workload should also exercise preemption"
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
     assert all(c.finish_reason for samples in out.values() for c in samples)
     assert_pages_free(engine)

@@ -152,7 +152,7 @@ def test_llm_generate_with_lora_requests(setup, model_dir):
     """`LLM(enable_lora=True, max_loras=1)`: one prompt under a8, b16, the base and a8 again in one
     `generate`: b16 waits for a8's slot (never fails), the shared prompt's cached pages are not
     shared across adapters, each sample's logprobs match HF + PEFT; adapters add no programs."""
-    import jax
+    from engine_utils import compile_events
 
     from jaxinfer import LLM, LoRARequest, SamplingParams
 
@@ -173,22 +173,13 @@ def test_llm_generate_with_lora_requests(setup, model_dir):
         max_num_batched_tokens=2,
     )
     llm.engine.warmup()
-    compiles: list[str] = []
-
-    def listener(event: str, duration: float, **kw) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":  # a cache hit included
-            compiles.append(str(kw.get("fun_name")))
-
     a8, b16 = LoRARequest("a8", 1, paths["a8"]), LoRARequest("b16", 2, paths["b16"])
     prompt = _tokens(9, 5)
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0)
     # NOTE: warmup compiles without running: only compile events show a step program built again
     # (the adapters' slot writes are programs of their own, compiled on first use).
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with compile_events() as compiles:
         outs = llm.generate([prompt] * 4, sp, lora_request=[a8, b16, None, a8])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert not [c for c in compiles if "program" in c], compiles
     for out, name in zip(outs, ["a8", "b16", None, "a8"]):
         ids = out.token_ids

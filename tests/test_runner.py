@@ -13,7 +13,16 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from engine_utils import collect, generate, load_vocab, make_engine, random_prompt, run, tiny_model
+from engine_utils import (
+    collect,
+    compile_events,
+    generate,
+    load_vocab,
+    make_engine,
+    random_prompt,
+    run,
+    tiny_model,
+)
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.page_allocator import PageAllocator
@@ -281,20 +290,11 @@ def test_warmup_leaves_nothing_to_compile(small, committed) -> None:
         params = jax.device_put(params, jax.devices()[0])
     runner = small_runner((cfg, params))
     runner.warmup(structured=committed)  # structured output's sampler program too
-    compiles: list[str] = []
-
-    def listener(event: str, duration: float, **kw) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":  # a cache hit included
-            compiles.append(str(kw.get("fun_name")))
-
-    # NOTE: warmup compiles without running (`lower().compile()`): the calls' own jit caches
-    # fill on first use, so only compile events show a program built again.
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    # NOTE: warmup compiles without running (`lower().compile()`): only compile events show a
+    # program built again.
+    with compile_events() as compiles:
         drive(runner, [(0, req("a", [5, 6, 7], max_tokens=3)), (1, req("b", list(range(40, 52))))])
         if committed:
             split = [(0, req("c", [5, 6, 7], max_tokens=3)), (1, req("d", [8, 9]))]
             drive(runner, split, split=True)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert not [c for c in compiles if "program" in c], compiles
