@@ -3,6 +3,7 @@
     python scripts/bench_step.py --model scripts/configs/llama-3-8b --load-format dummy \
         --batch 1,32 --quantization none,int8,int4 [--context 512] [--steps 24] [--layers N]
         [--trace-dir DIR] [--json-out FILE] [--hf] [--attention-backend B]
+        [--scheduling async,sync] [--cprofile PREFIX]
 
 1. One `LLM` per `--quantization` (random weights with `--load-format dummy`; `--layers N` keeps
    the first N layers of the config, for a quick look on a CPU), sized for the largest batch.
@@ -92,7 +93,12 @@ def run_batch(llm, batch: int, context: int, steps: int, tag: str, vocab: int, t
     eng = llm.engine
     rng = np.random.default_rng(batch)
     extra = 12 if trace else 4
-    sp = SamplingParams(max_tokens=steps + extra + 8, temperature=0, ignore_eos=True)
+    # NOTE: the first row decodes while the last prompts still prefill (chunks of the engine's
+    # max_num_batched_tokens): it must outlive them for every row to decode at once
+    prefill_steps = -(-batch * context // llm.engine.config.max_num_batched_tokens)
+    sp = SamplingParams(
+        max_tokens=steps + extra + prefill_steps + 8, temperature=0, ignore_eos=True
+    )
     for i in range(batch):
         ids = [int(t) for t in rng.integers(100, vocab - 1, context)]
         eng.add_request(ids, sp, request_id=f"{tag}-{batch}-{i}")
@@ -106,6 +112,23 @@ def run_batch(llm, batch: int, context: int, steps: int, tag: str, vocab: int, t
             profiled = profile_steps(eng, trace, 8)
     diffs = np.diff(stamps[2 : steps + 2])
     return float(np.median(diffs)), profiled
+
+
+def host_profile(llm, batch: int, args, vocab: int, path: str) -> None:
+    """cProfile of the engine's host work over one more timed round (top 60 by cumulative)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run_batch(llm, batch, args.context, args.steps, "cprofile", vocab)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(60)
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
 
 
 def profile_steps(eng, trace_dir: str, n: int):
@@ -195,6 +218,8 @@ def main() -> None:
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--json-out", default=None)
     p.add_argument("--attention-backend", default=None, help="default: the platform's kernel")
+    p.add_argument("--scheduling", default="async", help="async, sync (comma-separated)")
+    p.add_argument("--cprofile", default=None, help="path prefix: a host cProfile per case")
     p.add_argument("--hf", action="store_true", help="also HF transformers on the same config")
     args = p.parse_args()
     import jax
@@ -203,7 +228,8 @@ def main() -> None:
     path = model_dir(args.model, args.layers)
     bandwidth = copy_bandwidth(2 << 30 if jax.default_backend() != "cpu" else 256 << 20)
     rows = []
-    for quant in args.quantization.split(","):
+    cases = [(q, m) for q in args.quantization.split(",") for m in args.scheduling.split(",")]
+    for quant, sched in cases:
         t0 = time.perf_counter()
         max_len = args.context + args.steps + 40
         num_pages = max(batches) * (-(-max_len // 16) + 1) + 4
@@ -220,6 +246,7 @@ def main() -> None:
             max_num_seqs=max(batches),
             max_num_batched_tokens=max(512, args.context),
             attention_backend=args.attention_backend,
+            async_scheduling=sched == "async",
         )
         load_s = time.perf_counter() - t0
         vocab = llm.model.cfg.vocab_size
@@ -230,10 +257,13 @@ def main() -> None:
             warm_s = time.perf_counter() - t0
             trace = os.path.join(args.trace_dir, f"{quant}-b{b}") if args.trace_dir else None
             step, prof = run_batch(llm, b, args.context, args.steps, f"run-{quant}", vocab, trace)
+            if args.cprofile:
+                host_profile(llm, b, args, vocab, f"{args.cprofile}-{quant}-{sched}-b{b}.txt")
             kv = b * (args.context + args.steps // 2) * kv_bytes_per_token(llm, num_pages, 16)
             floor = (wbytes + kv) / bandwidth
             row = {
                 "quantization": quant,
+                "scheduling": sched,
                 "batch": b,
                 "ms_per_step": round(1e3 * step, 3),
                 "tok_s": round(b / step, 1),
@@ -251,16 +281,16 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         del llm
     print(f"device {jax.devices()[0].device_kind}, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'case':>14s} {'ms/step':>9s} {'tok/s':>9s} {'roofline ms':>12s} {'events/step':>12s}")
+    print(f"{'case':>20s} {'ms/step':>9s} {'tok/s':>9s} {'roofline ms':>12s} {'events/step':>12s}")
     for r in rows:
         ev = r.get("profile", {}).get("events_per_step")
         print(
-            f"{r['quantization'] + ' b' + str(r['batch']):>14s} {r['ms_per_step']:9.2f} "
+            f"{r['quantization'] + ' ' + r['scheduling'] + ' b' + str(r['batch']):>20s} {r['ms_per_step']:9.2f} "
             f"{r['tok_s']:9.1f} {r['roofline_ms']:12.2f} {ev if ev is not None else '-':>12}"
         )
     hf = bench_hf(path, batches, args.context, args.steps) if args.hf else None
     for r in hf or []:
-        print(f"{'hf b' + str(r['batch']):>14s} {r['ms_per_step']:9.2f} {r['tok_s']:9.1f}")
+        print(f"{'hf b' + str(r['batch']):>20s} {r['ms_per_step']:9.2f} {r['tok_s']:9.1f}")
     out = {
         "bench": "step",
         "hf": hf,

@@ -201,7 +201,7 @@ def test_compile_function_places_its_arguments_on_the_target():
 # has the 8B-shaped numbers before and after.
 H100_LAYER_KERNELS = 24  # layer 0 also builds the attention work tables the layers share
 H100_SAMPLER_GROUP_KERNELS = 16  # at 4 rows: sampler 7, penalty state 5, logits 4
-H100_HOST_LAUNCHES = 10
+H100_HOST_LAUNCHES = 1  # the whole step is one command buffer (programs.compiler_options)
 
 
 def test_h100_step_launch_budget():
@@ -216,6 +216,8 @@ def test_h100_step_launch_budget():
     )
     assert layers and max(layers) <= H100_LAYER_KERNELS, launches.per_layer
     assert 0 < group <= H100_SAMPLER_GROUP_KERNELS, launches.per_scope_unconditional
-    # NOTE: a loop at the top level (searchsorted's binary search) splits the command buffers
-    assert launches.host_thunks.get("kWhile", 0) == 0, launches.host_thunks
-    assert 0 < launches.host_launches <= H100_HOST_LAUNCHES, launches.host_thunks
+    # NOTE: a conditional or loop outside the command buffer makes the host wait for the device
+    # (XLA reads its predicate on the host): the step's launch would return only once the device
+    # had run the forward (an H200 decode step took 10.6 ms instead of 5.75; BENCHMARKS.md)
+    assert set(launches.host_thunks) == {"kCommandBuffer"}, launches.host_thunks
+    assert launches.host_launches == H100_HOST_LAUNCHES, launches.host_thunks

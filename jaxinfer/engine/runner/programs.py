@@ -7,13 +7,16 @@ travel (`pack`: one buffer per dtype, `unpack_buffers` by static slices inside t
    rows' logits), the caches, the state and the sampled ids padded to a fixed `[R]` (the next
    program's `prev_tokens`).
 2. `sample_program` is the sampler of a step launched with `defer_sampling`.
-3. `step_jit` / `sampler_jit` are their jitted forms on one device (packed inputs) or a mesh.
+3. `step_jit` / `sampler_jit` are their jitted forms on one device (packed inputs) or a mesh,
+   compiled with `compiler_options()` for the target platform: on a GPU every conditional and
+   loop of the step runs inside XLA's command buffer (a CUDA graph), so one launch runs the step.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Any
 
 import jax
@@ -26,6 +29,7 @@ from jaxinfer.models import family_of
 from jaxinfer.sampling import SamplerOutput, SamplingMetadata, compute_logprobs, sample
 from jaxinfer.sampling_params import MAX_LOGPROBS
 from jaxinfer.step import StepInputs
+from pallas_kernels import target
 
 
 @struct.dataclass
@@ -230,6 +234,26 @@ def packed_sample_program(
     )
 
 
+# XLA's default command-buffer kinds plus conditionals and loops. NOTE: outside a command buffer
+# XLA:GPU runs a conditional (the sampler's greedy fast path) by copying its predicate to the host
+# and waiting for it, so the call that launches a step returned only when the device had run the
+# whole forward: the host's work for the next step never overlapped the device's (Llama-3-8B
+# decode on an H200: 10.6 ms per step, 5.75 ms with this; BENCHMARKS.md, issue 31).
+GPU_COMMAND_BUFFER = (
+    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"
+)
+
+
+def compiler_options() -> dict[str, str]:
+    """XLA options the step programs compile with on the target platform (`target.platform()`);
+    a `--xla_gpu_enable_command_buffer` in the caller's XLA_FLAGS wins."""
+    if target.platform() != "gpu" or "xla_gpu_enable_command_buffer" in os.environ.get(
+        "XLA_FLAGS", ""
+    ):
+        return {}
+    return {"xla_gpu_enable_command_buffer": GPU_COMMAND_BUFFER}
+
+
 def step_jit(
     attention_backend: str, linear_backend: str, mesh: Any = None, carried: Any = None
 ) -> Any:
@@ -245,6 +269,7 @@ def step_jit(
             ),
             static_argnames=("cfg", "all_logits", "layout"),
             donate_argnames=("kv_caches", "state"),
+            compiler_options=compiler_options(),
         )
     # NOTE: with the partitioner's choice instead, the first call's outputs would give the
     # second call other input shardings (a recompile of every program warmup built, on the first
@@ -259,6 +284,7 @@ def step_jit(
         static_argnames=("cfg", "all_logits"),
         donate_argnames=("kv_caches", "state"),
         out_shardings=(None, *carried),
+        compiler_options=compiler_options(),
     )
 
 
@@ -267,4 +293,5 @@ def sampler_jit(num_sample_rows: int) -> Any:
     return jax.jit(
         functools.partial(packed_sample_program, num_sample_rows=num_sample_rows),
         static_argnames=("layout",),
+        compiler_options=compiler_options(),
     )
