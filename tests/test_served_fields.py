@@ -8,8 +8,9 @@ tiny model with random weights), driven by the `openai` client, plain HTTP and t
 2. `logit_bias` (+100 on one id: greedy emits only it), `allowed_token_ids` (every sampled id is
    one of them), `bad_words` (the greedy first word never comes), `include_stop_str_in_output`,
    the legacy `guided_choice`, `return_tokens_as_token_ids`, and the same token controls on gRPC.
-3. `cache_salt`: one prompt twice under salt "a" hits the prefix cache (`cached_tokens` > 0);
-   under salt "b", or no salt, it does not; on gRPC too.
+3. `cache_salt`: one prompt twice under salt "a" hits the prefix cache (`cached_tokens` > 0,
+   and the same count on `vllm:prefix_cache_hits`); under salt "b", or no salt, it does not;
+   on gRPC too.
 4. Priority: four long requests fill every row, four low-priority requests queue, then one
    high-priority request: it finishes before the last low one (first come first served would
    run it last).
@@ -174,13 +175,27 @@ def test_include_stop_str_and_guided_choice(client, model):
     assert r.choices[0].text in ("yes", "no")
 
 
-def test_cache_salt_isolates_prefix_cache(client, model):
+def prefix_cache_hits(root) -> float:
+    """vLLM's `vllm:prefix_cache_hits` counter (cached prompt tokens) from /metrics."""
+    text = requests.get(f"{root}/metrics", timeout=30).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:prefix_cache_hits_total")
+    )
+
+
+def test_cache_salt_isolates_prefix_cache(client, model, root):
     prompt = "salted " * 40  # several full KV pages
 
     def cached(salt=None, **kw):
+        """(cached tokens in the usage, the hits the engine counted) of one request."""
         extra = {} if salt is None else {"cache_salt": salt}
+        before = prefix_cache_hits(root)
         r = complete(client, model, prompt, max_tokens=1, extra_body=extra, **kw)
-        return r.usage.prompt_tokens_details.cached_tokens
+        hits = prefix_cache_hits(root) - before
+        assert hits == r.usage.prompt_tokens_details.cached_tokens
+        return hits
 
     assert cached("a") == 0
     assert cached("a") > 0  # same salt: hit
