@@ -23,9 +23,8 @@ from jaxinfer.loader import load_model
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.model_info import check_load_format
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.vision.encoder import vision_spec
 from jaxinfer.vision.inputs import ImageInput
-from jaxinfer.vision.processor import with_images
+from jaxinfer.vision.processor import vision_spec, with_images
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype"}
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
-import shutil
 
 import numpy as np
 from model_utils import hf_config_dict
@@ -59,35 +57,26 @@ def make_hf_vlm(path: str, seed: int = 0):
     return model
 
 
-def vlm_dir_with_tokenizer(root: str, tokenizer_dir: str) -> str:
-    """The tiny VLM's config (no weights: `--load-format dummy`) beside a tokenizer whose vocab
-    names the image tokens (`tokenizer_dir`'s files, the three special tokens added)."""
-    d = os.path.join(root, "tiny-gemma3-vlm")
-    os.makedirs(d, exist_ok=True)
-    cfg = {
-        "model_type": "gemma3",
-        "architectures": ["Gemma3ForConditionalGeneration"],
-        **gemma3_vlm_config(),
-    }
-    vocab = 49152 + 3  # the SmolLM2 tokenizer's vocab, then the three image tokens
-    cfg["text_config"] = {**cfg["text_config"], "vocab_size": vocab}
-    cfg.update(image_token_index=49152, boi_token_index=49153, eoi_token_index=49154)
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    for name in os.listdir(tokenizer_dir):
-        if name.startswith("tokenizer") or name.endswith(".txt") or name == "vocab.json":
-            shutil.copy(os.path.join(tokenizer_dir, name), d)
-    tok_path = os.path.join(d, "tokenizer.json")
-    with open(tok_path) as f:
-        tok = json.load(f)
+def tiny_vlm_dir(root) -> str:
+    """`served_utils.tiny_model_dir` (the SmolLM2 tokenizer) made a tiny Gemma 3 VLM for
+    `--load-format dummy`: its config replaced, the three image tokens added after the vocab."""
+    from served_utils import tiny_model_dir
+
+    d = tiny_model_dir(root)
+    tok = json.loads((d / "tokenizer.json").read_text())
+    vocab = 49152  # the SmolLM2 vocabulary; the image tokens follow it
     for i, s in enumerate(["<image_soft_token>", "<start_of_image>", "<end_of_image>"]):
         tok["added_tokens"].append(
-            {"id": 49152 + i, "content": s, "single_word": False, "lstrip": False,
+            {"id": vocab + i, "content": s, "single_word": False, "lstrip": False,
              "rstrip": False, "normalized": False, "special": True}
         )  # fmt: skip
-    with open(tok_path, "w") as f:
-        json.dump(tok, f)
-    return d
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}
+    cfg.update(gemma3_vlm_config(), image_token_index=vocab, boi_token_index=vocab + 1)
+    cfg["eoi_token_index"] = vocab + 2
+    cfg["text_config"] = {**cfg["text_config"], "vocab_size": vocab + 3, "eos_token_id": 2}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
 
 
 def png_bytes(seed: int, size: int = 24) -> bytes:

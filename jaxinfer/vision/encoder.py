@@ -16,9 +16,7 @@ Einsum legend: b = image, n = patch, d = vision width, h = head, k = head dim, e
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,7 +26,7 @@ import numpy as np
 from flax import struct
 
 from checkpoints.hf import HFCheckpoint
-from jaxinfer.vision.processor import VisionSpec, pixel_values
+from jaxinfer.vision.processor import VisionSpec, pixel_values, vision_spec
 
 log = logging.getLogger(__name__)
 
@@ -244,16 +242,6 @@ class ImageEncoder:
         px = pixel_values(rgb, self.spec)[None]
         self.num_encoded += 1
         return np.asarray(self._jit(self.params, self.vcfg, px)[0], np.float32)
-
-
-def vision_spec(path: str, hf_config: dict[str, Any]) -> VisionSpec | None:
-    """The checkpoint's `VisionSpec` (its `preprocessor_config.json` read when present)."""
-    pre = os.path.join(path, "preprocessor_config.json") if os.path.isdir(path) else ""
-    preprocessor = None
-    if pre and os.path.exists(pre):
-        with open(pre) as f:
-            preprocessor = json.load(f)
-    return VisionSpec.from_hf(hf_config, preprocessor)
 
 
 def load_encoder(model: Any, *, dtype: Any = jnp.float32) -> ImageEncoder | None:

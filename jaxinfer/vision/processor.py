@@ -22,6 +22,8 @@ import binascii
 import dataclasses
 import hashlib
 import io
+import json
+import os
 from typing import Any
 
 import numpy as np
@@ -190,3 +192,13 @@ def with_images(
     else:
         ids = list(prompt)
     return ids, image_inputs(ids, spec, rgb, field)
+
+
+def vision_spec(path: str, hf_config: dict[str, Any]) -> VisionSpec | None:
+    """A checkpoint's `VisionSpec` (its `preprocessor_config.json` read when present)."""
+    pre = os.path.join(path, "preprocessor_config.json") if os.path.isdir(path) else ""
+    preprocessor = None
+    if pre and os.path.exists(pre):
+        with open(pre) as f:
+            preprocessor = json.load(f)
+    return VisionSpec.from_hf(hf_config, preprocessor)
