@@ -2,7 +2,7 @@
 
 1. The processor's pixel values equal HF's Gemma3 image processor's (PIL backend).
 2. `LLM.generate({"prompt_token_ids": ..., "multi_modal_data": {"image": ...}})`: prompt and
-   next-token logprobs with one image, two images and none equal HF's (causal attention over the
+   next-token logprobs with one image, two images and none (one batch, chunked) equal HF's (causal attention over the
    image tokens: see README, "Vision-language models").
 3. The prefix cache: the same image and text hits, another image with the same text does not.
 """
@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
 
-ENGINE = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_pages=32)
+ENGINE = dict(max_model_len=64, max_num_seqs=3, max_num_batched_tokens=32, num_pages=32)
 
 
 def _image(seed: int):
@@ -72,24 +72,24 @@ def _hf_logprobs(model, ids: list[int], images: list) -> np.ndarray:
     return torch.log_softmax(logits, -1).numpy()
 
 
-@pytest.mark.parametrize("n_images", [0, 1, 2])
-def test_logprobs_match_hf(tiny, n_images):
+def test_logprobs_match_hf(tiny):
+    """No image, one and two images, batched in one generate call."""
     model, llm = tiny
-    ids = _run(n_images)
-    images = [_image(i) for i in range(n_images)]
-    ref = _hf_logprobs(model, ids, images)
-    prompt = {"prompt_token_ids": ids}
-    if images:
-        prompt["multi_modal_data"] = {"image": images if n_images > 1 else images[0]}
+    cases = [(_run(n), [_image(i) for i in range(n)]) for n in (0, 1, 2)]
+    prompts = [
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+        for ids, images in cases
+    ]
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, prompt_logprobs=0)
-    (out,) = llm.generate(prompt, sp)
-    for pos in range(1, len(ids)):  # each prompt token's logprob given the tokens before it
-        (lp,) = out.prompt_logprobs[pos].values()
-        assert abs(lp - ref[pos - 1, ids[pos]]) < 1e-3, pos
-    top = out.outputs[0].logprobs[0]
-    for tok, lp in top.items():
-        assert abs(lp - ref[-1, tok]) < 1e-3
-    assert out.outputs[0].token_ids[0] == int(ref[-1].argmax())
+    outs = llm.generate(prompts, sp)
+    for (ids, images), out in zip(cases, outs, strict=True):
+        ref = _hf_logprobs(model, ids, images)
+        for pos in range(1, len(ids)):  # each prompt token's logprob given the tokens before it
+            (lp,) = out.prompt_logprobs[pos].values()
+            assert abs(lp - ref[pos - 1, ids[pos]]) < 1e-3, (len(images), pos)
+        for tok, lp in out.outputs[0].logprobs[0].items():
+            assert abs(lp - ref[-1, tok]) < 1e-3, len(images)
+        assert out.outputs[0].token_ids[0] == int(ref[-1].argmax())
 
 
 def test_prefix_cache_keys_include_the_image(tiny):
