@@ -24,7 +24,7 @@ from jaxinfer.lora.request import LoRARequest
 from jaxinfer.model_info import check_load_format
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.vision.inputs import ImageInput
-from jaxinfer.vision.processor import vision_spec, with_images
+from jaxinfer.vision.processor import chat_parts, expand_prompt, vision_spec, with_images
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype"}
 
@@ -220,12 +220,20 @@ class LLM:
         )
 
     def chat(
-        self, messages: list[dict[str, str]], sampling: SamplingParams | None = None
+        self, messages: list[dict[str, Any]], sampling: SamplingParams | None = None
     ) -> RequestOutput:
-        """Renders the checkpoint's chat template (with the generation prompt) and generates."""
+        """Renders the checkpoint's chat template (with the generation prompt) and generates.
+        A message's `content` may be a list of parts (vLLM's): `{"type": "text", "text"}`,
+        `{"type": "image_url", "image_url": {"url": "data:..."}}`, `{"type": "image_pil",
+        "image_pil": PIL image}`; each image part becomes the model's placeholder."""
         if self.tokenizer is None:
             raise ValueError(
                 "chat needs a tokenizer; this LLM was built with skip_tokenizer_init=True"
             )
-        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
-        return self.generate([ids], sampling)[0]
+        flat, images = chat_parts(messages, self.vision)
+        text = self.tokenizer.apply_chat_template(flat, add_generation_prompt=True)
+        if images:
+            text = expand_prompt(text, self.vision, len(images), "messages")
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+        return self.generate([prompt if images else ids], sampling)[0]

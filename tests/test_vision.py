@@ -116,3 +116,28 @@ def test_bad_images_are_refused(tiny):
         llm.generate(
             {"prompt_token_ids": _run(1), "multi_modal_data": {"image": [_image(0)] * 2}}, sp
         )
+
+
+def test_chat_parts_place_the_images():
+    """`LLM.chat`'s content parts: each image part becomes the placeholder where it sits."""
+    from vision_utils import data_url
+
+    from jaxinfer.vision.processor import chat_parts, expand_prompt
+
+    spec = VisionSpec(image_size=16, tokens_per_image=2, image_token_id=IMAGE_TOKEN)
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [
+            {"type": "text", "text": "A: "},
+            {"type": "image_url", "image_url": {"url": data_url(0)}},
+            {"type": "text", "text": " B: "},
+            {"type": "image_pil", "image_pil": _image(1)},
+        ]},
+    ]  # fmt: skip
+    flat, images = chat_parts(msgs, spec)
+    assert flat[1]["content"] == "A: <start_of_image> B: <start_of_image>" and len(images) == 2
+    run = "\n\n<start_of_image><image_soft_token><image_soft_token><end_of_image>\n\n"
+    assert expand_prompt(flat[1]["content"], spec, 2) == f"A: {run} B: {run}"
+    with pytest.raises(ImageError) as e:
+        chat_parts(msgs, None)
+    assert e.value.field == "messages[1].content[1]"

@@ -202,3 +202,35 @@ def vision_spec(path: str, hf_config: dict[str, Any]) -> VisionSpec | None:
         with open(pre) as f:
             preprocessor = json.load(f)
     return VisionSpec.from_hf(hf_config, preprocessor)
+
+
+def chat_parts(
+    messages: list[dict[str, Any]], spec: VisionSpec | None
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Chat messages whose `content` may be a list of parts (vLLM's: `text`, `image_url` with a
+    `data:` URL, `image_pil`) -> messages with string content (each image part the model's
+    placeholder) and their images in order (ImageError naming the part)."""
+    flat, images = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, list):
+            flat.append(m)
+            continue
+        texts = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                texts.append(str(part.get("text", "")))
+                continue
+            if kind not in ("image_url", "image_pil"):
+                raise ImageError(f"{where}: unsupported content part type {kind!r}", where)
+            if spec is None:
+                raise ImageError(f"{where}: this model takes no images", where)
+            image = part.get(kind)
+            if kind == "image_url":
+                image = image.get("url") if isinstance(image, dict) else image
+            texts.append(spec.boi_token)
+            images.append(load_image(image, where))
+        flat.append({**m, "content": "".join(texts)})
+    return flat, images
