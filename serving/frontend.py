@@ -396,19 +396,26 @@ class FrontEnd:
 
         return await asyncio.to_thread(render)
 
-    async def tokenize_chat_images(
+    async def tokenize_images(
         self,
-        messages: list[dict[str, Any]],
-        images: list[tuple[str, str]],
+        prompt: str | list[int] | list[dict[str, Any]],
+        images: list[tuple[str, Any]],
         *,
         field: str,
+        add_special_tokens: bool = True,
         **template_kwargs: Any,
     ) -> tuple[list[int], list[ImageInput]]:
-        """`tokenize_chat` of a chat with images ((field, data URL) each, `serving.images`): the
-        rendered placeholders expanded, the images decoded and resized off the event loop;
-        InvalidArgument naming the image's field (or `field`)."""
-        self._need_tokenizer(field)
-        self._check_chars(_text_chars(messages), field)
+        """Token ids and `ImageInput`s of a prompt with images ((field, data URL or encoded
+        bytes) each): text (one placeholder per image), token ids already holding each image's
+        soft-token run, or chat messages (rendered with `template_kwargs`, see `serving.images`);
+        images decoded and resized off the event loop. InvalidArgument naming the image's field
+        (or `field`)."""
+        text_like = isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict))
+        if text_like:
+            self._need_tokenizer(field)
+            self._check_chars(
+                len(prompt) if isinstance(prompt, str) else _text_chars(prompt), field
+            )
         limit = self.limit_mm_per_prompt.get("image")
         if limit is not None and len(images) > limit:
             where = images[limit][0]
@@ -417,15 +424,17 @@ class FrontEnd:
             )
 
         def render() -> tuple[list[int], list[ImageInput]]:
+            text, special = prompt, add_special_tokens
             try:
-                text = self.tokenizer.apply_chat_template(
-                    messages, **{"add_generation_prompt": True, **template_kwargs}
-                )
+                if text_like and not isinstance(prompt, str):
+                    text, special = self.tokenizer.apply_chat_template(
+                        prompt, **{"add_generation_prompt": True, **template_kwargs}
+                    ), False  # fmt: skip
                 return with_images(
                     text,
-                    [load_image(url, where) for where, url in images],
+                    [load_image(data, where) for where, data in images],
                     self.vision,
-                    lambda t: self.tokenizer.encode(t, add_special_tokens=False),
+                    lambda t: self.tokenizer.encode(t, add_special_tokens=special),
                     field=field,
                 )
             except ImageError as e:

@@ -295,7 +295,7 @@ class OpenAIServer:
                     "chat_template_kwargs",
                 )
                 if plan.images:
-                    ids, mm_inputs = await fe.tokenize_chat_images(
+                    ids, mm_inputs = await fe.tokenize_images(
                         plan.messages, plan.images, field="messages", **kwargs
                     )
                     prompts = [ids]

@@ -3,10 +3,11 @@
 1. `ChatCompletionRequest.chat(placeholder)` writes the model's image placeholder
    (`<start_of_image>` for Gemma 3) where each image part sits; `image_urls(req)` lists the
    parts' URLs with the field each came from (`messages[i].content[j].image_url.url`).
-2. `FrontEnd.tokenize_chat_images` decodes them (`data:` URLs only: the server fetches nothing
+2. `FrontEnd.tokenize_images` decodes them (`data:` URLs only: the server fetches nothing
    and reads no files; anything else is a 400 naming the field), resizes them
    (`jaxinfer.vision.processor`, no JAX), expands the placeholders in the rendered chat and
-   tokenizes it; the request then carries the images to the core (`ImageInput`s).
+   tokenizes it; the request then carries the images to the core (`ImageInput`s). gRPC sends
+   encoded image bytes in `GenerateRequest.images` beside a prompt / chat holding placeholders.
 """
 
 from __future__ import annotations

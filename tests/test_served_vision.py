@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from served_utils import ServedProcess
-from vision_utils import data_url, tiny_vlm_dir
+from vision_utils import TOKENS_PER_IMAGE, data_url, png_bytes, tiny_vlm_dir
 
 pytestmark = pytest.mark.slow  # a server subprocess: imports JAX, compiles on first use
 
@@ -84,3 +84,27 @@ def test_limit_mm_per_prompt(client):
         client.chat.completions.create(model="vlm", messages=_messages(*parts), max_tokens=1)
     assert e.value.body["param"] == "messages[0].content[2].image_url.url"
     assert "limit-mm-per-prompt" in e.value.body["message"]
+
+
+def test_grpc_images_field(served):
+    """gRPC `GenerateRequest.images`: encoded bytes beside a prompt holding the placeholder; an
+    undecodable one is INVALID_ARGUMENT naming images[i]."""
+    import grpc
+
+    from serving.protos.jaxinfer.v1 import generate_pb2 as pb
+    from serving.protos.jaxinfer.v1 import generate_pb2_grpc as pb_grpc
+
+    def request(*images: bytes) -> pb.GenerateRequest:
+        sampling = pb.SamplingParams(max_tokens=2, temperature=0.0)
+        return pb.GenerateRequest(
+            prompt="<start_of_image>What is it?", images=images, sampling=sampling
+        )
+
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        out = stub.GenerateOnce(request(png_bytes(3)), timeout=120)
+        assert len(out.token_ids) == 2 and out.usage.prompt_tokens > TOKENS_PER_IMAGE
+        with pytest.raises(grpc.RpcError) as e:
+            stub.GenerateOnce(request(png_bytes(3), b"not an image"), timeout=120)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "images[1]" in e.value.details()
