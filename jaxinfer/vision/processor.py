@@ -84,7 +84,12 @@ class VisionSpec:
 
 def load_image(obj: Any, field: str) -> Any:
     """A PIL image, bytes, or a `data:` URL -> an RGB PIL image (ImageError naming `field`)."""
-    from PIL import Image, UnidentifiedImageError
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise ImageError(
+            f"{field}: images need Pillow (pip install 'jaxinfer[vision]')", field
+        ) from None
 
     if isinstance(obj, Image.Image):
         return obj.convert("RGB")
