@@ -23,6 +23,8 @@ from jaxinfer.loader import load_model
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.model_info import check_load_format
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.vision.inputs import ImageInput
+from jaxinfer.vision.processor import chat_parts, expand_prompt, vision_spec, with_images
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype"}
 
@@ -107,6 +109,7 @@ class LLM:
         **engine_options: Any,
     ) -> None:
         compile_cache.enable(compilation_cache_dir)
+        self.limit_mm_per_prompt = dict(engine_options.pop("limit_mm_per_prompt", None) or {})
         backend = engine_options.pop("attention_backend", None)
         linear_backend = engine_options.pop("linear_backend", None)
         unknown = set(engine_options) - _ENGINE_OPTIONS
@@ -135,18 +138,21 @@ class LLM:
             self.model, config, attention_backend=backend, linear_backend=linear_backend
         )
         self.tokenizer = self.model.tokenizer
+        self.vision = vision_spec(self.model.path, self.model.hf_config or {})
         self._ids = itertools.count()
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: str | dict | list[str | dict] | list[list[int]],
         sampling: SamplingParams | list[SamplingParams] | None = None,
         *,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in order; `lora_request` (one for all, or one per prompt; None:
-        the base model) runs them with PEFT adapters (an `LLM(enable_lora=True)`)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        the base model) runs them with PEFT adapters (an `LLM(enable_lora=True)`). A prompt may
+        be vLLM's dict `{"prompt": text | "prompt_token_ids": ids, "multi_modal_data": {"image":
+        PIL image | [images]}}` (a vision-language model; one placeholder per image in the text)."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt, text or token ids
         if not isinstance(sampling, list):
             sampling = [sampling or SamplingParams()] * len(prompts)
@@ -167,8 +173,9 @@ class LLM:
                     raise ValueError(
                         "LLM(skip_tokenizer_init=True) takes prompts as token ids, not text"
                     )
-                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                self.engine.add_request(ids, sp, request_id=rid, lora_request=lora)
+                ids, mm = self._prompt(prompt)
+                extra = {"mm_inputs": mm} if mm else {}  # NOTE: text-only engines take no images
+                self.engine.add_request(ids, sp, request_id=rid, lora_request=lora, **extra)
                 order.append(rid)
                 results[rid] = RequestOutput(rid, ids, [CompletionOutput(i) for i in range(sp.n)])
         except Exception:
@@ -193,13 +200,41 @@ class LLM:
                         res.usage = delta.usage
         return [results[rid] for rid in order]
 
+    def _prompt(self, prompt: str | dict | list[int]) -> tuple[list[int], list[ImageInput]]:
+        """Prompt ids and images of one `generate` prompt."""
+        if not isinstance(prompt, dict):
+            return (self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)), []
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        if unknown:
+            raise ValueError(f"unknown prompt keys {sorted(unknown)}")
+        text = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        if text is None:
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        data = dict(prompt.get("multi_modal_data") or {})
+        if set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data: only 'image' is supported, got {sorted(data)}")
+        if "image" not in data:
+            return self._prompt(text)
+        encode = self.tokenizer.encode if self.tokenizer is not None else None
+        return with_images(
+            text, data["image"], self.vision, encode, limit=self.limit_mm_per_prompt.get("image")
+        )
+
     def chat(
-        self, messages: list[dict[str, str]], sampling: SamplingParams | None = None
+        self, messages: list[dict[str, Any]], sampling: SamplingParams | None = None
     ) -> RequestOutput:
-        """Renders the checkpoint's chat template (with the generation prompt) and generates."""
+        """Renders the checkpoint's chat template (with the generation prompt) and generates.
+        A message's `content` may be a list of parts (vLLM's): `{"type": "text", "text"}`,
+        `{"type": "image_url", "image_url": {"url": "data:..."}}`, `{"type": "image_pil",
+        "image_pil": PIL image}`; each image part becomes the model's placeholder."""
         if self.tokenizer is None:
             raise ValueError(
                 "chat needs a tokenizer; this LLM was built with skip_tokenizer_init=True"
             )
-        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
-        return self.generate([ids], sampling)[0]
+        flat, images = chat_parts(messages, self.vision)
+        text = self.tokenizer.apply_chat_template(flat, add_generation_prompt=True)
+        if images:
+            text = expand_prompt(text, self.vision, len(images), "messages")
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+        return self.generate([prompt if images else ids], sampling)[0]

@@ -22,6 +22,10 @@ class StepInputs:
     num_seqs: jax.Array  # i32[1]
     logits_indices: jax.Array  # i32[N] token rows whose logits are returned
     lora_slots: jax.Array | None = None  # i32[T] each token's LoRA slot (0: none); enable_lora
+    # Images (`jaxinfer.vision`): M embedding rows that replace the text embeddings of token rows
+    # `mm_rows` (padding rows point past T and are dropped); None on steps without image tokens.
+    mm_embeds: jax.Array | None = None  # f32[M, E]
+    mm_rows: jax.Array | None = None  # i32[M]
 
 
 def build_step_arrays(

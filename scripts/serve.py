@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import re
@@ -244,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="sequences admitted beyond --max-num-seqs before RESOURCE_EXHAUSTED",
+    )
+    s.add_argument(
+        "--limit-mm-per-prompt",
+        type=_mm_limits,
+        default=None,
+        help="most items per prompt of each modality, as JSON, e.g. '{\"image\": 2}' "
+        "(vision-language models; default: no limit)",
     )
     s.add_argument(
         "--max-request-bytes",
@@ -552,6 +560,19 @@ async def serve(args: argparse.Namespace, channel=None) -> int:
             channel.shutdown()  # the engine thread has stopped: no step can interleave
 
 
+def _mm_limits(text: str) -> dict[str, int]:
+    """`--limit-mm-per-prompt`: a JSON object of modality -> count (only "image" is served)."""
+    try:
+        limits = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None
+    if not isinstance(limits, dict) or set(limits) - {"image"}:
+        raise argparse.ArgumentTypeError(f'expected an object like {{"image": 2}}, got {text!r}')
+    if any(not isinstance(v, int) or v < 0 for v in limits.values()):
+        raise argparse.ArgumentTypeError(f"limits must be integers >= 0, got {text!r}")
+    return limits
+
+
 async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: float) -> int:
     from serving.frontend import FrontEnd
     from serving.http_server import OpenAIServer
@@ -566,6 +587,7 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
         grace_period=args.grace_period,
         log_interval=args.log_interval,
         max_request_bytes=args.max_request_bytes,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
         scheduling_policy=args.scheduling_policy,
         api_key=args.api_key or os.environ.get("JAXINFER_API_KEY") or None,
     )

@@ -34,6 +34,7 @@ from typing import Any
 from jaxinfer.sampling_params import FieldError, StructuredOutputsParams
 from serving import openai_protocol as oai
 from serving.errors import InvalidArgument
+from serving.images import image_urls
 from serving.reasoning import REASONING_PARSERS, ReasoningParser, after_reasoning
 from serving.tool_parsers import TOOL_PARSERS, JsonArrayToolParser, ToolCall, ToolParser
 
@@ -50,6 +51,7 @@ class ChatOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    image_placeholder: str | None = None  # the model's, when it takes images (`serving.images`)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
@@ -78,6 +80,7 @@ class ChatPlan:
     options: ChatOptions
     thinking: bool  # a reasoning parser splits the output
     parallel: bool = True  # `parallel_tool_calls`: more than one call is kept
+    images: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (field, url)
 
     def output(self) -> ChatOutput:
         return ChatOutput(self)
@@ -144,10 +147,12 @@ def _choice(req: oai.ChatCompletionRequest, tools: dict[str, Any]) -> tuple[str,
     return "named", name
 
 
-def _messages(req: oai.ChatCompletionRequest) -> list[dict[str, Any]]:
+def _messages(
+    req: oai.ChatCompletionRequest, image_placeholder: str | None
+) -> list[dict[str, Any]]:
     """The template's messages: assistant `tool_calls` (arguments as objects, as chat templates
     expect) and `tool_call_id` kept."""
-    out = req.chat()
+    out = req.chat(image_placeholder)
     for i, (msg, m) in enumerate(zip(out, req.messages, strict=True)):
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
@@ -218,9 +223,11 @@ def plan(req: oai.ChatCompletionRequest, options: ChatOptions) -> ChatPlan:
     elif origin is not None:
         renames = (("structured_outputs.json", origin),)
     parallel = req.parallel_tool_calls is not False
+    images = image_urls(req) if options.image_placeholder is not None else []
     return ChatPlan(
-        _messages(req), kwargs, mode, function, structured, renames, options, thinking, parallel
-    )
+        _messages(req, options.image_placeholder), kwargs, mode, function, structured, renames,
+        options, thinking, parallel, images,
+    )  # fmt: skip
 
 
 class ChatOutput:

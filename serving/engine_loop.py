@@ -190,6 +190,7 @@ class EngineLoop:
         *,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        mm_inputs: tuple = (),
     ) -> Stream:
         """Sends an admitted request (`FrontEnd.submit`) to the core (event loop thread)."""
         engine_id = f"r{next(self._ids)}"
@@ -201,6 +202,7 @@ class EngineLoop:
             priority=priority,
             cache_salt=cache_salt,
             lora_request=lora_request,
+            mm_inputs=mm_inputs,
         )
         stream = Stream(
             engine_id,

@@ -46,6 +46,8 @@ from jaxinfer.engine.limits import EngineLimits
 from jaxinfer.engine.types import EngineInfo
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.sampling_params import FieldError, SamplingParams
+from jaxinfer.vision.inputs import ImageInput
+from jaxinfer.vision.processor import ImageError, load_image, vision_spec, with_images
 from serving.engine_loop import EngineLoop, Stream
 from serving.errors import InvalidArgument, QueueFull, Unavailable
 from serving.metrics import ServerMetrics
@@ -136,6 +138,7 @@ class FrontEnd:
         max_request_bytes: int | None = None,
         scheduling_policy: str = "fcfs",
         api_key: str | None = None,
+        limit_mm_per_prompt: dict[str, int] | None = None,
     ) -> None:
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
@@ -168,6 +171,9 @@ class FrontEnd:
             core, self.tokenizer, self.metrics, eos_token_ids=model.eos_token_ids
         )
         self.vocab_size = model.cfg.vocab_size
+        # A vision-language model's image spec (None: it takes no images) and per-prompt limits.
+        self.vision = vision_spec(getattr(model, "path", ""), getattr(model, "hf_config", {}) or {})
+        self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
         if self.tokenizer is not None:
             self.vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
         self.peers: list[Peer] = []
@@ -390,6 +396,54 @@ class FrontEnd:
 
         return await asyncio.to_thread(render)
 
+    async def tokenize_images(
+        self,
+        prompt: str | list[int] | list[dict[str, Any]],
+        images: list[tuple[str, Any]],
+        *,
+        field: str,
+        add_special_tokens: bool = True,
+        **template_kwargs: Any,
+    ) -> tuple[list[int], list[ImageInput]]:
+        """Token ids and `ImageInput`s of a prompt with images ((field, data URL or encoded
+        bytes) each): text (one placeholder per image), token ids already holding each image's
+        soft-token run, or chat messages (rendered with `template_kwargs`, see `serving.images`);
+        images decoded and resized off the event loop. InvalidArgument naming the image's field
+        (or `field`)."""
+        text_like = isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict))
+        if text_like:
+            self._need_tokenizer(field)
+            self._check_chars(
+                len(prompt) if isinstance(prompt, str) else _text_chars(prompt), field
+            )
+        limit = self.limit_mm_per_prompt.get("image")
+        if limit is not None and len(images) > limit:
+            where = images[limit][0]
+            raise InvalidArgument(
+                f"{where}: {len(images)} images exceed --limit-mm-per-prompt image={limit}", where
+            )
+
+        def render() -> tuple[list[int], list[ImageInput]]:
+            text, special = prompt, add_special_tokens
+            try:
+                if text_like and not isinstance(prompt, str):
+                    text, special = self.tokenizer.apply_chat_template(
+                        prompt, **{"add_generation_prompt": True, **template_kwargs}
+                    ), False  # fmt: skip
+                return with_images(
+                    text,
+                    [load_image(data, where) for where, data in images],
+                    self.vision,
+                    lambda t: self.tokenizer.encode(t, add_special_tokens=special),
+                    field=field,
+                )
+            except ImageError as e:
+                raise InvalidArgument(str(e), e.field) from None
+            except ValueError as e:  # TokenizerError: no template, or the template raised
+                raise InvalidArgument(f"{field}: {e}", field) from None
+
+        return await asyncio.to_thread(render)
+
     @property
     def max_request_bytes(self) -> int:
         """The largest request body / gRPC message read (`--max-request-bytes`)."""
@@ -448,6 +502,7 @@ class FrontEnd:
         fields: Fields = GRPC,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        mm_inputs: Sequence[ImageInput] = (),
     ) -> Stream:
         """Checks a tokenized request against the engine's limits and admits it (event loop): the
         one request check of both protocols (`validation.check_request`, after `prepare`);
@@ -456,7 +511,12 @@ class FrontEnd:
 
         Raises InvalidArgument, QueueFull, Unavailable.
         """
+        n_ids = len(ids)
         ids = self.prepare(ids, sp, fields)
+        if mm_inputs and len(ids) != n_ids:
+            raise InvalidArgument(
+                "truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens"
+            )
         check_request(
             ids,
             sp,
@@ -470,8 +530,9 @@ class FrontEnd:
         )
         self.check_admission(sp.n)
         stream = self.engine_loop.submit(
-            ids, sp, priority, cache_salt=cache_salt, lora_request=lora_request
-        )
+            ids, sp, priority, cache_salt=cache_salt, lora_request=lora_request,
+            mm_inputs=tuple(mm_inputs),
+        )  # fmt: skip
         stream.fields = fields
         if lora_request is not None:
             self.metrics.lora_requests.labels(lora_request.lora_name).inc()

@@ -89,7 +89,10 @@ class OpenAIServer:
         chat_options: chat_api.ChatOptions | None = None,
     ) -> None:
         self.frontend = frontend
-        self.chat_options = chat_options or chat_api.ChatOptions()
+        self.chat_options = dataclasses.replace(
+            chat_options or chat_api.ChatOptions(),
+            image_placeholder=frontend.vision.boi_token if frontend.vision else None,
+        )
         self.host, self.port = host, port
         self.model_name = served_model_name or frontend.model.name
         frontend.metrics.vllm.bind(self.model_name)  # vLLM's `model_name` label
@@ -284,13 +287,20 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise HTTPError(400, "this server has no tokenizer")
         fe = self.frontend
+        mm_inputs: list = []
         try:
             if chat:
                 kwargs = validation.chat_template_kwargs(
                     {"add_generation_prompt": req.add_generation_prompt} | plan.template_kwargs,
                     "chat_template_kwargs",
                 )
-                prompts = [await fe.tokenize_chat(plan.messages, field="messages", **kwargs)]
+                if plan.images:
+                    ids, mm_inputs = await fe.tokenize_images(
+                        plan.messages, plan.images, field="messages", **kwargs
+                    )
+                    prompts = [ids]
+                else:
+                    prompts = [await fe.tokenize_chat(plan.messages, field="messages", **kwargs)]
                 names = ["messages"]
             else:
                 names = [name for name, _ in req.prompts()]
@@ -339,6 +349,7 @@ class OpenAIServer:
                             fields=fields,
                             cache_salt=req.cache_salt,
                             lora_request=lora,
+                            mm_inputs=mm_inputs,
                         )
                     )
             except BaseException:

@@ -94,6 +94,7 @@ def build_core(args: EngineArgs) -> EngineCore:
             runner=FakeRunner(step_delay=args.fake_step_delay, poison_token=args.fake_poison_token),
         )
     from jaxinfer.loader import load_model
+    from jaxinfer.vision.encoder import load_encoder
 
     # NOTE: the core reads and writes token ids only, but structured output compiles grammars
     # against the vocabulary in the core (the matchers advance there, per step): it loads the
@@ -122,4 +123,5 @@ def build_core(args: EngineArgs) -> EngineCore:
         attention_backend=args.attention_backend,
         linear_backend=args.linear_backend,
         tokenizer=model.tokenizer,
+        vision=load_encoder(model),
     )

@@ -230,6 +230,7 @@ class ContentPart(BaseModel):
 
     type: str
     text: str | None = None
+    image_url: Any = None  # {"url": "data:image/png;base64,..."} (`serving.images`)
 
 
 class ChatMessage(BaseModel):
@@ -273,8 +274,9 @@ class ChatCompletionRequest(_Request):
             out.append("prompt_logprobs is not supported on streamed chat completions")
         return out
 
-    def chat(self) -> list[dict[str, Any]]:
-        """The messages as the chat template takes them (text parts joined)."""
+    def chat(self, image_placeholder: str | None = None) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (text parts joined; an image part
+        becomes `image_placeholder` when the model takes images, see `serving.images`)."""
         if not self.messages:
             raise InvalidArgument("messages is empty", "messages")
         out = []
@@ -285,6 +287,9 @@ class ChatCompletionRequest(_Request):
             if isinstance(content, list):
                 texts = []
                 for j, part in enumerate(content):
+                    if part.type == "image_url" and image_placeholder is not None:
+                        texts.append(image_placeholder)
+                        continue
                     if part.type != "text" or part.text is None:
                         raise InvalidArgument(
                             f"messages[{i}].content[{j}]: only text parts are "

@@ -214,20 +214,29 @@ class GenerateServer:
                 "invalid or missing API key (send metadata authorization: Bearer KEY)",
             )
 
-    async def _encode(self, req: Any, *, add_special_tokens: bool = True) -> tuple[str, list[int]]:
-        """(field, token ids) of a request's `input` oneof, tokenized by the front end."""
+    async def _encode(
+        self, req: Any, *, add_special_tokens: bool = True
+    ) -> tuple[str, list[int], list]:
+        """(field, token ids, `ImageInput`s) of a request's `input` oneof (and a
+        GenerateRequest's `images`), tokenized by the front end."""
         field, value = protocol.prompt_input(req)
+        kwargs = {}
+        if field == "messages" and req.messages.HasField("enable_thinking"):
+            kwargs["enable_thinking"] = req.messages.enable_thinking
+        if getattr(req, "images", None):
+            images = [(f"images[{k}]", data) for k, data in enumerate(req.images)]
+            ids, mm = await self.frontend.tokenize_images(
+                value, images, field=field, add_special_tokens=add_special_tokens, **kwargs
+            )
+            return field, ids, mm
         if field == "messages":
-            kwargs = {}
-            if req.messages.HasField("enable_thinking"):
-                kwargs["enable_thinking"] = req.messages.enable_thinking
-            return field, await self.frontend.tokenize_chat(value, field=field, **kwargs)
+            return field, await self.frontend.tokenize_chat(value, field=field, **kwargs), []
         if isinstance(value, str):
             ids = await self.frontend.tokenize(
                 value, field=field, add_special_tokens=add_special_tokens
             )
-            return field, ids
-        return field, value
+            return field, ids, []
+        return field, value, []
 
     async def _admit(
         self, data: bytes, context: grpc.aio.ServicerContext, *, once: bool
@@ -249,7 +258,7 @@ class GenerateServer:
                 raise InvalidArgument(
                     f"sampling.n must be 1 for GenerateOnce (got {sp.n}); stream with Generate"
                 )
-            field, ids = await self._encode(req)
+            field, ids, mm_inputs = await self._encode(req)
             fields = validation.GRPC.with_(prompt=field)
             thinking = field == "messages" and self.reasoning_parser is not None
             if thinking and req.messages.HasField("enable_thinking"):
@@ -262,8 +271,9 @@ class GenerateServer:
             salt = req.cache_salt if req.HasField("cache_salt") else None
             lora = self.frontend.lora_request(req.lora_name) if req.HasField("lora_name") else None
             stream = self.frontend.submit(
-                ids, sp, req.priority, fields=fields, cache_salt=salt, lora_request=lora
-            )
+                ids, sp, req.priority, fields=fields, cache_salt=salt, lora_request=lora,
+                mm_inputs=mm_inputs,
+            )  # fmt: skip
             return req, stream, thinking
         except ValueError as e:  # InvalidArgument, naming the field
             message = str(e)
@@ -351,7 +361,7 @@ class GenerateServer:
                 raise InvalidArgument(
                     "Tokenize needs a tokenizer; the server runs with --skip-tokenizer-init"
                 )
-            _, ids = await self._encode(req, add_special_tokens=add)
+            _, ids, _ = await self._encode(req, add_special_tokens=add)
             pieces = [tokenizer.id_to_piece(i) for i in ids]
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -73,6 +73,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "test_served_lifeline.py::test_content_length_over_the_cap_is_413_before_the_body_is_sent",
         "test_served_lifeline.py::test_grpc_message_over_the_cap_is_resource_exhausted",
     ),
+    "`--limit-mm-per-prompt`": ("test_served_vision.py::test_limit_mm_per_prompt",),
     "`--grace-period`": (
         M + "test_grace_period_aborts_what_is_left",
         E + "test_sigterm_drains_with_503_and_a_second_sigterm_aborts_at_once",
@@ -128,6 +129,10 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         F + "test_n_streams_and_usage",
         F + "test_chat_on_both_protocols_and_its_template_kwargs",
         F + "test_request_id_echoed_and_model_name_served",
+    ),
+    "images in, text out (Gemma 3 `Gemma3ForConditionalGeneration`; chat `image_url` parts with `data:` URLs, `LLM.generate` `multi_modal_data`)": (
+        "test_served_vision.py::test_chat_with_an_image_streams",
+        "test_served_vision.py::test_prefix_cache_keys_include_the_image",
     ),
     "structured output (JSON schema, JSON object, regex, choice, Lark / GBNF grammar)": (
         "test_served_structured.py::test_openai_json_schema",

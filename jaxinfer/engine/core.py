@@ -102,6 +102,7 @@ class EngineCore:
         instead of loading `speculative_config.model`.
       tokenizer: the model's tokenizer, for structured output's grammars (None: requests with
         `structured_outputs` are refused).
+      vision: the model's image encoder (`jaxinfer.vision.load_encoder`; None: text only).
     """
 
     def __init__(
@@ -115,6 +116,7 @@ class EngineCore:
         runner: Runner | None = None,
         draft: Any = None,
         tokenizer: Any = None,
+        vision: Any = None,
     ) -> None:
         self.cfg = cfg
         so = None if tokenizer is None else structured.StructuredOutputs(tokenizer, cfg.vocab_size)
@@ -205,6 +207,7 @@ class EngineCore:
                 spec_max_seqs=spec_seqs,
                 kv_cache_dtype=config.kv_cache_dtype,
                 lora=lora_options(config),
+                vision=vision,
             )
         self.runner: Runner = runner
         self._in_flight: Launched | None = None  # async scheduling: the step still running
@@ -294,15 +297,13 @@ class EngineCore:
         if req.request_id in self._requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         check_prompt(req.prompt_token_ids, req.sampling, self.limits, grammar=False)
+        if req.mm_inputs and getattr(self.runner, "images", None) is None:
+            raise ValueError(f"request {req.request_id!r} has images; this model takes none")
         request = Request(
-            req.request_id,
-            list(req.prompt_token_ids),
-            req.sampling,
-            eos_token_ids=tuple(req.eos_token_ids),
-            priority=req.priority,
-            cache_salt=req.cache_salt,
-            lora_request=req.lora_request,
-        )
+            req.request_id, list(req.prompt_token_ids), req.sampling,
+            eos_token_ids=tuple(req.eos_token_ids), priority=req.priority,
+            cache_salt=req.cache_salt, lora_request=req.lora_request, mm_inputs=req.mm_inputs,
+        )  # fmt: skip
         if not self.structured.add(req.request_id, req.sampling, request):  # a grammar: proven
             self.scheduler.add_request(request)  # off the step thread first, then `admit_proven`
         self._requests[req.request_id] = request

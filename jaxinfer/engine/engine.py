@@ -35,6 +35,8 @@ from jaxinfer.lora.adapter import read_config
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.model_info import LoadedModel
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.vision.encoder import load_encoder
+from jaxinfer.vision.inputs import ImageInput
 
 __all__ = [
     "LLMEngine",
@@ -68,6 +70,7 @@ class LLMEngine:
             runner=runner,
             draft=draft,
             tokenizer=model.tokenizer,
+            vision=None if runner is not None else load_encoder(model),
         )
         self.config, self.max_model_len = self.core.config, self.core.max_model_len
         self.mesh = self.core.mesh
@@ -122,9 +125,11 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        mm_inputs: tuple[ImageInput, ...] = (),
     ) -> str:
         """Validates, tokenizes and queues a request; returns its id. Bad input raises ValueError.
-        `lora_request` runs it with that adapter (an engine with `enable_lora`)."""
+        `lora_request` runs it with that adapter (an engine with `enable_lora`); `mm_inputs`
+        are its images over the prompt ids (`jaxinfer.vision.processor.with_images`)."""
         if lora_request is not None:
             self._check_lora(lora_request)
         sampling = sampling or SamplingParams()
@@ -149,6 +154,7 @@ class LLMEngine:
             eos_token_ids=self.model.eos_token_ids,
             priority=priority,
             lora_request=lora_request,
+            mm_inputs=tuple(mm_inputs),
         )
         with self._live_ids_lock:
             keys = {request_id, *(c.request_id for c in children[0])}

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from jaxinfer.engine.page_allocator import salt_root
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.vision.inputs import ImageInput, images_salt
 
 # The id `token_slice` gives a sampled token that has not reached the host yet.
 PENDING_TOKEN = -1
@@ -99,6 +100,8 @@ class Request:
     cache_root: int = 0
     lora_request: LoRARequest | None = None  # the adapter it runs with
     lora_slot: int = 0  # its pinned device slot while running (0: none; `jaxinfer.lora.slots`)
+    # Images whose embeddings replace prompt positions (`jaxinfer.vision`); they salt cache_root.
+    mm_inputs: tuple[ImageInput, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -106,7 +109,7 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.eos_token_ids = tuple(self.eos_token_ids)
         lora_id = self.lora_request.lora_int_id if self.lora_request is not None else 0
-        self.cache_root = salt_root(self.cache_salt, lora_id)
+        self.cache_root = salt_root(images_salt(self.cache_salt, self.mm_inputs), lora_id)
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(
                 f"Request {self.request_id!r}: sampling must be SamplingParams, "

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from jaxinfer.engine.limits import EngineLimits
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.vision.inputs import ImageInput
 
 if TYPE_CHECKING:
     from jaxinfer.engine.request import Request
@@ -47,6 +48,7 @@ class CoreRequest:
     priority: int = 0
     cache_salt: str | None = None  # prefix-cache pages shared only under the same salt
     lora_request: LoRARequest | None = None  # the adapter it runs with (enable_lora)
+    mm_inputs: tuple[ImageInput, ...] = ()  # images over prompt positions (`jaxinfer.vision`)
 
 
 @dataclasses.dataclass
@@ -73,6 +75,7 @@ def split_samples(
     priority: int = 0,
     cache_salt: str | None = None,
     lora_request: LoRARequest | None = None,
+    mm_inputs: tuple[ImageInput, ...] = (),
 ) -> tuple[list[CoreRequest], list[SampleSpec]]:
     """One request of `n` samples -> n child requests for the core and n specs for the output
     processor (child ids `rid#i` when n > 1, seeds spread so samples differ)."""
@@ -83,7 +86,16 @@ def split_samples(
             child_sp = dataclasses.replace(sampling, seed=(sampling.seed + 7919 * i) % 2**63)
         cid = request_id if sampling.n == 1 else f"{request_id}#{i}"
         core.append(
-            CoreRequest(cid, list(ids), child_sp, eos_token_ids, priority, cache_salt, lora_request)
+            CoreRequest(
+                cid,
+                list(ids),
+                child_sp,
+                eos_token_ids,
+                priority,
+                cache_salt,
+                lora_request,
+                tuple(mm_inputs),
+            )  # fmt: skip
         )
         specs.append(
             SampleSpec(
@@ -174,12 +186,14 @@ def request_to_wire(r: CoreRequest) -> list:
         r.priority,
         r.cache_salt,
         None if r.lora_request is None else dataclasses.astuple(r.lora_request),
+        [im.to_wire() for im in r.mm_inputs],
     ]
 
 
 def request_from_wire(w: list) -> CoreRequest:
     lora = None if w[6] is None else LoRARequest(*w[6])
-    return CoreRequest(w[0], list(w[1]), SamplingParams(**w[2]), tuple(w[3]), w[4], w[5], lora)
+    mm = tuple(ImageInput.from_wire(x) for x in w[7])
+    return CoreRequest(w[0], list(w[1]), SamplingParams(**w[2]), tuple(w[3]), w[4], w[5], lora, mm)
 
 
 class ScheduledRequest(NamedTuple):

@@ -364,6 +364,8 @@ def _forward_local(
         return _forward_pipelined(params, cfg, step, kv_caches, kernels, par)
     with jax.named_scope("embed"):
         h = embed_tokens(params.embed, cfg, step.token_ids, par, params.final_norm.dtype)
+        if step.mm_embeds is not None:  # image soft tokens (`jaxinfer.vision`)
+            h = h.at[step.mm_rows].set(step.mm_embeds.astype(h.dtype), mode="drop")
     with jax.named_scope("rope_tables"):
         cos, sin = rope_tables(cfg, step.positions)
     new_caches = []

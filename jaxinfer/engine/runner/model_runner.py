@@ -33,6 +33,7 @@ from jaxinfer.lora.manager import LoRAManager
 from jaxinfer.params import DTYPES
 from jaxinfer.sampling import SamplerOutput, SamplingMetadata
 from jaxinfer.structured import bitmask_width
+from jaxinfer.vision.embeds import ImageEmbeds
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         abstract: bool = False,
         lora: tuple[int, int, int | None] | None = None,
+        vision: Any = None,
     ) -> None:
         """`num_pages` and `max_num_seqs` are totals over the data replicas (each gets 1/data);
         `page_buckets` are the widths of `page_indices` (default `default_page_buckets`);
@@ -71,7 +73,8 @@ class ModelRunner:
         as `reference.Fp8KVCache` (see jaxinfer.attention). `abstract=True` allocates nothing:
         `params` are `jax.ShapeDtypeStruct`s placed on a target's devices (`jaxinfer.aot`), and
         the runner only lowers its programs (`lower`), e.g. for a device this machine lacks.
-        `lora` (max_loras, max_lora_rank, max_cpu_loras) turns multi-LoRA on (`jaxinfer.lora`)."""
+        `lora` (max_loras, max_lora_rank, max_cpu_loras) turns multi-LoRA on (`jaxinfer.lora`).
+        `vision` (a `jaxinfer.vision.encoder.ImageEncoder`) lets requests carry images."""
         par = shd.Parallel.from_mesh(mesh)
         self.mesh = None if par.is_single else mesh  # NOTE: one device keeps the plain program
         self.data = par.data
@@ -85,6 +88,9 @@ class ModelRunner:
                 f"speculative decoding needs one data replica and no pipeline "
                 f"stages (mesh data={self.data}, pipeline={self.microbatches})"
             )
+        if vision is not None and (self.data > 1 or self.microbatches > 1):
+            raise ValueError("images need one data replica and no pipeline stages")
+        self.images = None if vision is None else ImageEmbeds(vision)
         if self.data > 1 and (num_pages % self.data or max_num_seqs % self.data):
             raise ValueError(
                 f"num_pages={num_pages} and max_num_seqs={max_num_seqs} must be "
@@ -220,7 +226,13 @@ class ModelRunner:
         """
         if sched.lora_loads:
             self.params = lora_device.attach(self.params, self.lora.load(sched.lora_loads))
-        return self.inputs.prepare(sched)
+        prepared = self.inputs.prepare(sched)
+        if self.images is not None:
+            self.images.release(sched.finished)
+            if prepared is not None:
+                step = self.images.place(sched.scheduled, prepared.inputs["step"])
+                prepared.inputs["step"] = step
+        return prepared
 
     def unpack(
         self, plan: UnpackPlan, token_ids: np.ndarray, out: Any, prompt: Any

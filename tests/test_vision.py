@@ -1,0 +1,134 @@
+"""Images in (`jaxinfer.vision`): a tiny random Gemma3ForConditionalGeneration against HF.
+
+1. The processor's pixel values equal HF's Gemma3 image processor's (PIL backend).
+2. `LLM.generate({"prompt_token_ids": ..., "multi_modal_data": {"image": ...}})`: prompt and
+   next-token logprobs with one image, two images and none (one batch, chunked) equal HF's (causal attention over the
+   image tokens: see README, "Vision-language models").
+3. Bad images raise `ImageError` naming the field; chat content parts place the placeholders.
+(The prefix cache's image keys: `tests/test_served_vision.py`.)
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from vision_utils import BOI, EOI, IMAGE_TOKEN, TOKENS_PER_IMAGE, make_hf_vlm, png_bytes
+
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.vision.processor import ImageError, VisionSpec, pixel_values, resized
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+ENGINE = dict(max_model_len=64, max_num_seqs=3, max_num_batched_tokens=32, num_pages=32)
+
+
+def _image(seed: int):
+    return Image.open(io.BytesIO(png_bytes(seed)))
+
+
+def _run(n_images: int, start: int = 2) -> list[int]:
+    """Prompt ids with `n_images` image runs (`<boi> soft*4 <eoi>`) between text tokens."""
+    ids = [start, 17, 33]
+    for i in range(n_images):
+        ids += [BOI] + [IMAGE_TOKEN] * TOKENS_PER_IMAGE + [EOI, 40 + i]
+    return ids + [9, 71]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from jaxinfer.llm import LLM
+
+    path = str(tmp_path_factory.mktemp("gemma3-vlm"))
+    model = make_hf_vlm(path)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, **ENGINE)
+    return model, llm
+
+
+def test_pixel_values_match_hf():
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    spec = VisionSpec(image_size=16, tokens_per_image=4, image_token_id=IMAGE_TOKEN)
+    hf = Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
+    img = _image(3)
+    want = hf(images=[img], return_tensors="np")["pixel_values"][0]
+    got = pixel_values(resized(img, spec), spec)
+    assert got.shape == want.shape == (3, 16, 16)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def _hf_logprobs(model, ids: list[int], images: list) -> np.ndarray:
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    kwargs = {}
+    if images:
+        hf = Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
+        px = hf(images=images, return_tensors="np")["pixel_values"]
+        kwargs["pixel_values"] = torch.tensor(px)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), **kwargs).logits[0].float()
+    return torch.log_softmax(logits, -1).numpy()
+
+
+def test_logprobs_match_hf(tiny):
+    """No image, one and two images, batched in one generate call."""
+    model, llm = tiny
+    cases = [(_run(n), [_image(i) for i in range(n)]) for n in (0, 1, 2)]
+    prompts = [
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+        for ids, images in cases
+    ]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, prompt_logprobs=0)
+    encoder = llm.engine.core.runner.images.encoder
+    encoded = encoder.num_encoded
+    outs = llm.generate(prompts, sp)
+    # image 0 is in two prompts of one step: encoded once (by its hash), then reused
+    assert encoder.num_encoded - encoded == 2
+    for (ids, images), out in zip(cases, outs, strict=True):
+        ref = _hf_logprobs(model, ids, images)
+        for pos in range(1, len(ids)):  # each prompt token's logprob given the tokens before it
+            (lp,) = out.prompt_logprobs[pos].values()
+            assert abs(lp - ref[pos - 1, ids[pos]]) < 1e-3, (len(images), pos)
+        for tok, lp in out.outputs[0].logprobs[0].items():
+            assert abs(lp - ref[-1, tok]) < 1e-3, len(images)
+        assert out.outputs[0].token_ids[0] == int(ref[-1].argmax())
+
+
+def test_bad_images_are_refused(tiny):
+    _, llm = tiny
+    sp = SamplingParams(max_tokens=1)
+    with pytest.raises(ImageError, match="not a decodable image") as e:
+        llm.generate({"prompt_token_ids": _run(1), "multi_modal_data": {"image": b"nope"}}, sp)
+    assert e.value.field == "multi_modal_data.image[0]"
+    with pytest.raises(ImageError, match="image token run"):  # 2 images, 1 run
+        llm.generate(
+            {"prompt_token_ids": _run(1), "multi_modal_data": {"image": [_image(0)] * 2}}, sp
+        )
+
+
+def test_chat_parts_place_the_images():
+    """`LLM.chat`'s content parts: each image part becomes the placeholder where it sits."""
+    from vision_utils import data_url
+
+    from jaxinfer.vision.processor import chat_parts, expand_prompt
+
+    spec = VisionSpec(image_size=16, tokens_per_image=2, image_token_id=IMAGE_TOKEN)
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [
+            {"type": "text", "text": "A: "},
+            {"type": "image_url", "image_url": {"url": data_url(0)}},
+            {"type": "text", "text": " B: "},
+            {"type": "image_pil", "image_pil": _image(1)},
+        ]},
+    ]  # fmt: skip
+    flat, images = chat_parts(msgs, spec)
+    assert flat[1]["content"] == "A: <start_of_image> B: <start_of_image>" and len(images) == 2
+    run = "\n\n<start_of_image><image_soft_token><image_soft_token><end_of_image>\n\n"
+    assert expand_prompt(flat[1]["content"], spec, 2) == f"A: {run} B: {run}"
+    with pytest.raises(ImageError) as e:
+        chat_parts(msgs, None)
+    assert e.value.field == "messages[1].content[1]"
