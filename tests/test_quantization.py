@@ -456,14 +456,27 @@ def _dequantized(cfg: ModelConfig, params):
     )
 
 
+_FORWARDS: dict[tuple[str, str], object] = {}
+
+
+def _forward_jit(family, linear_backend: str):
+    """One jitted forward per (family, linear backend) for the whole module: float, quantized and
+    dequantized params of one family share its in-memory programs (a float run and a dequantized
+    run trace and compile once, not once per `_run`)."""
+    key = (family.__name__, linear_backend)
+    if key not in _FORWARDS:
+        _FORWARDS[key] = jax.jit(
+            lambda p, c, s, kv: family.forward(p, c, s, kv, linear_backend=linear_backend),
+            static_argnames=("c",),
+        )
+    return _FORWARDS[key]
+
+
 def _run(params, cfg, linear_backend="xla") -> list[np.ndarray]:
     stepper = PagedStepper(params, cfg, page_size=4, num_pages=64, seed=1)
     family = family_of(cfg)
     orig = family.forward_jit
-    family.forward_jit = jax.jit(
-        lambda p, c, s, kv: family.forward(p, c, s, kv, linear_backend=linear_backend),
-        static_argnames=("c",),
-    )
+    family.forward_jit = _forward_jit(family, linear_backend)
     try:
         out = [np.concatenate(stepper.step([(0, [3, 17, 101, 9, 44, 250, 7]), (1, [88, 2, 61])]))]
         out.append(np.concatenate(stepper.step([(0, [5]), (1, [6])])))  # a decode step
