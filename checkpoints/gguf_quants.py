@@ -12,7 +12,7 @@
 4. `requantize4(by_row, qtype, cols, groups, symmetric)` is the same for int4 (codes, scales,
    offsets): Q4_0 and Q4_1 with groups of 32 (one per block) are kept exactly as they are stored
    (`_NATIVE4`: Q4_0's d * (q - 8) as code q, scale d, offset -8 d; Q4_1's d * q + m as code q,
-   scale d, offset m; f16 d and m widen exactly and -8 d is exact), every other type / group size
+   scale d, offset m; f16 d and m are kept as f16 and -8 d is exact), every other type / group size
    is requantized from its dequantized rows (`quantize.quantize4`, one rounding).
 
 Layout: a quantized row of `ne[0]` values is packed into blocks of 32 or 256 values
@@ -319,17 +319,19 @@ _NATIVE4: dict[GGMLType, Callable[[np.ndarray], tuple[np.ndarray, ...]]] = {
 def requantize4(
     by_row: np.ndarray, qtype: GGMLType, cols: int, groups: int, symmetric: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # u8[rows, row_bytes]
-    """(codes uint4[rows, cols], scale f32[rows, groups], offset f32[rows, groups]) of a
+    """(codes uint4[rows, cols], scale f16[rows, groups], offset f16[rows, groups]) of a
     block-quantized 2-D tensor: Q4_0 / Q4_1 with one group per block exactly, others requantized
     from their dequantized rows a chunk at a time."""
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     rows = by_row.shape[0]
     if qtype in _NATIVE4 and cols // groups == block_size:
         codes, d, m = _NATIVE4[qtype](by_row.reshape(-1, block_bytes))
+        # NOTE: f16 d and m (and -8 d, a power-of-two multiple) narrow back to f16 exactly.
+        f16 = qlib.SCALE_DTYPE["int4"]
         return (
             codes.reshape(rows, cols).astype(qlib.STORAGE["int4"]),
-            d.reshape(rows, groups),
-            m.reshape(rows, groups),
+            d.reshape(rows, groups).astype(f16),
+            m.reshape(rows, groups).astype(f16),
         )
     parts = [
         qlib.quantize4(

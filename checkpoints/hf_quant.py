@@ -8,12 +8,14 @@ through float32.
 2. `PackedView(ckpt, scheme)` shows the checkpoint under plain names: the tensors `X.qweight`,
    `X.qzeros`, `X.scales` (and GPTQ's `X.g_idx`) of a packed linear are listed once, as
    `X.weight`; `quantized(name, fmt, groups)` returns that weight as (codes uint4[out, in], scale
-   f32[out, G], offset f32[out, G]) in HF's [out, in] layout (`None` for every other tensor,
+   f16[out, G], offset f16[out, G]) in HF's [out, in] layout (`None` for every other tensor,
    which `tensor` reads as stored); `tensor(name)` of a packed weight refuses (it would mean a
    float copy).
 3. Layouts (K = in_features, N = out_features, g = group_size, value = (code - zero) * scale;
-   ours: code * scale + offset with offset = -zero * scale, exact in f32: a 4-bit integer times
-   an f16 scale needs at most 15 significant bits):
+   ours: code * scale + offset with offset = -zero * scale; the checkpoint's f16 scale is kept
+   exactly, the offset is rounded to f16 (a 4-bit zero times an 11-bit scale needs up to 15
+   significant bits, f16 holds 11: each value moves by at most 2^-11 * zero * scale <= scale /
+   128, 1/128 of a quantization step, against the 1/2 step of the 4-bit rounding itself):
    - GPTQ: qweight i32[K / 8, N], input row k's code in bits 4 (k % 8) .. of qweight[k // 8, n];
      qzeros i32[K / g, N / 8], column n's zero in bits 4 (n % 8) .. of qzeros[., n // 8], stored
      minus one by checkpoint_format "gptq" (v1), as is by "gptq_v2"; scales f16[K / g, N]; g_idx
@@ -154,7 +156,8 @@ class PackedView:
                         f"consecutive groups of {size} are not supported yet"
                     )
         zero = zeros[:, : scale.shape[1]].astype(np.float32) + np.float32(self.scheme.zero_offset)
-        return codes.astype(qlib.STORAGE["int4"]), scale, (-zero * scale).astype(np.float32)
+        f16 = qlib.SCALE_DTYPE["int4"]
+        return codes.astype(qlib.STORAGE["int4"]), scale.astype(f16), (-zero * scale).astype(f16)
 
     def close(self) -> None:
         self.ckpt.close()

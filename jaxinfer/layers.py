@@ -197,7 +197,7 @@ def dense(
     if backend == "cpu" and _kernel_fits(x, weights, axis=0):
         if isinstance(weights[0], QArray):
             flat = [w.data.reshape(w.shape[0], -1) for w in weights]
-            scales = [w.scale.reshape(w.scale.shape[0], -1) for w in weights]  # f32[G, N]
+            scales = [_f32(w.scale).reshape(w.scale.shape[0], -1) for w in weights]  # f32[G, N]
             outs = cpu_linear.linear(x, *flat, scales=tuple(scales))
         else:
             outs = cpu_linear.linear(x, *(w.reshape(w.shape[0], -1) for w in weights))
@@ -219,9 +219,9 @@ def _xla_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
     t, e = x.shape
     groups = w.scale.shape[0]
     data = w.data.reshape(e, -1)  # [E, N]
-    scale = w.scale.reshape(groups, -1)  # f32[G, N]
+    scale = _f32(w.scale).reshape(groups, -1)  # f32[G, N]
     out_shape = (t, *w.shape[1:])
-    offset = None if w.offset is None else w.offset.reshape(groups, -1)  # f32[G, N]
+    offset = None if w.offset is None else _f32(w.offset).reshape(groups, -1)  # f32[G, N]
     # int4 offsets: sum_k x[t, k] * offset[k // g, n] = (x's per-group sums) @ offset.
     shift = (
         0.0
@@ -254,15 +254,16 @@ def dense_transposed(x: jax.Array, w: jax.Array | QArray, backend: str = "xla") 
     scales [N, G])."""
     if backend == "cpu" and _kernel_fits(x, (w,), axis=1):
         if isinstance(w, QArray):
-            return cpu_linear.linear(x, w.data, transposed=True, scales=(w.scale,))[0]
+            return cpu_linear.linear(x, w.data, transposed=True, scales=(_f32(w.scale),))[0]
         return cpu_linear.linear(x, w, transposed=True)[0]
     if not isinstance(w, QArray):
         return jnp.einsum("te,ne->tn", x, w)
     t, e = x.shape
     groups = w.scale.shape[1]
+    scale = _f32(w.scale)  # [N, G]
     if groups == 1:
         y = jnp.einsum("te,ne->tn", x, w.data.astype(x.dtype), preferred_element_type=jnp.float32)
-        return (y * w.scale[:, 0]).astype(x.dtype)
+        return (y * scale[:, 0]).astype(x.dtype)
     if _per_group_products(x, e, groups):
         # t: token rows, n: vocab rows, G: scale groups, g: embedding channels of a group.
         parts = jnp.einsum(
@@ -271,8 +272,8 @@ def dense_transposed(x: jax.Array, w: jax.Array | QArray, backend: str = "xla") 
             w.data.reshape(w.shape[0], groups, -1).astype(x.dtype),
             preferred_element_type=jnp.float32,
         )
-        return jnp.einsum("tnG,nG->tn", parts, w.scale).astype(x.dtype)
-    weight = qlib.dequantize(w.data, w.scale, 1, xp=jnp).astype(x.dtype)
+        return jnp.einsum("tnG,nG->tn", parts, scale).astype(x.dtype)
+    weight = qlib.dequantize(w.data, scale, 1, xp=jnp).astype(x.dtype)
     return jnp.einsum("te,ne->tn", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
@@ -288,6 +289,11 @@ def embed_rows(embed: jax.Array | QArray, ids: jax.Array, dtype: jax.typing.DTyp
             offset=offset,
         ).astype(dtype)
     return jnp.take(embed, ids, axis=0)
+
+
+def _f32(scale: jax.Array) -> jax.Array:
+    """Scales or offsets as f32 (int4 stores them as f16: widened where they are used)."""
+    return scale.astype(jnp.float32)
 
 
 def _kernel_fits(x: jax.Array, weights: tuple[jax.Array | QArray, ...], axis: int) -> bool:

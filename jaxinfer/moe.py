@@ -203,7 +203,8 @@ def _scaled(y: jax.Array, w: jax.Array | QArray, ids: jax.Array) -> jax.Array:
     """y [N, ...] (rows through expert `ids` [N]) times those experts' output-channel scales."""
     if not isinstance(w, QArray):
         return y
-    return (y * jnp.take(w.scale, ids, axis=0).reshape(y.shape)).astype(y.dtype)
+    scale = jnp.take(w.scale, ids, axis=0).astype(jnp.float32)
+    return (y * scale.reshape(y.shape)).astype(y.dtype)
 
 
 def _grouped_ffn(rows: jax.Array, local_ids: jax.Array, p: MoEParams, act: str) -> jax.Array:

@@ -4,14 +4,16 @@ specs (format names and their options: `checkpoints.quantize`).
 1. A weight a model declares with `ParamSpec(..., quant_axis=a)` (its contraction axis: the input
    dim of a linear weight, `embed` of the embedding) becomes, under `quantize_specs(specs, fmt)`,
    a `QArray` of two specs: `data` (the weight's shape and logical axes, stored as int8 or
-   float8_e4m3fn) and `scale` (f32: the weight's shape with axis `a` cut to G groups, G =
+   float8_e4m3fn) and `scale` (`qlib.SCALE_DTYPE`: f32, f16 under int4; the weight's shape with
+   axis `a` cut to G groups, G =
    `checkpoints.quantize.num_groups(K, fmt)`: int8 one scale per 128 input channels, fp8 G = 1,
    one per output channel). Grouped scales are for weights contracted over their first axis (the
    linear weights) or their last (the embedding, also the tied LM head); the MoE experts' stacked
    weights keep G = 1 (their ragged grouped product has no per-group form). Everything derived
    from the specs (abstract tree, shardings, shard_map specs, orbax restore targets, random init)
    follows: the scale is sharded like the weight (a G = 1 axis replicated). "int4" adds `offset`
-   (f32, the scale's shape and axes; value = code * scale + offset) to the linear weights, whose
+   (f16 like its scales, the scale's shape and axes; value = code * scale + offset) to the linear
+   weights, whose
    `data` is `uint4` (XLA packs it two per byte on CPU, GPU and TPU: measured, `jnp.int4` /
    `uint4` arrays take K * N / 2 bytes on XLA:CPU, and its dequantizing dot ran 1.6x faster than
    unpacking uint8 pairs by hand); the embedding (contracted over its last axis) is int8 there. Norms, biases and the
@@ -20,7 +22,8 @@ specs (format names and their options: `checkpoints.quantize`).
    blocks requantized row chunk by row chunk); `quantize_params` does it on device for a float
    params tree (a float orbax checkpoint loaded with `quantization=`, random test weights).
 3. The math (`jaxinfer.layers.dense`, `embed_rows`, the MoE experts) multiplies by the stored
-   values; one scale per output channel (G = 1) multiplies the product's outputs after the
+   values (f16 scales and offsets widened to f32 where they are used); one scale per output
+   channel (G = 1) multiplies the product's outputs after the
    contraction (`x @ (q * s) = (x @ q) * s`, `s` constant along it). Grouped scales: the compiled
    CPU kernel applies each group's scales to that group's partial sums; XLA's path scales the
    converted weight into the dot's operand (a fusion on GPU, see `layers._xla_dense`).
@@ -54,8 +57,8 @@ class QArray:
     plus `offset` (int4: same shape as the scale; None otherwise)."""
 
     data: Any  # i8 | f8e4m3fn | u4[weight shape]; as a spec it keeps the weight's quant_axis
-    scale: Any  # f32[weight shape with the contraction axis of size G]
-    offset: Any = None  # f32[like scale] for uint4 codes, else None
+    scale: Any  # f32 | f16 (int4)[weight shape with the contraction axis of size G]
+    offset: Any = None  # f16[like scale] for uint4 codes, else None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -107,12 +110,13 @@ def quantized_spec(spec: ParamSpec, fmt: str) -> QArray:
         + ((spec.logical_axes[a] if groups > 1 else None),)
         + spec.logical_axes[a + 1 :]
     )
-    scale = ParamSpec(shape, jnp.float32, axes, "constant", spec.scale / data_std)
+    scale_dtype = jnp.dtype(qlib.SCALE_DTYPE[qlib.base_format(fmt)])
+    scale = ParamSpec(shape, scale_dtype, axes, "constant", spec.scale / data_std)
     if base != "int4":
         return QArray(data=data, scale=scale)
     mid = -qlib.INT4_MID * spec.scale / data_std
     return QArray(
-        data=data, scale=scale, offset=ParamSpec(shape, jnp.float32, axes, "constant", mid)
+        data=data, scale=scale, offset=ParamSpec(shape, scale_dtype, axes, "constant", mid)
     )
 
 
@@ -224,7 +228,10 @@ def _quantize_impl(
     if (base or qlib.base_format(fmt)) == "int4":
         symmetric = qlib.parse_format(fmt)[2]
         return qlib.quantize4(w, axis, groups, symmetric, xp=xp)
-    return qlib.quantize(w, "int8" if base == "int8" else fmt, axis, groups, xp=xp)
+    scale_dtype = qlib.SCALE_DTYPE[qlib.base_format(fmt)]
+    return qlib.quantize(
+        w, "int8" if base == "int8" else fmt, axis, groups, xp=xp, scale_dtype=scale_dtype
+    )
 
 
 _quantize_jit = jax.jit(_quantize_impl, static_argnames=("fmt", "axis", "groups", "base", "xp"))

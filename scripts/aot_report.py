@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="keep the first N layers")
     p.add_argument("--mesh", default="", help='as serve.py: e.g. "tensor=8" or "expert=8"')
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--quantization", default=None, choices=["int8", "fp8"])
+    p.add_argument("--quantization", default=None, help="int8, fp8, int4 (-g<n>, -sym)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument(

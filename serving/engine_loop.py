@@ -57,6 +57,7 @@ from jaxinfer.engine.types import (
     Loaded,
     Message,
     Ready,
+    RemoveLoRA,
     StartProfile,
     StepResult,
     StopProfile,
@@ -230,6 +231,11 @@ class EngineLoop:
     def profile(self, start: bool) -> None:
         """Starts / stops a profiler trace in the core (it logs where the trace went)."""
         self._send(StartProfile() if start else StopProfile())
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Tells the core an adapter was unloaded: it frees the adapter's slot (once the requests
+        running under it end)."""
+        self._send(RemoveLoRA(lora_int_id=lora_int_id))
 
     def abort_all(self) -> None:
         """Server-side abort of every request (shutdown): they finish with ABORTED."""

@@ -205,6 +205,14 @@ class FrontEnd:
             raise RuntimeError("profiling is off (start the server with --trace-dir)")
         self.engine_loop.profile(start)
 
+    def unload_lora(self, name: str) -> Any:
+        """Unloads a served adapter (`/v1/unload_lora_adapter`): new requests naming it are
+        refused at once; the core frees its slot once the requests running under it end. Returns
+        its `LoRARequest`; LoRAError naming `lora_name` when no adapter has that name."""
+        lora = self.loras.remove(name)
+        self.engine_loop.remove_lora(lora.lora_int_id)
+        return lora
+
     @property
     def compiled_programs(self) -> int:
         return self.engine_loop.compiled_programs

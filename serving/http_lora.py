@@ -3,8 +3,9 @@
 
 1. `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` registers an adapter
    (`serving.lora_adapters.LoRAAdapters.add`): served from the next request naming it as `model`.
-2. `POST /v1/unload_lora_adapter {"lora_name"}` removes it: new requests naming it get 404;
-   requests already running finish under it.
+2. `POST /v1/unload_lora_adapter {"lora_name"}` removes it (`FrontEnd.unload_lora`): new
+   requests naming it get 404; requests already running finish under it, then the engine core
+   frees its device slot and host copy (a `RemoveLoRA` message, vLLM's `remove_lora`).
 Refusals are 400s naming the field (`lora_name`, `lora_path`, `max_lora_rank`, ...).
 """
 
@@ -51,7 +52,7 @@ def install(app: FastAPI, server: Any) -> None:
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         req = await http_errors.parse_body(request, UnloadLoRAAdapterRequest)
         try:
-            server.frontend.loras.remove(req.lora_name)
+            server.frontend.unload_lora(req.lora_name)
         except LoRAError as e:
             raise HTTPError(404, str(e), e.field) from None
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

@@ -117,22 +117,24 @@ def test_group_scales_beat_channel_scales_on_outliers():
 def test_int4_round_trip_groups_and_offsets(symmetric):
     """int4: uint4 codes, per-group scale and offset (value = code * scale + offset) within half a
     step of the weight; asymmetric: the group's range over 15 steps from its min; symmetric:
-    offset = -8 * scale; numpy == JAX bit for bit."""
+    offset = -8 * scale; scale and offset stored as f16 (the codes chosen against the rounded
+    pair); numpy == JAX bit for bit."""
     rng = np.random.default_rng(5)
     w = (rng.standard_normal((256, 24)) + 0.7).astype(np.float32)  # [K, N], skewed positive
     w[:, 3] = 0.0
     data, scale, offset = qlib.quantize4(w, 0, 2, symmetric)
     assert data.dtype == ml_dtypes.uint4 and data.shape == w.shape
     assert scale.shape == offset.shape == (2, 24) and scale[0, 3] == 1.0
+    assert scale.dtype == offset.dtype == np.float16
     back = qlib.dequantize(data, scale, 0, offset=offset)
     assert np.all(np.abs(back - w) <= 0.5 * np.repeat(scale, 128, 0) + 1e-6)
     groups = w.reshape(2, 128, 24)
     if symmetric:
         np.testing.assert_allclose(-offset / scale, 8.0, rtol=1e-6)
     else:  # the group's min and range, offset not tied to an integer zero point
-        np.testing.assert_array_equal(offset, groups.min(1))
+        np.testing.assert_array_equal(offset, groups.min(1).astype(np.float16))
         span = groups.max(1) - groups.min(1)
-        np.testing.assert_allclose(scale[:, :3], span[:, :3] / 15, rtol=1e-6)
+        np.testing.assert_array_equal(scale[:, :3], (span[:, :3] / 15).astype(np.float16))
     jd, js, jo = jax.jit(lambda x: qlib.quantize4(x, 0, 2, symmetric, xp=jnp))(w)
     np.testing.assert_array_equal(np.asarray(js), scale)
     np.testing.assert_array_equal(np.asarray(jo), offset)
@@ -143,6 +145,7 @@ def test_int4_round_trip_groups_and_offsets(symmetric):
     specs = llama.param_specs(cfg, quantization="int4-g16")
     assert specs.layers[0].attn.o.data.dtype == jnp.uint4 and specs.embed.data.dtype == jnp.int8
     assert specs.layers[0].attn.o.offset.logical_axes == specs.layers[0].attn.o.scale.logical_axes
+    assert specs.layers[0].attn.o.offset.dtype == specs.embed.scale.dtype == jnp.float16
     assert specs.embed.offset is None
     assert quantization.quantization_of(specs) == "int4-g16"
     assert quantization.quantization_of(llama.param_specs(cfg, quantization="int4")) == "int4"
@@ -245,6 +248,7 @@ def test_gguf_block_formats_requantize_like_the_library(tmp_path, monkeypatch, q
     assert ckpt.quantized("model.layers.0.self_attn.q_proj.weight", "int8") is None  # stored F32
     for groups in (1, 2, 8):  # int4: 8 groups of 32 keep Q4_0 / Q4_1 blocks, others requantize
         codes, scale, offset = ckpt.quantized(name, "int4", groups)
+        assert scale.dtype == offset.dtype == np.float16  # GGUF's own f16 d and m
         back = qlib.dequantize(codes, scale, 1, offset=offset)
         if groups == 8 and qtype in (T.Q4_0, T.Q4_1):
             np.testing.assert_array_equal(back, lib)
@@ -341,7 +345,8 @@ def test_gguf_loads_quantized(tmp_path, monkeypatch):
 def test_gguf_q4_blocks_load_exactly_as_int4(tmp_path, monkeypatch):
     """A tiny llama GGUF of Q4_0 / Q4_1 linear weights and a Q8_0 embedding loads "int4" as
     "int4-g32": every quantized leaf dequantizes to the float load bit for bit (Q4 blocks as
-    codes + scale + offset, the Q8_0 embedding as int8 groups of 32); "int4-g128" requantizes."""
+    codes + f16 scale + f16 offset, the Q8_0 embedding as int8 groups of 32 with f16 scales);
+    "int4-g128" requantizes."""
     from tests.test_gguf import (
         _gguf_name,
         _permute_like_llama_cpp,
@@ -369,6 +374,8 @@ def test_gguf_q4_blocks_load_exactly_as_int4(tmp_path, monkeypatch):
     quant = _load_params(path, "int4")
     assert quantization.quantization_of(quant) == "int4-g32"
     assert quant.layers[0].attn.q.data.dtype == jnp.uint4 and quant.embed.data.dtype == jnp.int8
+    # f16 scales and offsets (GGUF's own d and m), also the int8 embedding's under int4
+    assert quant.layers[0].attn.q.offset.dtype == quant.embed.scale.dtype == jnp.float16
     specs = llama.param_specs(ModelConfig.from_hf(read_gguf(path).hf_config()))
     leaves = zip(
         jax.tree.leaves(floats),

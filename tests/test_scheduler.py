@@ -606,6 +606,7 @@ def test_wire_messages_round_trip_through_msgpack() -> None:
     assert [types.request_of(w) for w in add.requests] == [req]
     assert through(types.Finish(stops=[("c", "END")])).stops == [["c", "END"]]
     assert isinstance(through(types.Shutdown()), types.Shutdown)
+    assert through(types.RemoveLoRA(lora_int_id=3)) == types.RemoveLoRA(lora_int_id=3)
 
 
 def test_lora_info_names_running_and_waiting_adapters() -> None:
@@ -626,3 +627,36 @@ def test_lora_info_names_running_and_waiting_adapters() -> None:
         sched.add_request(req)
     sched.schedule()
     assert sched.lora_info() == [1, "ada", "adb"]
+
+
+def test_unloaded_adapter_frees_its_slot_once_its_requests_end() -> None:
+    """`remove_lora` (vLLM's, from `/v1/unload_lora_adapter`): with one slot, an unloaded adapter
+    pinned by a running request keeps its slot until that request ends (another adapter's
+    request waits meanwhile), then the slot is free, not kept as least recently used; an
+    unpinned adapter's slot is free at once; the runner is told to drop each host copy."""
+    from jaxinfer.lora.request import LoRARequest
+    from jaxinfer.lora.slots import LoRASlots
+
+    slots = LoRASlots(1)
+    sched = Scheduler(
+        PageAllocator(64, 4), max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
+        lora_slots=slots,
+    )  # fmt: skip
+    ada, adb = LoRARequest("ada", 1), LoRARequest("adb", 2)
+    for rid, lora in [("a", ada), ("b", adb)]:
+        req = make_request(rid, [1, 2, 3], max_tokens=4)
+        req.lora_request = lora
+        sched.add_request(req)
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["a"] and out.lora_loads == [(1, ada)]
+    assert sched.remove_lora(1) is False and slots.loaded() == {1: 1}  # "a" still runs under it
+    out = sched.schedule()
+    assert out.lora_removes == [1] and "b" not in [s.request.request_id for s in out.scheduled]
+    sched.abort("a")
+    assert slots.loaded() == {} and slots.adapters[1] is None
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["b"] and out.lora_loads == [(1, adb)]
+    sched.abort("b")  # adb now holds the slot, unpinned (least recently used)
+    assert slots.loaded() == {2: 1}
+    assert sched.remove_lora(2) is True and slots.loaded() == {} and slots.take_removes() == [2]
+    assert slots.acquire(ada) == 1  # the slot is free for anyone

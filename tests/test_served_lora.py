@@ -1,8 +1,10 @@
 """Multi-LoRA through the real `scripts/serve.py` (one server): `--enable-lora --lora-modules`,
 the OpenAI `model` field naming an adapter, `/v1/models` listing adapters with their `parent`,
 and vLLM's runtime `/v1/load_lora_adapter` / `/v1/unload_lora_adapter` (with
-`VLLM_ALLOW_RUNTIME_LORA_UPDATING`), refusals naming the field; `vllm:lora_requests_info` and the
-per-adapter request counter on /metrics."""
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING`; an unload frees the core's slot once the requests running
+under the adapter end), refusals naming the field; `vllm:lora_requests_info` and the per-adapter
+request counter on /metrics; a second server on a `tensor=2` mesh serves the adapter's greedy
+output of the one-device server."""
 
 from __future__ import annotations
 
@@ -62,6 +64,20 @@ def served(tmp_path_factory):
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def served_mesh(served):
+    """The same tiny model and adapter on a `tensor=2` mesh of 2 virtual CPU devices."""
+    _, root = served
+    srv = serve_tiny(
+        root / "tiny_mesh",
+        *("--enable-lora", "--max-loras", "2", "--lora-modules", f"ada={root / 'ada'}"),
+        *("--mesh", "tensor=2"),
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    )
+    yield srv
+    srv.stop()
+
+
 def _call(url: str, body: dict | None = None) -> tuple[int, dict | str]:
     """(status, JSON body or text) of a GET (no body) or a JSON POST."""
     data = None if body is None else json.dumps(body).encode()
@@ -116,10 +132,32 @@ def test_adapters_served_listed_loaded_and_unloaded(served):
     status, got = _complete(srv, "adb")
     assert status == 200, got
     assert _first_logprob(got) not in lp
-    status, out = _call(f"{url}/v1/unload_lora_adapter", {"lora_name": "adb"})
-    assert status == 200, out
-    assert _complete(srv, "adb")[0] == 404
+    # Unloaded while a request streams under it: the stream finishes under it, the core frees
+    # the adapter's slot once it has (a `RemoveLoRA` message; its log line says so).
+    with _stream(srv, "adb", 200) as stream:
+        assert stream.readline().startswith(b"data:")
+        status, out = _call(f"{url}/v1/unload_lora_adapter", {"lora_name": "adb"})
+        assert status == 200, out
+        assert _complete(srv, "adb")[0] == 404
+        chunks = [
+            json.loads(x[5:]) for x in stream.read().split(b"\n") if x[5:].strip()[:1] == b"{"
+        ]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    deadline = time.monotonic() + 60
+    while not any("unloaded, its slot freed once" in x for x in srv.log):
+        assert time.monotonic() < deadline, "".join(srv.log[-20:])
+        time.sleep(0.05)
     assert "adb" not in {c["id"] for c in _call(f"{srv.http_url}/models")[1]["data"]}
+
+
+def _stream(srv, model: str, tokens: int):
+    body = dict(model=model, prompt="Hi", max_tokens=tokens, ignore_eos=True, stream=True)
+    req = urllib.request.Request(
+        f"{srv.http_url}/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    return urllib.request.urlopen(req, timeout=120)
 
 
 def _metrics(srv) -> str:
@@ -137,13 +175,7 @@ def test_lora_metrics(served):
     the last step) while an adapter's request streams; per-adapter request counts."""
     srv, _ = served
     before = _lora_count(_metrics(srv), "ada")
-    body = dict(model="ada", prompt="Hi", max_tokens=200, ignore_eos=True, stream=True)
-    req = urllib.request.Request(
-        f"{srv.http_url}/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=120) as stream:
+    with _stream(srv, "ada", 200) as stream:
         assert stream.readline().startswith(b"data:")  # a step with the request running is seen
         text = _metrics(srv)
     (info,) = re.findall(r"^vllm:lora_requests_info\{(.*)\} (\S+)$", text, re.M)
@@ -180,3 +212,16 @@ def test_grpc_lora_name(served):
             first_logprob(lora_name="nope")
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "lora_name" in info.value.details()
+
+
+def test_adapter_on_tensor_mesh_matches_one_device(served, served_mesh):
+    """`--enable-lora --mesh tensor=2`: the adapter's stacks split as their base weights; greedy
+    tokens equal the one-device server's and their logprobs agree to f32 rounding."""
+    body = dict(model="ada", prompt="Hello there", max_tokens=8, temperature=0.0, logprobs=1)
+    outs = []
+    for srv in (served[0], served_mesh):
+        status, out = _call(f"{srv.http_url}/completions", body)
+        assert status == 200, out
+        outs.append(out["choices"][0]["logprobs"])
+    assert outs[0]["tokens"] == outs[1]["tokens"]
+    np.testing.assert_allclose(outs[1]["token_logprobs"], outs[0]["token_logprobs"], atol=1e-4)

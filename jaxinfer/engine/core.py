@@ -6,7 +6,7 @@ This is the half of the engine that a serving front end runs in its own process
 1. `add(CoreRequest)` hands a tokenized, validated child request (one sample) to the scheduler (with
    a grammar: once proven cheap off the step thread, `take_rejected` names those refused);
    `abort(id)` and `finish(id, "stop", stop_string)` end one (the front end finishes requests whose
-   stop strings it matched in the detokenized text).
+   stop strings it matched in the detokenized text); `remove_lora(id)` unloads an adapter.
 2. `step()` is [propose ->] schedule -> launch/execute -> update. With
    `EngineConfig.async_scheduling` (the default on one process) it schedules and launches step N+1
    first and only then waits for step N and applies its update (vLLM v1's async scheduling): each
@@ -17,10 +17,9 @@ This is the half of the engine that a serving front end runs in its own process
    speculate (`jaxinfer.engine.spec.propose`: drafts stored on the requests, never inside
    `Scheduler.schedule`), then schedules; a step that verifies drafts runs synchronously (its
    outputs come with the same call); above the back-off batch size the engine is asynchronous again.
-   A step that samples structured-output rows stays asynchronous: its forward is launched first,
-   then the step before lands (its tokens advance the grammars' matchers), the masks are filled
-   while the device runs the forward, and the sampler program is launched
-   (`ModelRunner.launch(defer_sampling=True)` / `sample`).
+   A step sampling structured-output rows stays asynchronous: its forward is launched, the step
+   before lands (advancing the grammars' matchers), the masks are filled while the device runs
+   the forward, then the sampler (`ModelRunner.launch(defer_sampling=True)` / `sample`).
 3. The step's `RequestUpdate`s become `TokenOutput`s (new ids, logprobs, finish reason, usage
    counters): plain data (`jaxinfer.engine.types`).
 4. A failing step raises after naming the requests it lost in `failed_request_ids` (and in
@@ -214,8 +213,7 @@ class EngineCore:
         self._ready: list[TokenOutput] = []  # outputs of a step finished while the next one failed
         self._aborted: list[Request] = []
         self._requests: dict[str, Request] = {}  # every child request added and not yet reported
-        # Child request ids a failed `step()` lost (set when it raises; the caller fails them),
-        # and the token position each was to compute up to in the step(s) that failed.
+        # What a failed `step()` lost (the caller fails them) and the position each was to reach.
         self.failed_request_ids: list[str] = []
         self.failed_marks: dict[str, int] = {}
         self._isolating = False  # `restrict`: steps run synchronously, admission filtered
@@ -340,16 +338,18 @@ class EngineCore:
             if self.structured is not None:
                 self.structured.remove(request_id)
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Frees an unloaded adapter's slot now (True) or once no running request pins it."""
+        return self.scheduler.remove_lora(lora_int_id)
+
     def recover(self) -> list[str]:
-        """After a failed step: preempts every running request (pages freed, runner rows
-        dropped; each recomputes its prompt and outputs when it resumes), whatever the failed
-        step left half-done. Outputs of steps that did land still come with the next call."""
+        """After a failed step: preempts every running request (pages freed, runner rows dropped;
+        each recomputes when it resumes). Outputs of steps that did land come with the next call."""
         self._in_flight = None  # NOTE: None after any failure already (see `step`)
         return self.scheduler.preempt_all(self._last_sched)
 
     def check(self, request_id: str) -> str | None:
-        """Re-validates an unfinished request against the engine's limits: why it fails
-        (None: it passes, or it is gone)."""
+        """Re-validates an unfinished request: why it fails the limits (None: passes, or gone)."""
         req = self.scheduler.get_request(request_id)
         try:
             if req is not None:

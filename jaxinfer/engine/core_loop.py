@@ -55,6 +55,7 @@ from jaxinfer.engine.types import (
     Loaded,
     Message,
     Ready,
+    RemoveLoRA,
     Shutdown,
     StartProfile,
     StepResult,
@@ -262,6 +263,10 @@ def _handle(
             core.finish(rid, "stop", stop)
     elif isinstance(msg, Shutdown):
         return False
+    elif isinstance(msg, RemoveLoRA):
+        freed = core.remove_lora(msg.lora_int_id)
+        when = "freed" if freed else "freed once the requests running under it end"
+        logger.info("engine core: LoRA adapter %d unloaded, its slot %s", msg.lora_int_id, when)
     elif isinstance(msg, StartProfile) and profiler is not None:
         profiler.start()
     elif isinstance(msg, StopProfile) and profiler is not None:

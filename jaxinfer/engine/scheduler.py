@@ -173,6 +173,11 @@ class Scheduler:
         waiting = names(list(self._preempted) + self._waiting)
         return [self.lora_slots.max_loras, names(self._running), waiting]
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unloads an adapter (`LoRASlots.forget`): True when its slot is free now, False when
+        running requests keep it until they end (or LoRA is off)."""
+        return self.lora_slots is not None and self.lora_slots.forget(lora_int_id)
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
@@ -359,6 +364,7 @@ class Scheduler:
             preempted=preempted,
             finished=finished,
             lora_loads=self.lora_slots.take_loads() if self.lora_slots else [],
+            lora_removes=self.lora_slots.take_removes() if self.lora_slots else [],
         )
 
     def _admissible(self, req: Request, only: set[str] | None) -> bool:

@@ -15,7 +15,7 @@ imports only this (and the tokenizer and config) never loads JAX.
 4. The wire between a front end and an engine-core process: typed messages (NamedTuples whose
    first field is their tag: msgpack packs them as lists as they are), `encode`d where a field
    needs it (logprobs) and `decode_message`d back into the same types on the other side.
-     front end -> core: AddRequests  Abort  Finish  Shutdown
+     front end -> core: AddRequests  Abort  Finish  Shutdown  RemoveLoRA  StartProfile  StopProfile
      core -> front end: Loaded  Ready  Broken  StepResult
 """
 
@@ -249,6 +249,8 @@ class SchedulerOutput:
     token_bitmask: Any = None
     # (slot, adapter) pairs the runner loads before this step (`jaxinfer.lora.slots`)
     lora_loads: list[tuple[int, LoRARequest]] = dataclasses.field(default_factory=list)
+    # lora_int_ids unloaded since the last schedule: the runner drops their host copies
+    lora_removes: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_decodes(self) -> int:
@@ -423,6 +425,14 @@ class Shutdown(NamedTuple):
     tag: str = "shutdown"
 
 
+class RemoveLoRA(NamedTuple):
+    """An adapter was unloaded (`/v1/unload_lora_adapter`; vLLM's `remove_lora`): the core frees
+    its slot now, or once the requests running under it end (`LoRASlots.forget`)."""
+
+    tag: str = "remove_lora"
+    lora_int_id: int = 0
+
+
 class StartProfile(NamedTuple):
     """Start a profiler trace into the core's trace dir (vLLM's `/start_profile`)."""
 
@@ -477,6 +487,7 @@ Message = (
     | Abort
     | Finish
     | Shutdown
+    | RemoveLoRA
     | StartProfile
     | StopProfile
     | Loaded
@@ -492,6 +503,7 @@ _MESSAGES: dict[str, Any] = {
         Abort,
         Finish,
         Shutdown,
+        RemoveLoRA,
         StartProfile,
         StopProfile,
         Loaded,

@@ -6,6 +6,8 @@
    adapter comes from the host cache (keyed by `lora_int_id`, at most `max_cpu_loras`, least
    recently used dropped) or from its PEFT directory, and is written into its slot. Returns the
    new stacks (same shapes: nothing recompiles).
+3. `remove(ids)` drops unloaded adapters from the host cache (their slots were freed by the
+   scheduler's `LoRASlots.forget`; a freed slot is never read before a load rewrites it).
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class LoRAManager:
         for slot, lora in loads:
             self.stacks = self._placed(device.write_slot(self.stacks, slot, self.adapter(lora)))
         return self.stacks
+
+    def remove(self, lora_int_ids: list[int]) -> None:
+        for lora_int_id in lora_int_ids:
+            self._host.pop(lora_int_id, None)
 
     def _placed(self, stacks: tuple) -> tuple:
         """NOTE: a no-op where the write kept the stacks' shardings."""

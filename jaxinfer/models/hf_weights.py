@@ -245,11 +245,13 @@ def _quantized_part(
             symmetric = bool(quantization) and qlib.parse_format(quantization)[2]
             native = qlib.quantize4(value, axis, groups, symmetric)
         else:
-            native = qlib.quantize(value, fmt, axis, groups)
+            native = qlib.quantize(value, fmt, axis, groups, scale_dtype=spec.scale.dtype)
     data = native[0]
     if tuple(data.shape) != tuple(shape):
         raise ValueError(f"tensor {name!r} has shape {tuple(data.shape)}, expected {shape}")
     if (len(native) == 3) != (spec.offset is not None):
         raise ValueError(f"tensor {name!r}: the source's quantized form does not fit {fmt}")
-    rest = [np.asarray(x, np.float32) for x in native[1:]]
+    # NOTE: a source's f32 scales narrow to the leaf's f16 under int4 (GGUF Q8_0's folded scales,
+    # block scales of f16 values, exactly).
+    rest = [np.asarray(x, spec.scale.dtype) for x in native[1:]]
     return QArray(np.asarray(data, spec.data.dtype), *rest)

@@ -218,12 +218,15 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> Prepared | None:
         """Host half of a step (`StepInputBuilder.prepare`): numpy inputs (None: nothing to run).
-        Adapters the schedule assigned to slots are written to the device first (`lora_loads`).
+        Adapters the schedule assigned to slots are written to the device first (`lora_loads`);
+        unloaded ones leave the host cache (`lora_removes`).
 
         NOTE: apart from its unpacking plan (which stays on this process) the result is plain numpy
         plus Python scalars, so a multi-host driver can build it on one process and broadcast it;
         `run` on every process then does the device half.
         """
+        if sched.lora_removes:
+            self.lora.remove(sched.lora_removes)
         if sched.lora_loads:
             self.params = lora_device.attach(self.params, self.lora.load(sched.lora_loads))
         prepared = self.inputs.prepare(sched)
