@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import jax
@@ -56,6 +57,8 @@ from jaxinfer.models import family_of
 from pallas_kernels import target
 
 DUMMY_SEED = 0
+# A leaf of the layout before the fused QKV weight (`llama.AttentionParams.qkv`).
+_UNFUSED_QKV = re.compile(r"layers\.\d+\.attn\.kv(_bias)?(\.|$)")
 
 
 def default_dtype() -> str:
@@ -126,8 +129,16 @@ def load_model(
 
 def orbax_quantization(path: str) -> str | None:
     """The format an orbax checkpoint was saved in: None (float) or "int8" / "fp8". A quantized
-    one whose scales lack the contraction axis (converted before group-wise scales) is refused."""
+    one whose scales lack the contraction axis (converted before group-wise scales) is refused,
+    and so is one converted before the fused QKV weight (a clear error, not a leaf mismatch)."""
     leaves = saved_leaves(path)
+    unfused = next((n for n in leaves if _UNFUSED_QKV.match(n)), None)
+    if unfused is not None:
+        raise CheckpointError(
+            f"{path!r}: leaf {unfused}: a checkpoint converted before 2026-11-26 holds the query "
+            f"and K/V projections apart (attn.q, attn.kv); they are now one fused attn.qkv "
+            f"[E, Hkv, G+2, D]: convert its source again with scripts/convert.py"
+        )
     found = {dtype for name, (_, dtype) in leaves.items() if name.endswith(".data")}
     fmt = next((f for f, dtype in quant.STORAGE.items() if found == {dtype}), None)
     if found and fmt is None:

@@ -40,7 +40,7 @@ def make_weights(num_layers: int, seed: int = 0):
         return jax.random.normal(next(keys), shape, jnp.float32) * 0.02
 
     layer_ws = [
-        dict(q=w(E, QD), kv=w(E, 2, KVD // 2), o=w(QD, E), gate_up=w(E, 2, F), down=w(F, E))
+        dict(qkv=w(E, QD + KVD), o=w(QD, E), gate_up=w(E, 2, F), down=w(F, E))
         for _ in range(num_layers)
     ]
     return layer_ws, w(V, E)
@@ -50,9 +50,9 @@ def chain(backend: str):
     def step(x, layer_ws, embed):  # x [T, E]
         h = x
         for p in layer_ws:
-            q, kv = layers.dense(h, p["q"], p["kv"], backend=backend)
-            (o,) = layers.dense(q, p["o"], backend=backend)
-            h = h + o + kv[:, 1, :1]  # keeps the k/v product live
+            (qkv,) = layers.dense(h, p["qkv"], backend=backend)
+            (o,) = layers.dense(qkv[:, :QD], p["o"], backend=backend)
+            h = h + o + qkv[:, -1:]  # keeps the k/v product live
             (gu,) = layers.dense(h, p["gate_up"], backend=backend)
             (d,) = layers.dense(gu[:, 0] * gu[:, 1], p["down"], backend=backend)
             h = h + d

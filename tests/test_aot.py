@@ -84,6 +84,8 @@ def test_h100_step_runs_the_triton_kernel_per_layer(h100):
     launches = h100.launches
     assert launches.kernels > 0 and launches.loops + launches.conditionals > 0
     assert {"layer_0", "layer_1"} <= set(launches.per_layer)
+    layers = [v for k, v in launches.per_layer.items() if k.startswith("layer_")]
+    assert max(layers) <= H100_DECODE_LAYER_KERNELS, launches.per_layer
     assert launches.per_scope.get("attention/paged_attention", 0) >= 2
     assert h100.memory["temp"] > 0 and h100.fits
 
@@ -200,6 +202,9 @@ def test_compile_function_places_its_arguments_on_the_target():
 # the top level. Measured 2026-11-25 with jax 0.10.2; BENCHMARKS.md, "GPU decode step launches",
 # has the 8B-shaped numbers before and after.
 H100_LAYER_KERNELS = 24  # layer 0 also builds the attention work tables the layers share
+# The same at 1 token (a pure decode step): 25 before the fused QKV weight (issue 31 item 1), whose
+# product XLA turned into a weight-sized multiply plus a reduce at one row; 24 since (2026-11-26).
+H100_DECODE_LAYER_KERNELS = 24
 H100_SAMPLER_GROUP_KERNELS = 16  # at 4 rows: sampler 7, penalty state 5, logits 4
 H100_HOST_LAUNCHES = 1  # the whole step is one command buffer (programs.compiler_options)
 

@@ -228,20 +228,19 @@ GOLDEN = {  # (mesh, KV heads, moe) -> leaf -> mesh axes per dim (trailing repli
         "lm_head": (None, T),
         "final_norm": (),
         "attn_norm": (),
-        "q": (None, T),
-        "kv": (None, None, T),
+        "qkv": (None, T),
         "o": (T,),
         "gate_up": (None, None, T),
         "down": (T,),
     },
-    # 2 KV heads over tensor=4: K/V projections replicated, each shard slices its head out.
+    # 2 KV heads over tensor=4: the fused QKV projection replicated (a shard's query heads are
+    # part of a KV group), each shard slices its heads out of the product.
     ("data=2,tensor=4", 2, False): {
         "embed": (T,),
         "lm_head": (None, T),
         "final_norm": (),
         "attn_norm": (),
-        "q": (None, T),
-        "kv": (),
+        "qkv": (),
         "o": (T,),
         "gate_up": (None, None, T),
         "down": (T,),
@@ -253,8 +252,7 @@ GOLDEN = {  # (mesh, KV heads, moe) -> leaf -> mesh axes per dim (trailing repli
         "lm_head": (None, ET),
         "final_norm": (),
         "attn_norm": (),
-        "q": (None, ET),
-        "kv": (None, None, ET),
+        "qkv": (None, ET),
         "o": (ET,),
         "router": (),
         "gate_up": ("expert", None, None, T),
@@ -265,21 +263,19 @@ GOLDEN = {  # (mesh, KV heads, moe) -> leaf -> mesh axes per dim (trailing repli
         "lm_head": (None, ET),
         "final_norm": (),
         "attn_norm": (),
-        "q": (None, ET),
-        "kv": (None, None, ET),
+        "qkv": (None, ET),
         "o": (ET,),
         "router": (),
         "gate_up": ("expert", None, None, T),
         "down": ("expert", T),
     },
-    # 2 KV heads over expert x tensor = 4: K/V projections replicated, like tensor=4 above.
+    # 2 KV heads over expert x tensor = 4: the QKV projection replicated, like tensor=4 above.
     ("expert=2,tensor=2", 2, True): {
         "embed": (ET,),
         "lm_head": (None, ET),
         "final_norm": (),
         "attn_norm": (),
-        "q": (None, ET),
-        "kv": (),
+        "qkv": (),
         "o": (ET,),
         "router": (),
         "gate_up": ("expert", None, None, T),
@@ -299,8 +295,7 @@ def test_param_shardings_match_golden_table_and_bytes_split(spec, kv_heads, moe)
         "lm_head": p.lm_head,
         "final_norm": p.final_norm,
         "attn_norm": layer.attn_norm,
-        "q": layer.attn.q,
-        "kv": layer.attn.kv,
+        "qkv": layer.attn.qkv,
         "o": layer.attn.o,
         "gate_up": layer.mlp.gate_up,
         "down": layer.mlp.down,
@@ -466,7 +461,7 @@ def test_llm_and_serve_load_a_checkpoint_onto_the_mesh(tmp_path):
     prompts = [[5, 6, 7, 8, 9], [20, 21, 22]]
     ref = [o.token_ids for o in LLM(path, **options).generate(prompts, sp)]
     llm = LLM(path, mesh="data=2,tensor=4", **options)
-    assert _spec(llm.model.params.layers[0].attn.q) == (None, T)
+    assert _spec(llm.model.params.layers[0].attn.o) == (T,)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
 
     args = serve.build_parser().parse_args(

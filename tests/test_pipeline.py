@@ -124,11 +124,11 @@ def test_stack_stages_specs_and_arrays_roundtrip():
     specs = llama.param_specs(cfg)
     stacked = pipeline.stack_stages(specs, 4)
     assert len(stacked.layers) == 2
-    q = stacked.layers[1].attn.q
-    assert q.shape == (4, 64, 64) and q.logical_axes == ("layers", "embed", "q_heads")
-    assert shd.logical_to_spec(q.logical_axes) == P("pipeline", None, ("expert", "tensor"))
-    assert shd.logical_to_spec(q.logical_axes, shd.model_rules(cfg, shd.Parallel())) == P(
-        "pipeline", None, "tensor"
+    o = stacked.layers[1].attn.o
+    assert o.shape == (4, 64, 64) and o.logical_axes == ("layers", "q_heads", "embed")
+    assert shd.logical_to_spec(o.logical_axes) == P("pipeline", ("expert", "tensor"), None)
+    assert shd.logical_to_spec(o.logical_axes, shd.model_rules(cfg, shd.Parallel())) == P(
+        "pipeline", "tensor", None
     )  # dense models: tensor alone
     assert stacked.embed == specs.embed
     assert pipeline.unstack_stages(stacked) == specs
@@ -323,10 +323,10 @@ def test_orbax_restore_onto_stages_then_stacked(tmp_path, mesh_spec):
     stacked = pipeline.to_stacked(restored, specs, mesh, delete_sources=True, rules=rules)
     assert all(x.is_deleted() for x in jax.tree.leaves(restored.layers))
     assert stacked.embed.sharding.spec == P("tensor", None)
-    q = stacked.layers[1].attn.q
-    assert q.sharding.spec == P("pipeline", None, "tensor")
+    o = stacked.layers[1].attn.o
+    assert o.sharding.spec == P("pipeline", "tensor", None)
     for s in range(num_stages):
-        np.testing.assert_array_equal(np.asarray(q[s]), params.layers[s * lps + 1].attn.q)
+        np.testing.assert_array_equal(np.asarray(o[s]), params.layers[s * lps + 1].attn.o)
     np.testing.assert_array_equal(
         np.asarray(pipeline.unstack_stages(jax.tree.map(np.asarray, stacked)).layers[5].mlp.down),
         params.layers[5].mlp.down,
@@ -353,7 +353,7 @@ def test_load_model_on_pipeline_mesh_hf_and_orbax(tmp_path):
     mesh = _mesh("pipeline=2,tensor=2")
     for path in (src, tmp_path / "orbax"):
         got = load_model(path, dtype="float32", mesh=mesh).params
-        assert len(got.layers) == 1 and got.layers[0].attn.q.shape[0] == 2
+        assert len(got.layers) == 1 and got.layers[0].attn.qkv.shape[0] == 2
         assert got.layers[0].mlp.down.sharding.spec == P("pipeline", "tensor", None)
         for shard in got.layers[0].mlp.down.addressable_shards:
             assert shard.device in set(pipeline.stage_mesh(mesh, shard.index[0].start).devices.flat)

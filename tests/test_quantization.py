@@ -65,7 +65,10 @@ BOUND = {"int8": 0.03, "fp8": 0.1, "int4": 0.25}
 # int4 (2026-11-25, default / small groups): llama-likes <= 0.19, DeepSeek <= 0.2, Gemma 2 / 3 0.39
 # / 0.37 (their tiny configs amplify most).
 WIDE_BOUND = {"int8": 0.045, "fp8": 0.15, "int4": 0.45}
+# Mixtral's tiny router flips a top-2 choice under int8 noise on some random draws (2026-11-26,
+# small groups, seeds 0-2 of the weights: int8 0.008-0.045 before and after the fused QKV leaf).
 FAMILY_BOUND = {
+    "mixtral": {**BOUND, "int8": 0.06},
     "gemma2": WIDE_BOUND,
     "gemma3": WIDE_BOUND,
     "deepseek_v2": WIDE_BOUND,
@@ -373,9 +376,9 @@ def test_gguf_q4_blocks_load_exactly_as_int4(tmp_path, monkeypatch):
     floats = _load_params(path, None)
     quant = _load_params(path, "int4")
     assert quantization.quantization_of(quant) == "int4-g32"
-    assert quant.layers[0].attn.q.data.dtype == jnp.uint4 and quant.embed.data.dtype == jnp.int8
+    assert quant.layers[0].attn.qkv.data.dtype == jnp.uint4 and quant.embed.data.dtype == jnp.int8
     # f16 scales and offsets (GGUF's own d and m), also the int8 embedding's under int4
-    assert quant.layers[0].attn.q.offset.dtype == quant.embed.scale.dtype == jnp.float16
+    assert quant.layers[0].attn.qkv.offset.dtype == quant.embed.scale.dtype == jnp.float16
     specs = llama.param_specs(ModelConfig.from_hf(read_gguf(path).hf_config()))
     leaves = zip(
         jax.tree.leaves(floats),
@@ -409,9 +412,10 @@ def small_groups(monkeypatch):
 def test_specs_declare_data_and_scale(monkeypatch):
     cfg = ModelConfig.from_hf(hf_config_dict("mixtral"))
     specs = llama.param_specs(cfg, quantization="int8")
-    q = specs.layers[0].attn.kv
-    assert isinstance(q, QArray) and q.data.dtype == jnp.int8 and q.data.shape == (64, 2, 32)
-    assert q.scale.shape == (1, 2, 32) and q.scale.logical_axes == (None, None, "kv_heads")
+    q = specs.layers[0].attn.qkv  # [E, Hkv, G+2, D]: 2 KV groups of 2 query heads, K, V
+    assert isinstance(q, QArray) and q.data.dtype == jnp.int8 and q.data.shape == (64, 2, 4, 16)
+    assert q.scale.shape == (1, 2, 4, 16)
+    assert q.scale.logical_axes == (None, "kv_heads", None, None)
     e = specs.embed
     assert e.scale.shape == (cfg.vocab_size, 1) and e.scale.logical_axes == ("vocab", None)
     gu = specs.layers[0].mlp.gate_up
@@ -423,7 +427,7 @@ def test_specs_declare_data_and_scale(monkeypatch):
     )
     monkeypatch.setitem(qlib.GROUP_SIZE, "int8", 32)  # groups of 32 of the tiny K = 64
     grouped = llama.param_specs(cfg, quantization="int8")
-    assert grouped.layers[0].attn.kv.scale.shape == (2, 2, 32)
+    assert grouped.layers[0].attn.qkv.scale.shape == (2, 2, 4, 16)
     assert grouped.layers[0].attn.o.scale.logical_axes == (
         "q_heads",
         "embed",
@@ -431,16 +435,17 @@ def test_specs_declare_data_and_scale(monkeypatch):
     assert grouped.embed.scale.shape == (cfg.vocab_size, 2)
     assert grouped.embed.scale.logical_axes == ("vocab", "embed")
     assert grouped.layers[0].mlp.gate_up.scale.shape == (8, 1, 2, 64)  # experts: per channel
-    assert llama.param_specs(cfg, quantization="fp8").layers[0].attn.kv.scale.shape == (1, 2, 32)
+    fp8 = llama.param_specs(cfg, quantization="fp8")
+    assert fp8.layers[0].attn.qkv.scale.shape == (1, 2, 4, 16)
     assert not isinstance(specs.layers[0].mlp.router, QArray)  # the router stays float
     assert not isinstance(specs.final_norm, QArray)
     assert quantization.quantization_of(specs) == "int8"
     assert quantization.quantization_of(llama.param_specs(cfg)) is None
     params = params_lib.init_random(llama.param_specs(cfg, quantization="fp8"), jax.random.key(0))
     assert quantization.quantization_of(params) == "fp8"
-    data = np.asarray(params.layers[0].attn.q.data).astype(np.float32)
+    data = np.asarray(params.layers[0].attn.qkv.data).astype(np.float32)
     assert np.isfinite(data).all() and data.std() > 0.5
-    ints = params_lib.init_random(specs, jax.random.key(0)).layers[0].attn.q.data
+    ints = params_lib.init_random(specs, jax.random.key(0)).layers[0].attn.qkv.data
     assert np.abs(np.asarray(ints, np.int32)).max() <= 127
 
 
@@ -698,11 +703,9 @@ def test_sharded_quantized_equals_single_device(spec, family, groups, fmt, reque
     rules = shd.model_rules(cfg, par)
     qspecs = llama.param_specs(cfg, quantization=fmt)
     sharded = jax.device_put(params, params_lib.shardings(qspecs, mesh, rules))
-    kv = sharded.layers[0].attn.kv
-    assert kv.data.sharding.spec == jax.sharding.PartitionSpec(None, None, shd.dense_axes(cfg, par))
-    assert kv.scale.sharding.spec == jax.sharding.PartitionSpec(
-        None, None, shd.dense_axes(cfg, par)
-    )
+    qkv = sharded.layers[0].attn.qkv  # whole KV groups per shard, scales alike
+    by_group = jax.sharding.PartitionSpec(None, shd.dense_axes(cfg, par), None, None)
+    assert qkv.data.sharding.spec == by_group and qkv.scale.sharding.spec == by_group
     o = sharded.layers[0].attn.o.scale
     if fmt == "int4":
         assert sharded.layers[0].attn.o.offset.sharding.spec == o.sharding.spec

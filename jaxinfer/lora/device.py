@@ -8,7 +8,8 @@
    or a lower rank adds nothing) and writes them into slot `slot` (1..N) in one jitted update of
    fixed shapes (new arrays: a step still in flight reads the old ones).
 3. `attach(params, stacks)` puts each layer's stacks on `LayerParams.lora`; the model then calls
-   `apply(pair, slots, x, y)` right after each dense projection: `slots` i32[T] holds each token's
+   `apply(pair, slots, x, y)` right after each dense projection (q and kv on their slices of the
+   fused QKV product, `llama.AttentionParams.qkv`): `slots` i32[T] holds each token's
    slot (0 = no adapter), the shrink `x @ A` runs for every slot at once, a one-hot mask keeps each
    token's own slot, the expand contracts (slot, rank) together. Same shapes whatever the mix of
    adapters: 0, 1 or N active adapters run the same compiled program.

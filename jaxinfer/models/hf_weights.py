@@ -37,6 +37,20 @@ def transpose(x):  # HF linear [out, in] -> ours [in, out]
     return x.T
 
 
+transpose.hf_linear = True  # type: ignore[attr-defined]
+
+
+def transpose_to(*out_dims: int) -> Callable[[np.ndarray], np.ndarray]:
+    """HF linear [out, in] -> ours [in, *out_dims] (the output dim split, e.g. into KV groups of
+    heads). Applies alike to a source's quantized rows and their scales ([out, G] -> [G, ...])."""
+
+    def split(x: np.ndarray) -> np.ndarray:
+        return x.T.reshape(x.shape[1], *out_dims)
+
+    split.hf_linear = True  # type: ignore[attr-defined]
+    return split
+
+
 def moe_expert_names(
     cfg: ModelConfig,
     i: int,
@@ -218,14 +232,13 @@ def _quantized_part(
     if index is not None:
         shape = np.broadcast_to(np.empty((), np.int8), shape)[index].shape
         axis -= sum(isinstance(x, int) for x in index[:axis])  # integer entries drop their axes
-    # A source's own quantized rows ([out, in], scales [out, G] along `in`) fit a 2-D piece
-    # contracted over HF's `in`: axis 0 after the transpose of a linear weight, axis 1 of an
-    # embedding.
+    # A source's own quantized rows ([out, in], scales [out, G] along `in`) fit a piece contracted
+    # over HF's `in`: axis 0 after the transpose of a linear weight (its output dim possibly split
+    # into heads, `transpose_to`), axis 1 of a 2-D embedding.
     native = None
-    if (
-        get_quantized is not None
-        and len(shape) == 2
-        and (transform, axis) in ((transpose, 0), (ident, 1))
+    hf_linear = getattr(transform, "hf_linear", False) and axis == 0
+    if get_quantized is not None and (
+        hf_linear or (transform is ident and axis == 1 and len(shape) == 2)
     ):
         asked = quantization if spec.offset is not None and quantization else fmt
         native = get_quantized(name, asked, groups)

@@ -6,16 +6,19 @@ layers as in Gemma 3).
 
 1. `param_specs(cfg, dtype)` declares every weight once (shape, dtype, logical axes). Linear
    weights are stored `[in, out]` (split per head where heads matter) so no weight is transposed
-   inside the jitted step (see ARCHITECTURE.md §6).
+   inside the jitted step (see ARCHITECTURE.md §6), and the projections of one input are stored
+   fused at load (q/k/v in `qkv`, gate/up in `gate_up`): one product each per layer, no weight
+   concatenated in the step.
 2. `params_from_hf(cfg, names, get_tensor, dtype)` maps Hugging Face tensor names onto that tree
    (`llama_weights`: the names, as the family's `llama_config.LlamaLike` declares them;
    `hf_weights.fill_params`: the filling), raising on missing, unexpected or mis-shaped tensors.
 3. `forward(params, cfg, step, kv_caches)` runs the ragged step: embed → layers (attention over the
    paged cache, gated MLP) → final norm → logits only at `step.logits_indices`.
 4. `forward(..., mesh=)` runs that same code inside one `shard_map` over the mesh
-   (`sharded.forward`; manual SPMD, Megatron style): each device holds its shards (q/kv/gate_up
-   column-split by heads / MLP columns, o/down row-split, embedding and LM head split by vocab) and `Parallel` adds the
-   all-reduces: one after o_proj and one after the MLP down projection per layer (biases after
+   (`sharded.forward`; manual SPMD, Megatron style): each device holds its shards (qkv split by
+   KV groups: its query heads with the K/V heads they read; gate_up by MLP columns, its gate and
+   up halves side by side; o/down row-split, embedding and LM head split by vocab) and `Parallel`
+   adds the all-reduces: one after o_proj and one after the MLP down projection per layer (biases after
    them), one for the vocab-parallel embedding. Logits leave sharded on vocab. Those splits run
    over `par.dense` shards: `tensor` on dense models, `expert` x `tensor` on MoE models (the
    expert axis doubles as tensor parallelism outside the experts, `sharding.dense_axes`), with
@@ -65,11 +68,11 @@ from pallas_kernels.ragged_paged_attention.reference import Fp8KVCache
 
 @struct.dataclass
 class AttentionParams:
-    q: Any  # [E, Hq*D]  (heads-major: column block h holds head h)
-    kv: Any  # [E, 2, Hkv*D]  K and V projections fused: one weight read, one dot
+    # [E, Hkv, G+2, D], G = Hq/Hkv: Q, K and V projections fused (one weight read, one dot), by
+    # KV group: group j holds query heads j*G..j*G+G-1 (HF's order), then K head j, then V head j
+    qkv: Any
     o: Any  # [Hq*D, E]
-    q_bias: Any = None  # [Hq*D]
-    kv_bias: Any = None  # [2, Hkv*D]
+    qkv_bias: Any = None  # [Hkv, G+2, D]
     o_bias: Any = None  # [E]
     q_norm: Any = None  # [D]
     k_norm: Any = None  # [D]
@@ -129,11 +132,11 @@ def param_specs(
 
     def layer(i: int) -> LayerParams:
         attn = AttentionParams(
-            q=linear((e, hq * d), ("embed", "q_heads")),
-            kv=linear((e, 2, hkv * d), ("embed", None, "kv_heads")),
+            # NOTE: split by KV group, each tensor shard holds whole groups: its query heads and
+            # the K/V heads they read, contiguous (replicated where the KV heads do not split).
+            qkv=linear((e, hkv, hq // hkv + 2, d), ("embed", "kv_heads", None, None)),
             o=linear((hq * d, e), ("q_heads", "embed")),
-            q_bias=w((hq * d,), ("q_heads",)) if cfg.qkv_bias else None,
-            kv_bias=w((2, hkv * d), (None, "kv_heads")) if cfg.qkv_bias else None,
+            qkv_bias=w((hkv, hq // hkv + 2, d), ("kv_heads", None, None)) if cfg.qkv_bias else None,
             o_bias=w((e,), ("embed",)) if cfg.o_bias else None,
             q_norm=norm(d, "head_dim") if cfg.qk_norm else None,
             k_norm=norm(d, "head_dim") if cfg.qk_norm else None,
@@ -215,31 +218,34 @@ def _attention_block(
     par: Parallel = SINGLE,
     lora: Callable | None = None,
 ):
-    """x [T, E] -> [T, E]. Under tensor parallelism p.q/p.kv hold this shard's heads (columns; one
-    of `par.dense` shards), p.o its rows: the o_proj output is a partial sum, all-reduced here
-    (bias added once, after)."""
+    """x [T, E] -> [T, E]. Under tensor parallelism p.qkv holds this shard's KV groups (its query
+    heads and their K/V heads; one of `par.dense` shards), p.o its rows: the o_proj output is a
+    partial sum, all-reduced here (bias added once, after)."""
     t, d = x.shape[0], cfg.head_dim
     shards = par.dense
     hq = cfg.num_heads // shards
+    g = cfg.num_heads // cfg.num_kv_heads
     with jax.named_scope("qkv_proj"):
-        # NOTE: 2-D weights with heads folded into the output dim: a single plain contraction is
-        # ~10x faster on XLA:CPU than contracting over (heads, head_dim) at once.
-        q, kv = layers.dense(x, p.q, p.kv, backend=kernels.linear)  # [T, Hq*D], [T, 2, Hkv*D]
-        if lora is not None:  # each token's adapter (jaxinfer.lora.device.apply)
-            q, kv = lora("q", x, q), lora("kv", x, kv)
+        # NOTE: one 2-D product (heads folded into the output dim of the stored weight): a single
+        # plain contraction is ~10x faster on XLA:CPU than contracting over (heads, head_dim).
+        (qkv,) = layers.dense(x, p.qkv, backend=kernels.linear)  # [T, Hkv', G+2, D]
         if cfg.qkv_bias:
-            q, kv = q + p.q_bias, kv + p.kv_bias
-        if kv_heads_split(cfg.num_kv_heads, shards):
-            hkv = cfg.num_kv_heads // shards
-        else:
-            # NOTE: replicated KV: p.kv holds every KV head; keep the one this shard's queries use.
-            hkv = 1
-            head = par.dense_index() // (shards // cfg.num_kv_heads)
-            kv = jax.lax.dynamic_slice_in_dim(kv, head * d, d, axis=2)
-        k, v = kv[:, 0], kv[:, 1]
+            qkv = qkv + p.qkv_bias
+        q, k, v = qkv[:, :, :g], qkv[:, :, g], qkv[:, :, g + 1]
+        split = kv_heads_split(cfg.num_kv_heads, shards)
+        if not split:
+            # NOTE: replicated KV: p.qkv holds every group; keep this shard's query heads (part of
+            # one group) here, and the K/V head they read below.
+            head, part = divmod(par.dense_index(), shards // cfg.num_kv_heads)
+            q = jax.lax.dynamic_slice(q, (0, head, part * hq, 0), (t, 1, hq, d))
         q = q.reshape(t, hq, d)
-        k = k.reshape(t, hkv, d)
-        v = v.reshape(t, hkv, d)
+        if lora is not None:  # each token's adapter (jaxinfer.lora.device.apply), on the slices
+            q = lora("q", x, q.reshape(t, -1)).reshape(t, hq, d)
+            kv = lora("kv", x, jnp.stack([k, v], axis=1).reshape(t, 2, -1))
+            k, v = (kv[:, i].reshape(t, -1, d) for i in (0, 1))
+        if not split:
+            k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=1)
+            v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=1)
     if cfg.local_rope is not None:  # Gemma 3: [global | local] tables, picked by the layer's kind
         half = cfg.head_dim // 2
         pick = slice(half, None) if window is not None else slice(0, half)
