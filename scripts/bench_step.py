@@ -38,6 +38,7 @@ import time
 
 import _path  # noqa: F401
 import numpy as np
+from bench_generate import weight_bytes
 
 from jaxinfer import LLM, SamplingParams
 
@@ -69,15 +70,6 @@ def copy_bandwidth(nbytes: int = 2 << 30, runs: int = 9) -> float:
         copy(x).block_until_ready()
         times.append(time.perf_counter() - t)
     return 2 * x.nbytes / statistics.median(times)
-
-
-def weight_bytes(llm) -> int:
-    import jax
-
-    return sum(
-        x.size // 2 if x.dtype.name in ("int4", "uint4") else x.nbytes
-        for x in jax.tree.leaves(llm.engine.runner.params)
-    )
 
 
 def kv_bytes_per_token(llm, num_pages: int, page_size: int) -> int:
