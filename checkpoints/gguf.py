@@ -172,12 +172,21 @@ class _BoundedReader(gguf.GGUFReader):
     def _get(
         self, offset: int, dtype: npt.DTypeLike, count: int = 1, override_order: Any = None
     ) -> np.ndarray:
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        dtype, count = np.dtype(dtype), int(count)
+        end = int(offset) + dtype.itemsize * count
         if end > len(self.data):
             raise _Problem(
                 f"truncated: the header needs bytes up to {end} but the file has {len(self.data)}"
             )
-        return super()._get(offset, dtype, count, override_order)
+        # NOTE: gguf-py's own `_get`, sliced from a plain ndarray view of the memory map: a slice
+        # of the np.memmap itself is a memmap whose bookkeeping made reading a 49k-token
+        # vocabulary's metadata take ~5 s of CPU (the same bytes, still read lazily from the file).
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        arr = plain[int(offset) : end].view(dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         for field in fields:
