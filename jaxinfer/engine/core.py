@@ -197,6 +197,7 @@ class EngineCore:
                 max_model_len=max_model_len,
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
+                token_buckets=config.token_buckets,
                 dtype=config.dtype,
                 attention_backend=attention_backend,
                 linear_backend=linear_backend,
