@@ -552,8 +552,7 @@ class EngineCore:
                     )
                 )
         self._aborted = []
-        # NOTE: every prefill chunk brings prompt logprobs, but only the last one samples (and
-        # so has an update): report them whenever the runner returns them.
+        # NOTE: each prefill chunk brings prompt logprobs (only the last samples): report them all
         prompt_lps = {rid: lps for rid, lps in out.prompt_logprobs.items() if rid in self._requests}
         live, logprobs = self._requests, out.logprobs
         if so is not None and not so.active:
