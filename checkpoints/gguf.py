@@ -39,7 +39,6 @@ from typing import Any
 
 import gguf
 import numpy as np
-import numpy.typing as npt
 
 from checkpoints.errors import GGUFError
 from checkpoints.gguf_quants import (
@@ -169,15 +168,15 @@ class _BoundedReader(gguf.GGUFReader):
     still surface as GGUFError through read_gguf's catch-all, only with a vaguer message.
     """
 
-    def _get(
-        self, offset: int, dtype: npt.DTypeLike, count: int = 1, override_order: Any = None
-    ) -> np.ndarray:
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+    def _get(self, offs: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        end = int(offs) + np.dtype(dtype).itemsize * int(count)
         if end > len(self.data):
             raise _Problem(
                 f"truncated: the header needs bytes up to {end} but the file has {len(self.data)}"
             )
-        return super()._get(offset, dtype, count, override_order)
+        # NOTE: gguf-py's `_get` on a plain ndarray view: np.memmap slices tripled the header's CPU
+        arr = self.data.view(np.ndarray)[int(offs) : end].view(dtype)[: int(count)]
+        return arr.view(arr.dtype.newbyteorder(override_order or self.byte_order))
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         for field in fields:

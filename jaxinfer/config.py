@@ -290,6 +290,10 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # The step token counts programs are compiled for (None: 1, 2, 4, ... up to
+    # max_num_batched_tokens, which the largest must reach). Fewer buckets: fewer programs, more
+    # padding; the tests use it to compile fewer programs per engine.
+    token_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         from jaxinfer.spec_decode.config import SpeculativeConfig  # NOTE: no JAX there either
@@ -307,6 +311,14 @@ class EngineConfig:
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
                 f"('auto', 'fp8')"
             )
+        if self.token_buckets is not None:
+            buckets = tuple(sorted({int(b) for b in self.token_buckets}))
+            if not buckets or buckets[0] < 1 or buckets[-1] < self.max_num_batched_tokens:
+                raise ValueError(
+                    f"token_buckets={self.token_buckets} must be >= 1 and reach "
+                    f"max_num_batched_tokens={self.max_num_batched_tokens}"
+                )
+            object.__setattr__(self, "token_buckets", buckets)
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -33,7 +33,8 @@ SUMMARY = re.compile(
 def start(model, *flags: str) -> tuple[int, int | None, str | None]:
     """Starts the tiny model with warmup (every program compiled), stops it; returns (programs,
     from the cache or None when off, the cache dir)."""
-    sizes = ["--max-model-len", "16", "--max-num-seqs", "1", "--max-num-batched-tokens", "2"]
+    # NOTE: a 1-token budget: one token bucket, so warmup builds the 2 logits variants only
+    sizes = ["--max-model-len", "16", "--max-num-seqs", "1", "--max-num-batched-tokens", "1"]
     served = ServedProcess(["--model", str(model), "--load-format", "dummy", *sizes, *flags])
     try:
         m = SUMMARY.search("".join(served.log))

@@ -163,7 +163,8 @@ def _model(tok, kv_heads: int) -> LoadedModel:
 
 def _engine(model: LoadedModel, mesh: str) -> LLMEngine:
     # NOTE: a 32-token budget prefills the first four prompts in one step (the fifth joins the
-    # decodes later): fewer token buckets to compile than 16 gave, on every mesh.
+    # decodes later), and steps pad to 4 tokens (decodes of up to 4 sequences) or 32: two
+    # programs per mesh instead of one per power of two up to 32.
     return LLMEngine(
         model,
         EngineConfig(
@@ -172,9 +173,25 @@ def _engine(model: LoadedModel, mesh: str) -> LLMEngine:
             max_model_len=64,
             max_num_seqs=4,
             max_num_batched_tokens=32,
+            token_buckets=(4, 32),
             mesh=mesh,
         ),
     )
+
+
+@pytest.fixture(scope="module")
+def single_device_runs():
+    """KV heads -> the single-device `run` results of `mesh_requests()` (one reference engine per
+    model, shared by the meshes)."""
+    return {}
+
+
+def mesh_requests() -> list:
+    rng = np.random.default_rng(0)
+    return [
+        (f"r{i}", rng.integers(100, 40000, n).tolist(), greedy(8, logprobs=2))
+        for i, n in enumerate([5, 9, 3, 12, 7])
+    ]
 
 
 @pytest.mark.slow
@@ -183,14 +200,14 @@ def _engine(model: LoadedModel, mesh: str) -> LLMEngine:
 @pytest.mark.parametrize(
     "spec,kv_heads", [("tensor=8", 8), ("data=2,tensor=4", 2), ("expert=4,tensor=2", 8)]
 )
-def test_engine_greedy_tokens_on_mesh_equal_single_device(vocab, spec, kv_heads):
-    model = _model(vocab, kv_heads)
-    rng = np.random.default_rng(0)
-    reqs = [
-        (f"r{i}", rng.integers(100, 40000, n).tolist(), greedy(8, logprobs=2))
-        for i, n in enumerate([5, 9, 3, 12, 7])
-    ]
-    ref = run(_engine(model, ""), reqs)
+def test_engine_greedy_tokens_on_mesh_equal_single_device(
+    vocab, single_device_runs, spec, kv_heads
+):
+    model = _model(vocab, kv_heads)  # NOTE: seeded: the same weights for every mesh
+    reqs = mesh_requests()
+    if kv_heads not in single_device_runs:
+        single_device_runs[kv_heads] = run(_engine(model, ""), reqs)
+    ref = single_device_runs[kv_heads]
     engine = _engine(model, spec)
     replicas = set()
     original = engine.scheduler.schedule
@@ -455,7 +472,12 @@ def test_llm_and_serve_load_a_checkpoint_onto_the_mesh(tmp_path):
 
     path = str(_save_hf_dir(tmp_path))
     options = dict(
-        page_size=4, num_pages=32, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=8
+        page_size=4,
+        num_pages=32,
+        max_model_len=32,
+        max_num_seqs=2,
+        max_num_batched_tokens=8,
+        token_buckets=(2, 8),  # both prompts prefill in one 8-token step; decodes pad to 2
     )
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [20, 21, 22]]

@@ -407,38 +407,51 @@ def _tiny_loaded(tok, num_layers: int):
     return LoadedModel("tiny", "<memory>", "random", cfg, hf, params, tok, "float32")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("spec", ["pipeline=4,tensor=2", "data=2,pipeline=2,tensor=2"])
-def test_engine_greedy_tokens_on_pipeline_mesh_equal_single_device(spec):
-    """The engine on a pipeline mesh (micro-batches of whole sequences, chunked prefill through a
-    16-token budget) generates the single-device greedy tokens, logprobs within 1e-4; the runner's
-    layer weights and KV caches live on their stages only, per-device layer bytes = total / S / T."""
+def _pipeline_engine(model, mesh: str):
     from jaxinfer.config import EngineConfig
     from jaxinfer.engine.engine import LLMEngine
-    from tests.engine_utils import assert_same_greedy, greedy, load_vocab, run
+
+    # NOTE: steps pad to 4 tokens (decodes of up to 4 sequences) or 16 (prefill chunks): two
+    # programs per mesh instead of one per power of two (each a pipelined program over 8 devices).
+    return LLMEngine(
+        model,
+        EngineConfig(
+            page_size=4,
+            num_pages=40,
+            max_model_len=64,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            token_buckets=(4, 16),
+            mesh=mesh,
+        ),
+    )
+
+
+@pytest.fixture(scope="module")
+def single_device_run():
+    """The 4-layer model, the requests, and their single-device results (one reference engine for
+    every mesh below)."""
+    from tests.engine_utils import greedy, load_vocab, run
 
     model = _tiny_loaded(load_vocab(), num_layers=4)
-
-    def engine(mesh):
-        return LLMEngine(
-            model,
-            EngineConfig(
-                page_size=4,
-                num_pages=40,
-                max_model_len=64,
-                max_num_seqs=4,
-                max_num_batched_tokens=16,
-                mesh=mesh,
-            ),
-        )
-
     rng = np.random.default_rng(0)
     reqs = [
         (f"r{i}", rng.integers(100, 40000, n).tolist(), greedy(8, logprobs=2))
         for i, n in enumerate([5, 9, 3, 12, 7])
     ]
-    ref = run(engine(""), reqs)
-    eng = engine(spec)
+    return model, reqs, run(_pipeline_engine(model, ""), reqs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["pipeline=4,tensor=2", "data=2,pipeline=2,tensor=2"])
+def test_engine_greedy_tokens_on_pipeline_mesh_equal_single_device(spec, single_device_run):
+    """The engine on a pipeline mesh (micro-batches of whole sequences, chunked prefill through a
+    16-token budget) generates the single-device greedy tokens, logprobs within 1e-4; the runner's
+    layer weights and KV caches live on their stages only, per-device layer bytes = total / S / T."""
+    from tests.engine_utils import assert_same_greedy, run
+
+    model, reqs, ref = single_device_run
+    eng = _pipeline_engine(model, spec)
     ours = run(eng, reqs)
     assert_same_greedy(ours, ref, [rid for rid, *_ in reqs])
 

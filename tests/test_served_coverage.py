@@ -85,7 +85,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     ),
     "`--compilation-cache-dir` / `--no-compilation-cache`": (
         "test_compile_cache.py::test_restart_reads_every_program",
-        "test_served_profile.py::test_no_profile_endpoints_without_trace_dir",
+        "test_served_lifeline.py::test_no_profile_endpoints_without_trace_dir",
     ),
     "`--kv-events-config`": (
         "test_served_ops.py::test_kv_events_stored_on_prefill_removed_on_eviction",

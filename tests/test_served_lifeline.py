@@ -6,9 +6,13 @@ in its own process, `--fake-runner`: the tokenizer and both protocols are the re
 2. Prompt text that cannot fit max_model_len tokens is refused without tokenizing (400 /
    INVALID_ARGUMENT naming `prompt` / `messages`).
 3. While big prompts are refused and tokenized, another client's small request completes.
-4. SIGKILL the engine core while streams are in flight on both protocols: each stream ends with
+4. Without `--trace-dir` the profiler endpoints do not exist (HTTP 404, gRPC
+   FAILED_PRECONDITION), and `--no-compilation-cache` shows in the start-up summary (the
+   big-input server runs with it; tests/test_served_profile.py serves the trace itself).
+5. SIGKILL the engine core while streams are in flight on both protocols: each stream ends with
    an error, and serve.py logs why and exits non-zero.
-5. SIGKILL serve.py: the orphaned engine core exits too.
+6. SIGKILL serve.py: the orphaned engine core exits too. That is the big-input server, killed by
+   the module's last test (one server start fewer).
 
 Deadlines here only guard against a hang (the measured times are in the README).
 """
@@ -30,6 +34,8 @@ import pytest
 from served_utils import ServedProcess
 
 from serving.client import GenerateClient
+from serving.protos.jaxinfer.v1 import generate_pb2 as pb
+from serving.protos.jaxinfer.v1 import generate_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow  # server subprocesses: the core imports JAX
 
@@ -41,7 +47,8 @@ CAP = 1 << 20  # --max-request-bytes of the big-input server
 
 @pytest.fixture(scope="module")
 def srv():
-    s = ServedProcess([*ARGS, "--max-request-bytes", str(CAP)])
+    """The big-input server; NOTE: the module's last test kills it."""
+    s = ServedProcess([*ARGS, "--max-request-bytes", str(CAP), "--no-compilation-cache"])
     yield s
     s.stop()
 
@@ -148,6 +155,15 @@ def test_small_requests_complete_while_big_prompts_arrive(srv):
         assert [f.result() for f in floods] == [{413}, {400}, {400}, {400}]
 
 
+def test_no_profile_endpoints_without_trace_dir(srv):
+    assert "programs, compilation cache off;" in "".join(srv.log)
+    assert _post(srv.http_port, "/start_profile", {})[0] == 404
+    assert _post(srv.http_port, "/stop_profile", {})[0] == 404
+    with grpc.insecure_channel(srv.grpc_address) as channel, pytest.raises(grpc.RpcError) as e:
+        pb_grpc.GenerateServiceStub(channel).StartProfile(pb.ProfileRequest())
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
 def _core_pid(srv: ServedProcess) -> int:
     """The engine core's pid (logged by the launcher), checked to be serve.py's child."""
     m = re.search(r"engine core process (\d+) started", "".join(srv.log))
@@ -233,9 +249,9 @@ def test_killed_engine_core_fails_streams_and_exits_the_front_end():
         srv.stop()
 
 
-def test_killed_front_end_takes_the_engine_core_down():
-    """Killed mid-stream: the core is stepping and holds output nobody will read."""
-    srv = ServedProcess(ARGS)
+def test_killed_front_end_takes_the_engine_core_down(srv):
+    """Killed mid-stream: the core is stepping and holds output nobody will read. NOTE: kills the
+    module's big-input server, so it stays the module's last test."""
     core = _core_pid(srv)
     try:
         started = [threading.Event() for _ in range(8)]

@@ -10,8 +10,8 @@ process; jaxinfer/engine/tracing.py).
    `layer_0/mlp` and `sampler` (the model's and the step program's `jax.named_scope`s); no
    Python tracer frames (`$file:line name` events: they made writing a trace take 30 s).
 2. Without `--trace-dir` the HTTP endpoints do not exist (404), as vLLM's without a profiler dir,
-   and gRPC's answer FAILED_PRECONDITION. (That server also runs with `--no-compilation-cache`,
-   which its start-up summary reports: one fake server for both.)
+   and gRPC's answer FAILED_PRECONDITION: tests/test_served_lifeline.py's fake server checks it
+   (and `--no-compilation-cache`), so no server starts for it here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 import grpc
 import pytest
-from served_utils import serve_fake, serve_tiny
+from served_utils import serve_tiny
 from xplane import read_planes
 
 from serving.protos.jaxinfer.v1 import generate_pb2 as pb
@@ -121,19 +121,3 @@ def test_named_scopes_reach_the_device_ops(trace):
     assert all(any(op.encode() in raw for raw in hlo) for op in ran)
     for scope in (b"layer_0/attention", b"layer_1/mlp", b"sampler"):
         assert all(scope in raw for raw in hlo), scope
-
-
-def test_no_profile_endpoints_without_trace_dir():
-    served = serve_fake("--no-compilation-cache")
-    try:
-        assert "programs, compilation cache off;" in "".join(served.log)
-        assert post(served.http_url, "/start_profile")[0] == 404
-        assert post(served.http_url, "/stop_profile")[0] == 404
-        with (
-            grpc.insecure_channel(served.grpc_address) as channel,
-            pytest.raises(grpc.RpcError) as e,
-        ):
-            pb_grpc.GenerateServiceStub(channel).StartProfile(pb.ProfileRequest())
-        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    finally:
-        assert served.stop() == 0

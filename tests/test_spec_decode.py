@@ -71,6 +71,16 @@ def test_bad_config_names_the_field(bad, field):
         EngineConfig(speculative_config=bad)
 
 
+def test_token_buckets_must_reach_the_budget():
+    assert EngineConfig(max_num_batched_tokens=16, token_buckets=[16, 4, 4]).token_buckets == (
+        4,
+        16,
+    )
+    for bad in [(4, 8), (0, 16), ()]:
+        with pytest.raises(ValueError, match="token_buckets"):
+            EngineConfig(max_num_batched_tokens=16, token_buckets=bad)
+
+
 def test_config_parses_json_and_dicts():
     a = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
     b = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
@@ -350,6 +360,11 @@ def test_scheduler_fits_stored_drafts():
 
 # ---- engine on the tiny Llama ----
 # NOTE: every engine compiles its own programs (~12 s each here), so the tests share three.
+# Every engine here pads steps to two token buckets only (a decode or verify step of up to 4
+# tokens, a prefill chunk or a step of more): each compiles 2 plain programs + its verify widths
+# instead of one per power of two. Plain and speculating engines pad alike, so what is compared
+# (tokens, logprobs, pages, preemption, prefix hits) is what it was.
+BUCKETS = (4, 16)
 
 
 @pytest.fixture(scope="module")
@@ -363,7 +378,7 @@ def tiny():
 def plain(tiny):
     from engine_utils import make_engine
 
-    return make_engine(tiny)
+    return make_engine(tiny, token_buckets=BUCKETS)
 
 
 @pytest.fixture(scope="module")
@@ -371,7 +386,9 @@ def ngram(tiny):
     """Speculates while at most 3 requests are queued (asynchronous plain steps above that)."""
     from engine_utils import make_engine
 
-    return make_engine(tiny, speculative_config={**NGRAM, "disable_by_batch_size": 3})
+    return make_engine(
+        tiny, token_buckets=BUCKETS, speculative_config={**NGRAM, "disable_by_batch_size": 3}
+    )
 
 
 def repetitive_prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
@@ -565,6 +582,7 @@ def draft_engine(model, draft, **spec):
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=BATCHED_TOKENS,
+        token_buckets=BUCKETS,
         speculative_config={
             "method": "draft_model",
             "model": "<memory>",
@@ -599,6 +617,8 @@ def test_draft_model_is_exact_and_its_cache_consistent(tiny, plain):
     assert log.preempted and got["d1"][0].usage.cached_prompt_tokens > 0
     assert run(same, seeded)["seeded"][0].token_ids == ref["seeded"][0].token_ids
     assert_pages_free(same)
+    # the test knob reaches the target's runner and the draft's
+    assert same.core.runner.token_buckets == BUCKETS == same.core.proposer.runner.token_buckets
 
 
 @pytest.mark.slow
@@ -678,10 +698,16 @@ def test_every_family_greedy_identical(family):
     from jaxinfer.engine.engine import LLMEngine
 
     model = family_model(family)
-    # NOTE: both prompts (12 + 17 tokens) prefill in one 32-token step, so the plain engine
-    # compiles two programs and the speculating one adds only its verify shapes.
+    # NOTE: both prompts (12 + 17 tokens) prefill in one 32-token step and every later step (2
+    # decodes, or 2 x (1 + 3) verify rows) pads to 8 tokens, so the plain engine compiles two
+    # programs and the speculating one adds only its verify shapes.
     base = dict(
-        page_size=4, num_pages=64, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32
+        page_size=4,
+        num_pages=64,
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        token_buckets=(8, 32),
     )
     rng = np.random.default_rng(0)
     prompts = []
@@ -704,8 +730,11 @@ def test_every_family_greedy_identical(family):
 @pytest.mark.slow
 def test_default_model_greedy_identical():
     """SmolLM2-135M-Instruct copying a passage: the n-gram proposer's home ground."""
+    from engine_utils import generate
+
     from jaxinfer import LLM
     from jaxinfer.default_model import default_model_path
+    from jaxinfer.engine.engine import LLMEngine
 
     try:
         default_model_path()
@@ -716,14 +745,27 @@ def test_default_model_greedy_identical():
         "Repeat exactly: The river town wakes before dawn. Fishermen push their boats into "
         "the grey water, the baker lights his ovens, and the first bus leaves the square."
     )
-    opts = dict(max_model_len=256, num_pages=40, max_num_seqs=2, enable_prefix_caching=False)
-    plain_llm = LLM(**opts)
+    # NOTE: the chat prompt prefills in 64-token chunks; decodes and verify steps (1 + 4 tokens)
+    # pad to 8: two programs of the 135M model per engine (plus its verify widths).
+    opts = dict(
+        max_model_len=256,
+        num_pages=40,
+        max_num_seqs=2,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=64,
+        token_buckets=(8, 64),
+    )
     spec_llm = LLM(**opts, speculative_config={**NGRAM, "num_speculative_tokens": 4})
-    ids = plain_llm.tokenizer.encode_chat(
+    # NOTE: the plain engine runs the speculating LLM's loaded weights (one GGUF load, not two)
+    model = spec_llm.model
+    plain = LLMEngine(
+        model, EngineConfig(dtype=model.dtype, quantization=model.quantization, **opts)
+    )
+    ids = spec_llm.tokenizer.encode_chat(
         [{"role": "user", "content": text}], add_generation_prompt=True
     )
     sp = SamplingParams(temperature=0.0, max_tokens=40)
-    want = plain_llm.generate([ids], sp)[0]
+    want = generate(plain, ids, sp)
     got = spec_llm.generate([ids], sp)[0]
     assert got.token_ids == want.token_ids and got.text == want.text
     stats = spec_llm.engine.stats()

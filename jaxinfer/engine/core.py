@@ -198,6 +198,7 @@ class EngineCore:
                 max_model_len=max_model_len,
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
+                token_buckets=config.token_buckets,
                 dtype=config.dtype,
                 attention_backend=attention_backend,
                 linear_backend=linear_backend,
@@ -552,8 +553,7 @@ class EngineCore:
                     )
                 )
         self._aborted = []
-        # NOTE: every prefill chunk brings prompt logprobs, but only the last one samples (and
-        # so has an update): report them whenever the runner returns them.
+        # NOTE: each prefill chunk brings prompt logprobs (only the last samples): report them all
         prompt_lps = {rid: lps for rid, lps in out.prompt_logprobs.items() if rid in self._requests}
         live, logprobs = self._requests, out.logprobs
         if so is not None and not so.active:

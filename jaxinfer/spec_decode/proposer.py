@@ -52,6 +52,7 @@ def make_proposer(
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        token_buckets=config.token_buckets,
         dtype=config.dtype,
         **backends,
     )
