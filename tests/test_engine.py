@@ -53,7 +53,9 @@ STORY = "Once upon a time, in a small village by the sea, there lived an old fis
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model(load_vocab())
+    # NOTE: a seed whose greedy STORY continuation is not a short loop (the `story` fixture's check;
+    # seed 0's loops after the fused-QKV layout changed the random draws)
+    return tiny_model(load_vocab(), seed=1)
 
 
 @pytest.fixture(scope="module")

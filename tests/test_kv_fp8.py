@@ -227,7 +227,9 @@ def _engine(model, kv_cache_dtype, backend, **kw):
 def test_engine_fp8_capacity_log_and_tokens(backend, caplog):
     from tests import engine_utils as eu
 
-    model = eu.tiny_model(eu.load_vocab())
+    # NOTE: greedy tokens compare exactly, so the random model must have no near-tie on these
+    # prompts: seed 0's first token is a 0.16-logprob tie (fp8 noise flips it), seed 1's are not
+    model = eu.tiny_model(eu.load_vocab(), seed=1)
     budget = 64 * 1024
     with caplog.at_level(logging.INFO, logger="jaxinfer.engine.core"):
         fp8 = _engine(model, "fp8", backend, kv_cache_memory=budget, max_num_seqs=64)
