@@ -39,13 +39,12 @@ import dataclasses
 import functools
 import json
 import platform
-import statistics
-import time
 
 import _path  # noqa: F401
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import median_time
 
 from jaxinfer.attention import resolve_backend
 from pallas_kernels.paged_common import interpret_mode
@@ -59,26 +58,16 @@ class Batch:
     kv_lens: tuple[int, ...]
 
 
-def _median_time(fn, runs: int) -> float:
-    jax.block_until_ready(fn())  # compile + warm up
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def measure_roofline(dtype, small: bool, runs: int) -> tuple[float, float]:
     """(copy bytes/s, matmul FLOP/s) of the default device."""
     n = (1 << 24) if small else (1 << 28)  # f32/bf16 elements
     x = jnp.ones((n,), dtype)
     copy = jax.jit(lambda a: a + jnp.asarray(1, a.dtype))
-    bw = 2 * x.nbytes / _median_time(lambda: copy(x), runs)
+    bw = 2 * x.nbytes / median_time(lambda: copy(x), runs)
     m = 1024 if small else 8192
     a = jnp.ones((m, m), dtype)
     mm = jax.jit(lambda u, v: jnp.dot(u, v, preferred_element_type=jnp.float32))
-    flops = 2 * m**3 / _median_time(lambda: mm(a, a), runs)
+    flops = 2 * m**3 / median_time(lambda: mm(a, a), runs)
     return bw, flops
 
 
@@ -343,7 +332,7 @@ def main() -> None:
         ref = None
         for name, fn in runs.items():
             try:
-                sec = _median_time(fn, args.runs)
+                sec = median_time(fn, args.runs)
                 out = np.asarray(fn(), np.float32)
             except Exception as e:  # e.g. a peer's shape constraints
                 print(f"{batch.name:18s} {name:10s} failed: {type(e).__name__}: {str(e)[:120]}")

@@ -38,6 +38,7 @@ import time
 import _path  # noqa: F401
 import numpy as np
 from _hf_peer import hf_model_from_gguf
+from _timing import median_time
 
 from jaxinfer import LLM, SamplingParams
 
@@ -102,13 +103,7 @@ def read_bandwidth(nbytes: int, runs: int = 9) -> float:
     buf = jnp.ones((max(1, nbytes // (4 * cols)), cols), jnp.float32)
     # Row sums: each thread streams whole rows (a column reduction measured ~3x slower here).
     reduce = jax.jit(lambda x: x.sum(axis=1))
-    reduce(buf).block_until_ready()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        reduce(buf).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return buf.nbytes / statistics.median(times)
+    return buf.nbytes / median_time(lambda: reduce(buf), runs)
 
 
 def weight_bytes(llm) -> int:

@@ -38,6 +38,7 @@ import time
 
 import _path  # noqa: F401
 import numpy as np
+from _timing import median_time
 from bench_generate import weight_bytes
 
 from jaxinfer import LLM, SamplingParams
@@ -63,13 +64,7 @@ def copy_bandwidth(nbytes: int = 2 << 30, runs: int = 9) -> float:
 
     x = jnp.ones((nbytes // 4,), jnp.float32)
     copy = jax.jit(lambda a: a * 1.0001)
-    copy(x).block_until_ready()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        copy(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * x.nbytes / statistics.median(times)
+    return 2 * x.nbytes / median_time(lambda: copy(x), runs)
 
 
 def kv_bytes_per_token(llm, num_pages: int, page_size: int) -> int:
