@@ -174,8 +174,7 @@ class LLM:
                         "LLM(skip_tokenizer_init=True) takes prompts as token ids, not text"
                     )
                 ids, mm = self._prompt(prompt)
-                extra = {"mm_inputs": mm} if mm else {}  # NOTE: text-only engines take no images
-                self.engine.add_request(ids, sp, request_id=rid, lora_request=lora, **extra)
+                self.engine.add_request(ids, sp, request_id=rid, lora_request=lora, mm_inputs=mm)
                 order.append(rid)
                 results[rid] = RequestOutput(rid, ids, [CompletionOutput(i) for i in range(sp.n)])
         except Exception:

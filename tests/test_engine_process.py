@@ -246,7 +246,7 @@ def test_offline_generate_spaces_young_collections_only_while_it_runs():
     seen = []
 
     class Engine:  # the engine surface `generate` uses
-        def add_request(self, ids, sp, request_id, lora_request=None):
+        def add_request(self, ids, sp, request_id, lora_request=None, mm_inputs=()):
             self.rid = request_id
 
         def stream(self):
