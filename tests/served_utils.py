@@ -196,12 +196,12 @@ class ServedProcess:
         self._drain.start()
 
     def metric(self, name: str) -> float:
-        """The value of an unlabelled sample `name` on the HTTP API's /metrics (the same registry
-        as the metrics port, which `--no-metrics` drops); 0.0 when absent."""
+        """The value of sample `name` on the HTTP API's /metrics (the same registry as the metrics
+        port, which `--no-metrics` drops), summed over its label sets; 0.0 when absent."""
         url = self.http_url.removesuffix("/v1") + "/metrics"
         text = urllib.request.urlopen(url, timeout=30).read().decode()
-        m = re.search(rf"^{name} (\S+)$", text, re.M)
-        return float(m.group(1)) if m else 0.0
+        found = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+        return float(sum(float(v) for v in found))
 
     def _read_rest(self) -> None:
         for line in self.proc.stderr:

@@ -175,25 +175,15 @@ def test_include_stop_str_and_guided_choice(client, model):
     assert r.choices[0].text in ("yes", "no")
 
 
-def prefix_cache_hits(root) -> float:
-    """vLLM's `vllm:prefix_cache_hits` counter (cached prompt tokens) from /metrics."""
-    text = requests.get(f"{root}/metrics", timeout=30).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:prefix_cache_hits_total")
-    )
-
-
-def test_cache_salt_isolates_prefix_cache(client, model, root):
+def test_cache_salt_isolates_prefix_cache(client, model, served):
     prompt = "salted " * 40  # several full KV pages
 
     def cached(salt=None, **kw):
         """(cached tokens in the usage, the hits the engine counted) of one request."""
         extra = {} if salt is None else {"cache_salt": salt}
-        before = prefix_cache_hits(root)
+        before = served.metric("vllm:prefix_cache_hits_total")  # cached prompt tokens
         r = complete(client, model, prompt, max_tokens=1, extra_body=extra, **kw)
-        hits = prefix_cache_hits(root) - before
+        hits = served.metric("vllm:prefix_cache_hits_total") - before
         assert hits == r.usage.prompt_tokens_details.cached_tokens
         return hits
 
