@@ -1,7 +1,7 @@
 """Multi-LoRA step cost: a batch of decodes with N adapters mixed vs the same batch without LoRA.
 
     python scripts/bench_lora.py                       # 64 decodes, 4 rank-16 adapters, 30 layers
-    python scripts/bench_lora.py --rounds 7 --steps 10 --formulation gather
+    python scripts/bench_lora.py --rounds 7 --steps 5
 
 1. The default model's shapes (`scripts/configs/smollm2-135m`, random f32 weights: the step time
    does not depend on their values), the runner's default attention and linear backends, one
@@ -10,10 +10,7 @@
 2. "base": the params without LoRA stacks (an engine without enable_lora). "lora": `--adapters`
    random PEFT-shaped adapters of rank `--rank` on every target (q/k/v/o/gate/up/down) written
    into `max_loras = --adapters` slots, the batch's rows spread over them round-robin.
-3. "lora-2d" (with `--try-2d`): the same adapters through plain 2-D dots (`apply_2d`: the
-   shrink as `[T, in] @ [in, P*N*R]`, the expand per fused part as `[T, N*R] @ [N*R, out]`), an
-   alternative to `lora.device.apply`'s einsums measured beside it.
-4. Each is compiled once (its own jit), then `--rounds` rounds alternate the cases, `--steps`
+3. Each is compiled once (its own jit), then `--rounds` rounds alternate the cases, `--steps`
    timed steps each; the table gives each one's median ms per step over the rounds and the
    overhead against base.
 """
@@ -35,7 +32,7 @@ from jaxinfer import attention, layers
 from jaxinfer import params as params_lib
 from jaxinfer.config import ModelConfig
 from jaxinfer.lora import device as lora_device
-from jaxinfer.lora.adapter import TARGETS, LoRAAdapter, target_dims
+from jaxinfer.lora.adapter import LoRAAdapter, target_dims
 from jaxinfer.models import llama
 from jaxinfer.step import StepInputs, build_step_arrays
 
@@ -53,16 +50,6 @@ def random_adapter(cfg: ModelConfig, rank: int, seed: int) -> LoRAAdapter:
     return LoRAAdapter(rank, 1.0, weights)
 
 
-def apply_2d(pair, slots, x, y):
-    """`lora.device.apply` as plain 2-D dots (see the module docstring, step 3)."""
-    i, p, n, r = pair.a.shape
-    mask = (slots[:, None] == jnp.arange(1, n + 1, dtype=slots.dtype)).astype(x.dtype)
-    s = (x @ pair.a.reshape(i, p * n * r)).reshape(-1, p, n, r) * mask[:, None, :, None]
-    s, b = s.reshape(-1, p, n * r), pair.b.reshape(p, n * r, -1)
-    d = s[:, 0] @ b[0] if p == 1 else jnp.stack([s[:, k] @ b[k] for k in range(p)], axis=1)
-    return y + d.reshape(y.shape).astype(y.dtype)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=int, default=64)
@@ -72,7 +59,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--try-2d", action="store_true", help="also time apply_2d (step 3)")
     args = ap.parse_args()
 
     with open(CONFIG) as f:
@@ -83,7 +69,7 @@ def main() -> None:
     stacks = lora_device.empty_stacks(cfg, args.adapters, args.rank)
     for slot in range(1, args.adapters + 1):
         stacks = lora_device.write_slot(stacks, slot, random_adapter(cfg, args.rank, slot))
-    assert set(stacks[0]) == set(TARGETS)
+    assert set(stacks[0]) == set(lora_device.GROUPS)
     with_lora = lora_device.attach(params, stacks)
 
     ps = args.page_size
@@ -109,9 +95,6 @@ def main() -> None:
         for name in ("base", "lora")
     }
     cases = {"base": (params, base_step), "lora": (with_lora, lora_step)}
-    if args.try_2d:
-        cases["lora-2d"] = (with_lora, lora_step)
-        caches["lora-2d"] = tuple(jnp.zeros(shape, jnp.float32) for _ in range(cfg.num_layers))
     statics = ("cfg", "attention_backend", "linear_backend")
     jits = {name: jax.jit(llama.forward, static_argnames=statics) for name in cases}
 
@@ -126,13 +109,7 @@ def main() -> None:
         return (time.perf_counter() - start) / n * 1e3
 
     for name in cases:
-        original = lora_device.apply
-        if name == "lora-2d":  # traced with the 2-D formulation (its own jit)
-            lora_device.apply = apply_2d
-        try:
-            run(name, 2)  # compile + one warm step
-        finally:
-            lora_device.apply = original
+        run(name, 2)  # compile + one warm step
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name in cases:

@@ -226,3 +226,22 @@ def test_h100_step_launch_budget():
     # had run the forward (an H200 decode step took 10.6 ms instead of 5.75; BENCHMARKS.md)
     assert set(launches.host_thunks) == {"kCommandBuffer"}, launches.host_thunks
     assert launches.host_launches == H100_HOST_LAUNCHES, launches.host_thunks
+
+
+# Issue 34's LoRA launches: the kernels an engine with enable_lora (4 slots, rank 16, every target)
+# adds per layer to the 1-token H100 step, against `h100`'s step without LoRA. The target is 4 (one
+# per projection input); XLA's dots give shrink, slot mask and expand as their own kernels where
+# the product is a row reduction: measured 2026-11-27 (jax 0.10.2) after the shrinks and expands
+# were grouped by input (`lora.device.GROUPS`); BENCHMARKS.md "Multi-LoRA launches per layer".
+H100_LORA_LAYER_KERNELS = 16
+
+
+def test_h100_lora_kernels_per_layer(h100):
+    _needs("gpu")
+    (step,) = aot.compile_step(SMALL, "h100", attention_backend="auto", lora=(4, 16), **BUDGET)
+
+    def in_layers(launches) -> int:
+        return sum(v for k, v in launches.per_layer.items() if k.startswith("layer_"))
+
+    extra = (in_layers(step.report.launches) - in_layers(h100.launches)) / SMALL["num_hidden_layers"]
+    assert 0 < extra <= H100_LORA_LAYER_KERNELS, (extra, step.report.launches.per_scope)

@@ -1,25 +1,32 @@
-"""LoRA on the device: every slot's weights stacked at fixed shapes, applied per token.
+"""LoRA on the device: every slot's weights stacked at fixed shapes, one shrink and one expand per
+projection input.
 
-1. `empty_stacks(cfg, max_loras, max_lora_rank)` allocates, per layer and target (`adapter.TARGETS`),
-   `LoRAPair(a [in, P, N, R], b [P, N, R, out])` of zeros: N = max_loras slots, R = max_lora_rank,
-   P = 1 or 2 fused parts (k/v, gate/up). Stored in the layout the contractions want (in leading
-   for the shrink, (N, R) contracted for the expand), so nothing is transposed in the step.
-2. `write_slot(stacks, slot, adapter)` pads an adapter's host weights to R (zeros: a missing target
-   or a lower rank adds nothing) and writes them into slot `slot` (1..N) in one jitted update of
-   fixed shapes (new arrays: a step still in flight reads the old ones).
+1. `empty_stacks(cfg, max_loras, max_lora_rank)` allocates, per layer and input group (`GROUPS`:
+   the projections reading one input), `LoRAPair(a [in, P, N, R], b [Q, N, R, *out])` of zeros:
+   N = max_loras slots, R = max_lora_rank. The group's A matrices are stacked along P (q/k/v: 3,
+   gate/up: 2, o and down: 1) so one product shrinks them all; B holds the Q expand parts in the
+   base output's layout: `qkv` is `llama.AttentionParams.qkv`'s `[Hkv, G+2, D]` (G query parts,
+   part i holding query heads j*G+i of each KV group j, then K, then V), so the expand adds one
+   delta to the fused QKV product before it is split; `gate_up` has Q = 2 parts of F.
+2. `write_slot(stacks, slot, adapter)` lays an adapter's host weights out so (`slot_weights`:
+   padded to R with zeros, q's B reordered into the G query parts) and writes them into slot
+   `slot` (1..N) in one jitted update of fixed shapes (new arrays: a step still in flight reads
+   the old ones). Nothing is concatenated per step: the layout is made here, at load time.
 3. `attach(params, stacks)` puts each layer's stacks on `LayerParams.lora`; the model then calls
-   `apply(pair, slots, x, y)` right after each dense projection (q and kv on their slices of the
-   fused QKV product, `llama.AttentionParams.qkv`): `slots` i32[T] holds each token's
-   slot (0 = no adapter), the shrink `x @ A` runs for every slot at once, a one-hot mask keeps each
-   token's own slot, the expand contracts (slot, rank) together. Same shapes whatever the mix of
-   adapters: 0, 1 or N active adapters run the same compiled program.
+   `apply(pair, slots, x, y)` right after each group's dense product (`qkv` on the fused QKV
+   product before its split, `o`, `gate_up`, `down`): `slots` i32[T] holds each token's slot (0 =
+   no adapter), the shrink `x @ A` runs for every slot and part at once (XLA merges it into the
+   base product's columns where it can), a one-hot mask keeps each token's own slot, the expand
+   contracts (slot, rank) per part, batched over the parts, and the add fuses into the consumer.
+   Same shapes whatever the mix of adapters: 0, 1 or N active adapters run the same program.
 4. On a tensor-parallel mesh the stacks are split as their base weight is (`AXES`, `stack_specs`;
-   `sharded.forward` adds them to the `shard_map` specs with `attach_specs`): column-split q / kv /
-   gate_up keep A replicated and split B along out (with the base weight's output columns; B stays
-   replicated where the KV heads are), row-split o / down split A along in and keep B replicated:
-   their product is a partial sum, added before the base output's all-reduce.
+   `sharded.forward` adds them to the `shard_map` specs with `attach_specs`): column-split qkv /
+   gate_up keep A replicated and split B along out (qkv's by KV group, as the fused weight; B
+   stays replicated where the KV heads are), row-split o / down split A along in and keep B
+   replicated: their product is a partial sum, added before the base output's all-reduce.
 
-Einsum legend: t = token, i = in, p = fused part, n = slot, r = rank, o = out.
+Einsum legend: t = token, i = in, p = shrink part, q = expand part, n = slot, r = rank, o = out,
+h = KV group, d = head_dim.
 """
 
 from __future__ import annotations
@@ -32,53 +39,66 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.lora.adapter import TARGETS, LoRAAdapter, target_dims
+from jaxinfer.lora.adapter import LoRAAdapter
 from jaxinfer.params import ParamSpec
 
-# target -> logical axes of its (in, out) dims: the base weight's (`llama.param_specs`)
+# input group -> the adapter targets (`adapter.TARGETS`) it stacks, in shrink-part order
+GROUPS = {"qkv": ("q", "kv"), "o": ("o",), "gate_up": ("gate_up",), "down": ("down",)}
+# group -> logical axes of A's in dim and of B's out dims (the base weight's, `llama.param_specs`)
 AXES = {
-    "q": ("embed", "q_heads"),
-    "kv": ("embed", "kv_heads"),
-    "o": ("q_heads", "embed"),
-    "gate_up": ("embed", "mlp"),
-    "down": ("mlp", "embed"),
+    "qkv": ("embed", ("kv_heads", None)),
+    "o": ("q_heads", ("embed",)),
+    "gate_up": ("embed", ("mlp",)),
+    "down": ("mlp", ("embed",)),
 }
 
 
 @struct.dataclass
 class LoRAPair:
     a: jax.Array  # [in, P, N, R]
-    b: jax.Array  # [P, N, R, out]  scaling folded in
+    b: jax.Array  # [Q, N, R, *out]  scaling folded in
 
 
 LayerStacks = dict[str, LoRAPair]
 
 
+def group_shapes(cfg: ModelConfig, n: int, r: int) -> dict[str, tuple[tuple, tuple]]:
+    """Group -> (A's shape, B's shape) for `n` slots of rank `r`."""
+    e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    hq, hkv = cfg.num_heads, cfg.num_kv_heads
+    g = hq // hkv
+    return {
+        "qkv": ((e, 3, n, r), (g + 2, n, r, hkv, d)),
+        "o": ((hq * d, 1, n, r), (1, n, r, e)),
+        "gate_up": ((e, 2, n, r), (2, n, r, f)),
+        "down": ((f, 1, n, r), (1, n, r, e)),
+    }
+
+
 def empty_stacks(
     cfg: ModelConfig, max_loras: int, max_lora_rank: int, dtype: Any = jnp.float32
 ) -> tuple[LayerStacks, ...]:
-    dims = target_dims(cfg)
-    n, r = max_loras, max_lora_rank
+    shapes = group_shapes(cfg, max_loras, max_lora_rank)
 
-    def pair(target: str) -> LoRAPair:
-        d_in, p, d_out = dims[target]
-        return LoRAPair(jnp.zeros((d_in, p, n, r), dtype), jnp.zeros((p, n, r, d_out), dtype))
+    def pair(group: str) -> LoRAPair:
+        a, b = shapes[group]
+        return LoRAPair(jnp.zeros(a, dtype), jnp.zeros(b, dtype))
 
-    return tuple({t: pair(t) for t in TARGETS} for _ in range(cfg.num_layers))
+    return tuple({grp: pair(grp) for grp in GROUPS} for _ in range(cfg.num_layers))
 
 
 def stack_specs(stacks: tuple[LayerStacks, ...]) -> tuple[dict[str, LoRAPair], ...]:
     """`ParamSpec` leaves of `stacks` (arrays or shape structs): A split along in, B along out,
     by the base weight's logical axes (`AXES`; the slot, part and rank dims replicated)."""
 
-    def spec(target: str, pair: LoRAPair) -> LoRAPair:
-        d_in, d_out = AXES[target]
+    def spec(group: str, pair: LoRAPair) -> LoRAPair:
+        d_in, d_out = AXES[group]
         return LoRAPair(
             ParamSpec(tuple(pair.a.shape), pair.a.dtype, (d_in, None, None, None), "zeros"),
-            ParamSpec(tuple(pair.b.shape), pair.b.dtype, (None, None, None, d_out), "zeros"),
+            ParamSpec(tuple(pair.b.shape), pair.b.dtype, (None, None, None, *d_out), "zeros"),
         )
 
-    return tuple({t: spec(t, pair) for t, pair in st.items()} for st in stacks)
+    return tuple({grp: spec(grp, pair) for grp, pair in st.items()} for st in stacks)
 
 
 def attach_specs(specs: Any, params: Any) -> Any:
@@ -90,21 +110,47 @@ def attach_specs(specs: Any, params: Any) -> Any:
     return attach(specs, stack_specs(tuple(layer.lora for layer in layers)))
 
 
+def _group_weights(group: str, a: np.ndarray, b: np.ndarray, w: dict) -> None:
+    """Fills one slot's `a [in, P, R]`, `b [Q, R, *out]` of `group` from the adapter's target
+    weights `w` (target -> (A [in, P', r], B [P', r, out])), leaving missing targets zero."""
+    if group != "qkv":
+        if group in w:
+            wa, wb = w[group]
+            a[:, :, : wa.shape[-1]] = wa
+            b[:, : wb.shape[1]] = wb
+        return
+    g, hkv, d = b.shape[0] - 2, b.shape[2], b.shape[3]
+    if "q" in w:
+        wa, wb = w["q"]
+        r = wa.shape[-1]
+        a[:, 0, :r] = wa[:, 0]
+        # q's B [r, Hq*D]: head j*G+i -> part i, KV group j (the fused weight's order)
+        b[:g, :r] = wb[0].reshape(r, hkv, g, d).transpose(2, 0, 1, 3)
+    if "kv" in w:
+        wa, wb = w["kv"]
+        r = wa.shape[-1]
+        a[:, 1:3, :r] = wa
+        b[g:, :r] = wb.reshape(2, r, hkv, d)
+
+
 def slot_weights(stacks: tuple[LayerStacks, ...], adapter: LoRAAdapter | None) -> tuple:
-    """The adapter's host weights at one slot's shapes (`[in, P, R]`, `[P, R, out]` per layer and
-    target), zero-padded; None: all zeros (a freed slot)."""
+    """The adapter's host weights at one slot's shapes (`[in, P, R]`, `[Q, R, *out]` per layer
+    and group), zero-padded; None: all zeros (a freed slot)."""
     out = []
     for layer, st in enumerate(stacks):
         row = {}
-        for target, pair in st.items():
+        for group, pair in st.items():
             d_in, p, _, r = pair.a.shape
             a = np.zeros((d_in, p, r), pair.a.dtype)
-            b = np.zeros((p, r, pair.b.shape[-1]), pair.b.dtype)
-            w = adapter.weights.get((layer, target)) if adapter is not None else None
-            if w is not None:
-                a[:, :, : w[0].shape[-1]] = w[0]
-                b[:, : w[1].shape[1]] = w[1]
-            row[target] = LoRAPair(a, b)
+            b = np.zeros((pair.b.shape[0], r, *pair.b.shape[3:]), pair.b.dtype)
+            if adapter is not None:
+                w = {
+                    t: adapter.weights[layer, t]
+                    for t in GROUPS[group]
+                    if (layer, t) in adapter.weights
+                }
+                _group_weights(group, a, b, w)
+            row[group] = LoRAPair(a, b)
         out.append(row)
     return tuple(out)
 
@@ -124,7 +170,7 @@ def write_slot(
     stacks: tuple[LayerStacks, ...], slot: int, adapter: LoRAAdapter | None
 ) -> tuple[LayerStacks, ...]:
     """`stacks` with slot `slot` (1..N) holding `adapter` (None: zeros)."""
-    n = stacks[0][TARGETS[0]].a.shape[2]
+    n = stacks[0]["o"].a.shape[2]
     if not 1 <= slot <= n:
         raise ValueError(f"LoRA slot {slot} out of range 1..{n}")
     return _write(stacks, jnp.int32(slot - 1), slot_weights(stacks, adapter))
@@ -138,17 +184,23 @@ def attach(params: Any, stacks: tuple[LayerStacks, ...] | None) -> Any:
 
 
 def apply(pair: LoRAPair, slots: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
-    """y [T, ...] (the dense output for x [T, in]) plus each token's adapter product."""
-    _, _, n, _ = pair.a.shape
+    """y [T, ...] (the group's dense output for x [T, in], in B's out layout) plus each token's
+    adapter product."""
+    t, (_, p, n, _), q = x.shape[0], pair.a.shape, pair.b.shape[0]
     mask = (slots[:, None] == jnp.arange(1, n + 1, dtype=slots.dtype)).astype(x.dtype)  # [T, N]
     with jax.named_scope("lora"):
         s = jnp.einsum("ti,ipnr->tpnr", x, pair.a) * mask[:, None, :, None]  # shrink
-        d = jnp.einsum("tpnr,pnro->tpo", s, pair.b)  # expand
+        if q != p:  # qkv: the G query parts all read the q shrink (part 0)
+            s = jnp.concatenate([jnp.broadcast_to(s[:, :1], (t, q - 2, *s.shape[2:])), s[:, 1:]], 1)
+        if pair.b.ndim == 5:  # qkv: [Q, N, R, Hkv, D] -> y's [T, Hkv, Q, D]
+            d = jnp.einsum("tqnr,qnrhd->thqd", s, pair.b)
+        else:
+            d = jnp.einsum("tqnr,qnro->tqo", s, pair.b)  # expand
     return y + d.reshape(y.shape).astype(y.dtype)
 
 
 def adapter_hook(layer_stacks: LayerStacks | None, slots: jax.Array | None):
-    """`hook(target, x, y) -> y'` for one layer (None when LoRA is off)."""
+    """`hook(group, x, y) -> y'` for one layer (None when LoRA is off)."""
     if layer_stacks is None or slots is None:
         return None
-    return lambda target, x, y: apply(layer_stacks[target], slots, x, y)
+    return lambda group, x, y: apply(layer_stacks[group], slots, x, y)

@@ -231,6 +231,8 @@ def _attention_block(
         (qkv,) = layers.dense(x, p.qkv, backend=kernels.linear)  # [T, Hkv', G+2, D]
         if cfg.qkv_bias:
             qkv = qkv + p.qkv_bias
+        if lora is not None:  # each token's adapter (jaxinfer.lora.device.apply), before the split
+            qkv = lora("qkv", x, qkv)
         q, k, v = qkv[:, :, :g], qkv[:, :, g], qkv[:, :, g + 1]
         split = kv_heads_split(cfg.num_kv_heads, shards)
         if not split:
@@ -239,10 +241,6 @@ def _attention_block(
             head, part = divmod(par.dense_index(), shards // cfg.num_kv_heads)
             q = jax.lax.dynamic_slice(q, (0, head, part * hq, 0), (t, 1, hq, d))
         q = q.reshape(t, hq, d)
-        if lora is not None:  # each token's adapter (jaxinfer.lora.device.apply), on the slices
-            q = lora("q", x, q.reshape(t, -1)).reshape(t, hq, d)
-            kv = lora("kv", x, jnp.stack([k, v], axis=1).reshape(t, 2, -1))
-            k, v = (kv[:, i].reshape(t, -1, d) for i in (0, 1))
         if not split:
             k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=1)
             v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=1)
