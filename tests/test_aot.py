@@ -243,5 +243,6 @@ def test_h100_lora_kernels_per_layer(h100):
     def in_layers(launches) -> int:
         return sum(v for k, v in launches.per_layer.items() if k.startswith("layer_"))
 
-    extra = (in_layers(step.report.launches) - in_layers(h100.launches)) / SMALL["num_hidden_layers"]
+    layers = SMALL["num_hidden_layers"]
+    extra = (in_layers(step.report.launches) - in_layers(h100.launches)) / layers
     assert 0 < extra <= H100_LORA_LAYER_KERNELS, (extra, step.report.launches.per_scope)
