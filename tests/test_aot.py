@@ -231,7 +231,7 @@ def test_h100_step_launch_budget():
 # Issue 34's LoRA launches: the kernels an engine with enable_lora (4 slots, rank 16, every target)
 # adds per layer to the 1-token H100 step, against `h100`'s step without LoRA. The target is 4 (one
 # per projection input); XLA's dots give shrink, slot mask and expand as their own kernels where
-# the product is a row reduction: measured 2026-11-27 (jax 0.10.2) after the shrinks and expands
+# the product is a row reduction: measured 2026-11-26 (jax 0.10.2) after the shrinks and expands
 # were grouped by input (`lora.device.GROUPS`); BENCHMARKS.md "Multi-LoRA launches per layer".
 H100_LORA_LAYER_KERNELS = 16
 
