@@ -137,13 +137,14 @@ def gated_mlp(
     lora: Callable | None = None,
 ) -> jax.Array:
     """x [T, E]; gate_up [E, 2, F] (gate at 0, up at 1); down [F, E] -> [T, E]. `lora(target, x,
-    y) -> y'` adds each token's adapter product to a projection (`jaxinfer.lora.device`)."""
+    y, gated=None) -> y'` adds each token's adapter product to a projection
+    (`jaxinfer.lora.device`; `gated`: down's input as (gate_up output, activation))."""
     (gu,) = dense(x, gate_up, backend=backend)  # [T, 2, F]
     if lora is not None:
         gu = lora("gate_up", x, gu)
     hidden = activation(act, gu[:, 0]) * gu[:, 1]
     (out,) = dense(hidden, down, backend=backend)
-    return out if lora is None else lora("down", hidden, out)
+    return out if lora is None else lora("down", hidden, out, gated=(gu, act))
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:

@@ -191,11 +191,14 @@ def test_llm_generate_with_lora_requests(setup, model_dir):
         llm.generate([prompt], sp, lora_request=LoRARequest("bad", 3, paths["b16"] + "/missing"))
 
 
-@pytest.mark.parametrize("spec", ["tensor=2", "expert=2,tensor=2"])
-def test_mixed_batch_on_tensor_mesh_matches_peft(setup, spec):
+@pytest.mark.parametrize(
+    "spec,backend", [("tensor=2", None), ("expert=2,tensor=2", None), ("tensor=2", "gpu")]
+)
+def test_mixed_batch_on_tensor_mesh_matches_peft(setup, spec, backend):
     """The stacks split as their base weights (`lora.device.AXES`) on a mesh of virtual CPU
     devices: KV heads split (tensor=2) or replicated (4 dense shards: expert x tensor on a dense
-    model, 2 KV heads); a mixed batch matches HF + PEFT."""
+    model, 2 KV heads); a mixed batch matches HF + PEFT. `backend` "gpu": the GPU attention and
+    LoRA kernels (`pallas_kernels.lora.gpu`) in interpret mode, under the `shard_map`."""
     import jax
 
     from jaxinfer import params as params_lib
@@ -221,7 +224,7 @@ def test_mixed_batch_on_tensor_mesh_matches_peft(setup, spec):
         peft_logits(base, paths["b16"], seqs[1]),
         hf_logits(base, seqs[2]),
     ]
-    stepper = PagedStepper(placed, cfg, mesh=mesh)
+    stepper = PagedStepper(placed, cfg, mesh=mesh, attention_backend=backend)
     for sid, out in enumerate(stepper.step(list(seqs.items()), lora_slots=slots)):
         assert np.abs(_logprobs(out) - _logprobs(refs[sid])).max() <= TOL, (spec, sid)
 

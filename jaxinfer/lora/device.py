@@ -19,6 +19,10 @@ projection input.
    base product's columns where it can), a one-hot mask keeps each token's own slot, the expand
    contracts (slot, rank) per part, batched over the parts, and the add fuses into the consumer.
    Same shapes whatever the mix of adapters: 0, 1 or N active adapters run the same program.
+   Beside the GPU attention kernel (`adapter_hook`'s `attention_backend` "gpu": a GPU target, or
+   interpret mode when named on the CPU) each group is instead one Pallas launch
+   (`pallas_kernels.lora.gpu`: shrink, slot mask, expand and add, y updated in place; down reads
+   the gate_up output through its activation, `GATE_ACTS`); the CPU and TPU paths keep the einsums.
 4. On a tensor-parallel mesh the stacks are split as their base weight is (`AXES`, `stack_specs`;
    `sharded.forward` adds them to the `shard_map` specs with `attach_specs`): column-split qkv /
    gate_up keep A replicated and split B along out (qkv's by KV group, as the fused weight; B
@@ -31,6 +35,7 @@ h = KV group, d = head_dim.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -38,12 +43,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxinfer import layers
 from jaxinfer.config import ModelConfig
 from jaxinfer.lora.adapter import LoRAAdapter
 from jaxinfer.params import ParamSpec
+from pallas_kernels.lora import gpu as lora_kernel
+from pallas_kernels.paged_common import interpret_mode
 
 # input group -> the adapter targets (`adapter.TARGETS`) it stacks, in shrink-part order
 GROUPS = {"qkv": ("q", "kv"), "o": ("o",), "gate_up": ("gate_up",), "down": ("down",)}
+# activations the GPU kernel computes from the gate_up output itself (erf has no Triton lowering)
+GATE_ACTS = ("silu", "gelu_tanh")
 # group -> logical axes of A's in dim and of B's out dims (the base weight's, `llama.param_specs`)
 AXES = {
     "qkv": ("embed", ("kv_heads", None)),
@@ -183,9 +193,28 @@ def attach(params: Any, stacks: tuple[LayerStacks, ...] | None) -> Any:
     return params.replace(layers=tuple(p.replace(lora=s) for p, s in zip(layers, stacks)))
 
 
-def apply(pair: LoRAPair, slots: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
+def apply(
+    pair: LoRAPair,
+    slots: jax.Array,
+    x: jax.Array,
+    y: jax.Array,
+    backend: str = "xla",
+    gated: tuple[jax.Array, str] | None = None,
+) -> jax.Array:
     """y [T, ...] (the group's dense output for x [T, in], in B's out layout) plus each token's
-    adapter product."""
+    adapter product; `backend` "gpu": the one-launch Pallas kernel (`pallas_kernels.lora.gpu`,
+    interpreted off a GPU target), "xla": the einsums below. `gated` (down only): (the gate_up
+    output [T, 2, F], the activation) x was computed from, which the kernel reads instead of x
+    (`GATE_ACTS`; other activations read x)."""
+    if backend == "gpu":
+        with jax.named_scope("lora"):
+            interpret = bool(interpret_mode("gpu"))
+            if gated is not None and gated[1] in GATE_ACTS:
+                act = functools.partial(layers.activation, gated[1])
+                return lora_kernel.lora_apply(
+                    gated[0], pair.a, pair.b, slots, y, gate_act=act, interpret=interpret
+                )
+            return lora_kernel.lora_apply(x, pair.a, pair.b, slots, y, interpret=interpret)
     t, (_, p, n, _), q = x.shape[0], pair.a.shape, pair.b.shape[0]
     mask = (slots[:, None] == jnp.arange(1, n + 1, dtype=slots.dtype)).astype(x.dtype)  # [T, N]
     with jax.named_scope("lora"):
@@ -199,8 +228,22 @@ def apply(pair: LoRAPair, slots: jax.Array, x: jax.Array, y: jax.Array) -> jax.A
     return y + d.reshape(y.shape).astype(y.dtype)
 
 
-def adapter_hook(layer_stacks: LayerStacks | None, slots: jax.Array | None):
-    """`hook(group, x, y) -> y'` for one layer (None when LoRA is off)."""
+def backend_for(attention_backend: str, in_dims: tuple[int, ...] = ()) -> str:
+    """LoRA's backend beside attention backend `attention_backend` (resolved): "gpu" (the Pallas
+    kernel) with the GPU attention kernel when every group's input dim (`in_dims`) suits it
+    (`pallas_kernels.lora.gpu.supported`), else "xla" (the CPU and TPU paths)."""
+    if attention_backend != "gpu":
+        return "xla"
+    return "gpu" if all(lora_kernel.supported(i) is None for i in in_dims) else "xla"
+
+
+def adapter_hook(
+    layer_stacks: LayerStacks | None, slots: jax.Array | None, attention_backend: str = "xla"
+):
+    """`hook(group, x, y) -> y'` for one layer (None when LoRA is off); the kernel follows the
+    attention backend (`backend_for`)."""
     if layer_stacks is None or slots is None:
         return None
-    return lambda group, x, y: apply(layer_stacks[group], slots, x, y)
+    dims = tuple(pair.a.shape[0] for pair in layer_stacks.values())
+    backend = backend_for(attention_backend, dims)
+    return lambda group, x, y, gated=None: apply(layer_stacks[group], slots, x, y, backend, gated)

@@ -288,7 +288,7 @@ def _decoder_layer(
     par: Parallel = SINGLE,
 ):
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
-    lora = lora_device.adapter_hook(p.lora, step.lora_slots)
+    lora = lora_device.adapter_hook(p.lora, step.lora_slots, kernels.attention)
     with jax.named_scope("attention"):
         x = layers.rms_norm(h, p.attn_norm, eps, off)
         x, kv_cache = _attention_block(
