@@ -78,8 +78,10 @@ class StepInputBuilder:
         data: int = 1,
         microbatches: int = 1,
         bitmask_width: int,
+        decode_only: bool = False,
     ) -> None:
         self.batch, self.buckets = batch, buckets
+        self.decode_only = decode_only  # mark pure-decode steps (`StepInputs.decode_only`)
         self.page_size, self.max_num_seqs = page_size, batch.max_num_seqs
         self.data, self.microbatches = data, microbatches
         self.bitmask_width = bitmask_width
@@ -212,6 +214,14 @@ class StepInputBuilder:
             spec_a,
             spec_width,
         )
+        if (
+            self.decode_only
+            and t_bucket > 1  # one token: always a decode, no mark needed
+            and group is None
+            and not n_spec
+            and (q_a == 1).all()
+        ):
+            step = step.replace(decode_only=True)
         if order is not None:  # back to scheduled order
             slot[order], tok_lo[order] = slot.copy(), tok_lo.copy()
             rows_a, starts_a, q_a, sample_a = (
@@ -329,9 +339,15 @@ class StepInputBuilder:
         )
 
     def idle_inputs(
-        self, t_bucket: int, all_logits: bool, p_bucket: int, spec_width: int = 0
+        self,
+        t_bucket: int,
+        all_logits: bool,
+        p_bucket: int,
+        spec_width: int = 0,
+        decode_only: bool = False,
     ) -> dict:
-        """Inputs of a step that computes nothing (no sequences): used to compile a bucket."""
+        """Inputs of a step that computes nothing (no sequences): used to compile a bucket (its
+        pure-decode program with `decode_only`)."""
         none = np.zeros(0, np.int32)
         step, extras, _, _ = self.arrays(
             t_bucket,
@@ -347,4 +363,5 @@ class StepInputBuilder:
             spec_width,
         )
         rows = np.full(extras.seq_rows.shape[0] + spec_width, self.max_num_seqs, np.int32)
+        step = step.replace(decode_only=decode_only)
         return {"step": step, "extras": extras, "meta": self.batch.sampling.gather(rows)}
