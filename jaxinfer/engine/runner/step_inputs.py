@@ -29,7 +29,7 @@ from jaxinfer.engine.runner.programs import BatchExtras
 from jaxinfer.engine.runner.ragged import ranks, step_arrays
 from jaxinfer.engine.types import ScheduledRequest, SchedulerOutput
 from jaxinfer.pipeline import split_microbatches
-from jaxinfer.sampling import SamplingMetadata
+from jaxinfer.sampling import SamplingMetadata, needs_staged
 from jaxinfer.step import StepInputs
 
 _REQUEST_ID = operator.attrgetter("request_id")
@@ -106,7 +106,20 @@ class StepInputBuilder:
             bitmask = np.full((len(extras.seq_rows), self.bitmask_width), -1, np.int32)
             self.place_bitmask(sched, prepared.plan, bitmask)
             prepared.inputs["extras"] = extras.replace(token_bitmask=bitmask)
+        prepared.inputs = self.with_staged(prepared.inputs)
         return prepared
+
+    @staticmethod
+    def with_staged(inputs: dict) -> dict:
+        """`inputs` with `extras.sample_staged`: whether some sampled row needs the staged sampler
+        (`sampling.needs_staged` on the host, over the rows' metadata, positions and bitmask), so
+        the step's sampler launches no flag reductions."""
+        step, extras = inputs["step"], inputs["extras"]
+        positions = np.asarray(step.kv_lens).reshape(-1)
+        if len(extras.spec_positions):
+            positions = np.concatenate([positions, extras.spec_positions])
+        staged = needs_staged(inputs["meta"], positions, extras.token_bitmask, xp=np)
+        return {**inputs, "extras": extras.replace(sample_staged=np.array([staged], bool))}
 
     @staticmethod
     def place_bitmask(
@@ -364,4 +377,5 @@ class StepInputBuilder:
         )
         rows = np.full(extras.seq_rows.shape[0] + spec_width, self.max_num_seqs, np.int32)
         step = step.replace(decode_only=decode_only)
-        return {"step": step, "extras": extras, "meta": self.batch.sampling.gather(rows)}
+        meta = self.batch.sampling.gather(rows)
+        return self.with_staged({"step": step, "extras": extras, "meta": meta})
