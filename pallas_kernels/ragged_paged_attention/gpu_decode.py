@@ -12,8 +12,10 @@ the query-block gather and scatter, the class select): token t is sequence t. Fl
      (t * splits + j, h) walks split j of sequence t's KV blocks (`block_sizes.split_range`) with
      the inner loop every GPU program shares (`gpu.attend`); programs of padding sequences
      (t >= num_seqs) write zeros.
-  3. One split: the kernel writes the output in q's dtype. Several: each split writes its f32
-     output normalized over its own keys and its log-sum-exp, and one more launch merges them
+  3. One split: the kernel writes the output [T, Hq, D] in q's dtype, only the G real rows of
+     each tile (`store_heads`: a masked store, so no slice of a padded output follows). Several:
+     each split writes its f32 output normalized over its own keys and its log-sum-exp, and one
+     more launch merges them into [T, Hq, D]
      (`combine`, grid (T, Hkv): an online max over the splits; no scatter: every sequence has
      the same static number of splits). XLA's own reduction of the same merge took 4 kernels.
 
@@ -52,10 +54,11 @@ def _kernel(
     sinks_ref,  # f32[R] or None
     kv_ref,  # [P * page_size, 2*Hkv, D]
     exp_ref,  # i8[P * page_size, 2*Hkv] or None
-    o_ref,  # [R, D] (f32 with several splits)
+    o_ref,  # one split: the whole [T, Hq, D] output; several: this split's f32[R, D]
     lse_ref=None,  # f32[R] with several splits
     *,
     splits: int,
+    group: int,
     page_size: int,
     pages_per_block: int,
     pages_per_row: int,
@@ -99,22 +102,39 @@ def _kernel(
             sliding_window=sliding_window,
             soft_cap=soft_cap,
         )
-        o_ref[...] = pc.normalize(acc, l).astype(o_ref.dtype)
-        if lse_ref is not None:
+        out = pc.normalize(acc, l)
+        if lse_ref is None:
+            store_heads(o_ref, s, h, out, group)
+        else:
+            o_ref[...] = out
             lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), pc.MASK_VALUE)
 
     @pl.when(jnp.logical_not(live))
     def _():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
-        if lse_ref is not None:
+        if lse_ref is None:
+            store_heads(
+                o_ref, s, h, jnp.zeros((q_ref.shape[0], q_ref.shape[1]), jnp.float32), group
+            )
+        else:
+            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
             lse_ref[...] = jnp.full(lse_ref.shape, pc.MASK_VALUE, jnp.float32)
 
 
-def _combine_kernel(o_ref, lse_ref, out_ref, *, splits: int):
+def store_heads(o_ref, t, h, val, group: int) -> None:
+    """Writes the first `group` rows of `val` [R, D] (KV head h's query heads; the rest are the
+    tile's zero padding) into token t's heads [h * group, (h + 1) * group) of the whole output
+    `o_ref` [T, Hq, D]: a masked store, so no slice of a padded output follows the kernel (XLA
+    ran one as a kernel of its own before the o_proj product)."""
+    rows = val.shape[0]
+    mask = jax.lax.broadcasted_iota(jnp.int32, val.shape, 0) < group
+    plgpu.store(o_ref.at[t, pl.ds(h * group, rows), :], val.astype(o_ref.dtype), mask=mask)
+
+
+def _combine_kernel(o_ref, lse_ref, out_ref, *, splits: int, group: int):
     """The flash-decoding merge of one (sequence, KV head): out = sum_j exp(lse_j - M) o_j /
     sum_j exp(lse_j - M), M = max_j lse_j, as an online max over the splits (an empty split or a
     padding sequence has lse = MASK and weighs 0, or gives 0)."""
-    rows, d = out_ref.shape
+    rows, d = o_ref.shape[1:]
 
     def body(j, carry):
         m, den, num = carry
@@ -129,26 +149,25 @@ def _combine_kernel(o_ref, lse_ref, out_ref, *, splits: int):
         jnp.zeros((rows, d), jnp.float32),
     )
     _, den, num = jax.lax.fori_loop(0, splits, body, init)
-    out_ref[...] = (num / den[:, None]).astype(out_ref.dtype)
+    store_heads(out_ref, pl.program_id(0), pl.program_id(1), num / den[:, None], group)
 
 
 def combine(
-    out: jax.Array, lse: jax.Array, rows: int, dtype, *, interpret: pc.Interpret
+    out: jax.Array, lse: jax.Array, group: int, dtype, *, interpret: pc.Interpret
 ) -> jax.Array:
     """f32[T, splits, Hkv, R, D] split outputs and f32[T, splits, Hkv, R] log-sum-exps -> the
-    first `rows` rows, [T, Hkv, rows, D] in `dtype`: one launch (`_combine_kernel`), grid
-    (T, Hkv). NOTE: `rows` = G_pad, so with a power-of-two group no slice follows (XLA ran a
-    slice of the padded rows as a kernel of its own before the o_proj product)."""
-    t, splits, hkv, _, d = out.shape
+    [T, Hkv * group, D] output in `dtype` (the first `group` rows of each KV head's tile): one
+    launch (`_combine_kernel`), grid (T, Hkv)."""
+    t, splits, hkv, rows, d = out.shape
     return pl.pallas_call(
-        functools.partial(_combine_kernel, splits=splits),
+        functools.partial(_combine_kernel, splits=splits, group=group),
         grid=(t, hkv),
         in_specs=[
             pl.BlockSpec((None, splits, None, rows, d), lambda i, h: (i, 0, h, 0, 0)),
             pl.BlockSpec((None, splits, None, rows), lambda i, h: (i, 0, h, 0)),
         ],
-        out_specs=pl.BlockSpec((None, None, rows, d), lambda i, h: (i, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((t, hkv, rows, d), dtype),
+        out_specs=pl.BlockSpec(),
+        out_shape=jax.ShapeDtypeStruct((t, hkv * group, d), dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="ragged_paged_attention_combine",
@@ -188,8 +207,8 @@ def decode_attention(
     q_spec = pl.BlockSpec((None, None, rows, d), lambda w, h: (w // splits, h, 0, 0))
     sinks_spec = None if sinks is None else pl.BlockSpec((None, rows), lambda w, h: (h, 0))
     if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((t, hkv, rows, d), q.dtype)
-        out_spec = q_spec
+        out_shape = jax.ShapeDtypeStruct((t, hq, d), q.dtype)
+        out_spec = whole
     else:
         out_shape = (
             jax.ShapeDtypeStruct((t, splits, hkv, rows, d), jnp.float32),
@@ -214,6 +233,7 @@ def decode_attention(
     kernel = functools.partial(
         _kernel,
         splits=splits,
+        group=g,
         page_size=page_size,
         pages_per_block=blocks.pages_per_block,
         pages_per_row=pages_per_row,
@@ -245,5 +265,5 @@ def decode_attention(
     )(num_seqs, kv_lens, pages_flat, qg, sinks_rows, kv_rows, exp_rows)
     if splits > 1:
         with jax.named_scope("rpa_combine_splits"):
-            out = combine(*out, bs.next_pow2(g), q.dtype, interpret=interpret)
-    return out[:, :, :g].reshape(t, hq, d)
+            out = combine(*out, g, q.dtype, interpret=interpret)
+    return out
