@@ -359,6 +359,11 @@ DECODE_CASES = {  # name -> (kv_lens, blocks, kernel kwargs): every live sequenc
         dict(soft_cap=2.0, sinks=jnp.linspace(-1.0, 2.0, BASE.num_q_heads)),
     ),
     "one_token": ([19], dict(decode_programs=64), {}),  # more splits than KV blocks
+    "group3": ([22, 7], dict(decode_programs=0), {}),  # G = 3: the masked store of 3 of 16 rows
+}
+DECODE_SHAPES = {
+    "one_token": dataclasses.replace(DECODE_SHAPE, num_tokens=1),
+    "group3": dataclasses.replace(DECODE_SHAPE, num_q_heads=6),
 }
 
 
@@ -368,7 +373,7 @@ def test_gpu_decode_only_path_matches_reference(case):
     """`decode_only`: one launch without query classes or work tables (gpu_decode)."""
     kv_lens, over, kw = DECODE_CASES[case]
     blocks = block_sizes.KernelBlocks(block_q=8, decode_block_q=4, **{"pages_per_block": 2, **over})
-    shape = DECODE_SHAPE if case != "one_token" else dataclasses.replace(DECODE_SHAPE, num_tokens=1)
+    shape = DECODE_SHAPES.get(case, DECODE_SHAPE)
     args = make_batch(shape, [1] * len(kv_lens), kv_lens, seed=len(case))
     ref = np.asarray(run_reference(*args, sm_scale=0.125, **kw))
     out = KERNELS["gpu"](
