@@ -416,7 +416,8 @@ def sample(
       rows of a 49k vocabulary on XLA:CPU).
     """
     logits = logits.astype(jnp.float32)
-    suppressing, greedy, penalised = _row_kinds(meta, positions)
+    suppressing = positions < meta.suppress_until
+    greedy, penalised = _row_kinds(meta)
     if staged is None:
         staged = needs_staged(meta, positions, token_bitmask)
     s = logits.shape[0]
@@ -446,34 +447,35 @@ def sample(
     )
 
 
-def _row_kinds(meta: SamplingMetadata, positions):
-    """(suppressing, greedy, penalised), bool[S] each (numpy or jnp arrays in, the same out)."""
-    suppressing = positions < meta.suppress_until
+def _row_kinds(meta: SamplingMetadata):
+    """(greedy, penalised), bool[S] each (numpy or jnp arrays in, the same out)."""
     greedy = meta.temperature < GREEDY_EPS
     penalised = (
         (meta.repetition_penalty != 1.0)
         | (meta.frequency_penalty != 0.0)
         | (meta.presence_penalty != 0.0)
     )
-    return suppressing, greedy, penalised
+    return greedy, penalised
 
 
-def needs_staged(meta: SamplingMetadata, positions, token_bitmask=None, xp=jnp):
+def needs_staged(meta: SamplingMetadata, positions, token_bitmask=None, xp=jnp, by_meta=None):
     """Whether some row needs more than a plain argmax (a penalty, an active suppressed id, a
     logit bias, a temperature, logprobs, a bitmask): the predicate of `sample`'s conditional.
     The one rule for both sides: `xp=jnp` on the device, `xp=np` on the host (the runner's step
-    inputs)."""
-    suppressing, greedy, penalised = _row_kinds(meta, positions)
-    row_flags = [  # bool[S, n] each: something a row needs beyond a plain argmax
-        penalised[:, None],
-        (meta.suppress_ids >= 0) & suppressing[:, None],
-        meta.bias_ids >= 0,
-        ~greedy[:, None],
-        meta.wants_logprobs[:, None],
-    ]
+    inputs, which passes `by_meta`, the `staged_by_meta` of an unchanged `meta`, kept)."""
+    flags = [staged_by_meta(meta, xp) if by_meta is None else by_meta]
+    suppressing = positions < meta.suppress_until
+    flags.append(xp.any((meta.suppress_ids >= 0) & suppressing[:, None]))
     if token_bitmask is not None:  # NOTE: its rows may be fewer (verify rows: unconstrained)
-        row_flags.append(token_bitmask != -1)
-    return functools.reduce(operator.or_, [xp.any(f) for f in row_flags])
+        flags.append(xp.any(token_bitmask != -1))
+    return functools.reduce(operator.or_, flags)
+
+
+def staged_by_meta(meta: SamplingMetadata, xp=jnp):
+    """The part of `needs_staged` that reads `meta` alone: a penalised, sampling (temperature),
+    logit-biased or logprobs row."""
+    greedy, penalised = _row_kinds(meta)
+    return xp.any(penalised | ~greedy | meta.wants_logprobs) | xp.any(meta.bias_ids >= 0)
 
 
 def _greedy_ids(logits: jax.Array) -> jax.Array:

@@ -29,7 +29,7 @@ from jaxinfer.engine.runner.programs import BatchExtras
 from jaxinfer.engine.runner.ragged import ranks, step_arrays
 from jaxinfer.engine.types import ScheduledRequest, SchedulerOutput
 from jaxinfer.pipeline import split_microbatches
-from jaxinfer.sampling import SamplingMetadata, needs_staged
+from jaxinfer.sampling import SamplingMetadata, needs_staged, staged_by_meta
 from jaxinfer.step import StepInputs
 
 _REQUEST_ID = operator.attrgetter("request_id")
@@ -87,6 +87,7 @@ class StepInputBuilder:
         self.bitmask_width = bitmask_width
         self._meta_cache: tuple[int, np.ndarray, SamplingMetadata, bool] | None = None
         self._padding_metas: dict[int, SamplingMetadata] = {}
+        self._staged_by_meta: tuple[SamplingMetadata, bool] | None = None  # (meta, its flag)
 
     def prepare(self, sched: SchedulerOutput) -> Prepared | None:
         """Host half of a step: patches the persistent batch and builds every input as numpy
@@ -109,16 +110,19 @@ class StepInputBuilder:
         prepared.inputs = self.with_staged(prepared.inputs)
         return prepared
 
-    @staticmethod
-    def with_staged(inputs: dict) -> dict:
+    def with_staged(self, inputs: dict) -> dict:
         """`inputs` with `extras.sample_staged`: whether some sampled row needs the staged sampler
         (`sampling.needs_staged` on the host, over the rows' metadata, positions and bitmask), so
-        the step's sampler launches no flag reductions."""
-        step, extras = inputs["step"], inputs["extras"]
+        the step's sampler launches no flag reductions. NOTE: the part that reads the metadata
+        alone is kept while `build` returns the same metadata (its cache: a steady decode)."""
+        step, extras, meta = inputs["step"], inputs["extras"], inputs["meta"]
         positions = np.asarray(step.kv_lens).reshape(-1)
         if len(extras.spec_positions):
             positions = np.concatenate([positions, extras.spec_positions])
-        staged = needs_staged(inputs["meta"], positions, extras.token_bitmask, xp=np)
+        kept = self._staged_by_meta
+        if kept is None or kept[0] is not meta:
+            kept = self._staged_by_meta = (meta, staged_by_meta(meta, np))
+        staged = kept[1] or needs_staged(meta, positions, extras.token_bitmask, np, by_meta=False)
         return {**inputs, "extras": extras.replace(sample_staged=np.array([staged], bool))}
 
     @staticmethod
