@@ -162,6 +162,11 @@ def attention(
     with jax.named_scope("kv_write"):
         update = tpu_layout.update_kv_cache if backend == "tpu" else reference.update_kv_cache
         kv_cache = update(kv_cache, k, v, step.slot_mapping)
+    # NOTE: a one-token step decodes (its only live sequence holds its only token), and the runner
+    # marks pure-decode steps (`StepInputs.decode_only`): the GPU kernel's decode-only path
+    # launches once, without query classes or work tables
+    decode = q.shape[0] == 1 or step.decode_only
+    extra = {"decode_only": True} if backend == "gpu" and decode else {}
     with jax.named_scope("paged_attention"):
         out = KERNELS[backend](
             q,
@@ -175,5 +180,6 @@ def attention(
             soft_cap=soft_cap,
             sinks=sinks,
             interpret=interpret_mode(backend),
+            **extra,
         )
     return out, kv_cache

@@ -45,6 +45,9 @@ sum, argmax and top-k goes through `BLOCK`-wide vocabulary blocks.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -387,6 +390,7 @@ def sample(
     *,
     num_logprobs: int = MAX_LOGPROBS,
     token_bitmask: jax.Array | None = None,  # i32[S, ceil(V / 32)] allowed tokens; -1 rows: all
+    staged: jax.Array | None = None,  # bool[1] `needs_staged` computed by the caller
 ) -> SamplerOutput:
     """Samples one token per row; jit with `num_logprobs` static, everything else traced.
 
@@ -401,6 +405,9 @@ def sample(
       token_bitmask: structured output (`jaxinfer.structured`): bit `t % 32` of word `t // 32`
         set = token t allowed; every other token is -inf before any filter. Rows of all ones
         (-1) are unconstrained; a batch without a constrained row skips the stage.
+      staged: `needs_staged` of these inputs, when the caller has it (the runner computes it on
+        the host with each step's inputs: a GPU step then launches no flag reductions, ~9
+        kernels at 64 rows); None: computed here.
 
     Returns:
       `SamplerOutput`; logprobs are under the raw model distribution, whatever the filters. They
@@ -410,27 +417,15 @@ def sample(
     """
     logits = logits.astype(jnp.float32)
     suppressing = positions < meta.suppress_until
-    greedy = meta.temperature < GREEDY_EPS
-    penalised = (
-        (meta.repetition_penalty != 1.0)
-        | (meta.frequency_penalty != 0.0)
-        | (meta.presence_penalty != 0.0)
-    )
-    row_flags = [  # bool[S, n] each: something a row needs beyond a plain argmax
-        penalised[:, None],
-        (meta.suppress_ids >= 0) & suppressing[:, None],
-        meta.bias_ids >= 0,
-        ~greedy[:, None],
-        meta.wants_logprobs[:, None],
-    ]
-    if token_bitmask is not None:
-        row_flags.append(token_bitmask != -1)
+    greedy, penalised = _row_kinds(meta)
+    if staged is None:
+        staged = needs_staged(meta, positions, token_bitmask)
     s = logits.shape[0]
-    # NOTE: one reduction and one conditional on the common path (issue 31): a batch of greedy
-    # rows without edits, constraints or logprobs takes the row argmax alone, the others the
-    # staged sampler (whose own conditionals skip the stages no row needs).
+    # NOTE: one conditional on the common path (issue 31): a batch of greedy rows without edits,
+    # constraints or logprobs takes the row argmax alone, the others the staged sampler (whose
+    # own conditionals skip the stages no row needs).
     return lax.cond(
-        jnp.any(jnp.concatenate(row_flags, axis=1)),
+        jnp.reshape(staged, ()),
         lambda: _sample_staged(
             logits,
             meta,
@@ -450,6 +445,37 @@ def sample(
             jnp.zeros((s, num_logprobs), jnp.float32),
         ),
     )
+
+
+def _row_kinds(meta: SamplingMetadata):
+    """(greedy, penalised), bool[S] each (numpy or jnp arrays in, the same out)."""
+    greedy = meta.temperature < GREEDY_EPS
+    penalised = (
+        (meta.repetition_penalty != 1.0)
+        | (meta.frequency_penalty != 0.0)
+        | (meta.presence_penalty != 0.0)
+    )
+    return greedy, penalised
+
+
+def needs_staged(meta: SamplingMetadata, positions, token_bitmask=None, xp=jnp, by_meta=None):
+    """Whether some row needs more than a plain argmax (a penalty, an active suppressed id, a
+    logit bias, a temperature, logprobs, a bitmask): the predicate of `sample`'s conditional.
+    The one rule for both sides: `xp=jnp` on the device, `xp=np` on the host (the runner's step
+    inputs, which passes `by_meta`, the `staged_by_meta` of an unchanged `meta`, kept)."""
+    flags = [staged_by_meta(meta, xp) if by_meta is None else by_meta]
+    suppressing = positions < meta.suppress_until
+    flags.append(xp.any((meta.suppress_ids >= 0) & suppressing[:, None]))
+    if token_bitmask is not None:  # NOTE: its rows may be fewer (verify rows: unconstrained)
+        flags.append(xp.any(token_bitmask != -1))
+    return functools.reduce(operator.or_, flags)
+
+
+def staged_by_meta(meta: SamplingMetadata, xp=jnp):
+    """The part of `needs_staged` that reads `meta` alone: a penalised, sampling (temperature),
+    logit-biased or logprobs row."""
+    greedy, penalised = _row_kinds(meta)
+    return xp.any(penalised | ~greedy | meta.wants_logprobs) | xp.any(meta.bias_ids >= 0)
 
 
 def _greedy_ids(logits: jax.Array) -> jax.Array:

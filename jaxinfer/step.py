@@ -26,6 +26,10 @@ class StepInputs:
     # `mm_rows` (padding rows point past T and are dropped); None on steps without image tokens.
     mm_embeds: jax.Array | None = None  # f32[M, E]
     mm_rows: jax.Array | None = None  # i32[M]
+    # Static: every live sequence s holds exactly token s, one token each (a pure-decode step,
+    # one replica). The runner marks such steps only where the attention backend has a decode-only
+    # path (`gpu`), so no other backend compiles a second program per bucket.
+    decode_only: bool = struct.field(pytree_node=False, default=False)
 
 
 def build_step_arrays(

@@ -88,6 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--linear-backend", default=None)
     p.add_argument("--all-logits", action="store_true", help="the prompt-logprobs program")
     p.add_argument(
+        "--decode",
+        action="store_true",
+        help="each bucket's pure-decode program (every sequence decodes one token; gpu attention)",
+    )
+    p.add_argument(
         "--max-loras", type=int, default=0, help="N > 0: an engine with enable_lora, N slots"
     )
     p.add_argument("--max-lora-rank", type=int, default=16)
@@ -261,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             attention_backend=args.attention_backend,
             linear_backend=args.linear_backend,
             all_logits=args.all_logits,
+            decode_only=args.decode,
             lora=(args.max_loras, args.max_lora_rank) if args.max_loras else None,
             dump_dir=args.dump_dir,
         )

@@ -20,6 +20,7 @@ Each check skips when its plugin is absent (tests/accel_utils.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -198,6 +199,13 @@ GPU_CASES = {  # the GPU rows of the table; split-K on (the default decode) and 
     "8b_p16_f32": (Case(dtype="float32"), {}),
     "8b_p16_fp8": (Case(fp8=True), {}),
 }
+# The decode-only path (`gpu_decode`, every sequence one token): window + soft-cap + sinks, a
+# group of 3 (its masked store of G rows), fp8; each splits its KV range and merges in a launch.
+GPU_DECODE_CASES = {
+    "8b_p16_bf16_features": Case(features=True, tokens=4),
+    "smollm2_p16_bf16": Case(hq=9, hkv=3, head_dim=64, tokens=4),
+    "8b_p16_fp8": Case(fp8=True, tokens=1),
+}
 
 
 def _triton_calls(compiled) -> int:
@@ -222,8 +230,12 @@ def test_gpu_kernel_compiles_for_h100():
             )
             extra["blocks"] = dataclasses.replace(blocks, decode_programs=0)
         calls[name] = _call(gpu.ragged_paged_attention, device, case, "gpu", **extra)
+    for name, case in GPU_DECODE_CASES.items():
+        kernel = functools.partial(gpu.ragged_paged_attention, decode_only=True)
+        calls[f"{name}_decode"] = _call(kernel, device, case, "gpu")
     compiled = _compile_all(calls)
-    assert _triton_calls(compiled) >= 2 * len(calls)  # a decode and a prefill class each
+    # a decode and a prefill class each; the decode-only path: its kernel and the split-K merge
+    assert _triton_calls(compiled) >= 2 * len(calls)
 
 
 def test_mla_kernel_compiles_for_h100():

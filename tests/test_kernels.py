@@ -344,6 +344,46 @@ def test_gpu_split_k_matches_reference(case):
     assert_matches_reference("gpu", args, blocks=blocks, interpret=True, **kw)
 
 
+DECODE_SHAPE = Shape(page_size=4, pages_per_seq=8, num_tokens=4, max_seqs=4)
+DECODE_CASES = {  # name -> (kv_lens, blocks, kernel kwargs): every live sequence decodes 1 token
+    "split": (
+        [30, 5, 17],
+        dict(decode_programs=24),
+        {},
+    ),  # 2 splits each (24 // (4 x 2 heads) = 3, a power of two)
+    "one_split": ([30, 1, 9, 32], dict(decode_programs=0), {}),
+    "window": ([31, 9], dict(decode_programs=16, pages_per_block=1), dict(sliding_window=6)),
+    "softcap_sinks": (
+        [25, 17, 3],
+        dict(decode_programs=16),
+        dict(soft_cap=2.0, sinks=jnp.linspace(-1.0, 2.0, BASE.num_q_heads)),
+    ),
+    "one_token": ([19], dict(decode_programs=64), {}),  # more splits than KV blocks
+    "group3": ([22, 7], dict(decode_programs=0), {}),  # G = 3: the masked store of 3 of 16 rows
+}
+DECODE_SHAPES = {
+    "one_token": dataclasses.replace(DECODE_SHAPE, num_tokens=1),
+    "group3": dataclasses.replace(DECODE_SHAPE, num_q_heads=6),
+}
+
+
+@pytest.mark.skipif(jax.default_backend() == "tpu", reason="GPU interpret cases run on CPU/GPU")
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_gpu_decode_only_path_matches_reference(case):
+    """`decode_only`: one launch without query classes or work tables (gpu_decode)."""
+    kv_lens, over, kw = DECODE_CASES[case]
+    blocks = block_sizes.KernelBlocks(block_q=8, decode_block_q=4, **{"pages_per_block": 2, **over})
+    shape = DECODE_SHAPES.get(case, DECODE_SHAPE)
+    args = make_batch(shape, [1] * len(kv_lens), kv_lens, seed=len(case))
+    ref = np.asarray(run_reference(*args, sm_scale=0.125, **kw))
+    out = KERNELS["gpu"](
+        *args, sm_scale=0.125, interpret=True, blocks=blocks, decode_only=True, **kw
+    )
+    out = np.asarray(out)
+    assert np.isfinite(out).all() and not out[len(kv_lens) :].any()
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
 def test_split_work_table_covers_each_kv_block_once():
     """Balanced shares: every KV block of every decode sequence in exactly one split."""
     blocks = block_sizes.KernelBlocks(

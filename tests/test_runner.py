@@ -298,3 +298,27 @@ def test_warmup_leaves_nothing_to_compile(small, committed) -> None:
             split = [(0, req("c", [5, 6, 7], max_tokens=3)), (1, req("d", [8, 9]))]
             drive(runner, split, split=True)
     assert not [c for c in compiles if "program" in c], compiles
+
+
+def test_gpu_attention_marks_pure_decode_steps_and_warms_their_programs(small) -> None:
+    """With the `gpu` attention backend (interpreted here) a step whose every sequence decodes one
+    token is marked `decode_only` (the kernel's decode-only path, a program of its own per
+    bucket, which warmup builds); a step with a prompt chunk is not; on the CPU backends nothing
+    is marked (no extra programs)."""
+    assert not small_runner(small).inputs.decode_only
+    runner = small_runner(small, attention_backend="gpu")
+    keys = list(runner._warmup_keys())
+    assert (16, runner.page_buckets[0], False, 0, True) in keys
+    assert len(keys) == 3 * len(runner.page_buckets)  # each page bucket: 2 logits variants + decode
+    marks = []
+    out = drive(
+        runner,
+        [(0, req("a", [5, 6, 7], max_tokens=3)), (0, req("b", [8, 9], max_tokens=3))],
+        on_prepared=lambda _, p: marks.append(p.inputs["step"].decode_only),
+    )
+    assert marks == [False, True, True], marks
+    ref = drive(
+        small_runner(small, attention_backend="reference"),
+        [(0, req("a", [5, 6, 7], max_tokens=3)), (0, req("b", [8, 9], max_tokens=3))],
+    )
+    assert out == ref

@@ -620,3 +620,38 @@ def test_float_noise_in_the_logits_does_not_move_the_sample() -> None:
     b = run(noisy, params, seeds=list(range(1000, 1000 + s)), positions=[5] * s).token_ids
     np.testing.assert_array_equal(a, b)
     assert len(set(a.tolist())) > s * 0.9  # really sampled, not a near-greedy row
+
+
+@pytest.mark.parametrize(
+    "params,suppress_until,bitmask,staged",
+    [
+        (SamplingParams(temperature=0.0), 0, False, False),  # a plain greedy row
+        (SamplingParams(temperature=0.7), 0, False, True),
+        (SamplingParams(temperature=0.0, presence_penalty=0.5), 0, False, True),
+        (SamplingParams(temperature=0.0, logit_bias={3: 1.0}), 0, False, True),
+        (SamplingParams(temperature=0.0, logprobs=2), 0, False, True),
+        (SamplingParams(temperature=0.0), 10, False, True),  # min_tokens: EOS still suppressed
+        (SamplingParams(temperature=0.0), 5, False, False),  # ... not any more at position 7
+        (SamplingParams(temperature=0.0), 0, True, True),  # a structured-output row
+    ],
+)
+def test_needs_staged_is_one_rule_on_host_and_device(params, suppress_until, bitmask, staged):
+    """The sampler's fast-path predicate, computed by the runner on the host (numpy, with the
+    metadata's part kept) and by `sample` on the device, agree."""
+    meta = SamplingMetadata.from_params(
+        [SamplingParams(temperature=0.0), params],
+        [0, 1],
+        [[], [2]],
+        2,
+        suppress_until=[0, suppress_until],
+    )
+    positions = np.array([3, 7], np.int32)
+    mask = np.full((2, 1), -1, np.int32)
+    if bitmask:
+        mask[1, 0] = 0b1011
+    host = sampling.needs_staged(meta, positions, mask, xp=np)
+    kept = sampling.needs_staged(
+        meta, positions, mask, np, by_meta=sampling.staged_by_meta(meta, np)
+    )
+    device = jax.jit(sampling.needs_staged)(jax.device_put(meta), positions, mask)
+    assert bool(host) == bool(kept) == bool(device) == staged

@@ -159,12 +159,15 @@ def compile_step(
     dump_dir: str | None = None,
     compiler_options: dict[str, Any] | None = None,
     lora: tuple[int, int] | None = None,
+    decode_only: bool = False,
 ) -> list[CompiledStep]:
     """Compiles the engine's step program of each token bucket in `tokens` for `target` (see the
     module docstring); raises `DoesNotFit` before compiling when the model exceeds one device's
     HBM. `dump_dir` keeps XLA's dumps (one subdirectory per bucket; GPU targets always dump,
     into a temporary directory otherwise). `lora` (max_loras, max_lora_rank) compiles the programs
-    of an engine with enable_lora (every projection with its adapter stacks)."""
+    of an engine with enable_lora (every projection with its adapter stacks). `decode_only`
+    compiles each bucket's pure-decode program (`StepInputs.decode_only`: every sequence decodes
+    one token), the one a decode step runs with the `gpu` attention backend."""
     from jaxinfer.engine.runner import ModelRunner  # NOTE: the engine's own runner and programs
 
     tgt = get_target(target) if isinstance(target, str) else target
@@ -228,6 +231,7 @@ def compile_step(
                     num_pages,
                     dump_dir,
                     compiler_options or {},
+                    decode_only,
                 )
             )
     return out
@@ -287,10 +291,11 @@ def _gb(n: int) -> str:
 
 
 def _compile_bucket(
-    runner, tgt, t, all_logits, page_bucket, weights, kv, num_pages, dump_dir, options
+    runner, tgt, t, all_logits, page_bucket, weights, kv, num_pages, dump_dir, options, decode
 ) -> CompiledStep:
     start = time.perf_counter()
-    lowered = runner.lower(t, all_logits, page_bucket)
+    # NOTE: a one-token step is a decode without the mark (`StepInputs.decode_only`), as it runs
+    lowered = runner.lower(t, all_logits, page_bucket, decode_only=decode and t > 1)
     lower_s = time.perf_counter() - start
     dump = None
     if tgt.platform == "gpu" or dump_dir:

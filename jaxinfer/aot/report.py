@@ -6,7 +6,8 @@
 3. GPU: `launches(dump_dir, ops)` parses XLA's `*.thunk_sequence.txt` (one line per thunk, loops
    and conditionals nested) and `*.thunk_metadata.txt` (thunk id -> HLO instruction) into
    `Launches`: kernels, memory ops (copies, memsets), loops/conditionals and collectives, the
-   kernels per layer and per scope. NOTE: counts are static - every branch of a conditional and
+   kernels per layer and per scope (a kernel XLA left without an op name - its Triton GEMM
+   fusions - counts in the scope of its nearest user: `scoped_op_names`). NOTE: counts are static - every branch of a conditional and
    one trip of a loop body count once - so a decode step launches at most `kernels`;
    `per_scope_unconditional` counts only the kernels outside loops and conditionals (what a
    step launches when every conditional skips). `host_launches` reads
@@ -29,6 +30,7 @@ from typing import Any
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_OPERAND = re.compile(r"%([\w.\-]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _ARRAY = re.compile(
     r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64)\[([\d,]*)\]"
@@ -66,6 +68,7 @@ class Op:
     bytes: int  # the largest array of the result
     op_name: str
     target: str  # custom_call_target ("" otherwise)
+    operands: tuple[str, ...] = ()  # the instructions it reads
 
 
 def hlo_ops(text: str) -> list[Op]:
@@ -79,6 +82,7 @@ def hlo_ops(text: str) -> list[Op]:
         sizes = [int(_BYTES[d] * _prod(dims)) for d, dims in _ARRAY.findall(result) if d in _BYTES]
         op_name = _OP_NAME.search(line)
         target = _TARGET.search(line)
+        args = line[m.end() :].split(")", 1)[0]
         ops.append(
             Op(
                 name,
@@ -86,9 +90,41 @@ def hlo_ops(text: str) -> list[Op]:
                 max(sizes, default=0),
                 op_name.group(1) if op_name else "",
                 target.group(1) if target else "",
+                tuple(_OPERAND.findall(args)),
             )
         )
     return ops
+
+
+def scoped_op_names(ops: list[Op], depth: int = 4) -> dict[str, str]:
+    """instruction -> its op name, or for one without (XLA drops it on the Triton GEMM fusions it
+    builds, split-K ones included) the op name of the nearest producer that has one (the
+    activation it multiplies; weights come in without), else of the nearest user, at most
+    `depth` steps away: the down projection counts in its layer's `mlp`, not outside the
+    layers."""
+    names = {op.name: op.op_name for op in ops}
+    producers = {op.name: list(op.operands) for op in ops}
+    users: dict[str, list[str]] = collections.defaultdict(list)
+    for op in ops:
+        for arg in op.operands:
+            users[arg].append(op.name)
+
+    def nearest(start: list[str], edges) -> str:
+        frontier = start
+        for _ in range(depth):
+            found = next((names[u] for u in frontier if names.get(u)), "")
+            if found:
+                return found
+            frontier = [v for u in frontier for v in edges.get(u, [])]
+        return ""
+
+    out = dict(names)
+    for op in ops:
+        if not op.op_name:
+            out[op.name] = nearest(list(op.operands), producers) or nearest(
+                users.get(op.name, []), users
+            )
+    return out
 
 
 def _prod(dims: str) -> int:
@@ -134,7 +170,7 @@ def launches(dump_dir: str, ops: list[Op]) -> Launches:
     """Parses the thunk sequence XLA dumped into `dump_dir` (one program per dump)."""
     seq = _one(dump_dir, "*.thunk_sequence.txt")
     meta = _thunk_names(_one(dump_dir, "*.thunk_metadata.txt"))
-    op_names = {op.name: op.op_name for op in ops}
+    op_names = scoped_op_names(ops)
     out = Launches()
     per_layer: collections.Counter[str] = collections.Counter()
     per_scope: collections.Counter[str] = collections.Counter()

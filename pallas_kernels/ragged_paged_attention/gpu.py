@@ -57,6 +57,84 @@ from pallas_kernels.ragged_paged_attention.reference import (
 __all__ = ["kv_cache_shape", "ragged_paged_attention", "update_kv_cache"]
 
 
+def attend(
+    q,  # [R, D] the program's query rows
+    q_pos,  # i32[R] their positions
+    key_end,  # exclusive: no row sees a key at or past it
+    s,  # the sequence
+    page_lo,  # the first page a row can see (sliding window)
+    lo,
+    hi,  # the KV blocks [lo, hi) this program walks
+    seed,  # whether the sinks' virtual key is counted here
+    h,  # the KV head
+    pages_ref,
+    sinks_ref,
+    kv_ref,
+    exp_ref,
+    *,
+    page_size: int,
+    pages_per_block: int,
+    pages_per_row: int,
+    num_pages: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    """(m f32[R], l f32[R], acc f32[R, D]): the online softmax of q's rows over KV blocks [lo, hi)
+    of sequence s for KV head h (every kernel program's inner loop)."""
+    rows, d = q.shape
+    block_k = pages_per_block * page_size
+    m0 = jnp.full((rows,), pc.MASK_VALUE, jnp.float32)
+    l0 = jnp.zeros((rows,), jnp.float32)
+    if sinks_ref is not None:
+        m0 = jnp.where(seed, sinks_ref[...].astype(jnp.float32), m0)
+        l0 = jnp.where(seed, 1.0, l0)
+    acc0 = jnp.zeros((rows, d), jnp.float32)
+    offs = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # i32[K]
+
+    def body(b, carry):
+        k_pos, slot = pc.kv_block_slots(
+            pages_ref,
+            s,
+            page_lo,
+            b,
+            offs,
+            page_size=page_size,
+            pages_per_block=pages_per_block,
+            pages_per_row=pages_per_row,
+            num_pages=num_pages,
+        )
+        k = kv_ref[slot, 2 * h, :]  # [K, D]
+        v = kv_ref[slot, 2 * h + 1, :]
+        k_scale = jnp.full((block_k,), sm_scale, jnp.float32)  # f32[K]
+        v_scale = None
+        if exp_ref is not None:  # fp8 values widen exactly; the row scales go on vectors
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            k_scale = k_scale * pc.exp2_i8(exp_ref[slot, 2 * h])
+            v_scale = pc.exp2_i8(exp_ref[slot, 2 * h + 1])  # f32[K]
+        v = jnp.where((k_pos < key_end)[:, None], v, jnp.zeros_like(v))
+        sc = (
+            jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            * k_scale[None, :]
+        )  # [R, K]
+        sc = pc.apply_soft_cap(sc, soft_cap)
+        mask = pc.causal_mask(q_pos, k_pos, key_end, sliding_window)
+
+        def pv(p):  # [R, D]
+            if v_scale is not None:
+                p = p * v_scale[None, :]
+            return jax.lax.dot_general(
+                p.astype(v.dtype),
+                v,
+                (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
+
+        return pc.online_softmax_step(*carry, sc, mask, pv)
+
+    return jax.lax.fori_loop(lo, hi, body, (m0, l0, acc0))
+
+
 def _kernel(
     work_seq_ref,  # i32[W]
     work_qblk_ref,  # i32[W]
@@ -87,7 +165,7 @@ def _kernel(
 
     @pl.when(s >= 0)
     def _():
-        rows, d = q_ref.shape
+        rows = q_ref.shape[0]
         block_k = pages_per_block * page_size
         # key_end is exclusive: no row sees a key past the block's last token
         first_pos, key_end, page_lo = pc.query_block_keys(
@@ -109,58 +187,28 @@ def _kernel(
             seed = split == 0  # the sinks' virtual key is counted by one split only
 
         q_pos = first_pos + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group  # i32[R]
-        q = q_ref[...]
-        m0 = jnp.full((rows,), pc.MASK_VALUE, jnp.float32)
-        l0 = jnp.zeros((rows,), jnp.float32)
-        if sinks_ref is not None:
-            m0 = jnp.where(seed, sinks_ref[...].astype(jnp.float32), m0)
-            l0 = jnp.where(seed, 1.0, l0)
-        acc0 = jnp.zeros((rows, d), jnp.float32)
-        offs = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # i32[K]
-
-        def body(b, carry):
-            k_pos, slot = pc.kv_block_slots(
-                pages_ref,
-                s,
-                page_lo,
-                b,
-                offs,
-                page_size=page_size,
-                pages_per_block=pages_per_block,
-                pages_per_row=pages_per_row,
-                num_pages=num_pages,
-            )
-            k = kv_ref[slot, 2 * h, :]  # [K, D]
-            v = kv_ref[slot, 2 * h + 1, :]
-            k_scale = jnp.full((block_k,), sm_scale, jnp.float32)  # f32[K]
-            v_scale = None
-            if exp_ref is not None:  # fp8 values widen exactly; the row scales go on vectors
-                k, v = k.astype(q.dtype), v.astype(q.dtype)
-                k_scale = k_scale * pc.exp2_i8(exp_ref[slot, 2 * h])
-                v_scale = pc.exp2_i8(exp_ref[slot, 2 * h + 1])  # f32[K]
-            v = jnp.where((k_pos < key_end)[:, None], v, jnp.zeros_like(v))
-            sc = (
-                jax.lax.dot_general(
-                    q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-                )
-                * k_scale[None, :]
-            )  # [R, K]
-            sc = pc.apply_soft_cap(sc, soft_cap)
-            mask = pc.causal_mask(q_pos, k_pos, key_end, sliding_window)
-
-            def pv(p):  # [R, D]
-                if v_scale is not None:
-                    p = p * v_scale[None, :]
-                return jax.lax.dot_general(
-                    p.astype(v.dtype),
-                    v,
-                    (((1,), (0,)), ((), ())),
-                    preferred_element_type=jnp.float32,
-                )
-
-            return pc.online_softmax_step(*carry, sc, mask, pv)
-
-        m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, acc0))
+        m, l, acc = attend(
+            q_ref[...],
+            q_pos,
+            key_end,
+            s,
+            page_lo,
+            lo,
+            hi,
+            seed,
+            h,
+            pages_ref,
+            sinks_ref,
+            kv_ref,
+            exp_ref,
+            page_size=page_size,
+            pages_per_block=pages_per_block,
+            pages_per_row=pages_per_row,
+            num_pages=num_pages,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+        )
         o_ref[...] = pc.normalize(acc, l).astype(o_ref.dtype)
         if lse_ref is not None:
             lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), pc.MASK_VALUE)
@@ -290,7 +338,15 @@ def _run_class(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "blocks")
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "interpret",
+        "blocks",
+        "decode_only",
+    ),
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
@@ -306,12 +362,15 @@ def ragged_paged_attention(
     sinks: jax.Array | None = None,  # f32[Hq]
     interpret: pc.Interpret = False,
     blocks: bs.KernelBlocks | None = None,
+    decode_only: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged paged attention on GPU; the same contract as `reference.ragged_paged_attention`.
 
     Args:
       interpret: run the kernel in Pallas interpret mode (CPU).
       blocks: block sizes overriding the `block_sizes` table (tests, tuning).
+      decode_only: every live sequence s holds exactly token s (a pure-decode step): one launch
+        without query classes or work tables (`gpu_decode`).
     Returns:
       [T, Hq, D] in q's dtype; zeros for padding tokens.
     """
@@ -345,6 +404,26 @@ def ragged_paged_attention(
         kv_rows = data.reshape(num_pages * page_size, h2, d)  # free: one row per slot
         exp_rows = kv_cache.exponent.reshape(num_pages * page_size, h2) if fp8 else None
         pages_per_row, pages_flat = pc.flat_page_table(page_indices, blocks.pages_per_block)
+    if decode_only:
+        from pallas_kernels.ragged_paged_attention import gpu_decode
+
+        return gpu_decode.decode_attention(
+            q,
+            kv_rows,
+            exp_rows,
+            kv_lens,
+            pages_flat,
+            num_seqs,
+            sinks,
+            blocks=blocks,
+            pages_per_row=pages_per_row,
+            page_size=page_size,
+            num_pages=num_pages,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            interpret=interpret,
+        )
     out = jnp.zeros((t, hkv, gp, d), q.dtype)
     for cls in bs.query_classes(t, s_max, blocks):
         sinks_rows = None

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -137,6 +138,7 @@ class ModelRunner:
             data=self.data,
             microbatches=self.microbatches,
             bitmask_width=self.bitmask_width,
+            decode_only=attention.resolve_backend(attention_backend) == "gpu",
         )
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> i32[rows, W] of -1 on the device
         self.attention_backend = attention.resolve_backend(attention_backend)
@@ -331,6 +333,8 @@ class ModelRunner:
 
     def _note_compiled(self, prepared: Prepared) -> None:
         key = (prepared.bucket, prepared.page_bucket, prepared.all_logits, prepared.spec_width)
+        if prepared.inputs["step"].decode_only:  # its own program (`StepInputs.decode_only`)
+            key = (*key, True)
         if key not in self._compiled:
             self._compiled.add(key)
             self.num_compiled = len(self._compiled) + len(self._compiled_samplers)
@@ -419,12 +423,15 @@ class ModelRunner:
         all_logits: bool = False,
         page_bucket: int | None = None,
         spec_width: int = 0,
+        decode_only: bool = False,
     ) -> Any:
         """The bucket's step program, lowered (for HLO inspection, tests and `jaxinfer.aot`, with an
-        `abstract` runner); the page bucket defaults to the largest."""
+        `abstract` runner); the page bucket defaults to the largest; `decode_only`: the program of
+        the bucket's pure-decode steps (`StepInputs.decode_only`)."""
         p_bucket = page_bucket or self.pages_per_seq
         args, kwargs = self._args(
-            self.inputs.idle_inputs(t_bucket, all_logits, p_bucket, spec_width), all_logits
+            self.inputs.idle_inputs(t_bucket, all_logits, p_bucket, spec_width, decode_only),
+            all_logits,
         )
         return self._jit.lower(*args, **kwargs)
 
@@ -442,9 +449,9 @@ class ModelRunner:
         start = time.perf_counter()
         with ThreadPoolExecutor(compile_threads(), thread_name_prefix="compile") as pool:
             jobs, lowered = [], {}
-            for key in self.buckets.warmup_plan():
-                t_bucket, p_bucket, all_logits, width = key
-                inputs = self.inputs.idle_inputs(t_bucket, all_logits, p_bucket, width)
+            for key in self._warmup_keys():
+                t_bucket, p_bucket, all_logits, width, decode = key
+                inputs = self.inputs.idle_inputs(t_bucket, all_logits, p_bucket, width, decode)
                 args, kwargs = self._args(inputs, all_logits)
                 lowered[key] = self._jit.lower(*args, **kwargs)
                 jobs.append(pool.submit(lowered[key].compile))
@@ -456,7 +463,7 @@ class ModelRunner:
                     inputs = self.inputs.idle_inputs(t_bucket, False, self.page_buckets[0])
                     rows = inputs["extras"].seq_rows.shape[0]
                     if rows not in self._compiled_samplers:
-                        step = lowered[(t_bucket, self.page_buckets[0], False, 0)]
+                        step = lowered[(t_bucket, self.page_buckets[0], False, 0, False)]
                         row_logits = step.out_info[0][2]  # (results, ...): its sampled rows' logits
                         sampler = self._lower_sampler(inputs, row_logits.shape, row_logits.dtype)
                         jobs.append(pool.submit(sampler.compile))
@@ -468,6 +475,24 @@ class ModelRunner:
             "warmup compiled %d programs in %.1fs", self.num_compiled, time.perf_counter() - start
         )
         return self.num_compiled
+
+    def _warmup_keys(self) -> Iterator[tuple[int, int, bool, int, bool]]:
+        """`buckets.warmup_plan()` plus, where the builder marks pure-decode steps (the `gpu`
+        attention backend), the pure-decode program of each bucket that can hold one (two tokens
+        up to the bucket of one per sequence; a one-token step is always a decode)."""
+        largest = self.buckets.token_buckets[-1]
+        most = self.buckets.token_bucket(min(self.buckets.seqs_per_replica, largest))
+        for key in self.buckets.warmup_plan():
+            yield (*key, False)
+            t_bucket, p_bucket, all_logits, width = key
+            if (
+                self.inputs.decode_only
+                and not all_logits
+                and not width
+                and 1 < t_bucket <= most
+                and self.data * self.microbatches == 1
+            ):
+                yield t_bucket, p_bucket, False, 0, True
 
     def _lower_sampler(self, inputs: dict, shape: tuple[int, ...], dtype: Any) -> Any:
         """The sampler program of a split step over host `inputs` (`_call_sampler`'s call), lowered

@@ -52,6 +52,9 @@ class BatchExtras:
     # row is constrained: the runner then passes a device-resident all-ones array (no 1.5 MiB
     # fill, pack and transfer per 256-row step of a 49K vocabulary).
     token_bitmask: jax.Array | None
+    # bool[1] `sampling.needs_staged` of the step's sampled rows, computed on the host
+    # (`StepInputBuilder.with_staged`); None: the sampler computes it (~9 flag reductions on a GPU)
+    sample_staged: jax.Array | None = None
 
 
 @struct.dataclass
@@ -134,6 +137,7 @@ def step_program(
             positions,
             num_logprobs=MAX_LOGPROBS,
             token_bitmask=bitmask,
+            staged=extras.sample_staged,
         )
     prompt = compute_logprobs(logits, extras.target_ids, MAX_LOGPROBS) if all_logits else None
     next_tokens = jnp.zeros_like(prev_tokens).at[:num_seqs].set(out.token_ids[:num_seqs])

@@ -29,7 +29,7 @@ from jaxinfer.engine.runner.programs import BatchExtras
 from jaxinfer.engine.runner.ragged import ranks, step_arrays
 from jaxinfer.engine.types import ScheduledRequest, SchedulerOutput
 from jaxinfer.pipeline import split_microbatches
-from jaxinfer.sampling import SamplingMetadata
+from jaxinfer.sampling import SamplingMetadata, needs_staged, staged_by_meta
 from jaxinfer.step import StepInputs
 
 _REQUEST_ID = operator.attrgetter("request_id")
@@ -78,13 +78,16 @@ class StepInputBuilder:
         data: int = 1,
         microbatches: int = 1,
         bitmask_width: int,
+        decode_only: bool = False,
     ) -> None:
         self.batch, self.buckets = batch, buckets
+        self.decode_only = decode_only  # mark pure-decode steps (`StepInputs.decode_only`)
         self.page_size, self.max_num_seqs = page_size, batch.max_num_seqs
         self.data, self.microbatches = data, microbatches
         self.bitmask_width = bitmask_width
         self._meta_cache: tuple[int, np.ndarray, SamplingMetadata, bool] | None = None
         self._padding_metas: dict[int, SamplingMetadata] = {}
+        self._staged_by_meta: tuple[SamplingMetadata, bool] | None = None  # (meta, its flag)
 
     def prepare(self, sched: SchedulerOutput) -> Prepared | None:
         """Host half of a step: patches the persistent batch and builds every input as numpy
@@ -104,7 +107,23 @@ class StepInputBuilder:
             bitmask = np.full((len(extras.seq_rows), self.bitmask_width), -1, np.int32)
             self.place_bitmask(sched, prepared.plan, bitmask)
             prepared.inputs["extras"] = extras.replace(token_bitmask=bitmask)
+        prepared.inputs = self.with_staged(prepared.inputs)
         return prepared
+
+    def with_staged(self, inputs: dict) -> dict:
+        """`inputs` with `extras.sample_staged`: whether some sampled row needs the staged sampler
+        (`sampling.needs_staged` on the host, over the rows' metadata, positions and bitmask), so
+        the step's sampler launches no flag reductions. NOTE: the part that reads the metadata
+        alone is kept while `build` returns the same metadata (its cache: a steady decode)."""
+        step, extras, meta = inputs["step"], inputs["extras"], inputs["meta"]
+        positions = np.asarray(step.kv_lens).reshape(-1)
+        if len(extras.spec_positions):
+            positions = np.concatenate([positions, extras.spec_positions])
+        kept = self._staged_by_meta
+        if kept is None or kept[0] is not meta:
+            kept = self._staged_by_meta = (meta, staged_by_meta(meta, np))
+        staged = kept[1] or needs_staged(meta, positions, extras.token_bitmask, np, by_meta=False)
+        return {**inputs, "extras": extras.replace(sample_staged=np.array([staged], bool))}
 
     @staticmethod
     def place_bitmask(
@@ -212,6 +231,14 @@ class StepInputBuilder:
             spec_a,
             spec_width,
         )
+        if (
+            self.decode_only
+            and t_bucket > 1  # one token: always a decode, no mark needed
+            and group is None
+            and not n_spec
+            and (q_a == 1).all()
+        ):
+            step = step.replace(decode_only=True)
         if order is not None:  # back to scheduled order
             slot[order], tok_lo[order] = slot.copy(), tok_lo.copy()
             rows_a, starts_a, q_a, sample_a = (
@@ -329,9 +356,15 @@ class StepInputBuilder:
         )
 
     def idle_inputs(
-        self, t_bucket: int, all_logits: bool, p_bucket: int, spec_width: int = 0
+        self,
+        t_bucket: int,
+        all_logits: bool,
+        p_bucket: int,
+        spec_width: int = 0,
+        decode_only: bool = False,
     ) -> dict:
-        """Inputs of a step that computes nothing (no sequences): used to compile a bucket."""
+        """Inputs of a step that computes nothing (no sequences): used to compile a bucket (its
+        pure-decode program with `decode_only`)."""
         none = np.zeros(0, np.int32)
         step, extras, _, _ = self.arrays(
             t_bucket,
@@ -347,4 +380,6 @@ class StepInputBuilder:
             spec_width,
         )
         rows = np.full(extras.seq_rows.shape[0] + spec_width, self.max_num_seqs, np.int32)
-        return {"step": step, "extras": extras, "meta": self.batch.sampling.gather(rows)}
+        step = step.replace(decode_only=decode_only)
+        meta = self.batch.sampling.gather(rows)
+        return self.with_staged({"step": step, "extras": extras, "meta": meta})
