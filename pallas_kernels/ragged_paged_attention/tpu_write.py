@@ -39,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.paged_common import Interpret
 from pallas_kernels.ragged_paged_attention.reference import Fp8KVCache, quantize_kv_rows
 
-BLOCK = 8  # tokens per program: DMAs in flight together
+BLOCK = 8  # tokens per program (default): their DMAs are in flight together
 TILE_ROWS = 8  # Mosaic's HBM tile along the slot axis (every cache dtype)
 
 
@@ -51,9 +51,10 @@ def chunk_rows(page_size: int) -> int:
 
 def _kernel(
     slots_ref,  # SMEM i32[T_padded]
-    rows_ref,  # VMEM [BLOCK, Hkv, 1, W] cache dtype
-    *rest,  # (exps VMEM i32[BLOCK, Hkv, 1, E]?), cache HBM (in, out), (exponents HBM (in, out)?),
+    rows_ref,  # VMEM [block, Hkv, 1, W] cache dtype
+    *rest,  # (exps VMEM i32[block, Hkv, 1, E]?), cache HBM (in, out), (exponents HBM (in, out)?),
     # chunk buffer, (exponent buffer?), semaphores
+    block: int,
     page_size: int,
     chunk: int,
     fp8: bool,
@@ -63,7 +64,7 @@ def _kernel(
     else:
         (_, cache, buf, sems), exps_ref, exp_cache, ebuf = rest, None, None, None
     b = pl.program_id(0)
-    slot = [slots_ref[b * BLOCK + i] for i in range(BLOCK)]
+    slot = [slots_ref[b * block + i] for i in range(block)]
     valid = [s >= 0 for s in slot]
     page = [jax.lax.div(jnp.maximum(s, 0), page_size) for s in slot]
     offset = [jax.lax.rem(jnp.maximum(s, 0), page_size) for s in slot]
@@ -85,7 +86,7 @@ def _kernel(
 
     def writer(i: int, keys_i) -> jax.Array:  # no later valid token in i's chunk (page)
         later = jnp.bool_(False)
-        for j in range(i + 1, BLOCK):
+        for j in range(i + 1, block):
             later = later | (valid[j] & (keys_i[j] == keys_i[i]))
         return valid[i] & jnp.logical_not(later)
 
@@ -130,11 +131,11 @@ def _kernel(
             copy(i, read=False).wait()
 
     for wait in (False, True):  # all reads in flight, then all landed
-        for i in range(BLOCK):
+        for i in range(block):
             read(i, wait)
-    for i in range(BLOCK):
+    for i in range(block):
         write(i)
-    for i in range(BLOCK):
+    for i in range(block):
         for copy, keys_c in zip(copies, keys, strict=True):
             wait_written(i, copy, keys_c)
 
@@ -146,8 +147,10 @@ def update_kv_cache(
     slot_mapping: jax.Array,  # i32[T] page*page_size + offset; < 0 for padding tokens
     *,
     interpret: Interpret = False,
+    block: int = BLOCK,
 ) -> jax.Array | Fp8KVCache:
-    """`tpu_layout.update_kv_cache` as an in-place kernel (see the module docstring)."""
+    """`tpu_layout.update_kv_cache` as an in-place kernel (see the module docstring); `block`
+    tokens per program."""
     fp8 = isinstance(kv_cache, Fp8KVCache)
     if 2 * k.shape[-1] != kv_cache.shape[3]:
         raise ValueError(
@@ -156,7 +159,7 @@ def update_kv_cache(
     data = kv_cache.data if fp8 else kv_cache
     num_pages, hkv, page_size, width = data.shape
     t = k.shape[0]
-    padded = -(-t // BLOCK) * BLOCK
+    padded = -(-t // block) * block
     slots = jnp.full((padded,), -1, jnp.int32).at[:t].set(slot_mapping.astype(jnp.int32))
     if fp8:
         q, exponent = quantize_kv_rows(jnp.stack([k, v], axis=2))  # [T, Hkv, 2, D], [T, Hkv, 2]
@@ -173,30 +176,30 @@ def update_kv_cache(
         rows = jnp.concatenate([k, v], axis=-1).astype(data.dtype)
         extra = []
     chunk = chunk_rows(page_size)
-    row_spec = pl.BlockSpec((BLOCK, hkv, 1, width), lambda b, s: (b, 0, 0, 0))
+    row_spec = pl.BlockSpec((block, hkv, 1, width), lambda b, s: (b, 0, 0, 0))
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
     exp_spec = [
-        pl.BlockSpec((BLOCK, hkv, 1, x.shape[-1]), lambda b, s: (b, 0, 0, 0)) for x in extra
+        pl.BlockSpec((block, hkv, 1, x.shape[-1]), lambda b, s: (b, 0, 0, 0)) for x in extra
     ]
     caches = [data] + ([kv_cache.exponent] if fp8 else [])
     # NOTE: the operands' own memory space (not the BlockSpec's) is what XLA sees: unconstrained,
     # its memory-space assignment moved a small layer cache whole into VMEM around the call
     caches = [pltpu.with_memory_space_constraint(c, pltpu.HBM) for c in caches]
-    scratch = [pltpu.VMEM((BLOCK, hkv, chunk, width), data.dtype)]
+    scratch = [pltpu.VMEM((block, hkv, chunk, width), data.dtype)]
     if fp8:
-        scratch.append(pltpu.VMEM((BLOCK, hkv, 1, kv_cache.exponent.shape[-1]), jnp.int32))
+        scratch.append(pltpu.VMEM((block, hkv, 1, kv_cache.exponent.shape[-1]), jnp.int32))
     moved = hkv * chunk * width * data.dtype.itemsize  # per token, each way
     if fp8:
         moved += hkv * kv_cache.exponent.shape[-1] * 4
     n_in = 1 + len(extra)
     out = pl.pallas_call(
-        functools.partial(_kernel, page_size=page_size, chunk=chunk, fp8=fp8),
+        functools.partial(_kernel, block=block, page_size=page_size, chunk=chunk, fp8=fp8),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
-            grid=(padded // BLOCK,),
+            grid=(padded // block,),
             in_specs=[row_spec, *exp_spec] + [hbm] * len(caches),
             out_specs=[hbm] * len(caches),
-            scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA((2, BLOCK))],
+            scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA((2, block))],
         ),
         out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
         input_output_aliases={1 + n_in + i: i for i in range(len(caches))},
@@ -208,6 +211,10 @@ def update_kv_cache(
         ),
         interpret=interpret,
     )(slots, _pad(rows[:, :, None, :], padded), *extra, *caches)
+    # NOTE: XLA gives the HBM-constrained output its own memory space annotation; returned as it
+    # is from a program that donates the cache, XLA's verifier refused the alias (its output
+    # space differs from the parameter's). The barrier keeps the program output a separate value.
+    out = jax.lax.optimization_barrier(out)
     return Fp8KVCache(*out) if fp8 else out[0]
 
 
