@@ -6,7 +6,7 @@
    compiled once: each case differs in block sizes, dtype, page size, head layout or feature;
    all of a chip's cases compile as one program (v6e: the cases where it differs from v5e).
    Mosaic checks what interpret mode never does (tile alignment, VMEM limits).
-   The in-place KV write kernel (`tpu_write`) compiles alongside (bf16, fp8, f32; page 8-32).
+   The in-place KV write kernel (`tpu_write`) compiles alongside (bf16 and fp8 caches).
 2. The TPU cache layout is read in place: a SmolLM2 decode (cache write + attention) compiled for
    v5e holds no cache-sized copy in its optimized HLO and accesses <= 2x its KV cache bytes; a
    cache small enough for VMEM is not moved there, and the write moves only its tokens' tiles.
@@ -128,11 +128,11 @@ def _compile_all(calls: dict[str, tuple]):
         pytest.fail(f"configurations that do not compile: {failed}")
 
 
-# The in-place KV write kernel (`tpu_write`): one tile per token (page 16, 32) or the page (8).
+# The in-place KV write kernel (`tpu_write`): bf16 at SmolLM2's heads, fp8 (values and exponent
+# rows) at 8B's; f32 and pages smaller than a tile: tests/test_tpu_write.py (interpret mode).
 WRITE_CASES = {
     "write_smollm2_p16_bf16": Case(hq=9, hkv=3, head_dim=64),
     "write_8b_p32_fp8": Case(fp8=True, page_size=32),
-    "write_8b_p8_f32": Case(dtype="float32", page_size=8),
 }
 
 
