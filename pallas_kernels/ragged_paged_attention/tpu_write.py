@@ -3,8 +3,9 @@
 XLA writes a step's K/V rows (`tpu_layout.update_kv_cache`) as a scatter into the layer cache; in
 a small cache XLA's memory-space assignment moved the whole layer cache into VMEM to update it
 (a `copy-start` of the cache per layer per step, BENCHMARKS.md "Deviceless compiles"). This
-kernel leaves the cache in HBM (`memory_space=pl.ANY`, aliased to the output: the same buffer) and
-moves only the tiles its tokens touch.
+kernel takes the cache pinned to HBM (`pltpu.with_memory_space_constraint`: the operand's memory
+space is what XLA's assignment sees) and aliased to its output (the same buffer), and moves only
+the tiles its tokens touch.
 
 Flow of `update_kv_cache` (same values as `tpu_layout.update_kv_cache`, fp8 rounding included):
   1. Outside the kernel (XLA, token-sized): each token's K and V rows `[T, Hkv, 1, W]` in the
@@ -157,7 +158,7 @@ def update_kv_cache(
             f"K/V of head_dim {k.shape[-1]} do not fill the cache's {kv_cache.shape[3]}-lane rows"
         )
     data = kv_cache.data if fp8 else kv_cache
-    num_pages, hkv, page_size, width = data.shape
+    _, hkv, page_size, width = data.shape
     t = k.shape[0]
     padded = -(-t // block) * block
     slots = jnp.full((padded,), -1, jnp.int32).at[:t].set(slot_mapping.astype(jnp.int32))
