@@ -13,7 +13,9 @@
 2. `update_kv_cache` scatters this step's K/V into their slots (`slot_mapping`) in the cache
    layout of the backend (`kv_cache_shape`): the reference layout `[P, page_size, 2*Hkv, D]`
    for every backend but "tpu", whose `tpu_layout` `[P, Hkv, page_size, W]` XLA stores
-   row-major on a TPU, so the kernel reads it in place. `kv_cache_dtype="fp8"` makes the cache a
+   row-major on a TPU, so the kernel reads it in place; on a TPU the write is itself a Pallas
+   kernel that updates the touched tiles in place (`tpu_write`: XLA's scatter moved a small
+   layer cache whole into VMEM and back). `kv_cache_dtype="fp8"` makes the cache a
    `reference.Fp8KVCache` (float8_e4m3fn values, one power-of-two scale per slot and K/V head);
    `FP8_KV_BACKENDS` (every backend today) read it; a backend missing there is refused naming the
    field (`check_kv_cache_dtype`).
@@ -31,7 +33,7 @@ import jax
 from jaxinfer.step import StepInputs
 from pallas_kernels import target
 from pallas_kernels.paged_common import interpret_mode
-from pallas_kernels.ragged_paged_attention import KERNELS, cpu, reference, tpu_layout
+from pallas_kernels.ragged_paged_attention import KERNELS, cpu, reference, tpu_layout, tpu_write
 
 BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -142,6 +144,17 @@ def kv_cache_heads_axis(backend: str | None, platform: str | None = None) -> int
     return 1 if _tpu_layout(backend, platform) else 2
 
 
+def _write(backend: str):
+    """The KV write of `backend`: on a TPU the in-place Pallas kernel (`tpu_write`); the "tpu"
+    backend in interpret mode (a CPU platform) keeps XLA's write of the same layout (the same
+    bits, tests/test_accel_kernels.py; interpreting the kernel every step would only be slower)."""
+    if backend != "tpu":
+        return reference.update_kv_cache
+    if interpret_mode("tpu") is False:
+        return tpu_write.update_kv_cache
+    return tpu_layout.update_kv_cache
+
+
 def attention(
     q: jax.Array,  # [T, Hq, D]
     k: jax.Array,  # [T, Hkv, D]
@@ -160,8 +173,7 @@ def attention(
     if isinstance(kv_cache, reference.Fp8KVCache):
         check_kv_cache_dtype(backend, "fp8")
     with jax.named_scope("kv_write"):
-        update = tpu_layout.update_kv_cache if backend == "tpu" else reference.update_kv_cache
-        kv_cache = update(kv_cache, k, v, step.slot_mapping)
+        kv_cache = _write(backend)(kv_cache, k, v, step.slot_mapping)
     # NOTE: a one-token step decodes (its only live sequence holds its only token), and the runner
     # marks pure-decode steps (`StepInputs.decode_only`): the GPU kernel's decode-only path
     # launches once, without query classes or work tables

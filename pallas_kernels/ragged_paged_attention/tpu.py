@@ -8,11 +8,11 @@ Flow of `ragged_paged_attention`:
      `[W, Hkv, R, D]` blocks (R = block_q * G rows, token-major), which BlockSpecs bring into VMEM.
   4. One `pallas_call` per class, grid `(W, Hkv)`, with the work table, lengths and the flattened
      page table scalar-prefetched into SMEM (`PrefetchScalarGridSpec`). The cache stays in HBM
-     (`memory_space=pl.ANY`, in the `tpu_layout` `[P, Hkv, page_size, W]`, read in place); a
-     program DMAs the pages it needs, one `[page_size, W]` (K and V rows of its KV head) copy per
-     page, into a two-slot VMEM buffer: while block b is computed, block b+1 is in flight (one
-     DMA semaphore per slot). Only pages that hold keys the block's rows can see are copied
-     (causal end; sliding-window start rounded down to a page).
+     (`memory_space=pl.ANY`, the operand pinned to HBM, in the `tpu_layout` `[P, Hkv,
+     page_size, W]`, read in place); a program DMAs the pages it needs, one `[page_size, W]` (K
+     and V rows of its KV head) copy per page, into a two-slot VMEM buffer: while block b is
+     computed, block b+1 is in flight (one DMA semaphore per slot). Only pages that hold keys the
+     block's rows can see are copied (causal end; sliding-window start rounded down to a page).
   5. Per KV block: K and V are the lanes [0, D) and [D, 2D) of the slot's `[pages, page_size,
      W]`, scores get the soft-cap and the causal / length / window mask, then an online-softmax
      update (f32; sinks seed the running max and denominator). The output blocks are gathered
@@ -270,11 +270,14 @@ def _run_class(
         in_specs.append(pl.BlockSpec((None, rows, 1), lambda w, h, *_: (h, 0, 0)))
         operands.append(sinks_rows)
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-    operands.append(kv_cache.data if fp8 else kv_cache)
+    # NOTE: pinned to HBM (the operand's memory space, not the BlockSpec's, is what XLA sees): a
+    # cache small enough for VMEM was otherwise moved there whole before the call
+    hbm = functools.partial(pltpu.with_memory_space_constraint, memory_space=pltpu.HBM)
+    operands.append(hbm(kv_cache.data if fp8 else kv_cache))
     scratch = [pltpu.VMEM((2, blocks.pages_per_block, page_size, width), kv_cache.dtype)]
     if fp8:
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-        operands.append(kv_cache.exponent)
+        operands.append(hbm(kv_cache.exponent))
         exp_width = kv_cache.exponent.shape[-1]
         scratch.append(pltpu.VMEM((2, blocks.pages_per_block, 1, exp_width), jnp.int32))
     scratch.append(pltpu.SemaphoreType.DMA((2,)))
