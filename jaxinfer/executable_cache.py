@@ -154,6 +154,10 @@ class ExecutableCache:
     def _file(self, key: str) -> str:
         return os.path.join(self.path, hashlib.sha256(key.encode()).hexdigest() + ".jexe")
 
+    def holds(self, key: str) -> bool:
+        """Whether an entry for `key` exists (`load` may still find it unusable)."""
+        return os.path.exists(self._file(key))
+
     def load(self, key: str) -> Any:
         """The loaded `Compiled` stored under `key`, or None (missing or unusable: logged once)."""
         file = self._file(key)

@@ -453,23 +453,25 @@ class ModelRunner:
         steps sampling structured-output rows run (`sample`); returns how many were built.
 
         NOTE: nothing runs. A program in the executable cache (`jaxinfer.executable_cache`,
-        under the compilation cache directory) is loaded as it is: nothing traced. Any other is
-        lowered here (tracing holds the GIL), compiled on `compile_threads()` threads (XLA
-        compiles without it) and stored in the executable cache (JAX's persistent cache is
-        paused meanwhile: `compile_cache.persistent_cache_paused`). The calls then run these `Compiled` programs themselves (`ProgramTable`), so the
-        first step of a bucket compiles nothing (BENCHMARKS.md "Restarts").
+        under the compilation cache directory) is loaded as it is on `compile_threads()`
+        threads: nothing traced. Any other is lowered here (tracing holds the GIL), compiled on
+        those threads (XLA compiles without it) and stored in the executable cache (JAX's
+        persistent cache is paused meanwhile: `compile_cache.persistent_cache_paused`). The
+        calls then run these `Compiled` programs themselves (`ProgramTable`), so the first step
+        of a bucket compiles nothing (BENCHMARKS.md "Restarts").
         """
         start, loaded = time.perf_counter(), executable_cache.counts()["loaded"]
         cache = ExecutableCache.open()
         paused = compile_cache.persistent_cache_paused() if cache else contextlib.nullcontext()
         with paused, ThreadPoolExecutor(compile_threads(), thread_name_prefix="compile") as pool:
-            jobs, built = [], {}
+            built: dict[Any, Any] = {}  # plan key -> (future of its program, Lowered | None)
             for key in self.buckets.warmup_plan():
                 t_bucket, p_bucket, all_logits, width = key
                 inputs = self.inputs.idle_inputs(t_bucket, all_logits, p_bucket, width)
                 args, kwargs = self._args(inputs, all_logits)
-                call = self._call_key(args, kwargs)
-                built[key] = self._steps.build(call, args, kwargs, cache, pool, jobs)
+                built[key] = self._steps.build(
+                    self._call_key(args, kwargs), args, kwargs, cache, pool
+                )
                 self._note_compiled(
                     Prepared(inputs, all_logits, t_bucket, p_bucket, False, spec_width=width)
                 )
@@ -478,13 +480,17 @@ class ModelRunner:
                     inputs = self.inputs.idle_inputs(t_bucket, False, self.page_buckets[0])
                     rows = inputs["extras"].seq_rows.shape[0]
                     if rows not in self._compiled_samplers:
-                        step = built[(t_bucket, self.page_buckets[0], False, 0)]
+                        job, lowered = built[(t_bucket, self.page_buckets[0], False, 0)]
+                        step = lowered or job.result()
                         row_logits = step.out_info[0][2]  # (results, ...): its sampled rows' logits
                         args, layout = self._sampler_args(inputs, row_logits)
-                        self._samplers.build(layout, args, {"layout": layout}, cache, pool, jobs)
+                        sampler = self._samplers.build(
+                            layout, args, {"layout": layout}, cache, pool
+                        )
+                        built[("sampler", rows)] = sampler
                         self._compiled_samplers.add(rows)
             self.num_compiled = len(self._compiled) + len(self._compiled_samplers)
-            for job in jobs:
+            for job, _ in built.values():
                 job.result()
         logger.info(
             "warmup built %d programs in %.1fs (%d loaded from the executable cache %s)",

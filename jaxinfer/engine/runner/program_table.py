@@ -1,10 +1,11 @@
 """The programs warmup built, called as the `Compiled` executables themselves.
 
 1. `ProgramTable(jitted, name, context)` wraps one jitted function (the step or the sampler).
-2. `build(key, args, kwargs, cache, pool, jobs)` (warmup) makes the program of one call
-   signature: loaded from the executable cache (`jaxinfer.executable_cache`: nothing traced),
-   else lowered here and compiled on `pool` (then stored in the cache); it is kept under `key`,
-   the call's signature as the runner describes it (its static arguments on one device).
+2. `build(key, args, kwargs, cache, pool)` (warmup) makes the program of one call signature:
+   loaded from the executable cache on `pool` (`jaxinfer.executable_cache`: nothing traced;
+   XLA loads without the GIL, so loads overlap), else lowered here and compiled on `pool` (then
+   stored in the cache); it is kept under `key`, the call's signature as the runner describes
+   it (its static arguments on one device).
 3. `table(key, args, kwargs)` runs the program kept under `key` on the call's dynamic
    arguments, or the jitted function (which traces and compiles a shape warmup did not build,
    also where an argument the key does not describe differs from warmup's).
@@ -63,29 +64,34 @@ class ProgramTable:
         kwargs: dict,
         cache: ExecutableCache | None,
         pool: ThreadPoolExecutor,
-        jobs: list[Future],
-    ) -> Any:
-        """Makes the program of this call (see the module docstring); returns its `Compiled`
-        (loaded) or `Lowered` (compiling on `pool`, its future appended to `jobs`): both give
-        `out_info`."""
-        disk_key = None
-        if cache is not None:
-            disk_key = self.disk_key(args, kwargs)
-            program = cache.load(disk_key)
-            if program is not None:
-                self.programs[key] = program
-                return program
+    ) -> tuple[Future, Any]:
+        """Makes the program of this call (see the module docstring) on `pool`: loaded where the
+        cache holds it, else lowered here and compiled there. Returns (the future of its
+        `Compiled`, the `Lowered` or None when loading): either's `out_info` describes the
+        results."""
+        disk_key = None if cache is None else self.disk_key(args, kwargs)
+        if cache is not None and cache.holds(disk_key):
+            return pool.submit(self._load, key, args, kwargs, cache, disk_key), None
         lowered = self.jitted.lower(*args, **kwargs)
-        jobs.append(pool.submit(self._compile, key, lowered, cache, disk_key))
-        return lowered
+        return pool.submit(self._compile, key, lowered, cache, disk_key), lowered
+
+    def _load(
+        self, key: Any, args: tuple, kwargs: dict, cache: ExecutableCache, disk_key: str
+    ) -> Any:
+        program = cache.load(disk_key)
+        if program is None:  # unusable (logged): compiled again, and stored whole
+            return self._compile(key, self.jitted.lower(*args, **kwargs), cache, disk_key)
+        self.programs[key] = program
+        return program
 
     def _compile(
         self, key: Any, lowered: Any, cache: ExecutableCache | None, disk_key: str | None
-    ) -> None:
+    ) -> Any:
         compiled = lowered.compile()
         if cache is not None:
             cache.store(disk_key, compiled)
         self.programs[key] = compiled
+        return compiled
 
 
 __all__ = ["ProgramTable"]
