@@ -3,8 +3,9 @@
 Flow:
 1. `read_gguf(path)` checks the file exists and starts with the `GGUF` magic, then parses the
    container with `gguf.GGUFReader`. The reader memory-maps the file, so no tensor bytes are read
-   yet; a bounded subclass checks every header read and every tensor's byte range against the file
-   size first, so a truncated file fails naming the tensor instead of deep inside numpy.
+   yet; a bounded subclass (`gguf_reader.BoundedReader`) checks every header read and every
+   tensor's byte range against the file size first, so a truncated file fails naming the tensor
+   instead of deep inside numpy, and parses the metadata arrays (the tokenizer's) in one pass.
 2. The key/value metadata becomes plain Python values (arrays become lists, tokenizer arrays too).
 3. Every GGUF tensor name is mapped once, up front, to its HF name for the file's architecture
    (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`) by the `gguf` library's
@@ -46,11 +47,11 @@ from checkpoints.gguf_quants import (
     _NATIVE4,
     SUPPORTED_TYPES,
     GGMLType,
-    _type_name,
     dequantize,
     requantize,
     requantize4,
 )
+from checkpoints.gguf_reader import BoundedReader, Problem
 
 _GGUF_MAGIC = b"GGUF"
 
@@ -155,51 +156,6 @@ class _Entry:
     shape: tuple[int, ...]  # numpy order = HF order
     unpermute_heads: int | None  # undo llama.cpp's Q/K row permutation with this many heads
     norm_offset: float
-
-
-class _Problem(Exception):
-    """Raised inside the reader; read_gguf() turns it into a GGUFError naming the file."""
-
-
-class _BoundedReader(gguf.GGUFReader):
-    """gguf.GGUFReader that checks sizes before it slices the memory map.
-
-    NOTE: `_get` and `_build_tensors` are internals of gguf-py (0.19); if they change, failures
-    still surface as GGUFError through read_gguf's catch-all, only with a vaguer message.
-    """
-
-    def _get(self, offs: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        end = int(offs) + np.dtype(dtype).itemsize * int(count)
-        if end > len(self.data):
-            raise _Problem(
-                f"truncated: the header needs bytes up to {end} but the file has {len(self.data)}"
-            )
-        # NOTE: gguf-py's `_get` on a plain ndarray view: np.memmap slices tripled the header's CPU
-        arr = self.data.view(np.ndarray)[int(offs) : end].view(dtype)[: int(count)]
-        return arr.view(arr.dtype.newbyteorder(override_order or self.byte_order))
-
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        for field in fields:
-            dims, raw_type, rel_offset = field.parts[3], field.parts[4], field.parts[5]
-            try:
-                qtype = GGMLType(int(raw_type[0]))
-            except ValueError:
-                raise _Problem(f"tensor {field.name!r} has {_type_name(raw_type[0])}") from None
-            block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-            ne = [int(x) for x in dims]
-            if ne and ne[0] % block_size:
-                raise _Problem(
-                    f"tensor {field.name!r} ({qtype.name}, ne={ne}) has rows that are not a "
-                    f"multiple of the block size {block_size}"
-                )
-            start = int(start_offs) + int(rel_offset[0])
-            end = start + math.prod(ne) // block_size * block_bytes
-            if end > len(self.data):
-                raise _Problem(
-                    f"truncated: tensor {field.name!r} ({qtype.name}, ne={ne}) occupies bytes "
-                    f"[{start}, {end}) but the file has {len(self.data)}"
-                )
-        super()._build_tensors(start_offs, fields)
 
 
 def _field_value(field: Any) -> Any:
@@ -527,8 +483,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
             f"{path}: not a GGUF file (starts with {magic!r}, expected {_GGUF_MAGIC!r})"
         )
     try:
-        reader = _BoundedReader(path)
-    except _Problem as e:
+        reader = BoundedReader(path)
+    except Problem as e:
         raise GGUFError(f"{path}: {e}") from None
     except Exception as e:  # gguf-py raises ValueError, KeyError, IndexError, ... on bad files
         raise GGUFError(f"{path}: unreadable GGUF file ({type(e).__name__}: {e})") from e

@@ -58,6 +58,8 @@ def resolve_backend(backend: str | None, platform: str | None = None) -> str:
     check_backend(backend)
     if backend == "cpu" and platform != "cpu":
         raise ValueError(f"attention_backend 'cpu' runs on the CPU platform only, not {platform!r}")
+    if backend == "cpu":
+        cpu.library()  # NOTE: registered before a cached executable that calls it is loaded
     if backend != "auto":
         return backend
     if platform == "cpu":

@@ -9,9 +9,12 @@
    process calls it first thing in `serving.launch.build_core`; `LLM` in its constructor) and
    caches every program, however fast it compiled (JAX's default skips programs under 1 s; a
    `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` from the environment wins).
-3. `cache_counts()` counts JAX's own events (`jax.monitoring`: `/jax/compilation_cache/
-   cache_hits`, `cache_misses`, `compile_requests_use_cache`) since the process started; the
-   engine reports the hits of its warmup in the start-up summary.
+3. `persistent_cache_paused()` turns it off for a block (the runner's warmup compiles the
+   programs it stores as executables under it: `jaxinfer.executable_cache`).
+4. `cache_counts()` counts JAX's own events (`jax.monitoring`: `/jax/compilation_cache/
+   cache_hits`, `cache_misses`, `compile_requests_use_cache`) since the process started, and
+   the programs loaded from the executable cache (`count_executable`); the engine reports both
+   for its warmup in the start-up summary.
 
 NOTE: JAX keys each entry by a hash of the serialized HLO module (every shape, dtype, sharding
 and constant of the program), the compile options, the backend and device kind, the XLA flags
@@ -23,10 +26,12 @@ program is never reused for a configuration it was not compiled for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +41,7 @@ EVENTS = {
     "/jax/compilation_cache/compile_requests_use_cache": "requests",
 }
 
-_counts = {name: 0 for name in EVENTS.values()}
+_counts = {name: 0 for name in EVENTS.values()} | {"executables": 0}
 _lock = threading.Lock()
 _listening = False
 
@@ -86,6 +91,30 @@ def enable(requested: str | None = None) -> str:
     return path
 
 
+@contextlib.contextmanager
+def persistent_cache_paused() -> Iterator[None]:
+    """JAX's persistent cache off (process-wide) while the block runs, then on again as it was.
+
+    NOTE: the runner's warmup compiles the programs it stores in its executable cache
+    (`jaxinfer.executable_cache`) under this: on XLA:CPU (jaxlib 0.10.2) an executable JAX read
+    from its persistent cache serializes to bytes whose functions are missing once loaded again
+    ("Function region_0.1 not found" when run), so only freshly compiled ones may be stored.
+    """
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if not jax.config.jax_enable_compilation_cache:
+        yield
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # NOTE: JAX decides once whether the cache is used
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
+
+
 def active_dir() -> str:
     """The directory JAX caches into in this process ("": off, or JAX not loaded)."""
     jax = sys.modules.get("jax")
@@ -109,9 +138,16 @@ def stable_bytes(n: int, step: int | None = None) -> int:
 
 
 def cache_counts() -> dict[str, int]:
-    """JAX's compilation-cache events in this process so far: hits, misses, requests."""
+    """JAX's compilation-cache events in this process so far (hits, misses, requests) and the
+    programs loaded from the executable cache (executables: `count_executable`)."""
     with _lock:
         return dict(_counts)
+
+
+def count_executable() -> None:
+    """One more program loaded from the executable cache (`jaxinfer.executable_cache`)."""
+    with _lock:
+        _counts["executables"] += 1
 
 
 def _listen() -> None:
@@ -131,4 +167,13 @@ def _listen() -> None:
     jax.monitoring.register_event_listener(on_event)
 
 
-__all__ = ["active_dir", "cache_counts", "stable_bytes", "default_dir", "enable", "resolve_dir"]
+__all__ = [
+    "active_dir",
+    "cache_counts",
+    "count_executable",
+    "default_dir",
+    "enable",
+    "persistent_cache_paused",
+    "resolve_dir",
+    "stable_bytes",
+]

@@ -38,7 +38,6 @@ import jax
 from checkpoints import quantize as qlib
 from checkpoints.errors import CheckpointError
 from checkpoints.hf_quant import PackedScheme, PackedView, packed_scheme
-from checkpoints.orbax_io import restore_params, saved_leaves
 from jaxinfer import params as params_lib
 from jaxinfer import pipeline
 from jaxinfer import quantization as quant
@@ -131,6 +130,8 @@ def orbax_quantization(path: str) -> str | None:
     """The format an orbax checkpoint was saved in: None (float) or "int8" / "fp8". A quantized
     one whose scales lack the contraction axis (converted before group-wise scales) is refused,
     and so is one converted before the fused QKV weight (a clear error, not a leaf mismatch)."""
+    from checkpoints.orbax_io import saved_leaves  # NOTE: orbax imports in ~1 s: only here
+
     leaves = saved_leaves(path)
     unfused = next((n for n in leaves if _UNFUSED_QKV.match(n)), None)
     if unfused is not None:
@@ -257,6 +258,8 @@ def load_from_source(
     rules = shd.model_rules(cfg, shd.Parallel.from_mesh(mesh))
     quant.check_group_splits(specs, mesh, rules)
 
+    if kind == "orbax":
+        from checkpoints.orbax_io import restore_params
     if kind == "orbax" and stages > 1:  # each layer restored onto its own stage's devices
         params = restore_params(path, pipeline.canonical_targets(restored_specs, mesh, rules))
     elif kind == "orbax":

@@ -423,7 +423,10 @@ def summary(frontend, grpc_server, http, args, load_s: float, ready_s: float) ->
     metrics = frontend.metrics_port
     cache = "compilation cache off"
     if core is not None and core.compilation_cache:
-        cache = f"{core.cached_programs} from the compilation cache {core.compilation_cache}"
+        cache = (
+            f"{core.cached_programs} from the compilation cache {core.compilation_cache} "
+            f"({core.loaded_programs} loaded as executables)"
+        )
     lines = [
         f"jaxinfer server ready in {ready_s:.1f}s (front end {load_s:.1f}s, engine load + warmup "
         f"{ready_s - load_s:.1f}s, {frontend.compiled_programs} programs, {cache}; {where})",

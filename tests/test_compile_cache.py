@@ -2,7 +2,8 @@
 
 1. One served pair over the tiny model, warmup on, the smallest budgets (a few programs): a cold
    start into an empty `--compilation-cache-dir` reads no program from the cache and writes them
-   there; a restart with the same flags reads every one of them back.
+   there (as executables, `executables/`); a restart with the same flags loads every one of
+   them back without tracing (tests/test_executable_cache.py: the same in process).
 2. In process, the keying: JAX keys an entry by the program's HLO, so a program is reused only
    where the HLO is the same. The step program lowered twice for one configuration is the same
    (what lets a restart read it); another page count, page size, token bucket, logits variant or
@@ -26,13 +27,14 @@ from jaxinfer.models import llama
 from jaxinfer.params import init_random
 
 SUMMARY = re.compile(
-    r"(\d+) programs, (?:(\d+) from the compilation cache ([^\s;]+)|compilation cache off)"
+    r"(\d+) programs, (?:(\d+) from the compilation cache ([^\s;]+) \((\d+) loaded as executables\)"
+    r"|compilation cache off)"
 )
 
 
-def start(model, *flags: str) -> tuple[int, int | None, str | None]:
+def start(model, *flags: str) -> tuple[int, int | None, str | None, int | None]:
     """Starts the tiny model with warmup (every program compiled), stops it; returns (programs,
-    from the cache or None when off, the cache dir)."""
+    from the cache or None when off, the cache dir, of those loaded as executables)."""
     # NOTE: a 1-token budget: one token bucket, so warmup builds the 2 logits variants only
     sizes = ["--max-model-len", "16", "--max-num-seqs", "1", "--max-num-batched-tokens", "1"]
     served = ServedProcess(["--model", str(model), "--load-format", "dummy", *sizes, *flags])
@@ -41,17 +43,20 @@ def start(model, *flags: str) -> tuple[int, int | None, str | None]:
     finally:
         assert served.stop() == 0
     assert m, "".join(served.log[-20:])
-    return int(m.group(1)), None if m.group(2) is None else int(m.group(2)), m.group(3)
+    cached, loaded = (None, None) if m.group(2) is None else (int(m.group(2)), int(m.group(4)))
+    return int(m.group(1)), cached, m.group(3), loaded
 
 
 def test_restart_reads_every_program(tmp_path):
     model = tiny_model_dir(tmp_path / "tiny")
     cache = str(tmp_path / "xla")
-    programs, hits, where = start(model, "--compilation-cache-dir", cache, "--num-pages", "8")
-    assert programs > 0 and hits == 0 and where == cache
-    assert list((tmp_path / "xla").glob("jit_packed_step_program-*-cache"))
+    programs, hits, where, loaded = start(
+        model, "--compilation-cache-dir", cache, "--num-pages", "8"
+    )
+    assert programs > 0 and hits == loaded == 0 and where == cache
+    assert len(list((tmp_path / "xla" / "executables").glob("*.jexe"))) == programs
     again = start(model, "--compilation-cache-dir", cache, "--num-pages", "8")
-    assert again == (programs, programs, cache)
+    assert again == (programs, programs, cache, programs)  # nothing traced
 
 
 TINY = dict(

@@ -130,16 +130,20 @@ def run_core_loop(
         import jax
 
         jax.profiler.start_server(options.profile_port)
-    hits = cache_counts()["hits"]
+    before = cache_counts()
     try:
         programs = core.warmup() if options.warmup else int(core.runner.num_compiled)
     except Exception as e:  # noqa: BLE001
         logger.exception("warmup failed")
         _stay_broken(f"warmup failed: {type(e).__name__}: {e}", recv, send)
         return
-    cached = cache_counts()["hits"] - hits
+    after = cache_counts()
+    loaded = after["executables"] - before["executables"]
     info = core.info()._replace(
-        compiled_programs=programs, cached_programs=cached, compilation_cache=active_dir()
+        compiled_programs=programs,
+        cached_programs=after["hits"] - before["hits"] + loaded,
+        compilation_cache=active_dir(),
+        loaded_programs=loaded,
     )
     send(Ready(info=info))
     settle_heap()

@@ -397,6 +397,7 @@ class EngineInfo(NamedTuple):
     compiled_programs: int = 0  # set once warmup is done ("ready")
     cached_programs: int = 0  # of those, read from the persistent compilation cache
     compilation_cache: str = ""  # its directory ("": off)
+    loaded_programs: int = 0  # of the cached ones, loaded as executables (nothing traced)
 
     def to_wire(self) -> list:
         return [*self[:1], list(dataclasses.astuple(self.limits)), *self[2:]]

@@ -6,6 +6,7 @@ See `jaxinfer.engine.runner` for the flow of a step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -17,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxinfer import attention, layers
+from jaxinfer import attention, compile_cache, executable_cache, layers
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
@@ -26,9 +27,17 @@ from jaxinfer.engine.runner.buckets import Buckets
 from jaxinfer.engine.runner.device_state import DeviceState
 from jaxinfer.engine.runner.input_batch import InputBatch
 from jaxinfer.engine.runner.outputs import unpack_results
-from jaxinfer.engine.runner.programs import pack, sampler_jit, step_jit
+from jaxinfer.engine.runner.program_table import ProgramTable
+from jaxinfer.engine.runner.programs import (
+    pack,
+    sampler_context,
+    sampler_jit,
+    step_context,
+    step_jit,
+)
 from jaxinfer.engine.runner.step_inputs import Prepared, StepInputBuilder, UnpackPlan
 from jaxinfer.engine.types import Launched, RunnerOutput, SchedulerOutput
+from jaxinfer.executable_cache import ExecutableCache
 from jaxinfer.lora import device as lora_device
 from jaxinfer.lora.manager import LoRAManager
 from jaxinfer.params import DTYPES
@@ -143,16 +152,17 @@ class ModelRunner:
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> i32[rows, W] of -1 on the device
         self.attention_backend = attention.resolve_backend(attention_backend)
         self.linear_backend = layers.resolve_linear_backend(linear_backend)
-        self._jit = step_jit(
-            self.attention_backend,
-            self.linear_backend,
-            self.mesh,
-            None if self.mesh is None else self.device_state.carried(),
-        )
+        carried = None if self.mesh is None else self.device_state.carried()
+        backends = (self.attention_backend, self.linear_backend, self.mesh, carried)
+        # The step programs warmup built, by `_call_key` (cfg: the static positional argument)
+        self._steps = ProgramTable(step_jit(*backends), "step", step_context(*backends), (1,))
+        self._jit = self._steps.jitted
         # Steps sampling structured-output rows run the step program up to the rows' logits,
         # then this one (see `sample`); single device only (on a mesh they sample in the step).
         self.split_sampling = self.mesh is None
-        self._sample_jit = sampler_jit(self.num_sample_rows)
+        rows = self.num_sample_rows
+        self._samplers = ProgramTable(sampler_jit(rows), "sampler", sampler_context(rows))
+        self._sample_jit = self._samplers.jitted
         self.num_compiled = 0
         # (token bucket, page bucket, logits, verify rows)
         self._compiled: set[tuple[int, int, bool, int]] = set()
@@ -305,8 +315,8 @@ class ModelRunner:
             "token_bitmask": bitmask,
         }
         buffers, layout = pack(host)  # NOTE: one transfer, as for the step program
-        out, self.device_state.prev_tokens = self._sample_jit(
-            self.device_state.state, row_logits, buffers, layout=layout
+        out, self.device_state.prev_tokens = self._samplers(
+            layout, (self.device_state.state, row_logits, buffers), {"layout": layout}
         )
         if bitmask.shape[0] not in self._compiled_samplers:
             self._compiled_samplers.add(bitmask.shape[0])
@@ -340,9 +350,18 @@ class ModelRunner:
             self.num_compiled = len(self._compiled) + len(self._compiled_samplers)
 
     def compiled_program_count(self) -> int:
-        """Programs in the step and sampler functions' own jit caches: those the calls have used
-        (a recompile grows it; programs `warmup` compiled ahead join it on their first call)."""
-        return self._jit._cache_size() + self._sample_jit._cache_size()
+        """Programs warmup built plus those in the step and sampler functions' own jit caches
+        (a call of a shape warmup did not build, or a recompile, grows it)."""
+        tables = (self._steps, self._samplers)
+        return sum(len(t) + t.jit_cache_size() for t in tables)
+
+    def _call_key(self, args: tuple, kwargs: dict) -> Any:
+        """What picks a step call's program in `_steps`: on one device its static arguments
+        (the packed layout holds every input's shape); on a mesh the placed inputs' shapes."""
+        if "layout" in kwargs:
+            return kwargs["layout"], kwargs["all_logits"]
+        leaves, tree = jax.tree.flatten(args[5:])
+        return kwargs["all_logits"], tree, tuple(x.shape for x in leaves)
 
     def _args(self, inputs: dict, all_logits: bool) -> tuple[tuple, dict]:
         """The step program's arguments for host `inputs`, moved to the device in one transfer."""
@@ -414,7 +433,7 @@ class ModelRunner:
             self.device_state.kv_caches,
             self.device_state.state,
             self.device_state.prev_tokens,
-        ) = self._jit(*args, **kwargs)
+        ) = self._steps(self._call_key(args, kwargs), args, kwargs)
         return results
 
     def lower(
@@ -440,21 +459,26 @@ class ModelRunner:
         with `structured` (and `split_sampling`) the sampler program of each sequence bucket that
         steps sampling structured-output rows run (`sample`); returns how many were built.
 
-        NOTE: nothing runs. Each program is lowered here (tracing holds the GIL) and compiled
-        on `compile_threads()` threads (XLA compiles without it); `jit(...).lower(...).compile()`
-        leaves the executable where the calls look it up, so the first step of a bucket compiles
-        nothing. On a restart the compiles are reads from the persistent compilation cache; what
-        is left is tracing and lowering each program (BENCHMARKS.md "Restarts").
+        NOTE: nothing runs. A program in the executable cache (`jaxinfer.executable_cache`,
+        under the compilation cache directory) is loaded as it is on `compile_threads()`
+        threads: nothing traced. Any other is lowered here (tracing holds the GIL), compiled on
+        those threads (XLA compiles without it) and stored in the executable cache (JAX's
+        persistent cache is paused meanwhile: `compile_cache.persistent_cache_paused`). The
+        calls then run these `Compiled` programs themselves (`ProgramTable`), so the first step
+        of a bucket compiles nothing (BENCHMARKS.md "Restarts").
         """
-        start = time.perf_counter()
-        with ThreadPoolExecutor(compile_threads(), thread_name_prefix="compile") as pool:
-            jobs, lowered = [], {}
+        start, loaded = time.perf_counter(), executable_cache.counts()["loaded"]
+        cache = ExecutableCache.open()
+        paused = compile_cache.persistent_cache_paused() if cache else contextlib.nullcontext()
+        with paused, ThreadPoolExecutor(compile_threads(), thread_name_prefix="compile") as pool:
+            built: dict[Any, Any] = {}  # plan key -> (future of its program, Lowered | None)
             for key in self._warmup_keys():
                 t_bucket, p_bucket, all_logits, width, decode = key
                 inputs = self.inputs.idle_inputs(t_bucket, all_logits, p_bucket, width, decode)
                 args, kwargs = self._args(inputs, all_logits)
-                lowered[key] = self._jit.lower(*args, **kwargs)
-                jobs.append(pool.submit(lowered[key].compile))
+                built[key] = self._steps.build(
+                    self._call_key(args, kwargs), args, kwargs, cache, pool
+                )
                 self._note_compiled(
                     Prepared(inputs, all_logits, t_bucket, p_bucket, False, spec_width=width)
                 )
@@ -463,16 +487,24 @@ class ModelRunner:
                     inputs = self.inputs.idle_inputs(t_bucket, False, self.page_buckets[0])
                     rows = inputs["extras"].seq_rows.shape[0]
                     if rows not in self._compiled_samplers:
-                        step = lowered[(t_bucket, self.page_buckets[0], False, 0, False)]
+                        job, lowered = built[(t_bucket, self.page_buckets[0], False, 0, False)]
+                        step = lowered or job.result()
                         row_logits = step.out_info[0][2]  # (results, ...): its sampled rows' logits
-                        sampler = self._lower_sampler(inputs, row_logits.shape, row_logits.dtype)
-                        jobs.append(pool.submit(sampler.compile))
+                        args, layout = self._sampler_args(inputs, row_logits)
+                        sampler = self._samplers.build(
+                            layout, args, {"layout": layout}, cache, pool
+                        )
+                        built[("sampler", rows)] = sampler
                         self._compiled_samplers.add(rows)
             self.num_compiled = len(self._compiled) + len(self._compiled_samplers)
-            for job in jobs:
+            for job, _ in built.values():
                 job.result()
         logger.info(
-            "warmup compiled %d programs in %.1fs", self.num_compiled, time.perf_counter() - start
+            "warmup built %d programs in %.1fs (%d loaded from the executable cache %s)",
+            self.num_compiled,
+            time.perf_counter() - start,
+            executable_cache.counts()["loaded"] - loaded,
+            cache.path if cache else "(off)",
         )
         return self.num_compiled
 
@@ -494,13 +526,14 @@ class ModelRunner:
             ):
                 yield t_bucket, p_bucket, False, 0, True
 
-    def _lower_sampler(self, inputs: dict, shape: tuple[int, ...], dtype: Any) -> Any:
-        """The sampler program of a split step over host `inputs` (`_call_sampler`'s call), lowered
-        with the step program's row logits (`shape`, `dtype`) as an abstract committed array."""
+    def _sampler_args(self, inputs: dict, logits: Any) -> tuple[tuple, tuple]:
+        """The sampler program's arguments (and packed layout) for a split step over host
+        `inputs` (`_call_sampler`'s call), with the step program's row logits (`logits`: shape
+        and dtype) as an abstract committed array."""
         rows = inputs["extras"].seq_rows.shape[0]
         state = self.device_state.state
         sharding = jax.tree.leaves(state)[0].sharding
-        row_logits = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        row_logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=sharding)
         host = {
             "meta": inputs["meta"],
             "seq_rows": inputs["extras"].seq_rows,
@@ -508,7 +541,7 @@ class ModelRunner:
             "token_bitmask": np.full((rows, self.bitmask_width), -1, np.int32),
         }
         buffers, layout = pack(host)
-        return self._sample_jit.lower(state, row_logits, buffers, layout=layout)
+        return (state, row_logits, buffers), layout
 
 
 def compile_threads() -> int:

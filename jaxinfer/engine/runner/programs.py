@@ -292,6 +292,27 @@ def step_jit(
     )
 
 
+def step_context(
+    attention_backend: str, linear_backend: str, mesh: Any = None, carried: Any = None
+) -> str:
+    """What `step_jit` builds its program with beyond the arguments (a part of its key in the
+    executable cache, `jaxinfer.executable_cache`). NOTE: name every option `step_jit` passes."""
+    devices = None if mesh is None else mesh.device_ids.tolist()
+    return (
+        f"step_program attention={attention_backend} linear={linear_backend} mesh={mesh!r} "
+        f"devices={devices} out_shardings={carried!r} donate=kv_caches,state "
+        f"static=cfg,all_logits,layout compiler_options={sorted(compiler_options().items())}"
+    )
+
+
+def sampler_context(num_sample_rows: int) -> str:
+    """`sampler_jit`'s options, as `step_context`."""
+    return (
+        f"sample_program num_sample_rows={num_sample_rows} static=layout "
+        f"compiler_options={sorted(compiler_options().items())}"
+    )
+
+
 def sampler_jit(num_sample_rows: int) -> Any:
     """The jitted sampler of split steps (packed inputs, one device)."""
     return jax.jit(

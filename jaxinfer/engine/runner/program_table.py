@@ -1,0 +1,97 @@
+"""The programs warmup built, called as the `Compiled` executables themselves.
+
+1. `ProgramTable(jitted, name, context)` wraps one jitted function (the step or the sampler).
+2. `build(key, args, kwargs, cache, pool)` (warmup) makes the program of one call signature:
+   loaded from the executable cache on `pool` (`jaxinfer.executable_cache`: nothing traced;
+   XLA loads without the GIL, so loads overlap), else lowered here and compiled on `pool` (then
+   stored in the cache); it is kept under `key`, the call's signature as the runner describes
+   it (its static arguments on one device).
+3. `table(key, args, kwargs)` runs the program kept under `key` on the call's dynamic
+   arguments, or the jitted function (which traces and compiles a shape warmup did not build,
+   also where an argument the key does not describe differs from warmup's).
+
+NOTE: a `Compiled` checks every argument's type before it runs (a mismatch raises TypeError,
+nothing donated), so a key that describes a call incompletely cannot run a wrong program.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from jaxinfer.executable_cache import ExecutableCache, program_key
+
+
+class ProgramTable:
+    """The compiled programs of one jitted function, by call key (see the module docstring)."""
+
+    def __init__(self, jitted: Any, name: str, context: str, static_argnums: tuple = ()) -> None:
+        self.jitted, self.name, self.context = jitted, name, context
+        self.static_argnums = static_argnums  # positional arguments the jit treats as static
+        self.programs: dict[Any, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.programs)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.programs
+
+    def dynamic(self, args: tuple) -> tuple:
+        """`args` without the static ones (what a `Compiled` takes)."""
+        return tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+
+    def __call__(self, key: Any, args: tuple, kwargs: dict) -> Any:
+        program = self.programs.get(key)
+        if program is not None:
+            try:
+                return program(*self.dynamic(args))
+            except TypeError:  # NOTE: raised by the argument check, before anything ran
+                pass  # e.g. a wider suppress-ids table than warmup's: the jit builds that one
+        return self.jitted(*args, **kwargs)
+
+    def disk_key(self, args: tuple, kwargs: dict) -> str:
+        """This call's key in the executable cache (`executable_cache.program_key`)."""
+        statics = {**kwargs, **{f"arg{i}": args[i] for i in self.static_argnums}}
+        return program_key(self.name, self.dynamic(args), statics, self.context)
+
+    def jit_cache_size(self) -> int:
+        return self.jitted._cache_size()
+
+    def build(
+        self,
+        key: Any,
+        args: tuple,
+        kwargs: dict,
+        cache: ExecutableCache | None,
+        pool: ThreadPoolExecutor,
+    ) -> tuple[Future, Any]:
+        """Makes the program of this call (see the module docstring) on `pool`: loaded where the
+        cache holds it, else lowered here and compiled there. Returns (the future of its
+        `Compiled`, the `Lowered` or None when loading): either's `out_info` describes the
+        results."""
+        disk_key = None if cache is None else self.disk_key(args, kwargs)
+        if cache is not None and cache.holds(disk_key):
+            return pool.submit(self._load, key, args, kwargs, cache, disk_key), None
+        lowered = self.jitted.lower(*args, **kwargs)
+        return pool.submit(self._compile, key, lowered, cache, disk_key), lowered
+
+    def _load(
+        self, key: Any, args: tuple, kwargs: dict, cache: ExecutableCache, disk_key: str
+    ) -> Any:
+        program = cache.load(disk_key)
+        if program is None:  # unusable (logged): compiled again, and stored whole
+            return self._compile(key, self.jitted.lower(*args, **kwargs), cache, disk_key)
+        self.programs[key] = program
+        return program
+
+    def _compile(
+        self, key: Any, lowered: Any, cache: ExecutableCache | None, disk_key: str | None
+    ) -> Any:
+        compiled = lowered.compile()
+        if cache is not None:
+            cache.store(disk_key, compiled)
+        self.programs[key] = compiled
+        return compiled
+
+
+__all__ = ["ProgramTable"]
