@@ -19,6 +19,8 @@ from jaxinfer.config import ModelConfig, RopeConfig
 from jaxinfer.quantization import QArray
 from pallas_kernels import target
 from pallas_kernels.linear import cpu as cpu_linear
+from pallas_kernels.linear import gpu as gpu_linear
+from pallas_kernels.paged_common import interpret_mode
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +153,15 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-LINEAR_BACKENDS = ("auto", "xla", "cpu")
+LINEAR_BACKENDS = ("auto", "xla", "cpu", "gpu")
 
 
 def resolve_linear_backend(backend: str | None, platform: str | None = None) -> str:
-    """The concrete dense-product backend: "xla" (XLA's dot) or "cpu" (the compiled CPU kernel for
-    steps of few token rows, `pallas_kernels.linear.cpu`). None / "auto" picks "cpu" on a CPU
-    platform when the kernel builds there, else "xla"."""
+    """The concrete dense-product backend: "xla" (XLA's dot), "cpu" (the compiled CPU kernel for
+    steps of few token rows, `pallas_kernels.linear.cpu`) or "gpu" (quantized weights of steps of
+    few token rows through the Pallas dequantizing matmul, `pallas_kernels.linear.gpu`; interpreted
+    off a GPU target). None / "auto" picks "cpu" on a CPU platform when the kernel builds there,
+    "gpu" on a GPU, else "xla"."""
     platform = platform or target.platform()
     backend = backend or "auto"
     if backend not in LINEAR_BACKENDS:
@@ -168,6 +172,8 @@ def resolve_linear_backend(backend: str | None, platform: str | None = None) -> 
         cpu_linear.library()  # raises naming why it cannot build
     if backend != "auto":
         return backend
+    if platform == "gpu":
+        return "gpu"
     return "cpu" if platform == "cpu" and _cpu_linear_builds() else "xla"
 
 
@@ -192,9 +198,13 @@ def dense(
     values, each group's scales applied to that group's share of the product, plus x's group sums
     times the offsets (see `_xla_dense`). With backend "cpu" a step of
     at most `cpu_linear.MAX_ROWS` float32 rows runs every weight in one call of the compiled kernel
-    (float32 or int8 weights, all of one kind); anything else is XLA's dot (same contraction as
+    (float32 or int8 weights, all of one kind); with backend "gpu" an int8 / int4 weight and at
+    most `gpu_linear.MAX_ROWS` rows run the Pallas dequantizing matmul (the weight read in its
+    stored bits: no converted copy in HBM); anything else is XLA's dot (same contraction as
     `einsum("te,e...->t...")`).
     """
+    if backend == "gpu":
+        return tuple(_gpu_dense(x, w) for w in weights)
     if backend == "cpu" and _kernel_fits(x, weights, axis=0):
         if isinstance(weights[0], QArray):
             flat = [w.data.reshape(w.shape[0], -1) for w in weights]
@@ -212,6 +222,23 @@ def _per_group_products(x: jax.Array, e: int, groups: int) -> bool:
     memory than a 16-bit copy of the scaled weight [e, N] would (T * G * 4 <= e * 2), i.e. for
     decode-sized T; larger T (prefill) dequantizes the weight into the dot's operand instead."""
     return x.shape[0] * groups * 2 <= e
+
+
+def _gpu_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
+    """The Pallas kernel where it takes x times the quantized `w` (fused layouts such as qkv
+    [E, Hkv, G+2, D] and gate_up [E, 2, F] seen as [E, N]), else `_xla_dense`."""
+    if not isinstance(w, QArray) or x.ndim != 2:
+        return _xla_dense(x, w)
+    t, e = x.shape
+    groups = w.scale.shape[0]
+    data = w.data.reshape(e, -1)
+    if gpu_linear.supported(t, e, data.shape[1], groups, data.dtype) is not None:
+        return _xla_dense(x, w)
+    offset = None if w.offset is None else w.offset.reshape(groups, -1)
+    y = gpu_linear.quantized_matmul(
+        x, data, w.scale.reshape(groups, -1), offset, interpret=bool(interpret_mode("gpu"))
+    )
+    return y.reshape(t, *w.shape[1:])
 
 
 def _xla_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:

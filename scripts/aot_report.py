@@ -15,7 +15,9 @@
    HBM is refused before compiling (exit status 2, the numbers in the message).
 3. Prints one table row per program (compile time, per-device weight / KV / temp / peak bytes
    against the HBM, flops and bytes accessed (TPU), Pallas calls, GPU launches, collectives per
-   layer), the GPU launch breakdown (per layer, per named scope) and the collectives, then one
+   layer), the GPU launch breakdown (per layer, per named scope) and the collectives (with
+   `--quantization`: the float intermediates of a quantized weight's size and the HLO's operand +
+   result bytes, `jaxinfer.aot.intermediates`), then one
    JSON line with every number, the command and the jax / jaxlib / libtpu / CUDA plugin versions
    (`--json-out PATH` also writes it to a file).
 4. `--compare REF` (a file holding such a JSON line: `--json-out`'s, or a saved stdout) adds a
@@ -243,6 +245,22 @@ def details(r) -> list[str]:
     return out
 
 
+def weight_sized(steps) -> list[str]:
+    from jaxinfer.aot import intermediates
+
+    out = []
+    for s in steps:
+        text = s.compiled.as_text()
+        found = intermediates.weight_sized(text)
+        out.append(
+            f"tokens {s.report.tokens}: {len(found)} weight-sized float intermediates of quantized "
+            f"weights; HLO bytes accessed (operands + results, estimate) "
+            f"{intermediates.bytes_accessed(text) / 1e9:.3f} GB"
+        )
+        out += [f"  {i.shape} {i.opcode} of {i.weight} ({i.op_name})" for i in found]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from jaxinfer import aot
@@ -278,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in reports:
         for line in details(r):
             print(line)
+    for line in weight_sized(steps) if args.quantization else ():
+        print(line)
     line = json.dumps(
         {
             "command": "python scripts/aot_report.py "

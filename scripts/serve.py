@@ -186,10 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--linear-backend",
         default=None,
-        choices=("auto", "xla", "cpu"),
+        choices=("auto", "xla", "cpu", "gpu"),
         help="dense products: 'cpu' runs steps of <= 8 float32 token rows through the "
-        "compiled CPU kernel (decode), 'xla' always uses XLA's dot; "
-        "default 'auto': 'cpu' on a CPU platform where the kernel builds",
+        "compiled CPU kernel (decode), 'gpu' int8 / int4 weights of steps of <= 64 rows through "
+        "the Pallas dequantizing matmul, 'xla' always uses XLA's dot; default 'auto': 'cpu' on a "
+        "CPU platform where the kernel builds, 'gpu' on a GPU",
     )
     s = p.add_argument_group("server")
     s.add_argument(

@@ -319,7 +319,7 @@ def test_dense_picks_the_kernel_only_where_it_pays():
 def test_resolve_linear_backend():
     assert layers.resolve_linear_backend(None, "cpu") == "cpu"  # the kernel builds here
     assert layers.resolve_linear_backend("auto", "cpu") == "cpu"
-    assert layers.resolve_linear_backend("auto", "gpu") == "xla"
+    assert layers.resolve_linear_backend("auto", "gpu") == "gpu"  # pallas_kernels.linear.gpu
     assert layers.resolve_linear_backend(None, "tpu") == "xla"
     assert layers.resolve_linear_backend("xla", "cpu") == "xla"
     with pytest.raises(ValueError, match="CPU platform only"):

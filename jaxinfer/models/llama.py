@@ -488,7 +488,7 @@ def forward(
     """Returns (logits f32[N, V] at step.logits_indices, updated kv_caches).
 
     `attention_backend` ("auto" | "reference" | "cpu" | "gpu" | "tpu") is static: see `jaxinfer.attention`.
-    `linear_backend` ("auto" | "xla" | "cpu") is static: see `jaxinfer.layers.resolve_linear_backend`.
+    `linear_backend` ("auto" | "xla" | "cpu" | "gpu") is static: see `jaxinfer.layers.resolve_linear_backend`.
     With a `mesh` (static) the whole model runs inside one `shard_map` over it (manual SPMD, see
     `sharding.Parallel`). Then, when the mesh has `data` > 1, every `step` field carries a leading
     `[data]` dim (one ragged step per replica, same buckets), each layer's cache holds `data`

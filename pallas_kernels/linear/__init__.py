@@ -4,11 +4,14 @@
   backend shares).
 - `cpu`: C++ kernel for XLA:CPU through the XLA FFI (`cpu_kernel.cc`), compiled on first use
   (`cpu.available()`); `jaxinfer.layers.dense` picks it for steps of at most `cpu.MAX_ROWS` rows.
+- `gpu`: Pallas (Triton) dequantizing matmul of int8 / int4 weights for at most `gpu.MAX_ROWS`
+  rows, `gpu.quantized_matmul(x, data, scale, offset)` (one weight per call; its own signature);
+  `jaxinfer.layers.dense` picks it with linear backend "gpu" (`auto` on a GPU target).
 
-Every backend's `linear(x, *weights, transposed=, scales=)` has the reference's signature.
+Every backend in `KERNELS` has the reference's `linear(x, *weights, transposed=, scales=)`.
 """
 
-from pallas_kernels.linear import cpu, reference
+from pallas_kernels.linear import cpu, gpu, reference
 from pallas_kernels.linear.reference import check_inputs, linear
 
 KERNELS = {
@@ -16,4 +19,4 @@ KERNELS = {
     "cpu": cpu.linear,
 }
 
-__all__ = ["KERNELS", "check_inputs", "cpu", "linear", "reference"]
+__all__ = ["KERNELS", "check_inputs", "cpu", "gpu", "linear", "reference"]
