@@ -242,12 +242,12 @@ def test_h100_step_launch_budget():
 
 
 # Issue 34's LoRA launches: the kernels an engine with enable_lora (4 slots, rank 16, every target)
-# adds per layer to the 1-token H100 step, against `h100`'s step without LoRA. The target is 4 (one
-# per projection input): one Pallas launch per group (`pallas_kernels.lora.gpu`) plus, here, the
-# GPU attention's output select materialized for o's kernel (it fused into the o product before):
-# 5, measured 2026-11-26 (jax 0.10.2; XLA's einsums gave 16); BENCHMARKS.md "Multi-LoRA launches
-# per layer".
-H100_LORA_LAYER_KERNELS = 5
+# adds per layer to the 1-token H100 step, against `h100`'s step without LoRA: one Pallas launch
+# per projection input (`pallas_kernels.lora.gpu`), nothing else. XLA's einsums gave 16; the
+# kernel adding in place everywhere gave 4 at 1 token but 8 at 64 (each split-K base GEMM's
+# reduction became a launch of its own), returning the delta everywhere 5 and 5; measured
+# 2026-11-26 (jax 0.10.2), BENCHMARKS.md "Multi-LoRA launches per layer".
+H100_LORA_LAYER_KERNELS = 4
 
 
 def test_h100_lora_kernels_per_layer(h100):

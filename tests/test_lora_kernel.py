@@ -87,7 +87,7 @@ def test_kernel_matches_xla(t, dtype):
 @pytest.mark.parametrize("t", [1, 64])
 def test_kernel_compiles_for_h100_llama3_8b(t):
     """bf16, Llama-3-8B (E 4096, F 14336, 32/8 heads), 4 slots of rank 16: one Triton launch per
-    group, nothing else."""
+    group; beyond one token also XLA's `y + delta` (in a step it fuses into y's consumer)."""
     from jaxinfer import aot
 
     if aot.available("gpu") is not None:
@@ -109,4 +109,4 @@ def test_kernel_compiles_for_h100_llama3_8b(t):
         args += [s((t, *ins[group])), s((t, *outs[group]))]
         text = aot.compile_function(fn, args, "h100").as_text()
         assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 1, group
-        assert " fusion(" not in text, group
+        assert text.count(" fusion(") == (0 if t == 1 else 1), group

@@ -21,7 +21,7 @@ projection input.
    Same shapes whatever the mix of adapters: 0, 1 or N active adapters run the same program.
    Beside the GPU attention kernel (`adapter_hook`'s `attention_backend` "gpu": a GPU target, or
    interpret mode when named on the CPU) each group is instead one Pallas launch
-   (`pallas_kernels.lora.gpu`: shrink, slot mask, expand and add, y updated in place; down reads
+   (`pallas_kernels.lora.gpu`: shrink, slot mask, expand and add; at one token down reads
    the gate_up output through its activation, `GATE_ACTS`); the CPU and TPU paths keep the einsums.
 4. On a tensor-parallel mesh the stacks are split as their base weight is (`AXES`, `stack_specs`;
    `sharded.forward` adds them to the `shard_map` specs with `attach_specs`): column-split qkv /
@@ -209,7 +209,9 @@ def apply(
     if backend == "gpu":
         with jax.named_scope("lora"):
             interpret = bool(interpret_mode("gpu"))
-            if gated is not None and gated[1] in GATE_ACTS:
+            # NOTE: the down kernel reads the gate_up output only for one token, where the base
+            # product fuses the activation in; a GEMM's input (more tokens) is materialized anyway
+            if gated is not None and gated[1] in GATE_ACTS and x.shape[0] == 1:
                 act = functools.partial(layers.activation, gated[1])
                 return lora_kernel.lora_apply(
                     gated[0], pair.a, pair.b, slots, y, gate_act=act, interpret=interpret

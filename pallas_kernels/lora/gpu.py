@@ -13,11 +13,18 @@
    in] @ [in, N*R]`, f32, a loop over `block_k` input columns; redundant across the column
    blocks, cheap: N*R is at most a few hundred columns), zeroes the columns of slots other than
    each token's own (`(col // R) == s_t - 1`: slot 0 keeps none), expands with `[N*R, block_c]`
-   of B and adds to y's tile.
+   of B and stores the f32 delta tile.
 3. With `gate_act` (the gated MLP's down projection) x is the `[T, 2, F]` gate_up output and
    the shrink reads `gate_act(gate) * up` itself, so the base down product keeps the activation
    fused in (no hidden-activation buffer just for the kernel).
-4. y is aliased to the output (`input_output_aliases`): the delta is added in place.
+4. Where the base product is a GEMM (more than one token) the kernel returns the f32 delta and
+   `y + delta` is left to XLA, which fuses it into y's consumer together with a split-K GEMM's
+   reduction (a kernel reading y needs y reduced first: one more launch per group). A one-token
+   base product is a row reduction without split-K: there y is aliased to the output and the
+   kernel adds in place (the sum then has a single producer, where XLA would materialize a
+   `y + delta` read by two consumers, e.g. gate_up's by the down product and down's kernel).
+   Deviceless H100 (`tests/test_aot.py::test_h100_lora_kernels_per_layer`): 4 extra launches
+   per layer at 1 and at 64 tokens; one rule for both token counts gave 5 at one of them.
 
 NOTE: Triton's dot wants every dim >= 16 and power-of-two blocks: the token, slot*rank and column
 ranges are padded to such blocks by clamping their indices to the last valid row/column (padded
@@ -62,16 +69,15 @@ def _kernel(
     x_ref,  # [T, in], or [T, 2, in] with `gate_act` (gate, up)
     a_ref,  # [in, P, NR]
     b_ref,  # [Q, NR, H, C]
-    y_ref,  # [T, H, Q, C] (aliased to o_ref)
-    o_ref,  # [T, H, Q, C]
-    *,
+    *refs,  # (o_ref f32[T, H, Q, C]: the delta) or (y_ref, o_ref [T, H, Q, C] aliased): y + delta
     block_t: int,
     block_k: int,
     block_c: int,
     rank: int,
     gate_act: Callable | None,
 ):
-    t, _, q_parts, c_dim = y_ref.shape
+    o_ref = refs[-1]
+    t, _, q_parts, c_dim = o_ref.shape
     in_dim, p_parts, nr = a_ref.shape
     nr_pad = _pow2_at_least(nr)
     i, m, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -103,7 +109,9 @@ def _kernel(
     bk = b_ref[q, lanes[:, None], h, cols[None, :]]  # [NRp, BC]
     delta = jax.lax.dot(s, bk, preferred_element_type=jnp.float32)  # [BT, BC]
     tile = (rows[:, None], h, q, cols[None, :])
-    o_ref[tile] = (y_ref[tile].astype(jnp.float32) + delta).astype(o_ref.dtype)
+    if len(refs) == 2:
+        delta = refs[0][tile].astype(jnp.float32) + delta
+    o_ref[tile] = delta.astype(o_ref.dtype)
 
 
 def lora_apply(
@@ -129,7 +137,6 @@ def lora_apply(
     reason = supported(in_dim)
     if reason is not None:
         raise ValueError(reason)
-    y4 = y.reshape(t, h, q_parts, c_dim)
     a3 = a.reshape(in_dim, p_parts, n * r)
     b4 = b.reshape(q_parts, n * r, h, c_dim)
     block_t = min(64, _pow2_at_least(t))
@@ -140,8 +147,10 @@ def lora_apply(
     cost = pl.CostEstimate(
         flops=2 * grid[0] * block_t * nr_pad * (in_dim * grid[1] * grid[2] + h * q_parts * c_dim),
         transcendentals=0,
-        bytes_accessed=size(x) + size(a) + size(b) + 2 * size(y) + size(slots),
+        bytes_accessed=size(x) + size(a) + size(b) + y.size * 4 + size(slots),
     )
+    in_place = t == 1  # NOTE: step 4 of the module docstring
+    shape = (t, h, q_parts, c_dim)
     out = pl.pallas_call(
         functools.partial(
             _kernel,
@@ -152,11 +161,13 @@ def lora_apply(
             gate_act=gate_act,
         ),
         grid=grid,
-        out_shape=jax.ShapeDtypeStruct(y4.shape, y4.dtype),
-        input_output_aliases={4: 0},
+        out_shape=jax.ShapeDtypeStruct(shape, y.dtype if in_place else jnp.float32),
+        input_output_aliases={4: 0} if in_place else {},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         cost_estimate=cost,
         interpret=interpret,
         name="lora_shrink_expand",
-    )(slots.astype(jnp.int32), x, a3, b4, y4)
-    return out.reshape(y.shape)
+    )(slots.astype(jnp.int32), x, a3, b4, *((y.reshape(shape),) if in_place else ()))
+    if in_place:
+        return out.reshape(y.shape)
+    return (y.astype(jnp.float32) + out.reshape(y.shape)).astype(y.dtype)
