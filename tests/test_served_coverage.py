@@ -34,7 +34,7 @@ NGRAM = M + "test_ngram_speculation_with_fp8_kv_and_int4_on_an_expert_tensor_mes
 INT8_DRAFT = E + "test_int8_with_a_saved_draft_model_decodes_the_models_tokens"
 TOOLS = "test_served_tools.py::"
 MOE = "test_served_moe.py::test_deepseek_moe_on_an_expert_mesh_decodes_transformers_tokens"
-FIELDS = "test_served_fields.py::"
+FIELDS = "test_served_bounds.py::"
 PRIORITY = E + "test_priority_reorders_under_contention_and_max_queue_refuses"
 
 COVERAGE: dict[str, tuple[str, ...]] = {
