@@ -1,20 +1,15 @@
 """One process of the 2-process tests in test_multihost.py (run as a script, never collected).
 
-    python tests/multihost_worker.py --port P --process-id I --out DIR --model DIR [--mesh SPEC]
-        [--model DIR --mesh SPEC ...]
+    python tests/multihost_worker.py --port P --process-id I --model DIR --out DIR [--mesh SPEC]
 
 1. Give this process 4 virtual CPU devices, then `multihost.initialize` (2 processes, loopback).
-2. Mechanics: a psum over all 8 devices of both processes.
-3. For each `--model` (paired with the `--mesh` at the same place; none or "" is no mesh), on a
-   fresh step channel: a round trip of a small (one-frame) and a large (two-broadcast) payload;
-   the engine options from the leader; a configuration that differs between processes is
-   detected on both, an equal one passes. Then build the same engine on every process: the
-   model on the mesh over the 8 global devices (no mesh: each process its own single device,
-   which still exercises the protocol). The leader attaches the broadcasting runner, warms up,
-   generates greedily, shuts the channel down; the follower follows.
-4. Each process writes what it saw, one report per model, to OUT/process_<i>.json (a list).
-   NOTE: several models share one process pair because starting one (JAX, the coordination
-   service, the psum) is a large part of a run on the test machine.
+2. Mechanics: a psum over all 8 devices of both processes; a step-channel round trip of a small
+   (one-frame) and a large (two-broadcast) payload; the engine options from the leader; a
+   configuration that differs between processes is detected on both, an equal one passes.
+3. Build the same engine on every process: the model from DIR on `--mesh` over the 8 global
+   devices (no mesh: each process its own single device, which still exercises the protocol).
+   The leader attaches the broadcasting runner, warms up, generates greedily, shuts the channel
+   down; the follower follows. Each writes what it saw to OUT/process_<i>.json.
 """
 
 from __future__ import annotations
@@ -80,36 +75,22 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--process-id", type=int, required=True)
-    p.add_argument("--model", action="append", required=True)
+    p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--mesh", action="append", default=[])
+    p.add_argument("--mesh", default="")
     args = p.parse_args()
-    meshes = args.mesh or [""] * len(args.model)
-    if len(meshes) != len(args.model):
-        p.error("give one --mesh per --model (or none)")
     multihost.initialize(f"127.0.0.1:{args.port}", 2, args.process_id)
-    common: dict = {
+    report: dict = {
         "process_index": jax.process_index(),
         "device_count": jax.device_count(),
         "local_device_count": jax.local_device_count(),
-        "psum": psum_across_processes(),
     }
-    reports = [{**common, **run_model(model, mesh)} for model, mesh in zip(args.model, meshes)]
-    with open(os.path.join(args.out, f"process_{args.process_id}.json"), "w") as f:
-        json.dump(reports, f)
-    jax.distributed.shutdown()
-    return 0
-
-
-def run_model(model: str, mesh_spec: str) -> dict:
-    """One engine over `model` on `mesh_spec` (step 3): what this process saw."""
-    report: dict = {}
+    report["psum"] = psum_across_processes()
     channel = multihost.StepChannel()
     report.update(channel_round_trip(channel))
     options = multihost.broadcast_config(channel, dict(ENGINE) if multihost.is_leader() else None)
-    me = jax.process_index()
     try:
-        multihost.check_same_everywhere("the engine options", {**options, "me": me})
+        multihost.check_same_everywhere("the engine options", {**options, "me": args.process_id})
         report["mismatch_detected"] = False
     except ValueError as e:
         report["mismatch_detected"] = "differs between processes: process(es) [1]" in str(e)
@@ -122,9 +103,9 @@ def run_model(model: str, mesh_spec: str) -> dict:
     from jaxinfer.sampling_params import SamplingParams
 
     # NOTE: jax.devices()[0] belongs to process 0; without a mesh each process uses its own device.
-    mesh = sharding.make_mesh(mesh_spec or None, devices=None if mesh_spec else jax.local_devices())
-    config = EngineConfig(**options, **({"mesh": mesh_spec} if mesh_spec else {}))
-    engine = LLMEngine(load_model(model, mesh=mesh), config)
+    mesh = sharding.make_mesh(args.mesh or None, devices=None if args.mesh else jax.local_devices())
+    config = EngineConfig(**options, **({"mesh": args.mesh} if args.mesh else {}))
+    engine = LLMEngine(load_model(args.model, mesh=mesh), config)
     steps: list[list[int]] = []
 
     max_num_seqs = engine.runner.max_num_seqs  # (the leader's runner is wrapped below)
@@ -170,7 +151,10 @@ def run_model(model: str, mesh_spec: str) -> dict:
         report["followed"] = multihost.follow(engine.runner, channel, on_step=record)
     report["steps"] = steps
     report["messages"] = channel.seq
-    return report
+    with open(os.path.join(args.out, f"process_{args.process_id}.json"), "w") as f:
+        json.dump(report, f)
+    jax.distributed.shutdown()
+    return 0
 
 
 if __name__ == "__main__":

@@ -4,9 +4,8 @@
    WordLevel tokenizer (and converted to orbax); every process loads it from there, as serve.py
    would.
 2. `tests/multihost_worker.py` runs as process 0 (leader: engine, scheduler) and process 1
-   (follower) on a free port, once for the module: the orbax model on mesh `data=2,tensor=4`,
-   then the HF dir on `pipeline=2,tensor=4`, over both processes' devices (one process pair for
-   both: starting one is much of a run); both must exit 0, the follower on the leader's SHUTDOWN.
+   (follower) on a free port, with meshes `tensor=8`, `data=2,tensor=4` and `pipeline=2,tensor=4`
+   over both processes' devices; both must exit 0, the follower on the leader's SHUTDOWN.
 3. Checked: a psum over both processes' devices, step-channel round trips (one-frame and
    two-broadcast payloads), a configuration that differs between processes failing on both, the
    leader's greedy tokens == one single-process engine's, and the follower ran exactly the
@@ -119,11 +118,8 @@ def single_process_tokens(tiny_dir: Path) -> list[list[int]]:
     return [tokens[f"p{i}"] for i in range(len(worker.PROMPTS))]
 
 
-def run_two_processes(
-    runs: list[tuple[Path, str]], out: Path, timeout: float = 540
-) -> list[list[dict]]:
-    """Runs the worker as processes 0 and 1 over `runs` ((model, mesh) pairs, in order); both must
-    exit 0. Returns, per run, the two processes' reports."""
+def run_two_processes(model: Path, out: Path, mesh: str = "", timeout: float = 420) -> list[dict]:
+    """Runs the worker as processes 0 and 1; both must exit 0. Returns their reports."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the worker sets its own
     procs = []
@@ -135,11 +131,11 @@ def run_two_processes(
             str(port),
             "--process-id",
             str(pid),
+            "--model",
+            str(model),
             "--out",
             str(out),
-        ]
-        for model, mesh in runs:
-            cmd += ["--model", str(model), "--mesh", mesh]
+        ] + (["--mesh", mesh] if mesh else [])
         log = open(out / f"process_{pid}.log", "w")  # noqa: SIM115 - closed in the finally below
         procs.append(
             (
@@ -159,9 +155,7 @@ def run_two_processes(
                 proc.kill()
                 proc.wait()
             log.close()
-    by_process = [json.loads((out / f"process_{pid}.json").read_text()) for pid in (0, 1)]
-    assert [len(r) for r in by_process] == [len(runs)] * 2
-    return [list(pair) for pair in zip(*by_process, strict=True)]
+    return [json.loads((out / f"process_{pid}.json").read_text()) for pid in (0, 1)]
 
 
 def check_reports(reports: list[dict], expected_tokens: list[list[int]]) -> None:
@@ -180,28 +174,20 @@ def check_reports(reports: list[dict], expected_tokens: list[list[int]]) -> None
     assert leader["compiled"] == follower["compiled"] > 0  # the follower warmed up with the leader
 
 
-# NOTE: two meshes keep the suite within its time budget; tensor=8 is inside data=2,tensor=4.
-MESHES = [("data=2,tensor=4", "orbax"), ("pipeline=2,tensor=4", "hf")]
-
-
-@pytest.fixture(scope="module")
-def mesh_reports(tiny_dir, tiny_orbax, tmp_path_factory) -> dict[str, list[dict]]:
-    """mesh -> the two processes' reports, from one process pair that ran every mesh of MESHES."""
-    models = {"hf": tiny_dir, "orbax": tiny_orbax}
-    runs = [(models[source], mesh) for mesh, source in MESHES]
-    reports = run_two_processes(runs, tmp_path_factory.mktemp("two_processes"))
-    return {mesh: pair for (mesh, _), pair in zip(MESHES, reports, strict=True)}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,source", MESHES)
+# NOTE: two meshes keep the suite within its time budget; tensor=8 is inside data=2,tensor=4.
+@pytest.mark.parametrize(
+    "mesh,source", [("data=2,tensor=4", "orbax"), ("pipeline=2,tensor=4", "hf")]
+)
 def test_two_processes_on_a_global_mesh_match_one_process(
-    mesh_reports, single_process_tokens, mesh, source
+    tiny_dir, single_process_tokens, tmp_path, request, mesh, source
 ):
     """2 x 4 devices on one mesh. The leading mesh axis splits by process: with data=2 each
     process holds one replica (results all-gathered), with pipeline=2 one stage (activations
     cross processes). The HF dir and its orbax conversion both load multi-process."""
-    check_reports(mesh_reports[mesh], single_process_tokens)
+    model = tiny_dir if source == "hf" else request.getfixturevalue("tiny_orbax")
+    reports = run_two_processes(model, tmp_path, mesh)
+    check_reports(reports, single_process_tokens)
 
 
 @pytest.mark.slow
