@@ -164,14 +164,25 @@ def run(
 
 
 def greedy_ids_on_backends(
-    model: LoadedModel, prompts: list[list[int]], max_tokens: int, **backends: str
+    model: LoadedModel,
+    prompts: list[list[int]],
+    max_tokens: int,
+    *,
+    token_buckets: tuple[int, ...] | None = None,
+    **backends: str,
 ) -> tuple[LLMEngine, list[list[int]]]:
     """Greedy token ids of `prompts` batched on a small engine built with the given backend
-    options (`attention_backend=`, `linear_backend=`); returns the engine too."""
+    options (`attention_backend=`, `linear_backend=`) and `token_buckets` (None: the default
+    powers of two up to 16); returns the engine too."""
     engine = LLMEngine(
         model,
         EngineConfig(
-            page_size=4, num_pages=32, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16
+            page_size=4,
+            num_pages=32,
+            max_model_len=64,
+            max_num_seqs=2,
+            max_num_batched_tokens=16,
+            token_buckets=token_buckets,
         ),
         **backends,
     )

@@ -61,7 +61,7 @@ def _hf(model, toks):
 def test_prefill(family):
     name, model, cfg, params = family
     assert family_of(cfg) is deepseek
-    toks = _tokens(21, 1)
+    toks = _tokens(16, 1)  # the decodes' 16-token bucket: one program per family
     (ours,) = PagedStepper(params, cfg).step([(0, toks)])
     err = rel_err(ours, _hf(model, toks))
     print(f"{name}: prefill parity error {err:.2e}")
@@ -82,8 +82,8 @@ def test_prefill_then_paged_decode(family):
 
 def test_two_sequences_one_ragged_step(family):
     _, model, cfg, params = family
-    a, b = _tokens(13, 3), _tokens(7, 4)
-    out_a, out_b = PagedStepper(params, cfg).step([(0, a), (1, b)], pad_tokens=3, pad_seqs=1)
+    a, b = _tokens(10, 3), _tokens(5, 4)  # 10 + 5 + 1 padding: the 16-token bucket
+    out_a, out_b = PagedStepper(params, cfg).step([(0, a), (1, b)], pad_tokens=1, pad_seqs=1)
     assert rel_err(out_a, _hf(model, a)) <= TOL
     assert rel_err(out_b, _hf(model, b)) <= TOL
 

@@ -35,7 +35,7 @@ def _tokens(n, seed):
 
 def test_prefill(family):
     name, model, cfg, params = family
-    toks = _tokens(21, 1)  # longer than the 8-token sliding windows
+    toks = _tokens(16, 1)  # longer than the 8-token sliding windows; the decodes' 16-token bucket
     (ours,) = PagedStepper(params, cfg).step([(0, toks)])
     err = rel_err(ours, hf_logits(model, toks))
     print(f"{name}: prefill parity error {err:.2e}")
@@ -56,7 +56,7 @@ def test_prefill_then_paged_decode(family):
 
 def test_two_sequences_one_ragged_step(family):
     _, model, cfg, params = family
-    a, b = _tokens(13, 3), _tokens(7, 4)
-    out_a, out_b = PagedStepper(params, cfg).step([(0, a), (1, b)], pad_tokens=3, pad_seqs=1)
+    a, b = _tokens(10, 3), _tokens(5, 4)  # 10 + 5 + 1 padding: the 16-token bucket
+    out_a, out_b = PagedStepper(params, cfg).step([(0, a), (1, b)], pad_tokens=1, pad_seqs=1)
     assert rel_err(out_a, hf_logits(model, a)) <= TOL
     assert rel_err(out_b, hf_logits(model, b)) <= TOL

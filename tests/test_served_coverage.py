@@ -34,7 +34,7 @@ NGRAM = M + "test_ngram_speculation_with_fp8_kv_and_int4_on_an_expert_tensor_mes
 INT8_DRAFT = E + "test_int8_with_a_saved_draft_model_decodes_the_models_tokens"
 TOOLS = "test_served_tools.py::"
 MOE = "test_served_moe.py::test_deepseek_moe_on_an_expert_mesh_decodes_transformers_tokens"
-FIELDS = "test_served_fields.py::"
+FIELDS = "test_served_requests.py::"
 PRIORITY = E + "test_priority_reorders_under_contention_and_max_queue_refuses"
 
 COVERAGE: dict[str, tuple[str, ...]] = {
@@ -47,7 +47,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     ),
     "`--http-port`, `--http-host`": (F + "test_request_id_echoed_and_model_name_served",),
     "`--served-model-name`": (F + "test_request_id_echoed_and_model_name_served",),
-    "`--load-format`": ("test_served_structured.py::test_openai_json_schema",),
+    "`--load-format`": ("test_served_requests.py::test_openai_json_schema",),
     "`--skip-tokenizer-init`": (NGRAM,),
     "`--no-warmup`": (GREEDY,),
     "`--log-interval`": (F + "test_log_interval_spaces_the_load_lines",),
@@ -135,8 +135,8 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "test_served_vision.py::test_prefix_cache_keys_include_the_image",
     ),
     "structured output (JSON schema, JSON object, regex, choice, Lark / GBNF grammar)": (
-        "test_served_structured.py::test_openai_json_schema",
-        "test_served_structured.py::test_grpc_structured_outputs",
+        "test_served_requests.py::test_openai_json_schema",
+        "test_served_requests.py::test_grpc_structured_outputs",
     ),
     "tool calling (`tools`, `tool_choice` auto / required / named / none; parsers `hermes`, `llama3_json`, `mistral`) and reasoning output (`--reasoning-parser deepseek_r1` / `qwen3`)": (
         TOOLS + "test_required_calls_validate",

@@ -1,7 +1,11 @@
-"""Request bounds through the real served process (`scripts/serve.py`, engine core in its own
-process): every hostile field is a 400 / INVALID_ARGUMENT naming it, never a 5xx, and the server
-keeps serving (`serving/validation.py` says where each check lives).
+"""Request bounds, request fields and structured output through one real served process
+(`scripts/serve.py --scheduling-policy priority --api-key KEY`, engine core in its own process,
+tiny model with random weights), driven as users drive it: the `openai` client, plain HTTP and
+the gRPC stub. NOTE: one module, one server (a served start is most of such a module's CPU):
+every client here sends the API key unless a test is about leaving it out.
 
+Bounds: every hostile field is a 400 / INVALID_ARGUMENT naming it, never a 5xx, and the server
+keeps serving (`serving/validation.py` says where each check lives).
 1. The probe's cases, one by one, over HTTP (raw JSON bodies: NaN, huge ints, lone surrogates)
    and gRPC: `top_k: 10**12`, `priority: 10**30`, `stop_token_ids: [10**30]`, surrogates in a
    prompt, a chat message and a stop string, `chat_template_kwargs`, a prompt too long by itself
@@ -11,6 +15,35 @@ keeps serving (`serving/validation.py` says where each check lives).
 3. Property-based (Hypothesis): requests over the whole HTTP schema (completions and chat) and
    the gRPC `GenerateRequest`, valid and wild values for every field; each answer is a 2xx or a
    4xx naming a field; afterwards a normal request still succeeds.
+
+Fields (vLLM's request fields, cache salts, priority scheduling, utility endpoints, the API key):
+4. Completions `echo` with `logprobs` and `max_tokens=0` (lm-evaluation-harness's loglikelihood):
+   the prompt comes back with its logprobs (None first), equal to the logprobs the same tokens
+   had when they were generated; nothing generated is returned or counted; streamed alike.
+5. `logit_bias` (+100 on one id: greedy emits only it), `allowed_token_ids` (every sampled id is
+   one of them), `bad_words` (the greedy first word never comes), `include_stop_str_in_output`,
+   the legacy `guided_choice`, `return_tokens_as_token_ids`, and the same token controls on gRPC.
+6. `cache_salt`: one prompt twice under salt "a" hits the prefix cache (`cached_tokens` > 0,
+   and the same count on `vllm:prefix_cache_hits`); under salt "b", or no salt, it does not;
+   on gRPC too.
+7. Priority: four long requests fill every row, four low-priority requests queue, then one
+   high-priority request: it finishes before the last low one (first come first served would
+   run it last).
+8. `--api-key`: HTTP without the Bearer key is a 401 OpenAI error (`/health`, `/ping`,
+   `/metrics` stay open); gRPC without `authorization` metadata is UNAUTHENTICATED.
+9. An unknown field is a 400 naming it; `/tokenize`, `/detokenize`, `/version`, `/ping`; 404 and
+   405 are OpenAI error objects.
+
+Structured output (issue 27's served bug). The model's unconstrained output is noise, so output
+that a grammar accepts shows the constraint applied.
+10. `response_format` `json_schema` (bounded: enums, a boolean and no free whitespace, so the
+   object always closes): the reply parses and validates against the schema.
+11. `response_format` `json_object`: the reply is accepted by the JSON grammar token by token (a
+   length finish may cut it; a stop finish must parse to an object).
+12. vLLM's `extra_body={"structured_outputs": ...}`: `choice`, `regex` and `grammar` replies match.
+13. gRPC `sampling.structured_outputs` (field 17): `choice`, `regex`, `grammar` and `json_schema`
+   constrain the streamed token ids.
+14. An invalid schema is a 400 / INVALID_ARGUMENT naming the field, and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -20,12 +53,16 @@ import dataclasses
 import http.client as httplib
 import json
 import re
+import threading
+import time
 from typing import Any
 
 import grpc
 import pytest
 from served_utils import serve_tiny
 
+from jaxinfer.sampling_params import StructuredOutputsParams
+from jaxinfer.structured import grammar_of, llguidance_tokenizer
 from serving import validation
 from serving.client import build_request
 from serving.protos.jaxinfer.v1 import generate_pb2 as pb
@@ -35,9 +72,15 @@ pytestmark = pytest.mark.slow  # a server subprocess: imports JAX, compiles on f
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
+openai = pytest.importorskip("openai")
+requests = pytest.importorskip("requests")
+jsonschema = pytest.importorskip("jsonschema")
 
+KEY = "test-key-123"
+AUTH = (("authorization", f"Bearer {KEY}"),)
 MAX_MODEL_LEN = 256
-MAX_IN_FLIGHT = 8  # --max-num-seqs 4 + --max-queue 4
+# NOTE: the priority test needs 4 running + 5 waiting requests.
+MAX_IN_FLIGHT = 9  # --max-num-seqs 4 + --max-queue 5
 VOCAB = 49152  # SmolLM2's (served_utils.tiny_model_dir)
 
 
@@ -45,8 +88,9 @@ VOCAB = 49152  # SmolLM2's (served_utils.tiny_model_dir)
 def served(tmp_path_factory):
     srv = serve_tiny(
         tmp_path_factory.mktemp("served") / "tiny",
-        *("--max-model-len", str(MAX_MODEL_LEN), "--max-queue", "4"),
+        *("--max-model-len", str(MAX_MODEL_LEN), "--max-queue", "5"),
         *("--scheduling-policy", "priority"),  # priorities span int64 here
+        *("--api-key", KEY),
     )
     yield srv
     assert srv.stop() == 0, "".join(srv.log[-30:])
@@ -70,7 +114,9 @@ class Http:
         self.conn = httplib.HTTPConnection("127.0.0.1", port, timeout=120)
 
     def request(self, method: str, path: str, body: bytes | None = None) -> Response:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
         for attempt in range(2):
             try:
                 self.conn.request(method, path, body=body, headers=headers)
@@ -95,10 +141,21 @@ def http(served):
     client.conn.close()
 
 
+class AuthedStub:
+    """The gRPC stub whose calls send the API key (unless a call passes its own `metadata`)."""
+
+    def __init__(self, stub: pb_grpc.GenerateServiceStub) -> None:
+        self.stub = stub
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.stub, name)
+        return lambda *args, **kw: method(*args, **{"metadata": AUTH, **kw})
+
+
 @pytest.fixture(scope="module")
 def stub(served):
     channel = grpc.insecure_channel(served.grpc_address)
-    yield pb_grpc.GenerateServiceStub(channel)
+    yield AuthedStub(pb_grpc.GenerateServiceStub(channel))
     channel.close()
 
 
@@ -617,3 +674,392 @@ def test_grpc_requests_over_the_schema(http, stub, model_id):
     print("gRPC answers:", dict(seen))
     assert seen["OK"] >= 5 and seen["INVALID_ARGUMENT"] >= 5, seen
     serves_normally(http, stub, model_id)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.http_url, api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def root(served):
+    return served.http_url.removesuffix("/v1")
+
+
+def ids_of(choice) -> list[int]:
+    """Token ids of a completion choice asked with logprobs + return_tokens_as_token_ids."""
+    return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+
+
+def complete(client, model, prompt, **kw):
+    extra = kw.pop("extra_body", {})
+    return client.completions.create(
+        model=model, prompt=prompt, temperature=0, extra_body=extra, **kw
+    )
+
+
+def tokenize(root, text: str) -> list[int]:
+    r = requests.post(
+        f"{root}/tokenize", json={"prompt": text}, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def test_echo_logprobs_max_tokens_0_scores_the_prompt(client, model, root):
+    gen = complete(
+        client,
+        model,
+        "The quick brown fox",
+        max_tokens=3,
+        logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    ).choices[0]
+    prompt_ids = tokenize(root, "The quick brown fox")
+    full = prompt_ids + ids_of(gen)
+    r = complete(client, model, full, max_tokens=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(full) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(t for t in lp.top_logprobs[1:])
+    scored = lp.token_logprobs[len(prompt_ids) :]
+    assert scored == pytest.approx(gen.logprobs.token_logprobs, abs=2e-3)
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(full)
+    assert r.choices[0].text == "".join(lp.tokens)
+    chunks = client.completions.create(
+        model=model, prompt=full, max_tokens=0, echo=True, logprobs=1, temperature=0, stream=True
+    )
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in streamed) == r.choices[0].text
+    assert streamed[0].logprobs.token_logprobs == lp.token_logprobs
+    more = complete(client, model, "The quick brown fox", max_tokens=2, echo=True)
+    assert more.choices[0].text.startswith("The quick brown fox")
+    assert len(more.choices[0].text) > len("The quick brown fox")
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(client, model):
+    tids = {"return_tokens_as_token_ids": True, "ignore_eos": True}
+    r = complete(client, model, "hi", max_tokens=4, logprobs=0, logit_bias={"1234": 100},
+                 extra_body=tids)  # fmt: skip
+    assert ids_of(r.choices[0]) == [1234] * 4
+    allowed = [1234, 2345, 3456]
+    r = client.completions.create(
+        model=model,
+        prompt="hi",
+        max_tokens=8,
+        temperature=1.0,
+        seed=5,
+        logprobs=0,
+        extra_body={**tids, "allowed_token_ids": allowed},
+    )
+    assert set(ids_of(r.choices[0])) <= set(allowed)
+    first = complete(client, model, "hello there", max_tokens=1, logprobs=0, extra_body=tids)
+    (t0,) = ids_of(first.choices[0])
+    word = complete(client, model, "hello there", max_tokens=1).choices[0].text.strip()
+    assert word, "the greedy first token has no word to ban"
+    banned = complete(
+        client, model, "hello there", max_tokens=3, logprobs=0,
+        extra_body={**tids, "bad_words": [word]},
+    )  # fmt: skip
+    assert ids_of(banned.choices[0])[0] != t0
+    assert word not in banned.choices[0].text
+
+
+def test_include_stop_str_and_guided_choice(client, model):
+    base = complete(client, model, "hello", max_tokens=6, extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), text
+    cut = text[: text.find(stop)]
+    kw = {"max_tokens": 6, "stop": [stop]}
+    without = complete(client, model, "hello", extra_body={"ignore_eos": True}, **kw)
+    with_ = complete(
+        client,
+        model,
+        "hello",
+        extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+        **kw,
+    )
+    assert without.choices[0].text == cut
+    assert with_.choices[0].text == cut + stop
+    r = complete(client, model, "pick", max_tokens=8, extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].text in ("yes", "no")
+
+
+def test_cache_salt_isolates_prefix_cache(client, model, served):
+    prompt = "salted " * 40  # several full KV pages
+
+    def cached(salt=None, **kw):
+        """(cached tokens in the usage, the hits the engine counted) of one request."""
+        extra = {} if salt is None else {"cache_salt": salt}
+        before = served.metric("vllm:prefix_cache_hits_total")  # cached prompt tokens
+        r = complete(client, model, prompt, max_tokens=1, extra_body=extra, **kw)
+        hits = served.metric("vllm:prefix_cache_hits_total") - before
+        assert hits == r.usage.prompt_tokens_details.cached_tokens
+        return hits
+
+    assert cached("a") == 0
+    assert cached("a") > 0  # same salt: hit
+    assert cached("b") == 0  # another tenant: no hit on "a"'s pages
+    assert cached() == 0  # no salt: no hit either
+    assert cached("b") > 0
+
+
+def test_grpc_fields_and_cache_salt(stub):
+    def run(**kw):
+        salt = kw.pop("cache_salt", None)
+        kw = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, **kw}
+        req = build_request("grpc salted prompt " * 12, **kw)
+        if salt is not None:
+            req.cache_salt = salt
+        return stub.GenerateOnce(req, timeout=300)
+
+    assert list(run(logit_bias={77: 100.0}).token_ids) == [77] * 3
+    assert set(run(allowed_token_ids=[5000, 6000], temperature=1.0, seed=1).token_ids) <= {
+        5000,
+        6000,
+    }
+    assert run(cache_salt="x").usage.cached_prompt_tokens == 0
+    assert run(cache_salt="x").usage.cached_prompt_tokens > 0
+    assert run(cache_salt="y").usage.cached_prompt_tokens == 0
+    with pytest.raises(grpc.RpcError) as info:
+        run(logit_bias={77: 1000.0})
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.logit_bias.77" in info.value.details()
+
+
+def test_priority_runs_the_urgent_request_first(client, model, root):
+    started = [threading.Event() for _ in range(4)]
+    done: dict[str, float] = {}
+    errors: list[BaseException] = []
+
+    def blocker(i: int) -> None:
+        try:
+            stream = client.completions.create(
+                model=model, prompt=f"block {i}", max_tokens=200, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for _ in stream:
+                started[i].set()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+            started[i].set()
+
+    def queued(name: str, priority: int) -> None:
+        try:
+            complete(client, model, f"q {name}", max_tokens=8,
+                     extra_body={"ignore_eos": True, "priority": priority})  # fmt: skip
+            done[name] = time.monotonic()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=blocker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(120), "a blocker never started"
+    lows = [threading.Thread(target=queued, args=(f"low{i}", 5)) for i in range(4)]
+    for t in lows:
+        t.start()
+    deadline = time.monotonic() + 60
+    while waiting(root) < 4:  # every low-priority request has arrived before the urgent one
+        assert time.monotonic() < deadline, "the low-priority requests never queued"
+        time.sleep(0.02)
+    high = threading.Thread(target=queued, args=("high", -5))
+    high.start()
+    for t in [*threads, *lows, high]:
+        t.join(180)
+    assert not errors, errors
+    assert done["high"] < max(done[f"low{i}"] for i in range(4)), done
+
+
+def waiting(root) -> float:
+    text = requests.get(f"{root}/metrics").text
+    for line in text.splitlines():
+        if line.startswith("jaxinfer_num_requests_waiting "):
+            return float(line.split()[1])
+    raise AssertionError("no jaxinfer_num_requests_waiting gauge")
+
+
+def test_api_key_on_both_protocols(served, model, root, stub):
+    anonymous = openai.OpenAI(base_url=served.http_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        anonymous.completions.create(model=model, prompt="hi", max_tokens=1)
+    assert info.value.body["param"] == "authorization"
+    assert requests.post(f"{root}/tokenize", json={"prompt": "x"}).status_code == 401
+    for path in ("/health", "/ping", "/metrics"):
+        assert requests.get(root + path).status_code == 200, path
+    req = build_request("hi", max_tokens=1)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.GenerateOnce(req, metadata=(), timeout=60)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as info:
+        stub.GenerateOnce(req, metadata=(("authorization", "Bearer nope"),), timeout=60)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert stub.GenerateOnce(req, metadata=AUTH, timeout=60).usage.completion_tokens == 1
+
+
+def test_unknown_field_and_endpoints(client, model, root):
+    with pytest.raises(openai.BadRequestError) as info:
+        complete(client, model, "hi", max_tokens=1, extra_body={"max_token": 3})
+    assert info.value.body["param"] == "max_token"
+    with pytest.raises(openai.BadRequestError) as info:
+        complete(client, model, "hi", max_tokens=1, extra_body={"use_beam_search": True})
+    assert info.value.body["param"] == "use_beam_search"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    tok = requests.post(
+        f"{root}/tokenize", json={"prompt": "hello there", "return_token_strs": True}, headers=auth
+    ).json()
+    assert tok["count"] == len(tok["tokens"]) and "".join(tok["token_strs"]) == "hello there"
+    text = requests.post(f"{root}/detokenize", json={"tokens": tok["tokens"]}, headers=auth)
+    assert text.json() == {"prompt": "hello there"}
+    assert requests.get(f"{root}/version", headers=auth).json()["version"]
+    assert requests.post(f"{root}/ping").status_code == 200
+    missing = requests.get(f"{root}/v1/nope", headers=auth)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+    wrong = requests.get(f"{root}/v1/completions", headers=auth)
+    assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
+        "sure": {"type": "boolean"},
+    },
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+    # NOTE: llguidance's option: no whitespace between tokens. JSON grammars allow any amount by
+    # default, and a random-weight model takes that path at length; so would a real small model.
+    "x-guidance": {"whitespace_flexible": False},
+}
+CHOICES = ["red", "green", "blue"]
+REGEX = r"[A-Z][a-z]{2,5} is [0-9]{1,2}"
+
+
+@pytest.fixture(scope="module")
+def tok(served):
+    from engine_utils import load_vocab
+
+    return load_vocab()
+
+
+def accepted(tok, params: StructuredOutputsParams, ids: list[int]) -> tuple[bool, bool]:
+    """(every token accepted by the grammar, the grammar accepts the sequence as complete)."""
+    import llguidance as llg
+
+    matcher = llg.LLMatcher(llguidance_tokenizer(tok, tok.vocab_size), grammar_of(params))
+    ids = [i for i in ids if i not in tok.eos_token_ids]
+    ok = matcher.consume_tokens(ids) and not matcher.is_error()
+    return ok, ok and matcher.is_accepting()
+
+
+def chat_json(client, **kw):
+    model = client.models.list().data[0].id
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Answer in JSON."}],
+        max_tokens=48,
+        temperature=0.8,
+        seed=3,
+        **kw,
+    )
+
+
+def test_openai_json_schema(client):
+    r = chat_json(
+        client,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_openai_json_object(client, tok):
+    r = chat_json(client, response_format={"type": "json_object"})
+    choice = r.choices[0]
+    text = choice.message.content
+    ok, complete = accepted(
+        tok,
+        StructuredOutputsParams(json_object=True),
+        tok.encode(text, add_special_tokens=False),
+    )
+    assert ok, text
+    if choice.finish_reason == "stop":
+        assert complete and isinstance(json.loads(text), dict), text
+
+
+def test_openai_extra_body_choice_regex_and_grammar(client, tok):
+    model = client.models.list().data[0].id
+    r = client.completions.create(
+        model=model,
+        prompt="Pick a color:",
+        max_tokens=16,
+        n=2,
+        seed=5,
+        extra_body={"structured_outputs": {"choice": CHOICES}},
+    )
+    assert [c.text for c in r.choices if c.text not in CHOICES] == []
+    r = client.completions.create(
+        model=model,
+        prompt="A name and an age:",
+        max_tokens=24,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": REGEX}},
+    )
+    assert re.fullmatch(REGEX, r.choices[0].text), r.choices[0].text
+    grammar = 'root ::= "(" [0-9]+ ")"'
+    r = client.completions.create(
+        model=model,
+        prompt="A number in parentheses:",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"structured_outputs": {"grammar": grammar}},
+    )
+    ok, complete = accepted(
+        tok,
+        StructuredOutputsParams(grammar=grammar),
+        tok.encode(r.choices[0].text, add_special_tokens=False),
+    )
+    assert ok and (complete or r.choices[0].finish_reason == "length"), r.choices[0].text
+
+
+def _grpc_ids(stub, so: pb.StructuredOutputs, max_tokens: int = 32) -> tuple[list[int], int]:
+    req = build_request("Say something:", max_tokens=max_tokens, temperature=0.7, seed=11)
+    req.sampling.structured_outputs.CopyFrom(so)
+    msgs = list(stub.Generate(req, timeout=120))
+    return [t for m in msgs for t in m.token_ids], msgs[-1].finish_reason
+
+
+def test_grpc_structured_outputs(stub, tok):
+    ids, _ = _grpc_ids(stub, pb.StructuredOutputs(choice=pb.Choices(choices=CHOICES)))
+    assert tok.decode(ids) in CHOICES
+    ids, _ = _grpc_ids(stub, pb.StructuredOutputs(regex=REGEX))
+    assert re.fullmatch(REGEX, tok.decode(ids)), tok.decode(ids)
+    grammar = 'root ::= "(" [0-9]+ ")"'
+    ids, finish = _grpc_ids(stub, pb.StructuredOutputs(grammar=grammar), max_tokens=8)
+    ok, complete = accepted(tok, StructuredOutputsParams(grammar=grammar), ids)
+    assert ok and (complete or finish == pb.GenerateResponse.LENGTH), tok.decode(ids)
+    ids, finish = _grpc_ids(stub, pb.StructuredOutputs(json_schema=json.dumps(SCHEMA)), 48)
+    assert finish == pb.GenerateResponse.STOP
+    jsonschema.validate(json.loads(tok.decode(ids)), SCHEMA)
+
+
+def test_invalid_schema_is_named_and_the_server_keeps_serving(client, stub, tok):
+    bad = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        chat_json(client, response_format={"type": "json_schema", "json_schema": {"schema": bad}})
+    assert "response_format.json_schema" in str(e.value)
+    req = build_request("x", max_tokens=4)
+    req.sampling.structured_outputs.regex = "("
+    with pytest.raises(grpc.RpcError) as g:
+        list(stub.Generate(req, timeout=60))
+    assert g.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_outputs.regex" in g.value.details()
+    ids, _ = _grpc_ids(stub, pb.StructuredOutputs(choice=pb.Choices(choices=CHOICES)))
+    assert tok.decode(ids) in CHOICES
