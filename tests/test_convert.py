@@ -214,6 +214,7 @@ def test_interrupted_conversion_is_named(tiny_orbax: Path, tmp_path: Path) -> No
 def test_checkpoint_of_unfused_qkv_is_refused_by_name(monkeypatch, tmp_path: Path) -> None:
     """A checkpoint converted before the fused QKV weight (its leaves `attn.q`, `attn.kv`) is
     refused with what to do, before anything is restored (read from its metadata alone)."""
+    from checkpoints import orbax_io
     from jaxinfer import loader
 
     old = {
@@ -221,12 +222,12 @@ def test_checkpoint_of_unfused_qkv_is_refused_by_name(monkeypatch, tmp_path: Pat
         "layers.0.attn.kv": ((64, 2, 32), np.dtype("float32")),
         "layers.0.attn.o": ((64, 64), np.dtype("float32")),
     }
-    monkeypatch.setattr(loader, "saved_leaves", lambda path: old)
+    monkeypatch.setattr(orbax_io, "saved_leaves", lambda path: old)
     with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.kv.*convert its source again"):
         loader.orbax_quantization(str(tmp_path))
     new = {"layers.0.attn.qkv": ((64, 2, 4, 16), np.dtype("float32")), **old}
     del new["layers.0.attn.kv"]
-    monkeypatch.setattr(loader, "saved_leaves", lambda path: new)  # DeepSeek's attn.q stays
+    monkeypatch.setattr(orbax_io, "saved_leaves", lambda path: new)  # DeepSeek's attn.q stays
     assert loader.orbax_quantization(str(tmp_path)) is None
 
 
