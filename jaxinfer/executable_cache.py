@@ -45,6 +45,7 @@ import numpy as np
 from jax.experimental import serialize_executable
 
 from jaxinfer import compile_cache
+from pallas_kernels import cpu_build
 
 logger = logging.getLogger(__name__)
 
@@ -76,16 +77,6 @@ def hash_sources(root: Path) -> str:
     return digest.hexdigest()
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 @functools.cache
 def environment() -> str:
     """What every program of this process is compiled under (see the module docstring)."""
@@ -104,7 +95,7 @@ def environment() -> str:
         f"backend={backend.platform} {backend.platform_version}",
         f"devices={[(d.id, d.device_kind, d.process_index) for d in jax.devices()]}",
         f"processes={jax.process_count()} index={jax.process_index()}",
-        f"cpu={platform.machine()} {_cpu_flags()}",
+        f"cpu={platform.machine()} {cpu_build.cpu_flags()}",
         f"env={env}",
         f"trace_context={_ADDRESS.sub('', repr(jax_config.trace_context()))}",
         f"source={source_hash()}",

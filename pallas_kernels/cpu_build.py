@@ -46,7 +46,8 @@ def _compiler() -> str:
     raise RuntimeError("no C++ compiler found (set CXX, or install g++) to build the CPU kernels")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags line (`/proc/cpuinfo`), what its compiled code may use."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -76,7 +77,7 @@ class CppKernel:
             *(h.read_bytes() for h in headers),
             " ".join(FLAGS).encode(),
             cxx.encode(),
-            _cpu_flags().encode(),
+            cpu_flags().encode(),
         ):
             key.update(part)
         out = _cache_dir() / f"{self.source.stem}_{key.hexdigest()[:20]}.so"
