@@ -346,8 +346,13 @@ def check_dummy_load(family: str, root, mesh: str = "", generate: str | None = N
         if v.ndim > 1:
             assert v.std() > 0, name
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
-    engine = dict(
-        page_size=4, num_pages=16, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=8
+    engine = dict(  # NOTE: one 8-token bucket: the 5-token prefill and the decodes, one program
+        page_size=4,
+        num_pages=16,
+        max_model_len=32,
+        max_num_seqs=2,
+        max_num_batched_tokens=8,
+        token_buckets=(8,),
     )
     vocab = real.cfg.vocab_size
     if generate is None:

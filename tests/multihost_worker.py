@@ -30,10 +30,18 @@ import numpy as np  # noqa: E402
 from jaxinfer.engine import multihost  # noqa: E402
 from jaxinfer.sharding import device_put_global  # noqa: E402
 
-# NOTE: a 2-token budget keeps every process's warmup to 2 token buckets (1 and 2; the pipeline
-# mesh pads to 2) x 2 logits variants; prompts are prefilled in 2-token chunks (more steps, each
-# one a channel round trip the follower must replay), decodes of 3 requests split over steps.
-ENGINE = dict(page_size=4, num_pages=34, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=2)
+# NOTE: a 2-token budget and one 2-token bucket keep every process's warmup to 2 programs (the
+# 2 logits variants; a 1-token step pads to 2, as on the pipeline mesh); prompts are prefilled in
+# 2-token chunks (more steps, each one a channel round trip the follower must replay), decodes of
+# 3 requests split over steps.
+ENGINE = dict(
+    page_size=4,
+    num_pages=34,
+    max_model_len=32,
+    max_num_seqs=4,
+    max_num_batched_tokens=2,
+    token_buckets=(2,),
+)
 PROMPTS = [[5, 17, 33, 101, 7, 9], [200, 3, 42], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
 MAX_TOKENS = 6
 

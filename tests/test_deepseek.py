@@ -124,6 +124,11 @@ def _random_model(name="deepseek_v3", **overrides):
     return cfg, params
 
 
+# NOTE: the mesh tests' model: the dense first layer and one MoE layer (of the tiny config's
+# three), so each sharded program is two thirds the size.
+MESH_LAYERS = 2
+
+
 def test_cache_holds_only_latent_rows_and_engine_sizes_pages_by_them():
     cfg, params = _random_model()
     lat, rope, layers = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_layers
@@ -166,7 +171,7 @@ def test_mesh_equals_single_device(spec, a2a, monkeypatch):
     if a2a:
         monkeypatch.setattr(moe, "A2A_MIN_TOKENS", 16)
         jax.clear_caches()
-    cfg, params = _random_model()
+    cfg, params = _random_model(num_hidden_layers=MESH_LAYERS)
     devices = jax.devices()[:4]
     if len(devices) < 4:
         pytest.skip("needs 4 (virtual) devices")
@@ -209,13 +214,14 @@ def test_mesh_equals_single_device(spec, a2a, monkeypatch):
 def test_engine_greedy_tokens_on_mesh_equal_single_device():
     """The engine (runner on a mesh: latent caches replicated over the head shards) generates the
     single-device greedy tokens; no tokenizer (token ids only)."""
-    cfg, params = _random_model()
+    cfg, params = _random_model(num_hidden_layers=MESH_LAYERS)
     model = LoadedModel("tiny-ds", "<memory>", "random", cfg, {}, params, None, "float32")
     prompts = [_tokens(n, s) for s, n in ((1, 9), (2, 4), (3, 13))]
 
     def tokens(mesh):
         # NOTE: the 26 prompt tokens prefill in one 32-token step and the three requests decode
-        # together: two programs per engine (a 16-token budget compiled three).
+        # together, padded to the same one bucket: one program per engine (a 16-token budget
+        # compiled three, two buckets two).
         engine = LLMEngine(
             model,
             EngineConfig(
@@ -224,6 +230,7 @@ def test_engine_greedy_tokens_on_mesh_equal_single_device():
                 max_model_len=64,
                 max_num_seqs=4,
                 max_num_batched_tokens=32,
+                token_buckets=(32,),
                 mesh=mesh,
             ),
         )

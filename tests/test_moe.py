@@ -666,13 +666,19 @@ def mixtral8h_engine_case():
     )
 
 
+# NOTE: one token bucket: the prompt's two prefill chunks (16 + 7) and the decodes run one step
+# program per engine (the default buckets compiled three: 16, 8 and 1).
+ONE_BUCKET = (16,)
+
+
 def test_engine_greedy_tiny_mixtral_matches_transformers(mixtral_engine_case):
     """The engine (chunked prefill, paged decode, bucketed jitted steps) generates transformers'
     greedy tokens on a tiny Mixtral."""
     from tests.engine_utils import generate, greedy, make_engine
 
     loaded, prompt, want = mixtral_engine_case
-    assert generate(make_engine(loaded), prompt, greedy(12, ignore_eos=True)).token_ids == want
+    engine = make_engine(loaded, token_buckets=ONE_BUCKET)
+    assert generate(engine, prompt, greedy(12, ignore_eos=True)).token_ids == want
 
 
 @pytest.mark.slow
@@ -682,7 +688,7 @@ def test_engine_greedy_tiny_mixtral_on_expert_mesh(mixtral8h_engine_case, mesh_s
     from tests.engine_utils import generate, greedy, make_engine
 
     loaded, prompt, want = mixtral8h_engine_case
-    engine = make_engine(loaded, mesh=mesh_spec)
+    engine = make_engine(loaded, mesh=mesh_spec, token_buckets=ONE_BUCKET)
     assert generate(engine, prompt, greedy(12, ignore_eos=True)).token_ids == want
 
 
@@ -697,7 +703,8 @@ def test_engine_greedy_tiny_mixtral_on_issue_meshes(mixtral8h_engine_case, mesh_
     from tests.engine_utils import generate, greedy, make_engine
 
     loaded, prompt, want = mixtral8h_engine_case
-    engine = make_engine(loaded, mesh=mesh_spec, num_pages=26)  # data=2: two pools of 13
+    # data=2: two pools of 13 pages
+    engine = make_engine(loaded, mesh=mesh_spec, num_pages=26, token_buckets=ONE_BUCKET)
     assert generate(engine, prompt, greedy(12, ignore_eos=True)).token_ids == want
 
 

@@ -163,8 +163,8 @@ def _model(tok, kv_heads: int) -> LoadedModel:
 
 def _engine(model: LoadedModel, mesh: str) -> LLMEngine:
     # NOTE: a 32-token budget prefills the first four prompts in one step (the fifth joins the
-    # decodes later), and steps pad to 4 tokens (decodes of up to 4 sequences) or 32: two
-    # programs per mesh instead of one per power of two up to 32.
+    # decodes later), and every step pads to one 32-token bucket: one program per mesh instead of
+    # one per power of two up to 32 (its compile costs far more than the padded decode tokens).
     return LLMEngine(
         model,
         EngineConfig(
@@ -173,7 +173,7 @@ def _engine(model: LoadedModel, mesh: str) -> LLMEngine:
             max_model_len=64,
             max_num_seqs=4,
             max_num_batched_tokens=32,
-            token_buckets=(4, 32),
+            token_buckets=(32,),
             mesh=mesh,
         ),
     )

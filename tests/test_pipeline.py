@@ -411,8 +411,9 @@ def _pipeline_engine(model, mesh: str):
     from jaxinfer.config import EngineConfig
     from jaxinfer.engine.engine import LLMEngine
 
-    # NOTE: steps pad to 4 tokens (decodes of up to 4 sequences) or 16 (prefill chunks): two
-    # programs per mesh instead of one per power of two (each a pipelined program over 8 devices).
+    # NOTE: every step (prefill chunks and decodes of up to 4 sequences) pads to one 16-token
+    # bucket: one program per mesh instead of one per power of two (each a pipelined program over
+    # 8 devices, whose compile costs far more than the padded decode tokens).
     return LLMEngine(
         model,
         EngineConfig(
@@ -421,7 +422,7 @@ def _pipeline_engine(model, mesh: str):
             max_model_len=64,
             max_num_seqs=4,
             max_num_batched_tokens=16,
-            token_buckets=(4, 16),
+            token_buckets=(16,),
             mesh=mesh,
         ),
     )
