@@ -41,9 +41,9 @@ def _close(a, b):
 def test_chunked_and_decode_equal_full(model, page_size):
     cfg, params = model
     toks = _toks(23, 0)
-    (full,) = PagedStepper(params, cfg, page_size=page_size, num_pages=128).step([(0, toks)])
+    (full,) = PagedStepper(params, cfg, page_size=page_size).step([(0, toks)])
     for chunk in (1, 3, 7):
-        stepper = PagedStepper(params, cfg, page_size=page_size, num_pages=128, seed=chunk)
+        stepper = PagedStepper(params, cfg, page_size=page_size, seed=chunk)
         got = []
         for i in range(0, len(toks), chunk):
             got.extend(stepper.step([(0, toks[i : i + chunk])]))

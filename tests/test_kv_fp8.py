@@ -198,7 +198,8 @@ def test_unreadable_backends_and_bad_values_are_named(monkeypatch):
 
 
 def _engine(model, kv_cache_dtype, backend, **kw):
-    kw = {"max_num_seqs": 2, **kw}
+    # NOTE: one 16-token bucket: the prefill and the decodes run one program per engine
+    kw = {"max_num_seqs": 2, "token_buckets": (16,), **kw}
     return LLMEngine(
         model,
         EngineConfig(

@@ -701,15 +701,15 @@ def test_every_family_greedy_identical(family):
 
     model = family_model(family)
     # NOTE: both prompts (12 + 17 tokens) prefill in one 32-token step and every later step (2
-    # decodes, or 2 x (1 + 3) verify rows) pads to 8 tokens, so the plain engine compiles two
-    # programs and the speculating one adds only its verify shapes.
+    # decodes, or 2 x (1 + 3) verify rows) pads to 32 tokens too, so the plain engine compiles
+    # one program and the speculating one adds only its verify shapes.
     base = dict(
         page_size=4,
         num_pages=64,
         max_model_len=64,
         max_num_seqs=2,
         max_num_batched_tokens=32,
-        token_buckets=(8, 32),
+        token_buckets=(32,),
     )
     rng = np.random.default_rng(0)
     prompts = []

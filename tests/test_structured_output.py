@@ -249,8 +249,8 @@ def llm():
     import jaxinfer
 
     # 20 pages of 16 tokens for 18 sequences of ~40-token prompts: preemption is certain.
-    # Steps pad to 8, 32 or 256 tokens: 3 step programs (and sampler programs) of the 135M
-    # model instead of one per power of two up to 256; the constrained rows sample alike.
+    # Steps pad to 32 or 256 tokens: 2 step programs (and sampler programs) of the 135M model
+    # instead of one per power of two up to 256; the constrained rows sample alike.
     return jaxinfer.LLM(
         None,
         dtype="float32",
@@ -258,7 +258,7 @@ def llm():
         max_num_seqs=18,
         max_num_batched_tokens=256,
         num_pages=21,
-        token_buckets=(8, 32, 256),
+        token_buckets=(32, 256),
     )
 
 
