@@ -253,7 +253,7 @@ def model():
 
 
 def seeded(i: int) -> SamplingParams:
-    return SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=4, ignore_eos=True)
+    return SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=8, ignore_eos=True)
 
 
 @pytest.mark.slow
