@@ -94,14 +94,21 @@ def test_trace_has_named_scopes(srv, trace_dir):
     """The first TRACE_STEPS busy steps were traced (a file TensorBoard's profile tab opens)."""
     with GenerateClient(srv.address) as c:  # busy steps, in case this test runs alone
         c.generate_once("The sea is", max_tokens=TRACE_STEPS, temperature=0.0)
+    # NOTE: the trace is written on a thread after its last step, into a file that exists (empty,
+    # then growing) before it is complete: read it until every scope shows or the deadline passes
+    scopes = (b"layer_0", b"attention", b"sampler")
     deadline = time.monotonic() + 60
-    while not (files := glob.glob(f"{trace_dir}/plugins/profile/*/*.xplane.pb")):
-        assert time.monotonic() < deadline, "no trace written"
+    while True:
+        files = glob.glob(f"{trace_dir}/plugins/profile/*/*.xplane.pb")
+        data = b""
+        if files:
+            with open(files[0], "rb") as f:
+                data = f.read()
+        missing = [s for s in scopes if s not in data]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, ("no trace written", files, missing, len(data))
         time.sleep(0.2)
-    with open(files[0], "rb") as f:
-        data = f.read()
-    for scope in (b"layer_0", b"attention", b"sampler"):
-        assert scope in data, scope
 
 
 def test_cancel_frees_pages_and_capacity_check(srv):
