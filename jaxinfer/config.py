@@ -83,6 +83,9 @@ class ModelConfig:
     local_rope: RopeConfig | None = None
     # Per layer: the sliding window (number of keys a query may see, itself included) or None.
     layer_windows: tuple[int | None, ...] = ()
+    # Qwen2.5-VL's M-RoPE: rotary pairs per position row (t, h, w), summing to head_dim / 2; the
+    # step then carries `StepInputs.mrope_positions` i32[3, T] when it holds image tokens.
+    mrope_section: tuple[int, ...] | None = None
     # Mixture of experts (Mixtral, Qwen3-MoE): 0 experts = dense everywhere.
     num_experts: int = 0
     num_experts_per_tok: int = 0

@@ -114,6 +114,21 @@ def rope_cos_sin(
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
+def mrope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Qwen2.5-VL's M-RoPE: cos/sin f32[T, D/2] for position rows i32[3, T] (t, h, w): rotary
+    pair j takes its angle from the row `cfg.mrope_section` assigns it (the first section's
+    pairs from t, the next from h, the rest from w). Equal rows give `rope_cos_sin`'s tables."""
+    cos, sin = rope_cos_sin(cfg, positions.reshape(-1))
+    rows = np.repeat(np.arange(3), cfg.mrope_section)[None, None, :]  # [1, 1, D/2]
+    t = positions.shape[-1]
+
+    def pick(x: jax.Array) -> jax.Array:
+        x = x.reshape(3, t, -1)
+        return jnp.take_along_axis(x, jnp.broadcast_to(rows, (1, t, x.shape[-1])), axis=0)[0]
+
+    return pick(cos), pick(sin)
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotates halves (x1, x2) of x [T, H, D] (the Hugging Face layout)."""
     xf = x.astype(jnp.float32)

@@ -24,7 +24,13 @@ from jaxinfer.lora.request import LoRARequest
 from jaxinfer.model_info import check_load_format
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.vision.inputs import ImageInput
-from jaxinfer.vision.processor import chat_parts, expand_prompt, vision_spec, with_images
+from jaxinfer.vision.processor import (
+    chat_parts,
+    expand_prompt,
+    resized,
+    vision_spec,
+    with_images,
+)
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"dtype"}
 
@@ -233,7 +239,8 @@ class LLM:
         flat, images = chat_parts(messages, self.vision)
         text = self.tokenizer.apply_chat_template(flat, add_generation_prompt=True)
         if images:
-            text = expand_prompt(text, self.vision, len(images), "messages")
+            sized = [resized(im, self.vision) for im in images]
+            text = expand_prompt(text, self.vision, len(images), "messages", sized)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
         return self.generate([prompt if images else ids], sampling)[0]

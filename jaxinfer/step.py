@@ -26,6 +26,9 @@ class StepInputs:
     # `mm_rows` (padding rows point past T and are dropped); None on steps without image tokens.
     mm_embeds: jax.Array | None = None  # f32[M, E]
     mm_rows: jax.Array | None = None  # i32[M]
+    # M-RoPE (`ModelConfig.mrope_section`, Qwen2.5-VL): each token's (t, h, w) position rows
+    # (`jaxinfer.vision.mrope`); None on steps without a request holding images (rows = positions).
+    mrope_positions: jax.Array | None = None  # i32[3, T]
     # Static: every live sequence s holds exactly token s, one token each (a pure-decode step,
     # one replica). The runner marks such steps only where the attention backend has a decode-only
     # path (`gpu`), so no other backend compiles a second program per bucket.

@@ -345,9 +345,14 @@ def final_logits(params: Params, cfg: ModelConfig, h: jax.Array, linear: str = "
     return layers.soft_cap(logits.astype(jnp.float32), cfg.final_logit_softcap)
 
 
-def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos/sin f32[T, D/2] for positions i32[T]; with `cfg.local_rope` (Gemma 3) f32[T, D]: the
-    global layers' half, then the sliding-window layers' half (each layer slices its own)."""
+def rope_tables(
+    cfg: ModelConfig, positions: jax.Array, mrope: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """cos/sin f32[T, D/2] for positions i32[T] (M-RoPE's rows i32[3, T] when given); with
+    `cfg.local_rope` (Gemma 3) f32[T, D]: the global layers' half, then the sliding-window
+    layers' half (each layer slices its own)."""
+    if mrope is not None and cfg.mrope_section:  # Qwen2.5-VL, a step holding image tokens
+        return layers.mrope_cos_sin(cfg, mrope)
     cos, sin = layers.rope_cos_sin(cfg, positions)
     if cfg.local_rope is None:
         return cos, sin
@@ -371,7 +376,7 @@ def _forward_local(
         if step.mm_embeds is not None:  # image soft tokens (`jaxinfer.vision`)
             h = h.at[step.mm_rows].set(step.mm_embeds.astype(h.dtype), mode="drop")
     with jax.named_scope("rope_tables"):
-        cos, sin = rope_tables(cfg, step.positions)
+        cos, sin = rope_tables(cfg, step.positions, step.mrope_positions)
     new_caches = []
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):

@@ -399,6 +399,18 @@ GEMMA3_TEXT = register_llama_like(
         **_GEMMA,
     )
 )
+# Qwen2.5-VL's text model: Qwen2 with M-RoPE (hub files: `model.*` beside `visual.*`;
+# transformers 5 in memory: `model.language_model.*`, `model.visual.*`).
+QWEN2_5_VL_TEXT = register_llama_like(
+    LlamaLike(
+        "qwen2_5_vl_text",
+        qkv_bias=True,
+        rope_theta=1e6,
+        windows=opt_in_sliding_window,
+        text_prefixes=(("model.language_model.", "model."),),
+        skipped_prefixes=("visual.", "model.visual."),
+    )
+)
 register_llama_like(
     LlamaLike(
         "mixtral",
@@ -434,5 +446,40 @@ def _gemma3_from_hf(hf: dict[str, Any]) -> ModelConfig:
 registry.register(
     registry.Family(
         "gemma3", "jaxinfer.models.llama", _gemma3_from_hf, ("Gemma3ForConditionalGeneration",)
+    )
+)
+
+
+def _qwen2_5_vl_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Qwen2.5-VL: its text model (`text_config`, or the top-level fields of older configs) with
+    the rope's `mrope_section` (rope type "mrope" in older configs) as `ModelConfig.mrope_section`."""
+    text = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}
+    text.update(hf.get("text_config") or {})
+    section = None
+    for key in ("rope_parameters", "rope_scaling"):
+        params = dict(text.get(key) or {})
+        if "mrope_section" in params:
+            section = tuple(int(x) for x in params.pop("mrope_section"))
+            for name in ("type", "rope_type"):
+                if params.get(name) == "mrope":
+                    params[name] = "default"
+            text[key] = params
+    cfg = QWEN2_5_VL_TEXT.parse({**text, "model_type": QWEN2_5_VL_TEXT.model_type})
+    if section is None:
+        raise UnsupportedConfigError("qwen2_5_vl: the rope parameters have no 'mrope_section'")
+    if sum(section) != cfg.head_dim // 2 or len(section) != 3:
+        raise UnsupportedConfigError(
+            f"qwen2_5_vl: mrope_section {list(section)} must be 3 numbers summing to head_dim / 2 "
+            f"({cfg.head_dim // 2})"
+        )
+    return dataclasses.replace(cfg, mrope_section=section)
+
+
+registry.register(
+    registry.Family(
+        "qwen2_5_vl",
+        "jaxinfer.models.llama",
+        _qwen2_5_vl_from_hf,
+        ("Qwen2_5_VLForConditionalGeneration",),
     )
 )

@@ -251,14 +251,18 @@ def load_encoder(model: Any, *, dtype: Any = jnp.float32) -> ImageEncoder | None
     spec = vision_spec(model.path, model.hf_config or {})
     if spec is None:
         return None
-    vcfg = VisionConfig.from_hf(model.hf_config)
-    if model.source == "dummy":
-        return ImageEncoder(vcfg, random_params(vcfg, dtype=dtype), spec)
-    if model.source != "hf":
+    if model.source not in ("hf", "dummy"):
         log.warning(
             "%s: %s source has no vision tensors: images are refused", model.path, model.source
         )
         return None
+    if model.hf_config.get("model_type") == "qwen2_5_vl":
+        from jaxinfer.vision.qwen2_5_vl import load_qwen_encoder
+
+        return load_qwen_encoder(model, spec, dtype)
+    vcfg = VisionConfig.from_hf(model.hf_config)
+    if model.source == "dummy":
+        return ImageEncoder(vcfg, random_params(vcfg, dtype=dtype), spec)
     with HFCheckpoint(model.path) as ckpt:
         params = params_from_hf(vcfg, ckpt.tensor_names(), ckpt.tensor, dtype)
     return ImageEncoder(vcfg, params, spec)

@@ -30,9 +30,12 @@ import numpy as np
 
 from jaxinfer.vision.inputs import ImageInput
 
-SUPPORTED = {"gemma3": "Gemma3ForConditionalGeneration"}
+SUPPORTED = {
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",  # `jaxinfer.vision.qwen_processor`
+}
 # Vision-language architectures we know by name but do not serve (yet).
-REFUSED = ("qwen2_5_vl", "qwen2_vl", "llava", "mllama", "paligemma", "idefics3", "internvl")
+REFUSED = ("qwen2_vl", "qwen3_vl", "llava", "mllama", "paligemma", "idefics3", "internvl")
 
 
 class ImageError(ValueError):
@@ -63,6 +66,10 @@ class VisionSpec:
             raise ValueError(f"vision architecture model_type={mt!r} is not supported yet")
         if mt not in SUPPORTED or not isinstance(config.get("vision_config"), dict):
             return None
+        if mt == "qwen2_5_vl":
+            from jaxinfer.vision.qwen_processor import QwenVisionSpec
+
+            return QwenVisionSpec.from_qwen(config, preprocessor)
         vc = config["vision_config"]
         pre = preprocessor or {}
         size = pre.get("size") or {}
@@ -76,10 +83,22 @@ class VisionSpec:
             rescale=float(pre.get("rescale_factor", 1 / 255)),
         )
 
-    def image_run(self) -> str:
-        """The text one image becomes in the prompt (HF Gemma3Processor's `full_image_sequence`)."""
-        soft = self.image_token * self.tokens_per_image
+    def image_run(self, rgb: np.ndarray | None = None) -> str:
+        """The text one image (u8[H, W, 3] resized) becomes in the prompt (HF Gemma3Processor's
+        `full_image_sequence`)."""
+        soft = self.image_token * self.tokens_for(rgb)
         return f"\n\n{self.boi_token}{soft}{self.eoi_token}\n\n"
+
+    def tokens_for(self, rgb: np.ndarray | None) -> int:
+        """Soft tokens of one resized image (fixed for Gemma 3)."""
+        return self.tokens_per_image
+
+    def resize(self, image: Any) -> np.ndarray:
+        """u8[H, W, 3]: the image bilinearly resized to the model's square (the HF processor's)."""
+        from PIL import Image
+
+        side = self.image_size
+        return np.asarray(image.convert("RGB").resize((side, side), Image.Resampling.BILINEAR))
 
 
 def load_image(obj: Any, field: str) -> Any:
@@ -119,11 +138,8 @@ def load_image(obj: Any, field: str) -> Any:
 
 
 def resized(image: Any, spec: VisionSpec) -> np.ndarray:
-    """u8[H, W, 3]: the image bilinearly resized to the model's square (the HF processor's way)."""
-    from PIL import Image
-
-    side = spec.image_size
-    return np.asarray(image.convert("RGB").resize((side, side), Image.Resampling.BILINEAR))
+    """u8[H, W, 3]: the image resized as the model's HF image processor does (`spec.resize`)."""
+    return spec.resize(image)
 
 
 def pixel_values(rgb: np.ndarray, spec: VisionSpec) -> np.ndarray:
@@ -133,9 +149,16 @@ def pixel_values(rgb: np.ndarray, spec: VisionSpec) -> np.ndarray:
     return np.ascontiguousarray(x.transpose(2, 0, 1))
 
 
-def expand_prompt(text: str, spec: VisionSpec, num_images: int, field: str = "prompt") -> str:
-    """Each image placeholder of `text` -> the model's image run; their count must be
-    `num_images` (ImageError naming `field`)."""
+def expand_prompt(
+    text: str,
+    spec: VisionSpec,
+    num_images: int,
+    field: str = "prompt",
+    images: list[np.ndarray] | None = None,
+) -> str:
+    """Each image placeholder of `text` -> the model's image run (sized by the resized `images`
+    where the run depends on the image: Qwen2.5-VL); their count must be `num_images`
+    (ImageError naming `field`)."""
     found = text.count(spec.boi_token)
     if found != num_images:
         raise ImageError(
@@ -143,7 +166,9 @@ def expand_prompt(text: str, spec: VisionSpec, num_images: int, field: str = "pr
             f"{spec.boi_token} placeholder(s)",
             field,
         )
-    return text.replace(spec.boi_token, spec.image_run())
+    pieces = text.split(spec.boi_token)
+    runs = [spec.image_run(images[i] if images else None) for i in range(num_images)]
+    return pieces[0] + "".join(run + piece for run, piece in zip(runs, pieces[1:]))
 
 
 def image_inputs(
@@ -155,17 +180,18 @@ def image_inputs(
     is_img = arr == spec.image_token_id
     starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
     ends = np.flatnonzero(is_img & ~np.concatenate([is_img[1:], [False]])) + 1
-    if len(starts) != len(images) or ((ends - starts) != spec.tokens_per_image).any():
+    want = [spec.tokens_for(rgb) for rgb in images]
+    if len(starts) != len(images) or list(ends - starts) != want:
         raise ImageError(
-            f"{field}: the tokenized prompt holds {len(starts)} image token run(s) for "
-            f"{len(images)} image(s) of {spec.tokens_per_image} tokens each",
+            f"{field}: the tokenized prompt holds {len(starts)} image token run(s) of "
+            f"{(ends - starts).tolist()} tokens for {len(images)} image(s) of {want} tokens",
             field,
         )
     out = []
-    for lo, rgb in zip(starts.tolist(), images):
+    for lo, n, rgb in zip(starts.tolist(), want, images):
         rgb = np.ascontiguousarray(rgb, np.uint8)
         digest = hashlib.sha256(rgb.tobytes()).hexdigest()
-        out.append(ImageInput(lo, spec.tokens_per_image, digest, rgb.tobytes(), rgb.shape[:2]))
+        out.append(ImageInput(lo, n, digest, rgb.tobytes(), rgb.shape[:2]))
     return out
 
 
@@ -193,7 +219,7 @@ def with_images(
         )
     rgb = [resized(load_image(im, f"{field}[{i}]"), spec) for i, im in enumerate(images)]
     if isinstance(prompt, str):
-        ids = list(encode(expand_prompt(prompt, spec, len(rgb), field)))
+        ids = list(encode(expand_prompt(prompt, spec, len(rgb), field, rgb)))
     else:
         ids = list(prompt)
     return ids, image_inputs(ids, spec, rgb, field)

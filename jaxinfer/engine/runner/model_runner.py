@@ -101,6 +101,7 @@ class ModelRunner:
         if vision is not None and (self.data > 1 or self.microbatches > 1):
             raise ValueError("images need one data replica and no pipeline stages")
         self.images = None if vision is None else ImageEmbeds(vision)
+        self.mrope = getattr(vision, "mrope", None)  # M-RoPE rows (`jaxinfer.vision.mrope`)
         if self.data > 1 and (num_pages % self.data or max_num_seqs % self.data):
             raise ValueError(
                 f"num_pages={num_pages} and max_num_seqs={max_num_seqs} must be "
@@ -244,8 +245,12 @@ class ModelRunner:
         prepared = self.inputs.prepare(sched)
         if self.images is not None:
             self.images.release(sched.finished)
+            if self.mrope is not None:
+                self.mrope.release(sched.finished)
             if prepared is not None:
                 step = self.images.place(sched.scheduled, prepared.inputs["step"])
+                if self.mrope is not None:
+                    step = self.mrope.place(sched.scheduled, step)
                 prepared.inputs["step"] = step
         return prepared
 
