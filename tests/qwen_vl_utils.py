@@ -77,3 +77,27 @@ def make_hf_qwen_vl(path: str, seed: int = 0):
     with open(f"{path}/preprocessor_config.json", "w") as f:
         json.dump(preprocessor_config(), f)
     return model
+
+
+def tiny_qwen_vl_dir(root) -> str:
+    """`served_utils.tiny_model_dir` (the SmolLM2 tokenizer) made a tiny Qwen2.5-VL for
+    `--load-format dummy`: its config replaced, the three image tokens added after the vocab."""
+    from served_utils import tiny_model_dir
+
+    d = tiny_model_dir(root)
+    tok = json.loads((d / "tokenizer.json").read_text())
+    vocab = 49152  # the SmolLM2 vocabulary; the image tokens follow it
+    for i, s in enumerate(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"]):
+        tok["added_tokens"].append(
+            {"id": vocab + i, "content": s, "single_word": False, "lstrip": False,
+             "rstrip": False, "normalized": False, "special": True}
+        )  # fmt: skip
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"]}
+    cfg.update(qwen_vl_config(), image_token_id=vocab)
+    cfg.update(vision_start_token_id=vocab + 1, vision_end_token_id=vocab + 2)
+    cfg["text_config"] = {**cfg["text_config"], "vocab_size": vocab + 3, "eos_token_id": 2}
+    (d / "config.json").write_text(json.dumps(cfg))
+    pre = {**preprocessor_config(), "min_pixels": 56 * 56}  # >= a 4x4 patch grid
+    (d / "preprocessor_config.json").write_text(json.dumps(pre))
+    return str(d)

@@ -33,6 +33,8 @@ LLAMA_LIKE = (
     "gemma2",
     "gemma3_text",
     "gemma3",
+    "qwen2_5_vl_text",
+    "qwen2_5_vl",
     "mixtral",
     "qwen3_moe",
 )
@@ -45,6 +47,7 @@ ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Gemma3ForConditionalGeneration": "gemma3",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
