@@ -1,4 +1,4 @@
-"""Images in, text out: vision-language models (Gemma 3 so far).
+"""Images in, text out: vision-language models (Gemma 3, Qwen2.5-VL).
 
 1. `processor` (numpy + Pillow, no JAX: the front end imports it): an image (PIL, bytes, a
    `data:` URL) -> the model's resized RGB bytes, the prompt's image placeholders expanded to the
@@ -10,4 +10,7 @@
    caches each image's output by hash while a request holding it lives, and lays the rows a step
    needs into `StepInputs.mm_embeds` / `mm_rows`, which the model scatters over the text
    embeddings.
+4. Qwen2.5-VL: `qwen_processor` (smart resize, patches in HF's order, one image run per image
+   size), `qwen2_5_vl` (the windowed ViT + patch merger, bucketed patch counts) and `mrope` (the
+   text model's (t, h, w) positions from the images' grids, `StepInputs.mrope_positions`).
 """

@@ -2,8 +2,9 @@
 
 1. `VisionSpec.from_hf(config, preprocessor)`: what a vision-language checkpoint needs from its
    `config.json` (and `preprocessor_config.json`): image size, soft tokens per image, the
-   placeholder token ids and strings, mean / std. None for a text-only model; another vision
-   architecture is refused by name.
+   placeholder token ids and strings, mean / std (Qwen2.5-VL: `qwen_processor.QwenVisionSpec`,
+   whose resize and image runs depend on the image's size). None for a text-only model; another
+   vision architecture is refused by name.
 2. `load_image(obj, field)`: a PIL image, raw bytes or a `data:image/...;base64,` URL -> an RGB
    PIL image (`ImageError` naming `field` when it is not one).
 3. `resized(image, spec)` -> u8[H, W, 3]: the HF image processor's bilinear resize (what travels
