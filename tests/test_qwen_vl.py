@@ -2,7 +2,8 @@
 Qwen2_5_VLForConditionalGeneration against HF.
 
 1. The processor's patches and grids equal HF's Qwen2-VL image processor's (PIL backend), and the
-   windowed vision tower's merged tokens equal HF's image features (windows and full blocks).
+   windowed vision tower's merged tokens equal HF's image features (full and partial windows,
+   the full-attention blocks in one query chunk or several).
 2. The M-RoPE rows equal HF's `get_rope_index`.
 3. `LLM.generate` with no image, one image and two images of different sizes (one batch, chunked
    prefill across the images): prompt logprobs, the next token's and two decoded tokens' (the
@@ -60,7 +61,8 @@ def _prompt(llm, seeds: list[int]) -> list[int]:
     return ids + [9, 71]
 
 
-def test_processor_and_encoder_match_hf(tiny):
+def test_processor_and_encoder_match_hf(tiny, monkeypatch):
+    from jaxinfer.vision import qwen2_5_vl
     from jaxinfer.vision.processor import resized
     from jaxinfer.vision.qwen_processor import patches
 
@@ -78,6 +80,10 @@ def test_processor_and_encoder_match_hf(tiny):
                 want["pixel_values"], want["image_grid_thw"]
             ).pooler_output[0]
         np.testing.assert_allclose(encoder.embeds(resized(img, spec)), feats.numpy(), atol=1e-4)
+    # the full-attention blocks in query chunks of two windows (2 chunks of 32 patches)
+    monkeypatch.setattr(qwen2_5_vl, "FULL_CHUNK", 32)
+    chunked = qwen2_5_vl.QwenImageEncoder(encoder.vcfg, encoder.params, spec)
+    np.testing.assert_allclose(chunked.embeds(resized(img, spec)), feats.numpy(), atol=1e-4)
 
 
 def _hf_inputs(ids: list[int], images: list) -> dict:

@@ -6,18 +6,19 @@
    `model.visual.*` (transformers 5 in memory) onto `QwenVisionParams` (linear weights `[in, out]`;
    the Conv3d patch embedding flattened to one `[C*T*P*P, d]` matmul); `random_params` for
    `load_format="dummy"`.
-3. On the host, `window_layout(spec, grid)` orders one image's merge blocks window by window (HF's
-   `window_index`: windows of `window_size / patch / merge` blocks a side, row-major) and gives each
-   patch its (h, w) grid position and its window number.
-4. `encode(params, vcfg, x, pos, win, full)`: patches [N, C*T*P*P] (window order, padded to a
-   bucket) -> patch embedding -> blocks of RMSNorm, attention with the 2D rotary embedding (the
-   head's first half rotated by h, the second by w) over the patch's window (`win`) or, in the
-   `fullatt_block_indexes` blocks, over the whole image (`full`; padding rows see only padding),
-   RMSNorm, SwiGLU MLP -> the merger (RMSNorm, each 2x2 block's 4 patches concatenated, GELU MLP)
-   -> [N/4, text width].
-5. `QwenImageEncoder.embeds(rgb)` patchifies (`qwen_processor.patches`), pads the patch count to a
-   power of two (>= 64: one program per bucket, not per image size), runs the jitted `encode` and
-   puts the merged tokens back in the image's row-major order.
+3. On the host, `window_layout(vcfg, gh, gw)` places one image's merge blocks window by window
+   (HF's windows: `window_size / patch / merge` blocks a side, row-major), each window padded to
+   the same `window` rows (a partial window's missing blocks are padding), and gives each patch
+   its (h, w) grid position.
+4. `encode(params, vcfg, x, pos, valid, window)`: patches [N, C*T*P*P] in that layout -> patch
+   embedding -> blocks of RMSNorm, attention with the 2D rotary embedding (the head's first half
+   rotated by h, the second by w) within each window (a [windows, window, window] score block),
+   or over the whole image in the `fullatt_block_indexes` blocks (query chunks of FULL_CHUNK
+   rows), padding keys masked, RMSNorm, SwiGLU MLP -> the merger (RMSNorm, each 2x2 block's 4
+   patches concatenated, GELU MLP) -> [N/4, text width].
+5. `QwenImageEncoder.embeds(rgb)` patchifies (`qwen_processor.patches`), lays the patches out,
+   pads the window count to a power of two (>= 64 patches: one program per bucket, not per image
+   size), runs the jitted `encode` and gathers the merged tokens back in row-major order.
 
 Einsum legend: n, m = patch, h = head, k = head dim.
 """
@@ -38,6 +39,7 @@ from jaxinfer.vision.mrope import MRopePositions
 from jaxinfer.vision.qwen_processor import QwenVisionSpec, patches
 
 MIN_BUCKET = 64  # fewest patch rows of a program
+FULL_CHUNK = 2048  # most query rows of one score block in the full-attention blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,21 +194,34 @@ def random_params(vcfg: QwenVisionConfig, seed: int = 0, dtype: Any = jnp.float3
     return QwenVisionParams(w(vcfg.patch_dim, d), blocks, ones, w(m, m), w(m), w(m, e), w(e))
 
 
-def window_layout(vcfg: QwenVisionConfig, gh: int, gw: int) -> tuple[np.ndarray, ...]:
-    """One image of gh x gw patches: (order i64[gh*gw/m^2]: merge blocks window by window,
-    pos i32[gh*gw, 2]: each patch's (h, w) in that order, win i32[gh*gw]: its window number)."""
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One image's patches laid out window by window, each window padded to `window` rows."""
+
+    rows: np.ndarray  # i64[gh * gw]: padded row of each patch (HF's patch order)
+    blocks: np.ndarray  # i64[gh * gw / m^2]: padded merged row of each merge block (row-major)
+    pos: np.ndarray  # i32[gh * gw, 2]: each patch's (h, w) (HF's patch order)
+    num_windows: int
+    window: int  # padded rows per window (side^2 * m^2)
+
+
+def window_layout(vcfg: QwenVisionConfig, gh: int, gw: int) -> Layout:
+    """HF's windows of one gh x gw patch image (`side` = window_size / patch / merge merge blocks a
+    side, row-major; the image's last row / column of windows may be partial): each merge block
+    gets the slot of its place in its window, so a window is `window` consecutive rows (the
+    missing blocks of a partial window are padding) and its m x m patches stay together."""
     m = vcfg.merge_size
     bh, bw = gh // m, gw // m
-    side = vcfg.window_size // m // vcfg.patch_size  # merge blocks per window side
-    rows, cols = np.meshgrid(np.arange(bh) // side, np.arange(bw) // side, indexing="ij")
-    block_win = (rows * -(-bw // side) + cols).reshape(-1)
-    order = np.argsort(block_win, kind="stable")
-    # each patch's (h, w), merge blocks row-major and the block's m x m patches row-major inside
+    side = max(1, vcfg.window_size // m // vcfg.patch_size)
+    r, c = np.meshgrid(np.arange(bh), np.arange(bw), indexing="ij")
+    per_row = -(-bw // side)
+    blocks = ((r // side) * per_row + c // side) * side * side + (r % side) * side + c % side
+    blocks = blocks.reshape(-1)
+    rows = (blocks[:, None] * m * m + np.arange(m * m)).reshape(-1)
     hh, ww = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
     hw = np.stack([hh, ww], -1).reshape(bh, m, bw, m, 2).transpose(0, 2, 1, 3, 4)
-    pos = hw.reshape(bh * bw, m * m, 2)[order].reshape(-1, 2).astype(np.int32)
-    win = np.repeat(block_win[order], m * m).astype(np.int32)
-    return order, pos, win
+    pos = hw.reshape(-1, 2).astype(np.int32)
+    return Layout(rows, blocks, pos, -(-bh // side) * per_row, side * side * m * m)
 
 
 def _rms(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -215,18 +230,31 @@ def _rms(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * xf.astype(x.dtype)
 
 
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
+    """Softmax attention of q [..., n, h, k] over keys [..., m, h, k] where `valid` [..., m]."""
+    att = jnp.einsum("...nhk,...mhk->...hnm", q, k).astype(jnp.float32) * (q.shape[-1] ** -0.5)
+    att = jnp.where(valid[..., None, None, :], att, -1e30)
+    att = jax.nn.softmax(att, axis=-1).astype(v.dtype)
+    return jnp.einsum("...hnm,...mhk->...nhk", att, v)
+
+
 def encode(
     params: QwenVisionParams,
     vcfg: QwenVisionConfig,
     x: jax.Array,
     pos: jax.Array,
-    win: jax.Array,
-    full: jax.Array,
+    valid: jax.Array,
+    window: int,
 ) -> jax.Array:
-    """Patches f32[N, C*T*P*P] in window order (N a multiple of m^2), their (h, w) i32[N, 2],
-    window ids i32[N] and image ids i32[N] (padding: -1 in both) -> [N / m^2, e]."""
+    """Patches f32[N, C*T*P*P] laid out by `window_layout` (N = windows x `window`), their (h, w)
+    i32[N, 2] and bool[N] (False: padding) -> [N / m^2, e]. Window blocks attend within each
+    `window` rows; full blocks over all valid rows, in query chunks of <= FULL_CHUNK rows (the
+    scores of one chunk: heads x FULL_CHUNK x N)."""
     n, d, nh = x.shape[0], vcfg.hidden, vcfg.num_heads
-    kd = d // nh
+    kd, nw = d // nh, n // window
+    chunk = window * max(1, min(nw, FULL_CHUNK // window))
+    while nw % (chunk // window):
+        chunk -= window
     dtype = params.patch.dtype
     with jax.named_scope("patches"):
         h = x.astype(dtype) @ params.patch
@@ -235,21 +263,20 @@ def encode(
         inv = 1.0 / vcfg.rope_theta ** (np.arange(0, quarter, 2, dtype=np.float32) / quarter)
         ang = (pos.astype(jnp.float32)[:, :, None] * jnp.asarray(inv)).reshape(n, -1)
         cos, sin = jnp.cos(ang), jnp.sin(ang)  # [N, kd / 2]
-    masks = {
-        False: win[:, None] == win[None, :],
-        True: full[:, None] == full[None, :],
-    }
     for i, lp in enumerate(params.layers):
         with jax.named_scope(f"vision_block_{i}"):
             y = _rms(h, lp.norm1, vcfg.eps)
             qkv = (y @ lp.qkv + lp.qkv_b).reshape(n, 3, nh, kd)
             q = layers.apply_rope(qkv[:, 0], cos, sin)
             k = layers.apply_rope(qkv[:, 1], cos, sin)
-            att = jnp.einsum("nhk,mhk->hnm", q, k).astype(jnp.float32) * (kd**-0.5)
-            att = jnp.where(masks[i in vcfg.fullatt_blocks][None], att, -1e30)
-            att = jax.nn.softmax(att, axis=-1).astype(dtype)
-            y = jnp.einsum("hnm,mhk->nhk", att, qkv[:, 2]).reshape(n, d)
-            h = h + y @ lp.proj + lp.proj_b
+            v = qkv[:, 2]
+            if i in vcfg.fullatt_blocks:
+                qs = q.reshape(n // chunk, chunk, nh, kd)
+                y = jax.lax.map(lambda qc, k=k, v=v: _attend(qc, k, v, valid), qs)
+            else:
+                win = (nw, window, nh, kd)
+                y = _attend(q.reshape(win), k.reshape(win), v.reshape(win), valid.reshape(nw, -1))
+            h = h + y.reshape(n, d) @ lp.proj + lp.proj_b
             y = _rms(h, lp.norm2, vcfg.eps)
             y = jax.nn.silu(y @ lp.gate + lp.gate_b) * (y @ lp.up + lp.up_b)
             h = h + y @ lp.down + lp.down_b
@@ -259,9 +286,9 @@ def encode(
         return y @ params.fc2 + params.fc2_b
 
 
-def bucket(n: int) -> int:
-    """The padded patch count of an image of `n` patches (a power of two, >= MIN_BUCKET)."""
-    return max(MIN_BUCKET, 1 << (n - 1).bit_length())
+def bucket(num_windows: int, window: int) -> int:
+    """Padded windows of an image of `num_windows`: a power of two, >= MIN_BUCKET patches."""
+    return max(-(-MIN_BUCKET // window), 1 << (num_windows - 1).bit_length())
 
 
 class QwenImageEncoder:
@@ -270,7 +297,7 @@ class QwenImageEncoder:
 
     def __init__(self, vcfg: QwenVisionConfig, params: QwenVisionParams, spec: QwenVisionSpec):
         self.vcfg, self.params, self.spec = vcfg, params, spec
-        self._jit = jax.jit(encode, static_argnums=1)
+        self._jit = jax.jit(encode, static_argnums=(1, 5))
         self.mrope = MRopePositions(spec.patch_size, spec.merge_size)
         self.num_encoded = 0  # images run through the encoder (cache misses)
         self.buckets_used: set[int] = set()  # padded patch counts compiled so far
@@ -278,19 +305,18 @@ class QwenImageEncoder:
     def embeds(self, rgb: np.ndarray) -> np.ndarray:
         """u8[H, W, 3] smart-resized image -> f32[gh * gw / m^2, e] (one encoder call)."""
         x, (_, gh, gw) = patches(rgb, self.spec)
-        unit = self.vcfg.merge_size**2
-        order, pos, win = window_layout(self.vcfg, gh, gw)
-        x = x.reshape(len(order), unit, -1)[order].reshape(gh * gw, -1)
-        n, width = gh * gw, bucket(gh * gw)
-        pad = width - n
-        x = np.pad(x, ((0, pad), (0, 0)))
-        pos = np.pad(pos, ((0, pad), (0, 0)))
-        win = np.pad(win, (0, pad), constant_values=-1)
-        full = np.pad(np.zeros(n, np.int32), (0, pad), constant_values=-1)
+        lay = window_layout(self.vcfg, gh, gw)
+        n = bucket(lay.num_windows, lay.window) * lay.window
+        xp = np.zeros((n, x.shape[1]), np.float32)
+        xp[lay.rows] = x
+        pos = np.zeros((n, 2), np.int32)
+        pos[lay.rows] = lay.pos
+        valid = np.zeros(n, bool)
+        valid[lay.rows] = True
         self.num_encoded += 1
-        self.buckets_used.add(width)
-        out = np.asarray(self._jit(self.params, self.vcfg, x, pos, win, full), np.float32)
-        return out[: len(order)][np.argsort(order)]
+        self.buckets_used.add(n)
+        out = self._jit(self.params, self.vcfg, xp, pos, valid, lay.window)
+        return np.asarray(out, np.float32)[lay.blocks]
 
 
 def load_qwen_encoder(model: Any, spec: QwenVisionSpec, dtype: Any = jnp.float32):
