@@ -245,14 +245,15 @@ def encode(
     pos: jax.Array,
     valid: jax.Array,
     window: int,
+    full_chunk: int = FULL_CHUNK,
 ) -> jax.Array:
     """Patches f32[N, C*T*P*P] laid out by `window_layout` (N = windows x `window`), their (h, w)
     i32[N, 2] and bool[N] (False: padding) -> [N / m^2, e]. Window blocks attend within each
-    `window` rows; full blocks over all valid rows, in query chunks of <= FULL_CHUNK rows (the
-    scores of one chunk: heads x FULL_CHUNK x N)."""
+    `window` rows; full blocks over all valid rows, in query chunks of <= `full_chunk` rows (the
+    scores of one chunk: heads x full_chunk x N)."""
     n, d, nh = x.shape[0], vcfg.hidden, vcfg.num_heads
     kd, nw = d // nh, n // window
-    chunk = window * max(1, min(nw, FULL_CHUNK // window))
+    chunk = window * max(1, min(nw, full_chunk // window))
     while nw % (chunk // window):
         chunk -= window
     dtype = params.patch.dtype
@@ -297,7 +298,8 @@ class QwenImageEncoder:
 
     def __init__(self, vcfg: QwenVisionConfig, params: QwenVisionParams, spec: QwenVisionSpec):
         self.vcfg, self.params, self.spec = vcfg, params, spec
-        self._jit = jax.jit(encode, static_argnums=(1, 5))
+        self._jit = jax.jit(encode, static_argnums=(1, 5, 6))
+        self.full_chunk = FULL_CHUNK  # query rows per score block of the full-attention blocks
         self.mrope = MRopePositions(spec.patch_size, spec.merge_size)
         self.num_encoded = 0  # images run through the encoder (cache misses)
         self.buckets_used: set[int] = set()  # padded patch counts compiled so far
@@ -315,7 +317,7 @@ class QwenImageEncoder:
         valid[lay.rows] = True
         self.num_encoded += 1
         self.buckets_used.add(n)
-        out = self._jit(self.params, self.vcfg, xp, pos, valid, lay.window)
+        out = self._jit(self.params, self.vcfg, xp, pos, valid, lay.window, self.full_chunk)
         return np.asarray(out, np.float32)[lay.blocks]
 
 
