@@ -144,3 +144,31 @@ def test_logprobs_match_hf(tiny):
             for tok, lp in step.items():
                 assert abs(lp - ref[row, tok]) < 1e-3, (len(images), j)
             assert out.outputs[0].token_ids[j] == int(ref[row].argmax()), (len(images), j)
+
+
+def test_hub_config_layout_parses():
+    """The hub's config.json (text fields at the top level, `rope_scaling` type "mrope") and the
+    refusal of other vision architectures by name."""
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.vision.processor import VisionSpec
+    from jaxinfer.vision.qwen2_5_vl import QwenVisionConfig
+
+    vision = {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+              "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+              "spatial_merge_size": 2, "window_size": 112, "temporal_patch_size": 2,
+              "fullatt_block_indexes": [7, 15, 23, 31]}  # fmt: skip
+    hub = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+           "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+           "num_hidden_layers": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+           "max_position_embeddings": 128000, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+           "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+           "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": 32768,
+           "image_token_id": 151655, "vision_config": vision}  # fmt: skip
+    cfg = ModelConfig.from_hf(hub)
+    assert cfg.mrope_section == (16, 24, 24) and cfg.rope.rope_type == "default"
+    assert cfg.qkv_bias and not cfg.o_bias and cfg.rope.theta == 1e6 and cfg.head_dim == 128
+    vcfg = QwenVisionConfig.from_hf(hub)
+    assert vcfg.fullatt_blocks == (7, 15, 23, 31) and vcfg.patch_dim == 1176
+    assert VisionSpec.from_hf(hub).image_token_id == 151655
+    with pytest.raises(ValueError, match="qwen2_vl"):
+        VisionSpec.from_hf({**hub, "model_type": "qwen2_vl"})
