@@ -144,6 +144,13 @@ def test_logprobs_match_hf(tiny):
             for tok, lp in step.items():
                 assert abs(lp - ref[row, tok]) < 1e-3, (len(images), j)
             assert out.outputs[0].token_ids[j] == int(ref[row].argmax()), (len(images), j)
+    # the two-image prompt again: a prefix-cache hit, the rest of its prefill and its decodes
+    # on the rows of their own positions
+    (again,) = llm.generate([prompts[2]], SamplingParams(max_tokens=3, temperature=0.0, logprobs=2))
+    assert again.usage.cached_prompt_tokens > 0
+    assert again.outputs[0].token_ids == outs[2].outputs[0].token_ids
+    for got, want in zip(again.outputs[0].logprobs, outs[2].outputs[0].logprobs, strict=True):
+        assert max(abs(got[t] - want[t]) for t in want) < 1e-4
 
 
 def test_hub_config_layout_parses():
