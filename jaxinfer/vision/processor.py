@@ -7,7 +7,8 @@
    vision architecture is refused by name.
 2. `load_image(obj, field)`: a PIL image, raw bytes or a `data:image/...;base64,` URL -> an RGB
    PIL image (`ImageError` naming `field` when it is not one).
-3. `resized(image, spec)` -> u8[H, W, 3]: the HF image processor's bilinear resize (what travels
+3. `resized(image, spec)` -> u8[H, W, 3]: the HF image processor's resize (`spec.resize`: Gemma 3's
+   bilinear square; Qwen2.5-VL's smart resize, bicubic) (what travels
    to the engine core); `pixel_values(u8, spec)` -> f32[3, H, W]: rescaled and normalized (the
    core does this before the encoder).
 4. `expand_prompt(text, spec, n)`: each of the first `n` image placeholders (`<start_of_image>`)
