@@ -21,6 +21,9 @@
    field (`check_kv_cache_dtype`).
 3. The chosen backend's `ragged_paged_attention` attends every query token to its own sequence's
    pages. The pure-JAX reference is the oracle every kernel is tested against.
+4. `attention_qkv` (the "gpu" backend on a decode step, `takes_qkv`): steps 2-3 and the RoPE of
+   q and k in one kernel reading the fused QKV product (`gpu_decode_qkv`), where the model hands
+   over its QKV product and the step's cos/sin (`expand_rope`) instead of rotated q, k, v.
 """
 
 from __future__ import annotations
@@ -33,7 +36,14 @@ import jax
 from jaxinfer.step import StepInputs
 from pallas_kernels import target
 from pallas_kernels.paged_common import interpret_mode
-from pallas_kernels.ragged_paged_attention import KERNELS, cpu, reference, tpu_layout, tpu_write
+from pallas_kernels.ragged_paged_attention import (
+    KERNELS,
+    cpu,
+    gpu_decode_qkv,
+    reference,
+    tpu_layout,
+    tpu_write,
+)
 
 BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -197,3 +207,59 @@ def attention(
             **extra,
         )
     return out, kv_cache
+
+
+def expand_rope(cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The step's cos/sin f32[T, D/2] as `attention_qkv` takes them (f32[T, D]; once per step)."""
+    return gpu_decode_qkv.expand_rope(cos, sin)
+
+
+def takes_qkv(
+    backend: str | None,
+    qkv: jax.Array,
+    kv_cache: jax.Array | reference.Fp8KVCache,
+    step: StepInputs,
+) -> bool:
+    """Whether `attention_qkv` serves this step (step 4 of the module docstring): the "gpu"
+    backend on a one-token or pure-decode step (`StepInputs.decode_only`), over a cache of qkv's
+    16-bit dtype (not fp8: the kernel writes plain rows; 16 bits: its rotation is an exact dot)."""
+    return (
+        resolve_backend(backend) == "gpu"
+        and not isinstance(kv_cache, reference.Fp8KVCache)
+        and (qkv.shape[0] == 1 or step.decode_only)
+        and qkv.dtype == kv_cache.dtype
+        and qkv.dtype.itemsize == 2
+    )
+
+
+def attention_qkv(
+    qkv: jax.Array,  # [T, Hkv, G+2, D]: the QKV product (bias, LoRA added), before RoPE
+    rope: tuple[jax.Array, jax.Array],  # `expand_rope(cos, sin)`
+    kv_cache: jax.Array,
+    step: StepInputs,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+    backend: str = "gpu",
+) -> tuple[jax.Array, jax.Array]:
+    """`attention` of (rope(q), rope(k), v) split from qkv, as one kernel where `takes_qkv`;
+    returns (out [T, Hq, D], updated kv_cache)."""
+    if not takes_qkv(backend, qkv, kv_cache, step):
+        raise ValueError("attention_qkv serves the 'gpu' backend's decode steps (takes_qkv)")
+    with jax.named_scope("paged_attention"):
+        return gpu_decode_qkv.qkv_decode_attention(
+            qkv,
+            *rope,
+            kv_cache,
+            step.slot_mapping,
+            step.kv_lens,
+            step.page_indices,
+            step.num_seqs,
+            sinks,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            interpret=interpret_mode("gpu"),
+        )

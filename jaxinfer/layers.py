@@ -21,6 +21,7 @@ from pallas_kernels import target
 from pallas_kernels.linear import cpu as cpu_linear
 from pallas_kernels.linear import gpu as gpu_linear
 from pallas_kernels.paged_common import interpret_mode
+from pallas_kernels.rms_norm import gpu as gpu_norm
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,23 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (xf * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def add_rms_norm(
+    x: jax.Array,
+    y: jax.Array,
+    weight: jax.Array,
+    eps: float,
+    offset: float = 0.0,
+    gpu: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """(h = x + y, rms_norm(h, weight)) for the residual stream x [T, E]. With `gpu` (the layer
+    runs the GPU attention backend) one Pallas launch (`pallas_kernels.rms_norm.gpu`) where XLA
+    launches 2-3 kernels; the same values (h bit-exact, the norm up to its sum's order)."""
+    if gpu and gpu_norm.supported(x):
+        return gpu_norm.add_rms_norm(x, y, weight, eps, offset, interpret=interpret_mode("gpu"))
+    h = x + y
+    return h, rms_norm(h, weight, eps, offset)
 
 
 def rope_frequencies(

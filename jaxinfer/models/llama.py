@@ -217,10 +217,13 @@ def _attention_block(
     kernels: Kernels,
     par: Parallel = SINGLE,
     lora: Callable | None = None,
+    rope: tuple[jax.Array, jax.Array] | None = None,
 ):
     """x [T, E] -> [T, E]. Under tensor parallelism p.qkv holds this shard's KV groups (its query
     heads and their K/V heads; one of `par.dense` shards), p.o its rows: the o_proj output is a
-    partial sum, all-reduced here (bias added once, after)."""
+    partial sum, all-reduced here (bias added once, after). With `rope` (the GPU backend's
+    `attention.expand_rope` tables) a decode step hands the QKV product itself to
+    `attention.attention_qkv` (RoPE, KV write and attention in one kernel)."""
     t, d = x.shape[0], cfg.head_dim
     shards = par.dense
     hq = cfg.num_heads // shards
@@ -233,8 +236,22 @@ def _attention_block(
             qkv = qkv + p.qkv_bias
         if lora is not None:  # each token's adapter (jaxinfer.lora.device.apply), before the split
             qkv = lora("qkv", x, qkv)
-        q, k, v = qkv[:, :, :g], qkv[:, :, g], qkv[:, :, g + 1]
         split = kv_heads_split(cfg.num_kv_heads, shards)
+    fused = rope is not None and split and not cfg.qk_norm
+    if fused and attention_lib.takes_qkv(kernels.attention, qkv, kv_cache, step):
+        out, kv_cache = attention_lib.attention_qkv(
+            qkv,
+            rope,
+            kv_cache,
+            step,
+            sm_scale=cfg.sm_scale,
+            sliding_window=window,
+            soft_cap=cfg.attn_logit_softcap,
+            backend=kernels.attention,
+        )
+        return _o_proj(p, cfg, out, kernels, par, lora), kv_cache
+    with jax.named_scope("qkv_proj"):
+        q, k, v = qkv[:, :, :g], qkv[:, :, g], qkv[:, :, g + 1]
         if not split:
             # NOTE: replicated KV: p.qkv holds every group; keep this shard's query heads (part of
             # one group) here, and the K/V head they read below.
@@ -265,14 +282,19 @@ def _attention_block(
         soft_cap=cfg.attn_logit_softcap,
         backend=kernels.attention,
     )
+    return _o_proj(p, cfg, out, kernels, par, lora), kv_cache
+
+
+def _o_proj(p: AttentionParams, cfg: ModelConfig, out, kernels: Kernels, par: Parallel, lora):
+    """The attention output [T, Hq', D] -> [T, E], all-reduced under tensor parallelism."""
     with jax.named_scope("o_proj"):
-        out = out.reshape(t, -1)
+        out = out.reshape(out.shape[0], -1)
         (o,) = layers.dense(out, p.o, backend=kernels.linear)
         out = o if lora is None else lora("o", out, o)  # partial sums too under TP
         out = par.psum(out, EXPERT, TENSOR)
         if cfg.o_bias:
             out = out + p.o_bias
-    return out, kv_cache
+    return out
 
 
 def _decoder_layer(
@@ -286,19 +308,28 @@ def _decoder_layer(
     kv_cache: jax.Array,
     kernels: Kernels,
     par: Parallel = SINGLE,
+    rope: tuple[jax.Array, jax.Array] | None = None,
+    delta: jax.Array | None = None,
+    defer: bool = False,
 ):
+    """h [T, E] -> (h', kv_cache). With `defer` (the GPU backend: `_forward_local`) the layer
+    returns (h, kv_cache, its MLP output) and the next one adds that output to h in the launch
+    of its first norm (`delta`; `layers.add_rms_norm`), as it adds its attention output in the
+    MLP norm's: a residual add and an RMSNorm in one kernel, twice per layer."""
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     lora = lora_device.adapter_hook(p.lora, step.lora_slots, kernels.attention)
     with jax.named_scope("attention"):
-        x = layers.rms_norm(h, p.attn_norm, eps, off)
+        if delta is None:
+            x = layers.rms_norm(h, p.attn_norm, eps, off)
+        else:
+            h, x = layers.add_rms_norm(h, delta, p.attn_norm, eps, off, gpu=True)
         x, kv_cache = _attention_block(
-            p.attn, cfg, window, x, step, cos, sin, kv_cache, kernels, par, lora
+            p.attn, cfg, window, x, step, cos, sin, kv_cache, kernels, par, lora, rope
         )
         if cfg.sandwich_norm:
             x = layers.rms_norm(x, p.post_attn_norm, eps, off)
-        h = h + x
     with jax.named_scope("mlp"):
-        x = layers.rms_norm(h, p.mlp_norm, eps, off)
+        h, x = layers.add_rms_norm(h, x, p.mlp_norm, eps, off, gpu=defer)
         if isinstance(p.mlp, MoEParams):
             x = moe.moe_mlp(x, p.mlp, cfg, par, step.slot_mapping >= 0)
             x = par.psum(x, EXPERT, TENSOR)
@@ -307,8 +338,9 @@ def _decoder_layer(
             x = par.psum(x, EXPERT, TENSOR)  # down was row-split: partial sums
         if cfg.sandwich_norm:
             x = layers.rms_norm(x, p.post_mlp_norm, eps, off)
-        h = h + x
-    return h, kv_cache
+    if defer:
+        return h, kv_cache, x
+    return h + x, kv_cache
 
 
 def embed_tokens(
@@ -375,17 +407,26 @@ def _forward_local(
         h = embed_tokens(params.embed, cfg, step.token_ids, par, params.final_norm.dtype)
         if step.mm_embeds is not None:  # image soft tokens (`jaxinfer.vision`)
             h = h.at[step.mm_rows].set(step.mm_embeds.astype(h.dtype), mode="drop")
+    # NOTE: on the GPU backend each layer's MLP output is added in the next layer's first norm
+    # kernel (`_decoder_layer`'s `defer`), the last one's to the rows the logits read
+    gpu = kernels.attention == "gpu"
     with jax.named_scope("rope_tables"):
         cos, sin = rope_tables(cfg, step.positions, step.mrope_positions)
-    new_caches = []
+        rope = attention_lib.expand_rope(cos, sin) if gpu and cfg.local_rope is None else None
+    new_caches, delta = [], None
     for i, layer in enumerate(params.layers):
         with jax.named_scope(f"layer_{i}"):
-            h, cache = _decoder_layer(
-                layer, cfg, cfg.layer_windows[i], h, step, cos, sin, kv_caches[i], kernels, par
+            window = cfg.layer_windows[i]
+            out = _decoder_layer(
+                layer, cfg, window, h, step, cos, sin, kv_caches[i], kernels, par, rope, delta, gpu
             )
+        h, cache, delta = out if gpu else (*out, None)
         new_caches.append(cache)
     with jax.named_scope("logits"):
-        logits = final_logits(params, cfg, jnp.take(h, step.logits_indices, axis=0), kernels.linear)
+        h = jnp.take(h, step.logits_indices, axis=0)
+        if delta is not None:
+            h = h + jnp.take(delta, step.logits_indices, axis=0)
+        logits = final_logits(params, cfg, h, kernels.linear)
     return logits, tuple(new_caches)
 
 

@@ -102,22 +102,31 @@ def _kernel(
             sliding_window=sliding_window,
             soft_cap=soft_cap,
         )
-        out = pc.normalize(acc, l)
-        if lse_ref is None:
-            store_heads(o_ref, s, h, out, group)
-        else:
-            o_ref[...] = out
-            lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), pc.MASK_VALUE)
+        _emit(o_ref, lse_ref, s, h, m, l, acc, group)
 
     @pl.when(jnp.logical_not(live))
     def _():
-        if lse_ref is None:
-            store_heads(
-                o_ref, s, h, jnp.zeros((q_ref.shape[0], q_ref.shape[1]), jnp.float32), group
-            )
-        else:
-            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
-            lse_ref[...] = jnp.full(lse_ref.shape, pc.MASK_VALUE, jnp.float32)
+        _emit_padding(o_ref, lse_ref, s, h, q_ref.shape, group)
+
+
+def _emit(o_ref, lse_ref, s, h, m, l, acc, group: int) -> None:
+    """Stores a program's result: its G heads of the whole output (one split), or its split's
+    normalized f32 output and log-sum-exp (several)."""
+    out = pc.normalize(acc, l)
+    if lse_ref is None:
+        store_heads(o_ref, s, h, out, group)
+    else:
+        o_ref[...] = out
+        lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), pc.MASK_VALUE)
+
+
+def _emit_padding(o_ref, lse_ref, s, h, shape, group: int) -> None:
+    """A padding sequence's program: zeros (an empty split: lse MASK, weight 0 in `combine`)."""
+    if lse_ref is None:
+        store_heads(o_ref, s, h, jnp.zeros(shape, jnp.float32), group)
+    else:
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+        lse_ref[...] = jnp.full(lse_ref.shape, pc.MASK_VALUE, jnp.float32)
 
 
 def store_heads(o_ref, t, h, val, group: int) -> None:

@@ -9,7 +9,8 @@ travel (`pack`: one buffer per dtype, `unpack_buffers` by static slices inside t
 2. `sample_program` is the sampler of a step launched with `defer_sampling`.
 3. `step_jit` / `sampler_jit` are their jitted forms on one device (packed inputs) or a mesh,
    compiled with `compiler_options()` for the target platform: on a GPU every conditional and
-   loop of the step runs inside XLA's command buffer (a CUDA graph), so one launch runs the step.
+   loop of the step runs inside XLA's command buffer (a CUDA graph), so one launch runs the step,
+   and no Triton GEMM splits K (its reduction would be a launch before each Pallas consumer).
 """
 
 from __future__ import annotations
@@ -248,14 +249,24 @@ GPU_COMMAND_BUFFER = (
 )
 
 
-def compiler_options() -> dict[str, str]:
+# NOTE: no split-K Triton GEMMs on a GPU: the GEMMs feeding the Pallas kernels (QKV -> attention,
+# o_proj and down -> the add + RMSNorm kernel) would each launch one more kernel to reduce their
+# f32 partials, a reduction XLA otherwise fuses into the consumer (deviceless H100, Llama-3-8B
+# decode layer: 12 -> 9 launches at one token; BENCHMARKS.md, issue 31)
+GPU_FORCE_SPLIT_K = 1
+
+
+def compiler_options() -> dict[str, str | int]:
     """XLA options the step programs compile with on the target platform (`target.platform()`);
-    a `--xla_gpu_enable_command_buffer` in the caller's XLA_FLAGS wins."""
-    if target.platform() != "gpu" or "xla_gpu_enable_command_buffer" in os.environ.get(
-        "XLA_FLAGS", ""
-    ):
+    an option the caller's XLA_FLAGS names wins."""
+    if target.platform() != "gpu":
         return {}
-    return {"xla_gpu_enable_command_buffer": GPU_COMMAND_BUFFER}
+    flags = os.environ.get("XLA_FLAGS", "")
+    options: dict[str, str | int] = {
+        "xla_gpu_enable_command_buffer": GPU_COMMAND_BUFFER,
+        "xla_gpu_experimental_force_split_k": GPU_FORCE_SPLIT_K,
+    }
+    return {k: v for k, v in options.items() if k not in flags}
 
 
 def step_jit(
