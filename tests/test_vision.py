@@ -2,8 +2,11 @@
 
 1. The processor's pixel values equal HF's Gemma3 image processor's (PIL backend).
 2. `LLM.generate({"prompt_token_ids": ..., "multi_modal_data": {"image": ...}})`: prompt and
-   next-token logprobs with one image, two images and none (one batch, chunked) equal HF's (causal attention over the
-   image tokens: see README, "Vision-language models").
+   next-token logprobs with one image, two images and none (one batch, chunked) equal HF's run
+   with the processor's `token_type_ids` (an image's tokens attend to each other, also in the
+   sliding-window layers), on the compiled CPU kernel and the reference backend; a prompt whose
+   image straddles the token budget is cut before the image (never split over two chunks);
+   `max_num_encoder_input_tokens` of one image spreads a step's images over steps.
 3. Bad images raise `ImageError` naming the field; chat content parts place the placeholders.
 (The prefix cache's image keys: `tests/test_served_vision.py`.)
 """
@@ -23,16 +26,23 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
 
-ENGINE = dict(max_model_len=64, max_num_seqs=3, max_num_batched_tokens=32, num_pages=32)
+# one image's encoder tokens per step: the two-image prompt's images go in two steps
+ENGINE = dict(
+    max_model_len=64,
+    max_num_seqs=3,
+    max_num_batched_tokens=32,
+    num_pages=32,
+    max_num_encoder_input_tokens=TOKENS_PER_IMAGE,
+)
 
 
 def _image(seed: int):
     return Image.open(io.BytesIO(png_bytes(seed)))
 
 
-def _run(n_images: int, start: int = 2) -> list[int]:
-    """Prompt ids with `n_images` image runs (`<boi> soft*4 <eoi>`) between text tokens."""
-    ids = [start, 17, 33]
+def _run(n_images: int, start: int = 2, text: int = 3) -> list[int]:
+    """Prompt ids with `n_images` image runs (`<boi> soft*4 <eoi>`) after `text` text tokens."""
+    ids = [start, 17, 33] + [60 + i % 50 for i in range(text - 3)]
     for i in range(n_images):
         ids += [BOI] + [IMAGE_TOKEN] * TOKENS_PER_IMAGE + [EOI, 40 + i]
     return ids + [9, 71]
@@ -63,7 +73,7 @@ def test_pixel_values_match_hf():
 def _hf_logprobs(model, ids: list[int], images: list) -> np.ndarray:
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    kwargs = {}
+    kwargs = {"token_type_ids": torch.tensor([[int(t == IMAGE_TOKEN) for t in ids]])}
     if images:
         hf = Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
         px = hf(images=images, return_tensors="np")["pixel_values"]
