@@ -95,16 +95,33 @@ def test_logprobs_match_hf(tiny):
     encoder = llm.engine.core.runner.images.encoder
     encoded = encoder.num_encoded
     outs = llm.generate(prompts, sp)
-    # image 0 is in two prompts of one step: encoded once (by its hash), then reused
+    # image 0 is in two prompts (one step or two: one image's encoder tokens a step): encoded
+    # once (by its hash), then reused
     assert encoder.num_encoded - encoded == 2
     for (ids, images), out in zip(cases, outs, strict=True):
-        ref = _hf_logprobs(model, ids, images)
-        for pos in range(1, len(ids)):  # each prompt token's logprob given the tokens before it
-            (lp,) = out.prompt_logprobs[pos].values()
-            assert abs(lp - ref[pos - 1, ids[pos]]) < 1e-3, (len(images), pos)
-        for tok, lp in out.outputs[0].logprobs[0].items():
-            assert abs(lp - ref[-1, tok]) < 1e-3, len(images)
-        assert out.outputs[0].token_ids[0] == int(ref[-1].argmax())
+        _assert_matches_hf(model, ids, images, out)
+
+
+def _assert_matches_hf(model, ids: list[int], images: list, out) -> None:
+    ref = _hf_logprobs(model, ids, images)
+    for pos in range(1, len(ids)):  # each prompt token's logprob given the tokens before it
+        (lp,) = out.prompt_logprobs[pos].values()
+        assert abs(lp - ref[pos - 1, ids[pos]]) < 1e-3, (len(images), pos)
+    for tok, lp in out.outputs[0].logprobs[0].items():
+        assert abs(lp - ref[-1, tok]) < 1e-3, len(images)
+    assert out.outputs[0].token_ids[0] == int(ref[-1].argmax())
+
+
+def test_an_image_straddling_the_budget_goes_whole_in_the_next_chunk(tiny):
+    """The image's tokens are positions 29..32 of a 36-token prompt and the budget is 32 tokens:
+    the first chunk ends at 29, before the image (its tokens attend to each other)."""
+    model, llm = tiny
+    ids = _run(1, text=28)
+    assert ids[29:33] == [IMAGE_TOKEN] * TOKENS_PER_IMAGE
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, prompt_logprobs=0)
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": [_image(4)]}}
+    (out,) = llm.generate([prompt], sp)
+    _assert_matches_hf(model, ids, [_image(4)], out)
 
 
 def test_bad_images_are_refused(tiny):
