@@ -53,8 +53,10 @@ class ImageEmbeds:
                     e = self._embeds(s.request.request_id, im)
                     embeds.append(e[a - im.offset : b - im.offset])
                     rows.append(np.arange(t + a - lo, t + b - lo, dtype=np.int32))
-                    # NOTE: the scheduler puts the image's last token in this chunk (b == end)
-                    bound[rows[-1]] = im.offset + im.length - 1
+                    end = im.offset + im.length
+                    if b != end:  # NOTE: the scheduler keeps an image in one chunk
+                        raise RuntimeError(f"image at {im.offset}:{end} split at {b}")
+                    bound[rows[-1]] = end - 1
             t += len(s.token_ids)
         if not rows:
             return step
