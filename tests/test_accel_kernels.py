@@ -52,8 +52,7 @@ class Case:
 
 
 TPU_CASES = {  # the plain 8B and SmolLM2 kernels (bf16, fp8) compile in the tests below
-    "8b_p16_bf16_features": Case(features=True),
-    "8b_p16_bf16_features_bound": Case(features=True, bound=True),
+    "8b_p16_bf16_features": Case(features=True, bound=True),  # (fp8_features: no bound)
     "8b_p32_bf16": Case(page_size=32, pages_per_seq=8),
     "8b_p16_f32": Case(dtype="float32"),
     "8b_p16_fp8_features": Case(fp8=True, features=True),
@@ -65,7 +64,6 @@ TPU_CASES = {  # the plain 8B and SmolLM2 kernels (bf16, fp8) compile in the tes
 # VMEM per program (fp8's exponent buffers, 32 pages of 8, f32) and the features.
 V6E_CASES = (
     "8b_p16_bf16_features",
-    "8b_p16_bf16_features_bound",
     "8b_p16_fp8_features",
     "default_p8_group7",
     "8b_p16_f32",
@@ -238,9 +236,8 @@ def test_tpu_cost_estimate_counts_the_kernel():
 
 
 GPU_CASES = {  # the GPU rows of the table; split-K on (the default decode) and off
-    "8b_p16_bf16_split_k": (Case(), {}),
+    "8b_p16_bf16_split_k": (Case(bound=True), {}),
     "8b_p16_bf16_no_split": (Case(features=True), {"split": False}),
-    "8b_p16_bf16_features_bound": (Case(features=True, bound=True), {}),
     "8b_p32_bf16": (Case(page_size=32, pages_per_seq=8), {}),
     "smollm2_p16_bf16": (Case(hq=9, hkv=3, head_dim=64), {}),
     "8b_p16_f32": (Case(dtype="float32"), {}),
