@@ -114,7 +114,8 @@ def _assert_matches_hf(model, ids: list[int], images: list, out) -> None:
 
 def test_an_image_straddling_the_budget_goes_whole_in_the_next_chunk(tiny):
     """The image's tokens are positions 29..32 of a 36-token prompt and the budget is 32 tokens:
-    the first chunk ends at 29, before the image (its tokens attend to each other)."""
+    the first chunk ends at 29, before the image (its tokens attend to each other). A prefix-cache
+    hit that ends inside the image computes the rest of it in one chunk."""
     model, llm = tiny
     ids = _run(1, text=28)
     assert ids[29:33] == [IMAGE_TOKEN] * TOKENS_PER_IMAGE
@@ -122,6 +123,14 @@ def test_an_image_straddling_the_budget_goes_whole_in_the_next_chunk(tiny):
     prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": [_image(4)]}}
     (out,) = llm.generate([prompt], sp)
     _assert_matches_hf(model, ids, [_image(4)], out)
+    # again, without prompt logprobs: its first 2 pages (32 tokens) hit the prefix cache, so it
+    # starts inside the image (tokens 29..31 cached, computed seeing the whole image)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    (again,) = llm.generate([prompt], sp)
+    assert again.usage.cached_prompt_tokens == 32
+    ref = _hf_logprobs(model, ids, [_image(4)])
+    for tok, lp in again.outputs[0].logprobs[0].items():
+        assert abs(lp - ref[-1, tok]) < 1e-3
 
 
 def test_bad_images_are_refused(tiny):
