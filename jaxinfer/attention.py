@@ -20,7 +20,8 @@
    `FP8_KV_BACKENDS` (every backend today) read it; a backend missing there is refused naming the
    field (`check_kv_cache_dtype`).
 3. The chosen backend's `ragged_paged_attention` attends every query token to its own sequence's
-   pages. The pure-JAX reference is the oracle every kernel is tested against.
+   pages, causally up to `StepInputs.causal_bound` where the step has one (image tokens see
+   their whole image). The pure-JAX reference is the oracle every kernel is tested against.
 4. `attention_qkv` (the "gpu" backend on a decode step, `takes_qkv`): steps 2-3 and the RoPE of
    q and k in one kernel reading the fused QKV product (`gpu_decode_qkv`), where the model hands
    over its QKV product and the step's cos/sin (`expand_rope`) instead of rotated q, k, v.
@@ -191,6 +192,8 @@ def attention(
     # launches once, without query classes or work tables
     decode = q.shape[0] == 1 or step.decode_only
     extra = {"decode_only": True} if backend == "gpu" and decode else {}
+    if step.causal_bound is not None:  # image tokens in this step: never the decode-only path
+        extra = {"causal_bound": step.causal_bound}
     with jax.named_scope("paged_attention"):
         out = KERNELS[backend](
             q,

@@ -272,6 +272,9 @@ class EngineConfig:
     # Most prompt tokens one request computes per step (None: up to max_num_batched_tokens).
     # Smaller values keep a new prompt's prefill from stalling the running decodes (tail ITL).
     long_prefill_token_threshold: int | None = None
+    # Images' encoder tokens one step may take (vLLM's name; None: max_num_batched_tokens): a
+    # step with several new images spreads them over steps while the decodes keep running.
+    max_num_encoder_input_tokens: int | None = None
     # Schedule and launch step N+1 before step N's sampled tokens reach the host (they are fed
     # on the device), so host work overlaps device work; one speculative decode step is wasted
     # per request that stops on EOS / a stop token. Multi-host runs step synchronously.
@@ -329,6 +332,11 @@ class EngineConfig:
             raise ValueError(
                 "long_prefill_token_threshold must be >= 1 (or None for no cap), "
                 f"got {self.long_prefill_token_threshold}"
+            )
+        if (self.max_num_encoder_input_tokens or 1) < 1:
+            raise ValueError(
+                "max_num_encoder_input_tokens must be >= 1 (or None: max_num_batched_tokens), "
+                f"got {self.max_num_encoder_input_tokens}"
             )
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")

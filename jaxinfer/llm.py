@@ -94,8 +94,8 @@ class LLM:
         None uses `$JAX_COMPILATION_CACHE_DIR`, else `~/.cache/jaxinfer/xla`; "" turns it off.
       **engine_options: `EngineConfig` fields (page_size, num_pages, kv_cache_memory,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, mesh,
-        long_prefill_token_threshold, quantization, enable_lora, max_loras, max_lora_rank,
-        max_cpu_loras), `attention_backend` and `linear_backend`.
+        long_prefill_token_threshold, max_num_encoder_input_tokens, quantization, enable_lora,
+        max_loras, max_lora_rank, max_cpu_loras), `attention_backend` and `linear_backend`.
         `quantization="int8"` (or "fp8") stores the linear weights and the embedding quantized
         with group-wise (int8: 128 input channels) or per-output-channel (fp8) scales, applied
         at load (see `jaxinfer.loader.load_model`);

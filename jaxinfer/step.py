@@ -29,6 +29,11 @@ class StepInputs:
     # M-RoPE (`ModelConfig.mrope_section`, Qwen2.5-VL): each token's (t, h, w) position rows
     # (`jaxinfer.vision.mrope`); None on steps without a request holding images (rows = positions).
     mrope_positions: jax.Array | None = None  # i32[3, T]
+    # With images: the largest KV position each token may attend to (its own position; an image
+    # token: its image's last, so an image's tokens see each other, HF's `token_type_ids` mask).
+    # NOTE: set exactly when `mm_embeds` is (no extra program per bucket), never on a
+    # `decode_only` step; the scheduler keeps each image's tokens in one chunk.
+    causal_bound: jax.Array | None = None  # i32[T]
     # Static: every live sequence s holds exactly token s, one token each (a pure-decode step,
     # one replica). The runner marks such steps only where the attention backend has a decode-only
     # path (`gpu`), so no other backend compiles a second program per bucket.

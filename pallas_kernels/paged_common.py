@@ -197,16 +197,18 @@ def apply_soft_cap(scores, soft_cap: float | None):
     return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
 
 
-def causal_mask(q_pos, k_pos, key_end, sliding_window: int | None):
-    """bool[R, K]: key k_pos is in the sequence (< key_end), not after the row's position q_pos,
-    and inside its window. Triton form: q_pos i32[R], k_pos i32[K]; Mosaic form: both i32[R, K]
-    (2-D iotas)."""
+def causal_mask(q_pos, k_pos, key_end, sliding_window: int | None, bound=None):
+    """bool[R, K]: key k_pos is in the sequence (< key_end), not after the row's causal bound
+    (its position q_pos, or `bound` where given: an image token sees its whole image), and inside
+    the window (measured from q_pos). Triton form: q_pos i32[R], k_pos i32[K], bound i32[R];
+    Mosaic form: q_pos, k_pos i32[R, K] (2-D iotas), bound i32[R, 1]."""
     if k_pos.ndim == 1:
-        mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < key_end)
+        last = q_pos if bound is None else bound
+        mask = (k_pos[None, :] <= last[:, None]) & (k_pos[None, :] < key_end)
         if sliding_window is not None:
             mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
         return mask
-    mask = (k_pos < key_end) & (k_pos <= q_pos)
+    mask = (k_pos < key_end) & (k_pos <= (q_pos if bound is None else bound))
     if sliding_window is not None:
         mask &= q_pos - k_pos < sliding_window
     return mask
@@ -257,9 +259,11 @@ def token_positions(cu_q_lens, kv_lens, num_seqs, num_tokens: int):
     return seq, valid, kv_len, q_pos, n_real
 
 
-def reference_key_mask(k_pos, valid, kv_len, q_pos, sliding_window: int | None):
-    """bool[Q, B]: the token is real, the key in its sequence, causal, inside the window."""
-    mask = valid[:, None] & (k_pos[None, :] < kv_len[:, None]) & (k_pos[None, :] <= q_pos[:, None])
+def reference_key_mask(k_pos, valid, kv_len, q_pos, sliding_window: int | None, bound=None):
+    """bool[Q, B]: the token is real, the key in its sequence, not after the token's causal bound
+    (q_pos, or `bound` i32[Q] where given), inside the window (measured from q_pos)."""
+    last = q_pos if bound is None else bound
+    mask = valid[:, None] & (k_pos[None, :] < kv_len[:, None]) & (k_pos[None, :] <= last[:, None])
     if sliding_window is not None:
         mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
     return mask
@@ -293,7 +297,9 @@ def token_pages_per_block(page_size: int, pages_per_seq: int) -> int:
 
 
 def walk_query_blocks(
-    xs: tuple[jax.Array, ...],  # (q [T_pad, ...], seq, valid, q_pos, kv_len), each [T_pad, ...]
+    xs: tuple[
+        jax.Array, ...
+    ],  # (q [T_pad, ...], seq, valid, q_pos, kv_len, ...), each [T_pad, ...]
     dense_block: Callable,
     token_block: Callable,
     out: jax.Array,  # f32[T_pad, heads..., width]
@@ -302,7 +308,8 @@ def walk_query_blocks(
 ) -> jax.Array:
     """The references' query-block loop: blocks of `block_tokens` tokens, each run by
     `dense_block` (its real tokens are one sequence's) or `token_block` (they span sequences),
-    both (qb, sb, vb, pb, lb) -> (m, l, acc); padding tokens get zeros."""
+    both (qb, sb, vb, pb, lb, ...) -> (m, l, acc) over the blocks of `xs`; padding tokens get
+    zeros."""
     bq, t_pad = block_tokens, out.shape[0]
 
     def q_block(j, out):

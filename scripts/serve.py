@@ -152,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the inter-token latency tail of running streams (default: no cap)",
     )
     e.add_argument(
+        "--max-num-encoder-input-tokens",
+        type=int,
+        default=None,
+        help="images' encoder tokens one step may take (a vision-language model): a step with "
+        "several new images spreads them over steps (default: --max-num-batched-tokens)",
+    )
+    e.add_argument(
         "--speculative-config",
         default=None,
         metavar="JSON",
@@ -370,6 +377,7 @@ def engine_args(args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching,
         async_scheduling=not args.no_async_scheduling,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
         speculative_config=spec.to_dict() if spec else None,
         kv_cache_dtype=args.kv_cache_dtype,
         enable_lora=args.enable_lora,
@@ -475,6 +483,7 @@ ENGINE_FLAGS = (
     "linear_backend",
     "no_warmup",
     "long_prefill_token_threshold",
+    "max_num_encoder_input_tokens",
     "no_async_scheduling",
     "speculative_config",
 )

@@ -2,7 +2,7 @@
 
 1. TPU (v5e and v6e, libtpu): the ragged paged attention Mosaic kernel for each TPU row of the
    block-size table and the default at other page sizes, bf16 / f32 / fp8 KV caches, with and
-   without sliding window + soft-cap + sinks. Configurations that give the same kernel are
+   without sliding window + soft-cap + sinks (+ a per-token `causal_bound`: image tokens). Configurations that give the same kernel are
    compiled once: each case differs in block sizes, dtype, page size, head layout or feature;
    all of a chip's cases compile as one program (v6e: the cases where it differs from v5e).
    Mosaic checks what interpret mode never does (tile alignment, VMEM limits).
@@ -13,7 +13,7 @@
 3. Cost estimates: XLA's cost analysis of a kernel call counts the kernel (flops and bytes of
    `paged_common.attention_cost`), not the zero of an opaque custom call.
 4. H100 (CUDA plugin): the Triton kernels for the GPU rows of the table, split-K decode on and
-   off, an fp8 cache, and the MLA kernel compile to sm_90a code (a too-large block would fail here
+   off, a per-token `causal_bound`, an fp8 cache, and the MLA kernel compile to sm_90a code (a too-large block would fail here
    with RESOURCE_EXHAUSTED), each family as one program; a failing program is recompiled case by
    case so the failure names the configurations.
 Each check skips when its plugin is absent (tests/accel_utils.py).
@@ -44,6 +44,7 @@ class Case:
     dtype: str = "bfloat16"
     fp8: bool = False
     features: bool = False  # sliding window, soft-cap and sinks
+    bound: bool = False  # a per-token causal bound (image tokens see their whole image)
     num_pages: int = 64
     tokens: int = 32  # a decode class and a prefill class
     max_seqs: int = 4
@@ -51,7 +52,7 @@ class Case:
 
 
 TPU_CASES = {  # the plain 8B and SmolLM2 kernels (bf16, fp8) compile in the tests below
-    "8b_p16_bf16_features": Case(features=True),
+    "8b_p16_bf16_features": Case(features=True, bound=True),  # (fp8_features: no bound)
     "8b_p32_bf16": Case(page_size=32, pages_per_seq=8),
     "8b_p16_f32": Case(dtype="float32"),
     "8b_p16_fp8_features": Case(fp8=True, features=True),
@@ -98,11 +99,13 @@ def _args(case: Case, backend: str):
 def _call(kernel, device, case: Case, backend: str, **extra):
     """(fn, abstract args on `device`) of one kernel configuration."""
     args, sinks, kw = _args(case, backend)
+    bound = jax.ShapeDtypeStruct((case.tokens,), jnp.int32) if case.bound else None
 
     def call(*a):
-        return kernel(*a[:-1], sinks=a[-1], interpret=False, **kw, **extra)
+        *a, sinks, bound = a
+        return kernel(*a, sinks=sinks, causal_bound=bound, interpret=False, **kw, **extra)
 
-    return call, on(device, (*args, sinks))
+    return call, on(device, (*args, sinks, bound))
 
 
 def _compile(kernel, device, case: Case, backend: str, **extra):
@@ -233,7 +236,7 @@ def test_tpu_cost_estimate_counts_the_kernel():
 
 
 GPU_CASES = {  # the GPU rows of the table; split-K on (the default decode) and off
-    "8b_p16_bf16_split_k": (Case(), {}),
+    "8b_p16_bf16_split_k": (Case(bound=True), {}),
     "8b_p16_bf16_no_split": (Case(features=True), {"split": False}),
     "8b_p32_bf16": (Case(page_size=32, pages_per_seq=8), {}),
     "smollm2_p16_bf16": (Case(hq=9, hkv=3, head_dim=64), {}),

@@ -226,6 +226,58 @@ def test_features_match_reference(backend, feature):
     )
 
 
+def _image_bounds(args, images) -> jax.Array:
+    """i32[T] causal bounds of batch `args`: each token's position, a token of image (s, a, b)
+    (positions [a, b) of sequence s) b - 1."""
+    _, _, kv_lens, _, cu, _ = (np.asarray(x) for x in args)
+    bound = np.zeros(args[0].shape[0], np.int32)
+    for s in range(len(cu) - 1):
+        n = cu[s + 1] - cu[s]
+        bound[cu[s] : cu[s + 1]] = np.arange(kv_lens[s] - n, kv_lens[s]) if n else 0
+    for s, a, b in images:
+        first = kv_lens[s] - (cu[s + 1] - cu[s])
+        bound[cu[s] + a - first : cu[s] + b - first] = b - 1
+    return jnp.asarray(bound)
+
+
+# "mixed": sequence 2 computes positions 14..19, sequence 3 positions 0..4
+IMAGES = [(2, 15, 19), (3, 1, 4)]
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_reference_causal_bound_is_the_dense_mask(window):
+    """An image token sees every key up to its image's end; the window counts from its position."""
+    args = make_batch(BASE, *SCENARIOS["mixed"], seed=11)
+    bound = _image_bounds(args, IMAGES)
+    out = np.asarray(
+        run_reference(*args, sm_scale=0.125, sliding_window=window, causal_bound=bound)
+    )
+    q, cache, kv_lens, table, cu, _ = (np.asarray(x) for x in args)
+    g, ps = BASE.num_q_heads // BASE.num_kv_heads, BASE.page_size
+    for s in range(4):
+        keys = np.arange(kv_lens[s])
+        rows = cache[table[s, keys // ps], keys % ps]  # [K, 2*Hkv, D]
+        for t in range(cu[s], cu[s + 1]):
+            pos = kv_lens[s] - (cu[s + 1] - t)
+            see = keys <= bound[t]
+            if window is not None:
+                see &= pos - keys < window
+            for h in range(BASE.num_q_heads):
+                k, v = rows[see, 2 * (h // g)], rows[see, 2 * (h // g) + 1]
+                p = np.exp(0.125 * k @ q[t, h] - np.max(0.125 * k @ q[t, h]))
+                np.testing.assert_allclose(out[t, h], p @ v / p.sum(), rtol=1e-4, atol=1e-5)
+    plain = run_reference(*args, sm_scale=0.125, sliding_window=window)
+    assert not np.allclose(out, plain)  # the bound changed the image tokens' rows
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_causal_bound_matches_reference(backend):
+    """Image rows past their query block's own keys (blocks of 2 tokens), within a window."""
+    args = make_batch(BASE, *SCENARIOS["mixed"], seed=11)
+    bound = _image_bounds(args, IMAGES)
+    assert_matches_reference(backend, args, sliding_window=3, causal_bound=bound)
+
+
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_window_skips_pages_before_it(backend):
     """Pages wholly before every query's window are NaN: only a kernel that skips them passes."""

@@ -660,3 +660,47 @@ def test_unloaded_adapter_frees_its_slot_once_its_requests_end() -> None:
     assert slots.loaded() == {2: 1}
     assert sched.remove_lora(2) is True and slots.loaded() == {} and slots.take_removes() == [2]
     assert slots.acquire(ada) == 1  # the slot is free for anyone
+
+
+def test_images_stay_in_one_chunk_within_the_encoder_budget() -> None:
+    """An image's tokens attend to each other: a chunk ends before an image that does not fit
+    whole, `max_num_encoder_input_tokens` spreads a prompt's images over steps while a running
+    decode keeps its token each step, and an image larger than a step is refused by name."""
+    from jaxinfer.sampling_params import FieldError
+    from jaxinfer.vision.inputs import ImageInput
+
+    def image(offset: int, length: int = 4) -> ImageInput:
+        return ImageInput(offset, length, f"h{offset}", b"", (1, 1))
+
+    alloc = PageAllocator(64, 4)
+    sched = Scheduler(
+        alloc, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
+        max_num_encoder_input_tokens=4,
+    )  # fmt: skip
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("text", [1, 2, 3], eos=(), max_tokens=8))
+    step(sched, runner)
+    req = make_request("img", list(range(1, 21)), eos=(), max_tokens=1)
+    req.mm_inputs = (image(2), image(6), image(13))
+    sched.add_request(req)
+    chunks = []
+    while req.status is not RequestStatus.FINISHED_LENGTH and len(chunks) < 20:
+        out, _ = step(sched, runner)
+        assert any(s.request.request_id == "text" for s in out.scheduled) or not any(
+            r.request_id == "text" for r in sched.running
+        )
+        chunks += [
+            (s.start_pos, s.start_pos + len(s.token_ids))
+            for s in out.scheduled
+            if s.request is req and s.start_pos < 20
+        ]
+    # 7 tokens fit the budget (the decode takes one): [0, 6) stops before image 6..9 (the
+    # encoder budget went to image 2..5); then one image a step
+    assert chunks == [(0, 6), (6, 13), (13, 20)], chunks
+    for im in req.mm_inputs:
+        assert any(a <= im.offset and im.offset + im.length <= b for a, b in chunks)
+    big = make_request("big", list(range(1, 21)), eos=(), max_tokens=1)
+    big.mm_inputs = (image(2), image(8, 5))
+    with pytest.raises(FieldError, match="max_num_encoder_input_tokens=4") as e:
+        sched.add_request(big)
+    assert e.value.field == "multi_modal_data.image[1]"

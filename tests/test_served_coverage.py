@@ -73,6 +73,9 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "test_served_lifeline.py::test_content_length_over_the_cap_is_413_before_the_body_is_sent",
         "test_served_lifeline.py::test_grpc_message_over_the_cap_is_resource_exhausted",
     ),
+    "`--max-num-encoder-input-tokens`": (
+        "test_served_vision.py::test_two_images_take_one_encoder_budget_each",
+    ),
     "`--limit-mm-per-prompt`": ("test_served_vision.py::test_limit_mm_per_prompt",),
     "`--grace-period`": (
         M + "test_grace_period_aborts_what_is_left",

@@ -1,6 +1,7 @@
 """Images through the real server (`scripts/serve.py`, a tiny dummy Gemma 3 VLM): a chat with a
 `data:` URL image part streams an answer; the prefix cache keys include the image; bad image
-parts and too many images are a 400 naming the field."""
+parts and too many images are a 400 naming the field; `--max-num-encoder-input-tokens` reaches the
+engine core."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def served(tmp_path_factory):
     srv = ServedProcess(
         ["--model", model, "--load-format", "dummy", "--no-warmup", "--max-model-len", "128",
          "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--num-pages", "32",
-         "--limit-mm-per-prompt", '{"image": 2}']
+         "--limit-mm-per-prompt", '{"image": 2}', "--max-num-encoder-input-tokens",
+         str(TOKENS_PER_IMAGE)]
     )  # fmt: skip
     yield srv
     assert srv.stop() == 0, "".join(srv.log[-30:])
@@ -48,6 +50,18 @@ def test_chat_with_an_image_streams(client):
     chunks = list(stream)
     assert chunks[-1].usage.completion_tokens == 3
     assert chunks[-1].usage.prompt_tokens > 4  # the image's soft tokens are in the prompt
+
+
+def test_two_images_take_one_encoder_budget_each(served, client):
+    """`--max-num-encoder-input-tokens` of one image reaches the engine core, and a chat with two
+    images (adjacent, inside one token budget) still answers: its images go in two steps (the
+    rule itself: tests/test_scheduler.py, tests/test_vision.py)."""
+    assert "images: max_num_encoder_input_tokens 4 a step" in "".join(served.log)
+    out = client.chat.completions.create(
+        model="vlm", messages=_messages(_image(data_url(7)), _image(data_url(8))), max_tokens=1,
+        temperature=0.0,
+    )  # fmt: skip
+    assert out.usage.completion_tokens == 1 and out.usage.prompt_tokens > 2 * TOKENS_PER_IMAGE
 
 
 def _cached(client, url: str) -> int:

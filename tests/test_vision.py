@@ -2,8 +2,11 @@
 
 1. The processor's pixel values equal HF's Gemma3 image processor's (PIL backend).
 2. `LLM.generate({"prompt_token_ids": ..., "multi_modal_data": {"image": ...}})`: prompt and
-   next-token logprobs with one image, two images and none (one batch, chunked) equal HF's (causal attention over the
-   image tokens: see README, "Vision-language models").
+   next-token logprobs with one image, two images and none (one batch, chunked) equal HF's run
+   with the processor's `token_type_ids` (an image's tokens attend to each other, also in the
+   sliding-window layers), on the compiled CPU kernel and the reference backend; a prompt whose
+   image straddles the token budget is cut before the image (never split over two chunks);
+   `max_num_encoder_input_tokens` of one image spreads a step's images over steps.
 3. Bad images raise `ImageError` naming the field; chat content parts place the placeholders.
 (The prefix cache's image keys: `tests/test_served_vision.py`.)
 """
@@ -23,16 +26,23 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
 
-ENGINE = dict(max_model_len=64, max_num_seqs=3, max_num_batched_tokens=32, num_pages=32)
+# one image's encoder tokens per step: the two-image prompt's images go in two steps
+ENGINE = dict(
+    max_model_len=64,
+    max_num_seqs=3,
+    max_num_batched_tokens=32,
+    num_pages=32,
+    max_num_encoder_input_tokens=TOKENS_PER_IMAGE,
+)
 
 
 def _image(seed: int):
     return Image.open(io.BytesIO(png_bytes(seed)))
 
 
-def _run(n_images: int, start: int = 2) -> list[int]:
-    """Prompt ids with `n_images` image runs (`<boi> soft*4 <eoi>`) between text tokens."""
-    ids = [start, 17, 33]
+def _run(n_images: int, start: int = 2, text: int = 3) -> list[int]:
+    """Prompt ids with `n_images` image runs (`<boi> soft*4 <eoi>`) after `text` text tokens."""
+    ids = [start, 17, 33] + [60 + i % 50 for i in range(text - 3)]
     for i in range(n_images):
         ids += [BOI] + [IMAGE_TOKEN] * TOKENS_PER_IMAGE + [EOI, 40 + i]
     return ids + [9, 71]
@@ -63,7 +73,7 @@ def test_pixel_values_match_hf():
 def _hf_logprobs(model, ids: list[int], images: list) -> np.ndarray:
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    kwargs = {}
+    kwargs = {"token_type_ids": torch.tensor([[int(t == IMAGE_TOKEN) for t in ids]])}
     if images:
         hf = Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
         px = hf(images=images, return_tensors="np")["pixel_values"]
@@ -85,16 +95,42 @@ def test_logprobs_match_hf(tiny):
     encoder = llm.engine.core.runner.images.encoder
     encoded = encoder.num_encoded
     outs = llm.generate(prompts, sp)
-    # image 0 is in two prompts of one step: encoded once (by its hash), then reused
+    # image 0 is in two prompts (one step or two: one image's encoder tokens a step): encoded
+    # once (by its hash), then reused
     assert encoder.num_encoded - encoded == 2
     for (ids, images), out in zip(cases, outs, strict=True):
-        ref = _hf_logprobs(model, ids, images)
-        for pos in range(1, len(ids)):  # each prompt token's logprob given the tokens before it
-            (lp,) = out.prompt_logprobs[pos].values()
-            assert abs(lp - ref[pos - 1, ids[pos]]) < 1e-3, (len(images), pos)
-        for tok, lp in out.outputs[0].logprobs[0].items():
-            assert abs(lp - ref[-1, tok]) < 1e-3, len(images)
-        assert out.outputs[0].token_ids[0] == int(ref[-1].argmax())
+        _assert_matches_hf(model, ids, images, out)
+
+
+def _assert_matches_hf(model, ids: list[int], images: list, out) -> None:
+    ref = _hf_logprobs(model, ids, images)
+    for pos in range(1, len(ids)):  # each prompt token's logprob given the tokens before it
+        (lp,) = out.prompt_logprobs[pos].values()
+        assert abs(lp - ref[pos - 1, ids[pos]]) < 1e-3, (len(images), pos)
+    for tok, lp in out.outputs[0].logprobs[0].items():
+        assert abs(lp - ref[-1, tok]) < 1e-3, len(images)
+    assert out.outputs[0].token_ids[0] == int(ref[-1].argmax())
+
+
+def test_an_image_straddling_the_budget_goes_whole_in_the_next_chunk(tiny):
+    """The image's tokens are positions 29..32 of a 36-token prompt and the budget is 32 tokens:
+    the first chunk ends at 29, before the image (its tokens attend to each other). A prefix-cache
+    hit that ends inside the image computes the rest of it in one chunk."""
+    model, llm = tiny
+    ids = _run(1, text=28)
+    assert ids[29:33] == [IMAGE_TOKEN] * TOKENS_PER_IMAGE
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, prompt_logprobs=0)
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": [_image(4)]}}
+    (out,) = llm.generate([prompt], sp)
+    _assert_matches_hf(model, ids, [_image(4)], out)
+    # again, without prompt logprobs: its first 2 pages (32 tokens) hit the prefix cache, so it
+    # starts inside the image (tokens 29..31 cached, computed seeing the whole image)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    (again,) = llm.generate([prompt], sp)
+    assert again.usage.cached_prompt_tokens == 32
+    ref = _hf_logprobs(model, ids, [_image(4)])
+    for tok, lp in again.outputs[0].logprobs[0].items():
+        assert abs(lp - ref[-1, tok]) < 1e-3
 
 
 def test_bad_images_are_refused(tiny):

@@ -56,6 +56,12 @@ def log_capacity(core: EngineCore, data: int, shards: int, gain: float) -> None:
         c.long_prefill_token_threshold,
         getattr(c.speculative_config, "method", "off"),
     )
+    if getattr(core.runner, "images", None) is not None:
+        logger.info(
+            "images: max_num_encoder_input_tokens %d a step; an image's tokens attend to each "
+            "other (one chunk each)",
+            core.scheduler.max_num_encoder_input_tokens,
+        )
 
 
 def _kv_storage(core: EngineCore, gain: float) -> str:

@@ -158,12 +158,8 @@ class EngineCore:
             config, num_pages=int(num_pages), max_model_len=max_model_len
         )
         self.max_model_len = max_model_len
-        self.allocators = [
-            PageAllocator(
-                self.config.num_pages // data, config.page_size, config.enable_prefix_caching
-            )
-            for _ in range(data)
-        ]
+        pages, caching = self.config.num_pages // data, config.enable_prefix_caching
+        self.allocators = [PageAllocator(pages, config.page_size, caching) for _ in range(data)]
         spec = config.speculative_config
         spec_seqs = min(spec.disable_by_batch_size, config.max_num_seqs) if spec else 0
         if spec is not None and (data > 1 or sizes[shd.PIPELINE] > 1):
@@ -185,6 +181,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_num_encoder_input_tokens=config.max_num_encoder_input_tokens,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             spec_max_requests=spec_seqs,
             lora_slots=LoRASlots(config.max_loras) if config.enable_lora else None,

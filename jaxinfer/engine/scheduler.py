@@ -15,10 +15,12 @@ catching up to `num_tokens`, and one loop decides how many of its tokens to comp
 3. Then, if nothing was preempted, waiting requests (preempted ones first, then by (priority,
    arrival)) are admitted while budgets and pages allow: a prefix-cache match skips the cached
    leading pages (resumes included; `num_cached_tokens` records the first admission's hit; not
-   for requests that must see every token computed: `prompt_logprobs`, and
-   penalties, whose token counts the runner builds from the tokens it computes), the rest is chunked to
-   the token budget, pages are allocated. The first request that does not fit stops admission
-   (strict order, no preemption to admit).
+   for requests that must see every token computed: `prompt_logprobs`, and penalties, whose
+   token counts the runner builds from the tokens it computes), the rest is chunked to the token
+   budget, pages are allocated. The first request that does not fit stops admission (strict
+   order, no preemption to admit). Images (`vision.inputs.fit_images`, steps 2 and 3): a chunk
+   ends before an image that does not fit whole, or whose encoder tokens exceed what is left of
+   `max_num_encoder_input_tokens` this step (its tokens attend to each other: one step).
 4. `scheduled` lists decodes first, then prefill chunks. Each entry is a diff for the runner's
    persistent batch: a request that (re)joins (`is_new`) carries its whole page table, a running
    one only the pages allocated for this step; finished and preempted ids say which rows to drop.
@@ -79,6 +81,7 @@ from jaxinfer.engine.types import (
     SpecStats,
 )
 from jaxinfer.lora.slots import LoRASlots
+from jaxinfer.vision.inputs import check_image_budget, fit_images
 
 _new_tuple = tuple.__new__  # `_new_tuple(RequestUpdate, (...))`: skips NamedTuple's Python __new__
 
@@ -99,6 +102,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         spec_max_requests: int = 0,
         lora_slots: LoRASlots | None = None,
+        max_num_encoder_input_tokens: int | None = None,
     ):
         """`num_speculative_tokens` K > 0 turns speculative decoding on: each decode verifies up
         to K stored drafts while at most `spec_max_requests` requests are running or waiting
@@ -109,6 +113,7 @@ class Scheduler:
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_model_len", max_model_len),
             ("long_prefill_token_threshold", 1 if threshold is None else threshold),
+            ("max_num_encoder_input_tokens", max_num_encoder_input_tokens or 1),
         ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -146,6 +151,7 @@ class Scheduler:
         self.spec_max_requests = spec_max_requests
         self.spec_stats = SpecStats()
         self.lora_slots = lora_slots  # enable_lora: a request runs once its adapter has a slot
+        self.max_num_encoder_input_tokens = max_num_encoder_input_tokens or max_num_batched_tokens
 
     @property
     def num_running(self) -> int:
@@ -197,6 +203,7 @@ class Scheduler:
         if req.lora_request is not None and self.lora_slots is None:
             raise ValueError(f"request {rid!r}: lora_request needs an engine with enable_lora=True")
         req.prepare(self.max_model_len, self.allocator.page_size, self.allocator.num_usable_pages)
+        check_image_budget(req.mm_inputs, self)  # each image computed (and encoded) in one step
         self._requests[rid] = req
         self._order[rid] = (req.priority, req.arrival_time, next(self._seq))
         bisect.insort(self._waiting, req, key=self._key)
@@ -232,7 +239,7 @@ class Scheduler:
         stopped: set[int] = set()
         page_size, max_chunk = self.allocator.page_size, self._max_chunk
         running, replica_of = self._running, self._replica
-        speculate = self.speculating()
+        speculate, enc_left = self.speculating(), self.max_num_encoder_input_tokens
 
         # NOTE: the hot loop of a decode-heavy server (one pass per running request per step):
         # Request's properties are inlined here, and a steady decode (one token past the prompt,
@@ -299,6 +306,11 @@ class Scheduler:
                 i += 1
                 continue
             n = min(total - start, budget, max_chunk)
+            n, enc = fit_images(req.mm_inputs, start, n, enc_left)  # an image in one chunk
+            if not n:
+                i += 1
+                continue
+            enc_left -= enc
             # drafts that fit the budget the requests after it leave, and free pages
             left = budget - (len(running) - i - 1)
             drafts = spec.fit(req, n, left, self, self.allocators[r]) if speculate else []
@@ -335,8 +347,9 @@ class Scheduler:
                 cached = alloc.match_prefix(req.all_token_ids, req.page_hashes, req.cache_root)
             start = len(cached) * page_size
             n = min(req.num_tokens - start, budgets[r], self._max_chunk)
+            n, enc = fit_images(req.mm_inputs, start, n, enc_left)
             need = _cdiv(start + n, page_size) - len(cached)
-            if need > alloc.num_free_pages:
+            if need > alloc.num_free_pages or not n:
                 alloc.free(cached)
                 req.page_hashes.clear()
                 self._unpin_lora(req)
@@ -353,6 +366,7 @@ class Scheduler:
             bisect.insort(self._running, req, key=self._key)
             self._schedule_tokens(req, r, n, need, decodes, chunks, True)
             budgets[r] -= n
+            enc_left -= enc
 
         finished, self._finished_ids = self._finished_ids, []
         if self._preempted_ids:
@@ -388,11 +402,7 @@ class Scheduler:
         load = [0] * len(self.allocators)
         for rid in self._replica:
             load[self._replica[rid]] += 1
-        open_ = [
-            r
-            for r in range(len(self.allocators))
-            if budgets[r] > 0 and load[r] < self._seqs_per_replica
-        ]
+        open_ = [r for r, n in enumerate(load) if budgets[r] > 0 and n < self._seqs_per_replica]
         if not open_:
             return None
         return min(open_, key=lambda r: (load[r], -self.allocators[r].num_free_pages, r))

@@ -6,6 +6,10 @@
    reuse it) supplies the rows of those positions; they go into `StepInputs.mm_embeds` f32[M, E]
    with their token rows in `mm_rows` i32[M]. M is padded to a power of two (>= 16) with rows
    past T (dropped by the model's scatter): a handful of programs, not one per image layout.
+   With a `bidirectional` encoder (Gemma 3) the same steps carry `StepInputs.causal_bound`
+   i32[T]: each token's position, an image token's its image's last position (the image's
+   tokens attend to each other, as HF's `token_type_ids` mask has it; the scheduler never
+   splits an image over two chunks). Qwen2.5-VL's text model attends causally: no bound.
 2. `release(finished)` forgets the finished requests; an image no live request holds is dropped.
 
 NOTE: token rows are the scheduled order's cumulative chunk lengths: the step is one ragged group
@@ -40,6 +44,7 @@ class ImageEmbeds:
     def place(self, scheduled: Sequence[ScheduledRequest], step: StepInputs) -> StepInputs:
         """`step` with the image rows its chunks cover (unchanged when they cover none)."""
         rows, embeds = [], []
+        bound = np.array(step.positions, np.int32)  # i32[T]
         t = 0
         for s in scheduled:
             lo, hi = s.start_pos, s.start_pos + len(s.token_ids) - s.num_spec_tokens
@@ -49,6 +54,10 @@ class ImageEmbeds:
                     e = self._embeds(s.request.request_id, im)
                     embeds.append(e[a - im.offset : b - im.offset])
                     rows.append(np.arange(t + a - lo, t + b - lo, dtype=np.int32))
+                    end = im.offset + im.length
+                    if b != end:  # NOTE: the scheduler keeps an image in one chunk
+                        raise RuntimeError(f"image at {im.offset}:{end} split at {b}")
+                    bound[rows[-1]] = end - 1
             t += len(s.token_ids)
         if not rows:
             return step
@@ -59,7 +68,10 @@ class ImageEmbeds:
         mm_rows[:m] = np.concatenate(rows)
         mm_embeds = np.zeros((width, embeds[0].shape[1]), np.float32)
         mm_embeds[:m] = np.concatenate(embeds)
-        return step.replace(mm_embeds=mm_embeds, mm_rows=mm_rows)
+        bound = bound if self.encoder.bidirectional else None
+        return step.replace(
+            mm_embeds=mm_embeds, mm_rows=mm_rows, causal_bound=bound, decode_only=False
+        )
 
     def release(self, finished: Iterable[str]) -> None:
         done = set(finished)

@@ -232,6 +232,9 @@ def encode(params: VisionParams, vcfg: VisionConfig, pixels: jax.Array) -> jax.A
 class ImageEncoder:
     """The model's image encoder on the device: `embeds(rgb)` -> numpy [tokens_per_image, e]."""
 
+    # Gemma 3: the text model attends bidirectionally within each image (HF's token_type_ids)
+    bidirectional = True
+
     def __init__(self, vcfg: VisionConfig, params: VisionParams, spec: VisionSpec) -> None:
         self.vcfg, self.params, self.spec = vcfg, params, spec
         self._jit = jax.jit(encode, static_argnums=1)

@@ -35,3 +35,43 @@ def images_salt(cache_salt: str | None, images: Sequence[ImageInput]) -> str | N
     for im in images:
         h.update(f"|{im.offset}:{im.length}:{im.digest}".encode())
     return "mm:" + h.hexdigest()
+
+
+def fit_images(
+    images: Sequence[ImageInput], start: int, n: int, encoder_left: int
+) -> tuple[int, int]:
+    """(tokens, encoder tokens): a prefill chunk of tokens [start, start + n) cut so that no image
+    is split over two chunks (its tokens attend to each other, so the later ones' K/V must be
+    written in the step the earlier ones run) and the images it covers need at most
+    `encoder_left` encoder tokens; the chunk then ends before the first image that does not fit
+    (0 tokens: none fit this step)."""
+    used = 0
+    for im in images:
+        end = im.offset + im.length
+        if end <= start or im.offset >= start + n:
+            continue
+        if end > start + n or used + im.length > encoder_left:
+            return max(im.offset - start, 0), used
+        used += im.length
+    return n, used
+
+
+def check_image_budget(images: Sequence[ImageInput], sched) -> None:
+    """Raises naming image i when its tokens exceed what one step of scheduler `sched` can
+    compute or encode (`max_num_batched_tokens`, `long_prefill_token_threshold`,
+    `max_num_encoder_input_tokens`)."""
+    from jaxinfer.sampling_params import FieldError
+
+    for i, im in enumerate(images):
+        for name in (
+            "max_num_batched_tokens",
+            "long_prefill_token_threshold",
+            "max_num_encoder_input_tokens",
+        ):
+            limit = getattr(sched, name)
+            if limit and im.length > limit:
+                raise FieldError(
+                    f"multi_modal_data.image[{i}]",
+                    f": the image's {im.length} tokens must be computed in one step, more than "
+                    f"{name}={limit}; raise {name}",
+                )

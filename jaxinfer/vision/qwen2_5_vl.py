@@ -296,6 +296,8 @@ class QwenImageEncoder:
     """The model's image encoder on the device: `embeds(rgb)` -> numpy [tokens, e]; `mrope`
     gives the runner each request's M-RoPE positions."""
 
+    bidirectional = False  # the text model attends causally over image tokens, as HF's does
+
     def __init__(self, vcfg: QwenVisionConfig, params: QwenVisionParams, spec: QwenVisionSpec):
         self.vcfg, self.params, self.spec = vcfg, params, spec
         self._jit = jax.jit(encode, static_argnums=(1, 5, 6))

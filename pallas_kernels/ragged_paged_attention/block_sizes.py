@@ -15,7 +15,8 @@ Both kernels (`gpu.py`, `tpu.py`) share this plumbing; only the kernel bodies di
    sequence -1 and exit at once. The kernels receive the table as scalars (SMEM on TPU).
 4. `gather_query_blocks` lays q out as `[W, Hkv, block_q * G_pad, D]` (one contiguous block per
    work item and KV head: the G query heads of a KV head are rows next to each other), and
-   `scatter_query_blocks` gathers each token's rows back out of the kernel's output blocks.
+   `scatter_query_blocks` gathers each token's rows back out of the kernel's output blocks;
+   `gather_bound_blocks` lays a `causal_bound` out the same way, with each item's key end.
 5. Split-K decode (GPU, flash-decoding): `split_work_table` gives each decode-class sequence
    `min(its KV blocks, budget // live decode sequences)` work items, each walking a contiguous,
    balanced share of the sequence's KV blocks (`split_range`), where budget =
@@ -261,6 +262,28 @@ def gather_query_blocks(
     qp = jnp.concatenate([q, jnp.zeros((1, hkv, gp, d), q.dtype)], axis=0)
     blocks = qp[tok]  # [W, bq, Hkv, Gp, D]
     return blocks.transpose(0, 2, 1, 3, 4).reshape(seq.shape[0], hkv, block_q * gp, d)
+
+
+def gather_bound_blocks(
+    bound: jax.Array,  # i32[T] each token's causal bound (`causal_bound`)
+    kv_lens: jax.Array,  # i32[S]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    seq: jax.Array,  # i32[W]
+    qblk: jax.Array,  # i32[W]
+    block_q: int,
+    group: int,
+) -> tuple[jax.Array, jax.Array]:
+    """(i32[W, block_q * group] each query row's causal bound, i32[W] each work item's exclusive
+    key end: past its rows' largest bound, within its sequence), in `gather_query_blocks`' rows
+    (token-major, then query head within the group); rows of no token get -1."""
+    safe = jnp.maximum(seq, 0)
+    q_start = cu_q_lens[safe]
+    q_len = cu_q_lens[safe + 1] - q_start
+    local = qblk[:, None] * block_q + jnp.arange(block_q, dtype=jnp.int32)[None, :]  # i32[W, bq]
+    ok = (seq[:, None] >= 0) & (local < q_len[:, None])
+    b = jnp.where(ok, bound[jnp.where(ok, q_start[:, None] + local, 0)], -1)
+    key_end = jnp.minimum(b.max(axis=1) + 1, kv_lens[safe])
+    return jnp.repeat(b, group, axis=1).astype(jnp.int32), key_end.astype(jnp.int32)
 
 
 def scatter_query_blocks(

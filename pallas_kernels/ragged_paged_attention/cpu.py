@@ -8,7 +8,8 @@ straight from the cache, with every core of XLA's intra-op pool.
    C++ compiler against jaxlib's FFI headers and registers it as a custom call for the "cpu"
    platform. `available()` says whether that worked (and `unavailable_reason()` why not).
 2. `ragged_paged_attention` has the reference's signature and emits the custom call (a float32
-   or bfloat16 cache, or an fp8 `reference.Fp8KVCache`); `blocks` is
+   or bfloat16 cache, or an fp8 `reference.Fp8KVCache`; `causal_bound` as the reference's: an
+   image token sees up to its image's end); `blocks` is
    accepted for signature parity with the Pallas kernels and must be None (the kernel's tiles are
    fixed in the C++ source).
 """
@@ -52,6 +53,7 @@ def ragged_paged_attention(
     sinks: jax.Array | None = None,  # f32[Hq]
     interpret: pc.Interpret = False,  # accepted for signature parity; always runs compiled
     blocks: None = None,
+    causal_bound: jax.Array | None = None,  # i32[T] (the reference's)
 ) -> jax.Array:  # [T, Hq, D]
     del interpret
     if blocks is not None:
@@ -68,7 +70,10 @@ def ragged_paged_attention(
     hq = q.shape[1]
     if sinks is not None and sinks.shape != (hq,):
         raise ValueError(f"sinks must be f32[{hq}] (one per query head), got {sinks.shape}")
+    if causal_bound is not None and causal_bound.shape != (q.shape[0],):
+        raise ValueError(f"causal_bound must be i32[{q.shape[0]}], got {causal_bound.shape}")
     library()
+    bound = jnp.zeros((1,), jnp.int32) if causal_bound is None else causal_bound.astype(jnp.int32)
     sink_arr = jnp.zeros((hq,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     call = jax.ffi.ffi_call(KERNEL.target, jax.ShapeDtypeStruct(q.shape, q.dtype))
     # An fp8 cache passes its values and its exponents; a float one a placeholder exponent.
@@ -84,8 +89,10 @@ def ragged_paged_attention(
         cu_q_lens,
         num_seqs,
         sink_arr,
+        bound,
         sm_scale=np.float32(sm_scale),
         sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
         has_sinks=sinks is not None,
+        has_bound=causal_bound is not None,
     )

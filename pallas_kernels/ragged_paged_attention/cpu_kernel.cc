@@ -4,7 +4,8 @@
 // Same contract as reference.py: one ragged token axis (sequence s owns tokens
 // cu_q_lens[s]..cu_q_lens[s+1], the last ones of its kv_lens[s] cached tokens), a paged cache
 // [P, page_size, 2*Hkv, D] with K of head h at 2h and V at 2h+1, GQA by grouping query heads under
-// their KV head, optional sliding window / logit soft-cap / sinks. Only keys a token may see are
+// their KV head, optional sliding window / logit soft-cap / sinks / per-token causal bound (an
+// image token sees its whole image). Only keys a token may see are
 // read, so unused (NaN) slots never enter; page ids outside [0, P) read as zeros like the
 // reference's gather with mode="fill". Padding tokens get zeros.
 //
@@ -117,6 +118,7 @@ struct Problem {
   const int32_t* page_indices;
   const int32_t* cu_q_lens;
   const float* sinks;  // nullptr when the model has none
+  const int32_t* bounds;  // [T] each token's last visible key position; nullptr: its own position
   int64_t num_pages, page_size, num_kv_heads, group, head_dim, pages_per_seq;
   float sm_scale, soft_cap;  // soft_cap <= 0: none
   int64_t window;            // <= 0: none
@@ -224,10 +226,13 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
         sc.l[r] = pb.sinks ? 1.0f : 0.0f;
       }
 
-  const int64_t last_pos = first_pos + ntok - 1;
+  int64_t last_pos = first_pos + ntok - 1;
+  if (pb.bounds)  // an image token sees up to its image's end (never past the sequence)
+    for (int64_t i = 0; i < ntok; ++i)
+      last_pos = std::max<int64_t>(last_pos, std::min<int64_t>(pb.bounds[it.t0 + i], kv_len - 1));
   int64_t k_begin = 0;
   if (pb.window > 0) k_begin = std::max<int64_t>(0, first_pos - pb.window + 1);
-  const int64_t k_end = last_pos + 1;  // causal: no token of the tile sees past its last one
+  const int64_t k_end = last_pos + 1;  // causal: no token of the tile sees past its last bound
   const int64_t page_row = static_cast<int64_t>(it.seq) * pb.pages_per_seq;
   const int64_t slot_stride = 2 * hkv * d;
 
@@ -272,8 +277,9 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
       for (int64_t rh = 0; rh < rows_h; ++rh) {
         const int64_t r = hh * rows_h + rh;
         const int64_t pos = first_pos + rh / g;
-        // Keys of this block the row may see: [lo, hi) relative to kb.
-        const int64_t hi = std::min<int64_t>(nk, pos - kb + 1);
+        const int64_t last = pb.bounds ? std::min<int64_t>(pb.bounds[it.t0 + rh / g], kv_len - 1) : pos;
+        // Keys of this block the row may see: [lo, hi) relative to kb (window from its position).
+        const int64_t hi = std::min<int64_t>(nk, last - kb + 1);
         const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1 - kb) : 0;
         if (hi <= lo) continue;
         float* s = sc.s.data() + rh * kKeyBlock;
@@ -376,9 +382,10 @@ void Run(ffi::ThreadPool& pool, std::shared_ptr<Shared> sh, int64_t work) {
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer cache,
                                 ffi::Buffer<ffi::S8> exponents, ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                                ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out,
-                                float sm_scale, int64_t sliding_window, float soft_cap,
-                                bool has_sinks) {
+                                ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> bounds,
+                                ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+                                int64_t sliding_window, float soft_cap, bool has_sinks,
+                                bool has_bound) {
   const auto qd = q.dimensions();
   const auto cd = cache.dimensions();
   const auto pd = page_indices.dimensions();
@@ -404,6 +411,9 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   pb.page_indices = page_indices.typed_data();
   pb.cu_q_lens = cu_q_lens.typed_data();
   pb.sinks = has_sinks ? sinks.typed_data() : nullptr;
+  if (has_bound && static_cast<int64_t>(bounds.element_count()) != qd[0])
+    return ffi::Error::InvalidArgument("ragged_paged_attention: causal_bound needs one entry per token");
+  pb.bounds = has_bound ? bounds.typed_data() : nullptr;
   pb.num_pages = cd[0];
   pb.page_size = cd[1];
   pb.num_kv_heads = cd[2] / 2;
@@ -468,8 +478,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRaggedPagedAttention, RaggedPagedAttention
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
-                                  .Attr<bool>("has_sinks"));
+                                  .Attr<bool>("has_sinks")
+                                  .Attr<bool>("has_bound"));

@@ -16,6 +16,8 @@ Flow of `ragged_paged_attention`:
      (one load serves all G query heads of the KV head: they are rows of the same tile).
      Scores get the soft-cap, then the causal / length / window mask, then an online-softmax
      update (f32 statistics and accumulator; sinks seed the running max and denominator).
+     With a `causal_bound` (image tokens) each row is causal up to its own bound (a `[R]` block
+     per item) and the item walks keys up to its rows' largest (`block_sizes.gather_bound_blocks`).
   5. Split-K decode (flash-decoding): when `blocks.decode_programs > 0` the decode class's work
      items are KV splits (`block_sizes.split_work_table`): a sequence's KV blocks are shared out
      over up to budget // live-sequences programs, so one long decode still fills the GPU. Each
@@ -79,6 +81,7 @@ def attend(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    bound=None,  # i32[R] the rows' causal bounds (None: their positions)
 ):
     """(m f32[R], l f32[R], acc f32[R, D]): the online softmax of q's rows over KV blocks [lo, hi)
     of sequence s for KV head h (every kernel program's inner loop)."""
@@ -118,7 +121,7 @@ def attend(
             * k_scale[None, :]
         )  # [R, K]
         sc = pc.apply_soft_cap(sc, soft_cap)
-        mask = pc.causal_mask(q_pos, k_pos, key_end, sliding_window)
+        mask = pc.causal_mask(q_pos, k_pos, key_end, sliding_window, bound)
 
         def pv(p):  # [R, D]
             if v_scale is not None:
@@ -140,10 +143,12 @@ def _kernel(
     work_qblk_ref,  # i32[W]
     work_split_ref,  # i32[W] or None (no split-K): the item's split of its sequence's KV blocks
     work_nsplit_ref,  # i32[W] or None: the number of splits of the item's sequence
+    work_end_ref,  # i32[W] or None (no causal_bound): the item's key end (its rows' bounds + 1)
     kv_lens_ref,  # i32[S]
     cu_q_lens_ref,  # i32[S+1]
     pages_ref,  # i32[S * pages_per_row] (page table flattened, padded by one KV block of columns)
     q_ref,  # [R, D] this work item's rows for this KV head
+    bound_ref,  # i32[R] or None: the rows' causal bounds
     sinks_ref,  # f32[R] or None
     kv_ref,  # [P * page_size, 2*Hkv, D] the cache, one row per slot
     exp_ref,  # i8[P * page_size, 2*Hkv] or None: an fp8 cache's row exponents
@@ -178,6 +183,8 @@ def _kernel(
             page_size=page_size,
             sliding_window=sliding_window,
         )
+        if work_end_ref is not None:  # image rows see up to their image's end
+            key_end = jnp.maximum(key_end, work_end_ref[w])
         num_blocks = pc.num_kv_blocks(key_end, page_lo, page_size=page_size, block_k=block_k)
         if work_split_ref is None:
             lo, hi, seed = 0, num_blocks, True
@@ -208,6 +215,7 @@ def _kernel(
             sm_scale=sm_scale,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
+            bound=None if bound_ref is None else bound_ref[...],
         )
         o_ref[...] = pc.normalize(acc, l).astype(o_ref.dtype)
         if lse_ref is not None:
@@ -223,6 +231,7 @@ def _run_class(
     cu_q_lens,
     num_seqs,
     sinks_rows,
+    causal_bound,
     cls,
     *,
     blocks,
@@ -260,6 +269,11 @@ def _run_class(
             seq, qblk = bs.work_table(cu_q_lens, num_seqs, cls)
             split_args = (None, None)
         q_blocks = bs.gather_query_blocks(q, cu_q_lens, seq, qblk, cls.block_q)  # [W, Hkv, R, D]
+        bound_rows = work_end = None
+        if causal_bound is not None:  # i32[W, R], i32[W]
+            bound_rows, work_end = bs.gather_bound_blocks(
+                causal_bound, kv_lens, cu_q_lens, seq, qblk, cls.block_q, gp
+            )
     kernel = functools.partial(
         _kernel,
         block_q=cls.block_q,
@@ -303,10 +317,12 @@ def _run_class(
             whole,
             whole,
             *split_specs,
+            None if work_end is None else whole,
             whole,
             whole,
             whole,
             q_spec,
+            None if bound_rows is None else pl.BlockSpec((None, rows), lambda w, h: (w, 0)),
             sinks_spec,
             whole,
             None if exp_rows is None else whole,
@@ -322,10 +338,12 @@ def _run_class(
         seq,
         qblk,
         *split_args,
+        work_end,
         kv_lens,
         cu_q_lens,
         pages_flat,
         q_blocks,
+        bound_rows,
         sinks_rows,
         kv_rows,
         exp_rows,
@@ -363,6 +381,7 @@ def ragged_paged_attention(
     interpret: pc.Interpret = False,
     blocks: bs.KernelBlocks | None = None,
     decode_only: bool = False,
+    causal_bound: jax.Array | None = None,  # i32[T] (the reference's)
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged paged attention on GPU; the same contract as `reference.ragged_paged_attention`.
 
@@ -370,7 +389,9 @@ def ragged_paged_attention(
       interpret: run the kernel in Pallas interpret mode (CPU).
       blocks: block sizes overriding the `block_sizes` table (tests, tuning).
       decode_only: every live sequence s holds exactly token s (a pure-decode step): one launch
-        without query classes or work tables (`gpu_decode`).
+        without query classes or work tables (`gpu_decode`); never with a `causal_bound` (a
+        decode is never an image token: the runner marks no step with images decode-only).
+      causal_bound: the largest key position each token may see (`reference`'s).
     Returns:
       [T, Hq, D] in q's dtype; zeros for padding tokens.
     """
@@ -404,6 +425,8 @@ def ragged_paged_attention(
         kv_rows = data.reshape(num_pages * page_size, h2, d)  # free: one row per slot
         exp_rows = kv_cache.exponent.reshape(num_pages * page_size, h2) if fp8 else None
         pages_per_row, pages_flat = pc.flat_page_table(page_indices, blocks.pages_per_block)
+    if decode_only and causal_bound is not None:
+        raise ValueError("decode_only steps carry no causal_bound (no image tokens)")
     if decode_only:
         from pallas_kernels.ragged_paged_attention import gpu_decode
 
@@ -439,6 +462,7 @@ def ragged_paged_attention(
             cu_q_lens,
             num_seqs,
             sinks_rows,
+            causal_bound,
             cls,
             blocks=blocks,
             group=gp,

@@ -19,7 +19,8 @@ Flow of `ragged_paged_attention`:
      Either way the KV loop runs only as many blocks as the block's longest sequence needs
      (`paged_common.walk_query_blocks`, the loop both references share).
   3. Scores by einsum with query heads grouped under their KV head (GQA by broadcasting), optional
-     logit soft-cap, causal + length + sliding-window mask, then an online-softmax update. Masked
+     logit soft-cap, causal + length + sliding-window mask (causal up to `causal_bound` where
+     given: an image token sees its whole image), then an online-softmax update. Masked
      values are replaced before use, so NaN-filled unused pages cannot leak.
   4. Attention sinks, when given, start the running max/denominator as one extra virtual key.
 
@@ -183,7 +184,11 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     sinks: jax.Array | None = None,  # f32[Hq]
     interpret: pc.Interpret = False,  # accepted for signature parity with the kernels
+    causal_bound: jax.Array | None = None,  # i32[T]
 ) -> jax.Array:  # [T, Hq, D]
+    """`causal_bound`: the largest key position each query token may see (default: its own
+    position; an image token of a bidirectional-image model: its image's last position, which
+    this step must write); the sliding window still counts back from the token's own position."""
     del interpret
     check_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     t_len, hq, d = q.shape
@@ -196,6 +201,7 @@ def ragged_paged_attention(
 
     with jax.named_scope("rpa_positions"):
         seq, valid, kv_len, q_pos, n_real = pc.token_positions(cu_q_lens, kv_lens, num_seqs, t_pad)
+        bound = q_pos if causal_bound is None else jnp.pad(causal_bound, (0, t_pad - t_len))
 
     qg = q.astype(jnp.float32).reshape(t_len, hkv, g, d) * sm_scale
     qg = jnp.pad(qg, ((0, t_pad - t_len), (0, 0), (0, 0), (0, 0)))
@@ -220,7 +226,7 @@ def ragged_paged_attention(
         kv = kv.reshape(*ids.shape[:-1], keys, hkv, 2, d).astype(jnp.float32)
         return kv[..., 0, :], kv[..., 1, :]
 
-    def dense_block(qb, sb, vb, pb, lb):
+    def dense_block(qb, sb, vb, pb, lb, cb):
         """All valid tokens of the block belong to sequence sb[0]: gather its pages once."""
         # Also for a lone decode token: 4x fewer loop trips than TOKEN_KV_BLOCK saved ~2.5 ms of a
         # ~43 ms single-stream SmolLM2 decode step on XLA:CPU (30 layers, ~200-token context).
@@ -237,13 +243,13 @@ def ragged_paged_attention(
                 return pc.reference_softmax_step(
                     *carry,
                     s,
-                    pc.reference_key_mask(k_pos, vb, lb, pb, sliding_window),
+                    pc.reference_key_mask(k_pos, vb, lb, pb, sliding_window, cb),
                     lambda p: jnp.einsum("qkgb,bkd->qkgd", p, v),
                 )
 
         return jax.lax.fori_loop(0, -(-lb.max() // keys), body, (m0, l0, acc0))
 
-    def token_block(qb, sb, vb, pb, lb):
+    def token_block(qb, sb, vb, pb, lb, cb):
         """Tokens of several sequences (e.g. a run of decodes): each gathers its own pages."""
         bp = pc.token_pages_per_block(page_size, pages_per_seq)
         keys = bp * page_size
@@ -254,7 +260,7 @@ def ragged_paged_attention(
                 ids = jax.lax.dynamic_slice_in_dim(pages, b * bp, bp, axis=1)
                 k, v = gather(ids, keys)  # [Q, B, Hkv, D]
                 k_pos = b * keys + jnp.arange(keys, dtype=jnp.int32)
-                mask = pc.reference_key_mask(k_pos, vb, lb, pb, sliding_window)
+                mask = pc.reference_key_mask(k_pos, vb, lb, pb, sliding_window, cb)
                 v = jnp.where(mask[:, :, None, None], v, 0.0)
                 s = pc.apply_soft_cap(jnp.einsum("qkgd,qbkd->qkgb", qb, k), soft_cap)
                 return pc.reference_softmax_step(
@@ -264,7 +270,7 @@ def ragged_paged_attention(
         return jax.lax.fori_loop(0, -(-lb.max() // keys), body, (m0, l0, acc0))
 
     out = pc.walk_query_blocks(
-        (qg, seq, valid, q_pos, kv_len),
+        (qg, seq, valid, q_pos, kv_len, bound),
         dense_block,
         token_block,
         jnp.zeros((t_pad, hkv, g, d), jnp.float32),

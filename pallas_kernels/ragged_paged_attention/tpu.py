@@ -16,7 +16,9 @@ Flow of `ragged_paged_attention`:
   5. Per KV block: K and V are the lanes [0, D) and [D, 2D) of the slot's `[pages, page_size,
      W]`, scores get the soft-cap and the causal / length / window mask, then an online-softmax
      update (f32; sinks seed the running max and denominator). The output blocks are gathered
-     back to token order.
+     back to token order. With a `causal_bound` (image tokens) each row is causal up to its own
+     bound (an `i32[R, 1]` VMEM block) and the item copies pages up to its rows' largest (a
+     sixth scalar-prefetched table, `block_sizes.gather_bound_blocks`).
   6. An fp8 cache (`reference.Fp8KVCache`, `kv_cache_dtype="fp8"`): each page copy brings its
      float8_e4m3fn rows and, from the exponent array `i32[Hkv, P, 1, E]` (also in HBM), the
      page's exponent row into a second two-slot buffer on the same semaphore; K and V widen to
@@ -86,9 +88,9 @@ def _kernel(
     kv_lens_ref,  # SMEM i32[S]
     cu_q_lens_ref,  # SMEM i32[S+1]
     pages_ref,  # SMEM i32[S * pages_per_row] (page table flattened, padded by one KV block)
-    q_ref,  # VMEM [R, D]
-    *rest,  # (sinks VMEM f32[R, 1]?), kv HBM [P, Hkv, page_size, W], (exponents HBM
-    # i32[Hkv, P, 1, E]?), o VMEM [R, D], scratch
+    *rest,  # (work key ends SMEM i32[W]?), q VMEM [R, D], (bounds VMEM i32[R, 1]?), (sinks VMEM
+    # f32[R, 1]?), kv HBM [P, Hkv, page_size, W], (exponents HBM i32[Hkv, P, 1, E]?), o VMEM
+    # [R, D], scratch
     block_q: int,
     group: int,
     page_size: int,
@@ -100,7 +102,10 @@ def _kernel(
     soft_cap: float | None,
     has_sinks: bool,
     fp8: bool,
+    has_bound: bool,
 ):
+    work_end_ref, q_ref, bound_ref = rest[:3] if has_bound else (None, rest[0], None)
+    rest = rest[3:] if has_bound else rest[1:]
     sinks_ref = rest[0] if has_sinks else None
     rest = rest[1:] if has_sinks else rest
     if fp8:
@@ -128,6 +133,8 @@ def _kernel(
             sliding_window=sliding_window,
             div=pc.trunc_div,
         )
+        if work_end_ref is not None:  # image rows see up to their image's end
+            key_end = jnp.maximum(key_end, work_end_ref[w])
         page_end = pc.trunc_div(
             key_end + page_size - 1, page_size
         )  # pages [page_lo, page_end) needed
@@ -162,6 +169,7 @@ def _kernel(
                 pl.when(needed)(copy.wait)
 
         q = q_ref[...]
+        bound = None if bound_ref is None else bound_ref[...]  # i32[R, 1]
         q_pos = first_pos + pc.trunc_div(
             jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 0), group
         )
@@ -208,7 +216,7 @@ def _kernel(
             if fp8:
                 sc = sc * k_scale
             sc = pc.apply_soft_cap(sc, soft_cap)
-            mask = pc.causal_mask(q_pos, k_pos, key_end, sliding_window)
+            mask = pc.causal_mask(q_pos, k_pos, key_end, sliding_window, bound)
 
             def pv(p):  # [R, D]
                 return jax.lax.dot_general(
@@ -232,6 +240,7 @@ def _run_class(
     cu_q_lens,
     num_seqs,
     sinks_rows,
+    causal_bound,
     cls,
     *,
     blocks,
@@ -246,9 +255,19 @@ def _run_class(
     num_pages, _, page_size, width = kv_cache.shape
     fp8 = isinstance(kv_cache, Fp8KVCache)
     rows = cls.block_q * g
+    q_spec = pl.BlockSpec((None, None, rows, d), lambda w, h, *_: (w, h, 0, 0))
     with jax.named_scope("rpa_work_table"):
         seq, qblk = bs.work_table(cu_q_lens, num_seqs, cls)
         q_blocks = bs.gather_query_blocks(q, cu_q_lens, seq, qblk, cls.block_q)  # [W, Hkv, R, D]
+        prefetch = [seq, qblk, kv_lens, cu_q_lens, pages_flat]
+        in_specs, operands = [q_spec], [q_blocks]
+        if causal_bound is not None:  # i32[W, R], i32[W]
+            bound_rows, work_end = bs.gather_bound_blocks(
+                causal_bound, kv_lens, cu_q_lens, seq, qblk, cls.block_q, g
+            )
+            prefetch.append(work_end)
+            in_specs.append(pl.BlockSpec((None, rows, 1), lambda w, h, *_: (w, 0, 0)))
+            operands.append(bound_rows[:, :, None])
     kernel = functools.partial(
         _kernel,
         block_q=cls.block_q,
@@ -262,10 +281,8 @@ def _run_class(
         soft_cap=soft_cap,
         has_sinks=sinks_rows is not None,
         fp8=fp8,
+        has_bound=causal_bound is not None,
     )
-    q_spec = pl.BlockSpec((None, None, rows, d), lambda w, h, *_: (w, h, 0, 0))
-    in_specs = [q_spec]
-    operands = [q_blocks]
     if sinks_rows is not None:
         in_specs.append(pl.BlockSpec((None, rows, 1), lambda w, h, *_: (h, 0, 0)))
         operands.append(sinks_rows)
@@ -297,7 +314,7 @@ def _run_class(
         kernel,
         cost_estimate=cost,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=len(prefetch),
             grid=(cls.num_work, hkv),
             in_specs=in_specs,
             out_specs=q_spec,
@@ -307,7 +324,7 @@ def _run_class(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name=f"ragged_paged_attention_bq{cls.block_q}",
-    )(seq, qblk, kv_lens, cu_q_lens, pages_flat, *operands)
+    )(*prefetch, *operands)
     with jax.named_scope("rpa_unblock"):
         return bs.scatter_query_blocks(out_blocks, cu_q_lens, num_seqs, cls, t)
 
@@ -329,12 +346,14 @@ def ragged_paged_attention(
     sinks: jax.Array | None = None,  # f32[Hq]
     interpret: pc.Interpret = False,
     blocks: bs.KernelBlocks | None = None,
+    causal_bound: jax.Array | None = None,  # i32[T] (the reference's)
 ) -> jax.Array:  # [T, Hq, D]
     """Ragged paged attention on TPU; the same contract as `reference.ragged_paged_attention`.
 
     Args:
       interpret: False on TPU; `pltpu.InterpretParams(...)` (or True) to interpret on CPU.
       blocks: block sizes overriding the `block_sizes` table (tests, tuning).
+      causal_bound: the largest key position each token may see (`reference`'s).
     Returns:
       [T, Hq, D] in q's dtype; zeros for padding tokens.
     """
@@ -376,6 +395,7 @@ def ragged_paged_attention(
             cu_q_lens,
             num_seqs,
             sinks_rows,
+            causal_bound,
             cls,
             blocks=blocks,
             pages_per_row=pages_per_row,
