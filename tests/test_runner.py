@@ -264,7 +264,7 @@ def test_seeded_tokens_are_the_same_alone_batched_and_joining_mid_batch(model) -
     n = 64
     # NOTE: buckets 1 and 8 (a request alone: its decodes, its 8-token prompt) and 64 (the batch):
     # alone, batched and mixed still run different programs; the powers of two between them
-    # (2, 4, 16, 32: steps as the batch drains) would only add programs to compile.
+    # (2, 16, 32: steps as the batch drains) would only add programs to compile.
     engine = make_engine(
         model,
         max_num_seqs=n,
