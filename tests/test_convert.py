@@ -246,8 +246,16 @@ def test_gguf_to_orbax_generates_the_same_tokens(tmp_path: Path) -> None:
     assert tok_meta["general.architecture"] == "llama"
     assert len(tok_meta["tokenizer.ggml.tokens"]) == 49152
 
-    # NOTE: the prompt prefills in one 8-token step and decodes pad to 8: one program per engine
-    options = dict(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=8, token_buckets=(8,))
+    # NOTE: the prompt prefills in one 8-token step and decodes pad to 8: one program, the same
+    # one (cache shape, sequences, bucket) as test_spec_decode's and test_served_default's
+    # default-model engines, so in the suite it is a compilation-cache read
+    options = dict(
+        max_model_len=256,
+        max_num_seqs=2,
+        num_pages=40,
+        max_num_batched_tokens=8,
+        token_buckets=(8,),
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompt = "The capital of France is"
     want = LLM(None, **options).generate(prompt, greedy)[0]

@@ -768,9 +768,11 @@ def test_attention_op_with_each_backend():
 
 
 def _greedy_tokens(monkeypatch, family: str, backend: str, steps: int) -> list[list[int]]:
-    # NOTE: two layers (Gemma 2's tiny config has four): one sliding-window and one global layer
-    # for Gemma 2, so both attention kinds still run each kernel, at half the program size.
-    cfg = ModelConfig.from_hf({**hf_config_dict(family), "num_hidden_layers": 2})
+    # NOTE: two layers for Gemma 2 (its tiny config has four): one sliding-window and one global
+    # layer, so both attention kinds still run each kernel, at half the program size; Llama's
+    # layers are all alike: one (each interpreted kernel layer costs trace, compile and run time).
+    layers = 2 if family == "gemma2" else 1
+    cfg = ModelConfig.from_hf({**hf_config_dict(family), "num_hidden_layers": layers})
     params = init_random(llama.param_specs(cfg), jax.random.PRNGKey(0))
     params = jax.tree.map(lambda x: x * 6.0, params)  # peaky logits: no near-ties in argmax
     traced = []  # the kernel each layer's attention traced (a fresh jit, so it always traces)
@@ -809,8 +811,11 @@ def test_greedy_tokens_equal_across_backends(monkeypatch, family):
 
 ENGINE_PROMPTS = [[5, 300, 41, 7000, 12, 9], [88, 2, 61, 5, 190, 77, 1000, 3, 4]]
 # NOTE: one token bucket: the prefill (15 tokens) and the decodes (2) run one step program, so
-# each backend's engine compiles its (interpreted) kernels once, not once per power of two.
+# each backend's engine compiles its (interpreted) kernels once, not once per power of two; one
+# layer (the engine test model's layers are alike): each interpreted layer costs trace, compile
+# and run time.
 ENGINE_BUCKETS = (16,)
+ENGINE_LAYERS = 1
 
 
 @pytest.fixture(scope="module")
@@ -818,7 +823,7 @@ def engine_reference():
     """The tiny engine model and its greedy tokens on the reference backend (built once)."""
     from tests import engine_utils as eu
 
-    model = eu.tiny_model(eu.load_vocab())
+    model = eu.tiny_model(eu.load_vocab(), num_layers=ENGINE_LAYERS)
     engine, tokens = eu.greedy_ids_on_backends(
         model, ENGINE_PROMPTS, 6, token_buckets=ENGINE_BUCKETS, attention_backend="reference"
     )

@@ -262,7 +262,16 @@ def test_seeded_tokens_are_the_same_alone_batched_and_joining_mid_batch(model) -
     (other programs, other rounding of the logits) and joining a running batch (prefill chunks in
     steps with decodes)."""
     n = 64
-    engine = make_engine(model, max_num_seqs=n, max_num_batched_tokens=64, num_pages=n * 4 + 1)
+    # NOTE: buckets 1 and 8 (a request alone: its decodes, its 8-token prompt) and 64 (the batch):
+    # alone, batched and mixed still run different programs; the powers of two between them
+    # (2, 16, 32: steps as the batch drains) would only add programs to compile.
+    engine = make_engine(
+        model,
+        max_num_seqs=n,
+        max_num_batched_tokens=64,
+        num_pages=n * 4 + 1,
+        token_buckets=(1, 8, 64),
+    )
     rng = np.random.default_rng(5)
     prompts = [random_prompt(rng, 8, model.cfg.vocab_size) for _ in range(n)]
     alone = [
