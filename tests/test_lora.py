@@ -3,6 +3,7 @@ and mixed in one ragged batch with base-only rows; bad adapters are refused by n
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -10,7 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+if importlib.util.find_spec("peft") is None:
+    pytest.skip("peft is not installed", allow_module_level=True)
 
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.lora import device as lora_device  # noqa: E402
@@ -40,6 +42,8 @@ def make_adapter(base, out_dir, seed: int, **kw) -> None:
     """A random PEFT LoRA adapter of `base` saved to `out_dir`."""
     import copy
 
+    import peft  # NOTE: imported where used: both xdist workers collect this module
+
     model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **kw))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -51,6 +55,8 @@ def make_adapter(base, out_dir, seed: int, **kw) -> None:
 
 def peft_logits(base, path, toks) -> np.ndarray:
     import copy
+
+    import peft
 
     model = peft.PeftModel.from_pretrained(copy.deepcopy(base), path).eval()
     with torch.no_grad():
