@@ -18,7 +18,8 @@
    benchmark on the **same file** (the default model's Q4_1 blocks as they are, not a requantized
    copy), `llama-bench -m GGUF -p PROMPT_LEN -n DECODE_TOKENS -r 1 -t THREADS -o json` once per
    round, between jaxinfer's requests (so a slow phase of a loaded machine hits both alike); the
-   row is the median of the rounds' tokens/s (`--llama-cpp-threads`, default: every core).
+   row is the median of the rounds' tokens/s (`--llama-cpp-threads 2,1`: a row per thread count;
+   default: every core).
 4. The weight-read roofline of this machine, measured in the same run: a jitted XLA reduction
    streams a buffer twice the size of the weights (so no cache holds it) and the decode roofline is
    that read bandwidth divided by the weights' bytes (every decode step reads every weight once).
@@ -190,9 +191,9 @@ class LlamaCpp:
     """llama.cpp's benchmark on the GGUF file, one `llama-bench` run per call (a `bench_jaxinfer`
     peer); `result()` is the median over the calls after the first (a warm-up, like round 0)."""
 
-    def __init__(self, build: str, gguf: str, args):
+    def __init__(self, build: str, gguf: str, args, threads: int):
         self.command = llama_bench_command(
-            build, gguf, args.prompt_len, args.decode_tokens, args.llama_cpp_threads
+            build, gguf, args.prompt_len, args.decode_tokens, threads
         )
         self.runs: list[dict] = []
 
@@ -252,9 +253,9 @@ def main() -> None:
     )
     p.add_argument(
         "--llama-cpp-threads",
-        type=int,
-        default=os.cpu_count(),
-        help="llama-bench -t (default: every core)",
+        default=str(os.cpu_count()),
+        help="llama-bench -t, comma-separated (one llama.cpp row each, runs interleaved; "
+        "default: every core)",
     )
     args = p.parse_args()
     from jaxinfer.default_model import default_model_path
@@ -263,9 +264,9 @@ def main() -> None:
     prompt_ids = [int(x) for x in np.random.default_rng(0).integers(100, 40000, args.prompt_len)]
     dummy = args.load_format == "dummy"
     llama_cpp = (
-        LlamaCpp(args.llama_cpp, path, args)
+        [LlamaCpp(args.llama_cpp, path, args, int(t)) for t in args.llama_cpp_threads.split(",")]
         if args.llama_cpp and path.endswith(".gguf") and not dummy
-        else None
+        else []
     )
     runs = bench_jaxinfer(
         args,
@@ -276,7 +277,7 @@ def main() -> None:
             for b in args.linear_backend.split(",")
             for m in args.scheduling.split(",")
         ],
-        peers=[llama_cpp] if llama_cpp else [],
+        peers=llama_cpp,
     )
     ours = runs[0]
     if dummy and not args.no_hf:
@@ -288,7 +289,7 @@ def main() -> None:
         if dummy or args.no_hf or (args.model and not args.model.endswith(".gguf"))
         else bench_hf(args, prompt_ids, path)
     )
-    lcpp = llama_cpp and llama_cpp.result()
+    lcpps = [peer.result() for peer in llama_cpp]
     nbytes = ours[2]
     # twice the weights outruns every cache; on an accelerator 4 GiB does too (tens of MB of L2)
     import jax
@@ -301,7 +302,7 @@ def main() -> None:
         print(f"{'jaxinfer (' + r[3] + ')':34s} {r[0]:14.1f} {r[1]:13.1f} {r[2] / 1e6:10.0f}")
     if hf:
         print(f"{'hf-transformers':34s} {hf[0]:14.1f} {hf[1]:13.1f}")
-    if lcpp:
+    for lcpp in lcpps:
         name = f"llama.cpp ({lcpp['model_type']}, t={lcpp['threads']})"
         print(f"{name:34s} {lcpp['prefill_tok_s']:14.1f} {lcpp['decode_tok_s']:13.1f}")
     print(
@@ -327,12 +328,14 @@ def main() -> None:
                     for r in runs
                 },
                 "hf": hf and {"prefill_tok_s": round(hf[0], 1), "decode_tok_s": round(hf[1], 1)},
-                "llama_cpp": lcpp
-                and {
-                    **lcpp,
-                    "prefill_tok_s": round(lcpp["prefill_tok_s"], 1),
-                    "decode_tok_s": round(lcpp["decode_tok_s"], 1),
-                },
+                "llama_cpp": [
+                    {
+                        **lcpp,
+                        "prefill_tok_s": round(lcpp["prefill_tok_s"], 1),
+                        "decode_tok_s": round(lcpp["decode_tok_s"], 1),
+                    }
+                    for lcpp in lcpps
+                ],
                 "roofline": {
                     "weight_bytes": nbytes,
                     "read_gb_s": round(bandwidth / 1e9, 1),

@@ -48,8 +48,8 @@ def test_llama_bench_runs_the_same_file_once_per_round(bench, tmp_path):
     rounds = [(500.0, 10.0), (300.0, 140.0), (320.0, 100.0), (310.0, 120.0)]  # round 0 warms up
     for i, (p, d) in enumerate(rounds, 1):
         (tmp_path / f"round_{i}.json").write_text(json.dumps(_rows(p, d)))
-    args = SimpleNamespace(prompt_len=128, decode_tokens=64, llama_cpp_threads=2)
-    peer = bench.LlamaCpp(str(tmp_path), gguf, args)
+    args = SimpleNamespace(prompt_len=128, decode_tokens=64)
+    peer = bench.LlamaCpp(str(tmp_path), gguf, args, threads=2)
     assert peer.command == [
         os.path.join(str(tmp_path), "bin", "llama-bench"),
         *("-m", gguf, "-p", "128", "-n", "64", "-r", "1", "-t", "2", "-o", "json"),
