@@ -234,8 +234,13 @@ def dense(
     (float32 or int8 weights, all of one kind); with backend "gpu" an int8 / int4 weight and at
     most `gpu_linear.MAX_ROWS` rows run the Pallas dequantizing matmul (the weight read in its
     stored bits: no converted copy in HBM); anything else is XLA's dot (same contraction as
-    `einsum("te,e...->t...")`).
+    `einsum("te,e...->t...")`). On a TPU target, fewer than `TPU_MIN_ROWS` rows times a quantized
+    weight run padded to that many (see `_tpu_pad`).
     """
+    pad = _tpu_pad(x, weights)
+    if pad:
+        ys = dense(jnp.pad(x, ((0, pad), (0, 0))), *weights, backend=backend)
+        return tuple(y[: x.shape[0]] for y in ys)
     if backend == "gpu":
         return tuple(_gpu_dense(x, w) for w in weights)
     if backend == "cpu" and _kernel_fits(x, weights, axis=0):
@@ -247,6 +252,21 @@ def dense(
             outs = cpu_linear.linear(x, *(w.reshape(w.shape[0], -1) for w in weights))
         return tuple(y.reshape(x.shape[0], *w.shape[1:]) for y, w in zip(outs, weights))
     return tuple(_xla_dense(x, w) for w in weights)
+
+
+# NOTE: XLA:TPU turns a quantized product of fewer token rows than a sublane tile (8) into a
+# matrix-vector form that first converts the whole weight to f32 in HBM (4x int8's bytes, 8x
+# int4's: measured with the deviceless v5e compile, `jaxinfer.aot.intermediates.weight_sized`);
+# from 8 rows on it fuses the conversion into its products. The MXU takes 8 rows for the time of 1.
+TPU_MIN_ROWS = 8
+
+
+def _tpu_pad(x: jax.Array, weights: tuple[jax.Array | QArray, ...]) -> int:
+    """Rows to add to x so a TPU target's quantized product reads its codes in place (0 off TPU,
+    for float weights, or with >= `TPU_MIN_ROWS` rows)."""
+    if x.ndim != 2 or x.shape[0] >= TPU_MIN_ROWS or target.platform() != "tpu":
+        return 0
+    return TPU_MIN_ROWS - x.shape[0] if any(isinstance(w, QArray) for w in weights) else 0
 
 
 def _per_group_products(x: jax.Array, e: int, groups: int) -> bool:
@@ -279,6 +299,23 @@ def _xla_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
         return jnp.tensordot(x, w, axes=1)
     t, e = x.shape
     groups = w.scale.shape[0]
+    if groups > 1 and _per_group_products(x, e, groups):
+        # t: token rows, G: scale groups, g: input channels of a group, n...: output dims.
+        # NOTE: the codes keep their output dims (only the contraction axis is split, a free view
+        # in every layout): flattening a fused weight (qkv [E, Hkv, G+2, D]) to [E, N] is a
+        # relayout on TPU's tiled layouts, which XLA did after converting the codes to f32.
+        n = "abcdef"[: len(w.shape) - 1]
+        xg = x.reshape(t, groups, -1)
+        parts = jnp.einsum(
+            f"tGg,Gg{n}->tG{n}",
+            xg,
+            w.data.reshape(groups, -1, *w.shape[1:]).astype(x.dtype),
+            preferred_element_type=jnp.float32,
+        )
+        y = jnp.einsum(f"tG{n},G{n}->t{n}", parts, _f32(w.scale))
+        if w.offset is not None:
+            y = y + jnp.einsum(f"tG,G{n}->t{n}", xg.sum(-1, dtype=jnp.float32), _f32(w.offset))
+        return y.astype(x.dtype)
     data = w.data.reshape(e, -1)  # [E, N]
     scale = _f32(w.scale).reshape(groups, -1)  # f32[G, N]
     out_shape = (t, *w.shape[1:])
@@ -296,23 +333,16 @@ def _xla_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
         # decode rows take the CPU kernel.
         y = jnp.dot(x, data.astype(x.dtype), preferred_element_type=jnp.float32)
         return (y * scale[0] + shift).astype(x.dtype).reshape(out_shape)
-    if _per_group_products(x, e, groups):
-        # t: token rows, G: scale groups, g: input channels of a group, n: output channels.
-        parts = jnp.einsum(
-            "tGg,Ggn->tGn",
-            x.reshape(t, groups, -1),
-            data.reshape(groups, -1, data.shape[1]).astype(x.dtype),
-            preferred_element_type=jnp.float32,
-        )
-        y = jnp.einsum("tGn,Gn->tn", parts, scale) + shift
-        return y.astype(x.dtype).reshape(out_shape)
     weight = qlib.dequantize(data, scale, 0, xp=jnp, offset=offset).astype(x.dtype)
     return jnp.dot(x, weight, preferred_element_type=jnp.float32).astype(x.dtype).reshape(out_shape)
 
 
 def dense_transposed(x: jax.Array, w: jax.Array | QArray, backend: str = "xla") -> jax.Array:
     """x [T, E] times w [N, E] contracting E -> [T, N] (a tied embedding used as LM head; quantized:
-    scales [N, G])."""
+    scales [N, G]; few rows padded on a TPU target like `dense`)."""
+    pad = _tpu_pad(x, (w,))
+    if pad:
+        return dense_transposed(jnp.pad(x, ((0, pad), (0, 0))), w, backend)[: x.shape[0]]
     if backend == "cpu" and _kernel_fits(x, (w,), axis=1):
         if isinstance(w, QArray):
             return cpu_linear.linear(x, w.data, transposed=True, scales=(_f32(w.scale),))[0]

@@ -13,10 +13,13 @@
    Each run is one request; medians over runs.
 2. HF transformers (when installed), same weights (the GGUF dequantized to f32), same prompt:
    one forward over the prompt, then greedy steps with its KV cache, torch threads = cores.
-3. llama.cpp, when `--llama-cpp` names a llama.cpp build directory (`bin/llama-bench`,
-   `bin/llama-quantize`; built by the user, nothing of llama.cpp is part of this repository): the
-   GGUF is requantized to F32 once (cached beside the build as `<name>.f32.gguf`) so it reads the
-   same f32 weights, then `llama-bench -p PROMPT_LEN -n DECODE_TOKENS -r RUNS -t CORES` (its mean).
+3. llama.cpp, when `--llama-cpp` names a llama.cpp build directory (`bin/llama-bench`; built by
+   the user, nothing of llama.cpp is part of this repository) and the model is a GGUF file: its own
+   benchmark on the **same file** (the default model's Q4_1 blocks as they are, not a requantized
+   copy), `llama-bench -m GGUF -p PROMPT_LEN -n DECODE_TOKENS -r 1 -t THREADS -o json` once per
+   round, between jaxinfer's requests (so a slow phase of a loaded machine hits both alike); the
+   row is the median of the rounds' tokens/s (`--llama-cpp-threads 2,1`: a row per thread count;
+   default: every core).
 4. The weight-read roofline of this machine, measured in the same run: a jitted XLA reduction
    streams a buffer twice the size of the weights (so no cache holds it) and the decode roofline is
    that read bandwidth divided by the weights' bytes (every decode step reads every weight once).
@@ -43,9 +46,10 @@ from _timing import median_time
 from jaxinfer import LLM, SamplingParams
 
 
-def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str]]):
+def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str]], peers=()):
     """One engine per (quantization, linear backend, scheduling); their runs interleave, so a slow
-    phase of a noisy machine hits every configuration alike."""
+    phase of a noisy machine hits every configuration alike. Each of `peers` (a callable) runs once
+    per round after the engines' requests, round 0 (the compiling one) included."""
     max_len = args.prompt_len + args.decode_tokens + 16
     # NOTE: pages for the one sequence slot, not most of the device's memory (the default): the
     # read-bandwidth probe allocates its own buffer afterwards. No prefix caching: every run
@@ -83,6 +87,8 @@ def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str]]):
             if run:
                 prefill.append(stamps[0] - start)
                 decode.append(statistics.median(np.diff(stamps)))
+        for peer in peers:
+            peer()
     return [
         (
             args.prompt_len / statistics.median(prefill),
@@ -143,47 +149,66 @@ def bench_hf(args, prompt_ids, path):
     return args.prompt_len / statistics.median(prefill), 1 / statistics.median(decode)
 
 
-def bench_llama_cpp(build: str, gguf: str, args) -> tuple[float, float]:
-    """(prefill, decode) tok/s of llama.cpp's own benchmark on the same weights in f32."""
-    build_dir = os.path.abspath(build)
-    f32 = os.path.join(build_dir, os.path.basename(gguf).removesuffix(".gguf") + ".f32.gguf")
-    if not os.path.exists(f32):
-        subprocess.run(
-            [
-                os.path.join(build_dir, "bin", "llama-quantize"),
-                "--allow-requantize",
-                gguf,
-                f32 + ".tmp",
-                "F32",
-            ],
-            check=True,
-            capture_output=True,
+def llama_bench_command(build: str, gguf: str, prompt_len: int, decode_tokens: int, threads: int):
+    """One `llama-bench` run of the GGUF file as it is: a prefill test of `prompt_len` tokens and a
+    decode test of `decode_tokens`, one repetition each, JSON on stdout."""
+    return [
+        os.path.join(os.path.abspath(build), "bin", "llama-bench"),
+        "-m",
+        gguf,
+        "-p",
+        str(prompt_len),
+        "-n",
+        str(decode_tokens),
+        "-r",
+        "1",
+        "-t",
+        str(threads),
+        "-o",
+        "json",
+    ]
+
+
+def parse_llama_bench(stdout: str) -> dict:
+    """(prefill tok/s, decode tok/s) and what llama.cpp says it ran, from `llama-bench -o json`:
+    its prefill test row has `n_prompt` and no `n_gen`, its decode row the reverse."""
+    rows = json.loads(stdout)
+    prefill = [r for r in rows if r["n_prompt"] and not r["n_gen"]]
+    decode = [r for r in rows if r["n_gen"] and not r["n_prompt"]]
+    if not prefill or not decode:
+        raise ValueError(f"llama-bench printed no prefill and decode tests: {stdout[:200]!r}")
+    prefill, decode = prefill[0], decode[0]
+    return {
+        "prefill_tok_s": float(prefill["avg_ts"]),
+        "decode_tok_s": float(decode["avg_ts"]),
+        "model_type": decode.get("model_type"),
+        "build_commit": decode.get("build_commit"),
+        "threads": decode.get("n_threads"),
+    }
+
+
+class LlamaCpp:
+    """llama.cpp's benchmark on the GGUF file, one `llama-bench` run per call (a `bench_jaxinfer`
+    peer); `result()` is the median over the calls after the first (a warm-up, like round 0)."""
+
+    def __init__(self, build: str, gguf: str, args, threads: int):
+        self.command = llama_bench_command(
+            build, gguf, args.prompt_len, args.decode_tokens, threads
         )
-        os.replace(f32 + ".tmp", f32)
-    out = subprocess.run(
-        [
-            os.path.join(build_dir, "bin", "llama-bench"),
-            "-m",
-            f32,
-            "-o",
-            "json",
-            "-p",
-            str(args.prompt_len),
-            "-n",
-            str(args.decode_tokens),
-            "-r",
-            str(args.runs),
-            "-t",
-            str(os.cpu_count()),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    rows = json.loads(out)
-    prefill = next(r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_gen"])
-    decode = next(r["avg_ts"] for r in rows if r["n_gen"] and not r["n_prompt"])
-    return prefill, decode
+        self.runs: list[dict] = []
+
+    def __call__(self) -> None:
+        out = subprocess.run(self.command, check=True, capture_output=True, text=True).stdout
+        self.runs.append(parse_llama_bench(out))
+
+    def result(self) -> dict:
+        runs = self.runs[1:] or self.runs
+        return {
+            **runs[-1],
+            "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+            "command": " ".join(self.command).replace(" -r 1 ", f" -r 1 (x{len(runs)}) "),
+        }
 
 
 def main() -> None:
@@ -223,13 +248,26 @@ def main() -> None:
         "--llama-cpp",
         metavar="BUILD_DIR",
         default=None,
-        help="also run llama.cpp's llama-bench from this build directory (GGUF models only)",
+        help="also run llama.cpp's llama-bench from this build directory on the same GGUF file, "
+        "one run per round between jaxinfer's (GGUF models only)",
+    )
+    p.add_argument(
+        "--llama-cpp-threads",
+        default=str(os.cpu_count()),
+        help="llama-bench -t, comma-separated (one llama.cpp row each, runs interleaved; "
+        "default: every core)",
     )
     args = p.parse_args()
     from jaxinfer.default_model import default_model_path
 
     path = args.model or default_model_path()
     prompt_ids = [int(x) for x in np.random.default_rng(0).integers(100, 40000, args.prompt_len)]
+    dummy = args.load_format == "dummy"
+    llama_cpp = (
+        [LlamaCpp(args.llama_cpp, path, args, int(t)) for t in args.llama_cpp_threads.split(",")]
+        if args.llama_cpp and path.endswith(".gguf") and not dummy
+        else []
+    )
     runs = bench_jaxinfer(
         args,
         prompt_ids,
@@ -239,9 +277,9 @@ def main() -> None:
             for b in args.linear_backend.split(",")
             for m in args.scheduling.split(",")
         ],
+        peers=llama_cpp,
     )
     ours = runs[0]
-    dummy = args.load_format == "dummy"
     if dummy and not args.no_hf:
         print(
             "hf-transformers and llama.cpp peers skipped: --load-format dummy has no weights for them"
@@ -251,11 +289,7 @@ def main() -> None:
         if dummy or args.no_hf or (args.model and not args.model.endswith(".gguf"))
         else bench_hf(args, prompt_ids, path)
     )
-    lcpp = (
-        bench_llama_cpp(args.llama_cpp, path, args)
-        if args.llama_cpp and path.endswith(".gguf") and not dummy
-        else None
-    )
+    lcpps = [peer.result() for peer in llama_cpp]
     nbytes = ours[2]
     # twice the weights outruns every cache; on an accelerator 4 GiB does too (tens of MB of L2)
     import jax
@@ -268,8 +302,9 @@ def main() -> None:
         print(f"{'jaxinfer (' + r[3] + ')':34s} {r[0]:14.1f} {r[1]:13.1f} {r[2] / 1e6:10.0f}")
     if hf:
         print(f"{'hf-transformers':34s} {hf[0]:14.1f} {hf[1]:13.1f}")
-    if lcpp:
-        print(f"{'llama.cpp':34s} {lcpp[0]:14.1f} {lcpp[1]:13.1f}")
+    for lcpp in lcpps:
+        name = f"llama.cpp ({lcpp['model_type']}, t={lcpp['threads']})"
+        print(f"{name:34s} {lcpp['prefill_tok_s']:14.1f} {lcpp['decode_tok_s']:13.1f}")
     print(
         f"{'roofline':34s} {'':14s} {roofline:13.1f}  ({nbytes / 1e6:.0f} MB of weights "
         f"at the measured {bandwidth / 1e9:.1f} GB/s read bandwidth)"
@@ -293,8 +328,14 @@ def main() -> None:
                     for r in runs
                 },
                 "hf": hf and {"prefill_tok_s": round(hf[0], 1), "decode_tok_s": round(hf[1], 1)},
-                "llama_cpp": lcpp
-                and {"prefill_tok_s": round(lcpp[0], 1), "decode_tok_s": round(lcpp[1], 1)},
+                "llama_cpp": [
+                    {
+                        **lcpp,
+                        "prefill_tok_s": round(lcpp["prefill_tok_s"], 1),
+                        "decode_tok_s": round(lcpp["decode_tok_s"], 1),
+                    }
+                    for lcpp in lcpps
+                ],
                 "roofline": {
                     "weight_bytes": nbytes,
                     "read_gb_s": round(bandwidth / 1e9, 1),

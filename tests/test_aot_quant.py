@@ -37,3 +37,52 @@ def test_h100_int4_step_reads_the_codes_in_place():
     # one Triton call per projection (qkv, o, gate_up, down) and the one-token step's decode-only
     # attention (its kernel and its split-K merge) per layer, plus the LM head
     assert step.report.pallas_calls == 2 * (4 + 2) + 1, step.report.custom_calls
+
+
+# SmolLM2-sized weights in the model's fused layouts: qkv [E, Hkv, G+2, D], gate_up [E, 2, F],
+# down [F, E], and the tied embedding [V, E] as LM head (`dense_transposed`).
+TPU_WEIGHTS = {
+    "qkv": ((576, 3, 5, 64), 0),
+    "gate_up": ((576, 2, 1536), 0),
+    "down": ((1536, 576), 0),
+    "lm_head": ((8192, 576), 1),
+}
+
+
+def _abstract_weight(fmt: str, shape: tuple[int, ...], axis: int):
+    import jax.numpy as jnp
+
+    from jaxinfer.quantization import QArray
+
+    groups = shape[axis] // 128 if fmt == "int8" or axis else shape[axis] // 64
+    scale_shape = tuple(groups if i == axis else n for i, n in enumerate(shape))
+    if fmt == "int8" or axis:  # NOTE: int4 keeps the vocabulary-sized weights in int8
+        return QArray(
+            jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct(scale_shape, jnp.float32)
+        )
+    s = jax.ShapeDtypeStruct(scale_shape, jnp.float16)
+    return QArray(jax.ShapeDtypeStruct(shape, jnp.uint4), s, s)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_v5e_one_row_products_read_the_codes_in_place(fmt):
+    """XLA:TPU converted whole weights to f32 in HBM for 1-row products (BENCHMARKS.md, issue 35
+    "TPU v5e"); `layers.dense` pads such rows to `TPU_MIN_ROWS` and keeps fused layouts unflattened."""
+    reason = aot.available("tpu")
+    if reason is not None:
+        pytest.skip(f"no deviceless tpu compiler: {reason}")
+    import jax.numpy as jnp
+
+    from jaxinfer import layers
+
+    found = {}
+    for name, (shape, axis) in TPU_WEIGHTS.items():
+        w = _abstract_weight(fmt, shape, axis)
+        x = jax.ShapeDtypeStruct((1, shape[axis]), jnp.bfloat16)  # one decode row
+        if axis:
+            fn = lambda x, w: layers.dense_transposed(x, w)  # noqa: E731
+        else:
+            fn = lambda x, w: layers.dense(x, w)[0]  # noqa: E731
+        compiled = aot.compile_function(fn, (x, w), "v5e:1x1")
+        found[name] = intermediates.weight_sized(compiled.as_text())
+    assert found == {name: [] for name in TPU_WEIGHTS}

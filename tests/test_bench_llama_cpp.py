@@ -1,0 +1,70 @@
+"""`scripts/bench_generate.py --llama-cpp BUILD_DIR`: llama.cpp's own benchmark on the same GGUF.
+
+1. The command runs `BUILD_DIR/bin/llama-bench` on the GGUF file as given (no requantized copy),
+   one repetition of a prefill and a decode test, the threads asked for, JSON out.
+2. A fake `llama-bench` (a script printing what the real one prints with `-o json`) stands in for
+   a build: each call is one round; the row is the median of the rounds after the warm-up one.
+"""
+
+import importlib
+import json
+import os
+import stat
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, "scripts")
+    try:
+        return importlib.import_module("bench_generate")
+    finally:
+        sys.path.remove("scripts")
+
+
+def _rows(prefill: float, decode: float) -> list[dict]:
+    common = {"build_commit": "0c1e570", "model_type": "llama ?B Q4_1", "n_threads": 2}
+    return [
+        {**common, "n_prompt": 128, "n_gen": 0, "avg_ts": prefill, "stddev_ts": 0.0},
+        {**common, "n_prompt": 0, "n_gen": 64, "avg_ts": decode, "stddev_ts": 0.0},
+    ]
+
+
+def test_llama_bench_runs_the_same_file_once_per_round(bench, tmp_path):
+    gguf = "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "llama-bench"
+    # each call prints the next round's numbers (a counter file) and logs its arguments
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" >> {tmp_path}/calls\n'
+        f"n=$(wc -l < {tmp_path}/calls)\n"
+        f"cat {tmp_path}/round_$n.json\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    rounds = [(500.0, 10.0), (300.0, 140.0), (320.0, 100.0), (310.0, 120.0)]  # round 0 warms up
+    for i, (p, d) in enumerate(rounds, 1):
+        (tmp_path / f"round_{i}.json").write_text(json.dumps(_rows(p, d)))
+    args = SimpleNamespace(prompt_len=128, decode_tokens=64)
+    peer = bench.LlamaCpp(str(tmp_path), gguf, args, threads=2)
+    assert peer.command == [
+        os.path.join(str(tmp_path), "bin", "llama-bench"),
+        *("-m", gguf, "-p", "128", "-n", "64", "-r", "1", "-t", "2", "-o", "json"),
+    ]
+    for _ in rounds:
+        peer()
+    assert (tmp_path / "calls").read_text().splitlines()[0] == " ".join(peer.command[1:])
+    got = peer.result()
+    assert got["prefill_tok_s"] == 310.0 and got["decode_tok_s"] == 120.0  # medians of rounds 1-3
+    assert got["model_type"] == "llama ?B Q4_1" and got["threads"] == 2
+    assert "(x3)" in got["command"]
+
+
+def test_parse_llama_bench_needs_both_tests(bench):
+    rows = _rows(300.0, 140.0)
+    assert bench.parse_llama_bench(json.dumps(rows))["decode_tok_s"] == 140.0
+    with pytest.raises(ValueError, match="no prefill and decode tests"):
+        bench.parse_llama_bench(json.dumps(rows[:1]))
