@@ -74,6 +74,17 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "test_served_lifeline.py::test_grpc_message_over_the_cap_is_resource_exhausted",
     ),
     "`--limit-mm-per-prompt`": ("test_served_vision.py::test_limit_mm_per_prompt",),
+    "`--allowed-local-media-path`": (
+        "test_served_vision.py::test_image_urls_from_files_and_hosts_are_the_same_image",
+        "test_served_vision.py::test_refused_and_failed_image_urls_are_a_400_naming_the_part",
+    ),
+    "`--allowed-media-domains`": (
+        "test_served_vision.py::test_refused_and_failed_image_urls_are_a_400_naming_the_part",
+        "test_served_vision.py::test_a_slow_image_host_holds_no_other_client_then_times_out",
+    ),
+    "`--max-image-bytes`": (
+        "test_served_vision.py::test_refused_and_failed_image_urls_are_a_400_naming_the_part",
+    ),
     "`--grace-period`": (
         M + "test_grace_period_aborts_what_is_left",
         E + "test_sigterm_drains_with_503_and_a_second_sigterm_aborts_at_once",

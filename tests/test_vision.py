@@ -103,6 +103,9 @@ def test_bad_images_are_refused(tiny):
     with pytest.raises(ImageError, match="not a decodable image") as e:
         llm.generate({"prompt_token_ids": _run(1), "multi_modal_data": {"image": b"nope"}}, sp)
     assert e.value.field == "multi_modal_data.image[0]"
+    with pytest.raises(ImageError, match="without --allowed-local-media-path") as e:
+        llm.generate({"prompt_token_ids": _run(1), "multi_modal_data": {"image": "file:///x"}}, sp)
+    assert e.value.field == "multi_modal_data.image[0]"
     with pytest.raises(ImageError, match="image token run"):  # 2 images, 1 run
         llm.generate(
             {"prompt_token_ids": _run(1), "multi_modal_data": {"image": [_image(0)] * 2}}, sp
