@@ -99,9 +99,13 @@ def test_logprobs_match_hf(tiny):
         assert out.outputs[0].token_ids[0] == int(ref[-1].argmax())
 
 
-def test_bad_images_are_refused(tiny):
+def test_bad_images_are_refused(tiny, monkeypatch):
     _, llm, _ = tiny
     sp = SamplingParams(max_tokens=1)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 300)  # 24 x 29 px: over 2x, a "bomb"
+    with pytest.raises(ImageError, match="decompression bomb"):
+        llm.generate({"prompt_token_ids": _run(1), "multi_modal_data": {"image": png_bytes(0)}}, sp)
+    monkeypatch.undo()
     with pytest.raises(ImageError, match="not a decodable image") as e:
         llm.generate({"prompt_token_ids": _run(1), "multi_modal_data": {"image": b"nope"}}, sp)
     assert e.value.field == "multi_modal_data.image[0]"

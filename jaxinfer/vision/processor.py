@@ -115,7 +115,7 @@ def load_image(obj: Any, field: str, media: Any = None) -> Any:
     try:
         image = Image.open(io.BytesIO(obj))
         image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as e:
         raise ImageError(f"{field}: not a decodable image ({e})", field) from None
     return image.convert("RGB")
 
