@@ -2,14 +2,14 @@
 this machine, or the encoder program's GPU launches compiled deviceless for an H100.
 
     python scripts/bench_vision.py --model scripts/configs/gemma-3-vlm-tiny --runs 7
-    python scripts/bench_vision.py --model scripts/configs/gemma-3-4b-it --dtype bfloat16 --runs 3
+    python scripts/bench_vision.py --model scripts/configs/gemma-3-4b-it --quantization int8 --runs 3
     python scripts/bench_vision.py --model scripts/configs/gemma-3-4b-it --aot h100
 
 1. An `LLM(model, load_format="dummy", skip_tokenizer_init=True)`: random weights from the
    config (a directory with `config.json`, as `scripts/configs/`), one sequence slot, a token
    budget holding the whole prompt (`--prompt-len` text tokens around one image's run of soft
    tokens) in one step, no prefix caching (every run computes its whole prompt).
-2. Warm-up: the encoder, a prompt with an image and one without compile their programs.
+2. Warm-up: a prompt with an image and one without compile the programs (the encoder's too).
 3. Runs alternate (a) the encoder alone on a fresh random image (`ImageEncoder.embeds`: the
    host's normalization, the jitted vision tower, its rows back on the host), (b) the TTFT of the
    prompt with a fresh random image (a new hash: nothing cached): the wall time of
@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a Gemma 3 VLM dir (config.json is enough)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--quantization", default=None, help="the language model's (e.g. int8)")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--prompt-len", type=int, default=16, help="text tokens beside the image")
     p.add_argument("--aot", default=None, help="compile the encoder for this target (h100)")
@@ -72,6 +73,7 @@ def bench(args: argparse.Namespace) -> dict:
     budget = 1 << (n - 1).bit_length()
     llm = LLM(
         args.model, load_format="dummy", skip_tokenizer_init=True, dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=budget, max_num_seqs=1, max_num_batched_tokens=budget,
         num_pages=2 * budget // 16 + 2, enable_prefix_caching=False,
     )  # fmt: skip
@@ -93,7 +95,6 @@ def bench(args: argparse.Namespace) -> dict:
         return time.perf_counter() - t
 
     t = time.perf_counter()
-    encoder.embeds(image())
     ids, text = _prompts(hf, args.prompt_len, 0)
     ttft(ids, image())
     ttft(text, None)
@@ -111,6 +112,7 @@ def bench(args: argparse.Namespace) -> dict:
         image_tokens=int(hf.get("mm_tokens_per_image", 256)),
         image_size=side,
         dtype=str(llm.model.dtype),
+        quantization=args.quantization,
         warmup_s=round(warmup_s, 2),
         encoder_s=round(statistics.median(enc), 4),
         ttft_image_s=round(statistics.median(with_image), 4),

@@ -153,28 +153,37 @@ def test_limit_mm_per_prompt(client):
     assert "limit-mm-per-prompt" in e.value.body["message"]
 
 
-def test_grpc_images_field(served):
+def test_grpc_images_field(served, media):
     """gRPC `GenerateRequest.images`: encoded bytes beside a prompt holding the placeholder; an
-    undecodable one is INVALID_ARGUMENT naming images[i]."""
+    undecodable one is INVALID_ARGUMENT naming images[i]; `image_urls` under the HTTP rules (a
+    refused host: INVALID_ARGUMENT naming image_urls[i])."""
     import grpc
 
     from serving.protos.jaxinfer.v1 import generate_pb2 as pb
     from serving.protos.jaxinfer.v1 import generate_pb2_grpc as pb_grpc
 
-    def request(*images: bytes) -> pb.GenerateRequest:
+    def request(*images: bytes, urls: tuple[str, ...] = ()) -> pb.GenerateRequest:
         sampling = pb.SamplingParams(max_tokens=2, temperature=0.0)
         return pb.GenerateRequest(
-            prompt="<start_of_image>What is it?", images=images, sampling=sampling
-        )
+            prompt="<start_of_image>What is it?", images=images, image_urls=urls,
+            sampling=sampling,
+        )  # fmt: skip
 
     with grpc.insecure_channel(served.grpc_address) as channel:
         stub = pb_grpc.GenerateServiceStub(channel)
         out = stub.GenerateOnce(request(png_bytes(3)), timeout=120)
         assert len(out.token_ids) == 2 and out.usage.prompt_tokens > TOKENS_PER_IMAGE
+        by_url = stub.GenerateOnce(request(urls=(f"{media[0]}/cat.png",)), timeout=120)
+        by_bytes = stub.GenerateOnce(request(png_bytes(7)), timeout=120)  # cat.png's bytes
+        assert list(by_url.token_ids) == list(by_bytes.token_ids)
+        assert by_url.usage.prompt_tokens == out.usage.prompt_tokens
         with pytest.raises(grpc.RpcError) as e:
             stub.GenerateOnce(request(png_bytes(3), b"not an image"), timeout=120)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.GenerateOnce(request(urls=("http://localhost/cat.png",)), timeout=120)
+    assert e.value.code() == refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "images[1]" in e.value.details()
+    assert "image_urls[0]" in refused.value.details()
 
 
 def test_image_urls_from_files_and_hosts_are_the_same_image(client, media):

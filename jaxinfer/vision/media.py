@@ -91,7 +91,9 @@ class MediaConnector:
             )
         parts = urllib.parse.urlparse(url)
         if parts.netloc not in ("", "localhost"):
-            raise ImageError(f"{field}: a file:// URL names no host (got {parts.netloc!r})", field)
+            raise ImageError(
+                f"{field}: a file:// URL must name no host (got {parts.netloc!r})", field
+            )
         path = os.path.realpath(urllib.parse.unquote(parts.path))
         if os.path.commonpath([path, self.local_dir]) != self.local_dir:
             raise ImageError(f"{field}: the file is outside --allowed-local-media-path", field)
