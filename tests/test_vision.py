@@ -118,6 +118,27 @@ def test_bad_images_are_refused(tiny, monkeypatch):
         )
 
 
+def test_file_urls_under_the_allowed_local_media_path(tiny, tmp_path, monkeypatch):
+    """`LLM(allowed_local_media_path=DIR)`'s connector: a `file://` URL under DIR is the image
+    its bytes are (the same tokens and logprobs); one leaving DIR through `..` is refused."""
+    from jaxinfer.vision.media import MediaConnector
+
+    _, llm, _ = tiny
+    (tmp_path / "media").mkdir()
+    (tmp_path / "media" / "a.png").write_bytes(png_bytes(3))
+    monkeypatch.setattr(llm, "media", MediaConnector(tmp_path / "media"))
+    sp = SamplingParams(max_tokens=2, temperature=0.0, logprobs=2)
+    url, raw = f"file://{tmp_path}/media/a.png", png_bytes(3)
+    by_url, by_bytes = llm.generate(
+        [{"prompt_token_ids": _run(1), "multi_modal_data": {"image": im}} for im in (url, raw)], sp
+    )
+    assert by_url.outputs[0].token_ids == by_bytes.outputs[0].token_ids
+    assert by_url.outputs[0].logprobs == by_bytes.outputs[0].logprobs
+    with pytest.raises(ImageError, match="outside --allowed-local-media-path"):
+        image = f"file://{tmp_path}/media/../media/../a.png"
+        llm.generate({"prompt_token_ids": _run(1), "multi_modal_data": {"image": image}}, sp)
+
+
 def test_chat_parts_place_the_images():
     """`LLM.chat`'s content parts: each image part becomes the placeholder where it sits."""
     from vision_utils import data_url
