@@ -8,7 +8,8 @@ this machine, or the encoder program's GPU launches compiled deviceless for an H
 1. An `LLM(model, load_format="dummy", skip_tokenizer_init=True)`: random weights from the
    config (a directory with `config.json`, as `scripts/configs/`), one sequence slot, a token
    budget holding the whole prompt (`--prompt-len` text tokens around one image's run of soft
-   tokens) in one step, no prefix caching (every run computes its whole prompt).
+   tokens) in one step unless `--max-num-batched-tokens` chunks it, no prefix caching (every
+   run computes its whole prompt).
 2. Warm-up: a prompt with an image and one without compile the programs (the encoder's too).
 3. Runs alternate (a) the encoder alone on a fresh random image (`ImageEncoder.embeds`: the
    host's normalization, the jitted vision tower, its rows back on the host), (b) the TTFT of the
@@ -43,6 +44,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", default=None, help="the language model's (e.g. int8)")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--prompt-len", type=int, default=16, help="text tokens beside the image")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the step's token budget (default: the whole prompt in one step); smaller: "
+        "chunked prefill (XLA:CPU's step temp grows with it: a 4B prompt in one 512-token step "
+        "asked 35 GB)",
+    )
     p.add_argument("--aot", default=None, help="compile the encoder for this target (h100)")
     return p.parse_args(argv)
 
@@ -73,8 +82,8 @@ def bench(args: argparse.Namespace) -> dict:
     budget = 1 << (n - 1).bit_length()
     llm = LLM(
         args.model, load_format="dummy", skip_tokenizer_init=True, dtype=args.dtype,
-        quantization=args.quantization,
-        max_model_len=budget, max_num_seqs=1, max_num_batched_tokens=budget,
+        quantization=args.quantization, max_model_len=budget, max_num_seqs=1,
+        max_num_batched_tokens=args.max_num_batched_tokens or budget,
         num_pages=2 * budget // 16 + 2, enable_prefix_caching=False,
     )  # fmt: skip
     encoder = llm.engine.core.runner.images.encoder
@@ -99,6 +108,7 @@ def bench(args: argparse.Namespace) -> dict:
     ttft(ids, image())
     ttft(text, None)
     warmup_s = time.perf_counter() - t
+    print(f"warm-up (compiles) {warmup_s:.1f} s", flush=True)
     enc, with_image, text_only = [], [], []
     for r in range(args.runs):
         ids, text = _prompts(hf, args.prompt_len, r + 1)
@@ -107,12 +117,15 @@ def bench(args: argparse.Namespace) -> dict:
         enc.append(time.perf_counter() - t)
         with_image.append(ttft(ids, image()))
         text_only.append(ttft(text, None))
+        print(f"run {r}: encoder {enc[-1]:.4f} s, TTFT with the image {with_image[-1]:.4f} s, "
+              f"text only {text_only[-1]:.4f} s", flush=True)  # fmt: skip
     return dict(
         prompt_tokens=n,
         image_tokens=int(hf.get("mm_tokens_per_image", 256)),
         image_size=side,
         dtype=str(llm.model.dtype),
         quantization=args.quantization,
+        max_num_batched_tokens=args.max_num_batched_tokens or budget,
         warmup_s=round(warmup_s, 2),
         encoder_s=round(statistics.median(enc), 4),
         ttft_image_s=round(statistics.median(with_image), 4),
