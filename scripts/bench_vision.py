@@ -19,7 +19,7 @@ this machine, or the encoder program's GPU launches compiled deviceless for an H
    image, the engine's f32 unless `--dtype`) for TARGET without the device
    (`jaxinfer.aot.compile_function`) and counts its GPU kernel launches from XLA's thunk dump
    (`jaxinfer.aot.report.launches`): in all, per vision layer, outside the layers; with its
-   memory (weights, temp).
+   memory (weights, temp). `--encoder-only` times (a) alone, without the language model.
 Prints a table and one JSON line (the command, the machine, jax's version).
 """
 
@@ -51,6 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the step's token budget (default: the whole prompt in one step); smaller: "
         "chunked prefill (XLA:CPU's step temp grows with it: a 4B prompt in one 512-token step "
         "asked 35 GB)",
+    )
+    p.add_argument(
+        "--encoder-only",
+        action="store_true",
+        help="time the encoder alone (its random f32 weights, no language model)",
     )
     p.add_argument("--aot", default=None, help="compile the encoder for this target (h100)")
     return p.parse_args(argv)
@@ -134,6 +139,32 @@ def bench(args: argparse.Namespace) -> dict:
     )
 
 
+def encoder_only(args: argparse.Namespace) -> dict:
+    """(a) alone: the model's `ImageEncoder` over random f32 weights, without the language model."""
+    from jaxinfer.vision.encoder import ImageEncoder, VisionConfig, random_params
+    from jaxinfer.vision.processor import VisionSpec
+
+    hf = _config(args.model)
+    vcfg = VisionConfig.from_hf(hf)
+    encoder = ImageEncoder(vcfg, random_params(vcfg), VisionSpec.from_hf(hf))
+    rng = np.random.default_rng(0)
+    side = vcfg.image_size
+    t = time.perf_counter()
+    encoder.embeds(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
+    warmup_s = time.perf_counter() - t
+    print(f"warm-up (compiles) {warmup_s:.1f} s", flush=True)
+    enc = []
+    for r in range(args.runs):
+        t = time.perf_counter()
+        encoder.embeds(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
+        enc.append(time.perf_counter() - t)
+        print(f"run {r}: encoder {enc[-1]:.3f} s", flush=True)
+    return dict(
+        image_size=side, image_tokens=vcfg.tokens_per_image, warmup_s=round(warmup_s, 2),
+        encoder_s=round(statistics.median(enc), 3), runs={"encoder": enc},
+    )  # fmt: skip
+
+
 def abstract_params(vcfg, dtype):
     """`VisionParams` of `jax.ShapeDtypeStruct`s (the shapes `random_params` makes)."""
     import jax
@@ -205,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import jax
 
-    out = aot(args) if args.aot else bench(args)
+    out = aot(args) if args.aot else encoder_only(args) if args.encoder_only else bench(args)
     for k, v in out.items():
         if k != "runs":
             print(f"{k:>26}: {v}")
