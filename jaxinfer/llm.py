@@ -24,6 +24,7 @@ from jaxinfer.lora.request import LoRARequest
 from jaxinfer.model_info import check_load_format
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.vision.inputs import ImageInput
+from jaxinfer.vision.media import MediaConnector
 from jaxinfer.vision.processor import (
     chat_parts,
     expand_prompt,
@@ -95,7 +96,9 @@ class LLM:
       **engine_options: `EngineConfig` fields (page_size, num_pages, kv_cache_memory,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, mesh,
         long_prefill_token_threshold, max_num_encoder_input_tokens, quantization, enable_lora,
-        max_loras, max_lora_rank, max_cpu_loras), `attention_backend` and `linear_backend`.
+        max_loras, max_lora_rank, max_cpu_loras), `attention_backend` and `linear_backend`; for
+        images `limit_mm_per_prompt`, `allowed_local_media_path` (`file://` URLs only under it)
+        and `allowed_media_domains` (http(s) hosts; default any), as vLLM.
         `quantization="int8"` (or "fp8") stores the linear weights and the embedding quantized
         with group-wise (int8: 128 input channels) or per-output-channel (fp8) scales, applied
         at load (see `jaxinfer.loader.load_model`);
@@ -116,6 +119,10 @@ class LLM:
     ) -> None:
         compile_cache.enable(compilation_cache_dir)
         self.limit_mm_per_prompt = dict(engine_options.pop("limit_mm_per_prompt", None) or {})
+        self.media = MediaConnector(
+            engine_options.pop("allowed_local_media_path", None),
+            engine_options.pop("allowed_media_domains", None),
+        )
         backend = engine_options.pop("attention_backend", None)
         linear_backend = engine_options.pop("linear_backend", None)
         unknown = set(engine_options) - _ENGINE_OPTIONS
@@ -222,7 +229,12 @@ class LLM:
             return self._prompt(text)
         encode = self.tokenizer.encode if self.tokenizer is not None else None
         return with_images(
-            text, data["image"], self.vision, encode, limit=self.limit_mm_per_prompt.get("image")
+            text,
+            data["image"],
+            self.vision,
+            encode,
+            limit=self.limit_mm_per_prompt.get("image"),
+            media=self.media,
         )
 
     def chat(
@@ -236,7 +248,7 @@ class LLM:
             raise ValueError(
                 "chat needs a tokenizer; this LLM was built with skip_tokenizer_init=True"
             )
-        flat, images = chat_parts(messages, self.vision)
+        flat, images = chat_parts(messages, self.vision, self.media)
         text = self.tokenizer.apply_chat_template(flat, add_generation_prompt=True)
         if images:
             sized = [resized(im, self.vision) for im in images]

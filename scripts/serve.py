@@ -66,6 +66,7 @@ def parse_bytes(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from jaxinfer.model_info import LOAD_FORMATS
+    from jaxinfer.vision.media import DEFAULT_MAX_BYTES
 
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -260,6 +261,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="most items per prompt of each modality, as JSON, e.g. '{\"image\": 2}' "
         "(vision-language models; default: no limit)",
+    )
+    s.add_argument(
+        "--allowed-local-media-path",
+        type=_media_dir,
+        default=None,
+        help="chat image parts may name file:// URLs under this directory (resolved: `..` and "
+        "symlinks out of it are refused; default: no files are read)",
+    )
+    s.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        help="hosts http(s):// image URLs may be fetched from (redirects checked too; default: "
+        "any host). Fetches time out after $VLLM_IMAGE_FETCH_TIMEOUT s (default 5); "
+        "VLLM_MEDIA_URL_ALLOW_REDIRECTS=0 refuses redirects",
+    )
+    s.add_argument(
+        "--max-image-bytes",
+        type=parse_bytes,
+        default=DEFAULT_MAX_BYTES,
+        help="largest image fetched from a URL or read from a file, e.g. 20MiB (the default)",
     )
     s.add_argument(
         "--max-request-bytes",
@@ -586,7 +608,15 @@ def _mm_limits(text: str) -> dict[str, int]:
     return limits
 
 
+def _media_dir(text: str) -> str:
+    """`--allowed-local-media-path`: an existing directory."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"not a directory: {text!r}")
+    return text
+
+
 async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: float) -> int:
+    from jaxinfer.vision.media import MediaConnector
     from serving.frontend import FrontEnd
     from serving.http_server import OpenAIServer
     from serving.server import GenerateServer
@@ -601,6 +631,11 @@ async def _serve(args: argparse.Namespace, model, client, t0: float, load_s: flo
         log_interval=args.log_interval,
         max_request_bytes=args.max_request_bytes,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
+        media=MediaConnector(
+            args.allowed_local_media_path,
+            args.allowed_media_domains,
+            max_bytes=args.max_image_bytes,
+        ),
         scheduling_policy=args.scheduling_policy,
         api_key=args.api_key or os.environ.get("JAXINFER_API_KEY") or None,
     )

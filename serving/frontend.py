@@ -50,6 +50,7 @@ from jaxinfer.vision.inputs import ImageInput
 from jaxinfer.vision.processor import ImageError, load_image, vision_spec, with_images
 from serving.engine_loop import EngineLoop, Stream
 from serving.errors import InvalidArgument, QueueFull, Unavailable
+from serving.images import ImageFetcher
 from serving.metrics import ServerMetrics
 from serving.validation import GRPC, Fields, check_request
 
@@ -139,6 +140,7 @@ class FrontEnd:
         scheduling_policy: str = "fcfs",
         api_key: str | None = None,
         limit_mm_per_prompt: dict[str, int] | None = None,
+        media: Any = None,  # image URL rules (`MediaConnector`): see `serving.images`
     ) -> None:
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
@@ -173,7 +175,7 @@ class FrontEnd:
         self.vocab_size = model.cfg.vocab_size
         # A vision-language model's image spec (None: it takes no images) and per-prompt limits.
         self.vision = vision_spec(getattr(model, "path", ""), getattr(model, "hf_config", {}) or {})
-        self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
+        self.limit_mm_per_prompt, self.images = dict(limit_mm_per_prompt or {}), ImageFetcher(media)
         if self.tokenizer is not None:
             self.vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
         self.peers: list[Peer] = []
@@ -430,6 +432,7 @@ class FrontEnd:
             raise InvalidArgument(
                 f"{where}: {len(images)} images exceed --limit-mm-per-prompt image={limit}", where
             )
+        images = await self.images.fetch(images)  # URLs -> bytes, off the loop
 
         def render() -> tuple[list[int], list[ImageInput]]:
             text, special = prompt, add_special_tokens

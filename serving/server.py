@@ -218,13 +218,17 @@ class GenerateServer:
         self, req: Any, *, add_special_tokens: bool = True
     ) -> tuple[str, list[int], list]:
         """(field, token ids, `ImageInput`s) of a request's `input` oneof (and a
-        GenerateRequest's `images`), tokenized by the front end."""
+        GenerateRequest's `images` or `image_urls`), tokenized by the front end."""
         field, value = protocol.prompt_input(req)
         kwargs = {}
         if field == "messages" and req.messages.HasField("enable_thinking"):
             kwargs["enable_thinking"] = req.messages.enable_thinking
-        if getattr(req, "images", None):
+        urls = list(getattr(req, "image_urls", ()))
+        if urls and req.images:
+            raise InvalidArgument("image_urls: give images or image_urls, not both", "image_urls")
+        if getattr(req, "images", None) or urls:
             images = [(f"images[{k}]", data) for k, data in enumerate(req.images)]
+            images += [(f"image_urls[{k}]", url) for k, url in enumerate(urls)]
             ids, mm = await self.frontend.tokenize_images(
                 value, images, field=field, add_special_tokens=add_special_tokens, **kwargs
             )

@@ -77,6 +77,17 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "test_served_vision.py::test_two_images_take_one_encoder_budget_each",
     ),
     "`--limit-mm-per-prompt`": ("test_served_vision.py::test_limit_mm_per_prompt",),
+    "`--allowed-local-media-path`": (
+        "test_served_vision.py::test_image_urls_from_files_and_hosts_are_the_same_image",
+        "test_served_vision.py::test_refused_and_failed_image_urls_are_a_400_naming_the_part",
+    ),
+    "`--allowed-media-domains`": (
+        "test_served_vision.py::test_refused_and_failed_image_urls_are_a_400_naming_the_part",
+        "test_served_vision.py::test_a_slow_image_host_holds_no_other_client_then_times_out",
+    ),
+    "`--max-image-bytes`": (
+        "test_served_vision.py::test_refused_and_failed_image_urls_are_a_400_naming_the_part",
+    ),
     "`--grace-period`": (
         M + "test_grace_period_aborts_what_is_left",
         E + "test_sigterm_drains_with_503_and_a_second_sigterm_aborts_at_once",
@@ -133,9 +144,11 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         F + "test_chat_on_both_protocols_and_its_template_kwargs",
         F + "test_request_id_echoed_and_model_name_served",
     ),
-    "images in, text out (Gemma 3 `Gemma3ForConditionalGeneration`; chat `image_url` parts with `data:` URLs, `LLM.generate` `multi_modal_data`)": (
+    "images in, text out (Gemma 3 `Gemma3ForConditionalGeneration`; chat `image_url` parts with `data:`, `file://` and `http(s)://` URLs, gRPC image bytes or URLs, `LLM.generate` `multi_modal_data`)": (
         "test_served_vision.py::test_chat_with_an_image_streams",
         "test_served_vision.py::test_prefix_cache_keys_include_the_image",
+        "test_served_vision.py::test_image_urls_from_files_and_hosts_are_the_same_image",
+        "test_served_vision.py::test_grpc_images_field",
     ),
     "structured output (JSON schema, JSON object, regex, choice, Lark / GBNF grammar)": (
         "test_served_requests.py::test_openai_json_schema",

@@ -8,6 +8,8 @@
    image straddles the token budget is cut before the image (never split over two chunks);
    `max_num_encoder_input_tokens` of one image spreads a step's images over steps.
 3. Bad images raise `ImageError` naming the field; chat content parts place the placeholders.
+4. The language model on a `tensor=2` mesh (the encoder on one device) and with int8 weights:
+   the unsharded f32 engine's greedy tokens, logprobs within 1e-4 / the int8 bound.
 (The prefix cache's image keys: `tests/test_served_vision.py`.)
 """
 
@@ -55,7 +57,7 @@ def tiny(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("gemma3-vlm"))
     model = make_hf_vlm(path)
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, **ENGINE)
-    return model, llm
+    return model, llm, path
 
 
 def test_pixel_values_match_hf():
@@ -85,7 +87,7 @@ def _hf_logprobs(model, ids: list[int], images: list) -> np.ndarray:
 
 def test_logprobs_match_hf(tiny):
     """No image, one and two images, batched in one generate call."""
-    model, llm = tiny
+    model, llm, _ = tiny
     cases = [(_run(n), [_image(i) for i in range(n)]) for n in (0, 1, 2)]
     prompts = [
         {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
@@ -133,16 +135,44 @@ def test_an_image_straddling_the_budget_goes_whole_in_the_next_chunk(tiny):
         assert abs(lp - ref[-1, tok]) < 1e-3
 
 
-def test_bad_images_are_refused(tiny):
-    _, llm = tiny
+def test_bad_images_are_refused(tiny, monkeypatch):
+    _, llm, _ = tiny
     sp = SamplingParams(max_tokens=1)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 300)  # 24 x 29 px: over 2x, a "bomb"
+    with pytest.raises(ImageError, match="decompression bomb"):
+        llm.generate({"prompt_token_ids": _run(1), "multi_modal_data": {"image": png_bytes(0)}}, sp)
+    monkeypatch.undo()
     with pytest.raises(ImageError, match="not a decodable image") as e:
         llm.generate({"prompt_token_ids": _run(1), "multi_modal_data": {"image": b"nope"}}, sp)
+    assert e.value.field == "multi_modal_data.image[0]"
+    with pytest.raises(ImageError, match="without --allowed-local-media-path") as e:
+        llm.generate({"prompt_token_ids": _run(1), "multi_modal_data": {"image": "file:///x"}}, sp)
     assert e.value.field == "multi_modal_data.image[0]"
     with pytest.raises(ImageError, match="image token run"):  # 2 images, 1 run
         llm.generate(
             {"prompt_token_ids": _run(1), "multi_modal_data": {"image": [_image(0)] * 2}}, sp
         )
+
+
+def test_file_urls_under_the_allowed_local_media_path(tiny, tmp_path, monkeypatch):
+    """`LLM(allowed_local_media_path=DIR)`'s connector: a `file://` URL under DIR is the image
+    its bytes are (the same tokens and logprobs); one leaving DIR through `..` is refused."""
+    from jaxinfer.vision.media import MediaConnector
+
+    _, llm, _ = tiny
+    (tmp_path / "media").mkdir()
+    (tmp_path / "media" / "a.png").write_bytes(png_bytes(3))
+    monkeypatch.setattr(llm, "media", MediaConnector(tmp_path / "media"))
+    sp = SamplingParams(max_tokens=2, temperature=0.0, logprobs=2)
+    url, raw = f"file://{tmp_path}/media/a.png", png_bytes(3)
+    by_url, by_bytes = llm.generate(
+        [{"prompt_token_ids": _run(1), "multi_modal_data": {"image": im}} for im in (url, raw)], sp
+    )
+    assert by_url.outputs[0].token_ids == by_bytes.outputs[0].token_ids
+    assert by_url.outputs[0].logprobs == by_bytes.outputs[0].logprobs
+    with pytest.raises(ImageError, match="outside --allowed-local-media-path"):
+        image = f"file://{tmp_path}/media/../media/../a.png"
+        llm.generate({"prompt_token_ids": _run(1), "multi_modal_data": {"image": image}}, sp)
 
 
 def test_chat_parts_place_the_images():
@@ -168,3 +198,37 @@ def test_chat_parts_place_the_images():
     with pytest.raises(ImageError) as e:
         chat_parts(msgs, None)
     assert e.value.field == "messages[1].content[1]"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options, tol", [({"mesh": "tensor=2"}, 1e-4), ({"quantization": "int8"}, 0.05)]
+)
+def test_tensor_parallel_and_int8_language_model_with_images(tiny, monkeypatch, options, tol):
+    """One and two images: a `tensor=2` mesh (the vision tower runs on the mesh's first device,
+    its rows enter the sharded step) gives the one-device f32 tokens and logprobs within 1e-4;
+    int8 weights (the language model's; the tower stays f32) the same tokens, logprobs within
+    0.05 (int8 on the tiny Gemma 3: <= 0.035 of the logit scale, tests/test_quantization.py)."""
+    import jax
+
+    from jaxinfer.llm import LLM
+
+    _, llm, path = tiny
+    devices = jax.devices()
+    # NOTE: LLM(mesh=) spans every device; the suite has 8 virtual ones, this mesh takes 2
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: devices[:2])
+    other = LLM(path, dtype="float32", skip_tokenizer_init=True, **ENGINE, **options)
+    prompts = [
+        {"prompt_token_ids": _run(n, start=2 + n), "multi_modal_data": {"image": images}}
+        for n, images in ((1, [_image(3)]), (2, [_image(4), _image(5)]))
+    ]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3)
+    for want, got in zip(llm.generate(prompts, sp), other.generate(prompts, sp), strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for w, g in zip(want.outputs[0].logprobs, got.outputs[0].logprobs, strict=True):
+            assert max(abs(w[t] - g[t]) for t in w.keys() & g.keys()) < tol, options
+    from jaxinfer.quantization import quantization_of
+
+    core = other.engine.core
+    assert core.mesh.shape["tensor"] == (2 if "mesh" in options else 1)
+    assert quantization_of(core.runner.params) == options.get("quantization")

@@ -1,7 +1,8 @@
 """Images in, text out: vision-language models (Gemma 3, Qwen2.5-VL).
 
 1. `processor` (numpy + Pillow, no JAX: the front end imports it): an image (PIL, bytes, a
-   `data:` URL) -> the model's resized RGB bytes, the prompt's image placeholders expanded to the
+   `data:` URL, or a `file://` / `http(s)://` URL that `media.MediaConnector` reads under its
+   rules) -> the model's resized RGB bytes, the prompt's image placeholders expanded to the
    model's soft-token run, and each image's `ImageInput` (where its tokens sit, its hash).
 2. `ImageInput`s ride with the request to the engine core (`CoreRequest.mm_inputs`); their hashes
    salt the request's prefix-cache root, so prompts with different images never share pages.

@@ -5,8 +5,9 @@
    placeholder token ids and strings, mean / std (Qwen2.5-VL: `qwen_processor.QwenVisionSpec`,
    whose resize and image runs depend on the image's size). None for a text-only model; another
    vision architecture is refused by name.
-2. `load_image(obj, field)`: a PIL image, raw bytes or a `data:image/...;base64,` URL -> an RGB
-   PIL image (`ImageError` naming `field` when it is not one).
+2. `load_image(obj, field, media)`: a PIL image, raw bytes, a `data:image/...;base64,` URL or a
+   `file://` / `http(s)://` URL (read by `media`, a `jaxinfer.vision.media.MediaConnector`, under
+   its rules) -> an RGB PIL image (`ImageError` naming `field` when it is not one).
 3. `resized(image, spec)` -> u8[H, W, 3]: the HF image processor's resize (`spec.resize`: Gemma 3's
    bilinear square; Qwen2.5-VL's smart resize, bicubic) (what travels
    to the engine core); `pixel_values(u8, spec)` -> f32[3, H, W]: rescaled and normalized (the
@@ -103,8 +104,10 @@ class VisionSpec:
         return np.asarray(image.convert("RGB").resize((side, side), Image.Resampling.BILINEAR))
 
 
-def load_image(obj: Any, field: str) -> Any:
-    """A PIL image, bytes, or a `data:` URL -> an RGB PIL image (ImageError naming `field`)."""
+def load_image(obj: Any, field: str, media: Any = None) -> Any:
+    """A PIL image, bytes, a `data:` URL, or a `file://` / `http(s)://` URL read by `media` (a
+    `MediaConnector`; None: the default one, which fetches http(s) and reads no files) -> an RGB
+    PIL image (ImageError naming `field`)."""
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError:
@@ -114,14 +117,13 @@ def load_image(obj: Any, field: str) -> Any:
 
     if isinstance(obj, Image.Image):
         return obj.convert("RGB")
+    if isinstance(obj, str) and not obj.startswith("data:"):
+        if media is None:
+            from jaxinfer.vision.media import MediaConnector
+
+            media = MediaConnector()
+        obj = media.get(obj, field)
     if isinstance(obj, str):
-        if not obj.startswith("data:"):
-            scheme = obj.split(":", 1)[0] if ":" in obj else "a path"
-            raise ImageError(
-                f"{field}: only data: URLs are supported (got {scheme}); this server fetches "
-                f"no URLs and reads no files",
-                field,
-            )
         head, sep, payload = obj.partition(",")
         if not sep or not head.endswith(";base64"):
             raise ImageError(f"{field}: a data URL must be data:<mime>;base64,<data>", field)
@@ -134,7 +136,7 @@ def load_image(obj: Any, field: str) -> Any:
     try:
         image = Image.open(io.BytesIO(obj))
         image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as e:
         raise ImageError(f"{field}: not a decodable image ({e})", field) from None
     return image.convert("RGB")
 
@@ -205,10 +207,11 @@ def with_images(
     *,
     field: str = "multi_modal_data.image",
     limit: int | None = None,
+    media: Any = None,
 ) -> tuple[list[int], list[ImageInput]]:
     """A prompt (text with one placeholder per image, or ids already holding each image's run of
-    soft tokens) and its images (one or a list: PIL, bytes, data URLs) -> (prompt ids, their
-    `ImageInput`s); `encode(text) -> ids` tokenizes. ImageError naming `field` when the model
+    soft tokens) and its images (one or a list: PIL, bytes, URLs read by `media`) -> (prompt
+    ids, their `ImageInput`s); `encode(text) -> ids` tokenizes. ImageError naming `field` when the model
     takes no images, there are more than `limit`, or one is bad."""
     images = list(images) if isinstance(images, (list, tuple)) else [images]
     if spec is None:
@@ -219,7 +222,7 @@ def with_images(
             f"(--limit-mm-per-prompt)",
             field,
         )
-    rgb = [resized(load_image(im, f"{field}[{i}]"), spec) for i, im in enumerate(images)]
+    rgb = [resized(load_image(im, f"{field}[{i}]", media), spec) for i, im in enumerate(images)]
     if isinstance(prompt, str):
         ids = list(encode(expand_prompt(prompt, spec, len(rgb), field, rgb)))
     else:
@@ -238,10 +241,10 @@ def vision_spec(path: str, hf_config: dict[str, Any]) -> VisionSpec | None:
 
 
 def chat_parts(
-    messages: list[dict[str, Any]], spec: VisionSpec | None
+    messages: list[dict[str, Any]], spec: VisionSpec | None, media: Any = None
 ) -> tuple[list[dict[str, Any]], list[Any]]:
     """Chat messages whose `content` may be a list of parts (vLLM's: `text`, `image_url` with a
-    `data:` URL, `image_pil`) -> messages with string content (each image part the model's
+    URL read by `load_image(..., media)`, `image_pil`) -> messages with string content (each image part the model's
     placeholder) and their images in order (ImageError naming the part)."""
     flat, images = [], []
     for i, m in enumerate(messages):
@@ -264,6 +267,6 @@ def chat_parts(
             if kind == "image_url":
                 image = image.get("url") if isinstance(image, dict) else image
             texts.append(spec.boi_token)
-            images.append(load_image(image, where))
+            images.append(load_image(image, where, media))
         flat.append({**m, "content": "".join(texts)})
     return flat, images

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "token_ids", "messages", "sampling", "priority", "cache_salt", "truncate_prompt_tokens", "lora_name", "images")
+    __slots__ = ("request_id", "prompt", "token_ids", "messages", "sampling", "priority", "cache_salt", "truncate_prompt_tokens", "lora_name", "images", "image_urls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class GenerateRequest(_message.Message):
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_URLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     token_ids: TokenIds
@@ -29,7 +30,8 @@ class GenerateRequest(_message.Message):
     truncate_prompt_tokens: int
     lora_name: str
     images: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    image_urls: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., image_urls: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
