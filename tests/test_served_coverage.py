@@ -144,11 +144,12 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         F + "test_chat_on_both_protocols_and_its_template_kwargs",
         F + "test_request_id_echoed_and_model_name_served",
     ),
-    "images in, text out (Gemma 3 `Gemma3ForConditionalGeneration`; chat `image_url` parts with `data:`, `file://` and `http(s)://` URLs, gRPC image bytes or URLs, `LLM.generate` `multi_modal_data`)": (
+    "images in, text out (Gemma 3 `Gemma3ForConditionalGeneration`, Qwen2.5-VL `Qwen2_5_VLForConditionalGeneration`; chat `image_url` parts with `data:`, `file://` and `http(s)://` URLs, gRPC image bytes or URLs, `LLM.generate` `multi_modal_data`)": (
         "test_served_vision.py::test_chat_with_an_image_streams",
         "test_served_vision.py::test_prefix_cache_keys_include_the_image",
         "test_served_vision.py::test_image_urls_from_files_and_hosts_are_the_same_image",
         "test_served_vision.py::test_grpc_images_field",
+        "test_served_qwen_vl.py::test_chat_with_an_image_streams_and_caches_by_image",
     ),
     "structured output (JSON schema, JSON object, regex, choice, Lark / GBNF grammar)": (
         "test_served_requests.py::test_openai_json_schema",

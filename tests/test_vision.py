@@ -118,7 +118,7 @@ def test_an_image_straddling_the_budget_goes_whole_in_the_next_chunk(tiny):
     """The image's tokens are positions 29..32 of a 36-token prompt and the budget is 32 tokens:
     the first chunk ends at 29, before the image (its tokens attend to each other). A prefix-cache
     hit that ends inside the image computes the rest of it in one chunk."""
-    model, llm = tiny
+    model, llm, _ = tiny
     ids = _run(1, text=28)
     assert ids[29:33] == [IMAGE_TOKEN] * TOKENS_PER_IMAGE
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, prompt_logprobs=0)
@@ -169,7 +169,11 @@ def test_file_urls_under_the_allowed_local_media_path(tiny, tmp_path, monkeypatc
         [{"prompt_token_ids": _run(1), "multi_modal_data": {"image": im}} for im in (url, raw)], sp
     )
     assert by_url.outputs[0].token_ids == by_bytes.outputs[0].token_ids
-    assert by_url.outputs[0].logprobs == by_bytes.outputs[0].logprobs
+    # NOTE: one image a step (ENGINE's encoder budget): the second prompt runs in a later step,
+    # on the first one's cached pages, so its logprobs may differ in the last f32 bits
+    for a, b in zip(by_url.outputs[0].logprobs, by_bytes.outputs[0].logprobs, strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t] - b[t]) < 1e-5 for t in a)
     with pytest.raises(ImageError, match="outside --allowed-local-media-path"):
         image = f"file://{tmp_path}/media/../media/../a.png"
         llm.generate({"prompt_token_ids": _run(1), "multi_modal_data": {"image": image}}, sp)
