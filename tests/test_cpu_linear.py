@@ -29,7 +29,7 @@ from tests.model_utils import PagedStepper, hf_config_dict
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not cpu_linear.available(),
-    reason=f"the CPU linear kernel needs a CPU platform with AVX-512 ({cpu_linear.unavailable_reason()})"
+    reason=f"the CPU linear kernel needs a CPU platform with AVX2 + FMA or AVX-512 ({cpu_linear.unavailable_reason()})"
     if jax.default_backend() == "cpu"
     else "not a CPU platform",
 )

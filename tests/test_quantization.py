@@ -613,7 +613,7 @@ def test_dense_uses_the_kernel_for_int8_only_on_few_float32_rows():
     )
     assert cpu_linear.KERNEL.target not in text  # fp8 weights take XLA's dot on the CPU
     # NOTE: "cpu" reaches `dense` only once `resolve_linear_backend` has built the kernel (it
-    # raises otherwise); without AVX-512 there is no kernel whose use to check.
+    # raises otherwise); without AVX2 + FMA there is no kernel whose use to check.
     if not cpu_linear.available():
         pytest.skip(f"the CPU linear kernel is unavailable: {cpu_linear.unavailable_reason()}")
     q = QArray(jnp.ones((64, 2, 48), jnp.int8), jnp.ones((1, 2, 48), jnp.float32))

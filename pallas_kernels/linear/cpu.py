@@ -7,7 +7,7 @@ intra-op pool.
 
 1. `KERNEL` (`pallas_kernels.cpu_build`) compiles `cpu_kernel.cc` on first use and registers it for
    the "cpu" platform; `available()` / `unavailable_reason()` say whether that worked (the kernel
-   needs AVX-512 F/BW/VL).
+   needs AVX2 + FMA, or AVX-512 F/BW/VL: 8- or 16-lane vectors, picked by this CPU's flags).
 2. `linear(x, *weights)` -> one `x @ w` per weight, all in one call (weights sharing one input are
    streamed back to back: q and the fused k/v projections). `transposed=True` takes weights
    stored `[N, K]` (a tied embedding as LM head). float32 weights, or int8 weights with group-wise
@@ -50,7 +50,8 @@ library, unavailable_reason, available = KERNEL.library, KERNEL.unavailable_reas
 # Token rows up to which the kernel beats XLA:CPU's dot on the model's shapes (BENCHMARKS.md,
 # scripts/bench_linear.py: 1 row 1.4x, 2 rows 1.9x, 8 rows 1.4x; at 16 rows XLA is faster).
 MAX_ROWS = 8
-# With G > 1 scale groups, the group size K / G must be a multiple of this (one 16-lane vector).
+# With G > 1 scale groups, the group size K / G must be a multiple of this (one AVX-512 vector,
+# two AVX2 ones).
 GROUP_MULTIPLE = 16
 
 
