@@ -102,6 +102,37 @@ def test_int8_weights_match_numpy(t, k, ns, gs):
         np.testing.assert_allclose(yt, ref, rtol=0, atol=TOL * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize(
+    "k,ns,gs",
+    [
+        (7, (6,), (1,)),  # rows past the last 8-row block; a tail of 6 codes (3 bytes)
+        (100, (38, 2), (1, 1)),
+        (576, (576, 1000), (18, 1)),  # groups of 32 (GGUF Q4), parts cut through them; tails
+        (1536, (576,), (12,)),  # groups of 128 (int4's default)
+    ],
+)
+def test_int4_codes_match_numpy(t, k, ns, gs):
+    """uint4 codes [K, N] (packed two per byte by XLA, unpacked in registers) with scales [G, N],
+    and an int8 weight in the same call (each weight read in its own bits)."""
+    rng = np.random.default_rng(t * 1000 + k + 4)
+    x = rng.standard_normal((t, k), dtype=np.float32)
+    qs = [rng.integers(0, 16, (k, n)).astype(np.uint8) for n in ns]
+    ss = [rng.uniform(1e-3, 2e-2, (g, n)).astype(np.float32) for n, g in zip(ns, gs)]
+    q8 = rng.integers(-127, 128, (k, 10)).astype(np.int8)
+    s8 = rng.uniform(1e-3, 2e-2, (gs[0], 10)).astype(np.float32)
+    outs = cpu_linear.linear(
+        jnp.asarray(x),
+        *(jnp.asarray(q, jnp.uint4) for q in qs),
+        jnp.asarray(q8),
+        scales=(*map(jnp.asarray, ss), jnp.asarray(s8)),
+    )
+    for y, q, s in zip(outs, [*qs, q8], [*ss, s8], strict=True):
+        ref = _group_ref(x, q, s)
+        assert y.shape == ref.shape
+        np.testing.assert_allclose(y, ref, rtol=0, atol=TOL * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_reference_matches_numpy_and_the_kernel(transposed):
     """`linear.reference` (the oracle) against numpy in float64 and the kernel, f32 and int8."""
@@ -175,8 +206,16 @@ def test_bad_inputs_raise():
         cpu_linear.linear(x.astype(jnp.bfloat16), w)
     with pytest.raises(ValueError, match="float32 weight 0 \\(no scales given\\), got int8"):
         cpu_linear.linear(x, w.astype(jnp.int8))
-    with pytest.raises(ValueError, match="int8 weight 0 \\(scales given\\), got float32"):
+    with pytest.raises(ValueError, match="int8 or uint4 weight 0 \\(scales given\\), got float32"):
         cpu_linear.linear(x, w, scales=(jnp.ones((1, 4), jnp.float32),))
+    with pytest.raises(
+        ValueError, match="takes int8 weight 0 \\(scales given\\), transposed, got uint4"
+    ):
+        cpu_linear.linear(x, w.T.astype(jnp.uint4), transposed=True, scales=(jnp.ones((4, 1)),))
+    with pytest.raises(
+        ValueError, match=r"uint4 weight 0 of shape \(8, 3\): the kernel needs N even"
+    ):
+        cpu_linear.linear(x, jnp.ones((8, 3), jnp.uint4), scales=(jnp.ones((1, 3)),))
     with pytest.raises(ValueError, match="2 int8 weights need as many scale arrays, got 1"):
         cpu_linear.linear(
             x, w.astype(jnp.int8), w.astype(jnp.int8), scales=(jnp.ones((1, 4), jnp.float32),)
@@ -314,6 +353,23 @@ def test_dense_picks_the_kernel_only_where_it_pays():
         rtol=0,
         atol=TOL * float(jnp.abs(want_t).max()),
     )
+
+
+def test_dense_int4_codes_in_the_kernel_offsets_in_xla():
+    """`layers.dense` on an int4 `QArray` (fused output dims, f16 scales and offsets): the kernel
+    takes codes times scales, XLA adds (x's group sums) @ offsets; equal to XLA's whole path."""
+    from jaxinfer.quantization import QArray
+
+    rng = np.random.default_rng(4)
+    codes = jnp.asarray(rng.integers(0, 16, (64, 2, 48)), jnp.uint4)
+    scale = jnp.asarray(rng.uniform(1e-2, 2e-1, (4, 2, 48)), jnp.float16)
+    offset = jnp.asarray(rng.uniform(-1, 1, (4, 2, 48)), jnp.float16)
+    w = QArray(codes, scale, offset)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    assert _uses_kernel(lambda x, w: layers.dense(x, w, backend="cpu"), x, w)
+    (got,), (want,) = layers.dense(x, w, backend="cpu"), layers.dense(x, w, backend="xla")
+    assert got.shape == want.shape == (3, 2, 48)
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL * float(jnp.abs(want).max()))
 
 
 def test_resolve_linear_backend():

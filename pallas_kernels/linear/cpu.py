@@ -12,7 +12,9 @@ intra-op pool.
    streamed back to back: q and the fused k/v projections). `transposed=True` takes weights
    stored `[N, K]` (a tied embedding as LM head). float32 weights, or int8 weights with group-wise
    f32 scales (`scales=`, `quantization="int8"`: a quarter of the bytes to stream, widened in
-   registers): one scale per output column and group of K / G input rows, G = 1 being one scale per
+   registers), or `[K, N]` uint4 codes (N even, XLA's packed layout: an eighth of the bytes, the
+   nibbles unpacked in registers; `quantization="int4"`'s offsets are the caller's, see
+   `jaxinfer.layers.dense`) with scales the same way: one scale per output column and group of K / G input rows, G = 1 being one scale per
    output column; G > 1 needs groups of a multiple of `GROUP_MULTIPLE` rows (`groups_fit`). Any
    shapes, but it pays off only for few rows (`MAX_ROWS`): `jaxinfer.layers.dense` picks it for
    those and XLA's dot otherwise. `reference.linear` is the same product in pure JAX (the oracle)
@@ -73,7 +75,8 @@ def linear(
 ) -> tuple[jax.Array, ...]:
     """x f32[T, K]; each weight f32[K, N_i] (or [N_i, K] when `transposed`) -> (f32[T, N_i], ...).
 
-    With `scales` the weights are int8 with group-wise scales, one f32 array per weight: f32[G, N_i]
+    With `scales` the weights are int8 (or uint4 codes, not transposed, N_i even) with group-wise
+    scales, one f32 array per weight: f32[G, N_i]
     for a [K, N_i] weight, f32[N_i, G] for a transposed [N_i, K] one, G >= 1 dividing K, group size
     g = K // G (a multiple of `GROUP_MULTIPLE` when G > 1); G may differ between weights.
         y[t, n] = sum_k x[t, k] * w[k, n] * scales[i][k // g, n]      ([K, N_i])
@@ -81,6 +84,9 @@ def linear(
     G = 1 is one scale per output column (`x @ (w * scale)`).
     """
     check_inputs(x, weights, transposed, scales)
+    for i, w in enumerate(weights):
+        if w.dtype == jnp.uint4 and w.shape[1] % 2:
+            raise ValueError(f"uint4 weight {i} of shape {w.shape}: the kernel needs N even")
     int8 = scales is not None
     k = x.shape[1]
     for i, s in enumerate(scales or ()):

@@ -73,6 +73,12 @@ inline Vec Load(const int8_t* p, Mask m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
 inline Vec LoadFull(const float* p) { return _mm512_loadu_ps(p); }
+inline int Lanes(Mask m) { return __builtin_popcount(m); }
+// The first `bytes` bytes from p (the rest zero), and 16 unsigned bytes widened to f32.
+inline __m128i LoadBytes(const uint8_t* p, int bytes) {
+  return _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << bytes) - 1), p);
+}
+inline Vec WidenU8(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
 inline void Store(float* p, Mask m, Vec v) { _mm512_mask_storeu_ps(p, m, v); }
 inline Vec Set1(float a) { return _mm512_set1_ps(a); }
 inline Vec Zero() { return _mm512_setzero_ps(); }
@@ -98,6 +104,13 @@ inline Vec Load(const T* p, Mask m) {
   std::memcpy(buf, p, m * sizeof(T));
   return LoadFull(buf);
 }
+inline int Lanes(Mask m) { return m; }
+inline __m128i LoadBytes(const uint8_t* p, int bytes) {
+  uint32_t v = 0;
+  std::memcpy(&v, p, bytes);  // NOTE: bytes <= kLanes / 2 = 4
+  return _mm_cvtsi32_si128(static_cast<int>(v));
+}
+inline Vec WidenU8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
 inline void Store(float* p, Mask m, Vec v) {
   if (m == kFull) return _mm256_storeu_ps(p, v);
   float buf[kLanes];
@@ -118,6 +131,26 @@ inline float Sum(Vec v) {
 #error "the CPU linear kernel needs AVX2 and FMA, or AVX-512 F/BW/VL (this CPU or compiler lacks them): XLA's dot is used instead"
 #endif
 
+// Two 4-bit codes (XLA's packed uint4): element 2i in the low nibble of byte i, 2i + 1 in the high.
+struct U4 {
+  uint8_t pair;
+};
+template <typename T>
+constexpr int kBits = std::is_same_v<T, U4> ? 4 : 8 * sizeof(T);
+
+// kLanes consecutive weights w[i:i + kLanes] (masked) as f32: T's values, or int4 codes 0..15.
+template <typename T>
+inline Vec LoadAt(const T* w, int64_t i, Mask m) { return Load(w + i, m); }
+inline Vec LoadAt(const U4* w, int64_t i, Mask m) {  // NOTE: i even (rows of an even length)
+  const __m128i b = LoadBytes(&w[i / 2].pair, (Lanes(m) + 1) / 2);
+  const __m128i low = _mm_set1_epi8(0x0f);
+  const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+  return WidenU8(_mm_unpacklo_epi8(lo, hi));  // codes in element order
+}
+template <typename T>
+inline float ValueAt(const T* w, int64_t i) { return static_cast<float>(w[i]); }
+inline float ValueAt(const U4* w, int64_t i) { return static_cast<float>((w[i / 2].pair >> (4 * (i & 1))) & 0x0f); }
+
 constexpr int kMaxWeights = 8;
 constexpr int kMaxParts = 8;
 constexpr int kPartsPerThread = 4;
@@ -131,36 +164,37 @@ constexpr int64_t kGroupMultiple = 16;
 static_assert(kGroupMultiple % kLanes == 0, "a group is whole vectors");
 
 struct Weight {
-  const void* w;       // float or int8, [K, n] or [n, K]
-  const float* scale;  // int8 weights: [G, n] (kn) or [n, G] (nk); float weights: null
+  const void* w;       // float or int8, [K, n] or [n, K]; or int4 codes (u4), [K, n]
+  const float* scale;  // int8 / int4 weights: [G, n] (kn) or [n, G] (nk); float weights: null
   int64_t groups;      // G (1 for float weights); the group size is K / G
   float* y;            // [T, n]
   int64_t n;
   float* partial;      // [parts - 1, T, n] for the kn layout
+  bool u4;             // int4 codes (with scales) rather than int8
 };
 
 struct Problem {
   const float* x;  // [T, K]
   int64_t t_len, k_len;
   bool transposed;
-  bool int8;  // every weight of the call is int8 (with scales) or every one is float
+  bool int8;  // every weight of the call is int8 or int4 (with scales), or every one is float
   int num_weights;
   Weight weights[kMaxWeights];
   int parts;
 };
 
-// y[t, :] = x[t, k0:k1] @ W[k0:k1, :] (overwrites y), W row-major [K, N] of float, or of int8
-// with scales [G, N] (row k of W in group k / group).
+// y[t, :] = x[t, k0:k1] @ W[k0:k1, :] (overwrites y), W row-major [K, N] of float, or of int8 or
+// int4 codes with scales [G, N] (row k of W in group k / group; int4: N even).
 template <typename T>
 void KnRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const float* scale,
              int64_t group, int64_t n_len, float* y, int64_t k0, int64_t k1) {
-  constexpr bool kScaled = std::is_same_v<T, int8_t>;
+  constexpr bool kScaled = !std::is_same_v<T, float>;
   std::memset(y, 0, t_len * n_len * sizeof(float));
   const Mask tail = TailMask(n_len % kLanes);
   const int64_t n_full = n_len / kLanes * kLanes;
   int64_t k = k0;
   for (; k + 8 <= k1; k += 8) {
-    const T* r = w + k * n_len;
+    const int64_t r = k * n_len;  // the block's first weight
     const float* srow = kScaled ? scale + k / group * n_len : nullptr;  // [N], this block's group
     for (int64_t t = 0; t < t_len; ++t) {
       const float* xt = x + t * k_len + k;
@@ -170,14 +204,14 @@ void KnRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const flo
       // Two independent chains of four products each, then one read-modify-write of y (int8:
       // y + (p + q) * scale in one multiply-add).
       auto body = [&](int64_t n, Mask m) {
-        Vec p = Mul(a0, Load(r + n, m));
-        Vec q = Mul(a4, Load(r + 4 * n_len + n, m));
-        p = Fmadd(a1, Load(r + n_len + n, m), p);
-        q = Fmadd(a5, Load(r + 5 * n_len + n, m), q);
-        p = Fmadd(a2, Load(r + 2 * n_len + n, m), p);
-        q = Fmadd(a6, Load(r + 6 * n_len + n, m), q);
-        p = Fmadd(a3, Load(r + 3 * n_len + n, m), p);
-        q = Fmadd(a7, Load(r + 7 * n_len + n, m), q);
+        Vec p = Mul(a0, LoadAt(w, r + n, m));
+        Vec q = Mul(a4, LoadAt(w, r + 4 * n_len + n, m));
+        p = Fmadd(a1, LoadAt(w, r + n_len + n, m), p);
+        q = Fmadd(a5, LoadAt(w, r + 5 * n_len + n, m), q);
+        p = Fmadd(a2, LoadAt(w, r + 2 * n_len + n, m), p);
+        q = Fmadd(a6, LoadAt(w, r + 6 * n_len + n, m), q);
+        p = Fmadd(a3, LoadAt(w, r + 3 * n_len + n, m), p);
+        q = Fmadd(a7, LoadAt(w, r + 7 * n_len + n, m), q);
         const Vec old = Load(yt + n, m);
         if constexpr (kScaled)
           Store(yt + n, m, Fmadd(Add(p, q), Load(srow + n, m), old));
@@ -186,14 +220,14 @@ void KnRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const flo
       };
       // Rows k..k+7 are one contiguous block of 8 * N weights, read here as 8 interleaved row
       // streams, too short for the hardware prefetcher when N is small: the next block is
-      // prefetched into L2 front to back, 8 * kLanes weights (kLanes * sizeof(T) / 8 lines) per
-      // kLanes columns, so it is in when its turn comes (+8% on the model's f32 layer chain with
+      // prefetched into L2 front to back, 8 * kLanes weights (kLanes * kBits bytes) per kLanes
+      // columns, so it is in when its turn comes (+8% on the model's f32 layer chain with
       // AVX-512; 2 or 4 blocks ahead, or into L1, measured slower).
       if (t == 0 && k + 16 <= k1) {
-        const char* ahead = reinterpret_cast<const char*>(r + 8 * n_len);
+        const char* ahead = reinterpret_cast<const char*>(w) + (r + 8 * n_len) * kBits<T> / 8;
         for (int64_t n = 0; n < n_full; n += kLanes) {
-          for (int j = 0; j < static_cast<int>(kLanes * sizeof(T) / 8); ++j)
-            _mm_prefetch(ahead + 8 * n * sizeof(T) + 64 * j, _MM_HINT_T1);
+          for (int b = 0; b < kLanes * kBits<T>; b += 64)
+            _mm_prefetch(ahead + n * kBits<T> + b, _MM_HINT_T1);
           body(n, kFull);
         }
       } else {
@@ -203,12 +237,12 @@ void KnRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const flo
     }
   }
   for (; k < k1; ++k) {
-    const T* r = w + k * n_len;
+    const int64_t r = k * n_len;
     const float* srow = kScaled ? scale + k / group * n_len : nullptr;
     for (int64_t t = 0; t < t_len; ++t) {
       const float a = x[t * k_len + k];
       for (int64_t n = 0; n < n_len; ++n) {
-        const float v = a * static_cast<float>(r[n]);
+        const float v = a * ValueAt(w, r + n);
         y[t * n_len + n] += kScaled ? v * srow[n] : v;
       }
     }
@@ -307,7 +341,10 @@ void RunPart(const Problem& pb, int p) {
       const int64_t chunk = (pb.k_len + 8 * pb.parts - 1) / (8 * pb.parts) * 8;
       const int64_t k0 = std::min(pb.k_len, p * chunk), k1 = std::min(pb.k_len, k0 + chunk);
       float* y = p == 0 ? wt.y : wt.partial + (p - 1) * pb.t_len * wt.n;
-      if (pb.int8)
+      if (wt.u4)
+        KnRange(pb.x, pb.t_len, pb.k_len, static_cast<const U4*>(wt.w), wt.scale,
+                pb.k_len / wt.groups, wt.n, y, k0, k1);
+      else if (pb.int8)
         KnRange(pb.x, pb.t_len, pb.k_len, static_cast<const int8_t*>(wt.w), wt.scale,
                 pb.k_len / wt.groups, wt.n, y, k0, k1);
       else
@@ -404,8 +441,9 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
     auto y = outs.get<ffi::Buffer<ffi::F32>>(i);
     if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("cpu_linear: bad weight or output");
     const ffi::DataType want = int8 ? ffi::DataType::S8 : ffi::DataType::F32;
-    if (w->element_type() != want)
-      return ffi::Error::InvalidArgument(int8 ? "cpu_linear: int8 weights expected" : "cpu_linear: float32 weights expected");
+    const bool u4 = int8 && w->element_type() == ffi::DataType::U4;
+    if (w->element_type() != want && !u4)
+      return ffi::Error::InvalidArgument(int8 ? "cpu_linear: int8 or uint4 weights expected" : "cpu_linear: float32 weights expected");
     const auto wd = w->dimensions();
     const auto yd = (*y)->dimensions();
     if (wd.size() != 2) return ffi::Error::InvalidArgument("cpu_linear: weights must be 2-D");
@@ -413,6 +451,8 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
     const int64_t k = transposed ? wd[1] : wd[0];
     if (k != pb.k_len || yd.size() != 2 || yd[0] != pb.t_len || yd[1] != n)
       return ffi::Error::InvalidArgument("cpu_linear: weight / output shapes do not match x");
+    if (u4 && (transposed || n % 2))
+      return ffi::Error::InvalidArgument("cpu_linear: uint4 weights must be [K, N] with N even");
     const float* scale = nullptr;
     int64_t groups = 1;
     if (int8) {
@@ -435,7 +475,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
       }
       scale = s->typed_data();
     }
-    pb.weights[i] = {w->untyped_data(), scale, groups, (*y)->typed_data(), n, nullptr};
+    pb.weights[i] = {w->untyped_data(), scale, groups, (*y)->typed_data(), n, nullptr, u4};
     work += pb.t_len * pb.k_len * n;
     out_floats += pb.t_len * n;
   }
