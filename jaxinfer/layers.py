@@ -231,7 +231,7 @@ def dense(
     values, each group's scales applied to that group's share of the product, plus x's group sums
     times the offsets (see `_xla_dense`). With backend "cpu" a step of
     at most `cpu_linear.MAX_ROWS` float32 rows runs every weight in one call of the compiled kernel
-    (float32, or int8 / int4 weights, all of one kind); with backend "gpu" an int8 / int4 weight and at
+    (int8 / int4 weights; float32 ones where `cpu_linear.float_pays()`); with backend "gpu" an int8 / int4 weight and at
     most `gpu_linear.MAX_ROWS` rows run the Pallas dequantizing matmul (the weight read in its
     stored bits: no converted copy in HBM); anything else is XLA's dot (same contraction as
     `einsum("te,e...->t...")`). On a TPU target, fewer than `TPU_MIN_ROWS` rows times a quantized
@@ -411,7 +411,10 @@ def _kernel_fits(x: jax.Array, weights: tuple[jax.Array | QArray, ...], axis: in
             and cpu_linear.groups_fit(x.shape[1], w.scale.shape[axis])
             for w in weights
         )
-    return all(not isinstance(w, QArray) and w.dtype == jnp.float32 for w in weights)
+    # NOTE: float32 weights only where the kernel beats XLA's dot on them (its AVX-512 build).
+    return cpu_linear.float_pays() and all(
+        not isinstance(w, QArray) and w.dtype == jnp.float32 for w in weights
+    )
 
 
 def _packed_int4(w: QArray, axis: int) -> bool:

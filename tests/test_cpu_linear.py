@@ -23,6 +23,7 @@ from jaxinfer import layers
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import llama
 from jaxinfer.params import init_random
+from pallas_kernels import cpu_build
 from pallas_kernels.linear import cpu as cpu_linear
 from pallas_kernels.linear import reference as linear_reference
 from tests.model_utils import PagedStepper, hf_config_dict
@@ -328,6 +329,8 @@ def test_dense_picks_the_kernel_only_where_it_pays():
     ]:
         x = jnp.asarray(rng.standard_normal((t, 64)), dtype)
         ww = w.astype(dtype)
+        # float32 weights: only where the kernel beats XLA's dot on them (its AVX-512 build)
+        want = want and cpu_linear.float_pays()
         assert _uses_kernel(lambda x, w: layers.dense(x, w, backend="cpu"), x, ww) == want, (
             t,
             dtype,
@@ -345,7 +348,10 @@ def test_dense_picks_the_kernel_only_where_it_pays():
         )
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
     emb = jnp.asarray(rng.standard_normal((300, 64)), jnp.float32)
-    assert _uses_kernel(lambda x, e: layers.dense_transposed(x, e, backend="cpu"), x, emb)
+    assert (
+        _uses_kernel(lambda x, e: layers.dense_transposed(x, e, backend="cpu"), x, emb)
+        == cpu_linear.float_pays()
+    )
     (want_t,) = linear_reference.linear(x, emb, transposed=True)
     np.testing.assert_allclose(
         layers.dense_transposed(x, emb, backend="cpu"),
@@ -370,6 +376,12 @@ def test_dense_int4_codes_in_the_kernel_offsets_in_xla():
     (got,), (want,) = layers.dense(x, w, backend="cpu"), layers.dense(x, w, backend="xla")
     assert got.shape == want.shape == (3, 2, 48)
     np.testing.assert_allclose(got, want, rtol=0, atol=TOL * float(jnp.abs(want).max()))
+
+
+def test_lanes_name_the_build():
+    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= set(cpu_build.cpu_flags().split())
+    assert cpu_linear.lanes() == (16 if avx512 else 8)
+    assert cpu_linear.float_pays() == (cpu_linear.lanes() == 16)
 
 
 def test_resolve_linear_backend():

@@ -20,10 +20,15 @@ intra-op pool.
    those and XLA's dot otherwise. `reference.linear` is the same product in pure JAX (the oracle)
    and holds the checks both share (`reference.check_inputs`); this file adds the kernel's own
    (group sizes).
+3. `lanes()`: the vector width of this machine's build (16 with AVX-512, 8 with AVX2);
+   `float_pays()`: whether float32 weights beat XLA's dot here (AVX-512 only: on AVX2 (Zen 3)
+   XLA's dot streams f32 faster, BENCHMARKS.md "AVX2 kernel"; int8 / int4 weights take the kernel
+   on both, XLA:CPU converting the whole weight before its dot).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from pathlib import Path
 
@@ -39,7 +44,9 @@ __all__ = [
     "MAX_ROWS",
     "MAX_WEIGHTS",
     "available",
+    "float_pays",
     "groups_fit",
+    "lanes",
     "library",
     "linear",
     "unavailable_reason",
@@ -55,6 +62,18 @@ MAX_ROWS = 8
 # With G > 1 scale groups, the group size K / G must be a multiple of this (one AVX-512 vector,
 # two AVX2 ones).
 GROUP_MULTIPLE = 16
+
+
+def lanes() -> int:
+    """f32 lanes per vector of this machine's build (16: AVX-512, 8: AVX2); builds it first."""
+    fn = library().JaxinferCpuLinearLanes
+    fn.restype = ctypes.c_int
+    return fn()
+
+
+def float_pays() -> bool:
+    """Whether float32 weights should take the kernel (AVX-512 builds) rather than XLA's dot."""
+    return lanes() == 16
 
 
 def groups_fit(k: int, groups: int) -> bool:

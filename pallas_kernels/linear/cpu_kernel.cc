@@ -26,6 +26,10 @@
 // - nk, scales [N, G]: G = 1 multiplies each finished dot product; G > 1 sums each group's products
 //   in registers and multiply-adds that vector with the broadcast s[n, grp] into two running totals
 //   (even / odd groups), reduced once per output.
+// int4 weights (`quantization="int4"`, kn only, N even) are XLA's packed uint4 codes 0..15, two per
+// byte: read as bytes (an eighth of the f32 stream), the nibbles split and interleaved back into
+// element order and widened to f32 in registers, then scaled like int8 (the caller adds int4's
+// offsets term, (x's group sums) @ offsets, a product of G rows only).
 // All arithmetic in f32, in vectors of kLanes lanes: 16 with AVX-512 F/BW/VL, 8 with AVX2 + FMA
 // (whichever the compiler flags of this CPU allow; the few per-ISA helpers below are all that
 // differs). Parts (a few per core, so a helper that joins late still takes its
@@ -515,6 +519,9 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
 }
 
 }  // namespace
+
+// The vector width this build uses (16: AVX-512, 8: AVX2), for cpu.py's `lanes()`.
+extern "C" int JaxinferCpuLinearLanes() { return kLanes; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCpuLinear, Linear,
                               ffi::Ffi::Bind()
