@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -430,6 +432,10 @@ def _logits(monkeypatch, family: str, linear_backend: str) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # untied LM head; tied (transposed) head
 def test_model_logits_match_xla(monkeypatch, family):
+    if not cpu_linear.float_pays():
+        pytest.skip(
+            "float32 weights stay on XLA's dot in the kernel's AVX2 build: nothing to compare"
+        )
     want, got = _logits(monkeypatch, family, "xla"), _logits(monkeypatch, family, "cpu")
     for w, g in zip(want, got):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.abs(w).max())
@@ -440,6 +446,11 @@ def test_engine_same_tokens_with_either_backend():
     from tests import engine_utils as eu
 
     model = eu.tiny_model(eu.load_vocab())
+    if not cpu_linear.float_pays():  # AVX2 build: the kernel takes quantized weights only
+        from jaxinfer.quantization import quantize_params
+
+        params = quantize_params(model.params, llama.param_specs(model.cfg), "int4")
+        model = dataclasses.replace(model, params=params, quantization="int4")
     prompts = [[5, 300, 41, 7000, 12, 9], [88, 2, 61, 5, 190, 77, 1000, 3, 4]]
     outputs = {}
     for b in ("xla", "cpu"):
