@@ -77,12 +77,15 @@ inline Vec Load(const int8_t* p, Mask m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
 inline Vec LoadFull(const float* p) { return _mm512_loadu_ps(p); }
-inline int Lanes(Mask m) { return __builtin_popcount(m); }
-// The first `bytes` bytes from p (the rest zero), and 16 unsigned bytes widened to f32.
-inline __m128i LoadBytes(const uint8_t* p, int bytes) {
-  return _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << bytes) - 1), p);
+// kLanes 4-bit codes from p (two per byte, low nibble first; masked) as f32: the 8 bytes split
+// into low and high nibbles, interleaved back into element order, widened.
+inline Vec LoadNibbles(const uint8_t* p, Mask m) {
+  const int bytes = (__builtin_popcount(m) + 1) / 2;
+  const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << bytes) - 1), p);
+  const __m128i low = _mm_set1_epi8(0x0f);
+  const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
 }
-inline Vec WidenU8(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
 inline void Store(float* p, Mask m, Vec v) { _mm512_mask_storeu_ps(p, m, v); }
 inline Vec Set1(float a) { return _mm512_set1_ps(a); }
 inline Vec Zero() { return _mm512_setzero_ps(); }
@@ -108,13 +111,14 @@ inline Vec Load(const T* p, Mask m) {
   std::memcpy(buf, p, m * sizeof(T));
   return LoadFull(buf);
 }
-inline int Lanes(Mask m) { return m; }
-inline __m128i LoadBytes(const uint8_t* p, int bytes) {
+// The 4 bytes broadcast to every lane, lane j shifted right by 4 j and masked to its nibble.
+inline Vec LoadNibbles(const uint8_t* p, Mask m) {
   uint32_t v = 0;
-  std::memcpy(&v, p, bytes);  // NOTE: bytes <= kLanes / 2 = 4
-  return _mm_cvtsi32_si128(static_cast<int>(v));
+  std::memcpy(&v, p, m == kFull ? 4 : (m + 1) / 2);
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(v)), shifts);
+  return _mm256_cvtepi32_ps(_mm256_and_si256(codes, _mm256_set1_epi32(0x0f)));
 }
-inline Vec WidenU8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
 inline void Store(float* p, Mask m, Vec v) {
   if (m == kFull) return _mm256_storeu_ps(p, v);
   float buf[kLanes];
@@ -146,10 +150,7 @@ constexpr int kBits = std::is_same_v<T, U4> ? 4 : 8 * sizeof(T);
 template <typename T>
 inline Vec LoadAt(const T* w, int64_t i, Mask m) { return Load(w + i, m); }
 inline Vec LoadAt(const U4* w, int64_t i, Mask m) {  // NOTE: i even (rows of an even length)
-  const __m128i b = LoadBytes(&w[i / 2].pair, (Lanes(m) + 1) / 2);
-  const __m128i low = _mm_set1_epi8(0x0f);
-  const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-  return WidenU8(_mm_unpacklo_epi8(lo, hi));  // codes in element order
+  return LoadNibbles(&w[i / 2].pair, m);
 }
 template <typename T>
 inline float ValueAt(const T* w, int64_t i) { return static_cast<float>(w[i]); }
