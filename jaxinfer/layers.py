@@ -231,7 +231,7 @@ def dense(
     values, each group's scales applied to that group's share of the product, plus x's group sums
     times the offsets (see `_xla_dense`). With backend "cpu" a step of
     at most `cpu_linear.MAX_ROWS` float32 rows runs every weight in one call of the compiled kernel
-    (float32 or int8 weights, all of one kind); with backend "gpu" an int8 / int4 weight and at
+    (int8 / int4 weights; float32 ones where `cpu_linear.float_pays()`); with backend "gpu" an int8 / int4 weight and at
     most `gpu_linear.MAX_ROWS` rows run the Pallas dequantizing matmul (the weight read in its
     stored bits: no converted copy in HBM); anything else is XLA's dot (same contraction as
     `einsum("te,e...->t...")`). On a TPU target, fewer than `TPU_MIN_ROWS` rows times a quantized
@@ -248,6 +248,7 @@ def dense(
             flat = [w.data.reshape(w.shape[0], -1) for w in weights]
             scales = [_f32(w.scale).reshape(w.scale.shape[0], -1) for w in weights]  # f32[G, N]
             outs = cpu_linear.linear(x, *flat, scales=tuple(scales))
+            outs = [_add_offsets(x, y, w) for y, w in zip(outs, weights)]
         else:
             outs = cpu_linear.linear(x, *(w.reshape(w.shape[0], -1) for w in weights))
         return tuple(y.reshape(x.shape[0], *w.shape[1:]) for y, w in zip(outs, weights))
@@ -382,6 +383,14 @@ def embed_rows(embed: jax.Array | QArray, ids: jax.Array, dtype: jax.typing.DTyp
     return jnp.take(embed, ids, axis=0)
 
 
+def _add_offsets(x: jax.Array, y: jax.Array, w: QArray) -> jax.Array:
+    """y [T, N] plus int4's offsets term (x's per-group sums) @ offset [G, N]; y without offsets."""
+    if w.offset is None:
+        return y
+    offset = _f32(w.offset).reshape(w.offset.shape[0], -1)
+    return y + jnp.dot(x.reshape(x.shape[0], offset.shape[0], -1).sum(-1), offset)
+
+
 def _f32(scale: jax.Array) -> jax.Array:
     """Scales or offsets as f32 (int4 stores them as f16: widened where they are used)."""
     return scale.astype(jnp.float32)
@@ -398,7 +407,16 @@ def _kernel_fits(x: jax.Array, weights: tuple[jax.Array | QArray, ...], axis: in
         return False
     if all(isinstance(w, QArray) for w in weights):
         return all(
-            w.data.dtype == jnp.int8 and cpu_linear.groups_fit(x.shape[1], w.scale.shape[axis])
+            (w.data.dtype == jnp.int8 or _packed_int4(w, axis))
+            and cpu_linear.groups_fit(x.shape[1], w.scale.shape[axis])
             for w in weights
         )
-    return all(not isinstance(w, QArray) and w.dtype == jnp.float32 for w in weights)
+    # NOTE: float32 weights only where the kernel beats XLA's dot on them (its AVX-512 build).
+    return cpu_linear.float_pays() and all(
+        not isinstance(w, QArray) and w.dtype == jnp.float32 for w in weights
+    )
+
+
+def _packed_int4(w: QArray, axis: int) -> bool:
+    """Whether the kernel reads `w`'s uint4 codes as they are: [K, N] (axis 0) with N even."""
+    return w.data.dtype == jnp.uint4 and axis == 0 and (w.data.size // w.shape[0]) % 2 == 0

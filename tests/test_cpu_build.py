@@ -1,6 +1,6 @@
 """`pallas_kernels.cpu_build`: a kernel that cannot build is tried once per machine and key.
 
-A source that fails to compile (here an `#error`, as the linear kernel does without AVX-512)
+A source that fails to compile (here an `#error`, as the linear kernel does without AVX2 + FMA)
 leaves a `.failed` file beside where the library would be; the next build of the same key raises
 the same message without running the compiler (every server and test process would otherwise
 spend seconds on it), and a changed source is a new key that compiles again.

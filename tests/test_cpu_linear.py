@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,13 +25,14 @@ from jaxinfer import layers
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import llama
 from jaxinfer.params import init_random
+from pallas_kernels import cpu_build
 from pallas_kernels.linear import cpu as cpu_linear
 from pallas_kernels.linear import reference as linear_reference
 from tests.model_utils import PagedStepper, hf_config_dict
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not cpu_linear.available(),
-    reason=f"the CPU linear kernel needs a CPU platform with AVX-512 ({cpu_linear.unavailable_reason()})"
+    reason=f"the CPU linear kernel needs a CPU platform with AVX2 + FMA or AVX-512 ({cpu_linear.unavailable_reason()})"
     if jax.default_backend() == "cpu"
     else "not a CPU platform",
 )
@@ -100,6 +103,37 @@ def test_int8_weights_match_numpy(t, k, ns, gs):
         assert y.shape == yt.shape == ref.shape
         np.testing.assert_allclose(y, ref, rtol=0, atol=TOL * np.abs(ref).max())
         np.testing.assert_allclose(yt, ref, rtol=0, atol=TOL * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize(
+    "k,ns,gs",
+    [
+        (7, (6,), (1,)),  # rows past the last 8-row block; a tail of 6 codes (3 bytes)
+        (100, (38, 2), (1, 1)),
+        (576, (576, 1000), (18, 1)),  # groups of 32 (GGUF Q4), parts cut through them; tails
+        (1536, (576,), (12,)),  # groups of 128 (int4's default)
+    ],
+)
+def test_int4_codes_match_numpy(t, k, ns, gs):
+    """uint4 codes [K, N] (packed two per byte by XLA, unpacked in registers) with scales [G, N],
+    and an int8 weight in the same call (each weight read in its own bits)."""
+    rng = np.random.default_rng(t * 1000 + k + 4)
+    x = rng.standard_normal((t, k), dtype=np.float32)
+    qs = [rng.integers(0, 16, (k, n)).astype(np.uint8) for n in ns]
+    ss = [rng.uniform(1e-3, 2e-2, (g, n)).astype(np.float32) for n, g in zip(ns, gs)]
+    q8 = rng.integers(-127, 128, (k, 10)).astype(np.int8)
+    s8 = rng.uniform(1e-3, 2e-2, (gs[0], 10)).astype(np.float32)
+    outs = cpu_linear.linear(
+        jnp.asarray(x),
+        *(jnp.asarray(q, jnp.uint4) for q in qs),
+        jnp.asarray(q8),
+        scales=(*map(jnp.asarray, ss), jnp.asarray(s8)),
+    )
+    for y, q, s in zip(outs, [*qs, q8], [*ss, s8], strict=True):
+        ref = _group_ref(x, q, s)
+        assert y.shape == ref.shape
+        np.testing.assert_allclose(y, ref, rtol=0, atol=TOL * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -175,8 +209,16 @@ def test_bad_inputs_raise():
         cpu_linear.linear(x.astype(jnp.bfloat16), w)
     with pytest.raises(ValueError, match="float32 weight 0 \\(no scales given\\), got int8"):
         cpu_linear.linear(x, w.astype(jnp.int8))
-    with pytest.raises(ValueError, match="int8 weight 0 \\(scales given\\), got float32"):
+    with pytest.raises(ValueError, match="int8 or uint4 weight 0 \\(scales given\\), got float32"):
         cpu_linear.linear(x, w, scales=(jnp.ones((1, 4), jnp.float32),))
+    with pytest.raises(
+        ValueError, match="takes int8 weight 0 \\(scales given\\), transposed, got uint4"
+    ):
+        cpu_linear.linear(x, w.T.astype(jnp.uint4), transposed=True, scales=(jnp.ones((4, 1)),))
+    with pytest.raises(
+        ValueError, match=r"uint4 weight 0 of shape \(8, 3\): the kernel needs N even"
+    ):
+        cpu_linear.linear(x, jnp.ones((8, 3), jnp.uint4), scales=(jnp.ones((1, 3)),))
     with pytest.raises(ValueError, match="2 int8 weights need as many scale arrays, got 1"):
         cpu_linear.linear(
             x, w.astype(jnp.int8), w.astype(jnp.int8), scales=(jnp.ones((1, 4), jnp.float32),)
@@ -289,6 +331,8 @@ def test_dense_picks_the_kernel_only_where_it_pays():
     ]:
         x = jnp.asarray(rng.standard_normal((t, 64)), dtype)
         ww = w.astype(dtype)
+        # float32 weights: only where the kernel beats XLA's dot on them (its AVX-512 build)
+        want = want and cpu_linear.float_pays()
         assert _uses_kernel(lambda x, w: layers.dense(x, w, backend="cpu"), x, ww) == want, (
             t,
             dtype,
@@ -306,7 +350,10 @@ def test_dense_picks_the_kernel_only_where_it_pays():
         )
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
     emb = jnp.asarray(rng.standard_normal((300, 64)), jnp.float32)
-    assert _uses_kernel(lambda x, e: layers.dense_transposed(x, e, backend="cpu"), x, emb)
+    assert (
+        _uses_kernel(lambda x, e: layers.dense_transposed(x, e, backend="cpu"), x, emb)
+        == cpu_linear.float_pays()
+    )
     (want_t,) = linear_reference.linear(x, emb, transposed=True)
     np.testing.assert_allclose(
         layers.dense_transposed(x, emb, backend="cpu"),
@@ -314,6 +361,29 @@ def test_dense_picks_the_kernel_only_where_it_pays():
         rtol=0,
         atol=TOL * float(jnp.abs(want_t).max()),
     )
+
+
+def test_dense_int4_codes_in_the_kernel_offsets_in_xla():
+    """`layers.dense` on an int4 `QArray` (fused output dims, f16 scales and offsets): the kernel
+    takes codes times scales, XLA adds (x's group sums) @ offsets; equal to XLA's whole path."""
+    from jaxinfer.quantization import QArray
+
+    rng = np.random.default_rng(4)
+    codes = jnp.asarray(rng.integers(0, 16, (64, 2, 48)), jnp.uint4)
+    scale = jnp.asarray(rng.uniform(1e-2, 2e-1, (4, 2, 48)), jnp.float16)
+    offset = jnp.asarray(rng.uniform(-1, 1, (4, 2, 48)), jnp.float16)
+    w = QArray(codes, scale, offset)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    assert _uses_kernel(lambda x, w: layers.dense(x, w, backend="cpu"), x, w)
+    (got,), (want,) = layers.dense(x, w, backend="cpu"), layers.dense(x, w, backend="xla")
+    assert got.shape == want.shape == (3, 2, 48)
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL * float(jnp.abs(want).max()))
+
+
+def test_lanes_name_the_build():
+    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= set(cpu_build.cpu_flags().split())
+    assert cpu_linear.lanes() == (16 if avx512 else 8)
+    assert cpu_linear.float_pays() == (cpu_linear.lanes() == 16)
 
 
 def test_resolve_linear_backend():
@@ -362,6 +432,10 @@ def _logits(monkeypatch, family: str, linear_backend: str) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # untied LM head; tied (transposed) head
 def test_model_logits_match_xla(monkeypatch, family):
+    if not cpu_linear.float_pays():
+        pytest.skip(
+            "float32 weights stay on XLA's dot in the kernel's AVX2 build: nothing to compare"
+        )
     want, got = _logits(monkeypatch, family, "xla"), _logits(monkeypatch, family, "cpu")
     for w, g in zip(want, got):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.abs(w).max())
@@ -372,6 +446,11 @@ def test_engine_same_tokens_with_either_backend():
     from tests import engine_utils as eu
 
     model = eu.tiny_model(eu.load_vocab())
+    if not cpu_linear.float_pays():  # AVX2 build: the kernel takes quantized weights only
+        from jaxinfer.quantization import quantize_params
+
+        params = quantize_params(model.params, llama.param_specs(model.cfg), "int4")
+        model = dataclasses.replace(model, params=params, quantization="int4")
     prompts = [[5, 300, 41, 7000, 12, 9], [88, 2, 61, 5, 190, 77, 1000, 3, 4]]
     outputs = {}
     for b in ("xla", "cpu"):

@@ -613,7 +613,7 @@ def test_dense_uses_the_kernel_for_int8_only_on_few_float32_rows():
     )
     assert cpu_linear.KERNEL.target not in text  # fp8 weights take XLA's dot on the CPU
     # NOTE: "cpu" reaches `dense` only once `resolve_linear_backend` has built the kernel (it
-    # raises otherwise); without AVX-512 there is no kernel whose use to check.
+    # raises otherwise); without AVX2 + FMA there is no kernel whose use to check.
     if not cpu_linear.available():
         pytest.skip(f"the CPU linear kernel is unavailable: {cpu_linear.unavailable_reason()}")
     q = QArray(jnp.ones((64, 2, 48), jnp.int8), jnp.ones((1, 2, 48), jnp.float32))
@@ -626,6 +626,18 @@ def test_dense_uses_the_kernel_for_int8_only_on_few_float32_rows():
         x = jnp.ones((t, 64), dtype)
         text = jax.jit(lambda x, w: layers.dense(x, w, backend="cpu")).lower(x, q).as_text()
         assert (cpu_linear.KERNEL.target in text) == want, (t, dtype)
+    for n, want in [(48, True), (47, False)]:  # int4 codes [K, N] as stored (packed: N even)
+        i4 = QArray(
+            jnp.ones((64, n), jnp.uint4),
+            jnp.ones((4, n), jnp.float16),
+            jnp.ones((4, n), jnp.float16),
+        )
+        text = (
+            jax.jit(lambda x, w: layers.dense(x, w, backend="cpu"))
+            .lower(jnp.ones((1, 64)), i4)
+            .as_text()
+        )
+        assert (cpu_linear.KERNEL.target in text) == want, n
     for groups, want in [(2, True), (4, True), (8, False)]:  # the kernel's groups are 16k channels
         g = QArray(jnp.ones((64, 2, 48), jnp.int8), jnp.ones((groups, 2, 48), jnp.float32))
         text = (

@@ -7,21 +7,28 @@ intra-op pool.
 
 1. `KERNEL` (`pallas_kernels.cpu_build`) compiles `cpu_kernel.cc` on first use and registers it for
    the "cpu" platform; `available()` / `unavailable_reason()` say whether that worked (the kernel
-   needs AVX-512 F/BW/VL).
+   needs AVX2 + FMA, or AVX-512 F/BW/VL: 8- or 16-lane vectors, picked by this CPU's flags).
 2. `linear(x, *weights)` -> one `x @ w` per weight, all in one call (weights sharing one input are
    streamed back to back: q and the fused k/v projections). `transposed=True` takes weights
    stored `[N, K]` (a tied embedding as LM head). float32 weights, or int8 weights with group-wise
    f32 scales (`scales=`, `quantization="int8"`: a quarter of the bytes to stream, widened in
-   registers): one scale per output column and group of K / G input rows, G = 1 being one scale per
+   registers), or `[K, N]` uint4 codes (N even, XLA's packed layout: an eighth of the bytes, the
+   nibbles unpacked in registers; `quantization="int4"`'s offsets are the caller's, see
+   `jaxinfer.layers.dense`) with scales the same way: one scale per output column and group of K / G input rows, G = 1 being one scale per
    output column; G > 1 needs groups of a multiple of `GROUP_MULTIPLE` rows (`groups_fit`). Any
    shapes, but it pays off only for few rows (`MAX_ROWS`): `jaxinfer.layers.dense` picks it for
    those and XLA's dot otherwise. `reference.linear` is the same product in pure JAX (the oracle)
    and holds the checks both share (`reference.check_inputs`); this file adds the kernel's own
    (group sizes).
+3. `lanes()`: the vector width of this machine's build (16 with AVX-512, 8 with AVX2);
+   `float_pays()`: whether float32 weights beat XLA's dot here (AVX-512 only: on AVX2 (Zen 3)
+   XLA's dot streams f32 faster, BENCHMARKS.md "AVX2 kernel"; int8 / int4 weights take the kernel
+   on both, XLA:CPU converting the whole weight before its dot).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from pathlib import Path
 
@@ -37,7 +44,9 @@ __all__ = [
     "MAX_ROWS",
     "MAX_WEIGHTS",
     "available",
+    "float_pays",
     "groups_fit",
+    "lanes",
     "library",
     "linear",
     "unavailable_reason",
@@ -50,8 +59,21 @@ library, unavailable_reason, available = KERNEL.library, KERNEL.unavailable_reas
 # Token rows up to which the kernel beats XLA:CPU's dot on the model's shapes (BENCHMARKS.md,
 # scripts/bench_linear.py: 1 row 1.4x, 2 rows 1.9x, 8 rows 1.4x; at 16 rows XLA is faster).
 MAX_ROWS = 8
-# With G > 1 scale groups, the group size K / G must be a multiple of this (one 16-lane vector).
+# With G > 1 scale groups, the group size K / G must be a multiple of this (one AVX-512 vector,
+# two AVX2 ones).
 GROUP_MULTIPLE = 16
+
+
+def lanes() -> int:
+    """f32 lanes per vector of this machine's build (16: AVX-512, 8: AVX2); builds it first."""
+    fn = library().JaxinferCpuLinearLanes
+    fn.restype = ctypes.c_int
+    return fn()
+
+
+def float_pays() -> bool:
+    """Whether float32 weights should take the kernel (AVX-512 builds) rather than XLA's dot."""
+    return lanes() == 16
 
 
 def groups_fit(k: int, groups: int) -> bool:
@@ -72,7 +94,8 @@ def linear(
 ) -> tuple[jax.Array, ...]:
     """x f32[T, K]; each weight f32[K, N_i] (or [N_i, K] when `transposed`) -> (f32[T, N_i], ...).
 
-    With `scales` the weights are int8 with group-wise scales, one f32 array per weight: f32[G, N_i]
+    With `scales` the weights are int8 (or uint4 codes, not transposed, N_i even) with group-wise
+    scales, one f32 array per weight: f32[G, N_i]
     for a [K, N_i] weight, f32[N_i, G] for a transposed [N_i, K] one, G >= 1 dividing K, group size
     g = K // G (a multiple of `GROUP_MULTIPLE` when G > 1); G may differ between weights.
         y[t, n] = sum_k x[t, k] * w[k, n] * scales[i][k // g, n]      ([K, N_i])
@@ -80,6 +103,9 @@ def linear(
     G = 1 is one scale per output column (`x @ (w * scale)`).
     """
     check_inputs(x, weights, transposed, scales)
+    for i, w in enumerate(weights):
+        if w.dtype == jnp.uint4 and w.shape[1] % 2:
+            raise ValueError(f"uint4 weight {i} of shape {w.shape}: the kernel needs N even")
     int8 = scales is not None
     k = x.shape[1]
     for i, s in enumerate(scales or ()):

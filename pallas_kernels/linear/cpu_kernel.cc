@@ -17,7 +17,7 @@
 // Weights are float32, or int8 with group-wise f32 scales (`quantization="int8"`): one scale per
 // output channel and group of g = K / G consecutive input channels (G = 1: per output channel).
 // An int8 weight is read as bytes (a quarter of the f32 stream), widened to f32 in registers
-// (16 values per vpmovsxbd + vcvtdq2ps) and multiplied like a float one; the scales enter where a
+// (a vector per vpmovsxbd + vcvtdq2ps) and multiplied like a float one; the scales enter where a
 // group's sum is finished:
 // - kn, scales [G, N]: parts and 8-row blocks start at multiples of 8 and g is a multiple of 8
 //   (of 16 when G > 1; G = 1: one group), so every block lies inside one group: its 8-row partial
@@ -26,7 +26,13 @@
 // - nk, scales [N, G]: G = 1 multiplies each finished dot product; G > 1 sums each group's products
 //   in registers and multiply-adds that vector with the broadcast s[n, grp] into two running totals
 //   (even / odd groups), reduced once per output.
-// All arithmetic in f32. Parts (a few per core, so a helper that joins late still takes its
+// int4 weights (`quantization="int4"`, kn only, N even) are XLA's packed uint4 codes 0..15, two per
+// byte: read as bytes (an eighth of the f32 stream), the nibbles split and interleaved back into
+// element order and widened to f32 in registers, then scaled like int8 (the caller adds int4's
+// offsets term, (x's group sums) @ offsets, a product of G rows only).
+// All arithmetic in f32, in vectors of kLanes lanes: 16 with AVX-512 F/BW/VL, 8 with AVX2 + FMA
+// (whichever the compiler flags of this CPU allow; the few per-ISA helpers below are all that
+// differs). Parts (a few per core, so a helper that joins late still takes its
 // share) are claimed from an atomic counter by the caller and by helpers; the caller returns
 // once every part is done (a helper that starts late finds nothing left and only touches the
 // shared state it co-owns).
@@ -37,10 +43,6 @@
 // new helper on the pool only when none is lingering.
 
 #include <immintrin.h>
-
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__)
-#error "the CPU linear kernel needs AVX-512 F/BW/VL (this CPU or compiler lacks it): XLA's dot is used instead"
-#endif
 
 #include <algorithm>
 #include <atomic>
@@ -60,6 +62,100 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// One vector of kLanes f32 lanes and the few operations the products need, per instruction set
+// (chosen by the compiler flags cpu_build.py uses for this CPU). A Mask selects the leading lanes
+// of a vector that a row's tail fills; kFull selects them all.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr int kLanes = 16;
+using Vec = __m512;
+using Mask = __mmask16;
+constexpr Mask kFull = 0xffff;
+inline Mask TailMask(int64_t n) { return static_cast<Mask>((1u << n) - 1); }  // n < kLanes
+// kLanes consecutive weights from p (masked), widened to f32: int8 by vpmovsxbd + vcvtdq2ps.
+inline Vec Load(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+inline Vec Load(const int8_t* p, Mask m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+inline Vec LoadFull(const float* p) { return _mm512_loadu_ps(p); }
+// kLanes 4-bit codes from p (two per byte, low nibble first; masked) as f32: the 8 bytes split
+// into low and high nibbles, interleaved back into element order, widened.
+inline Vec LoadNibbles(const uint8_t* p, Mask m) {
+  const int bytes = (__builtin_popcount(m) + 1) / 2;
+  const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << bytes) - 1), p);
+  const __m128i low = _mm_set1_epi8(0x0f);
+  const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+}
+inline void Store(float* p, Mask m, Vec v) { _mm512_mask_storeu_ps(p, m, v); }
+inline Vec Set1(float a) { return _mm512_set1_ps(a); }
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec Fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float Sum(Vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 has no masked byte loads: a tail (a Mask is its lane count) goes through a zeroed buffer.
+constexpr int kLanes = 8;
+using Vec = __m256;
+using Mask = int;
+constexpr Mask kFull = kLanes;
+inline Mask TailMask(int64_t n) { return static_cast<Mask>(n); }
+inline Vec LoadFull(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec LoadFull(const int8_t* p) {  // 8 bytes, vpmovsxbd + vcvtdq2ps
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+template <typename T>
+inline Vec Load(const T* p, Mask m) {
+  if (m == kFull) return LoadFull(p);
+  T buf[kLanes] = {};
+  std::memcpy(buf, p, m * sizeof(T));
+  return LoadFull(buf);
+}
+// The 4 bytes broadcast to every lane, lane j shifted right by 4 j and masked to its nibble.
+inline Vec LoadNibbles(const uint8_t* p, Mask m) {
+  uint32_t v = 0;
+  std::memcpy(&v, p, m == kFull ? 4 : (m + 1) / 2);
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(v)), shifts);
+  return _mm256_cvtepi32_ps(_mm256_and_si256(codes, _mm256_set1_epi32(0x0f)));
+}
+inline void Store(float* p, Mask m, Vec v) {
+  if (m == kFull) return _mm256_storeu_ps(p, v);
+  float buf[kLanes];
+  _mm256_storeu_ps(buf, v);
+  std::memcpy(p, buf, m * sizeof(float));
+}
+inline Vec Set1(float a) { return _mm256_set1_ps(a); }
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec Fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float Sum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+#error "the CPU linear kernel needs AVX2 and FMA, or AVX-512 F/BW/VL (this CPU or compiler lacks them): XLA's dot is used instead"
+#endif
+
+// Two 4-bit codes (XLA's packed uint4): element 2i in the low nibble of byte i, 2i + 1 in the high.
+struct U4 {
+  uint8_t pair;
+};
+template <typename T>
+constexpr int kBits = std::is_same_v<T, U4> ? 4 : 8 * sizeof(T);
+
+// kLanes consecutive weights w[i:i + kLanes] (masked) as f32: T's values, or int4 codes 0..15.
+template <typename T>
+inline Vec LoadAt(const T* w, int64_t i, Mask m) { return Load(w + i, m); }
+inline Vec LoadAt(const U4* w, int64_t i, Mask m) {  // NOTE: i even (rows of an even length)
+  return LoadNibbles(&w[i / 2].pair, m);
+}
+template <typename T>
+inline float ValueAt(const T* w, int64_t i) { return static_cast<float>(w[i]); }
+inline float ValueAt(const U4* w, int64_t i) { return static_cast<float>((w[i / 2].pair >> (4 * (i & 1))) & 0x0f); }
+
 constexpr int kMaxWeights = 8;
 constexpr int kMaxParts = 8;
 constexpr int kPartsPerThread = 4;
@@ -70,94 +166,88 @@ constexpr int64_t kParallelMinWork = 1 << 16;
 constexpr int64_t kMinRowsPerPart = 64;
 // With G > 1 scale groups the group size K / G must be a multiple of this (cpu.py).
 constexpr int64_t kGroupMultiple = 16;
+static_assert(kGroupMultiple % kLanes == 0, "a group is whole vectors");
 
 struct Weight {
-  const void* w;       // float or int8, [K, n] or [n, K]
-  const float* scale;  // int8 weights: [G, n] (kn) or [n, G] (nk); float weights: null
+  const void* w;       // float or int8, [K, n] or [n, K]; or int4 codes (u4), [K, n]
+  const float* scale;  // int8 / int4 weights: [G, n] (kn) or [n, G] (nk); float weights: null
   int64_t groups;      // G (1 for float weights); the group size is K / G
   float* y;            // [T, n]
   int64_t n;
   float* partial;      // [parts - 1, T, n] for the kn layout
+  bool u4;             // int4 codes (with scales) rather than int8
 };
 
 struct Problem {
   const float* x;  // [T, K]
   int64_t t_len, k_len;
   bool transposed;
-  bool int8;  // every weight of the call is int8 (with scales) or every one is float
+  bool int8;  // every weight of the call is int8 or int4 (with scales), or every one is float
   int num_weights;
   Weight weights[kMaxWeights];
   int parts;
 };
 
-// 16 consecutive weights from p (masked), widened to f32.
-inline __m512 Load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 Load16(const int8_t* p, __mmask16 m) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
-}
-
-// y[t, :] = x[t, k0:k1] @ W[k0:k1, :] (overwrites y), W row-major [K, N] of float, or of int8
-// with scales [G, N] (row k of W in group k / group).
+// y[t, :] = x[t, k0:k1] @ W[k0:k1, :] (overwrites y), W row-major [K, N] of float, or of int8 or
+// int4 codes with scales [G, N] (row k of W in group k / group; int4: N even).
 template <typename T>
 void KnRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const float* scale,
              int64_t group, int64_t n_len, float* y, int64_t k0, int64_t k1) {
-  constexpr bool kScaled = std::is_same_v<T, int8_t>;
+  constexpr bool kScaled = !std::is_same_v<T, float>;
   std::memset(y, 0, t_len * n_len * sizeof(float));
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n_len % 16)) - 1);
-  const int64_t n_full = n_len / 16 * 16;
+  const Mask tail = TailMask(n_len % kLanes);
+  const int64_t n_full = n_len / kLanes * kLanes;
   int64_t k = k0;
   for (; k + 8 <= k1; k += 8) {
-    const T* r = w + k * n_len;
+    const int64_t r = k * n_len;  // the block's first weight
     const float* srow = kScaled ? scale + k / group * n_len : nullptr;  // [N], this block's group
     for (int64_t t = 0; t < t_len; ++t) {
       const float* xt = x + t * k_len + k;
-      const __m512 a0 = _mm512_set1_ps(xt[0]), a1 = _mm512_set1_ps(xt[1]);
-      const __m512 a2 = _mm512_set1_ps(xt[2]), a3 = _mm512_set1_ps(xt[3]);
-      const __m512 a4 = _mm512_set1_ps(xt[4]), a5 = _mm512_set1_ps(xt[5]);
-      const __m512 a6 = _mm512_set1_ps(xt[6]), a7 = _mm512_set1_ps(xt[7]);
+      const Vec a0 = Set1(xt[0]), a1 = Set1(xt[1]), a2 = Set1(xt[2]), a3 = Set1(xt[3]);
+      const Vec a4 = Set1(xt[4]), a5 = Set1(xt[5]), a6 = Set1(xt[6]), a7 = Set1(xt[7]);
       float* yt = y + t * n_len;
       // Two independent chains of four products each, then one read-modify-write of y (int8:
       // y + (p + q) * scale in one multiply-add).
-      auto body = [&](int64_t n, __mmask16 m) {
-        __m512 p = _mm512_mul_ps(a0, Load16(r + n, m));
-        __m512 q = _mm512_mul_ps(a4, Load16(r + 4 * n_len + n, m));
-        p = _mm512_fmadd_ps(a1, Load16(r + n_len + n, m), p);
-        q = _mm512_fmadd_ps(a5, Load16(r + 5 * n_len + n, m), q);
-        p = _mm512_fmadd_ps(a2, Load16(r + 2 * n_len + n, m), p);
-        q = _mm512_fmadd_ps(a6, Load16(r + 6 * n_len + n, m), q);
-        p = _mm512_fmadd_ps(a3, Load16(r + 3 * n_len + n, m), p);
-        q = _mm512_fmadd_ps(a7, Load16(r + 7 * n_len + n, m), q);
-        const __m512 old = _mm512_maskz_loadu_ps(m, yt + n);
+      auto body = [&](int64_t n, Mask m) {
+        Vec p = Mul(a0, LoadAt(w, r + n, m));
+        Vec q = Mul(a4, LoadAt(w, r + 4 * n_len + n, m));
+        p = Fmadd(a1, LoadAt(w, r + n_len + n, m), p);
+        q = Fmadd(a5, LoadAt(w, r + 5 * n_len + n, m), q);
+        p = Fmadd(a2, LoadAt(w, r + 2 * n_len + n, m), p);
+        q = Fmadd(a6, LoadAt(w, r + 6 * n_len + n, m), q);
+        p = Fmadd(a3, LoadAt(w, r + 3 * n_len + n, m), p);
+        q = Fmadd(a7, LoadAt(w, r + 7 * n_len + n, m), q);
+        const Vec old = Load(yt + n, m);
         if constexpr (kScaled)
-          _mm512_mask_storeu_ps(yt + n, m, _mm512_fmadd_ps(_mm512_add_ps(p, q), _mm512_maskz_loadu_ps(m, srow + n), old));
+          Store(yt + n, m, Fmadd(Add(p, q), Load(srow + n, m), old));
         else
-          _mm512_mask_storeu_ps(yt + n, m, _mm512_add_ps(old, _mm512_add_ps(p, q)));
+          Store(yt + n, m, Add(old, Add(p, q)));
       };
       // Rows k..k+7 are one contiguous block of 8 * N weights, read here as 8 interleaved row
       // streams, too short for the hardware prefetcher when N is small: the next block is
-      // prefetched into L2 front to back, 8 * 16 weights (2 * sizeof(T) lines) per 16 columns,
-      // so it is in when its turn comes (+8% on the model's f32 layer chain; 2 or 4 blocks ahead,
-      // or into L1, measured slower).
+      // prefetched into L2 front to back, 8 * kLanes weights (kLanes * kBits bytes) per kLanes
+      // columns, so it is in when its turn comes (+8% on the model's f32 layer chain with
+      // AVX-512; 2 or 4 blocks ahead, or into L1, measured slower).
       if (t == 0 && k + 16 <= k1) {
-        const char* ahead = reinterpret_cast<const char*>(r + 8 * n_len);
-        for (int64_t n = 0; n < n_full; n += 16) {
-          for (int j = 0; j < static_cast<int>(2 * sizeof(T)); ++j)
-            _mm_prefetch(ahead + 8 * n * sizeof(T) + 64 * j, _MM_HINT_T1);
-          body(n, 0xffff);
+        const char* ahead = reinterpret_cast<const char*>(w) + (r + 8 * n_len) * kBits<T> / 8;
+        for (int64_t n = 0; n < n_full; n += kLanes) {
+          for (int b = 0; b < kLanes * kBits<T>; b += 64)
+            _mm_prefetch(ahead + n * kBits<T> + b, _MM_HINT_T1);
+          body(n, kFull);
         }
       } else {
-        for (int64_t n = 0; n < n_full; n += 16) body(n, 0xffff);
+        for (int64_t n = 0; n < n_full; n += kLanes) body(n, kFull);
       }
       if (tail) body(n_full, tail);
     }
   }
   for (; k < k1; ++k) {
-    const T* r = w + k * n_len;
+    const int64_t r = k * n_len;
     const float* srow = kScaled ? scale + k / group * n_len : nullptr;
     for (int64_t t = 0; t < t_len; ++t) {
       const float a = x[t * k_len + k];
       for (int64_t n = 0; n < n_len; ++n) {
-        const float v = a * static_cast<float>(r[n]);
+        const float v = a * ValueAt(w, r + n);
         y[t * n_len + n] += kScaled ? v * srow[n] : v;
       }
     }
@@ -165,64 +255,64 @@ void KnRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const flo
 }
 
 template <typename T>
-inline float Dot(const float* a, const T* b, int64_t k_len, __mmask16 tail) {
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+inline float Dot(const float* a, const T* b, int64_t k_len, Mask tail) {
+  Vec s0 = Zero(), s1 = Zero();
   int64_t k = 0;
-  for (; k + 32 <= k_len; k += 32) {
-    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), Load16(b + k, 0xffff), s0);
-    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k + 16), Load16(b + k + 16, 0xffff), s1);
+  for (; k + 2 * kLanes <= k_len; k += 2 * kLanes) {
+    s0 = Fmadd(LoadFull(a + k), Load(b + k, kFull), s0);
+    s1 = Fmadd(LoadFull(a + k + kLanes), Load(b + k + kLanes, kFull), s1);
   }
-  for (; k + 16 <= k_len; k += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), Load16(b + k, 0xffff), s0);
-  if (tail) s1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + k), Load16(b + k, tail), s1);
-  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+  for (; k + kLanes <= k_len; k += kLanes) s0 = Fmadd(LoadFull(a + k), Load(b + k, kFull), s0);
+  if (tail) s1 = Fmadd(Load(a + k, tail), Load(b + k, tail), s1);
+  return Sum(Add(s0, s1));
 }
 
-// a[0:16V] . b[0:16V] as 16 lane sums, one multiply-add chain (V = 0: `vecs` vectors, known at
-// run time only). The groups of a row are independent chains, so they overlap.
+// a[0:kLanes*V] . b[same] as kLanes lane sums, one multiply-add chain (V = 0: `vecs` vectors,
+// known at run time only). The groups of a row are independent chains, so they overlap.
 template <int V>
-inline __m512 GroupSum(const float* a, const int8_t* b, int64_t vecs) {
+inline Vec GroupSum(const float* a, const int8_t* b, int64_t vecs) {
   const int64_t v_len = V ? V : vecs;
-  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(a), Load16(b, 0xffff));
+  Vec sum = Mul(LoadFull(a), Load(b, kFull));
   for (int64_t v = 1; v < v_len; ++v)
-    sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + 16 * v), Load16(b + 16 * v, 0xffff), sum);
+    sum = Fmadd(LoadFull(a + kLanes * v), Load(b + kLanes * v, kFull), sum);
   return sum;
 }
 
-// sum over groups grp of s[grp] * (a[grp*g : (grp+1)*g] . b[same]), g = 16 * vecs: each group's
-// products summed in registers, then multiply-added with its broadcast scale into one of two
-// running totals (even / odd groups), in a fixed order.
+// sum over groups grp of s[grp] * (a[grp*g : (grp+1)*g] . b[same]), g = kLanes * vecs: each
+// group's products summed in registers, then multiply-added with its broadcast scale into one of
+// two running totals (even / odd groups), in a fixed order.
 template <int V>
 inline float GroupDot(const float* a, const int8_t* b, const float* s, int64_t groups, int64_t vecs) {
-  const int64_t g = 16 * (V ? V : vecs);
-  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+  const int64_t g = kLanes * (V ? V : vecs);
+  Vec even = Zero(), odd = Zero();
   int64_t grp = 0;
   for (; grp + 2 <= groups; grp += 2) {
-    even = _mm512_fmadd_ps(GroupSum<V>(a + grp * g, b + grp * g, vecs), _mm512_set1_ps(s[grp]), even);
-    odd = _mm512_fmadd_ps(GroupSum<V>(a + (grp + 1) * g, b + (grp + 1) * g, vecs),
-                          _mm512_set1_ps(s[grp + 1]), odd);
+    even = Fmadd(GroupSum<V>(a + grp * g, b + grp * g, vecs), Set1(s[grp]), even);
+    odd = Fmadd(GroupSum<V>(a + (grp + 1) * g, b + (grp + 1) * g, vecs), Set1(s[grp + 1]), odd);
   }
-  if (grp < groups)
-    even = _mm512_fmadd_ps(GroupSum<V>(a + grp * g, b + grp * g, vecs), _mm512_set1_ps(s[grp]), even);
-  return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+  if (grp < groups) even = Fmadd(GroupSum<V>(a + grp * g, b + grp * g, vecs), Set1(s[grp]), even);
+  return Sum(Add(even, odd));
 }
 
-// GroupDot with the group loop unrolled for the common group sizes (16, 32, 64, 128).
-inline float GroupDotAny(const float* a, const int8_t* b, const float* s, int64_t groups, int64_t vecs) {
-  switch (vecs) {
-    case 1: return GroupDot<1>(a, b, s, groups, vecs);
-    case 2: return GroupDot<2>(a, b, s, groups, vecs);
-    case 4: return GroupDot<4>(a, b, s, groups, vecs);
-    case 8: return GroupDot<8>(a, b, s, groups, vecs);
+// GroupDot of groups of g = K / G weights (a multiple of kGroupMultiple), the group loop unrolled
+// for the common group sizes (16, 32, 64, 128).
+inline float GroupDotAny(const float* a, const int8_t* b, const float* s, int64_t groups, int64_t g) {
+  const int64_t vecs = g / kLanes;
+  switch (g) {
+    case 16: return GroupDot<16 / kLanes>(a, b, s, groups, vecs);
+    case 32: return GroupDot<32 / kLanes>(a, b, s, groups, vecs);
+    case 64: return GroupDot<64 / kLanes>(a, b, s, groups, vecs);
+    case 128: return GroupDot<128 / kLanes>(a, b, s, groups, vecs);
     default: return GroupDot<0>(a, b, s, groups, vecs);
   }
 }
 
 // y[t, n0:n1] = x[t, :] . W[n, :] for W row-major [N, K]: float (scale null), or int8 with
-// scales [N, G] (G > 1: K / G a multiple of 16).
+// scales [N, G] (G > 1: K / G a multiple of kGroupMultiple).
 template <typename T>
 void NkRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const float* scale,
              int64_t groups, int64_t n_len, float* y, int64_t n0, int64_t n1) {
-  const __mmask16 tail = static_cast<__mmask16>((1u << (k_len % 16)) - 1);
+  const Mask tail = TailMask(k_len % kLanes);
   for (int64_t n = n0; n < n1; ++n) {
     const T* r = w + n * k_len;
     const char* ahead = reinterpret_cast<const char*>(r + 4 * k_len);  // 4 rows ahead, into L2
@@ -231,7 +321,7 @@ void NkRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const flo
     if constexpr (std::is_same_v<T, int8_t>) {
       if (groups > 1) {
         for (int64_t t = 0; t < t_len; ++t)
-          y[t * n_len + n] = GroupDotAny(x + t * k_len, r, scale + n * groups, groups, k_len / groups / 16);
+          y[t * n_len + n] = GroupDotAny(x + t * k_len, r, scale + n * groups, groups, k_len / groups);
         continue;
       }
     }
@@ -256,7 +346,10 @@ void RunPart(const Problem& pb, int p) {
       const int64_t chunk = (pb.k_len + 8 * pb.parts - 1) / (8 * pb.parts) * 8;
       const int64_t k0 = std::min(pb.k_len, p * chunk), k1 = std::min(pb.k_len, k0 + chunk);
       float* y = p == 0 ? wt.y : wt.partial + (p - 1) * pb.t_len * wt.n;
-      if (pb.int8)
+      if (wt.u4)
+        KnRange(pb.x, pb.t_len, pb.k_len, static_cast<const U4*>(wt.w), wt.scale,
+                pb.k_len / wt.groups, wt.n, y, k0, k1);
+      else if (pb.int8)
         KnRange(pb.x, pb.t_len, pb.k_len, static_cast<const int8_t*>(wt.w), wt.scale,
                 pb.k_len / wt.groups, wt.n, y, k0, k1);
       else
@@ -353,8 +446,9 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
     auto y = outs.get<ffi::Buffer<ffi::F32>>(i);
     if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("cpu_linear: bad weight or output");
     const ffi::DataType want = int8 ? ffi::DataType::S8 : ffi::DataType::F32;
-    if (w->element_type() != want)
-      return ffi::Error::InvalidArgument(int8 ? "cpu_linear: int8 weights expected" : "cpu_linear: float32 weights expected");
+    const bool u4 = int8 && w->element_type() == ffi::DataType::U4;
+    if (w->element_type() != want && !u4)
+      return ffi::Error::InvalidArgument(int8 ? "cpu_linear: int8 or uint4 weights expected" : "cpu_linear: float32 weights expected");
     const auto wd = w->dimensions();
     const auto yd = (*y)->dimensions();
     if (wd.size() != 2) return ffi::Error::InvalidArgument("cpu_linear: weights must be 2-D");
@@ -362,6 +456,8 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
     const int64_t k = transposed ? wd[1] : wd[0];
     if (k != pb.k_len || yd.size() != 2 || yd[0] != pb.t_len || yd[1] != n)
       return ffi::Error::InvalidArgument("cpu_linear: weight / output shapes do not match x");
+    if (u4 && (transposed || n % 2))
+      return ffi::Error::InvalidArgument("cpu_linear: uint4 weights must be [K, N] with N even");
     const float* scale = nullptr;
     int64_t groups = 1;
     if (int8) {
@@ -384,7 +480,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
       }
       scale = s->typed_data();
     }
-    pb.weights[i] = {w->untyped_data(), scale, groups, (*y)->typed_data(), n, nullptr};
+    pb.weights[i] = {w->untyped_data(), scale, groups, (*y)->typed_data(), n, nullptr, u4};
     work += pb.t_len * pb.k_len * n;
     out_floats += pb.t_len * n;
   }
@@ -424,6 +520,9 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
 }
 
 }  // namespace
+
+// The vector width this build uses (16: AVX-512, 8: AVX2), for cpu.py's `lanes()`.
+extern "C" int JaxinferCpuLinearLanes() { return kLanes; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCpuLinear, Linear,
                               ffi::Ffi::Bind()

@@ -22,7 +22,7 @@ def check_inputs(
     x: jax.Array,  # f32[T, K]
     weights: tuple[jax.Array, ...],  # each [K, N_i] (or [N_i, K] when transposed)
     transposed: bool,
-    scales: tuple[jax.Array, ...] | None,  # f32[G, N_i] (or [N_i, G]) per int8 weight
+    scales: tuple[jax.Array, ...] | None,  # f32[G, N_i] (or [N_i, G]) per int8 / uint4 weight
 ) -> None:
     """Trace-time shape and dtype checks of one call; raises ValueError naming the problem."""
     if not 1 <= len(weights) <= MAX_WEIGHTS:
@@ -32,16 +32,23 @@ def check_inputs(
     if x.dtype != jnp.float32:
         raise ValueError(f"the CPU linear kernel takes float32 x only, got {x.dtype}")
     int8 = scales is not None
-    want = jnp.int8 if int8 else jnp.float32
+    want = (
+        (jnp.int8, jnp.uint4)
+        if int8 and not transposed
+        else (jnp.int8,)
+        if int8
+        else (jnp.float32,)
+    )
     if int8 and len(scales) != len(weights):
         raise ValueError(
             f"{len(weights)} int8 weights need as many scale arrays, got {len(scales)}"
         )
     for i, w in enumerate(weights):
-        if w.dtype != want:
+        if w.dtype not in want:
             raise ValueError(
-                f"the CPU linear kernel takes {jnp.dtype(want).name} weight {i} "
-                f"{'(scales given)' if int8 else '(no scales given)'}, got {w.dtype}"
+                f"the CPU linear kernel takes {' or '.join(jnp.dtype(d).name for d in want)} "
+                f"weight {i} {'(scales given)' if int8 else '(no scales given)'}"
+                f"{', transposed' if transposed else ''}, got {w.dtype}"
             )
     k = x.shape[1]
     for i, w in enumerate(weights):
@@ -67,7 +74,7 @@ def _check_scales(i: int, s: jax.Array, k: int, n: int, transposed: bool) -> Non
 
 
 def dequantize(w: jax.Array, scale: jax.Array, transposed: bool) -> jax.Array:
-    """int8 w [K, N] with scales f32[G, N] (transposed: w [N, K], scales [N, G]) -> f32 values,
+    """int8 (or uint4) w [K, N] with scales f32[G, N] (transposed: w [N, K], scales [N, G]) -> f32 values,
     each group of K / G input rows times its scale row."""
     axis = 1 if transposed else 0
     group = w.shape[axis] // scale.shape[axis]
@@ -77,7 +84,7 @@ def dequantize(w: jax.Array, scale: jax.Array, transposed: bool) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("transposed",))
 def linear(
     x: jax.Array,  # f32[T, K]
-    *weights: jax.Array,  # each f32 / int8 [K, N_i] (or [N_i, K] when transposed)
+    *weights: jax.Array,  # each f32 / int8 / uint4 [K, N_i] (or f32 / int8 [N_i, K] transposed)
     transposed: bool = False,
     scales: tuple[jax.Array, ...] | None = None,  # f32[G, N_i] (or [N_i, G]) per weight
 ) -> tuple[jax.Array, ...]:  # (f32[T, N_i], ...)
