@@ -229,9 +229,13 @@ class PagedStepper:
         dtype=jnp.float32,
         attention_backend: str | None = None,
         mesh=None,
+        min_tokens: int = 16,
     ):
-        """`mesh`: run the sharded forward (params already placed on it; caches split here)."""
+        """`mesh`: run the sharded forward (params already placed on it; caches split here).
+        `min_tokens`: the smallest token bucket (below 16 a decode step runs as few rows, e.g. the
+        CPU linear kernel's <= 8-row path)."""
         self.params, self.cfg, self.page_size = params, cfg, page_size
+        self.min_tokens = min_tokens
         self.attention_backend = attention_backend
         self.family = family_of(cfg)
         self.mesh = mesh
@@ -266,8 +270,9 @@ class PagedStepper:
             self.lens[sid] = start + len(toks)
         n = sum(len(t) for t, _, _ in seqs)
         # Pad to a few fixed buckets so a test compiles a handful of programs, not one per step;
-        # 16 tokens at least, so a short prefill and the decode steps after it share one program.
-        t_bucket = max(16, 1 << (n + pad_tokens - 1).bit_length())
+        # 16 tokens at least (`min_tokens`), so a short prefill and the decode steps after it share
+        # one program.
+        t_bucket = max(self.min_tokens, 1 << (n + pad_tokens - 1).bit_length())
         arrays = build_step_arrays(
             seqs,
             self.page_size,

@@ -411,7 +411,7 @@ def _logits(monkeypatch, family: str, linear_backend: str) -> list[np.ndarray]:
     cfg = ModelConfig.from_hf(hf_config_dict(family))
     params = init_random(llama.param_specs(cfg), jax.random.PRNGKey(0))
     params = jax.tree.map(lambda x: x * 6.0, params)
-    stepper = PagedStepper(params, cfg, page_size=4, num_pages=64, seed=1)
+    stepper = PagedStepper(params, cfg, page_size=4, num_pages=64, seed=1, min_tokens=8)
     # PagedStepper calls llama.forward_jit(params, cfg, step, caches)
     monkeypatch.setattr(
         llama,

@@ -502,7 +502,10 @@ def _forward_jit(family, linear_backend: str):
 
 
 def _run(params, cfg, linear_backend="xla") -> list[np.ndarray]:
-    stepper = PagedStepper(params, cfg, page_size=4, num_pages=64, seed=1)
+    # NOTE: the "cpu" backend's decode step runs 8 rows, the kernel's few-row path (16 would
+    # take XLA's dot and compare XLA with XLA)
+    few = 8 if linear_backend == "cpu" else 16
+    stepper = PagedStepper(params, cfg, page_size=4, num_pages=64, seed=1, min_tokens=few)
     family = family_of(cfg)
     orig = family.forward_jit
     family.forward_jit = _forward_jit(family, linear_backend)
