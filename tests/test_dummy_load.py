@@ -10,6 +10,7 @@
    --load-format dummy` builds its engine from a config + tokenizer directory.
 4. A bad `load_format` raises naming it (`LLM`, `load_model`, the scripts' flags); a directory
    without `config.json` raises naming the path.
+5. Leaves drawn by their own programs (the large ones) keep the one program's values bit for bit.
 """
 
 from __future__ import annotations

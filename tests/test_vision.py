@@ -10,6 +10,7 @@
 3. Bad images raise `ImageError` naming the field; chat content parts place the placeholders.
 4. The language model on a `tensor=2` mesh (the encoder on one device) and with int8 weights:
    the unsharded f32 engine's greedy tokens, logprobs within 1e-4 / the int8 bound.
+5. `load_encoder(model)` builds the tower in the loaded model's dtype (bf16 for a bf16 model).
 (The prefix cache's image keys: `tests/test_served_vision.py`.)
 """
 
