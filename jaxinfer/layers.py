@@ -310,7 +310,7 @@ def _xla_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
         parts = jnp.einsum(
             f"tGg,Gg{n}->tG{n}",
             xg,
-            w.data.reshape(groups, -1, *w.shape[1:]).astype(x.dtype),
+            _tie(w.data.reshape(groups, -1, *w.shape[1:]).astype(x.dtype), x),
             preferred_element_type=jnp.float32,
         )
         y = jnp.einsum(f"tG{n},G{n}->t{n}", parts, _f32(w.scale))
@@ -332,10 +332,29 @@ def _xla_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
         # then scaled per output channel: on GPU XLA fuses that convert into the GEMM (no converted
         # weight in memory); XLA:CPU materializes it (measured: BENCHMARKS.md), which is why
         # decode rows take the CPU kernel.
-        y = jnp.dot(x, data.astype(x.dtype), preferred_element_type=jnp.float32)
+        y = jnp.dot(x, _tie(data.astype(x.dtype), x), preferred_element_type=jnp.float32)
         return (y * scale[0] + shift).astype(x.dtype).reshape(out_shape)
-    weight = qlib.dequantize(data, scale, 0, xp=jnp, offset=offset).astype(x.dtype)
+    weight = _tie(qlib.dequantize(data, scale, 0, xp=jnp, offset=offset).astype(x.dtype), x)
     return jnp.dot(x, weight, preferred_element_type=jnp.float32).astype(x.dtype).reshape(out_shape)
+
+
+def _tie(weight: jax.Array, x: jax.Array) -> jax.Array:
+    """The converted (float) weight of a product with x, made to depend on x's values on a CPU
+    target: plus a zero computed from x's first element (0 * that element, or 0 where it is not
+    finite: the weight's values unchanged, NaN or inf in x included), fused into the conversion.
+
+    NOTE: XLA:CPU materializes a quantized weight's converted copy before its dot; a conversion
+    that reads only parameters may run anywhere, and its scheduler ran every layer's conversion
+    before the first layer: a step's temp memory held all of them (~4x the int8 weights: 35 GB
+    for the 34-layer 4B Gemma 3; BENCHMARKS.md "Quantized steps' temp memory on XLA:CPU"). Tied
+    to its input, each layer's copy is made when that layer runs and its buffer reused by the
+    next. (`jax.lax.optimization_barrier` does not do it: XLA:CPU expands barriers away before
+    scheduling.) GPU and TPU convert inside their GEMMs: left as they are."""
+    if target.platform() != "cpu":
+        return weight
+    first = x.reshape(-1)[0].astype(jnp.float32)
+    zero = jnp.where(jnp.isfinite(first), first, 0.0) * 0.0
+    return weight + zero.astype(weight.dtype)
 
 
 def dense_transposed(x: jax.Array, w: jax.Array | QArray, backend: str = "xla") -> jax.Array:
@@ -354,18 +373,19 @@ def dense_transposed(x: jax.Array, w: jax.Array | QArray, backend: str = "xla") 
     groups = w.scale.shape[1]
     scale = _f32(w.scale)  # [N, G]
     if groups == 1:
-        y = jnp.einsum("te,ne->tn", x, w.data.astype(x.dtype), preferred_element_type=jnp.float32)
+        codes = _tie(w.data.astype(x.dtype), x)
+        y = jnp.einsum("te,ne->tn", x, codes, preferred_element_type=jnp.float32)
         return (y * scale[:, 0]).astype(x.dtype)
     if _per_group_products(x, e, groups):
         # t: token rows, n: vocab rows, G: scale groups, g: embedding channels of a group.
         parts = jnp.einsum(
             "tGg,nGg->tnG",
             x.reshape(t, groups, -1),
-            w.data.reshape(w.shape[0], groups, -1).astype(x.dtype),
+            _tie(w.data.reshape(w.shape[0], groups, -1).astype(x.dtype), x),
             preferred_element_type=jnp.float32,
         )
         return jnp.einsum("tnG,nG->tn", parts, scale).astype(x.dtype)
-    weight = qlib.dequantize(w.data, scale, 1, xp=jnp).astype(x.dtype)
+    weight = _tie(qlib.dequantize(w.data, scale, 1, xp=jnp).astype(x.dtype), x)
     return jnp.einsum("te,ne->tn", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
 
 

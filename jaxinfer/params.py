@@ -3,8 +3,8 @@
 1. A model describes every weight with a `ParamSpec` (shape, dtype, logical axis names, init) in a
    pytree whose structure is the params tree itself (dataclasses of specs).
 2. From that one declaration we derive: the abstract tree (`abstract`), the sharding tree for a
-   mesh (`shardings`), random weights (`init_random`; `init_on_device` builds them in one jitted
-   program straight into their shardings: `load_format="dummy"`), and checkpoint restore targets
+   mesh (`shardings`), random weights (`init_random`; `init_on_device` builds them in jitted programs
+   straight into their shardings: `load_format="dummy"`), and checkpoint restore targets
    (abstract + shardings).
 3. Loaders fill the same tree with arrays (`checked_array` verifies each against its spec).
 """
@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -96,19 +97,36 @@ def init_random(specs: Any, key: jax.Array) -> Any:
     )
 
 
+OWN_PROGRAM_BYTES = 64 << 20
+
+
+@functools.lru_cache(maxsize=64)
+def _init_program(spec: ParamSpec, sharding: jax.sharding.Sharding) -> Callable:
+    """`_init_leaf` of one leaf as a jitted program of (key, leaf index), its output in `sharding`."""
+    return jax.jit(
+        lambda key, i: _init_leaf(spec, jax.random.fold_in(key, i)), out_shardings=sharding
+    )
+
+
 def init_on_device(specs: Any, key: jax.Array, shardings: Any) -> Any:
     """`init_random`'s values, computed by jitted programs whose outputs land in `shardings` (a tree
     of `jax.sharding.Sharding` matching `specs`): no weight is materialized on the host, and each
     device computes only its own shards (JAX's partitionable threefry).
 
-    NOTE: one program per set of devices (a pipeline stage's layers live on its devices only).
+    NOTE: one program per set of devices (a pipeline stage's layers live on its devices only), and
+    one per leaf of more than `OWN_PROGRAM_BYTES` f32 bytes (its index an argument: one compile per
+    shape): in one program XLA:CPU kept every leaf's f32 draws live at once (35 GB of temp for the
+    int8 4B Gemma 3's 4 GB of weights, BENCHMARKS.md "Quantized steps' temp memory on XLA:CPU").
     """
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     targets = treedef.flatten_up_to(shardings)
     groups: dict[tuple[int, ...], list[int]] = {}
-    for i, sharding in enumerate(targets):
-        groups.setdefault(tuple(sorted(d.id for d in sharding.device_set)), []).append(i)
     out: list[Any] = [None] * len(leaves)
+    for i, sharding in enumerate(targets):
+        if 4 * int(np.prod(leaves[i].shape)) > OWN_PROGRAM_BYTES:
+            out[i] = _init_program(leaves[i], sharding)(key, i)
+            continue
+        groups.setdefault(tuple(sorted(d.id for d in sharding.device_set)), []).append(i)
     for idx in groups.values():
 
         def init(k, idx=tuple(idx)):

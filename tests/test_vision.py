@@ -10,6 +10,7 @@
 3. Bad images raise `ImageError` naming the field; chat content parts place the placeholders.
 4. The language model on a `tensor=2` mesh (the encoder on one device) and with int8 weights:
    the unsharded f32 engine's greedy tokens, logprobs within 1e-4 / the int8 bound.
+5. `load_encoder(model)` builds the tower in the loaded model's dtype (bf16 for a bf16 model).
 (The prefix cache's image keys: `tests/test_served_vision.py`.)
 """
 
@@ -236,3 +237,25 @@ def test_tensor_parallel_and_int8_language_model_with_images(tiny, monkeypatch, 
     core = other.engine.core
     assert core.mesh.shape["tensor"] == (2 if "mesh" in options else 1)
     assert quantization_of(core.runner.params) == options.get("quantization")
+
+
+def test_the_encoder_runs_in_the_language_models_dtype(tiny):
+    """`load_encoder(model)` (what the engine and `scripts/serve.py` call) builds the tower in the
+    loaded model's dtype: bfloat16 weights for a bfloat16 model, whose image rows stay within
+    bfloat16's precision of the f32 tower's; an explicit dtype still wins."""
+    import jax.numpy as jnp
+
+    from jaxinfer.loader import load_model
+    from jaxinfer.vision.encoder import load_encoder
+
+    _, llm, path = tiny
+    model = load_model(path, dtype="bfloat16", skip_tokenizer_init=True)
+    encoder = load_encoder(model)
+    assert encoder.params.patch.dtype == jnp.bfloat16
+    assert load_encoder(model, dtype=jnp.float32).params.patch.dtype == jnp.float32
+    f32 = llm.engine.core.runner.images.encoder
+    assert f32.params.patch.dtype == jnp.float32
+    rgb = np.asarray(resized(_image(6).convert("RGB"), f32.spec))
+    want, got = f32.embeds(rgb), encoder.embeds(rgb)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.05 * np.abs(want).max())

@@ -247,13 +247,15 @@ class ImageEncoder:
         return np.asarray(self._jit(self.params, self.vcfg, px)[0], np.float32)
 
 
-def load_encoder(model: Any, *, dtype: Any = jnp.float32) -> ImageEncoder | None:
+def load_encoder(model: Any, *, dtype: Any = None) -> ImageEncoder | None:
     """The image encoder of a loaded vision-language model (`jaxinfer.loader.LoadedModel`): its
-    weights from the HF safetensors, random ones with `load_format="dummy"`; None for a text-only
-    model or a source without the vision tensors (orbax, GGUF: served as text only)."""
+    weights from the HF safetensors, random ones with `load_format="dummy"`, in `dtype` (default:
+    the language model's, `model.dtype`); None for a text-only model or a source without the
+    vision tensors (orbax, GGUF: served as text only)."""
     spec = vision_spec(model.path, model.hf_config or {})
     if spec is None:
         return None
+    dtype = jnp.dtype(dtype or model.dtype)
     if model.source not in ("hf", "dummy"):
         log.warning(
             "%s: %s source has no vision tensors: images are refused", model.path, model.source
