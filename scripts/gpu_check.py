@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from _timing import median_time  # noqa: E402
+
 from checkpoints import quantize as qlib  # noqa: E402
 from jaxinfer import layers  # noqa: E402
 from jaxinfer.quantization import QArray  # noqa: E402
@@ -48,6 +48,10 @@ OPTS = {"max_len": 2048, "interpret": False, "seqs": (1, 8, 64)}
 def report(**row) -> None:
     RESULTS.append(row)
     print(json.dumps(row), flush=True)
+
+
+def ms(fn, runs: int, *args) -> float:
+    return round(median_time(functools.partial(fn, *args), runs) * 1e3, 4)
 
 
 def decode_batch(n: int, seed: int):
@@ -100,6 +104,17 @@ def fused(qkv, cache, lens, table, num_seqs, slots, cos, sin):
     )  # fmt: skip
 
 
+class Stepper:
+    """Calls a step that donates its cache, feeding the written cache back."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args, self.cache = fn, args, jnp.copy(args[1])
+
+    def __call__(self):
+        out, self.cache = self.fn(self.args[0], self.cache, *self.args[2:])
+        return out
+
+
 def check_qkv_attention(runs: int) -> None:
     ref_fn = jax.jit(functools.partial(unfused, attend=reference.ragged_paged_attention))
     attend = functools.partial(
@@ -116,14 +131,8 @@ def check_qkv_attention(runs: int) -> None:
         err = float(np.abs(got - want).max() / np.abs(want).max())
         ok = bool(same_cache and np.isfinite(got).all() and err <= 2e-2)
         del got_cache, want_cache
-        cache = [jnp.copy(args[1])]
-
-        def step(fn):
-            out, cache[0] = fn(args[0], cache[0], *args[2:])
-            return out
-
-        t_fused = median_time(lambda: step(fused_fn), runs)
-        t_unfused = median_time(lambda: step(gpu_fn), runs)
+        t_fused = median_time(Stepper(fused_fn, args), runs)
+        t_unfused = median_time(Stepper(gpu_fn, args), runs)
         report(
             case="qkv_decode_attention", seqs=n, ok=ok, cache_bit_exact=same_cache,
             rel_err=round(err, 5), fused_ms=round(t_fused * 1e3, 4),
@@ -133,7 +142,9 @@ def check_qkv_attention(runs: int) -> None:
 
 def check_add_rms_norm(runs: int) -> None:
     xla = jax.jit(lambda x, y, w: (x + y, layers.rms_norm(x + y, w, 1e-5, 0.0)))
-    kernel = jax.jit(lambda x, y, w: gpu_norm.add_rms_norm(x, y, w, 1e-5, 0.0, interpret=OPTS["interpret"]))
+    kernel = jax.jit(
+        lambda x, y, w: gpu_norm.add_rms_norm(x, y, w, 1e-5, 0.0, interpret=OPTS["interpret"])
+    )
     for t in (1, 64):
         kx, ky, kw = jax.random.split(jax.random.PRNGKey(t), 3)
         x, y = (jax.random.normal(k, (t, 4096), jnp.bfloat16) for k in (kx, ky))
@@ -144,8 +155,7 @@ def check_add_rms_norm(runs: int) -> None:
         err = float(np.abs(out - want).max() / np.abs(want).max())
         report(
             case="add_rms_norm", rows=t, ok=bool(same_h and err <= 1e-2), rel_err=round(err, 5),
-            kernel_ms=round(median_time(lambda: kernel(x, y, w), runs) * 1e3, 4),
-            xla_ms=round(median_time(lambda: xla(x, y, w), runs) * 1e3, 4),
+            kernel_ms=ms(kernel, runs, x, y, w), xla_ms=ms(xla, runs, x, y, w),
         )  # fmt: skip
 
 
@@ -168,8 +178,7 @@ def check_dequant_matmul(runs: int) -> None:
                 report(
                     case="quantized_matmul", fmt=fmt, k=k, n=n, rows=t, ok=err <= 2e-2,
                     rel_err=round(err, 5),
-                    kernel_ms=round(median_time(lambda: kernel(x), runs) * 1e3, 4),
-                    xla_ms=round(median_time(lambda: xla(x), runs) * 1e3, 4),
+                    kernel_ms=ms(kernel, runs, x), xla_ms=ms(xla, runs, x),
                 )  # fmt: skip
 
 
