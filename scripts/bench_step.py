@@ -75,16 +75,21 @@ def kv_bytes_per_token(llm, num_pages: int, page_size: int) -> int:
     return total // (num_pages * page_size)
 
 
+def decode_tokens(batch: int, context: int, steps: int, chunk: int) -> int:
+    """Tokens each request generates: the timed steps, the profiled ones and the warm-up, plus
+    one per prefill step (the first row decodes while the last prompts still prefill in chunks
+    of `chunk` tokens: it must outlive them for every row to decode at once)."""
+    return steps + 12 + -(-batch * context // chunk) + 8
+
+
 def run_batch(llm, batch: int, context: int, steps: int, tag: str, vocab: int, trace=None):
     """Median seconds between token-returning decode steps with `batch` rows decoding."""
     eng = llm.engine
     rng = np.random.default_rng(batch)
-    extra = 12 if trace else 4
-    # NOTE: the first row decodes while the last prompts still prefill (chunks of the engine's
-    # max_num_batched_tokens): it must outlive them for every row to decode at once
-    prefill_steps = -(-batch * context // llm.engine.config.max_num_batched_tokens)
     sp = SamplingParams(
-        max_tokens=steps + extra + prefill_steps + 8, temperature=0, ignore_eos=True
+        max_tokens=decode_tokens(batch, context, steps, llm.engine.config.max_num_batched_tokens),
+        temperature=0,
+        ignore_eos=True,
     )
     for i in range(batch):
         ids = [int(t) for t in rng.integers(100, vocab - 1, context)]
@@ -218,7 +223,8 @@ def main() -> None:
     cases = [(q, m) for q in args.quantization.split(",") for m in args.scheduling.split(",")]
     for quant, sched in cases:
         t0 = time.perf_counter()
-        max_len = args.context + args.steps + 40
+        chunk = max(512, args.context)
+        max_len = args.context + decode_tokens(max(batches), args.context, args.steps, chunk)
         num_pages = max(batches) * (-(-max_len // 16) + 1) + 4
         llm = LLM(
             path,
@@ -231,7 +237,7 @@ def main() -> None:
             num_pages=num_pages,
             enable_prefix_caching=False,
             max_num_seqs=max(batches),
-            max_num_batched_tokens=max(512, args.context),
+            max_num_batched_tokens=chunk,
             attention_backend=args.attention_backend,
             async_scheduling=sched == "async",
         )
