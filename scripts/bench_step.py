@@ -146,18 +146,21 @@ def profile_steps(eng, trace_dir: str, n: int):
     }
     device = {p for p, name in names.items() if "host" not in name.lower()}
     counts: collections.Counter = collections.Counter()
-    busy = 0.0
+    ms: collections.Counter = collections.Counter()
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in device:
             counts[e["name"]] += 1
-            busy += e.get("dur", 0) / 1e3
+            ms[e["name"]] += e.get("dur", 0) / 1e3
+    busy = sum(ms.values())
     return {
         "steps": n,
         "device_processes": sorted(names[p] for p in device),
         "events_per_step": sum(counts.values()) / n,
         "device_busy_ms_per_step": busy / n,
         "profiled_wall_ms_per_step": 1e3 * wall / n,
-        "top": counts.most_common(40),
+        "top": [  # name, launches per step, device ms per step; the longest first
+            (name, counts[name] / n, round(t / n, 4)) for name, t in ms.most_common(40)
+        ],
     }
 
 
@@ -210,6 +213,7 @@ def main() -> None:
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--json-out", default=None)
     p.add_argument("--attention-backend", default=None, help="default: the platform's kernel")
+    p.add_argument("--linear-backend", default="auto", help="auto, xla, gpu, cpu (comma-separated)")
     p.add_argument("--scheduling", default="async", help="async, sync (comma-separated)")
     p.add_argument("--cprofile", default=None, help="path prefix: a host cProfile per case")
     p.add_argument("--hf", action="store_true", help="also HF transformers on the same config")
@@ -220,8 +224,13 @@ def main() -> None:
     path = model_dir(args.model, args.layers)
     bandwidth = copy_bandwidth(2 << 30 if jax.default_backend() != "cpu" else 256 << 20)
     rows = []
-    cases = [(q, m) for q in args.quantization.split(",") for m in args.scheduling.split(",")]
-    for quant, sched in cases:
+    cases = [
+        (q, lin, m)
+        for q in args.quantization.split(",")
+        for lin in args.linear_backend.split(",")
+        for m in args.scheduling.split(",")
+    ]
+    for quant, linear, sched in cases:
         t0 = time.perf_counter()
         chunk = max(512, args.context)
         max_len = args.context + decode_tokens(max(batches), args.context, args.steps, chunk)
@@ -239,6 +248,7 @@ def main() -> None:
             max_num_seqs=max(batches),
             max_num_batched_tokens=chunk,
             attention_backend=args.attention_backend,
+            linear_backend=linear,
             async_scheduling=sched == "async",
         )
         load_s = time.perf_counter() - t0
@@ -248,14 +258,16 @@ def main() -> None:
             t0 = time.perf_counter()
             run_batch(llm, b, args.context, 4, f"warm-{quant}", vocab)  # compiles
             warm_s = time.perf_counter() - t0
-            trace = os.path.join(args.trace_dir, f"{quant}-b{b}") if args.trace_dir else None
+            tag = quant if linear == "auto" else f"{quant}-{linear}"
+            trace = os.path.join(args.trace_dir, f"{tag}-b{b}") if args.trace_dir else None
             step, prof = run_batch(llm, b, args.context, args.steps, f"run-{quant}", vocab, trace)
             if args.cprofile:
-                host_profile(llm, b, args, vocab, f"{args.cprofile}-{quant}-{sched}-b{b}.txt")
+                host_profile(llm, b, args, vocab, f"{args.cprofile}-{tag}-{sched}-b{b}.txt")
             kv = b * (args.context + args.steps // 2) * kv_bytes_per_token(llm, num_pages, 16)
             floor = (wbytes + kv) / bandwidth
             row = {
                 "quantization": quant,
+                "linear_backend": linear,
                 "scheduling": sched,
                 "batch": b,
                 "ms_per_step": round(1e3 * step, 3),
@@ -268,7 +280,7 @@ def main() -> None:
             }
             if prof:
                 row["profile"] = {k: v for k, v in prof.items() if k != "top"}
-                with open(os.path.join(args.trace_dir, f"kernels-{quant}-b{b}.json"), "w") as f:
+                with open(os.path.join(args.trace_dir, f"kernels-{tag}-b{b}.json"), "w") as f:
                     json.dump(prof, f, indent=1)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -277,8 +289,9 @@ def main() -> None:
     print(f"{'case':>20s} {'ms/step':>9s} {'tok/s':>9s} {'roofline ms':>12s} {'events/step':>12s}")
     for r in rows:
         ev = r.get("profile", {}).get("events_per_step")
+        case = f"{r['quantization']} {r['linear_backend']} {r['scheduling']} b{r['batch']}"
         print(
-            f"{r['quantization'] + ' ' + r['scheduling'] + ' b' + str(r['batch']):>20s} {r['ms_per_step']:9.2f} "
+            f"{case:>20s} {r['ms_per_step']:9.2f} "
             f"{r['tok_s']:9.1f} {r['roofline_ms']:12.2f} {ev if ev is not None else '-':>12}"
         )
     hf = bench_hf(path, batches, args.context, args.steps) if args.hf else None
