@@ -1,9 +1,10 @@
 """Deviceless H100 compiles of a quantized Llama-3-8B-shaped step: no weight-sized intermediate.
 
 XLA's own int8 / int4 products materialize a float copy of the weight (or, at one row, a
-weight-sized f32 partial product) before the GEMM; the linear backend `auto` picks the Pallas
-dequantizing matmul on a GPU target (`pallas_kernels.linear.gpu`), which reads the codes in their
-bits. `jaxinfer.aot.intermediates.weight_sized` finds such intermediates in the optimized HLO.
+weight-sized f32 partial product) before the GEMM in the deviceless compile; the linear backend
+`gpu` runs the Pallas dequantizing matmul (`pallas_kernels.linear.gpu`), which reads the codes in
+their bits (`auto` picks XLA on a GPU, where the kernel ran slower on an H200: `layers.GPU_AUTO`).
+`jaxinfer.aot.intermediates.weight_sized` finds such intermediates in the optimized HLO.
 One 1-token int4 step (2 layers, 8B's projection shapes, a small vocabulary to keep the compile
 cheap; its embedding and LM head are int8, so both code types run the kernel: the int8 step's
 verdict is the same, measured by the BENCHMARKS.md command, left out of the suite for its time);
@@ -30,7 +31,9 @@ def test_h100_int4_step_reads_the_codes_in_place():
         pytest.skip(f"no deviceless gpu compiler: {reason}")
     with open(LLAMA_8B) as f:
         cfg = {**json.load(f), "num_hidden_layers": 2, "vocab_size": 1024}
-    (step,) = aot.compile_step(cfg, "h100", quantization="int4", attention_backend="auto", **BUDGET)
+    (step,) = aot.compile_step(
+        cfg, "h100", quantization="int4", attention_backend="auto", linear_backend="gpu", **BUDGET
+    )
     assert step.report.linear_backend == "gpu"
     text = step.compiled.as_text()
     assert intermediates.weight_sized(text) == []

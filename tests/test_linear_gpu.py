@@ -50,8 +50,9 @@ def test_interpreted_kernel_equals_xla_dense(fmt):
         np.testing.assert_allclose(y, want, rtol=eps, atol=eps * scale, err_msg=f"{fmt} t={t}")
 
 
-def test_auto_picks_the_kernel_on_gpu_only():
-    assert layers.resolve_linear_backend("auto", "gpu") == "gpu"
+def test_auto_picks_xla_on_gpu_and_the_kernel_on_request():
+    assert layers.resolve_linear_backend("auto", "gpu") == "xla"  # layers.GPU_AUTO: measured
+    assert layers.resolve_linear_backend("gpu", "gpu") == "gpu"
     assert layers.resolve_linear_backend("auto", "tpu") == "xla"
     assert layers.resolve_linear_backend("gpu", "cpu") == "gpu"  # interpreted there
     assert gpu_linear.supported(65, E, 64, GROUPS, jnp.int8)  # prefill rows: XLA's product
