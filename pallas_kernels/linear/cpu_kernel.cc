@@ -42,7 +42,9 @@
 // thread that went to sleep between two of them takes longer to wake (measured on the 2-core VM)
 // than a 1.3 MB product takes to read: a helper that finished its parts therefore lingers,
 // spinning up to kLingerNs on a mailbox for the next call's parts, and the caller schedules a
-// new helper on the pool only when none is lingering.
+// new helper on the pool only when none is lingering. Whether a call takes helpers at all is
+// measured, not assumed (cpu_kernel_threads.h: on a loaded machine a preempted helper stalls the
+// call, and the caller alone is faster).
 
 #include <immintrin.h>
 
@@ -385,71 +387,7 @@ void RunPart(const Problem& pb, int p) {
   }
 }
 
-// Shared with helpers, which may start after the call returned: they then only touch `next`.
-struct Shared {
-  Problem pb;
-  std::vector<float> scratch;
-  std::vector<int8_t> xq;        // `offsets` calls: x quantized
-  std::vector<float> xd, xsum;   // and its block scales and sums
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-};
-
-void RunParts(Shared& sh) {
-  for (int p = sh.next.fetch_add(1); p < sh.pb.parts; p = sh.next.fetch_add(1)) {
-    RunPart(sh.pb, p);
-    sh.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
-// The newest call's parts, for lingering helpers. Never destroyed: a helper may still be
-// lingering when the process exits.
-struct Mailbox {
-  std::mutex mu;
-  std::shared_ptr<Shared> job;
-  std::atomic<uint64_t> generation{0};
-  std::atomic<int> lingering{0};
-};
-
-Mailbox& Box() {
-  static Mailbox* box = new Mailbox;
-  return *box;
-}
-
-uint64_t Post(std::shared_ptr<Shared> sh) {
-  Mailbox& box = Box();
-  std::lock_guard<std::mutex> lock(box.mu);
-  box.job = std::move(sh);
-  return box.generation.fetch_add(1, std::memory_order_release) + 1;
-}
-
-// A pool task: this call's parts, then the parts of every call posted while it lingers.
-void Help(std::shared_ptr<Shared> sh, uint64_t generation) {
-  using Clock = std::chrono::steady_clock;
-  Mailbox& box = Box();
-  RunParts(*sh);
-  sh.reset();
-  box.lingering.fetch_add(1);
-  auto deadline = Clock::now() + std::chrono::nanoseconds(kLingerNs);
-  for (int spins = 0;; ++spins) {
-    if (box.generation.load(std::memory_order_acquire) != generation) {
-      std::shared_ptr<Shared> job;
-      {
-        std::lock_guard<std::mutex> lock(box.mu);
-        job = box.job;
-        generation = box.generation.load(std::memory_order_relaxed);
-      }
-      box.lingering.fetch_sub(1);
-      RunParts(*job);
-      box.lingering.fetch_add(1);
-      deadline = Clock::now() + std::chrono::nanoseconds(kLingerNs);
-      continue;
-    }
-    if (spins % 64 == 0 && Clock::now() > deadline) break;
-    _mm_pause();
-  }
-  box.lingering.fetch_sub(1);
-}
+#include "cpu_kernel_threads.h"  // Shared, RunParts, Post, Help, UseHelpers, Record
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
                   ffi::RemainingRets outs, bool transposed, bool int8, bool offsets) {
@@ -540,6 +478,9 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
   int64_t parts = std::min<int64_t>(kPartsPerThread * threads, kMaxParts);
   if (!transposed) parts = std::min(parts, std::max<int64_t>(1, pb.k_len / kMinRowsPerPart));
   if (work < kParallelMinWork || threads == 1) parts = 1;
+  // NOTE: the parts (and so the sums' order) do not depend on whether helpers take some of them.
+  const bool helpers = parts > 1 && UseHelpers(work);
+  const auto start = std::chrono::steady_clock::now();
   pb.parts = static_cast<int>(parts);
   if (offsets) {
     sh->xq.resize(pb.t_len * pb.k_len);
@@ -556,7 +497,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
       s += (parts - 1) * pb.t_len * pb.weights[i].n;
     }
   }
-  if (parts > 1) {
+  if (helpers) {
     const uint64_t generation = Post(sh);
     // NOTE: a helper about to stop lingering may miss this call: the caller then does its parts.
     const int64_t wanted = std::min(threads, parts) - 1 - Box().lingering.load();
@@ -574,6 +515,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
         for (int64_t j = 0; j < size; ++j) wt.y[j] += src[j];
       }
     }
+  if (parts > 1) Record(work, helpers, std::chrono::steady_clock::now() - start);
   return ffi::Error::Success();
 }
 

@@ -72,7 +72,7 @@ def _check_scales(i: int, s: jax.Array, k: int, n: int, transposed: bool) -> Non
     dtypes = (jnp.float32, jnp.float16) if transposed else (jnp.float32,)
     if s.dtype not in dtypes or n_got != n or groups < 1 or k % groups:
         raise ValueError(
-            f"scales {i} must be {'f32 or f16' if transposed else 'f32'}{want} with G dividing "
+            f"scales {i} must be f32{want}{' (or f16)' if transposed else ''} with G dividing "
             f"K={k} (transposed={transposed}), got {s.dtype}{list(s.shape)}"
         )
 
