@@ -447,7 +447,7 @@ def _kernel_fits(x: jax.Array, weights: tuple[jax.Array | QArray, ...], axis: in
 
 def _int4_products(x: jax.Array, weights: tuple[jax.Array | QArray, ...]) -> bool:
     """Whether the kernel takes these int4 weights in its integer products (f16 scales and offsets
-    read as stored, x quantized to int8 per 32 channels: `cpu_linear.linear(..., offsets=)`)."""
+    read as stored, x quantized to 15 bits per 32 channels: `cpu_linear.linear(..., offsets=)`)."""
     return all(
         isinstance(w, QArray)
         and w.offset is not None

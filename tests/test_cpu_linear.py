@@ -5,7 +5,7 @@
    int8 weights with group-wise scales (G = 1 per output channel, up to groups of 16 rows, a
    different G per weight of a call); results are bit-identical from call to call (partial sums
    are added in a fixed order).
-   int4 codes with f16 scales and offsets (`offsets=`, activations quantized to int8 per 32
+   int4 codes with f16 scales and offsets (`offsets=`, activations quantized to 15 bits per 32
    channels) against the exact integer emulation (`reference.linear_offsets`) and the float64
    product within the activations' rounding bound; f16 scales of a transposed int8 weight.
 2. Bad inputs (scale shapes, group sizes) raise naming the problem, in Python and in the handler.
@@ -156,7 +156,7 @@ def _int4_weight(rng, k: int, n: int, g: int):
     ],
 )
 def test_int4_integer_products_match_the_emulation_and_the_float_product(t, k, ns, gs):
-    """`linear(..., offsets=)`: uint4 codes, f16 scales and offsets, x quantized to int8 per 32
+    """`linear(..., offsets=)`: uint4 codes, f16 scales and offsets, x quantized to 15 bits per 32
     channels. Equal to `reference.linear_offsets` (the same integers) to f32 rounding, and to the
     float64 product x @ (codes * scale + offset) within the activations' rounding: per block b,
     |x - xq * xd| <= xd / 2, so |error[t, n]| <= sum_b xd[t, b] / 2 * sum_{k in b} |w[k, n]|."""

@@ -14,7 +14,10 @@ intra-op pool.
    f32 scales (`scales=`, `quantization="int8"`: a quarter of the bytes to stream, widened in
    registers), or `[K, N]` uint4 codes (N even, XLA's packed layout: an eighth of the bytes, the
    nibbles unpacked in registers; `quantization="int4"`'s offsets are the caller's, see
-   `jaxinfer.layers.dense`) with scales the same way: one scale per output column and group of K / G input rows, G = 1 being one scale per
+   `jaxinfer.layers.dense`) with scales the same way; or, with `offsets=`, int4's own layout
+   (uint4 codes, f16 scales and offsets as stored, groups of a multiple of `QBLOCK`) as integer
+   products on x quantized to 15 bits per `QBLOCK` channels (`cpu_kernel_int4.h`), offsets
+   included: one scale per output column and group of K / G input rows, G = 1 being one scale per
    output column; G > 1 needs groups of a multiple of `GROUP_MULTIPLE` rows (`groups_fit`). Any
    shapes, but it pays off only for few rows (`MAX_ROWS`): `jaxinfer.layers.dense` picks it for
    those and XLA's dot otherwise. `reference.linear` is the same product in pure JAX (the oracle)
@@ -24,6 +27,9 @@ intra-op pool.
    `float_pays()`: whether float32 weights beat XLA's dot here (AVX-512 only: on AVX2 (Zen 3)
    XLA's dot streams f32 faster, BENCHMARKS.md "AVX2 kernel"; int8 / int4 weights take the kernel
    on both, XLA:CPU converting the whole weight before its dot).
+4. Each call is cut into the same parts whether or not pool threads help (so results do not depend
+   on it); whether they help is measured per size class of call (`cpu_kernel_threads.h`): on busy
+   cores a preempted helper stalls the call and the caller alone is faster.
 """
 
 from __future__ import annotations
@@ -115,7 +121,7 @@ def linear(
 
     With `offsets` (int4's own layout: uint4 codes [K, N_i], f16 scales and offsets [G, N_i], K and
     K / G multiples of `QBLOCK`, `offsets_fit`) the product is `x @ (codes * scale + offset)` on
-    integers: x quantized to int8 per block of `QBLOCK` input channels (`reference.quantize_x`),
+    integers: x quantized to 15 bits per block of `QBLOCK` input channels (`reference.quantize_x`),
         y[t, n] = sum_b isum[t, b, n] * scale[g, n] * xd[t, b] + offset[g, n] * xsum[t, b]
     (isum the block's sum of codes * xq, g its group): `reference.linear_offsets` exactly, the
     float product within the activations' rounding.

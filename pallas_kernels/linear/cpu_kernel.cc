@@ -31,7 +31,7 @@
 // element order and widened to f32 in registers, then scaled like int8 (the caller adds int4's
 // offsets term, (x's group sums) @ offsets, a product of G rows only).
 // int4 weights with f16 scales and offsets (`offsets` calls: `quantization="int4"`'s own layout)
-// take integer products on activations quantized to int8 per 32 channels: cpu_kernel_int4.h.
+// take integer products on activations quantized to 15 bits per 32 channels: cpu_kernel_int4.h.
 // All arithmetic in f32, in vectors of kLanes lanes: 16 with AVX-512 F/BW/VL, 8 with AVX2 + FMA
 // (whichever the compiler flags of this CPU allow; the few per-ISA helpers below are all that
 // differs). Parts (a few per core, so a helper that joins late still takes its
@@ -173,7 +173,7 @@ constexpr int64_t kMinRowsPerPart = 64;
 // With G > 1 scale groups the group size K / G must be a multiple of this (cpu.py).
 constexpr int64_t kGroupMultiple = 16;
 static_assert(kGroupMultiple % kLanes == 0, "a group is whole vectors");
-// `offsets` calls: x is quantized to int8 per block of this many input channels (K and the group
+// `offsets` calls: x is quantized to 15 bits per block of this many input channels (K and the group
 // size multiples of it; parts start at multiples of it).
 constexpr int64_t kQBlock = 32;
 
@@ -198,7 +198,8 @@ struct Problem {
   int num_weights;
   Weight weights[kMaxWeights];
   int parts;
-  const int8_t* xq;    // `offsets` calls: x quantized, [T, K] int8
+  const int8_t* xq;    // `offsets` calls: x quantized (15 bits), its high part [T, K]
+  const int8_t* xl;    // and its low part: xq16 = 128 * xq + xl
   const float* xd;     // its scale per block of kQBlock channels, [T, K / kQBlock]
   const float* xsum;   // x's float sum per block, [T, K / kQBlock]
 };
@@ -483,11 +484,13 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
   const auto start = std::chrono::steady_clock::now();
   pb.parts = static_cast<int>(parts);
   if (offsets) {
-    sh->xq.resize(pb.t_len * pb.k_len);
+    sh->xq.resize(2 * pb.t_len * pb.k_len);
     sh->xd.resize(pb.t_len * pb.k_len / kQBlock);
     sh->xsum.resize(sh->xd.size());
-    QuantizeX(pb.x, pb.t_len, pb.k_len, sh->xq.data(), sh->xd.data(), sh->xsum.data());
-    std::tie(pb.xq, pb.xd, pb.xsum) = std::make_tuple(sh->xq.data(), sh->xd.data(), sh->xsum.data());
+    std::tie(pb.xq, pb.xl, pb.xd, pb.xsum) =
+        std::make_tuple(sh->xq.data(), sh->xq.data() + pb.t_len * pb.k_len, sh->xd.data(), sh->xsum.data());
+    QuantizeX(pb.x, pb.t_len, pb.k_len, sh->xq.data(), sh->xq.data() + pb.t_len * pb.k_len, sh->xd.data(),
+              sh->xsum.data());
   }
   if (!transposed && parts > 1) {
     sh->scratch.resize((parts - 1) * out_floats);

@@ -2,34 +2,43 @@
 // int4 weights times int8-quantized activations, the `offsets` calls (cpu.py `linear(...,
 // offsets=)`).
 //
-// Like llama.cpp's Q4_1 x Q8_1 path: x is quantized once per call to int8 per block of kQBlock = 32
-// input channels (xq = round(x * 127 / max|x|), the block's scale xd = max|x| / 127 and its float
-// sum xsum kept), and each 32-row block of codes is multiplied by xq in 16-bit lanes (vpmaddubsw:
-// two rows' codes interleaved byte by byte against the broadcast xq pair), summed to 32 bits every
-// 16 rows; the block's integer sums then enter y as
+// Like llama.cpp's Q4_1 x Q8_1 path, but with 15-bit activations: x is quantized once per call per
+// block of kQBlock = 32 input channels to xq16 = round(x * 16256 / max|x|) (the block's scale
+// xd = max|x| / 16256 and its float sum xsum kept), held as two int8 parts xq16 = 128 xh + xl;
+// each 32-row block of codes is multiplied by both parts in 16-bit lanes (vpmaddubsw: two rows'
+// codes interleaved byte by byte against the broadcast pair of xh, then of xl), summed to 32 bits
+// (xh's products every 16 rows, shifted by 7), and the block's integer sums enter y as
 //   y[t, n] += isum * (s[g, n] * xd[t, b]) + o[g, n] * xsum[t, b].
-// About 5 codes per instruction where the f32 path of cpu_kernel.cc does 2 (measured 2.8x faster
-// on one core from cache); the activations' rounding (at most half a step of 1/127 of the block's
-// max) is the numeric change (BENCHMARKS.md "int4 decode step").
+// About 3.5 codes per instruction where the f32 path of cpu_kernel.cc does 2 (one core, from cache:
+// 90 vs 168 us for SmolLM2's gate_up). One int8 part alone (llama.cpp's Q8_1: 59 us) rounded the
+// activations to 1/127 of their block's max, and single-stream greedy decoding of the default
+// model then agreed with the f32 reference on 7 of 12 prompts (12 with f32 products); 15 bits
+// round 128x finer (BENCHMARKS.md "int4 decode step").
 // Layout: `quantization="int4"`'s own, uint4 codes [K, N] (two per byte along N), f16 scales and
 // offsets [G, N] read as stored; K and the group size K / G multiples of kQBlock.
 
-// x [T, K] quantized per block of kQBlock channels: xq = round(x * 127 / max|x|) (0 for an all-zero
-// block), xd = max|x| / 127, xsum = the block's float sum (summed in order).
-void QuantizeX(const float* x, int64_t t_len, int64_t k_len, int8_t* xq, float* xd, float* xsum) {
+// x [T, K] quantized per block of kQBlock channels to 15 bits, held as two int8 parts: xq16 =
+// round(x * kXMax / max|x|) (0 for an all-zero block) = 128 * xh + xl with xh in [-127, 127] and xl
+// in [-64, 63]; xd = max|x| / kXMax, xsum = the block's float sum (summed in order).
+constexpr float kXMax = 127.0f * 128.0f;
+void QuantizeX(const float* x, int64_t t_len, int64_t k_len, int8_t* xh, int8_t* xl, float* xd,
+               float* xsum) {
   const int64_t blocks = k_len / kQBlock;
   for (int64_t t = 0; t < t_len; ++t)
     for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = x + t * k_len + b * kQBlock;
+      const int64_t at = t * k_len + b * kQBlock;
       float amax = 0.0f, sum = 0.0f;
       for (int64_t i = 0; i < kQBlock; ++i) {
-        amax = std::max(amax, std::fabs(xb[i]));
-        sum += xb[i];
+        amax = std::max(amax, std::fabs(x[at + i]));
+        sum += x[at + i];
       }
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      for (int64_t i = 0; i < kQBlock; ++i)
-        xq[t * k_len + b * kQBlock + i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
-      xd[t * blocks + b] = amax / 127.0f;
+      const float inv = amax > 0.0f ? kXMax / amax : 0.0f;
+      for (int64_t i = 0; i < kQBlock; ++i) {
+        const int q = static_cast<int>(std::nearbyint(x[at + i] * inv));  // |q| <= 16256
+        xh[at + i] = static_cast<int8_t>((q + 64) >> 7);  // floor((q + 64) / 128)
+        xl[at + i] = static_cast<int8_t>(q - 128 * ((q + 64) >> 7));
+      }
+      xd[t * blocks + b] = amax / kXMax;
       xsum[t * blocks + b] = sum;
     }
 }
@@ -39,7 +48,7 @@ inline __m256 HalfLoad(const uint16_t* p) {  // 8 f16 as f32 (F16C)
 }
 
 // y[t, :] = the rows [k0, k1) (multiples of kQBlock) of an `offsets` weight: per 32-row block b of
-// group g, sum_k q[k, n] * xq[t, k] in integers, then y[t, n] += that * (s[g, n] * xd[t, b]) +
+// group g, sum_k q[k, n] * xq16[t, k] in integers, then y[t, n] += that * (s[g, n] * xd[t, b]) +
 // o[g, n] * xsum[t, b] (overwrites y). Columns in strips of 64 (32 bytes a row); the last N % 64
 // columns one by one.
 void KnU4Int(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t k1) {
@@ -56,7 +65,8 @@ void KnU4Int(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t 
     // The next block (32 rows: 16 N bytes, contiguous) prefetched into L2, 1 KB per strip.
     const char* next = reinterpret_cast<const char*>(blk + kQBlock * row_bytes);
     for (int64_t t = 0; t < pb.t_len; ++t) {
-      const int8_t* xq = pb.xq + t * k_len + k;
+      const int8_t* xh = pb.xq + t * k_len + k;
+      const int8_t* xl = pb.xl + t * k_len + k;
       const __m256 dx = _mm256_set1_ps(pb.xd[t * blocks + b]);
       const __m256 xs = _mm256_set1_ps(pb.xsum[t * blocks + b]);
       float* yt = y + t * n_len;
@@ -77,30 +87,44 @@ void KnU4Int(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t 
         if (prefetch)
           for (int c = 0; c < 1024; c += 64) _mm_prefetch(next + n * 16 + c, _MM_HINT_T1);
         const uint8_t* col = blk + n / 2;
+        // Per nibble (0: the low ones, even columns; 1: odd), two rows at a time against x's parts.
+        // NOTE: 16-bit sums: |codes * xh| <= 15 * 127, 16 of them (8 row pairs) <= 30480; |codes *
+        // xl| <= 15 * 64, 32 of them (16 pairs) <= 30720: both < 2^15.
         __m256i acc[8];
-        for (auto& a : acc) a = _mm256_setzero_si256();
-        // NOTE: 16-bit sums of 8 row pairs: |codes * xq| <= 15 * 127, 16 of them <= 30480 < 2^15.
-        for (int h = 0; h < 2; ++h) {
-          __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
-          for (int j = 0; j < 8; ++j) {
-            const int64_t r = 16 * h + 2 * j;
-            const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + r * row_bytes));
-            const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + (r + 1) * row_bytes));
-            int16_t pair;
-            std::memcpy(&pair, xq + r, 2);
-            const __m256i xp = _mm256_set1_epi16(pair);
-            const __m256i al = _mm256_and_si256(va, low4), ah = _mm256_and_si256(_mm256_srli_epi16(va, 4), low4);
-            const __m256i bl = _mm256_and_si256(vb, low4), bh = _mm256_and_si256(_mm256_srli_epi16(vb, 4), low4);
-            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(al, bl), xp));
-            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(al, bl), xp));
-            s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ah, bh), xp));
-            s3 = _mm256_add_epi16(s3, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ah, bh), xp));
+        for (int half = 0; half < 2; ++half) {
+          const __m256i z = _mm256_setzero_si256();
+          __m256i a32[4] = {z, z, z, z}, h0 = z, h1 = z, l0 = z, l1 = z;
+          auto widen = [&](__m256i v, __m256i* out, int shift) {
+            const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(v));
+            const __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1));
+            out[0] = _mm256_add_epi32(out[0], _mm256_slli_epi32(lo, shift));
+            out[1] = _mm256_add_epi32(out[1], _mm256_slli_epi32(hi, shift));
+          };
+          for (int j = 0; j < 16; ++j) {
+            const int64_t r = 2 * j;
+            __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + r * row_bytes));
+            __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + (r + 1) * row_bytes));
+            if (half) va = _mm256_srli_epi16(va, 4), vb = _mm256_srli_epi16(vb, 4);
+            va = _mm256_and_si256(va, low4);
+            vb = _mm256_and_si256(vb, low4);
+            const __m256i u0 = _mm256_unpacklo_epi8(va, vb), u1 = _mm256_unpackhi_epi8(va, vb);
+            int16_t ph, pl;
+            std::memcpy(&ph, xh + r, 2);
+            std::memcpy(&pl, xl + r, 2);
+            const __m256i xph = _mm256_set1_epi16(ph), xpl = _mm256_set1_epi16(pl);
+            h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(u0, xph));
+            h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(u1, xph));
+            l0 = _mm256_add_epi16(l0, _mm256_maddubs_epi16(u0, xpl));
+            l1 = _mm256_add_epi16(l1, _mm256_maddubs_epi16(u1, xpl));
+            if (j % 8 == 7) {
+              widen(h0, a32, 7);
+              widen(h1, a32 + 2, 7);
+              h0 = h1 = z;
+            }
           }
-          const __m256i s[4] = {s0, s1, s2, s3};
-          for (int q = 0; q < 4; ++q) {
-            acc[2 * q] = _mm256_add_epi32(acc[2 * q], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s[q])));
-            acc[2 * q + 1] = _mm256_add_epi32(acc[2 * q + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s[q], 1)));
-          }
+          widen(l0, a32, 0);
+          widen(l1, a32 + 2, 0);
+          for (int i = 0; i < 4; ++i) acc[4 * half + i] = a32[i];
         }
         // acc[0]: low nibbles of bytes 0-7, [1]: bytes 16-23, [2]: 8-15, [3]: 24-31; [4..7] the
         // high nibbles of the same bytes (byte i holds columns n + 2i and n + 2i + 1).
@@ -113,7 +137,7 @@ void KnU4Int(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t 
       for (int64_t n = n64; n < n_len; ++n) {
         int32_t isum = 0;
         for (int64_t r = 0; r < kQBlock; ++r)
-          isum += ((blk[r * row_bytes + n / 2] >> (4 * (n & 1))) & 0x0f) * xq[r];
+          isum += ((blk[r * row_bytes + n / 2] >> (4 * (n & 1))) & 0x0f) * (128 * xh[r] + xl[r]);
         const float base = std::fma(_cvtsh_ss(orow[n]), xss, yt[n]);
         yt[n] = std::fma(static_cast<float>(isum), _cvtsh_ss(srow[n]) * dxs, base);
       }

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 MAX_WEIGHTS = 8  # weights per call (one FFI call streams them back to back)
-QBLOCK = 32  # int4 integer products: x quantized to int8 per block of this many input channels
+QBLOCK = 32  # int4 integer products: x quantized per block of this many input channels
+XMAX = 127 * 128  # to integers of at most this magnitude (15 bits)
 
 
 def check_inputs(
@@ -146,14 +147,14 @@ def check_offsets(
 
 
 def quantize_x(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x f32[T, K] -> (xq i8[T, B, QBLOCK], xd f32[T, B], xsum f32[T, B]), B = K / QBLOCK blocks:
-    xq = round(x * 127 / max|x|) per block (0 for an all-zero block), xd = max|x| / 127 (x ~ xq *
-    xd), xsum the block's sum."""
+    """x f32[T, K] -> (xq i32[T, B, QBLOCK], xd f32[T, B], xsum f32[T, B]), B = K / QBLOCK blocks:
+    xq = round(x * XMAX / max|x|) per block (0 for an all-zero block; 15 bits, the kernel holds it
+    as 128 * high + low int8 parts), xd = max|x| / XMAX (x ~ xq * xd), xsum the block's sum."""
     xb = x.reshape(x.shape[0], -1, QBLOCK)
     amax = jnp.abs(xb).max(-1)
-    inv = jnp.where(amax > 0, jnp.float32(127) / jnp.where(amax > 0, amax, 1), 0)
-    xq = jnp.round(xb * inv[..., None]).astype(jnp.int8)
-    return xq, amax / jnp.float32(127), xb.sum(-1)
+    inv = jnp.where(amax > 0, jnp.float32(XMAX) / jnp.where(amax > 0, amax, 1), 0)
+    xq = jnp.round(xb * inv[..., None]).astype(jnp.int32)
+    return xq, amax / jnp.float32(XMAX), xb.sum(-1)
 
 
 @jax.jit
@@ -171,7 +172,7 @@ def linear_offsets(
     outs = []
     for w, s, o in zip(weights, scales, offsets):
         codes = w.astype(jnp.int32).reshape(xq.shape[1], QBLOCK, -1)  # [B, QBLOCK, N]
-        isum = jnp.einsum("tbk,bkn->tbn", xq.astype(jnp.int32), codes)
+        isum = jnp.einsum("tbk,bkn->tbn", xq, codes)
         per = codes.shape[0] // s.shape[0]  # blocks per group
         sb = jnp.repeat(s.astype(jnp.float32), per, axis=0)  # [B, N]
         ob = jnp.repeat(o.astype(jnp.float32), per, axis=0)
