@@ -479,6 +479,10 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
   int64_t parts = std::min<int64_t>(kPartsPerThread * threads, kMaxParts);
   if (!transposed) parts = std::min(parts, std::max<int64_t>(1, pb.k_len / kMinRowsPerPart));
   if (work < kParallelMinWork || threads == 1) parts = 1;
+  if (offsets) {  // parts of whole 32-row blocks: no empty ones
+    const int64_t chunk = (pb.k_len + kQBlock * parts - 1) / (kQBlock * parts) * kQBlock;
+    parts = (pb.k_len + chunk - 1) / chunk;
+  }
   // NOTE: the parts (and so the sums' order) do not depend on whether helpers take some of them.
   const bool helpers = parts > 1 && UseHelpers(work);
   const auto start = std::chrono::steady_clock::now();

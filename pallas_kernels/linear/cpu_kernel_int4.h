@@ -9,8 +9,8 @@
 // codes interleaved byte by byte against the broadcast pair of xh, then of xl), summed to 32 bits
 // (xh's products every 16 rows, shifted by 7), and the block's integer sums enter y as
 //   y[t, n] += isum * (s[g, n] * xd[t, b]) + o[g, n] * xsum[t, b].
-// About 3.5 codes per instruction where the f32 path of cpu_kernel.cc does 2 (one core, from cache:
-// 90 vs 168 us for SmolLM2's gate_up). One int8 part alone (llama.cpp's Q8_1: 59 us) rounded the
+// About 4 codes per instruction where the f32 path of cpu_kernel.cc does 2 (one core, from cache:
+// 80 vs 168 us for SmolLM2's gate_up). One int8 part alone (llama.cpp's Q8_1: 59 us) rounded the
 // activations to 1/127 of their block's max, and single-stream greedy decoding of the default
 // model then agreed with the f32 reference on 7 of 12 prompts (12 with f32 products); 15 bits
 // round 128x finer (BENCHMARKS.md "int4 decode step").
@@ -87,45 +87,38 @@ void KnU4Int(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t 
         if (prefetch)
           for (int c = 0; c < 1024; c += 64) _mm_prefetch(next + n * 16 + c, _MM_HINT_T1);
         const uint8_t* col = blk + n / 2;
-        // Per nibble (0: the low ones, even columns; 1: odd), two rows at a time against x's parts.
+        // Two rows at a time, interleaved byte by byte (vpunpck[lh]bw), then split into their low
+        // nibbles (even columns) and high ones (odd: vpsrlw 4 keeps each byte's own high nibble
+        // in its low bits), each multiplied by x's two parts.
         // NOTE: 16-bit sums: |codes * xh| <= 15 * 127, 16 of them (8 row pairs) <= 30480; |codes *
         // xl| <= 15 * 64, 32 of them (16 pairs) <= 30720: both < 2^15.
-        __m256i acc[8];
-        for (int half = 0; half < 2; ++half) {
-          const __m256i z = _mm256_setzero_si256();
-          __m256i a32[4] = {z, z, z, z}, h0 = z, h1 = z, l0 = z, l1 = z;
-          auto widen = [&](__m256i v, __m256i* out, int shift) {
-            const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(v));
-            const __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1));
-            out[0] = _mm256_add_epi32(out[0], _mm256_slli_epi32(lo, shift));
-            out[1] = _mm256_add_epi32(out[1], _mm256_slli_epi32(hi, shift));
-          };
-          for (int j = 0; j < 16; ++j) {
-            const int64_t r = 2 * j;
-            __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + r * row_bytes));
-            __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + (r + 1) * row_bytes));
-            if (half) va = _mm256_srli_epi16(va, 4), vb = _mm256_srli_epi16(vb, 4);
-            va = _mm256_and_si256(va, low4);
-            vb = _mm256_and_si256(vb, low4);
-            const __m256i u0 = _mm256_unpacklo_epi8(va, vb), u1 = _mm256_unpackhi_epi8(va, vb);
-            int16_t ph, pl;
-            std::memcpy(&ph, xh + r, 2);
-            std::memcpy(&pl, xl + r, 2);
-            const __m256i xph = _mm256_set1_epi16(ph), xpl = _mm256_set1_epi16(pl);
-            h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(u0, xph));
-            h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(u1, xph));
-            l0 = _mm256_add_epi16(l0, _mm256_maddubs_epi16(u0, xpl));
-            l1 = _mm256_add_epi16(l1, _mm256_maddubs_epi16(u1, xpl));
-            if (j % 8 == 7) {
-              widen(h0, a32, 7);
-              widen(h1, a32 + 2, 7);
-              h0 = h1 = z;
-            }
+        const __m256i z = _mm256_setzero_si256();
+        __m256i acc[8] = {z, z, z, z, z, z, z, z};
+        __m256i h[4] = {z, z, z, z}, l[4] = {z, z, z, z};  // [lo nibbles u0, u1, hi nibbles u0, u1]
+        auto widen = [&](__m256i v, __m256i* out, int shift) {
+          out[0] = _mm256_add_epi32(out[0], _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)), shift));
+          out[1] = _mm256_add_epi32(out[1], _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)), shift));
+        };
+        for (int j = 0; j < 16; ++j) {
+          const int64_t r = 2 * j;
+          const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + r * row_bytes));
+          const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + (r + 1) * row_bytes));
+          const __m256i u0 = _mm256_unpacklo_epi8(va, vb), u1 = _mm256_unpackhi_epi8(va, vb);
+          int16_t ph, pl;
+          std::memcpy(&ph, xh + r, 2);
+          std::memcpy(&pl, xl + r, 2);
+          const __m256i xph = _mm256_set1_epi16(ph), xpl = _mm256_set1_epi16(pl);
+          const __m256i u[4] = {_mm256_and_si256(u0, low4), _mm256_and_si256(u1, low4),
+                                _mm256_and_si256(_mm256_srli_epi16(u0, 4), low4),
+                                _mm256_and_si256(_mm256_srli_epi16(u1, 4), low4)};
+          for (int q = 0; q < 4; ++q) {
+            h[q] = _mm256_add_epi16(h[q], _mm256_maddubs_epi16(u[q], xph));
+            l[q] = _mm256_add_epi16(l[q], _mm256_maddubs_epi16(u[q], xpl));
           }
-          widen(l0, a32, 0);
-          widen(l1, a32 + 2, 0);
-          for (int i = 0; i < 4; ++i) acc[4 * half + i] = a32[i];
+          if (j % 8 == 7)
+            for (int q = 0; q < 4; ++q) widen(h[q], acc + 2 * q, 7), h[q] = z;
         }
+        for (int q = 0; q < 4; ++q) widen(l[q], acc + 2 * q, 0);
         // acc[0]: low nibbles of bytes 0-7, [1]: bytes 16-23, [2]: 8-15, [3]: 24-31; [4..7] the
         // high nibbles of the same bytes (byte i holds columns n + 2i and n + 2i + 1).
         emit16(n, acc[0], acc[4]);
