@@ -251,7 +251,13 @@ def dense(
     if backend == "gpu":
         return tuple(_gpu_dense(x, w) for w in weights)
     if backend == "cpu" and _kernel_fits(x, weights, axis=0):
-        if isinstance(weights[0], QArray):
+        if _int4_products(x, weights):
+            # int4's own layout to the kernel's integer products: f16 scales and offsets as stored.
+            flat = [w.data.reshape(w.shape[0], -1) for w in weights]
+            scales = tuple(w.scale.reshape(w.scale.shape[0], -1) for w in weights)
+            offsets = tuple(w.offset.reshape(w.offset.shape[0], -1) for w in weights)
+            outs = cpu_linear.linear(x, *flat, scales=scales, offsets=offsets)
+        elif isinstance(weights[0], QArray):
             flat = [w.data.reshape(w.shape[0], -1) for w in weights]
             scales = [_f32(w.scale).reshape(w.scale.shape[0], -1) for w in weights]  # f32[G, N]
             outs = cpu_linear.linear(x, *flat, scales=tuple(scales))
@@ -372,7 +378,9 @@ def dense_transposed(x: jax.Array, w: jax.Array | QArray, backend: str = "xla") 
         return dense_transposed(jnp.pad(x, ((0, pad), (0, 0))), w, backend)[: x.shape[0]]
     if backend == "cpu" and _kernel_fits(x, (w,), axis=1):
         if isinstance(w, QArray):
-            return cpu_linear.linear(x, w.data, transposed=True, scales=(_f32(w.scale),))[0]
+            # NOTE: f16 scales (int4's tied embedding) as stored: the kernel widens them itself.
+            scale = w.scale if w.scale.dtype == jnp.float16 else _f32(w.scale)
+            return cpu_linear.linear(x, w.data, transposed=True, scales=(scale,))[0]
         return cpu_linear.linear(x, w, transposed=True)[0]
     if not isinstance(w, QArray):
         return jnp.einsum("te,ne->tn", x, w)
@@ -441,6 +449,19 @@ def _kernel_fits(x: jax.Array, weights: tuple[jax.Array | QArray, ...], axis: in
     # NOTE: float32 weights only where the kernel beats XLA's dot on them (its AVX-512 build).
     return cpu_linear.float_pays() and all(
         not isinstance(w, QArray) and w.dtype == jnp.float32 for w in weights
+    )
+
+
+def _int4_products(x: jax.Array, weights: tuple[jax.Array | QArray, ...]) -> bool:
+    """Whether the kernel takes these int4 weights in its integer products (f16 scales and offsets
+    read as stored, x quantized to 15 bits per 32 channels: `cpu_linear.linear(..., offsets=)`)."""
+    return all(
+        isinstance(w, QArray)
+        and w.offset is not None
+        and w.data.dtype == jnp.uint4
+        and w.scale.dtype == w.offset.dtype == jnp.float16
+        and cpu_linear.offsets_fit(x.shape[1], w.scale.shape[0])
+        for w in weights
     )
 
 

@@ -72,8 +72,11 @@ class CppKernel:
         include = Path(jax.ffi.include_dir())
         headers = sorted((include / "xla" / "ffi" / "api").glob("*.h"))
         key = hashlib.sha256()
+        # NOTE: the headers beside the source are parts of it (cpu_kernel_int4.h).
+        local = sorted(self.source.parent.glob("*.h"))
         for part in (
             self.source.read_bytes(),
+            *(h.read_bytes() for h in local),
             *(h.read_bytes() for h in headers),
             " ".join(FLAGS).encode(),
             cxx.encode(),

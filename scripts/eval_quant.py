@@ -1,6 +1,7 @@
 """Accuracy of each weight quantization against the unquantized model, on the same prompts.
 
     python scripts/eval_quant.py [--model PATH] [--formats int8,fp8,int4] [--tokens 32] [--markdown]
+                                 [--max-num-seqs 1]
 
 1. One `LLM` per format (`none` first: the reference, in the loader's default dtype), all loaded
    from the same source (default: the embedded SmolLM2-135M-Instruct GGUF).
@@ -86,10 +87,20 @@ def main() -> None:
     )
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--markdown", action="store_true", help="also print the BENCHMARKS.md table")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=len(PROMPTS),
+        help="sequences per step (default: every prompt at once); 1 decodes each prompt alone, "
+        "as single-stream serving does (on a CPU: through the linear kernel's few-row path)",
+    )
     args = p.parse_args()
     formats = ["none", *[f for f in args.formats.split(",") if f]]
     common = dict(
-        dtype=args.dtype, max_num_seqs=len(PROMPTS), max_model_len=256, max_num_batched_tokens=256
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=256,
+        max_num_batched_tokens=256,
     )
     rows = []
     ref_conts = ref_lps = None

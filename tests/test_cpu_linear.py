@@ -5,6 +5,9 @@
    int8 weights with group-wise scales (G = 1 per output channel, up to groups of 16 rows, a
    different G per weight of a call); results are bit-identical from call to call (partial sums
    are added in a fixed order).
+   int4 codes with f16 scales and offsets (`offsets=`, activations quantized to 15 bits per 32
+   channels) against the exact integer emulation (`reference.linear_offsets`) and the float64
+   product within the activations' rounding bound; f16 scales of a transposed int8 weight.
 2. Bad inputs (scale shapes, group sizes) raise naming the problem, in Python and in the handler.
 3. `layers.dense` emits the custom call only where it pays (few float32 rows) and matches XLA's dot.
 4. The model: logits with `linear_backend="cpu"` match `"xla"` over a prefill and decode steps, for
@@ -134,6 +137,112 @@ def test_int4_codes_match_numpy(t, k, ns, gs):
         ref = _group_ref(x, q, s)
         assert y.shape == ref.shape
         np.testing.assert_allclose(y, ref, rtol=0, atol=TOL * np.abs(ref).max())
+
+
+def _int4_weight(rng, k: int, n: int, g: int):
+    codes = rng.integers(0, 16, (k, n)).astype(np.uint8)
+    scale = rng.uniform(1e-3, 2e-2, (g, n)).astype(np.float16)
+    offset = rng.uniform(-0.1, 0.1, (g, n)).astype(np.float16)
+    return codes, scale, offset
+
+
+@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize(
+    "k,ns,gs",
+    [
+        (576, (3072, 960), (18, 18)),  # GGUF Q4_1 blocks of 32: gate_up and qkv of SmolLM2
+        (1536, (576,), (12,)),  # groups of 128 (GPTQ / AWQ)
+        (64, (66, 2), (1, 2)),  # one group; N % 64 tails (2 columns, 1 byte a row)
+    ],
+)
+def test_int4_integer_products_match_the_emulation_and_the_float_product(t, k, ns, gs):
+    """`linear(..., offsets=)`: uint4 codes, f16 scales and offsets, x quantized to 15 bits per 32
+    channels. Equal to `reference.linear_offsets` (the same integers) to f32 rounding, and to the
+    float64 product x @ (codes * scale + offset) within the activations' rounding: per block b,
+    |x - xq * xd| <= xd / 2, so |error[t, n]| <= sum_b xd[t, b] / 2 * sum_{k in b} |w[k, n]|."""
+    rng = np.random.default_rng(t * 100 + k)
+    x = rng.standard_normal((t, k), dtype=np.float32)
+    ws = [_int4_weight(rng, k, n, g) for n, g in zip(ns, gs)]
+    args = (
+        jnp.asarray(x),
+        *(jnp.asarray(c, jnp.uint4) for c, _, _ in ws),
+    )
+    kw = dict(
+        scales=tuple(jnp.asarray(s) for _, s, _ in ws),
+        offsets=tuple(jnp.asarray(o) for _, _, o in ws),
+    )
+    outs = cpu_linear.linear(*args, **kw)
+    emulated = linear_reference.linear_offsets(*args, **kw)
+    xd = np.asarray(linear_reference.quantize_x(jnp.asarray(x))[1], np.float64)  # [T, B]
+    for y, e, (c, s, o) in zip(outs, emulated, ws, strict=True):
+        assert y.shape == (t, c.shape[1]) and y.dtype == jnp.float32
+        np.testing.assert_allclose(y, e, rtol=0, atol=TOL * float(np.abs(e).max()))
+        w = c.astype(np.float64) * np.repeat(s.astype(np.float64), k // s.shape[0], 0)
+        w += np.repeat(o.astype(np.float64), k // o.shape[0], 0)
+        exact = x.astype(np.float64) @ w
+        absw = np.abs(w).reshape(k // 32, 32, -1).sum(1)  # [B, N]
+        bound = (xd / 2) @ absw + TOL * np.abs(exact).max()
+        assert np.all(np.abs(np.asarray(y, np.float64) - exact) <= bound)
+        assert np.abs(np.asarray(y) - exact).max() > 0  # the activations are rounded
+
+
+def test_int4_integer_products_same_bits_with_or_without_helpers():
+    """A call's parts do not depend on whether pool threads help (chosen per size class of call by
+    measured cost, the other way tried every 16th call): 33 calls of one shape take both ways and
+    give the same bits."""
+    rng = np.random.default_rng(3)
+    c, s, o = _int4_weight(rng, 576, 3072, 18)
+    x = jnp.asarray(rng.standard_normal((1, 576), dtype=np.float32))
+    args = (x, jnp.asarray(c, jnp.uint4))
+    kw = dict(scales=(jnp.asarray(s),), offsets=(jnp.asarray(o),))
+    first = np.asarray(cpu_linear.linear(*args, **kw)[0])
+    for _ in range(32):
+        assert np.asarray(cpu_linear.linear(*args, **kw)[0]).tobytes() == first.tobytes()
+
+
+def test_int4_integer_products_refuse_what_they_cannot_take():
+    rng = np.random.default_rng(0)
+    c, s, o = _int4_weight(rng, 64, 8, 2)
+    x, q = jnp.ones((1, 64), jnp.float32), jnp.asarray(c, jnp.uint4)
+    with pytest.raises(ValueError, match=r"scales 0 must be f16\[G, 8\].*float32"):
+        cpu_linear.linear(x, q, scales=(jnp.asarray(s, jnp.float32),), offsets=(jnp.asarray(o),))
+    with pytest.raises(ValueError, match=r"offsets 0 must be f16\[G, 8\] with K / G a multiple"):
+        cpu_linear.linear(x, q, scales=(jnp.asarray(s),), offsets=(jnp.ones((4, 8), jnp.float16),))
+    with pytest.raises(ValueError, match="K a multiple of 32"):
+        cpu_linear.linear(x[:, :48], q[:48], scales=(s[:1],), offsets=(o[:1],))
+    with pytest.raises(ValueError, match="weight 0 must be uint4"):
+        cpu_linear.linear(
+            x, q.astype(jnp.int8), scales=(jnp.asarray(s),), offsets=(jnp.asarray(o),)
+        )
+    assert cpu_linear.offsets_fit(576, 18) and cpu_linear.offsets_fit(1536, 12)
+    assert not cpu_linear.offsets_fit(64, 4) and not cpu_linear.offsets_fit(48, 1)
+    cpu_linear.library()  # the handler's own check (a caller that skips `linear`'s)
+    call = jax.ffi.ffi_call(cpu_linear.KERNEL.target, (jax.ShapeDtypeStruct((1, 8), jnp.float32),))
+    with pytest.raises(Exception, match=r"offsets 0 must be f16 \[G, 8\] with K / G a multiple"):
+        jax.block_until_ready(
+            call(
+                x,
+                q,
+                jnp.asarray(s),
+                jnp.ones((4, 8), jnp.float16),
+                transposed=False,
+                int8=True,
+                offsets=True,
+            )
+        )
+
+
+def test_transposed_int8_weights_take_f16_scales():
+    """int4's tied embedding (int8 codes, f16 scales [V, G]) as LM head: the scales as stored."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 576), dtype=np.float32)
+    q = rng.integers(-127, 128, (1000, 576)).astype(np.int8)
+    s = rng.uniform(1e-3, 2e-2, (1000, 18)).astype(np.float16)
+    (y,) = cpu_linear.linear(
+        jnp.asarray(x), jnp.asarray(q), transposed=True, scales=(jnp.asarray(s),)
+    )
+    ref = _group_ref(x, q.T, s.T)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=TOL * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -312,6 +421,7 @@ def test_handler_rejects_bad_scales(w_shape, s_shape, transposed, match):
                 jnp.ones(s_shape, jnp.float32),
                 transposed=transposed,
                 int8=True,
+                offsets=False,
             )
         )
 
@@ -378,6 +488,36 @@ def test_dense_int4_codes_in_the_kernel_offsets_in_xla():
     (got,), (want,) = layers.dense(x, w, backend="cpu"), layers.dense(x, w, backend="xla")
     assert got.shape == want.shape == (3, 2, 48)
     np.testing.assert_allclose(got, want, rtol=0, atol=TOL * float(jnp.abs(want).max()))
+
+
+def test_dense_int4_groups_of_32_take_the_integer_products():
+    """`layers.dense` hands int4 weights with groups of a multiple of 32 rows to the integer products
+    (f16 scales and offsets as stored: no convert, no XLA offsets product), the qkv / gate_up
+    layouts reshaped to [K, N]; equal to their emulation."""
+    from jaxinfer.quantization import QArray
+
+    rng = np.random.default_rng(5)
+    codes, scale, offset = _int4_weight(rng, 64, 96, 2)
+    w = QArray(
+        jnp.asarray(codes.reshape(64, 2, 48), jnp.uint4),
+        jnp.asarray(scale.reshape(2, 2, 48)),
+        jnp.asarray(offset.reshape(2, 2, 48)),
+    )
+    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+    text = jax.jit(lambda x, w: layers.dense(x, w, backend="cpu")).lower(x, w).as_text()
+    assert cpu_linear.KERNEL.target in text and "offsets = true" in text
+    assert "stablehlo.convert" not in text and "stablehlo.dot_general" not in text
+    (got,) = layers.dense(x, w, backend="cpu")
+    (want,) = linear_reference.linear_offsets(
+        x,
+        jnp.asarray(codes, jnp.uint4),
+        scales=(jnp.asarray(scale),),
+        offsets=(jnp.asarray(offset),),
+    )
+    assert got.shape == (2, 2, 48)
+    np.testing.assert_allclose(
+        got.reshape(2, 96), want, rtol=0, atol=TOL * float(jnp.abs(want).max())
+    )
 
 
 def test_lanes_name_the_build():

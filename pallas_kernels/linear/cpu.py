@@ -14,7 +14,10 @@ intra-op pool.
    f32 scales (`scales=`, `quantization="int8"`: a quarter of the bytes to stream, widened in
    registers), or `[K, N]` uint4 codes (N even, XLA's packed layout: an eighth of the bytes, the
    nibbles unpacked in registers; `quantization="int4"`'s offsets are the caller's, see
-   `jaxinfer.layers.dense`) with scales the same way: one scale per output column and group of K / G input rows, G = 1 being one scale per
+   `jaxinfer.layers.dense`) with scales the same way; or, with `offsets=`, int4's own layout
+   (uint4 codes, f16 scales and offsets as stored, groups of a multiple of `QBLOCK`) as integer
+   products on x quantized to 15 bits per `QBLOCK` channels (`cpu_kernel_int4.h`), offsets
+   included: one scale per output column and group of K / G input rows, G = 1 being one scale per
    output column; G > 1 needs groups of a multiple of `GROUP_MULTIPLE` rows (`groups_fit`). Any
    shapes, but it pays off only for few rows (`MAX_ROWS`): `jaxinfer.layers.dense` picks it for
    those and XLA's dot otherwise. `reference.linear` is the same product in pure JAX (the oracle)
@@ -24,6 +27,9 @@ intra-op pool.
    `float_pays()`: whether float32 weights beat XLA's dot here (AVX-512 only: on AVX2 (Zen 3)
    XLA's dot streams f32 faster, BENCHMARKS.md "AVX2 kernel"; int8 / int4 weights take the kernel
    on both, XLA:CPU converting the whole weight before its dot).
+4. Each call is cut into the same parts whether or not pool threads help (so results do not depend
+   on it); whether they help is measured per size class of call (`cpu_kernel_threads.h`): on busy
+   cores a preempted helper stalls the call and the caller alone is faster.
 """
 
 from __future__ import annotations
@@ -36,19 +42,21 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.cpu_build import CppKernel
-from pallas_kernels.linear.reference import MAX_WEIGHTS, check_inputs
+from pallas_kernels.linear.reference import MAX_WEIGHTS, QBLOCK, check_inputs, check_offsets
 
 __all__ = [
     "GROUP_MULTIPLE",
     "KERNEL",
     "MAX_ROWS",
     "MAX_WEIGHTS",
+    "QBLOCK",
     "available",
     "float_pays",
     "groups_fit",
     "lanes",
     "library",
     "linear",
+    "offsets_fit",
     "unavailable_reason",
 ]
 
@@ -85,23 +93,41 @@ def groups_fit(k: int, groups: int) -> bool:
     )
 
 
+def offsets_fit(k: int, groups: int) -> bool:
+    """Whether int4 codes contracted over K = `k` with `groups` groups of f16 scales and offsets
+    take the kernel's integer products (`linear(..., offsets=)`): K and K / G multiples of
+    `QBLOCK`."""
+    return groups >= 1 and k % groups == 0 and k % QBLOCK == 0 and (k // groups) % QBLOCK == 0
+
+
 @functools.partial(jax.jit, static_argnames=("transposed",))
 def linear(
     x: jax.Array,
     *weights: jax.Array,
     transposed: bool = False,
     scales: tuple[jax.Array, ...] | None = None,
+    offsets: tuple[jax.Array, ...] | None = None,
 ) -> tuple[jax.Array, ...]:
     """x f32[T, K]; each weight f32[K, N_i] (or [N_i, K] when `transposed`) -> (f32[T, N_i], ...).
 
     With `scales` the weights are int8 (or uint4 codes, not transposed, N_i even) with group-wise
     scales, one f32 array per weight: f32[G, N_i]
-    for a [K, N_i] weight, f32[N_i, G] for a transposed [N_i, K] one, G >= 1 dividing K, group size
+    for a [K, N_i] weight, f32 (or f16, widened in the kernel) [N_i, G] for a transposed [N_i, K]
+    one, G >= 1 dividing K, group size
     g = K // G (a multiple of `GROUP_MULTIPLE` when G > 1); G may differ between weights.
         y[t, n] = sum_k x[t, k] * w[k, n] * scales[i][k // g, n]      ([K, N_i])
         y[t, n] = sum_k x[t, k] * w[n, k] * scales[i][n, k // g]      (transposed)
     G = 1 is one scale per output column (`x @ (w * scale)`).
+
+    With `offsets` (int4's own layout: uint4 codes [K, N_i], f16 scales and offsets [G, N_i], K and
+    K / G multiples of `QBLOCK`, `offsets_fit`) the product is `x @ (codes * scale + offset)` on
+    integers: x quantized to 15 bits per block of `QBLOCK` input channels (`reference.quantize_x`),
+        y[t, n] = sum_b isum[t, b, n] * scale[g, n] * xd[t, b] + offset[g, n] * xsum[t, b]
+    (isum the block's sum of codes * xq, g its group): `reference.linear_offsets` exactly, the
+    float product within the activations' rounding.
     """
+    if offsets is not None:
+        return _linear_offsets(x, weights, scales, offsets)
     check_inputs(x, weights, transposed, scales)
     for i, w in enumerate(weights):
         if w.dtype == jnp.uint4 and w.shape[1] % 2:
@@ -121,4 +147,16 @@ def linear(
     ]
     library()
     args = (*weights, *scales) if int8 else weights
-    return tuple(jax.ffi.ffi_call(KERNEL.target, outs)(x, *args, transposed=transposed, int8=int8))
+    return tuple(
+        jax.ffi.ffi_call(KERNEL.target, outs)(
+            x, *args, transposed=transposed, int8=int8, offsets=False
+        )
+    )
+
+
+def _linear_offsets(x, weights, scales, offsets) -> tuple[jax.Array, ...]:
+    check_offsets(x, weights, scales, offsets)
+    library()
+    outs = [jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in weights]
+    call = jax.ffi.ffi_call(KERNEL.target, outs)
+    return tuple(call(x, *weights, *scales, *offsets, transposed=False, int8=True, offsets=True))

@@ -30,6 +30,8 @@
 // byte: read as bytes (an eighth of the f32 stream), the nibbles split and interleaved back into
 // element order and widened to f32 in registers, then scaled like int8 (the caller adds int4's
 // offsets term, (x's group sums) @ offsets, a product of G rows only).
+// int4 weights with f16 scales and offsets (`offsets` calls: `quantization="int4"`'s own layout)
+// take integer products on activations quantized to 15 bits per 32 channels: cpu_kernel_int4.h.
 // All arithmetic in f32, in vectors of kLanes lanes: 16 with AVX-512 F/BW/VL, 8 with AVX2 + FMA
 // (whichever the compiler flags of this CPU allow; the few per-ISA helpers below are all that
 // differs). Parts (a few per core, so a helper that joins late still takes its
@@ -40,19 +42,23 @@
 // thread that went to sleep between two of them takes longer to wake (measured on the 2-core VM)
 // than a 1.3 MB product takes to read: a helper that finished its parts therefore lingers,
 // spinning up to kLingerNs on a mailbox for the next call's parts, and the caller schedules a
-// new helper on the pool only when none is lingering.
+// new helper on the pool only when none is lingering. Whether a call takes helpers at all is
+// measured, not assumed (cpu_kernel_threads.h: on a loaded machine a preempted helper stalls the
+// call, and the caller alone is faster).
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -167,6 +173,9 @@ constexpr int64_t kMinRowsPerPart = 64;
 // With G > 1 scale groups the group size K / G must be a multiple of this (cpu.py).
 constexpr int64_t kGroupMultiple = 16;
 static_assert(kGroupMultiple % kLanes == 0, "a group is whole vectors");
+// `offsets` calls: x is quantized to 15 bits per block of this many input channels (K and the group
+// size multiples of it; parts start at multiples of it).
+constexpr int64_t kQBlock = 32;
 
 struct Weight {
   const void* w;       // float or int8, [K, n] or [n, K]; or int4 codes (u4), [K, n]
@@ -176,6 +185,8 @@ struct Weight {
   int64_t n;
   float* partial;      // [parts - 1, T, n] for the kn layout
   bool u4;             // int4 codes (with scales) rather than int8
+  const uint16_t* scale16;   // f16 scales instead of `scale`: `offsets` calls [G, n], nk int8 [n, G]
+  const uint16_t* offset16;  // `offsets` calls: f16 offsets [G, n]
 };
 
 struct Problem {
@@ -183,9 +194,14 @@ struct Problem {
   int64_t t_len, k_len;
   bool transposed;
   bool int8;  // every weight of the call is int8 or int4 (with scales), or every one is float
+  bool offsets;  // every weight is int4 codes with f16 scales and offsets: integer products
   int num_weights;
   Weight weights[kMaxWeights];
   int parts;
+  const int8_t* xq;    // `offsets` calls: x quantized (15 bits), its high part [T, K]
+  const int8_t* xl;    // and its low part: xq16 = 128 * xq + xl
+  const float* xd;     // its scale per block of kQBlock channels, [T, K / kQBlock]
+  const float* xsum;   // x's float sum per block, [T, K / kQBlock]
 };
 
 // y[t, :] = x[t, k0:k1] @ W[k0:k1, :] (overwrites y), W row-major [K, N] of float, or of int8 or
@@ -254,6 +270,10 @@ void KnRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const flo
   }
 }
 
+// One scale as f32: f32 as it is, f16 (int4's tied embedding) widened (F16C).
+inline float ScaleValue(float s) { return s; }
+inline float ScaleValue(uint16_t s) { return _cvtsh_ss(s); }
+
 template <typename T>
 inline float Dot(const float* a, const T* b, int64_t k_len, Mask tail) {
   Vec s0 = Zero(), s1 = Zero();
@@ -281,22 +301,23 @@ inline Vec GroupSum(const float* a, const int8_t* b, int64_t vecs) {
 // sum over groups grp of s[grp] * (a[grp*g : (grp+1)*g] . b[same]), g = kLanes * vecs: each
 // group's products summed in registers, then multiply-added with its broadcast scale into one of
 // two running totals (even / odd groups), in a fixed order.
-template <int V>
-inline float GroupDot(const float* a, const int8_t* b, const float* s, int64_t groups, int64_t vecs) {
+template <int V, typename S>
+inline float GroupDot(const float* a, const int8_t* b, const S* s, int64_t groups, int64_t vecs) {
   const int64_t g = kLanes * (V ? V : vecs);
   Vec even = Zero(), odd = Zero();
   int64_t grp = 0;
   for (; grp + 2 <= groups; grp += 2) {
-    even = Fmadd(GroupSum<V>(a + grp * g, b + grp * g, vecs), Set1(s[grp]), even);
-    odd = Fmadd(GroupSum<V>(a + (grp + 1) * g, b + (grp + 1) * g, vecs), Set1(s[grp + 1]), odd);
+    even = Fmadd(GroupSum<V>(a + grp * g, b + grp * g, vecs), Set1(ScaleValue(s[grp])), even);
+    odd = Fmadd(GroupSum<V>(a + (grp + 1) * g, b + (grp + 1) * g, vecs), Set1(ScaleValue(s[grp + 1])), odd);
   }
-  if (grp < groups) even = Fmadd(GroupSum<V>(a + grp * g, b + grp * g, vecs), Set1(s[grp]), even);
+  if (grp < groups) even = Fmadd(GroupSum<V>(a + grp * g, b + grp * g, vecs), Set1(ScaleValue(s[grp])), even);
   return Sum(Add(even, odd));
 }
 
 // GroupDot of groups of g = K / G weights (a multiple of kGroupMultiple), the group loop unrolled
 // for the common group sizes (16, 32, 64, 128).
-inline float GroupDotAny(const float* a, const int8_t* b, const float* s, int64_t groups, int64_t g) {
+template <typename S>
+inline float GroupDotAny(const float* a, const int8_t* b, const S* s, int64_t groups, int64_t g) {
   const int64_t vecs = g / kLanes;
   switch (g) {
     case 16: return GroupDot<16 / kLanes>(a, b, s, groups, vecs);
@@ -308,9 +329,9 @@ inline float GroupDotAny(const float* a, const int8_t* b, const float* s, int64_
 }
 
 // y[t, n0:n1] = x[t, :] . W[n, :] for W row-major [N, K]: float (scale null), or int8 with
-// scales [N, G] (G > 1: K / G a multiple of kGroupMultiple).
-template <typename T>
-void NkRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const float* scale,
+// scales [N, G] (f32, or f16 for int4's tied embedding; G > 1: K / G a multiple of kGroupMultiple).
+template <typename T, typename S = float>
+void NkRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const S* scale,
              int64_t groups, int64_t n_len, float* y, int64_t n0, int64_t n1) {
   const Mask tail = TailMask(k_len % kLanes);
   for (int64_t n = n0; n < n1; ++n) {
@@ -325,10 +346,12 @@ void NkRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const flo
         continue;
       }
     }
-    const float s = scale ? scale[n] : 1.0f;
+    const float s = scale ? ScaleValue(scale[n]) : 1.0f;
     for (int64_t t = 0; t < t_len; ++t) y[t * n_len + n] = s * Dot(x + t * k_len, r, k_len, tail);
   }
 }
+
+#include "cpu_kernel_int4.h"  // QuantizeX, KnU4Int: the `offsets` calls
 
 // Part p of every weight: rows [k0, k1) of a kn weight, outputs [n0, n1) of an nk weight.
 void RunPart(const Problem& pb, int p) {
@@ -337,16 +360,23 @@ void RunPart(const Problem& pb, int p) {
     if (pb.transposed) {
       const int64_t chunk = (wt.n + pb.parts - 1) / pb.parts;
       const int64_t n0 = std::min(wt.n, p * chunk), n1 = std::min(wt.n, n0 + chunk);
-      if (pb.int8)
+      if (pb.int8 && wt.scale16)
+        NkRange(pb.x, pb.t_len, pb.k_len, static_cast<const int8_t*>(wt.w), wt.scale16, wt.groups, wt.n,
+                wt.y, n0, n1);
+      else if (pb.int8)
         NkRange(pb.x, pb.t_len, pb.k_len, static_cast<const int8_t*>(wt.w), wt.scale, wt.groups, wt.n,
                 wt.y, n0, n1);
       else
-        NkRange(pb.x, pb.t_len, pb.k_len, static_cast<const float*>(wt.w), nullptr, 1, wt.n, wt.y, n0, n1);
+        NkRange(pb.x, pb.t_len, pb.k_len, static_cast<const float*>(wt.w), static_cast<const float*>(nullptr), 1, wt.n,
+                wt.y, n0, n1);
     } else {
-      const int64_t chunk = (pb.k_len + 8 * pb.parts - 1) / (8 * pb.parts) * 8;
+      const int64_t align = pb.offsets ? kQBlock : 8;  // parts start at multiples of this
+      const int64_t chunk = (pb.k_len + align * pb.parts - 1) / (align * pb.parts) * align;
       const int64_t k0 = std::min(pb.k_len, p * chunk), k1 = std::min(pb.k_len, k0 + chunk);
       float* y = p == 0 ? wt.y : wt.partial + (p - 1) * pb.t_len * wt.n;
-      if (wt.u4)
+      if (pb.offsets)
+        KnU4Int(pb, wt, y, k0, k1);
+      else if (wt.u4)
         KnRange(pb.x, pb.t_len, pb.k_len, static_cast<const U4*>(wt.w), wt.scale,
                 pb.k_len / wt.groups, wt.n, y, k0, k1);
       else if (pb.int8)
@@ -358,79 +388,24 @@ void RunPart(const Problem& pb, int p) {
   }
 }
 
-// Shared with helpers, which may start after the call returned: they then only touch `next`.
-struct Shared {
-  Problem pb;
-  std::vector<float> scratch;
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-};
-
-void RunParts(Shared& sh) {
-  for (int p = sh.next.fetch_add(1); p < sh.pb.parts; p = sh.next.fetch_add(1)) {
-    RunPart(sh.pb, p);
-    sh.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
-// The newest call's parts, for lingering helpers. Never destroyed: a helper may still be
-// lingering when the process exits.
-struct Mailbox {
-  std::mutex mu;
-  std::shared_ptr<Shared> job;
-  std::atomic<uint64_t> generation{0};
-  std::atomic<int> lingering{0};
-};
-
-Mailbox& Box() {
-  static Mailbox* box = new Mailbox;
-  return *box;
-}
-
-uint64_t Post(std::shared_ptr<Shared> sh) {
-  Mailbox& box = Box();
-  std::lock_guard<std::mutex> lock(box.mu);
-  box.job = std::move(sh);
-  return box.generation.fetch_add(1, std::memory_order_release) + 1;
-}
-
-// A pool task: this call's parts, then the parts of every call posted while it lingers.
-void Help(std::shared_ptr<Shared> sh, uint64_t generation) {
-  using Clock = std::chrono::steady_clock;
-  Mailbox& box = Box();
-  RunParts(*sh);
-  sh.reset();
-  box.lingering.fetch_add(1);
-  auto deadline = Clock::now() + std::chrono::nanoseconds(kLingerNs);
-  for (int spins = 0;; ++spins) {
-    if (box.generation.load(std::memory_order_acquire) != generation) {
-      std::shared_ptr<Shared> job;
-      {
-        std::lock_guard<std::mutex> lock(box.mu);
-        job = box.job;
-        generation = box.generation.load(std::memory_order_relaxed);
-      }
-      box.lingering.fetch_sub(1);
-      RunParts(*job);
-      box.lingering.fetch_add(1);
-      deadline = Clock::now() + std::chrono::nanoseconds(kLingerNs);
-      continue;
-    }
-    if (spins % 64 == 0 && Clock::now() > deadline) break;
-    _mm_pause();
-  }
-  box.lingering.fetch_sub(1);
-}
+#include "cpu_kernel_threads.h"  // Shared, RunParts, Post, Help, UseHelpers, Record
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
-                  ffi::RemainingRets outs, bool transposed, bool int8) {
+                  ffi::RemainingRets outs, bool transposed, bool int8, bool offsets) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("cpu_linear: x must be 2-D [T, K]");
-  // args: the weights, then (int8) one scale array per weight.
+  // args: the weights, then (int8) one scale array per weight, then (offsets) one offset array.
   const int64_t nargs = static_cast<int64_t>(args.size());
-  const int64_t nw = int8 ? nargs / 2 : nargs;
-  if (nw < 1 || nw > kMaxWeights || static_cast<int64_t>(outs.size()) != nw || (int8 && nargs != 2 * nw))
-    return ffi::Error::InvalidArgument("cpu_linear: 1 to 8 weights (int8: each with its scales), one output each");
+  const int64_t per = offsets ? 3 : int8 ? 2 : 1;
+  const int64_t nw = nargs / per;
+  if (nw < 1 || nw > kMaxWeights || static_cast<int64_t>(outs.size()) != nw || nargs != per * nw ||
+      (offsets && (!int8 || transposed)))
+    return ffi::Error::InvalidArgument(
+        "cpu_linear: 1 to 8 weights (int8: each with its scales; offsets: uint4 [K, N] weights, "
+        "each with f16 scales and offsets), one output each");
+  if (offsets && xd[1] % kQBlock)
+    return ffi::Error::InvalidArgument("cpu_linear: offsets calls need K a multiple of " +
+                                       std::to_string(kQBlock));
 
   auto sh = std::make_shared<Shared>();
   Problem& pb = sh->pb;
@@ -439,6 +414,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
   pb.k_len = xd[1];
   pb.transposed = transposed;
   pb.int8 = int8;
+  pb.offsets = offsets;
   pb.num_weights = static_cast<int>(nw);
   int64_t work = 0, out_floats = 0;
   for (int64_t i = 0; i < nw; ++i) {
@@ -460,10 +436,21 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
       return ffi::Error::InvalidArgument("cpu_linear: uint4 weights must be [K, N] with N even");
     const float* scale = nullptr;
     int64_t groups = 1;
+    if (offsets) {
+      if (auto e = OffsetsWeight(args, nw, i, k, n, u4, w->untyped_data(), (*y)->typed_data(), pb.weights[i]);
+          e.failure())
+        return e;
+      work += pb.t_len * pb.k_len * n;
+      out_floats += pb.t_len * n;
+      continue;
+    }
+    const uint16_t* scale16 = nullptr;
     if (int8) {
-      auto s = args.get<ffi::Buffer<ffi::F32>>(nw + i);
-      if (!s.has_value())
-        return ffi::Error::InvalidArgument("cpu_linear: scales " + std::to_string(i) + " must be float32");
+      auto s = args.get<ffi::AnyBuffer>(nw + i);
+      const bool half = s.has_value() && s->element_type() == ffi::DataType::F16 && transposed && !u4;
+      if (!s.has_value() || (s->element_type() != ffi::DataType::F32 && !half))
+        return ffi::Error::InvalidArgument("cpu_linear: scales " + std::to_string(i) +
+                                           " must be float32 (or float16 for a transposed int8 weight)");
       const auto sd = s->dimensions();
       groups = sd.size() == 2 ? (transposed ? sd[1] : sd[0]) : 0;
       const bool fits = sd.size() == 2 && (transposed ? sd[0] : sd[1]) == n && groups >= 1 &&
@@ -478,9 +465,12 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
             " with G dividing K = " + std::to_string(k) + " and, when G > 1, K / G a positive multiple of " +
             std::to_string(kGroupMultiple));
       }
-      scale = s->typed_data();
+      if (half)
+        scale16 = static_cast<const uint16_t*>(s->untyped_data());
+      else
+        scale = static_cast<const float*>(s->untyped_data());
     }
-    pb.weights[i] = {w->untyped_data(), scale, groups, (*y)->typed_data(), n, nullptr, u4};
+    pb.weights[i] = {w->untyped_data(), scale, groups, (*y)->typed_data(), n, nullptr, u4, scale16, nullptr};
     work += pb.t_len * pb.k_len * n;
     out_floats += pb.t_len * n;
   }
@@ -489,7 +479,23 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
   int64_t parts = std::min<int64_t>(kPartsPerThread * threads, kMaxParts);
   if (!transposed) parts = std::min(parts, std::max<int64_t>(1, pb.k_len / kMinRowsPerPart));
   if (work < kParallelMinWork || threads == 1) parts = 1;
+  if (offsets) {  // parts of whole 32-row blocks: no empty ones
+    const int64_t chunk = (pb.k_len + kQBlock * parts - 1) / (kQBlock * parts) * kQBlock;
+    parts = (pb.k_len + chunk - 1) / chunk;
+  }
+  // NOTE: the parts (and so the sums' order) do not depend on whether helpers take some of them.
+  const bool helpers = parts > 1 && UseHelpers(work);
+  const auto start = std::chrono::steady_clock::now();
   pb.parts = static_cast<int>(parts);
+  if (offsets) {
+    sh->xq.resize(2 * pb.t_len * pb.k_len);
+    sh->xd.resize(pb.t_len * pb.k_len / kQBlock);
+    sh->xsum.resize(sh->xd.size());
+    std::tie(pb.xq, pb.xl, pb.xd, pb.xsum) =
+        std::make_tuple(sh->xq.data(), sh->xq.data() + pb.t_len * pb.k_len, sh->xd.data(), sh->xsum.data());
+    QuantizeX(pb.x, pb.t_len, pb.k_len, sh->xq.data(), sh->xq.data() + pb.t_len * pb.k_len, sh->xd.data(),
+              sh->xsum.data());
+  }
   if (!transposed && parts > 1) {
     sh->scratch.resize((parts - 1) * out_floats);
     float* s = sh->scratch.data();
@@ -498,7 +504,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
       s += (parts - 1) * pb.t_len * pb.weights[i].n;
     }
   }
-  if (parts > 1) {
+  if (helpers) {
     const uint64_t generation = Post(sh);
     // NOTE: a helper about to stop lingering may miss this call: the caller then does its parts.
     const int64_t wanted = std::min(threads, parts) - 1 - Box().lingering.load();
@@ -516,6 +522,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
         for (int64_t j = 0; j < size; ++j) wt.y[j] += src[j];
       }
     }
+  if (parts > 1) Record(work, helpers, std::chrono::steady_clock::now() - start);
   return ffi::Error::Success();
 }
 
@@ -531,4 +538,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCpuLinear, Linear,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<bool>("transposed")
-                                  .Attr<bool>("int8"));
+                                  .Attr<bool>("int8")
+                                  .Attr<bool>("offsets"));

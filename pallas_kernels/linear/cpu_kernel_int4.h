@@ -1,0 +1,168 @@
+// Part of cpu_kernel.cc (included by it after its Problem / Weight types; not a standalone header):
+// int4 weights times int8-quantized activations, the `offsets` calls (cpu.py `linear(...,
+// offsets=)`).
+//
+// Like llama.cpp's Q4_1 x Q8_1 path, but with 15-bit activations: x is quantized once per call per
+// block of kQBlock = 32 input channels to xq16 = round(x * 16256 / max|x|) (the block's scale
+// xd = max|x| / 16256 and its float sum xsum kept), held as two int8 parts xq16 = 128 xh + xl;
+// each 32-row block of codes is multiplied by both parts in 16-bit lanes (vpmaddubsw: two rows'
+// codes interleaved byte by byte against the broadcast pair of xh, then of xl), summed to 32 bits
+// (xh's products every 16 rows, shifted by 7), and the block's integer sums enter y as
+//   y[t, n] += isum * (s[g, n] * xd[t, b]) + o[g, n] * xsum[t, b].
+// About 4 codes per instruction where the f32 path of cpu_kernel.cc does 2 (one core, from cache:
+// 80 vs 168 us for SmolLM2's gate_up). One int8 part alone (llama.cpp's Q8_1: 59 us) rounded the
+// activations to 1/127 of their block's max, and single-stream greedy decoding of the default
+// model then agreed with the f32 reference on 7 of 12 prompts (12 with f32 products); 15 bits
+// round 128x finer (BENCHMARKS.md "int4 decode step").
+// Layout: `quantization="int4"`'s own, uint4 codes [K, N] (two per byte along N), f16 scales and
+// offsets [G, N] read as stored; K and the group size K / G multiples of kQBlock.
+
+// x [T, K] quantized per block of kQBlock channels to 15 bits, held as two int8 parts: xq16 =
+// round(x * kXMax / max|x|) (0 for an all-zero block) = 128 * xh + xl with xh in [-127, 127] and xl
+// in [-64, 63]; xd = max|x| / kXMax, xsum = the block's float sum (summed in order).
+constexpr float kXMax = 127.0f * 128.0f;
+void QuantizeX(const float* x, int64_t t_len, int64_t k_len, int8_t* xh, int8_t* xl, float* xd,
+               float* xsum) {
+  const int64_t blocks = k_len / kQBlock;
+  for (int64_t t = 0; t < t_len; ++t)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = t * k_len + b * kQBlock;
+      float amax = 0.0f, sum = 0.0f;
+      for (int64_t i = 0; i < kQBlock; ++i) {
+        amax = std::max(amax, std::fabs(x[at + i]));
+        sum += x[at + i];
+      }
+      const float inv = amax > 0.0f ? kXMax / amax : 0.0f;
+      for (int64_t i = 0; i < kQBlock; ++i) {
+        const int q = static_cast<int>(std::nearbyint(x[at + i] * inv));  // |q| <= 16256
+        xh[at + i] = static_cast<int8_t>((q + 64) >> 7);  // floor((q + 64) / 128)
+        xl[at + i] = static_cast<int8_t>(q - 128 * ((q + 64) >> 7));
+      }
+      xd[t * blocks + b] = amax / kXMax;
+      xsum[t * blocks + b] = sum;
+    }
+}
+
+inline __m256 HalfLoad(const uint16_t* p) {  // 8 f16 as f32 (F16C)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// y[t, :] = the rows [k0, k1) (multiples of kQBlock) of an `offsets` weight: per 32-row block b of
+// group g, sum_k q[k, n] * xq16[t, k] in integers, then y[t, n] += that * (s[g, n] * xd[t, b]) +
+// o[g, n] * xsum[t, b] (overwrites y). Columns in strips of 64 (32 bytes a row); the last N % 64
+// columns one by one.
+void KnU4Int(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t k1) {
+  const int64_t n_len = wt.n, k_len = pb.k_len, blocks = k_len / kQBlock;
+  const int64_t group = k_len / wt.groups, row_bytes = n_len / 2, n64 = n_len / 64 * 64;
+  const uint8_t* w = static_cast<const uint8_t*>(wt.w);
+  std::memset(y, 0, pb.t_len * n_len * sizeof(float));
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  for (int64_t k = k0; k < k1; k += kQBlock) {
+    const int64_t b = k / kQBlock;
+    const uint16_t* srow = wt.scale16 + k / group * n_len;
+    const uint16_t* orow = wt.offset16 + k / group * n_len;
+    const uint8_t* blk = w + k * row_bytes;
+    // The next block (32 rows: 16 N bytes, contiguous) prefetched into L2, 1 KB per strip.
+    const char* next = reinterpret_cast<const char*>(blk + kQBlock * row_bytes);
+    for (int64_t t = 0; t < pb.t_len; ++t) {
+      const int8_t* xh = pb.xq + t * k_len + k;
+      const int8_t* xl = pb.xl + t * k_len + k;
+      const __m256 dx = _mm256_set1_ps(pb.xd[t * blocks + b]);
+      const __m256 xs = _mm256_set1_ps(pb.xsum[t * blocks + b]);
+      float* yt = y + t * n_len;
+      const bool prefetch = t == 0 && k + 2 * kQBlock <= k1;
+      // y[c:c+8] += cols c..c+7 of the block's integer sums, scaled, plus the offsets term.
+      auto emit = [&](int64_t c, __m256i v) {
+        const __m256 sd = _mm256_mul_ps(HalfLoad(srow + c), dx);
+        const __m256 base = _mm256_fmadd_ps(HalfLoad(orow + c), xs, _mm256_loadu_ps(yt + c));
+        _mm256_storeu_ps(yt + c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sd, base));
+      };
+      // even: sums of the low nibbles (columns c, c+2, ..., c+14), odd: high nibbles (c+1, ...).
+      auto emit16 = [&](int64_t c, __m256i even, __m256i odd) {
+        const __m256i lo = _mm256_unpacklo_epi32(even, odd), hi = _mm256_unpackhi_epi32(even, odd);
+        emit(c, _mm256_permute2x128_si256(lo, hi, 0x20));
+        emit(c + 8, _mm256_permute2x128_si256(lo, hi, 0x31));
+      };
+      for (int64_t n = 0; n < n64; n += 64) {
+        if (prefetch)
+          for (int c = 0; c < 1024; c += 64) _mm_prefetch(next + n * 16 + c, _MM_HINT_T1);
+        const uint8_t* col = blk + n / 2;
+        // Two rows at a time, interleaved byte by byte (vpunpck[lh]bw), then split into their low
+        // nibbles (even columns) and high ones (odd: vpsrlw 4 keeps each byte's own high nibble
+        // in its low bits), each multiplied by x's two parts.
+        // NOTE: 16-bit sums: |codes * xh| <= 15 * 127, 16 of them (8 row pairs) <= 30480; |codes *
+        // xl| <= 15 * 64, 32 of them (16 pairs) <= 30720: both < 2^15.
+        const __m256i z = _mm256_setzero_si256();
+        __m256i acc[8] = {z, z, z, z, z, z, z, z};
+        __m256i h[4] = {z, z, z, z}, l[4] = {z, z, z, z};  // [lo nibbles u0, u1, hi nibbles u0, u1]
+        auto widen = [&](__m256i v, __m256i* out, int shift) {
+          out[0] = _mm256_add_epi32(out[0], _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)), shift));
+          out[1] = _mm256_add_epi32(out[1], _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)), shift));
+        };
+        for (int j = 0; j < 16; ++j) {
+          const int64_t r = 2 * j;
+          const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + r * row_bytes));
+          const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + (r + 1) * row_bytes));
+          const __m256i u0 = _mm256_unpacklo_epi8(va, vb), u1 = _mm256_unpackhi_epi8(va, vb);
+          int16_t ph, pl;
+          std::memcpy(&ph, xh + r, 2);
+          std::memcpy(&pl, xl + r, 2);
+          const __m256i xph = _mm256_set1_epi16(ph), xpl = _mm256_set1_epi16(pl);
+          const __m256i u[4] = {_mm256_and_si256(u0, low4), _mm256_and_si256(u1, low4),
+                                _mm256_and_si256(_mm256_srli_epi16(u0, 4), low4),
+                                _mm256_and_si256(_mm256_srli_epi16(u1, 4), low4)};
+          for (int q = 0; q < 4; ++q) {
+            h[q] = _mm256_add_epi16(h[q], _mm256_maddubs_epi16(u[q], xph));
+            l[q] = _mm256_add_epi16(l[q], _mm256_maddubs_epi16(u[q], xpl));
+          }
+          if (j % 8 == 7)
+            for (int q = 0; q < 4; ++q) widen(h[q], acc + 2 * q, 7), h[q] = z;
+        }
+        for (int q = 0; q < 4; ++q) widen(l[q], acc + 2 * q, 0);
+        // acc[0]: low nibbles of bytes 0-7, [1]: bytes 16-23, [2]: 8-15, [3]: 24-31; [4..7] the
+        // high nibbles of the same bytes (byte i holds columns n + 2i and n + 2i + 1).
+        emit16(n, acc[0], acc[4]);
+        emit16(n + 16, acc[2], acc[6]);
+        emit16(n + 32, acc[1], acc[5]);
+        emit16(n + 48, acc[3], acc[7]);
+      }
+      const float dxs = pb.xd[t * blocks + b], xss = pb.xsum[t * blocks + b];
+      for (int64_t n = n64; n < n_len; ++n) {
+        int32_t isum = 0;
+        for (int64_t r = 0; r < kQBlock; ++r)
+          isum += ((blk[r * row_bytes + n / 2] >> (4 * (n & 1))) & 0x0f) * (128 * xh[r] + xl[r]);
+        const float base = std::fma(_cvtsh_ss(orow[n]), xss, yt[n]);
+        yt[n] = std::fma(static_cast<float>(isum), _cvtsh_ss(srow[n]) * dxs, base);
+      }
+    }
+  }
+}
+
+// The f16 scales or offsets `which` of weight i of an `offsets` call: [G, n] with G dividing K and
+// K / G a multiple of kQBlock.
+ffi::Error CheckHalves(const ffi::AnyBuffer& a, const char* which, int64_t i, int64_t k, int64_t n) {
+  const auto d = a.dimensions();
+  if (a.element_type() == ffi::DataType::F16 && d.size() == 2 && d[1] == n && d[0] >= 1 &&
+      k % d[0] == 0 && (k / d[0]) % kQBlock == 0)
+    return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(
+      std::string("cpu_linear: ") + which + " " + std::to_string(i) + " must be f16 [G, " +
+      std::to_string(n) + "] with K / G a multiple of " + std::to_string(kQBlock) + " (K = " +
+      std::to_string(k) + ")");
+}
+
+// Weight i of an `offsets` call (args: the weights, their scales, their offsets) into `out`.
+ffi::Error OffsetsWeight(ffi::RemainingArgs& args, int64_t nw, int64_t i, int64_t k, int64_t n, bool u4,
+                         const void* w, float* y, Weight& out) {
+  auto s = args.get<ffi::AnyBuffer>(nw + i);
+  auto o = args.get<ffi::AnyBuffer>(2 * nw + i);
+  if (!u4 || !s.has_value() || !o.has_value())
+    return ffi::Error::InvalidArgument("cpu_linear: offsets calls take uint4 weights, f16 scales and offsets");
+  if (auto e = CheckHalves(*s, "scales", i, k, n); e.failure()) return e;
+  if (auto e = CheckHalves(*o, "offsets", i, k, n); e.failure()) return e;
+  if (o->dimensions()[0] != s->dimensions()[0])
+    return ffi::Error::InvalidArgument("cpu_linear: offsets " + std::to_string(i) + " must have the scales' shape");
+  out = {w, nullptr, s->dimensions()[0], y, n, nullptr, true, static_cast<const uint16_t*>(s->untyped_data()),
+         static_cast<const uint16_t*>(o->untyped_data())};
+  return ffi::Error::Success();
+}

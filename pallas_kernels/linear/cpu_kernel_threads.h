@@ -1,0 +1,106 @@
+// Part of cpu_kernel.cc (included by it after RunPart; not a standalone header): the state a call
+// shares with its helpers, the helpers' lingering, and whether a call takes helpers at all.
+//
+// Helpers or not: on a machine whose cores are busy with other work (the shared 2-core VM: load
+// average 5-9), a helper preempted in the middle of its part stalls the caller until the scheduler
+// runs it again, and a decode step of ~120 calls then ran 1.6x slower with helpers than with the
+// caller alone (BENCHMARKS.md "int4 decode step"); on idle cores helpers pay. So each call measures
+// its wall time per multiply-add, and `UseHelpers` picks, per size class of call (log2 of its
+// multiply-adds), the way whose running average (kCostWeight per call) is lower, trying the other
+// way every kProbeEvery calls of the class so that its average follows the machine.
+
+// Shared with helpers, which may start after the call returned: they then only touch `next`.
+struct Shared {
+  Problem pb;
+  std::vector<float> scratch;
+  std::vector<int8_t> xq;        // `offsets` calls: x quantized
+  std::vector<float> xd, xsum;   // and its block scales and sums
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+};
+
+void RunParts(Shared& sh) {
+  for (int p = sh.next.fetch_add(1); p < sh.pb.parts; p = sh.next.fetch_add(1)) {
+    RunPart(sh.pb, p);
+    sh.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// The newest call's parts, for lingering helpers. Never destroyed: a helper may still be
+// lingering when the process exits.
+struct Mailbox {
+  std::mutex mu;
+  std::shared_ptr<Shared> job;
+  std::atomic<uint64_t> generation{0};
+  std::atomic<int> lingering{0};
+};
+
+Mailbox& Box() {
+  static Mailbox* box = new Mailbox;
+  return *box;
+}
+
+uint64_t Post(std::shared_ptr<Shared> sh) {
+  Mailbox& box = Box();
+  std::lock_guard<std::mutex> lock(box.mu);
+  box.job = std::move(sh);
+  return box.generation.fetch_add(1, std::memory_order_release) + 1;
+}
+
+// A pool task: this call's parts, then the parts of every call posted while it lingers.
+void Help(std::shared_ptr<Shared> sh, uint64_t generation) {
+  using Clock = std::chrono::steady_clock;
+  Mailbox& box = Box();
+  RunParts(*sh);
+  sh.reset();
+  box.lingering.fetch_add(1);
+  auto deadline = Clock::now() + std::chrono::nanoseconds(kLingerNs);
+  for (int spins = 0;; ++spins) {
+    if (box.generation.load(std::memory_order_acquire) != generation) {
+      std::shared_ptr<Shared> job;
+      {
+        std::lock_guard<std::mutex> lock(box.mu);
+        job = box.job;
+        generation = box.generation.load(std::memory_order_relaxed);
+      }
+      box.lingering.fetch_sub(1);
+      RunParts(*job);
+      box.lingering.fetch_add(1);
+      deadline = Clock::now() + std::chrono::nanoseconds(kLingerNs);
+      continue;
+    }
+    if (spins % 64 == 0 && Clock::now() > deadline) break;
+    _mm_pause();
+  }
+  box.lingering.fetch_sub(1);
+}
+
+
+constexpr int kProbeEvery = 16;
+constexpr float kCostWeight = 0.125f;
+constexpr int kSizeClasses = 48;
+
+// Per size class: calls made, and the average ns per multiply-add without ([0]) and with ([1])
+// helpers (0: not measured yet). Races between concurrent calls only blur the averages.
+struct CostClass {
+  std::atomic<uint64_t> calls;
+  std::atomic<float> cost[2];
+};
+
+CostClass& Costs(int64_t work) {
+  static CostClass* classes = new CostClass[kSizeClasses]();  // zeroed, never destroyed
+  return classes[std::min<int>(kSizeClasses - 1, 63 - __builtin_clzll(static_cast<uint64_t>(work)))];
+}
+
+bool UseHelpers(int64_t work) {
+  CostClass& c = Costs(work);
+  const bool best = c.cost[1].load(std::memory_order_relaxed) <= c.cost[0].load(std::memory_order_relaxed);
+  return c.calls.fetch_add(1, std::memory_order_relaxed) % kProbeEvery == 0 ? !best : best;
+}
+
+void Record(int64_t work, bool helpers, std::chrono::steady_clock::duration wall) {
+  std::atomic<float>& avg = Costs(work).cost[helpers];
+  const float v = std::chrono::duration<float, std::nano>(wall).count() / static_cast<float>(work);
+  const float old = avg.load(std::memory_order_relaxed);
+  avg.store(old == 0.0f ? v : old + kCostWeight * (v - old), std::memory_order_relaxed);
+}
