@@ -31,11 +31,19 @@
    probe for a TPU in every test process and spawned server, and the CUDA plugin would look for
    a driver. Deviceless compiles need the CPU platform set this way in any case, and the two
    workers may both load libtpu for them (`ALLOW_MULTIPLE_LIBTPU_LOAD`: no fight over its lock).
+7. Opt-in CPU report (`JAXINFER_TEST_CPU=PATH`): each pytest process appends to PATH one line per
+   test file, `file<TAB>CPU s<TAB>wall s<TAB>tests`, user + sys of the process and its reaped
+   children (served processes, multihost workers) from the file's first test's setup to its last
+   test's teardown, and a `(startup + collection)` line: where a whole run's CPU goes.
 """
 
 import importlib.metadata
 import os
 import pathlib
+import resource
+import time
+
+import pytest
 
 
 def _add_xla_flag(flag: str) -> None:
@@ -84,3 +92,40 @@ HEAVY_FIRST = (  # NOTE: re-ranked 2026-11-26 after the day's cuts (per-file CPU
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in-file order kept
+
+
+def _cpu_seconds() -> float:
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+_CPU_REPORT: dict[str, list[float]] = {}  # file -> [CPU s, wall s, tests]
+
+
+def pytest_collection_finish(session):
+    if os.environ.get("JAXINFER_TEST_CPU"):
+        _CPU_REPORT["(startup + collection)"] = [_cpu_seconds(), 0.0, 0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not os.environ.get("JAXINFER_TEST_CPU"):
+        yield
+        return
+    cpu, wall = _cpu_seconds(), time.perf_counter()
+    yield
+    row = _CPU_REPORT.setdefault(item.path.name, [0.0, 0.0, 0])
+    row[0] += _cpu_seconds() - cpu
+    row[1] += time.perf_counter() - wall
+    row[2] += 1
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("JAXINFER_TEST_CPU")
+    if path and _CPU_REPORT:
+        with open(path, "a") as f:
+            for name, (cpu, wall, n) in _CPU_REPORT.items():
+                f.write(f"{name}\t{cpu:.1f}\t{wall:.1f}\t{n}\n")

@@ -284,7 +284,12 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 def compile_events() -> Iterator[list[str]]:
     """The `fun_name` of every XLA compilation while the block runs (a persistent-cache hit
     included). Warmup compiles without running, so the calls' own jit caches fill on first use:
-    only these events show a program built again."""
+    only these events show a program built again.
+
+    NOTE: JAX's in-memory caches are cleared first: runners with the same options share their
+    traces and compiled programs in the process (`jaxinfer.engine.runner.programs.bound`), so a
+    program another engine built earlier would otherwise be reused without an event."""
+    jax.clear_caches()
     names: list[str] = []
 
     def listener(event: str, duration: float, **kw: Any) -> None:

@@ -91,6 +91,7 @@ def step_hlo(tiny, t_bucket: int = 4, all_logits: bool = False, **over) -> str:
 
 def test_another_shape_or_option_is_another_program(tiny):
     base = step_hlo(tiny)
+    jax.clear_caches()  # NOTE: traced and lowered afresh, as in a restart (runners share traces)
     assert step_hlo(tiny) == base  # one configuration, one program: a restart reads it back
     others = [
         step_hlo(tiny, num_pages=24),

@@ -12,7 +12,8 @@ reference engine runs each prompt alone, in one prefill step, with no prefix cac
 4. Stop rules: stop strings across token boundaries, stop ids, EOS, min_tokens, ignore_eos,
    max_tokens, logprobs.
 5. Streaming deltas, page accounting through finish / abort / preemption, input validation.
-6. No compilation after `warmup()`, whatever the mix of lengths and sampling parameters.
+6. No compilation after `warmup()`, whatever the mix of lengths and sampling parameters; a second
+   engine with the same options reuses the first one's programs (nothing traced or compiled).
 """
 
 from __future__ import annotations
@@ -107,6 +108,32 @@ def story(model, reference):
 def first_new(tokens: list[int], at_least: int) -> int:
     """The first index >= at_least whose token did not occur before it."""
     return next(k for k in range(at_least, len(tokens)) if tokens[k] not in tokens[:k])
+
+
+def test_a_second_engine_reuses_the_first_ones_programs(model) -> None:
+    """Runners with the same options share their step functions (`runner.programs.bound`): a
+    second engine traces and compiles none of the programs the first one built, and counts only
+    the programs its own calls used."""
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT, JAXPR_TRACE_EVENT
+
+    first = make_engine(model, token_buckets=(4, 16))
+    generate(first, list(range(100, 120)), greedy(2))  # 16- and 4-token steps
+    events: list[str] = []
+
+    def listener(event: str, duration: float, **kw) -> None:
+        if event in (JAXPR_TRACE_EVENT, BACKEND_COMPILE_EVENT) and "program" in str(
+            kw.get("fun_name")
+        ):
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        second = make_engine(model, token_buckets=(4, 16))
+        generate(second, [100, 101, 102], greedy(2))  # 4-token steps only
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert events == []
+    assert 0 < second.runner.compiled_program_count() < first.runner.compiled_program_count()
 
 
 def test_no_compilation_after_warmup(engine, vocab_size) -> None:

@@ -156,13 +156,26 @@ class ModelRunner:
         carried = None if self.mesh is None else self.device_state.carried()
         backends = (self.attention_backend, self.linear_backend, self.mesh, carried)
         # The step programs warmup built, by `_call_key` (cfg: the static positional argument)
-        self._steps = ProgramTable(step_jit(*backends), "step", step_context(*backends), (1,))
+        self._steps = ProgramTable(
+            step_jit(*backends),
+            "step",
+            step_context(*backends),
+            (1,),
+            fixed=4,
+            fresh=lambda: step_jit(*backends, shared=False),
+        )
         self._jit = self._steps.jitted
         # Steps sampling structured-output rows run the step program up to the rows' logits,
         # then this one (see `sample`); single device only (on a mesh they sample in the step).
         self.split_sampling = self.mesh is None
         rows = self.num_sample_rows
-        self._samplers = ProgramTable(sampler_jit(rows), "sampler", sampler_context(rows))
+        self._samplers = ProgramTable(
+            sampler_jit(rows),
+            "sampler",
+            sampler_context(rows),
+            fixed=1,
+            fresh=lambda: sampler_jit(rows, shared=False),
+        )
         self._sample_jit = self._samplers.jitted
         self.num_compiled = 0
         # (token bucket, page bucket, logits, verify rows)

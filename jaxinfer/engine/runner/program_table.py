@@ -1,14 +1,23 @@
 """The programs warmup built, called as the `Compiled` executables themselves.
 
-1. `ProgramTable(jitted, name, context)` wraps one jitted function (the step or the sampler).
+1. `ProgramTable(jitted, name, context, fresh=...)` wraps one jitted function (the step or the
+   sampler); `fresh()` makes the same jitted function over a function object of its own.
 2. `build(key, args, kwargs, cache, pool)` (warmup) makes the program of one call signature:
    loaded from the executable cache on `pool` (`jaxinfer.executable_cache`: nothing traced;
    XLA loads without the GIL, so loads overlap), else lowered here and compiled on `pool` (then
    stored in the cache); it is kept under `key`, the call's signature as the runner describes
-   it (its static arguments on one device).
+   it (its static arguments on one device). NOTE: a program to store is lowered and compiled by
+   the `fresh()` jit: the shared one may hand back, from JAX's in-memory caches, an executable
+   read from JAX's persistent cache, which does not serialize whole on XLA:CPU
+   (`compile_cache.persistent_cache_paused`).
 3. `table(key, args, kwargs)` runs the program kept under `key` on the call's dynamic
    arguments, or the jitted function (which traces and compiles a shape warmup did not build,
    also where an argument the key does not describe differs from warmup's).
+4. `jit_cache_size()` counts the programs this table's calls took from the jitted function: one
+   per call signature (the key, and the type, shape, dtype and sharding of every argument after
+   the `fixed` leading ones). NOTE: not the jit's own `_cache_size()`: runners with the same
+   options share one function object, so JAX's caches behind their jits are shared too
+   (`programs.bound`); a runner's count must not include another runner's programs.
 
 NOTE: a `Compiled` checks every argument's type before it runs (a mismatch raises TypeError,
 nothing donated), so a key that describes a call incompletely cannot run a wrong program.
@@ -16,8 +25,11 @@ nothing donated), so a key that describes a call incompletely cannot run a wrong
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+import jax
 
 from jaxinfer.executable_cache import ExecutableCache, program_key
 
@@ -25,10 +37,23 @@ from jaxinfer.executable_cache import ExecutableCache, program_key
 class ProgramTable:
     """The compiled programs of one jitted function, by call key (see the module docstring)."""
 
-    def __init__(self, jitted: Any, name: str, context: str, static_argnums: tuple = ()) -> None:
+    def __init__(
+        self,
+        jitted: Any,
+        name: str,
+        context: str,
+        static_argnums: tuple = (),
+        fixed: int = 0,
+        fresh: Callable[[], Any] | None = None,
+    ) -> None:
         self.jitted, self.name, self.context = jitted, name, context
+        self._fresh, self._own = fresh, None
         self.static_argnums = static_argnums  # positional arguments the jit treats as static
+        # NOTE: the leading `fixed` arguments keep their shapes for the runner's life (params,
+        # caches, state): left out of the call signatures `jit_cache_size` counts
+        self.fixed = fixed
         self.programs: dict[Any, Any] = {}
+        self.jit_signatures: set[tuple] = set()
 
     def __len__(self) -> int:
         return len(self.programs)
@@ -47,7 +72,17 @@ class ProgramTable:
                 return program(*self.dynamic(args))
             except TypeError:  # NOTE: raised by the argument check, before anything ran
                 pass  # e.g. a wider suppress-ids table than warmup's: the jit builds that one
+        self.jit_signatures.add(self.signature(key, args))
         return self.jitted(*args, **kwargs)
+
+    def signature(self, key: Any, args: tuple) -> tuple:
+        """What picks this call's program in the jit beyond the fixed arguments (step 4)."""
+        leaves = jax.tree.leaves(args[self.fixed :])
+        return key, tuple(
+            (type(x), getattr(x, "shape", None), getattr(x, "dtype", None))
+            + (getattr(x, "weak_type", None), getattr(x, "sharding", None))
+            for x in leaves
+        )
 
     def disk_key(self, args: tuple, kwargs: dict) -> str:
         """This call's key in the executable cache (`executable_cache.program_key`)."""
@@ -55,7 +90,7 @@ class ProgramTable:
         return program_key(self.name, self.dynamic(args), statics, self.context)
 
     def jit_cache_size(self) -> int:
-        return self.jitted._cache_size()
+        return len(self.jit_signatures)
 
     def build(
         self,
@@ -72,15 +107,24 @@ class ProgramTable:
         disk_key = None if cache is None else self.disk_key(args, kwargs)
         if cache is not None and cache.holds(disk_key):
             return pool.submit(self._load, key, args, kwargs, cache, disk_key), None
-        lowered = self.jitted.lower(*args, **kwargs)
+        lowered = self._lower(cache, args, kwargs)
         return pool.submit(self._compile, key, lowered, cache, disk_key), lowered
+
+    def _lower(self, cache: ExecutableCache | None, args: tuple, kwargs: dict) -> Any:
+        """The call lowered by the jit whose compiled program may be stored (step 2's NOTE)."""
+        jitted = self.jitted
+        if cache is not None and self._fresh is not None:
+            if self._own is None:
+                self._own = self._fresh()
+            jitted = self._own
+        return jitted.lower(*args, **kwargs)
 
     def _load(
         self, key: Any, args: tuple, kwargs: dict, cache: ExecutableCache, disk_key: str
     ) -> Any:
         program = cache.load(disk_key)
         if program is None:  # unusable (logged): compiled again, and stored whole
-            return self._compile(key, self.jitted.lower(*args, **kwargs), cache, disk_key)
+            return self._compile(key, self._lower(cache, args, kwargs), cache, disk_key)
         self.programs[key] = program
         return program
 

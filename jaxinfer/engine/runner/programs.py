@@ -11,6 +11,12 @@ travel (`pack`: one buffer per dtype, `unpack_buffers` by static slices inside t
    compiled with `compiler_options()` for the target platform: on a GPU every conditional and
    loop of the step runs inside XLA's command buffer (a CUDA graph), so one launch runs the step,
    and no Triton GEMM splits K (its reduction would be a launch before each Pallas consumer).
+4. `bound(fn, ...)` is the function a step/sampler jit wraps: one object per (function, backends,
+   mesh, target device) in the process, so the jit of a second runner with the same options finds
+   the first one's traces, lowerings and compiled programs in JAX's in-memory caches (keyed by
+   the function object; a new `functools.partial` per runner re-traced, re-lowered and read the
+   persistent cache again: ~1.7 s of CPU per tiny engine). Each runner keeps its own `jax.jit`
+   object, so its `_cache_size()` still counts the programs its own calls used.
 """
 
 from __future__ import annotations
@@ -269,16 +275,40 @@ def compiler_options() -> dict[str, str | int]:
     return {k: v for k, v in options.items() if k not in flags}
 
 
+def bound(fn: Any, shared: bool = True, **kwargs: Any) -> Any:
+    """`functools.partial(fn, **kwargs)`, one object per keywords and target device
+    (the module docstring, step 4); a new one when not `shared`.
+
+    NOTE: what a step's trace reads beyond its arguments must be in this key or in the jit's own
+    (its options, JAX's config): the backends, the mesh and the target device (kernel choices and
+    interpret modes follow `target.platform()`). A test that patches a module constant read while
+    tracing must `jax.clear_caches()`, as for any module-level jit."""
+    if not shared:
+        return functools.partial(fn, **kwargs)
+    return _bound(fn, target.device(), tuple(sorted(kwargs.items())))
+
+
+@functools.cache
+def _bound(fn: Any, device: Any, kwargs: tuple) -> Any:
+    return functools.partial(fn, **dict(kwargs))
+
+
 def step_jit(
-    attention_backend: str, linear_backend: str, mesh: Any = None, carried: Any = None
+    attention_backend: str,
+    linear_backend: str,
+    mesh: Any = None,
+    carried: Any = None,
+    shared: bool = True,
 ) -> Any:
     """The jitted step: on one device over packed inputs (`packed_step_program`); on a mesh over
     the placed input tree, with what a step carries to the next (KV cache, penalty state,
-    fed-back ids) left with the `carried` shardings it came in with."""
+    fed-back ids) left with the `carried` shardings it came in with. `shared`: over the process's
+    one function object for these options (`bound`), else its own (programs compiled afresh)."""
     if mesh is None:  # inputs packed into one buffer per dtype (see pack)
         return jax.jit(
-            functools.partial(
+            bound(
                 packed_step_program,
+                shared,
                 attention_backend=attention_backend,
                 linear_backend=linear_backend,
             ),
@@ -290,8 +320,9 @@ def step_jit(
     # second call other input shardings (a recompile of every program warmup built, on the first
     # real request).
     return jax.jit(
-        functools.partial(
+        bound(
             step_program,
+            shared,
             attention_backend=attention_backend,
             linear_backend=linear_backend,
             mesh=mesh,
@@ -324,10 +355,10 @@ def sampler_context(num_sample_rows: int) -> str:
     )
 
 
-def sampler_jit(num_sample_rows: int) -> Any:
-    """The jitted sampler of split steps (packed inputs, one device)."""
+def sampler_jit(num_sample_rows: int, shared: bool = True) -> Any:
+    """The jitted sampler of split steps (packed inputs, one device); `shared` as `step_jit`."""
     return jax.jit(
-        functools.partial(packed_sample_program, num_sample_rows=num_sample_rows),
+        bound(packed_sample_program, shared, num_sample_rows=num_sample_rows),
         static_argnames=("layout",),
         compiler_options=compiler_options(),
     )
