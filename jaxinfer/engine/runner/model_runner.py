@@ -164,6 +164,7 @@ class ModelRunner:
         rows = self.num_sample_rows
         self._samplers = ProgramTable(sampler_jit(rows), "sampler", sampler_context(rows))
         self._sample_jit = self._samplers.jitted
+        self._steps.first_use = self._samplers.first_use = executable_cache.first_use_cache()
         self.num_compiled = 0
         # (token bucket, page bucket, logits, verify rows)
         self._compiled: set[tuple[int, int, bool, int]] = set()

@@ -9,6 +9,11 @@
 3. `table(key, args, kwargs)` runs the program kept under `key` on the call's dynamic
    arguments, or the jitted function (which traces and compiles a shape warmup did not build,
    also where an argument the key does not describe differs from warmup's).
+4. With `first_use` set (the served engine core: `executable_cache.first_use_cache()`), a call
+   warmup did not build makes its program as `build` does, synchronously: loaded from the
+   executable cache, else lowered and compiled here and stored (unless JAX read it from its
+   persistent cache: such executables do not survive serialization, see `compile_cache`). So a
+   second process with `--no-warmup` traces nothing a first one compiled.
 
 NOTE: a `Compiled` checks every argument's type before it runs (a mismatch raises TypeError,
 nothing donated), so a key that describes a call incompletely cannot run a wrong program.
@@ -19,6 +24,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from jaxinfer import compile_cache
 from jaxinfer.executable_cache import ExecutableCache, program_key
 
 
@@ -29,6 +35,7 @@ class ProgramTable:
         self.jitted, self.name, self.context = jitted, name, context
         self.static_argnums = static_argnums  # positional arguments the jit treats as static
         self.programs: dict[Any, Any] = {}
+        self.first_use: ExecutableCache | None = None  # see the module docstring, step 4
 
     def __len__(self) -> int:
         return len(self.programs)
@@ -42,12 +49,27 @@ class ProgramTable:
 
     def __call__(self, key: Any, args: tuple, kwargs: dict) -> Any:
         program = self.programs.get(key)
+        if program is None and self.first_use is not None:
+            program = self._first_use(key, args, kwargs, self.first_use)
         if program is not None:
             try:
                 return program(*self.dynamic(args))
             except TypeError:  # NOTE: raised by the argument check, before anything ran
                 pass  # e.g. a wider suppress-ids table than warmup's: the jit builds that one
         return self.jitted(*args, **kwargs)
+
+    def _first_use(self, key: Any, args: tuple, kwargs: dict, cache: ExecutableCache) -> Any:
+        disk_key = self.disk_key(args, kwargs)
+        if cache.holds(disk_key):
+            program = cache.load(disk_key)
+            if program is not None:
+                self.programs[key] = program
+                return program
+        compiled, fresh = compile_cache.compiled_fresh(self.jitted.lower(*args, **kwargs).compile)
+        if fresh:
+            cache.store(disk_key, compiled)
+        self.programs[key] = compiled
+        return compiled
 
     def disk_key(self, args: tuple, kwargs: dict) -> str:
         """This call's key in the executable cache (`executable_cache.program_key`)."""
