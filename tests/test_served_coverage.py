@@ -56,6 +56,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "`--kv-cache-dtype`": (NGRAM,),
     "`--page-size`, `--num-pages` / `--kv-cache-memory`": (FLAGS, BUDGETS),
     "`--max-num-seqs`, `--max-num-batched-tokens`": (BUDGETS, PRIORITY),
+    "`--token-buckets`": (F + "test_token_buckets_bound_the_compiled_programs",),
     "`--long-prefill-token-threshold`": (E + "test_long_prefill_threshold_splits_the_prompt",),
     "`--max-model-len`": (BUDGETS,),
     "`--mesh`": (FP8_MESH, NGRAM),
