@@ -36,6 +36,7 @@ class ProgramTable:
         self.static_argnums = static_argnums  # positional arguments the jit treats as static
         self.programs: dict[Any, Any] = {}
         self.first_use: ExecutableCache | None = None  # see the module docstring, step 4
+        self._jit_only: set[Any] = set()  # keys whose program refused its arguments' layouts
 
     def __len__(self) -> int:
         return len(self.programs)
@@ -49,13 +50,20 @@ class ProgramTable:
 
     def __call__(self, key: Any, args: tuple, kwargs: dict) -> Any:
         program = self.programs.get(key)
-        if program is None and self.first_use is not None:
+        if program is None and self.first_use is not None and key not in self._jit_only:
             program = self._first_use(key, args, kwargs, self.first_use)
         if program is not None:
             try:
                 return program(*self.dynamic(args))
             except TypeError:  # NOTE: raised by the argument check, before anything ran
                 pass  # e.g. a wider suppress-ids table than warmup's: the jit builds that one
+            except ValueError as e:  # NOTE: the layout check, also before anything ran
+                if "layouts" not in str(e):
+                    raise
+                # int4 weights on a mesh: the AOT program wants sub-byte layouts the arrays do
+                # not report; the jit runs them (every call: this key is the jit's from now on)
+                del self.programs[key]
+                self._jit_only.add(key)
         return self.jitted(*args, **kwargs)
 
     def _first_use(self, key: Any, args: tuple, kwargs: dict, cache: ExecutableCache) -> Any:
