@@ -118,7 +118,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "`--scheduling-policy`": (FIELDS + "test_priority_runs_the_urgent_request_first",),
     "`--api-key`": (FIELDS + "test_api_key_on_both_protocols",),
     "`--fake-poison-token`": (
-        "test_served_breaker.py::test_three_unexplained_failures_break_the_engine_and_the_server_says_so",
+        "test_served_isolation.py::test_three_unexplained_failures_break_the_engine_and_the_server_says_so",
         "test_served_isolation.py::test_a_poisoned_request_fails_alone_beside_eight_streams",
     ),
     # runtime / features
