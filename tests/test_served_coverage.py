@@ -107,7 +107,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     ),
     "`--engine-in-process`": (M + "test_engine_in_process_and_profile_port",),
     "`--fake-runner`, `--fake-step-delay`": (
-        "test_server.py::test_serve_script_sigterm_drains_and_exits_0",
+        "test_http_server.py::test_serve_script_serves_both_protocols_over_one_front_end",
     ),
     "`--enable-auto-tool-choice`": (TOOLS + "test_auto_parses_the_hermes_format",),
     "`--tool-call-parser`": (
