@@ -167,6 +167,7 @@ def test_compiled_fresh_tells_a_persistent_cache_read() -> None:
     def program():
         return jax.jit(lambda y: y * x + 1).lower(np.float32(2)).compile()
 
-    assert compile_cache.active_dir(), "the suite runs with JAX's persistent cache on"
+    if not compile_cache.active_dir():
+        pytest.skip("JAX's persistent cache is off (JAX_COMPILATION_CACHE_DIR empty)")
     assert compile_cache.compiled_fresh(program)[1]
     assert not compile_cache.compiled_fresh(program)[1]  # the same HLO: read from the cache
