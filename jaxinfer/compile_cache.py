@@ -31,9 +31,11 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EVENTS = {
     "/jax/compilation_cache/cache_hits": "hits",
@@ -115,6 +117,15 @@ def persistent_cache_paused() -> Iterator[None]:
         compilation_cache.reset_cache()
 
 
+def compiled_fresh(compile_fn: Callable[[], T]) -> tuple[T, bool]:
+    """`compile_fn()` and whether XLA compiled it (no hit in JAX's persistent cache meanwhile, in
+    any thread): only such an executable may be serialized (see `persistent_cache_paused`)."""
+    _listen()
+    hits = cache_counts()["hits"]
+    out = compile_fn()
+    return out, cache_counts()["hits"] == hits
+
+
 def active_dir() -> str:
     """The directory JAX caches into in this process ("": off, or JAX not loaded)."""
     jax = sys.modules.get("jax")
@@ -170,6 +181,7 @@ def _listen() -> None:
 __all__ = [
     "active_dir",
     "cache_counts",
+    "compiled_fresh",
     "count_executable",
     "default_dir",
     "enable",

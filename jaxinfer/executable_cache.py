@@ -20,6 +20,10 @@ finds it traces nothing.
    the entry atomically (a temporary file, then `os.replace`); `counts()` says how many
    programs this process loaded and stored.
 
+4. `first_use_cache()`: the cache for the programs a runner compiles on first use (not by
+   warmup), once `cache_first_use()` turned that on for this process (the served engine core
+   does: `serving.launch.build_core`); None otherwise (JAX's persistent cache alone).
+
 NOTE: an entry holds the whole key text and is used only when it equals the caller's, so a hash
 collision cannot load a wrong program; the loaded `Compiled` also checks every argument's type
 at each call (a mismatch raises before anything runs). Donation and shardings are part of the
@@ -56,6 +60,7 @@ _ENV_PREFIXES = ("JAX_", "XLA_", "LIBTPU", "JAXINFER_", "TPU_", "CUDA_VISIBLE_DE
 _ENV_IGNORED = ("JAX_COMPILATION_CACHE_DIR", "JAXINFER_KERNEL_CACHE")
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")  # an object's repr without its address
 _counts = {"loaded": 0, "stored": 0}
+_first_use = False
 _lock = threading.Lock()
 
 
@@ -209,6 +214,17 @@ class ExecutableCache:
         logger.warning("executable cache: " + what, where, type(e).__name__, e)
 
 
+def cache_first_use(on: bool = True) -> None:
+    """Programs compiled on first use go through the executable cache in this process."""
+    global _first_use
+    _first_use = on
+
+
+def first_use_cache() -> ExecutableCache | None:
+    """The cache for programs compiled on first use (see the module docstring, step 4)."""
+    return ExecutableCache.open() if _first_use else None
+
+
 def _count(name: str) -> None:
     with _lock:
         _counts[name] += 1
@@ -220,4 +236,12 @@ def counts() -> dict[str, int]:
         return dict(_counts)
 
 
-__all__ = ["ExecutableCache", "counts", "environment", "program_key", "source_hash"]
+__all__ = [
+    "ExecutableCache",
+    "cache_first_use",
+    "counts",
+    "environment",
+    "first_use_cache",
+    "program_key",
+    "source_hash",
+]

@@ -119,6 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=512)
     e.add_argument(
+        "--token-buckets",
+        type=_token_buckets,
+        default=None,
+        help="the step token counts programs are compiled for, comma-separated (e.g. 8,64,512; "
+        "the largest must reach --max-num-batched-tokens); default: 1, 2, 4, ... up to "
+        "--max-num-batched-tokens. Fewer buckets compile fewer programs and pad more",
+    )
+    e.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -396,6 +404,7 @@ def engine_args(args: argparse.Namespace):
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        token_buckets=args.token_buckets,
         enable_prefix_caching=not args.no_prefix_caching,
         async_scheduling=not args.no_async_scheduling,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
@@ -593,6 +602,17 @@ async def serve(args: argparse.Namespace, channel=None) -> int:
     finally:
         if channel is not None:
             channel.shutdown()  # the engine thread has stopped: no step can interleave
+
+
+def _token_buckets(text: str) -> tuple[int, ...]:
+    """`--token-buckets`: comma-separated step sizes >= 1."""
+    try:
+        buckets = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 8,64,512, got {text!r}") from None
+    if min(buckets) < 1:
+        raise argparse.ArgumentTypeError(f"buckets must be >= 1, got {text!r}")
+    return buckets
 
 
 def _mm_limits(text: str) -> dict[str, int]:

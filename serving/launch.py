@@ -73,6 +73,10 @@ def build_core(args: EngineArgs) -> EngineCore:
     compile_cache.enable(args.compilation_cache_dir)  # NOTE: before anything compiles
     import jax
 
+    from jaxinfer import executable_cache
+
+    executable_cache.cache_first_use()  # a restart with --no-warmup traces nothing either
+
     from jaxinfer import sharding
     from jaxinfer.engine.core import EngineCore
 

@@ -133,16 +133,23 @@ def successor_model_dir(root: Path) -> Path:
     return root
 
 
+# NOTE: the tiny served engines' step sizes: every decode of up to 4 sequences in one program,
+# every longer step in the other (the default 1, 2, 4, ..., 64 compiles up to 7 per variant).
+# The served modules share these shapes, so what one compiled the next loads from the
+# executable cache (`jaxinfer.executable_cache.first_use_cache`): nothing traced again.
+TINY_BUCKETS = ("--token-buckets", "4,64")
+
+
 def serve_tiny(
     root: Path, *flags: str, chat_template: str | None = None, env: dict[str, str] | None = None
 ) -> ServedProcess:
     """`serve.py` over `tiny_model_dir(root, chat_template)` (dummy weights, no warmup, 4
-    sequences, 64-token steps, 64 pages, max_model_len 256); `flags` come last, so they override
-    these; `env` adds to the process's environment."""
+    sequences, 64-token steps in `TINY_BUCKETS`, 64 pages, max_model_len 256); `flags` come last,
+    so they override these; `env` adds to the process's environment."""
     model = tiny_model_dir(root, chat_template)
     base = ["--model", str(model), "--load-format", "dummy", "--no-warmup"]
     sizes = ["--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
-    return ServedProcess([*base, *sizes, "--num-pages", "64", *flags], env=env)
+    return ServedProcess([*base, *sizes, *TINY_BUCKETS, "--num-pages", "64", *flags], env=env)
 
 
 def serve_fake(*flags: str) -> ServedProcess:

@@ -5,12 +5,16 @@
    (JAX's own monitoring events), and gives the same tokens, split sampling included.
 2. Another configuration (KV-cache dtype, activation dtype) or another source hash is another key: nothing loads.
 3. A corrupt entry is logged once and compiled again (and the tokens are still the same).
+4. With `cache_first_use` (the served engine core), a runner without warmup stores what its calls
+   compile and the next one loads it on first use (nothing traced); an executable JAX read from
+   its own persistent cache is not stored.
 """
 
 import logging
 import pickle
 
 import jax
+import numpy as np
 import pytest
 from jax._src.dispatch import BACKEND_COMPILE_EVENT, JAXPR_TRACE_EVENT
 from test_runner import SMALL, drive, req, small_runner
@@ -134,3 +138,36 @@ def test_corrupt_entry_is_compiled_again(small, first, in_cache_dir, caplog) -> 
     assert len(warnings) == 1 and sampler.name in warnings[0], warnings
     assert pickle.loads(sampler.read_bytes())[0] == key
     assert run(again) == tokens
+
+
+def test_first_use_stores_and_the_next_runner_loads(small, first, tmp_path, monkeypatch) -> None:
+    _, tokens = first
+    monkeypatch.setattr(executable_cache, "_first_use", True)
+    monkeypatch.setattr(compile_cache, "active_dir", lambda: str(tmp_path))
+    before = executable_cache.counts()
+    with compile_cache.persistent_cache_paused():  # NOTE: XLA compiles them: they are stored
+        cold = small_runner(small)
+        assert run(cold) == tokens
+    stored = executable_cache.counts()["stored"] - before["stored"]
+    assert stored == len(list((tmp_path / executable_cache.SUBDIR).glob("*.jexe"))) >= 2
+    assert cold.compiled_program_count() == stored  # one program per call signature
+    events, stop = program_events()
+    try:
+        warm = small_runner(small)
+        assert run(warm) == tokens
+    finally:
+        stop()
+    assert events == []
+    assert executable_cache.counts()["loaded"] - before["loaded"] == stored
+
+
+def test_compiled_fresh_tells_a_persistent_cache_read() -> None:
+    x = np.float32(np.random.default_rng().random())  # a constant no other program holds
+
+    def program():
+        return jax.jit(lambda y: y * x + 1).lower(np.float32(2)).compile()
+
+    if not compile_cache.active_dir():
+        pytest.skip("JAX's persistent cache is off (JAX_COMPILATION_CACHE_DIR empty)")
+    assert compile_cache.compiled_fresh(program)[1]
+    assert not compile_cache.compiled_fresh(program)[1]  # the same HLO: read from the cache

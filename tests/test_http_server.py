@@ -17,7 +17,9 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 openai = pytest.importorskip("openai")
 
@@ -26,6 +28,7 @@ from served_utils import serve_fake  # noqa: E402
 from serving.client import GenerateClient, build_request  # noqa: E402
 from serving.frontend import FrontEnd  # noqa: E402
 from serving.http_server import OpenAIServer  # noqa: E402
+from serving.protos.jaxinfer.v1 import generate_pb2 as pb  # noqa: E402
 from serving.server import GenerateServer  # noqa: E402
 from serving.testing import (  # noqa: E402
     FakeRunner,
@@ -363,7 +366,8 @@ def test_engine_failure_mid_stream_is_an_error_event(tok):
 @pytest.mark.slow  # a subprocess: imports JAX and builds the tokenizer again (~15 s)
 def test_serve_script_serves_both_protocols_over_one_front_end(tok):
     """scripts/serve.py --http-port: gRPC and HTTP share one front end (one metrics registry,
-    one lifecycle): SIGTERM turns HTTP /health 503 while a gRPC stream drains, then exit 0."""
+    one lifecycle): SIGTERM turns HTTP /health 503 and gRPC health NOT_SERVING (new requests
+    UNAVAILABLE) while a gRPC stream drains to its end, then exit 0."""
     srv = serve_fake()
     proc = srv.proc
     try:
@@ -387,10 +391,18 @@ def test_serve_script_serves_both_protocols_over_one_front_end(tok):
         while _get(http, "/health")[0] != 503:
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        while c.health_status() != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as e:
+            list(c.generate("hi", max_tokens=2))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         rest = [first, *stream]
         assert [t for m in rest for t in m.token_ids] == fake_stream([1000, 1007], 150)
+        assert rest[-1].finish_reason == pb.GenerateResponse.LENGTH
         c.close()
         assert srv.wait(30) == 0
+        assert "server stopped" in "".join(srv.log)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -56,6 +56,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "`--kv-cache-dtype`": (NGRAM,),
     "`--page-size`, `--num-pages` / `--kv-cache-memory`": (FLAGS, BUDGETS),
     "`--max-num-seqs`, `--max-num-batched-tokens`": (BUDGETS, PRIORITY),
+    "`--token-buckets`": (F + "test_token_buckets_bound_the_compiled_programs",),
     "`--long-prefill-token-threshold`": (E + "test_long_prefill_threshold_splits_the_prompt",),
     "`--max-model-len`": (BUDGETS,),
     "`--mesh`": (FP8_MESH, NGRAM),
@@ -106,7 +107,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     ),
     "`--engine-in-process`": (M + "test_engine_in_process_and_profile_port",),
     "`--fake-runner`, `--fake-step-delay`": (
-        "test_server.py::test_serve_script_sigterm_drains_and_exits_0",
+        "test_http_server.py::test_serve_script_serves_both_protocols_over_one_front_end",
     ),
     "`--enable-auto-tool-choice`": (TOOLS + "test_auto_parses_the_hermes_format",),
     "`--tool-call-parser`": (
@@ -117,7 +118,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "`--scheduling-policy`": (FIELDS + "test_priority_runs_the_urgent_request_first",),
     "`--api-key`": (FIELDS + "test_api_key_on_both_protocols",),
     "`--fake-poison-token`": (
-        "test_served_breaker.py::test_three_unexplained_failures_break_the_engine_and_the_server_says_so",
+        "test_served_isolation.py::test_three_unexplained_failures_break_the_engine_and_the_server_says_so",
         "test_served_isolation.py::test_a_poisoned_request_fails_alone_beside_eight_streams",
     ),
     # runtime / features

@@ -60,6 +60,7 @@ def served(model_dir, trace_dir):
     args = [
         *("--model", str(model_dir), "--no-warmup", "--max-model-len", "256"),
         *("--max-num-seqs", "1", "--max-num-batched-tokens", "32", "--page-size", "8"),
+        *("--token-buckets", "4,32"),  # NOTE: decodes and verifies in one program, chunks in one
         *("--kv-cache-memory", "128KiB", "--no-prefix-caching", "--no-async-scheduling"),
         *("--long-prefill-token-threshold", "8", "--attention-backend", "reference"),
         *("--linear-backend", "xla", "--quantization", "int8", "--max-queue", "2"),

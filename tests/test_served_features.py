@@ -12,7 +12,8 @@ logit below 3001), so every answer is known in plain Python:
    (-log(1 + e^-1) for a one-logit gap), cached prompt tokens are counted;
 3. the server's flags show: `--served-model-name`, `--http-host`, `--max-model-len`,
    `--num-pages`, `--max-num-batched-tokens` (prefill steps counted on /metrics),
-   `--log-interval`, `--metrics-port`, health and reflection;
+   `--token-buckets` (compiled programs counted on /metrics), `--log-interval`,
+   `--metrics-port`, health and reflection;
 4. the Python API and scripts over the same checkpoint: `LLM.chat`, `scripts/generate.py --chat`
    and `scripts/client.py --chat` against this server.
 """
@@ -32,6 +33,7 @@ from served_utils import (
     CYCLE,
     ROOT,
     RUNNER_UP,
+    TINY_BUCKETS,
     ServedProcess,
     successor_model_dir,
     successors,
@@ -49,6 +51,7 @@ EOS = 2  # <|im_end|> (0, <|endoftext|>, is the other EOS id)
 NAME = "succ"
 HTTP_HOST = "127.0.0.2"  # --http-host apart from --host (127.0.0.1)
 ARGS = [
+    *TINY_BUCKETS,
     "--no-warmup",
     "--max-model-len",
     "256",
@@ -347,6 +350,16 @@ def test_budgets_and_limits_reach_the_engine(served, grpc_client):
         grpc_tokens(grpc_client, [5000] * 10, max_tokens=250)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "max_tokens" in e.value.details()
+
+
+def test_token_buckets_bound_the_compiled_programs(served, grpc_client):
+    """--token-buckets 4,64: prompts of 3 to 50 tokens, one at a time, and their decodes run in
+    the 4- and 64-token programs. The default buckets would compile six for these steps alone
+    (1, 4, 8, 16, 32, 64); with two, the module's whole workload needs at most 2 x 2 step
+    programs (with and without prompt logits) and one structured-output sampler."""
+    for start, n in zip(range(8200, 8700, 100), (3, 6, 12, 30, 50), strict=True):
+        grpc_tokens(grpc_client, list(range(start, start + n)), max_tokens=2, temperature=0)
+    assert 2 <= served.metric("jaxinfer_compiled_programs") <= 5
 
 
 def test_service_health_reflection_and_metrics(served, grpc_client):

@@ -9,6 +9,10 @@ step holding a prompt with token 4242 raises.
    token mask) is refused as a bad argument (HTTP 400 naming `structured_outputs.regex`, gRPC
    INVALID_ARGUMENT naming `sampling.structured_outputs.regex`) while a concurrent stream's
    tokens keep arriving: the engine core proves grammars off its step thread.
+3. Last, the breaker on the same server: a lone poisoned request on an idle engine is an
+   unexplained failure (no step shows the engine still works); three in a row trip the breaker.
+   The server then stays up and says so: gRPC health NOT_SERVING and new requests UNAVAILABLE,
+   HTTP `/health` 503 and new requests 503 with an error object; SIGTERM still stops it cleanly.
 """
 
 from __future__ import annotations
@@ -190,3 +194,60 @@ def test_an_expensive_grammar_is_invalid_argument_on_grpc(served):
         c.close()
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     assert e.value.details().startswith("sampling.structured_outputs.regex is too expensive")
+
+
+def _http(srv: ServedProcess, path: str, body: dict | None = None) -> tuple[int, dict | None]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{srv.http_port}{path}", data, {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if raw.startswith(b"{") else None
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        return e.code, json.loads(raw) if raw.startswith(b"{") else None
+
+
+def test_three_unexplained_failures_break_the_engine_and_the_server_says_so(served):
+    """Last for this server (it breaks the engine, then stops it)."""
+    srv = served
+    try:
+        c = GenerateClient(srv.grpc_address)
+        try:
+            ok = list(c.generate([1000, 1001], max_tokens=4))
+            assert sum(len(m.token_ids) for m in ok) == 4
+            for _ in range(3):  # alone on an idle engine: nothing to pin the failure on
+                with pytest.raises(grpc.RpcError) as e:
+                    list(c.generate([1000, POISON], max_tokens=4))
+                assert e.value.code() == grpc.StatusCode.INTERNAL
+            # NOTE: the core says Broken right after the failure the client just got: wait for it
+            deadline = time.monotonic() + 30
+            while c.health_status() != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "".join(srv.log[-30:])
+                time.sleep(0.02)
+            with pytest.raises(grpc.RpcError) as e:
+                list(c.generate([1000, 1001], max_tokens=4))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            c.close()
+        status, _ = _http(srv, "/health")
+        assert status == 503
+        status, body = _http(srv, "/v1/completions", {"prompt": [1000, 1001], "max_tokens": 4})
+        assert status == 503 and body["error"]["message"], body
+        # It stays up saying so (were the core gone, the front end would exit within ~1 s).
+        until = time.monotonic() + 3
+        c = GenerateClient(srv.grpc_address)
+        try:
+            while time.monotonic() < until:
+                assert c.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING
+                time.sleep(0.1)
+        finally:
+            c.close()
+        assert srv.proc.poll() is None, "the front end must stay up while broken"
+        assert "engine core is gone" not in "".join(srv.log)
+        assert "engine broken" in "".join(srv.log)
+    finally:
+        code = srv.stop()
+    assert code == 0, "".join(srv.log[-30:])

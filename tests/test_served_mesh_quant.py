@@ -22,14 +22,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-from served_utils import ServedProcess, successor_model_dir, successors
+from served_utils import TINY_BUCKETS, ServedProcess, successor_model_dir, successors
 
 from serving.client import GenerateClient
 
 pytestmark = pytest.mark.slow  # server subprocesses
 
 V = 49152
-SIZES = ["--no-warmup", "--max-model-len", "256", "--max-num-seqs", "4", "--num-pages", "64"]
+SIZES = [
+    *("--no-warmup", "--max-model-len", "256", "--max-num-seqs", "4", "--num-pages", "64"),
+    *("--max-num-batched-tokens", "64", *TINY_BUCKETS),  # NOTE: two step programs per server
+]
 
 
 def _free_port() -> int:

@@ -44,6 +44,7 @@ def served(hf_model):
             *("--model", str(path), "--skip-tokenizer-init", "--no-warmup"),
             *("--mesh", "expert=2,tensor=2", "--max-model-len", "64", "--page-size", "4"),
             *("--num-pages", "32", "--max-num-seqs", "2", "--max-num-batched-tokens", "16"),
+            *("--token-buckets", "2,16"),  # NOTE: the decodes in one program, prefill in one
         ],
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
     )

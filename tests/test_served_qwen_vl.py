@@ -22,7 +22,8 @@ def client(tmp_path_factory):
     model = tiny_qwen_vl_dir(tmp_path_factory.mktemp("served") / "qwen-vl")
     srv = ServedProcess(
         ["--model", model, "--load-format", "dummy", "--no-warmup", "--max-model-len", "128",
-         "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--num-pages", "32"]
+         "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--num-pages", "32",
+         "--token-buckets", "2,32"]
     )  # fmt: skip
     yield openai.OpenAI(base_url=srv.http_url, api_key="x", max_retries=0)
     assert srv.stop() == 0, "".join(srv.log[-30:])

@@ -86,6 +86,7 @@ def served(tmp_path_factory, media):
     srv = ServedProcess(
         ["--model", model, "--load-format", "dummy", "--no-warmup", "--max-model-len", "128",
          "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--num-pages", "32",
+         "--token-buckets", "2,32",
          "--limit-mm-per-prompt", '{"image": 2}', "--max-num-encoder-input-tokens",
          str(TOKENS_PER_IMAGE), "--allowed-local-media-path", media[1],
          "--allowed-media-domains", "127.0.0.1", "--max-image-bytes", "64KiB"],

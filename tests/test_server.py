@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -24,7 +23,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from served_utils import serve_fake
 
 from jaxinfer.engine.engine import wait_all
 from jaxinfer.sampling_params import SamplingParams
@@ -613,33 +611,6 @@ def test_client_script(srv, tok, capsys):
         ["--port", str(srv.port), "--host", "127.0.0.1", "--prompt", "x", "--temperature", "-1"]
     )
     assert rc == 1 and "INVALID_ARGUMENT" in capsys.readouterr().err
-
-
-@pytest.mark.slow  # a subprocess: imports JAX and builds the tokenizer again (~15 s)
-def test_serve_script_sigterm_drains_and_exits_0(tok):
-    """scripts/serve.py end to end: SIGTERM mid-stream finishes the stream, then exit 0."""
-    srv = serve_fake()
-    proc = srv.proc
-    try:
-        c = GenerateClient(srv.grpc_address)
-        c.wait_ready(10)
-        stream = c.stub.Generate(build_request([1000, 1007], max_tokens=150))
-        first = next(stream)
-        proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        while c.health_status() != health_pb2.HealthCheckResponse.NOT_SERVING:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        err = _rpc_error(c.generate, "hi", max_tokens=2)
-        assert err.code() == grpc.StatusCode.UNAVAILABLE
-        rest = [first, *stream]
-        assert _ids(rest) == fake_stream([1000, 1007], 150) and rest[-1].finish_reason == LENGTH
-        c.close()
-        assert srv.wait(30) == 0
-        assert "server stopped" in "".join(srv.log)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_serve_script_mesh_spans_every_device_or_says_what_to_change(monkeypatch):

@@ -177,6 +177,7 @@ class ModelRunner:
             fresh=lambda: sampler_jit(rows, shared=False),
         )
         self._sample_jit = self._samplers.jitted
+        self._steps.first_use = self._samplers.first_use = executable_cache.first_use_cache()
         self.num_compiled = 0
         # (token bucket, page bucket, logits, verify rows)
         self._compiled: set[tuple[int, int, bool, int]] = set()

@@ -18,6 +18,11 @@
    the `fixed` leading ones). NOTE: not the jit's own `_cache_size()`: runners with the same
    options share one function object, so JAX's caches behind their jits are shared too
    (`programs.bound`); a runner's count must not include another runner's programs.
+5. With `first_use` set (the served engine core: `executable_cache.first_use_cache()`), a call
+   warmup did not build makes its program as `build` does, synchronously: loaded from the
+   executable cache, else lowered and compiled here and stored (unless JAX read it from its
+   persistent cache: such executables do not survive serialization, see `compile_cache`). So a
+   second process with `--no-warmup` traces nothing a first one compiled.
 
 NOTE: a `Compiled` checks every argument's type before it runs (a mismatch raises TypeError,
 nothing donated), so a key that describes a call incompletely cannot run a wrong program.
@@ -31,6 +36,7 @@ from typing import Any
 
 import jax
 
+from jaxinfer import compile_cache
 from jaxinfer.executable_cache import ExecutableCache, program_key
 
 
@@ -54,6 +60,8 @@ class ProgramTable:
         self.fixed = fixed
         self.programs: dict[Any, Any] = {}
         self.jit_signatures: set[tuple] = set()
+        self.first_use: ExecutableCache | None = None  # see the module docstring, step 5
+        self._jit_only: set[Any] = set()  # keys whose program refused its arguments' layouts
 
     def __len__(self) -> int:
         return len(self.programs)
@@ -67,11 +75,20 @@ class ProgramTable:
 
     def __call__(self, key: Any, args: tuple, kwargs: dict) -> Any:
         program = self.programs.get(key)
+        if program is None and self.first_use is not None and key not in self._jit_only:
+            program = self._first_use(key, args, kwargs, self.first_use)
         if program is not None:
             try:
                 return program(*self.dynamic(args))
             except TypeError:  # NOTE: raised by the argument check, before anything ran
                 pass  # e.g. a wider suppress-ids table than warmup's: the jit builds that one
+            except ValueError as e:  # NOTE: the layout check, also before anything ran
+                if "layouts" not in str(e):
+                    raise
+                # int4 weights on a mesh: the AOT program wants sub-byte layouts the arrays do
+                # not report; the jit runs them (every call: this key is the jit's from now on)
+                del self.programs[key]
+                self._jit_only.add(key)
         self.jit_signatures.add(self.signature(key, args))
         return self.jitted(*args, **kwargs)
 
@@ -83,6 +100,19 @@ class ProgramTable:
             + (getattr(x, "weak_type", None), getattr(x, "sharding", None))
             for x in leaves
         )
+
+    def _first_use(self, key: Any, args: tuple, kwargs: dict, cache: ExecutableCache) -> Any:
+        disk_key = self.disk_key(args, kwargs)
+        if cache.holds(disk_key):
+            program = cache.load(disk_key)
+            if program is not None:
+                self.programs[key] = program
+                return program
+        compiled, fresh = compile_cache.compiled_fresh(self._lower(cache, args, kwargs).compile)
+        if fresh:
+            cache.store(disk_key, compiled)
+        self.programs[key] = compiled
+        return compiled
 
     def disk_key(self, args: tuple, kwargs: dict) -> str:
         """This call's key in the executable cache (`executable_cache.program_key`)."""
