@@ -109,12 +109,7 @@ class Stream:
         core refused it for what the client sent)."""
         item, self.held = self.held or await self.queue.get(), None
         if isinstance(item, Failure):
-            if not item.bad_argument:
-                raise RequestFailed(item.message)
-            named = _FIELD.match(item.message)  # the core names the field as this package does
-            if named is None:
-                raise InvalidArgument(item.message)
-            raise self.fields.error(FieldError(named[0], item.message[named.end() :]))
+            self._raise(item)
         while not item.finished and not self.queue.empty():
             nxt = self.queue.get_nowait()
             if isinstance(nxt, Failure) or nxt.index != item.index:
@@ -122,6 +117,22 @@ class Stream:
                 break
             item.merge(nxt)
         return item
+
+    async def wait_first_output(self) -> None:
+        """Waits until the request has its first delta or has failed, taking nothing from it
+        (`next_batch` reads it next): a failure raises as `next_batch` will."""
+        if self.held is None:
+            self.held = await self.queue.get()
+        if isinstance(self.held, Failure):
+            self._raise(self.held)
+
+    def _raise(self, failure: Failure) -> None:
+        if not failure.bad_argument:
+            raise RequestFailed(failure.message)
+        named = _FIELD.match(failure.message)  # the core names the field as this package does
+        if named is None:
+            raise InvalidArgument(failure.message)
+        raise self.fields.error(FieldError(named[0], failure.message[named.end() :]))
 
 
 class EngineLoop:

@@ -250,6 +250,9 @@ class OpenAIServer:
         rid = req.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         meta = {"id": rid, "created": int(time.time()), "model": req.model or self.model_name}
         if req.stream:
+            refused = await self._first_outputs(request, streams)
+            if refused is not None:
+                return refused
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = (
                 self._chat_events(req, plan, streams, meta, include_usage)
@@ -274,6 +277,28 @@ class OpenAIServer:
         if not collect.done() or collect.cancelled():
             return Response(status_code=499)
         return JSONResponse(collect.result(), headers={"X-Request-Id": rid})
+
+    async def _first_outputs(self, request: Request, streams: list[Stream]) -> Response | None:
+        """None once every prompt has its first output (or failed in the engine: the stream
+        reports that as an error event); else the response to send instead: 400 for a request
+        the engine refused for what the client sent, 499 when the client went away first.
+        NOTE: a stream's status goes out with its first chunk, so it waits for the engine's
+        verdict: a request refused after admission (a grammar that fails its first mask, a
+        field only the core checks) answers 4xx, never 200 with an error in the stream."""
+        first = asyncio.ensure_future(asyncio.gather(*(s.wait_first_output() for s in streams)))
+        watch = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait({first, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if first.done() and not isinstance(first.exception(), InvalidArgument):
+            return None  # NOTE: an exception of another kind is raised again by `_deltas`
+        first.cancel()
+        for s in streams:
+            self.frontend.cancel(s)
+        if not first.done() or first.cancelled():
+            return Response(status_code=499)
+        return self._error(http_error(first.exception()))
 
     async def _admit(
         self, req: Any, plan: chat_api.ChatPlan | None, lora: LoRARequest | None = None

@@ -260,6 +260,23 @@ HTTP_REFUSED = {
         {"structured_outputs": {"json_object": False}},
         "structured_outputs",
     ),
+    # no token of the model can write the choice: llguidance fails its first mask (in the core,
+    # after admission); a stream must still answer 400, not 200 with an error inside
+    "unwritable choice, streamed": (
+        "completions",
+        {"structured_outputs": {"choice": ["\x1d"]}, "stream": True},
+        "structured_outputs.choice",
+    ),
+    "unwritable choice, streamed chat": (
+        "chat",
+        {"structured_outputs": {"choice": ["\x1d"]}, "stream": True},
+        "structured_outputs.choice",
+    ),
+    "unwritable choice": (
+        "completions",
+        {"structured_outputs": {"choice": ["\x1d"]}},
+        "structured_outputs.choice",
+    ),
     "schema with huge numbers": (
         "chat",
         {
