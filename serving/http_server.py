@@ -47,7 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from jaxinfer.engine.output import RequestDelta, Usage
 from jaxinfer.lora.request import LoRARequest
 from serving import chat as chat_api
-from serving import http_errors, http_extras, http_lora, validation
+from serving import http_errors, http_extras, http_lora, http_waits, validation
 from serving import openai_protocol as oai
 from serving.engine_loop import Stream
 from serving.errors import InvalidArgument, QueueFull, RequestFailed, Unavailable
@@ -264,39 +264,24 @@ class OpenAIServer:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
             )
-        collect = asyncio.ensure_future(self._collect(req, streams, meta, plan))
-        watch = asyncio.ensure_future(_until_disconnected(request))
-        try:
-            await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not collect.done():  # the client went away: its streams are aborted
-                collect.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await collect
-        if not collect.done() or collect.cancelled():
+        collect = await http_waits.unless_gone(request, self._collect(req, streams, meta, plan))
+        if collect is None:  # the client went away: its streams are aborted
             return Response(status_code=499)
         return JSONResponse(collect.result(), headers={"X-Request-Id": rid})
 
     async def _first_outputs(self, request: Request, streams: list[Stream]) -> Response | None:
-        """None once every prompt has its first output (or failed in the engine: the stream
-        reports that as an error event); else the response to send instead: 400 for a request
-        the engine refused for what the client sent, 499 when the client went away first.
-        NOTE: a stream's status goes out with its first chunk, so it waits for the engine's
-        verdict: a request refused after admission (a grammar that fails its first mask, a
-        field only the core checks) answers 4xx, never 200 with an error in the stream."""
-        first = asyncio.ensure_future(asyncio.gather(*(s.wait_first_output() for s in streams)))
-        watch = asyncio.ensure_future(_until_disconnected(request))
-        try:
-            await asyncio.wait({first, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-        if first.done() and not isinstance(first.exception(), InvalidArgument):
+        """None once every prompt has its first output or failed in the engine (the stream's
+        error event); else the answer instead: 400 for a request the engine refused for what the
+        client sent (a grammar failing its first mask: never a 200 with an error inside, as the
+        status goes out with the first chunk), 499 when the client went away first."""
+        first = await http_waits.unless_gone(
+            request, asyncio.gather(*(s.wait_first_output() for s in streams))
+        )
+        if first is not None and not isinstance(first.exception(), InvalidArgument):
             return None  # NOTE: an exception of another kind is raised again by `_deltas`
-        first.cancel()
         for s in streams:
             self.frontend.cancel(s)
-        if not first.done() or first.cancelled():
+        if first is None:
             return Response(status_code=499)
         return self._error(http_error(first.exception()))
 
@@ -612,11 +597,3 @@ def _usage(req: Any, usages: list[list[Usage | None]]) -> dict[str, Any]:
     if getattr(req, "echo", False) and req.max_tokens == 0:
         out.update(completion_tokens=0, total_tokens=out["prompt_tokens"])
     return out
-
-
-async def _until_disconnected(request: Request) -> None:
-    """Returns when the client has gone away (its body is read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
