@@ -104,15 +104,8 @@ class ProgramTable:
     def _first_use(self, key: Any, args: tuple, kwargs: dict, cache: ExecutableCache) -> Any:
         disk_key = self.disk_key(args, kwargs)
         if cache.holds(disk_key):
-            program = cache.load(disk_key)
-            if program is not None:
-                self.programs[key] = program
-                return program
-        compiled, fresh = compile_cache.compiled_fresh(self._lower(cache, args, kwargs).compile)
-        if fresh:
-            cache.store(disk_key, compiled)
-        self.programs[key] = compiled
-        return compiled
+            return self._load(key, args, kwargs, cache, disk_key)
+        return self._compile(key, self._lower(cache, args, kwargs), cache, disk_key)
 
     def disk_key(self, args: tuple, kwargs: dict) -> str:
         """This call's key in the executable cache (`executable_cache.program_key`)."""
@@ -161,8 +154,10 @@ class ProgramTable:
     def _compile(
         self, key: Any, lowered: Any, cache: ExecutableCache | None, disk_key: str | None
     ) -> Any:
-        compiled = lowered.compile()
-        if cache is not None:
+        # NOTE: warmup compiles with JAX's persistent cache paused (always fresh); a first use
+        # may read it, and such an executable is not stored (module docstring, step 5)
+        compiled, fresh = compile_cache.compiled_fresh(lowered.compile)
+        if cache is not None and fresh:
             cache.store(disk_key, compiled)
         self.programs[key] = compiled
         return compiled

@@ -16,7 +16,8 @@ travel (`pack`: one buffer per dtype, `unpack_buffers` by static slices inside t
    the first one's traces, lowerings and compiled programs in JAX's in-memory caches (keyed by
    the function object; a new `functools.partial` per runner re-traced, re-lowered and read the
    persistent cache again: ~1.7 s of CPU per tiny engine). Each runner keeps its own `jax.jit`
-   object, so its `_cache_size()` still counts the programs its own calls used.
+   object, but the caches behind it are shared with the others, so a runner counts the programs
+   its own calls used by call signature (`ProgramTable.jit_cache_size`), not `_cache_size()`.
 """
 
 from __future__ import annotations
