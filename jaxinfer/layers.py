@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from checkpoints import quantize as qlib
+from jaxinfer import quantization
 from jaxinfer.config import ModelConfig, RopeConfig
 from jaxinfer.quantization import QArray
 from pallas_kernels import target
@@ -252,13 +253,16 @@ def dense(
         return tuple(_gpu_dense(x, w) for w in weights)
     if backend == "cpu" and _kernel_fits(x, weights, axis=0):
         if _int4_products(x, weights):
+            if len({w.tiled for w in weights}) > 1:  # one call per layout
+                return tuple(dense(x, w, backend=backend)[0] for w in weights)
             # int4's own layout to the kernel's integer products: f16 scales and offsets as stored.
             flat = [w.data.reshape(w.shape[0], -1) for w in weights]
             scales = tuple(w.scale.reshape(w.scale.shape[0], -1) for w in weights)
             offsets = tuple(w.offset.reshape(w.offset.shape[0], -1) for w in weights)
-            outs = cpu_linear.linear(x, *flat, scales=scales, offsets=offsets)
+            tiled = weights[0].tiled
+            outs = cpu_linear.linear(x, *flat, scales=scales, offsets=offsets, tiled=tiled)
         elif isinstance(weights[0], QArray):
-            flat = [w.data.reshape(w.shape[0], -1) for w in weights]
+            flat = [quantization.codes(w).reshape(w.shape[0], -1) for w in weights]
             scales = [_f32(w.scale).reshape(w.scale.shape[0], -1) for w in weights]  # f32[G, N]
             outs = cpu_linear.linear(x, *flat, scales=tuple(scales))
             outs = [_add_offsets(x, y, w) for y, w in zip(outs, weights)]
@@ -298,7 +302,7 @@ def _gpu_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
         return _xla_dense(x, w)
     t, e = x.shape
     groups = w.scale.shape[0]
-    data = w.data.reshape(e, -1)
+    data = quantization.codes(w).reshape(e, -1)
     if gpu_linear.supported(t, e, data.shape[1], groups, data.dtype) is not None:
         return _xla_dense(x, w)
     offset = None if w.offset is None else w.offset.reshape(groups, -1)
@@ -313,6 +317,7 @@ def _xla_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
         return jnp.tensordot(x, w, axes=1)
     t, e = x.shape
     groups = w.scale.shape[0]
+    codes = quantization.codes(w)  # NOTE: tiled int4 codes (decode's CPU kernel) untiled here
     if groups > 1 and _per_group_products(x, e, groups):
         # t: token rows, G: scale groups, g: input channels of a group, n...: output dims.
         # NOTE: the codes keep their output dims (only the contraction axis is split, a free view
@@ -323,14 +328,14 @@ def _xla_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
         parts = jnp.einsum(
             f"tGg,Gg{n}->tG{n}",
             xg,
-            _tie(w.data.reshape(groups, -1, *w.shape[1:]).astype(x.dtype), x),
+            _tie(codes.reshape(groups, -1, *w.shape[1:]).astype(x.dtype), x),
             preferred_element_type=jnp.float32,
         )
         y = jnp.einsum(f"tG{n},G{n}->t{n}", parts, _f32(w.scale))
         if w.offset is not None:
             y = y + jnp.einsum(f"tG,G{n}->t{n}", xg.sum(-1, dtype=jnp.float32), _f32(w.offset))
         return y.astype(x.dtype)
-    data = w.data.reshape(e, -1)  # [E, N]
+    data = codes.reshape(e, -1)  # [E, N]
     scale = _f32(w.scale).reshape(groups, -1)  # f32[G, N]
     out_shape = (t, *w.shape[1:])
     offset = None if w.offset is None else _f32(w.offset).reshape(groups, -1)  # f32[G, N]

@@ -150,6 +150,9 @@ class LLM:
         self.engine = LLMEngine(
             self.model, config, attention_backend=backend, linear_backend=linear_backend
         )
+        # NOTE: this LLM's own model takes the runner's params (a CPU runner tiles int4 codes,
+        # `quantization.tile_for_cpu`), so the process holds one copy of the weights.
+        self.model.params = self.engine.core.runner.params
         self.tokenizer = self.model.tokenizer
         self.vision = vision_spec(self.model.path, self.model.hf_config or {})
         self._ids = itertools.count()

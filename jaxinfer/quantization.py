@@ -44,6 +44,7 @@ from flax import struct
 from checkpoints import quantize as qlib
 from jaxinfer import sharding as shd
 from jaxinfer.params import ParamSpec, is_spec
+from pallas_kernels.linear import reference as linear_ref
 
 FORMATS = qlib.FORMATS
 check_quantization = qlib.check_format
@@ -54,11 +55,13 @@ STORAGE = {fmt: jnp.dtype(dt) for fmt, dt in qlib.STORAGE.items()}
 class QArray:
     """A weight stored quantized: `data` (the weight's shape) times `scale` (the weight's shape with
     its contraction axis cut to G groups), each group's scale broadcast over its input channels,
-    plus `offset` (int4: same shape as the scale; None otherwise)."""
+    plus `offset` (int4: same shape as the scale; None otherwise). `tiled` (static): int4 codes
+    whose [K, N] view holds its elements in the CPU kernel's tile order (`tile_for_cpu`)."""
 
     data: Any  # i8 | f8e4m3fn | u4[weight shape]; as a spec it keeps the weight's quant_axis
     scale: Any  # f32 | f16 (int4)[weight shape with the contraction axis of size G]
     offset: Any = None  # f16[like scale] for uint4 codes, else None
+    tiled: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -240,4 +243,38 @@ _quantize_jit = jax.jit(_quantize_impl, static_argnames=("fmt", "axis", "groups"
 def dequantize(q: QArray, axis: int, dtype: Any = jnp.float32) -> jax.Array:
     """`data * scale (+ offset)` as `dtype` (tests and the reference paths; the model never
     calls it)."""
-    return qlib.dequantize(q.data, q.scale, axis, xp=jnp, offset=q.offset).astype(dtype)
+    return qlib.dequantize(codes(q), q.scale, axis, xp=jnp, offset=q.offset).astype(dtype)
+
+
+def codes(q: QArray) -> Any:
+    """`q.data` in the weight's own element order (tiled int4 codes untiled)."""
+    if not q.tiled:
+        return q.data
+    return linear_ref.untile_int4(q.data.reshape(q.shape[0], -1)).reshape(q.shape)
+
+
+def tile_for_cpu(params: Any) -> Any:
+    """`params` with every int4 linear weight (uint4 codes with f16 scales and offsets,
+    contracted over axis 0) whose [K, N] view fits `linear_ref.tiles_fit` (and K / G a multiple
+    of its blocks) in the CPU kernel's tile order (`linear_ref.tile_int4`, `QArray.tiled`): its
+    decode products then stream each weight front to back. For one device's params only (tiles
+    do not split over shards); the runner calls it for `linear_backend="cpu"`."""
+
+    def one(q: Any) -> Any:
+        if not (is_quantized(q) and not q.tiled and q.offset is not None):
+            return q
+        if jnp.dtype(q.data.dtype) != STORAGE["int4"] or q.scale.dtype != jnp.float16:
+            return q
+        k, n, g = q.shape[0], q.data.size // q.shape[0], q.scale.shape[0]
+        if not (linear_ref.tiles_fit(k, n) and (k // g) % linear_ref.QBLOCK == 0):
+            return q
+        data = _tile_jit(q.data.reshape(k, n)).reshape(q.shape)
+        return q.replace(data=data, tiled=True)
+
+    return jax.tree.map(one, params, is_leaf=is_quantized)
+
+
+@jax.jit
+def _tile_jit(codes2d: jax.Array) -> jax.Array:
+    # NOTE: moved as uint8 (one code a byte), then packed again as uint4.
+    return linear_ref.tile_int4(codes2d.astype(jnp.uint8)).astype(codes2d.dtype)

@@ -188,8 +188,8 @@ def test_int4_integer_products_match_the_emulation_and_the_float_product(t, k, n
 
 def test_int4_integer_products_same_bits_with_or_without_helpers():
     """A call's parts do not depend on whether pool threads help (chosen per size class of call by
-    measured cost, the other way tried every 16th call): 33 calls of one shape take both ways and
-    give the same bits."""
+    measured cost, the other way tried for 4 calls in every 32): 33 calls of one shape take both
+    ways and give the same bits."""
     rng = np.random.default_rng(3)
     c, s, o = _int4_weight(rng, 576, 3072, 18)
     x = jnp.asarray(rng.standard_normal((1, 576), dtype=np.float32))
@@ -228,6 +228,7 @@ def test_int4_integer_products_refuse_what_they_cannot_take():
                 transposed=False,
                 int8=True,
                 offsets=True,
+                tiled=False,
             )
         )
 
@@ -422,6 +423,7 @@ def test_handler_rejects_bad_scales(w_shape, s_shape, transposed, match):
                 transposed=transposed,
                 int8=True,
                 offsets=False,
+                tiled=False,
             )
         )
 
@@ -596,4 +598,14 @@ def test_engine_same_tokens_with_either_backend():
     for b in ("xla", "cpu"):
         engine, outputs[b] = eu.greedy_ids_on_backends(model, prompts, 8, linear_backend=b)
         assert engine.runner.linear_backend == b
+        if model.quantization == "int4":  # the CPU runner's int4 codes in the kernel's tiles
+            tiled = [q.tiled for q in _quantized(engine.runner.params) if q.data.dtype == jnp.uint4]
+            assert tiled and all(tiled) == (b == "cpu"), (b, tiled)
     assert outputs["cpu"] == outputs["xla"]
+    assert not any(q.tiled for q in _quantized(model.params))  # the caller's model as it was
+
+
+def _quantized(params) -> list:
+    from jaxinfer.quantization import is_quantized
+
+    return [q for q in jax.tree.leaves(params, is_leaf=is_quantized) if is_quantized(q)]

@@ -42,7 +42,16 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.cpu_build import CppKernel
-from pallas_kernels.linear.reference import MAX_WEIGHTS, QBLOCK, check_inputs, check_offsets
+from pallas_kernels.linear.reference import (
+    MAX_WEIGHTS,
+    QBLOCK,
+    TILE_N,
+    check_inputs,
+    check_offsets,
+    tile_int4,
+    tiles_fit,
+    untile_int4,
+)
 
 __all__ = [
     "GROUP_MULTIPLE",
@@ -50,6 +59,7 @@ __all__ = [
     "MAX_ROWS",
     "MAX_WEIGHTS",
     "QBLOCK",
+    "TILE_N",
     "available",
     "float_pays",
     "groups_fit",
@@ -57,7 +67,10 @@ __all__ = [
     "library",
     "linear",
     "offsets_fit",
+    "tile_int4",
+    "tiles_fit",
     "unavailable_reason",
+    "untile_int4",
 ]
 
 KERNEL = CppKernel(
@@ -100,13 +113,14 @@ def offsets_fit(k: int, groups: int) -> bool:
     return groups >= 1 and k % groups == 0 and k % QBLOCK == 0 and (k // groups) % QBLOCK == 0
 
 
-@functools.partial(jax.jit, static_argnames=("transposed",))
+@functools.partial(jax.jit, static_argnames=("transposed", "tiled"))
 def linear(
     x: jax.Array,
     *weights: jax.Array,
     transposed: bool = False,
     scales: tuple[jax.Array, ...] | None = None,
     offsets: tuple[jax.Array, ...] | None = None,
+    tiled: bool = False,
 ) -> tuple[jax.Array, ...]:
     """x f32[T, K]; each weight f32[K, N_i] (or [N_i, K] when `transposed`) -> (f32[T, N_i], ...).
 
@@ -124,10 +138,13 @@ def linear(
     integers: x quantized to 15 bits per block of `QBLOCK` input channels (`reference.quantize_x`),
         y[t, n] = sum_b isum[t, b, n] * scale[g, n] * xd[t, b] + offset[g, n] * xsum[t, b]
     (isum the block's sum of codes * xq, g its group): `reference.linear_offsets` exactly, the
-    float product within the activations' rounding.
+    float product within the activations' rounding. `tiled=True`: the codes are in the tile order
+    of `reference.tile_int4` (every N_i a multiple of `TILE_N`), the same products.
     """
     if offsets is not None:
-        return _linear_offsets(x, weights, scales, offsets)
+        return _linear_offsets(x, weights, scales, offsets, tiled)
+    if tiled:
+        raise ValueError("tiled int4 codes take the integer products only (offsets=)")
     check_inputs(x, weights, transposed, scales)
     for i, w in enumerate(weights):
         if w.dtype == jnp.uint4 and w.shape[1] % 2:
@@ -149,14 +166,21 @@ def linear(
     args = (*weights, *scales) if int8 else weights
     return tuple(
         jax.ffi.ffi_call(KERNEL.target, outs)(
-            x, *args, transposed=transposed, int8=int8, offsets=False
+            x, *args, transposed=transposed, int8=int8, offsets=False, tiled=False
         )
     )
 
 
-def _linear_offsets(x, weights, scales, offsets) -> tuple[jax.Array, ...]:
+def _linear_offsets(x, weights, scales, offsets, tiled) -> tuple[jax.Array, ...]:
     check_offsets(x, weights, scales, offsets)
+    for i, w in enumerate(weights):
+        if tiled and not tiles_fit(*w.shape):
+            raise ValueError(
+                f"tiled weight {i} of shape {w.shape}: N must be a multiple of {TILE_N} "
+                f"and K of {QBLOCK}"
+            )
     library()
     outs = [jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in weights]
     call = jax.ffi.ffi_call(KERNEL.target, outs)
-    return tuple(call(x, *weights, *scales, *offsets, transposed=False, int8=True, offsets=True))
+    args = (*weights, *scales, *offsets)
+    return tuple(call(x, *args, transposed=False, int8=True, offsets=True, tiled=tiled))

@@ -31,7 +31,8 @@
 // element order and widened to f32 in registers, then scaled like int8 (the caller adds int4's
 // offsets term, (x's group sums) @ offsets, a product of G rows only).
 // int4 weights with f16 scales and offsets (`offsets` calls: `quantization="int4"`'s own layout)
-// take integer products on activations quantized to 15 bits per 32 channels: cpu_kernel_int4.h.
+// take integer products on activations quantized to 15 bits per 32 channels, their codes [K, N]
+// or in tiles read front to back (`tiled`): cpu_kernel_int4.h.
 // All arithmetic in f32, in vectors of kLanes lanes: 16 with AVX-512 F/BW/VL, 8 with AVX2 + FMA
 // (whichever the compiler flags of this CPU allow; the few per-ISA helpers below are all that
 // differs). Parts (a few per core, so a helper that joins late still takes its
@@ -165,7 +166,7 @@ inline float ValueAt(const U4* w, int64_t i) { return static_cast<float>((w[i / 
 constexpr int kMaxWeights = 8;
 constexpr int kMaxParts = 8;
 constexpr int kPartsPerThread = 4;
-constexpr int64_t kLingerNs = 100000;
+constexpr int64_t kLingerNs = 500000;
 // Below this many multiply-adds one thread does the whole call.
 constexpr int64_t kParallelMinWork = 1 << 16;
 // A part of a [K, N] weight holds at least this many rows (and a multiple of 8).
@@ -195,6 +196,7 @@ struct Problem {
   bool transposed;
   bool int8;  // every weight of the call is int8 or int4 (with scales), or every one is float
   bool offsets;  // every weight is int4 codes with f16 scales and offsets: integer products
+  bool tiled;    // offsets calls: the codes in tiles (cpu_kernel_int4.h), N a multiple of 64
   int num_weights;
   Weight weights[kMaxWeights];
   int parts;
@@ -374,8 +376,10 @@ void RunPart(const Problem& pb, int p) {
       const int64_t chunk = (pb.k_len + align * pb.parts - 1) / (align * pb.parts) * align;
       const int64_t k0 = std::min(pb.k_len, p * chunk), k1 = std::min(pb.k_len, k0 + chunk);
       float* y = p == 0 ? wt.y : wt.partial + (p - 1) * pb.t_len * wt.n;
-      if (pb.offsets)
-        KnU4Int(pb, wt, y, k0, k1);
+      if (pb.offsets && pb.tiled)
+        KnU4Int<true>(pb, wt, y, k0, k1);
+      else if (pb.offsets)
+        KnU4Int<false>(pb, wt, y, k0, k1);
       else if (wt.u4)
         KnRange(pb.x, pb.t_len, pb.k_len, static_cast<const U4*>(wt.w), wt.scale,
                 pb.k_len / wt.groups, wt.n, y, k0, k1);
@@ -391,7 +395,7 @@ void RunPart(const Problem& pb, int p) {
 #include "cpu_kernel_threads.h"  // Shared, RunParts, Post, Help, UseHelpers, Record
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
-                  ffi::RemainingRets outs, bool transposed, bool int8, bool offsets) {
+                  ffi::RemainingRets outs, bool transposed, bool int8, bool offsets, bool tiled) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("cpu_linear: x must be 2-D [T, K]");
   // args: the weights, then (int8) one scale array per weight, then (offsets) one offset array.
@@ -403,6 +407,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
     return ffi::Error::InvalidArgument(
         "cpu_linear: 1 to 8 weights (int8: each with its scales; offsets: uint4 [K, N] weights, "
         "each with f16 scales and offsets), one output each");
+  if (tiled && !offsets) return ffi::Error::InvalidArgument("cpu_linear: tiled codes take offsets calls only");
   if (offsets && xd[1] % kQBlock)
     return ffi::Error::InvalidArgument("cpu_linear: offsets calls need K a multiple of " +
                                        std::to_string(kQBlock));
@@ -415,6 +420,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
   pb.transposed = transposed;
   pb.int8 = int8;
   pb.offsets = offsets;
+  pb.tiled = tiled;
   pb.num_weights = static_cast<int>(nw);
   int64_t work = 0, out_floats = 0;
   for (int64_t i = 0; i < nw; ++i) {
@@ -436,6 +442,9 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
       return ffi::Error::InvalidArgument("cpu_linear: uint4 weights must be [K, N] with N even");
     const float* scale = nullptr;
     int64_t groups = 1;
+    if (tiled && n % 64)
+      return ffi::Error::InvalidArgument("cpu_linear: tiled uint4 weights need N a multiple of 64, got " +
+                                         std::to_string(n));
     if (offsets) {
       if (auto e = OffsetsWeight(args, nw, i, k, n, u4, w->untyped_data(), (*y)->typed_data(), pb.weights[i]);
           e.failure())
@@ -504,10 +513,13 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
       s += (parts - 1) * pb.t_len * pb.weights[i].n;
     }
   }
+  bool warm = false;
   if (helpers) {
     const uint64_t generation = Post(sh);
     // NOTE: a helper about to stop lingering may miss this call: the caller then does its parts.
-    const int64_t wanted = std::min(threads, parts) - 1 - Box().lingering.load();
+    const int lingering = Box().lingering.load();
+    warm = lingering > 0;
+    const int64_t wanted = std::min(threads, parts) - 1 - lingering;
     for (int64_t i = 0; i < wanted; ++i) pool.Schedule([sh, generation] { Help(sh, generation); });
   }
   RunParts(*sh);
@@ -522,7 +534,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
         for (int64_t j = 0; j < size; ++j) wt.y[j] += src[j];
       }
     }
-  if (parts > 1) Record(work, helpers, std::chrono::steady_clock::now() - start);
+  if (parts > 1) Record(work, helpers, warm, std::chrono::steady_clock::now() - start);
   return ffi::Error::Success();
 }
 
@@ -539,4 +551,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCpuLinear, Linear,
                                   .RemainingRets()
                                   .Attr<bool>("transposed")
                                   .Attr<bool>("int8")
-                                  .Attr<bool>("offsets"));
+                                  .Attr<bool>("offsets")
+                                  .Attr<bool>("tiled"));

@@ -15,7 +15,12 @@
 // model then agreed with the f32 reference on 7 of 12 prompts (12 with f32 products); 15 bits
 // round 128x finer (BENCHMARKS.md "int4 decode step").
 // Layout: `quantization="int4"`'s own, uint4 codes [K, N] (two per byte along N), f16 scales and
-// offsets [G, N] read as stored; K and the group size K / G multiples of kQBlock.
+// offsets [G, N] read as stored; K and the group size K / G multiples of kQBlock. Or the same codes
+// tiled (`Problem::tiled`, reference.tile_int4): each 32-row block is N / 64 tiles of 1 KB, tile s
+// holding columns 64 s .. 64 s + 63 with the two rows of each row pair already interleaved byte
+// by byte as the products take them, so a part of K rows is one contiguous stream read front to
+// back (the [K, N] layout reads 32-byte pieces of 32 rows 1.5 KB apart for a gate_up: measured
+// 1.7x slower from DRAM on one core, BENCHMARKS.md "int4 decode step").
 
 // x [T, K] quantized per block of kQBlock channels to 15 bits, held as two int8 parts: xq16 =
 // round(x * kXMax / max|x|) (0 for an all-zero block) = 128 * xh + xl with xh in [-127, 127] and xl
@@ -51,6 +56,7 @@ inline __m256 HalfLoad(const uint16_t* p) {  // 8 f16 as f32 (F16C)
 // group g, sum_k q[k, n] * xq16[t, k] in integers, then y[t, n] += that * (s[g, n] * xd[t, b]) +
 // o[g, n] * xsum[t, b] (overwrites y). Columns in strips of 64 (32 bytes a row); the last N % 64
 // columns one by one.
+template <bool kTiled>
 void KnU4Int(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t k1) {
   const int64_t n_len = wt.n, k_len = pb.k_len, blocks = k_len / kQBlock;
   const int64_t group = k_len / wt.groups, row_bytes = n_len / 2, n64 = n_len / 64 * 64;
@@ -62,7 +68,8 @@ void KnU4Int(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t 
     const uint16_t* srow = wt.scale16 + k / group * n_len;
     const uint16_t* orow = wt.offset16 + k / group * n_len;
     const uint8_t* blk = w + k * row_bytes;
-    // The next block (32 rows: 16 N bytes, contiguous) prefetched into L2, 1 KB per strip.
+    // The next block (32 rows: 16 N bytes, contiguous) prefetched into L2, 1 KB per strip (tiled:
+    // exactly the strip's tile of the next block).
     const char* next = reinterpret_cast<const char*>(blk + kQBlock * row_bytes);
     for (int64_t t = 0; t < pb.t_len; ++t) {
       const int8_t* xh = pb.xq + t * k_len + k;
@@ -86,7 +93,8 @@ void KnU4Int(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t 
       for (int64_t n = 0; n < n64; n += 64) {
         if (prefetch)
           for (int c = 0; c < 1024; c += 64) _mm_prefetch(next + n * 16 + c, _MM_HINT_T1);
-        const uint8_t* col = blk + n / 2;
+        const uint8_t* col = blk + n / 2;    // [K, N]: the strip's 32 bytes of each row
+        const uint8_t* tile = blk + n * 16;  // tiled: the strip's 1 KB tile
         // Two rows at a time, interleaved byte by byte (vpunpck[lh]bw), then split into their low
         // nibbles (even columns) and high ones (odd: vpsrlw 4 keeps each byte's own high nibble
         // in its low bits), each multiplied by x's two parts.
@@ -101,9 +109,16 @@ void KnU4Int(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t 
         };
         for (int j = 0; j < 16; ++j) {
           const int64_t r = 2 * j;
-          const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + r * row_bytes));
-          const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + (r + 1) * row_bytes));
-          const __m256i u0 = _mm256_unpacklo_epi8(va, vb), u1 = _mm256_unpackhi_epi8(va, vb);
+          __m256i u0, u1;
+          if constexpr (kTiled) {
+            u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * j));
+            u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * j + 32));
+          } else {
+            const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + r * row_bytes));
+            const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + (r + 1) * row_bytes));
+            u0 = _mm256_unpacklo_epi8(va, vb);
+            u1 = _mm256_unpackhi_epi8(va, vb);
+          }
           int16_t ph, pl;
           std::memcpy(&ph, xh + r, 2);
           std::memcpy(&pl, xl + r, 2);

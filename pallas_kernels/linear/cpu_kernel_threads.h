@@ -7,7 +7,11 @@
 // caller alone (BENCHMARKS.md "int4 decode step"); on idle cores helpers pay. So each call measures
 // its wall time per multiply-add, and `UseHelpers` picks, per size class of call (log2 of its
 // multiply-adds), the way whose running average (kCostWeight per call) is lower, trying the other
-// way every kProbeEvery calls of the class so that its average follows the machine.
+// way for a burst of kProbeBurst calls in every kProbeEvery of the class so that its average
+// follows the machine. Calls with helpers are measured warm only (a helper already lingering):
+// probing them one call at a time, each probe woke a pool thread, which on the VM took longer
+// than the call, so helpers looked slower than they were and were never chosen even on idle
+// cores (the whole decode step ran on one core: BENCHMARKS.md "int4 decode step, tiled").
 
 // Shared with helpers, which may start after the call returned: they then only touch `next`.
 struct Shared {
@@ -76,7 +80,8 @@ void Help(std::shared_ptr<Shared> sh, uint64_t generation) {
 }
 
 
-constexpr int kProbeEvery = 16;
+constexpr int kProbeEvery = 32;
+constexpr int kProbeBurst = 4;
 constexpr float kCostWeight = 0.125f;
 constexpr int kSizeClasses = 48;
 
@@ -92,13 +97,22 @@ CostClass& Costs(int64_t work) {
   return classes[std::min<int>(kSizeClasses - 1, 63 - __builtin_clzll(static_cast<uint64_t>(work)))];
 }
 
+// The way with the lower average (helpers only once measured warm); the other way for kProbeBurst
+// calls in every kProbeEvery (a burst, so that a helper woken by its first call is warm for the
+// others).
 bool UseHelpers(int64_t work) {
   CostClass& c = Costs(work);
-  const bool best = c.cost[1].load(std::memory_order_relaxed) <= c.cost[0].load(std::memory_order_relaxed);
-  return c.calls.fetch_add(1, std::memory_order_relaxed) % kProbeEvery == 0 ? !best : best;
+  const float alone = c.cost[0].load(std::memory_order_relaxed);
+  const float helped = c.cost[1].load(std::memory_order_relaxed);
+  const bool best = helped > 0.0f && (alone == 0.0f || helped <= alone);
+  return c.calls.fetch_add(1, std::memory_order_relaxed) % kProbeEvery < kProbeBurst ? !best : best;
 }
 
-void Record(int64_t work, bool helpers, std::chrono::steady_clock::duration wall) {
+// `warm`: a helper was lingering when the call was posted. A call with helpers that had to wake a
+// pool thread is not recorded: waking one takes longer on a VM than most calls take, and a way
+// chosen call after call keeps its helper lingering, so only warm calls measure it.
+void Record(int64_t work, bool helpers, bool warm, std::chrono::steady_clock::duration wall) {
+  if (helpers && !warm) return;
   std::atomic<float>& avg = Costs(work).cost[helpers];
   const float v = std::chrono::duration<float, std::nano>(wall).count() / static_cast<float>(work);
   const float old = avg.load(std::memory_order_relaxed);

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 MAX_WEIGHTS = 8  # weights per call (one FFI call streams them back to back)
 QBLOCK = 32  # int4 integer products: x quantized per block of this many input channels
 XMAX = 127 * 128  # to integers of at most this magnitude (15 bits)
+TILE_N = 64  # tiled int4 codes: tiles of QBLOCK rows x TILE_N columns (1 KB), see `tile_int4`
 
 
 def check_inputs(
@@ -179,3 +180,28 @@ def linear_offsets(
         y = isum.astype(jnp.float32) * sb[None] * xd[..., None] + ob[None] * xsum[..., None]
         outs.append(y.sum(1))
     return tuple(outs)
+
+
+def tiles_fit(k: int, n: int) -> bool:
+    """Whether uint4 codes [K, N] can be tiled (`tile_int4`)."""
+    return k > 0 and n > 0 and k % QBLOCK == 0 and n % TILE_N == 0
+
+
+def tile_int4(codes: jax.Array) -> jax.Array:
+    """uint4 codes [K, N] -> the same shape with the elements in the CPU kernel's tile order (its
+    decode products read a part of K rows as one contiguous stream). Element (k, n), k = 32 b +
+    2 j + r, n = 64 s + 32 lane + 16 h + 2 i + nib, moves to position (b, s, j, h, lane, i, r, nib)
+    of [K / 32, N / 64, 16, 2, 2, 8, 2, 2]: packed two per byte (nib the low / high nibble), tile
+    (b, s) is 1 KB, and its 64 bytes per row pair j are the two 32-byte halves (h) the AVX2
+    kernel multiplies, rows 2 j and 2 j + 1 interleaved byte by byte (r) within each 128-bit lane.
+    Works on numpy arrays too. `untile_int4` inverts it."""
+    k, n = codes.shape
+    c = codes.reshape(k // QBLOCK, QBLOCK // 2, 2, n // TILE_N, 2, 2, 8, 2)
+    return c.transpose(0, 3, 1, 5, 4, 6, 2, 7).reshape(k, n)
+
+
+def untile_int4(codes: jax.Array) -> jax.Array:
+    """The inverse of `tile_int4`: tiled codes [K, N] back in row-major [K, N] order."""
+    k, n = codes.shape
+    c = codes.reshape(k // QBLOCK, n // TILE_N, QBLOCK // 2, 2, 2, 8, 2, 2)
+    return c.transpose(0, 2, 6, 1, 4, 3, 5, 7).reshape(k, n)

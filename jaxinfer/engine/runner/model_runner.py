@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxinfer import attention, compile_cache, executable_cache, layers
+from jaxinfer import attention, compile_cache, executable_cache, layers, quantization
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
@@ -122,6 +122,9 @@ class ModelRunner:
             self.data * self.microbatches * self.buckets.seq_bucket(self.token_buckets[-1])
         )
         self.kv_cache_dtype = kv_cache_dtype
+        self.linear_backend = layers.resolve_linear_backend(linear_backend)
+        if self.linear_backend == "cpu" and par.is_single and not abstract:
+            params = quantization.tile_for_cpu(params)  # int4 codes in the kernel's tiles
         self.device_state = DeviceState(
             cfg,
             params,
@@ -152,7 +155,6 @@ class ModelRunner:
         )
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> i32[rows, W] of -1 on the device
         self.attention_backend = attention.resolve_backend(attention_backend)
-        self.linear_backend = layers.resolve_linear_backend(linear_backend)
         carried = None if self.mesh is None else self.device_state.carried()
         backends = (self.attention_backend, self.linear_backend, self.mesh, carried)
         # The step programs warmup built, by `_call_key` (cfg: the static positional argument)

@@ -1,0 +1,183 @@
+"""int4 codes in the CPU kernel's tiles (`reference.tile_int4`, `QArray.tiled`).
+
+1. The tile order: element (k, n) lands where the formula of `tile_int4` says, the bytes of a tile
+   are the two rows of each row pair interleaved as the kernel multiplies them, `untile_int4`
+   inverts it (numpy and jnp alike).
+2. The kernel's integer products on tiled codes give the same bits as on [K, N] codes (several
+   weights a call, 1-8 rows, groups of 32 and 128) and match the exact integer emulation.
+3. Refusals name the problem: N not a multiple of 64, tiled codes without offsets, in Python and in
+   the handler.
+4. `quantization.tile_for_cpu` tiles exactly the int4 weights that fit; `layers.dense` on a tiled
+   weight: the kernel with `tiled = true` for decode rows (same bits as untiled), XLA's path
+   (prefill rows) on the untiled codes (same values).
+5. An `LLM` with `linear_backend="cpu"` runs on tiled int4 params and keeps one copy of the weights
+   (its model's params are the runner's). test_cpu_linear's engine test gives the greedy tokens of
+   `"xla"` with the runner's int4 params tiled.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import layers, quantization
+from jaxinfer.quantization import QArray
+from pallas_kernels.linear import cpu as cpu_linear
+from pallas_kernels.linear import reference as linear_reference
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not cpu_linear.available(),
+    reason="the CPU linear kernel needs a CPU platform with AVX2 + FMA or AVX-512",
+)
+
+TOL = 1e-5  # of max |reference|
+
+
+def _int4_weight(rng, k: int, n: int, g: int):
+    codes = rng.integers(0, 16, (k, n)).astype(np.uint8)
+    scale = rng.uniform(1e-3, 2e-2, (g, n)).astype(np.float16)
+    offset = rng.uniform(-0.1, 0.1, (g, n)).astype(np.float16)
+    return codes, scale, offset
+
+
+def test_tile_order_is_the_kernels():
+    k, n = 64, 128
+    codes = np.arange(k * n).reshape(k, n)  # distinct values: where each element went
+    tiled = linear_reference.tile_int4(codes).reshape(-1)
+    for kk, nn in [(0, 0), (1, 0), (0, 1), (2, 17), (33, 64), (63, 127), (40, 90)]:
+        b, j, r = kk // 32, kk % 32 // 2, kk % 2
+        s, lane, h, i, nib = nn // 64, nn % 64 // 32, nn % 32 // 16, nn % 16 // 2, nn % 2
+        byte = (b * (n // 64) + s) * 1024 + 64 * j + 32 * h + 16 * lane + 2 * i + r
+        assert tiled[2 * byte + nib] == codes[kk, nn]
+    # A tile's first 32 bytes: rows 0 and 1 interleaved byte by byte within each 128-bit lane
+    # (the kernel's former vpunpcklbw of the two rows' 32 bytes).
+    pairs = tiled[:64].reshape(32, 2)  # byte -> (low, high) nibble elements
+    row0, row1 = codes[0, :64].reshape(32, 2), codes[1, :64].reshape(32, 2)
+    want = np.stack([row0[:8], row1[:8]], 1).reshape(16, 2)
+    np.testing.assert_array_equal(pairs[:16], want)
+    np.testing.assert_array_equal(
+        pairs[16:], np.stack([row0[16:24], row1[16:24]], 1).reshape(16, 2)
+    )
+    for xp in (np, jnp):
+        c = xp.asarray(np.random.default_rng(0).integers(0, 16, (96, 192)))
+        back = linear_reference.untile_int4(linear_reference.tile_int4(c))
+        np.testing.assert_array_equal(np.asarray(back), np.asarray(c))
+    assert linear_reference.tiles_fit(576, 3072) and linear_reference.tiles_fit(1536, 576)
+    assert not linear_reference.tiles_fit(576, 96) and not linear_reference.tiles_fit(48, 64)
+
+
+@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize(
+    "k,ns,gs",
+    [
+        (576, (3072, 960), (18, 18)),  # SmolLM2's gate_up and qkv, Q4_1 blocks of 32
+        (1536, (576,), (12,)),  # down, groups of 128 (GPTQ / AWQ)
+        (64, (128, 64), (1, 2)),
+    ],
+)
+def test_tiled_products_same_bits_as_rows(t, k, ns, gs):
+    rng = np.random.default_rng(t * 100 + k)
+    ws = [_int4_weight(rng, k, n, g) for n, g in zip(ns, gs)]
+    x = jnp.asarray(rng.standard_normal((t, k), dtype=np.float32))
+    kw = dict(
+        scales=tuple(jnp.asarray(s) for _, s, _ in ws),
+        offsets=tuple(jnp.asarray(o) for _, _, o in ws),
+    )
+    rows = [jnp.asarray(c, jnp.uint4) for c, _, _ in ws]
+    tiles = [jnp.asarray(linear_reference.tile_int4(c), jnp.uint4) for c, _, _ in ws]
+    want = cpu_linear.linear(x, *rows, **kw)
+    got = cpu_linear.linear(x, *tiles, **kw, tiled=True)
+    emulated = linear_reference.linear_offsets(x, *rows, **kw)
+    for g, w, e in zip(got, want, emulated):
+        assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
+        np.testing.assert_allclose(g, e, rtol=0, atol=TOL * float(jnp.abs(e).max()))
+
+
+def test_tiled_products_refuse_what_they_cannot_take():
+    rng = np.random.default_rng(1)
+    c, s, o = _int4_weight(rng, 64, 96, 2)
+    x, q = jnp.ones((1, 64), jnp.float32), jnp.asarray(c, jnp.uint4)
+    with pytest.raises(
+        ValueError, match=r"tiled weight 0 of shape \(64, 96\): N must be a multiple of 64"
+    ):
+        cpu_linear.linear(x, q, scales=(jnp.asarray(s),), offsets=(jnp.asarray(o),), tiled=True)
+    with pytest.raises(ValueError, match="tiled int4 codes take the integer products only"):
+        cpu_linear.linear(x, q, scales=(jnp.ones((2, 96)),), tiled=True)
+    cpu_linear.library()  # the handler's own checks (a caller that skips `linear`'s)
+    call = jax.ffi.ffi_call(cpu_linear.KERNEL.target, (jax.ShapeDtypeStruct((1, 96), jnp.float32),))
+    attrs = dict(transposed=False, int8=True, offsets=True, tiled=True)
+    with pytest.raises(Exception, match="tiled uint4 weights need N a multiple of 64, got 96"):
+        jax.block_until_ready(call(x, q, jnp.asarray(s), jnp.asarray(o), **attrs))
+    with pytest.raises(Exception, match="tiled codes take offsets calls only"):
+        jax.block_until_ready(
+            call(x, q, jnp.ones((2, 96), jnp.float32), **{**attrs, "offsets": False})
+        )
+
+
+def _qarray(rng, k: int, out: tuple[int, ...], g: int) -> QArray:
+    n = int(np.prod(out))
+    c, s, o = _int4_weight(rng, k, n, g)
+    return QArray(
+        jnp.asarray(c.reshape(k, *out), jnp.uint4),
+        jnp.asarray(s.reshape(g, *out)),
+        jnp.asarray(o.reshape(g, *out)),
+    )
+
+
+def test_tile_for_cpu_tiles_what_fits_and_dense_reads_it():
+    rng = np.random.default_rng(2)
+    params = {
+        "qkv": _qarray(rng, 64, (2, 64), 2),  # [K, N] view [64, 128]: tiled
+        "odd": _qarray(rng, 64, (96,), 2),  # N % 64: kept
+        "small_groups": _qarray(rng, 64, (64,), 4),  # groups of 16 rows: kept
+        "int8": QArray(jnp.ones((64, 64), jnp.int8), jnp.ones((1, 64), jnp.float32)),
+        "norm": jnp.ones((64,)),
+    }
+    tiled = quantization.tile_for_cpu(params)
+    assert [name for name, q in tiled.items() if getattr(q, "tiled", False)] == ["qkv"]
+    w, t = params["qkv"], tiled["qkv"]
+    assert t.shape == w.shape and t.data.dtype == jnp.uint4
+    np.testing.assert_array_equal(np.asarray(quantization.codes(t)), np.asarray(w.data))
+    assert quantization.tile_for_cpu(tiled)["qkv"].data is t.data  # once only
+    for rows in (1, 3):  # decode rows: the kernel, tiled
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+        text = jax.jit(lambda x, w: layers.dense(x, w, backend="cpu")).lower(x, t).as_text()
+        assert "tiled = true" in text
+        (got,), (want,) = layers.dense(x, t, backend="cpu"), layers.dense(x, w, backend="cpu")
+        assert got.shape == (rows, 2, 64)
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    x = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)  # prefill rows: XLA's path
+    (got,), (want,) = layers.dense(x, t, backend="cpu"), layers.dense(x, w, backend="xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    (got,), (want,) = layers.dense(x, t, w, backend="cpu")[:1], layers.dense(x, w, backend="xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.slow
+def test_llm_runs_tiled_and_holds_one_copy(tmp_path):
+    from jaxinfer import LLM, SamplingParams
+    from tests.served_utils import tiny_model_dir
+
+    llm = LLM(
+        str(tiny_model_dir(tmp_path / "model")),
+        load_format="dummy",
+        quantization="int4",
+        linear_backend="cpu",
+        page_size=4,
+        num_pages=16,
+        max_model_len=32,
+        max_num_seqs=1,
+        max_num_batched_tokens=8,
+    )
+    assert llm.model.params is llm.engine.core.runner.params
+    assert _tiled_flags(llm.model.params) and all(_tiled_flags(llm.model.params))
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def _tiled_flags(params) -> list[bool]:
+    """`tiled` of every int4 linear weight (uint4 codes) of a params tree."""
+    leaves = jax.tree.leaves(params, is_leaf=quantization.is_quantized)
+    return [q.tiled for q in leaves if quantization.is_quantized(q) and q.data.dtype == jnp.uint4]
