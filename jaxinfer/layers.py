@@ -238,7 +238,8 @@ def dense(
     and group of E // G input channels; int4 also offsets [G, ...]): the product runs on the stored
     values, each group's scales applied to that group's share of the product, plus x's group sums
     times the offsets (see `_xla_dense`). With backend "cpu" a step of
-    at most `cpu_linear.MAX_ROWS` float32 rows runs every weight in one call of the compiled kernel
+    at most `cpu_linear.MAX_ROWS` float32 rows (`MAX_ROWS_INT4` for int4's integer products) runs
+    every weight in one call of the compiled kernel
     (int8 / int4 weights; float32 ones where `cpu_linear.float_pays()`); with backend "gpu" an int8 / int4 weight and at
     most `gpu_linear.MAX_ROWS` rows run the Pallas dequantizing matmul (the weight read in its
     stored bits: no converted copy in HBM); anything else is XLA's dot (same contraction as
@@ -438,9 +439,10 @@ def _f32(scale: jax.Array) -> jax.Array:
 
 def _kernel_fits(x: jax.Array, weights: tuple[jax.Array | QArray, ...], axis: int) -> bool:
     """Whether the compiled kernel takes x times `weights` (contracted over their axis `axis`)."""
+    rows = cpu_linear.MAX_ROWS_INT4 if _int4_products(x, weights) else cpu_linear.MAX_ROWS
     if not (
         x.ndim == 2
-        and x.shape[0] <= cpu_linear.MAX_ROWS
+        and x.shape[0] <= rows
         and x.dtype == jnp.float32
         and len(weights) <= cpu_linear.MAX_WEIGHTS
     ):

@@ -8,8 +8,8 @@
 3. Refusals name the problem: N not a multiple of 64, tiled codes without offsets, in Python and in
    the handler.
 4. `quantization.tile_for_cpu` tiles exactly the int4 weights that fit; `layers.dense` on a tiled
-   weight: the kernel with `tiled = true` for decode rows (same bits as untiled), XLA's path
-   (prefill rows) on the untiled codes (same values).
+   weight: the kernel with `tiled = true` up to `MAX_ROWS_INT4` rows (same bits as untiled), XLA's
+   path beyond (prefill chunks) on the untiled codes (same values).
 5. An `LLM` with `linear_backend="cpu"` runs on tiled int4 params and keeps one copy of the weights
    (its model's params are the runner's). test_cpu_linear's engine test gives the greedy tokens of
    `"xla"` with the runner's int4 params tiled.
@@ -68,7 +68,7 @@ def test_tile_order_is_the_kernels():
     assert not linear_reference.tiles_fit(576, 96) and not linear_reference.tiles_fit(48, 64)
 
 
-@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("t", [1, 3, 8, 32])
 @pytest.mark.parametrize(
     "k,ns,gs",
     [
@@ -148,7 +148,14 @@ def test_tile_for_cpu_tiles_what_fits_and_dense_reads_it():
         (got,), (want,) = layers.dense(x, t, backend="cpu"), layers.dense(x, w, backend="cpu")
         assert got.shape == (rows, 2, 64)
         assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
-    x = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)  # prefill rows: XLA's path
+    x = jnp.asarray(rng.standard_normal((cpu_linear.MAX_ROWS_INT4, 64)), jnp.float32)
+    assert (
+        "tiled = true"
+        in jax.jit(lambda x, w: layers.dense(x, w, backend="cpu")).lower(x, t).as_text()
+    )
+    x = jnp.asarray(rng.standard_normal((cpu_linear.MAX_ROWS_INT4 + 1, 64)), jnp.float32)  # XLA's
+    text = jax.jit(lambda x, w: layers.dense(x, w, backend="cpu")).lower(x, t).as_text()
+    assert cpu_linear.KERNEL.target not in text
     (got,), (want,) = layers.dense(x, t, backend="cpu"), layers.dense(x, w, backend="xla")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     (got,), (want,) = layers.dense(x, t, w, backend="cpu")[:1], layers.dense(x, w, backend="xla")

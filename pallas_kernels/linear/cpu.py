@@ -57,6 +57,7 @@ __all__ = [
     "GROUP_MULTIPLE",
     "KERNEL",
     "MAX_ROWS",
+    "MAX_ROWS_INT4",
     "MAX_WEIGHTS",
     "QBLOCK",
     "TILE_N",
@@ -80,6 +81,10 @@ library, unavailable_reason, available = KERNEL.library, KERNEL.unavailable_reas
 # Token rows up to which the kernel beats XLA:CPU's dot on the model's shapes (BENCHMARKS.md,
 # scripts/bench_linear.py: 1 row 1.4x, 2 rows 1.9x, 8 rows 1.4x; at 16 rows XLA is faster).
 MAX_ROWS = 8
+# The same for int4's integer products (`offsets=`): XLA:CPU's dequantizing dot of 9-16 rows took
+# 4x the kernel's time on SmolLM2's shapes, the two are even at 32 rows and XLA is 3x faster at 128
+# (BENCHMARKS.md "int4 decode step, tiled").
+MAX_ROWS_INT4 = 32
 # With G > 1 scale groups, the group size K / G must be a multiple of this (one AVX-512 vector,
 # two AVX2 ones).
 GROUP_MULTIPLE = 16
