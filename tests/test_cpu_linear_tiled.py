@@ -1,8 +1,7 @@
 """int4 codes in the CPU kernel's tiles (`reference.tile_int4`, `QArray.tiled`).
 
-1. The tile order: element (k, n) lands where the formula of `tile_int4` says, the bytes of a tile
-   are the two rows of each row pair interleaved as the kernel multiplies them, `untile_int4`
-   inverts it (numpy and jnp alike).
+1. The tile order: element (k, n) lands where `tile_int4` says (a 1 KB tile is one 32-row block's
+   64-column strip, rows in order), `untile_int4` inverts it (numpy and jnp alike).
 2. The kernel's integer products on tiled codes give the same bits as on [K, N] codes (several
    weights a call, 1-8 rows, groups of 32 and 128) and match the exact integer emulation.
 3. Refusals name the problem: N not a multiple of 64, tiled codes without offsets, in Python and in
@@ -47,19 +46,11 @@ def test_tile_order_is_the_kernels():
     codes = np.arange(k * n).reshape(k, n)  # distinct values: where each element went
     tiled = linear_reference.tile_int4(codes).reshape(-1)
     for kk, nn in [(0, 0), (1, 0), (0, 1), (2, 17), (33, 64), (63, 127), (40, 90)]:
-        b, j, r = kk // 32, kk % 32 // 2, kk % 2
-        s, lane, h, i, nib = nn // 64, nn % 64 // 32, nn % 32 // 16, nn % 16 // 2, nn % 2
-        byte = (b * (n // 64) + s) * 1024 + 64 * j + 32 * h + 16 * lane + 2 * i + r
-        assert tiled[2 * byte + nib] == codes[kk, nn]
-    # A tile's first 32 bytes: rows 0 and 1 interleaved byte by byte within each 128-bit lane
-    # (the kernel's former vpunpcklbw of the two rows' 32 bytes).
-    pairs = tiled[:64].reshape(32, 2)  # byte -> (low, high) nibble elements
-    row0, row1 = codes[0, :64].reshape(32, 2), codes[1, :64].reshape(32, 2)
-    want = np.stack([row0[:8], row1[:8]], 1).reshape(16, 2)
-    np.testing.assert_array_equal(pairs[:16], want)
-    np.testing.assert_array_equal(
-        pairs[16:], np.stack([row0[16:24], row1[16:24]], 1).reshape(16, 2)
-    )
+        b, row, s, col = kk // 32, kk % 32, nn // 64, nn % 64
+        assert tiled[((b * (n // 64) + s) * 32 + row) * 64 + col] == codes[kk, nn]
+    # A tile (1 KB: 64 codes of each of 32 rows) holds one block's strip, rows in order.
+    np.testing.assert_array_equal(tiled[:2048].reshape(32, 64), codes[:32, :64])
+    np.testing.assert_array_equal(tiled[2048:4096].reshape(32, 64), codes[:32, 64:])
     for xp in (np, jnp):
         c = xp.asarray(np.random.default_rng(0).integers(0, 16, (96, 192)))
         back = linear_reference.untile_int4(linear_reference.tile_int4(c))

@@ -166,7 +166,7 @@ inline float ValueAt(const U4* w, int64_t i) { return static_cast<float>((w[i / 
 constexpr int kMaxWeights = 8;
 constexpr int kMaxParts = 8;
 constexpr int kPartsPerThread = 4;
-constexpr int64_t kLingerNs = 500000;
+constexpr int64_t kLingerNs = 100000;
 // Below this many multiply-adds one thread does the whole call.
 constexpr int64_t kParallelMinWork = 1 << 16;
 // A part of a [K, N] weight holds at least this many rows (and a multiple of 8).

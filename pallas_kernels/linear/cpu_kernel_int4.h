@@ -17,10 +17,10 @@
 // Layout: `quantization="int4"`'s own, uint4 codes [K, N] (two per byte along N), f16 scales and
 // offsets [G, N] read as stored; K and the group size K / G multiples of kQBlock. Or the same codes
 // tiled (`Problem::tiled`, reference.tile_int4): each 32-row block is N / 64 tiles of 1 KB, tile s
-// holding columns 64 s .. 64 s + 63 with the two rows of each row pair already interleaved byte
-// by byte as the products take them, so a part of K rows is one contiguous stream read front to
-// back (the [K, N] layout reads 32-byte pieces of 32 rows 1.5 KB apart for a gate_up: measured
-// 1.7x slower from DRAM on one core, BENCHMARKS.md "int4 decode step").
+// holding the 32 bytes of columns 64 s .. 64 s + 63 of each of the block's 32 rows, one row after
+// the other, so a part of K rows is one contiguous stream read front to back (the [K, N] layout
+// reads 32-byte pieces of 32 rows 1.5 KB apart for a gate_up; from DRAM the tiles were 1.2-1.6x
+// faster, BENCHMARKS.md "int4 decode step, tiled").
 
 // x [T, K] quantized per block of kQBlock channels to 15 bits, held as two int8 parts: xq16 =
 // round(x * kXMax / max|x|) (0 for an all-zero block) = 128 * xh + xl with xh in [-127, 127] and xl
@@ -109,16 +109,12 @@ void KnU4Int(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t 
         };
         for (int j = 0; j < 16; ++j) {
           const int64_t r = 2 * j;
-          __m256i u0, u1;
-          if constexpr (kTiled) {
-            u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * j));
-            u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * j + 32));
-          } else {
-            const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + r * row_bytes));
-            const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + (r + 1) * row_bytes));
-            u0 = _mm256_unpacklo_epi8(va, vb);
-            u1 = _mm256_unpackhi_epi8(va, vb);
-          }
+          // Rows r and r + 1 of the strip: 32 bytes apart in a tile, row_bytes apart in [K, N].
+          const uint8_t* ra = kTiled ? tile + 32 * r : col + r * row_bytes;
+          const uint8_t* rb = kTiled ? ra + 32 : ra + row_bytes;
+          const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ra));
+          const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb));
+          const __m256i u0 = _mm256_unpacklo_epi8(va, vb), u1 = _mm256_unpackhi_epi8(va, vb);
           int16_t ph, pl;
           std::memcpy(&ph, xh + r, 2);
           std::memcpy(&pl, xl + r, 2);

@@ -189,27 +189,23 @@ def tiles_fit(k: int, n: int) -> bool:
 
 def tile_int4(codes: jax.Array) -> jax.Array:
     """uint4 codes [K, N] -> the same shape with the elements in the CPU kernel's tile order (its
-    decode products read a part of K rows as one contiguous stream). Element (k, n), k = 32 b +
-    2 j + r, n = 64 s + 32 lane + 16 h + 2 i + nib, moves to position (b, s, j, h, lane, i, r, nib)
-    of [K / 32, N / 64, 16, 2, 2, 8, 2, 2]: packed two per byte (nib the low / high nibble), tile
-    (b, s) is 1 KB, and its 64 bytes per row pair j are the two 32-byte halves (h) the AVX2
-    kernel multiplies, rows 2 j and 2 j + 1 interleaved byte by byte (r) within each 128-bit lane.
-    Works on numpy arrays too. `untile_int4` inverts it."""
+    decode products read a part of K rows as one contiguous stream): [K / 32, N / 64, 32, 64], the
+    32 rows of a block's 64-column strip (32 bytes each, two codes a byte) one after another, so
+    tile (b, s) is 1 KB. Works on numpy arrays too. `untile_int4` inverts it."""
     k, n = codes.shape
-    c = codes.reshape(k // QBLOCK, QBLOCK // 2, 2, n // TILE_N, 2, 2, 8, 2)
-    return c.transpose(0, 3, 1, 5, 4, 6, 2, 7).reshape(k, n)
+    return (
+        codes.reshape(k // QBLOCK, QBLOCK, n // TILE_N, TILE_N).transpose(0, 2, 1, 3).reshape(k, n)
+    )
 
 
 def untile_int4(codes: jax.Array) -> jax.Array:
     """The inverse of `tile_int4`: tiled codes [K, N] back in row-major [K, N] order. A uint4 JAX
-    array moves as whole bytes (its code pairs bitcast to uint8: XLA:CPU moved them 2x faster
-    than single codes, the prefill products' overhead on tiled weights); anything else (numpy)
-    code by code."""
+    array moves as whole bytes (its code pairs bitcast to uint8, 32-byte runs); anything else
+    (numpy) code by code."""
     k, n = codes.shape
     if isinstance(codes, jax.Array) and codes.dtype == jnp.uint4:
         pairs = jax.lax.bitcast_convert_type(codes.reshape(k, n // 2, 2), jnp.uint8)
-        b = pairs.reshape(k // QBLOCK, n // TILE_N, QBLOCK // 2, 2, 2, 8, 2)
-        b = b.transpose(0, 2, 6, 1, 4, 3, 5).reshape(k, n // 2)
-        return jax.lax.bitcast_convert_type(b, jnp.uint4).reshape(k, n)
-    c = codes.reshape(k // QBLOCK, n // TILE_N, QBLOCK // 2, 2, 2, 8, 2, 2)
-    return c.transpose(0, 2, 6, 1, 4, 3, 5, 7).reshape(k, n)
+        b = pairs.reshape(k // QBLOCK, n // TILE_N, QBLOCK, TILE_N // 2).transpose(0, 2, 1, 3)
+        return jax.lax.bitcast_convert_type(b.reshape(k, n // 2), jnp.uint4).reshape(k, n)
+    c = codes.reshape(k // QBLOCK, n // TILE_N, QBLOCK, TILE_N)
+    return c.transpose(0, 2, 1, 3).reshape(k, n)
