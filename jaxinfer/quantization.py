@@ -29,6 +29,10 @@ specs (format names and their options: `checkpoints.quantize`).
    converted weight into the dot's operand (a fusion on GPU, see `layers._xla_dense`).
 4. `quantization_of(params)` reads the format back from a params tree (its leaf dtypes), so the
    model's `shard_map` specs and the runner's placement derive the same tree without a flag.
+5. A CPU runner (`linear_backend="cpu"`, one device) puts int4 codes in the CPU kernel's tiles
+   (`tile_for_cpu`, `QArray.tiled`, static): same shape and dtype, the elements of each 32-row
+   block's 64-column strip contiguous, so the decode products read each weight as one stream;
+   anything else that reads the codes takes `codes(q)` (XLA's prefill products untile them).
 """
 
 from __future__ import annotations

@@ -17,9 +17,11 @@ intra-op pool.
    `jaxinfer.layers.dense`) with scales the same way; or, with `offsets=`, int4's own layout
    (uint4 codes, f16 scales and offsets as stored, groups of a multiple of `QBLOCK`) as integer
    products on x quantized to 15 bits per `QBLOCK` channels (`cpu_kernel_int4.h`), offsets
-   included: one scale per output column and group of K / G input rows, G = 1 being one scale per
-   output column; G > 1 needs groups of a multiple of `GROUP_MULTIPLE` rows (`groups_fit`). Any
-   shapes, but it pays off only for few rows (`MAX_ROWS`): `jaxinfer.layers.dense` picks it for
+   included, the codes [K, N] or (`tiled=True`) in the tile order of `reference.tile_int4`, which
+   streams each part of a weight front to back: one scale per output column and group of K / G
+   input rows, G = 1 being one scale per output column; G > 1 needs groups of a multiple of
+   `GROUP_MULTIPLE` rows (`groups_fit`). Any shapes, but it pays off only for few rows
+   (`MAX_ROWS`, `MAX_ROWS_INT4` for the integer products): `jaxinfer.layers.dense` picks it for
    those and XLA's dot otherwise. `reference.linear` is the same product in pure JAX (the oracle)
    and holds the checks both share (`reference.check_inputs`); this file adds the kernel's own
    (group sizes).
