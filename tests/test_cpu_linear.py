@@ -246,6 +246,25 @@ def test_transposed_int8_weights_take_f16_scales():
     np.testing.assert_allclose(y, ref, rtol=0, atol=TOL * np.abs(ref).max())
 
 
+def test_quantized_lm_head_takes_the_kernel_up_to_its_rows():
+    """`layers.dense_transposed` on a quantized tied embedding: the kernel for up to
+    `MAX_ROWS_HEAD` rows (XLA:CPU's product of a vocabulary-sized head is far slower), XLA's
+    beyond; the same values either way."""
+    from jaxinfer.quantization import QArray
+
+    rng = np.random.default_rng(8)
+    q = QArray(
+        jnp.asarray(rng.integers(-127, 128, (512, 64)), jnp.int8),
+        jnp.asarray(rng.uniform(1e-3, 2e-2, (512, 2)), jnp.float16),
+    )
+    for rows, kernel in [(cpu_linear.MAX_ROWS_HEAD, True), (cpu_linear.MAX_ROWS_HEAD + 1, False)]:
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+        fn = lambda x, q: layers.dense_transposed(x, q, backend="cpu")  # noqa: E731
+        assert _uses_kernel(fn, x, q) == kernel
+        want = layers.dense_transposed(x, q, backend="xla")
+        np.testing.assert_allclose(fn(x, q), want, rtol=0, atol=TOL * float(jnp.abs(want).max()))
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_reference_matches_numpy_and_the_kernel(transposed):
     """`linear.reference` (the oracle) against numpy in float64 and the kernel, f32 and int8."""

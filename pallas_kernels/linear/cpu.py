@@ -21,8 +21,8 @@ intra-op pool.
    streams each part of a weight front to back: one scale per output column and group of K / G
    input rows, G = 1 being one scale per output column; G > 1 needs groups of a multiple of
    `GROUP_MULTIPLE` rows (`groups_fit`). Any shapes, but it pays off only for few rows
-   (`MAX_ROWS`, `MAX_ROWS_INT4` for the integer products): `jaxinfer.layers.dense` picks it for
-   those and XLA's dot otherwise. `reference.linear` is the same product in pure JAX (the oracle)
+   (`MAX_ROWS`; `MAX_ROWS_INT4` for the integer products, `MAX_ROWS_HEAD` for a quantized LM
+   head): `jaxinfer.layers.dense` picks it for those and XLA's dot otherwise. `reference.linear` is the same product in pure JAX (the oracle)
    and holds the checks both share (`reference.check_inputs`); this file adds the kernel's own
    (group sizes).
 3. `lanes()`: the vector width of this machine's build (16 with AVX-512, 8 with AVX2);
@@ -59,6 +59,7 @@ __all__ = [
     "GROUP_MULTIPLE",
     "KERNEL",
     "MAX_ROWS",
+    "MAX_ROWS_HEAD",
     "MAX_ROWS_INT4",
     "MAX_WEIGHTS",
     "QBLOCK",
@@ -87,6 +88,11 @@ MAX_ROWS = 8
 # 4x the kernel's time on SmolLM2's shapes, the two are even at 32 rows and XLA is 3x faster at 128
 # (BENCHMARKS.md "int4 decode step, tiled").
 MAX_ROWS_INT4 = 32
+# The same for a quantized tied embedding as LM head (int8 `[V, E]`, `transposed=True`): XLA:CPU's
+# product of SmolLM2's [49152, 576] Q8_0 head took 107-172 ms at 1-16 rows (per-group products
+# or a dequantized copy), the kernel 2.8 ms at 1 row, 17 at 8, 41 at 16, 93 at 32 (BENCHMARKS.md
+# "int4 decode step, tiled").
+MAX_ROWS_HEAD = 32
 # With G > 1 scale groups, the group size K / G must be a multiple of this (one AVX-512 vector,
 # two AVX2 ones).
 GROUP_MULTIPLE = 16
