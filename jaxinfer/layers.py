@@ -439,16 +439,15 @@ def _f32(scale: jax.Array) -> jax.Array:
 
 def _kernel_fits(x: jax.Array, weights: tuple[jax.Array | QArray, ...], axis: int) -> bool:
     """Whether the compiled kernel takes x times `weights` (contracted over their axis `axis`)."""
+    if x.ndim != 2:
+        return False
     rows = cpu_linear.MAX_ROWS
     if axis == 1 and all(isinstance(w, QArray) for w in weights):
         rows = cpu_linear.MAX_ROWS_HEAD  # a quantized tied LM head: XLA's product is far slower
     elif axis == 0 and _int4_products(x, weights):
         rows = cpu_linear.MAX_ROWS_INT4
     if not (
-        x.ndim == 2
-        and x.shape[0] <= rows
-        and x.dtype == jnp.float32
-        and len(weights) <= cpu_linear.MAX_WEIGHTS
+        x.shape[0] <= rows and x.dtype == jnp.float32 and len(weights) <= cpu_linear.MAX_WEIGHTS
     ):
         return False
     if all(isinstance(w, QArray) for w in weights):

@@ -25,6 +25,7 @@ from jaxinfer import layers, quantization
 from jaxinfer.quantization import QArray
 from pallas_kernels.linear import cpu as cpu_linear
 from pallas_kernels.linear import reference as linear_reference
+from tests.test_cpu_linear import _int4_weight
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not cpu_linear.available(),
@@ -32,13 +33,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 TOL = 1e-5  # of max |reference|
-
-
-def _int4_weight(rng, k: int, n: int, g: int):
-    codes = rng.integers(0, 16, (k, n)).astype(np.uint8)
-    scale = rng.uniform(1e-3, 2e-2, (g, n)).astype(np.float16)
-    offset = rng.uniform(-0.1, 0.1, (g, n)).astype(np.float16)
-    return codes, scale, offset
 
 
 def test_tile_order_is_the_kernels():
