@@ -10,6 +10,8 @@ with several engine-shaping flags at once; every one must decode exactly the mod
    layer weights; the vocabulary-sized ones int8) on `--mesh expert=2,tensor=2`
    (4 devices) and `--skip-tokenizer-init`: tokens equal plain decoding, the spec metrics move,
    the text fields stay empty and a text prompt is refused naming the flag.
+3. `--quantization int4 --linear-backend cpu` on one device: the int4 codes in the CPU kernel's
+   tiles, three concurrent streams decode exactly the model's tokens.
 """
 
 from __future__ import annotations
@@ -75,6 +77,18 @@ def ngram(model_dir):
             "--skip-tokenizer-init",
         ],
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    )
+    yield srv
+    assert srv.stop() == 0, "".join(srv.log[-30:])
+
+
+@pytest.fixture(scope="module")
+def int4_cpu(model_dir):
+    srv = ServedProcess(
+        [
+            *("--model", str(model_dir), *SIZES),
+            *("--quantization", "int4", "--linear-backend", "cpu", "--skip-tokenizer-init"),
+        ]
     )
     yield srv
     assert srv.stop() == 0, "".join(srv.log[-30:])
@@ -151,3 +165,22 @@ def test_ngram_speculation_with_fp8_kv_and_int4_on_an_expert_tensor_mesh(ngram):
         list(c.generate("a text prompt", timeout=60, max_tokens=2))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "skip-tokenizer-init" in e.value.details() or "skip_tokenizer_init" in e.value.details()
+
+
+def test_int4_on_the_cpu_kernel_decodes_the_models_tokens(int4_cpu):
+    """One device, `--linear-backend cpu`: the core's runner puts the int4 codes in the kernel's
+    tiles (`quantization.tile_for_cpu`) and serves through them (decode rows in the kernel, the
+    prefill's XLA products untiling). NOTE: the successor model's tokens do not depend on its
+    layer products' exact values (a kernel reading the tiles in the wrong order still passed):
+    this checks the served path with tiles; their order is checked by test_cpu_linear_tiled."""
+    got: dict[int, list[int]] = {}
+
+    def run(last: int) -> None:
+        got[last] = _tokens(int4_cpu, [1000, last], max_tokens=10, temperature=0)[0]
+
+    threads = [threading.Thread(target=run, args=(last,)) for last in (5000, 6000, 7000)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert got == {last: successors(last, 10, V) for last in (5000, 6000, 7000)}
