@@ -31,6 +31,7 @@ FLAGS = E + "test_the_flags_reach_the_engine_core"
 BUDGETS = F + "test_budgets_and_limits_reach_the_engine"
 FP8_MESH = M + "test_fp8_bf16_on_a_data_pipeline_tensor_mesh_decodes_the_models_tokens"
 NGRAM = M + "test_ngram_speculation_with_fp8_kv_and_int4_on_an_expert_tensor_mesh"
+INT4_CPU = M + "test_int4_on_the_cpu_kernel_decodes_the_models_tokens"
 INT8_DRAFT = E + "test_int8_with_a_saved_draft_model_decodes_the_models_tokens"
 TOOLS = "test_served_tools.py::"
 MOE = "test_served_moe.py::test_deepseek_moe_on_an_expert_mesh_decodes_transformers_tokens"
@@ -133,7 +134,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     ),
     "attention backend `cpu` (default on CPU)": (GREEDY,),
     "attention backend `reference`": (FLAGS,),
-    "linear backend `cpu` (default on CPU)": (GREEDY,),
+    "linear backend `cpu` (default on CPU)": (GREEDY, INT4_CPU),
     "`skip_tokenizer_init=True` (`LLM`, `load_model`; `serve.py --skip-tokenizer-init`)": (NGRAM,),
     "async scheduling (default on one process)": (GREEDY,),
     "gRPC `Generate` service, health, reflection, Prometheus metrics": (
@@ -175,7 +176,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     ),
     # quantization
     '`quantization="int8"`': (INT8_DRAFT,),
-    '`quantization="int4"` (`int4-g32`, `int4-sym`, ...)': (NGRAM,),
+    '`quantization="int4"` (`int4-g32`, `int4-sym`, ...)': (NGRAM, INT4_CPU),
     '`quantization="fp8"`': (FP8_MESH,),
     '`kv_cache_dtype="fp8"`': (NGRAM,),
     "`--enable-lora`, `--lora-modules NAME=PATH ...`, `--max-loras`, `--max-lora-rank`, `--max-cpu-loras`": (
