@@ -259,8 +259,8 @@ def codes(q: QArray) -> Any:
 
 def tile_for_cpu(params: Any) -> Any:
     """`params` with every int4 linear weight (uint4 codes with f16 scales and offsets,
-    contracted over axis 0) whose [K, N] view fits `linear_ref.tiles_fit` (and K / G a multiple
-    of its blocks) in the CPU kernel's tile order (`linear_ref.tile_int4`, `QArray.tiled`): its
+    contracted over axis 0) whose [K, N] view fits `linear_ref.tiles_fit` and whose groups fit
+    the integer products (`linear_ref.offsets_fit`) in the CPU kernel's tile order (`linear_ref.tile_int4`, `QArray.tiled`): its
     decode products then stream each weight front to back. For one device's params only (tiles
     do not split over shards); the runner calls it for `linear_backend="cpu"`."""
 
@@ -270,7 +270,7 @@ def tile_for_cpu(params: Any) -> Any:
         if jnp.dtype(q.data.dtype) != STORAGE["int4"] or q.scale.dtype != jnp.float16:
             return q
         k, n, g = q.shape[0], q.data.size // q.shape[0], q.scale.shape[0]
-        if not (linear_ref.tiles_fit(k, n) and (k // g) % linear_ref.QBLOCK == 0):
+        if not (linear_ref.tiles_fit(k, n) and linear_ref.offsets_fit(k, g)):
             return q
         data = _tile_jit(q.data.reshape(k, n)).reshape(q.shape)
         return q.replace(data=data, tiled=True)

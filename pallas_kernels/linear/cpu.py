@@ -22,9 +22,10 @@ intra-op pool.
    input rows, G = 1 being one scale per output column; G > 1 needs groups of a multiple of
    `GROUP_MULTIPLE` rows (`groups_fit`). Any shapes, but it pays off only for few rows
    (`MAX_ROWS`; `MAX_ROWS_INT4` for the integer products, `MAX_ROWS_HEAD` for a quantized LM
-   head): `jaxinfer.layers.dense` picks it for those and XLA's dot otherwise. `reference.linear` is the same product in pure JAX (the oracle)
-   and holds the checks both share (`reference.check_inputs`); this file adds the kernel's own
-   (group sizes).
+   head): `jaxinfer.layers.dense` picks it for those and XLA's dot otherwise. `reference.linear`
+   is the same product in pure JAX (the oracle) and holds the checks both share
+   (`reference.check_inputs`, `offsets_fit`, `tiles_fit`); this file adds the kernel's own (group
+   sizes).
 3. `lanes()`: the vector width of this machine's build (16 with AVX-512, 8 with AVX2);
    `float_pays()`: whether float32 weights beat XLA's dot here (AVX-512 only: on AVX2 (Zen 3)
    XLA's dot streams f32 faster, BENCHMARKS.md "AVX2 kernel"; int8 / int4 weights take the kernel
@@ -50,9 +51,8 @@ from pallas_kernels.linear.reference import (
     TILE_N,
     check_inputs,
     check_offsets,
-    tile_int4,
+    offsets_fit,
     tiles_fit,
-    untile_int4,
 )
 
 __all__ = [
@@ -71,10 +71,8 @@ __all__ = [
     "library",
     "linear",
     "offsets_fit",
-    "tile_int4",
     "tiles_fit",
     "unavailable_reason",
-    "untile_int4",
 ]
 
 KERNEL = CppKernel(
@@ -117,13 +115,6 @@ def groups_fit(k: int, groups: int) -> bool:
     return (
         groups > 1 and k % groups == 0 and k // groups > 0 and (k // groups) % GROUP_MULTIPLE == 0
     )
-
-
-def offsets_fit(k: int, groups: int) -> bool:
-    """Whether int4 codes contracted over K = `k` with `groups` groups of f16 scales and offsets
-    take the kernel's integer products (`linear(..., offsets=)`): K and K / G multiples of
-    `QBLOCK`."""
-    return groups >= 1 and k % groups == 0 and k % QBLOCK == 0 and (k // groups) % QBLOCK == 0
 
 
 @functools.partial(jax.jit, static_argnames=("transposed", "tiled"))

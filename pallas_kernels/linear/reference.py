@@ -182,6 +182,13 @@ def linear_offsets(
     return tuple(outs)
 
 
+def offsets_fit(k: int, groups: int) -> bool:
+    """Whether int4 codes contracted over K = `k` with `groups` groups of f16 scales and offsets
+    take the CPU kernel's integer products (`cpu.linear(..., offsets=)`): K and K / G multiples of
+    `QBLOCK`."""
+    return groups >= 1 and k % groups == 0 and k % QBLOCK == 0 and (k // groups) % QBLOCK == 0
+
+
 def tiles_fit(k: int, n: int) -> bool:
     """Whether uint4 codes [K, N] can be tiled (`tile_int4`)."""
     return k > 0 and n > 0 and k % QBLOCK == 0 and n % TILE_N == 0
