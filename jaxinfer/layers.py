@@ -195,7 +195,7 @@ def resolve_linear_backend(backend: str | None, platform: str | None = None) -> 
     steps of few token rows, `pallas_kernels.linear.cpu`) or "gpu" (quantized weights of steps of
     few token rows through the Pallas dequantizing matmul, `pallas_kernels.linear.gpu`; interpreted
     off a GPU target). None / "auto" picks "cpu" on a CPU platform when the kernel builds there,
-    else "xla" (a GPU included: see `GPU_AUTO`)."""
+    `GPU_AUTO` ("gpu") on a GPU, else "xla"."""
     platform = platform or target.platform()
     backend = backend or "auto"
     if backend not in LINEAR_BACKENDS:
@@ -211,11 +211,12 @@ def resolve_linear_backend(backend: str | None, platform: str | None = None) -> 
     return "cpu" if platform == "cpu" and _cpu_linear_builds() else "xla"
 
 
-# NOTE: measured 2026-11-26 on an H200 (BENCHMARKS.md "The decode step after issue 31"): the
-# Pallas dequantizing matmul reads int8 at ~1 TB/s where XLA's fused products read ~2.3 TB/s;
-# Llama-3-8B int8 decode 8.24 ms a step at 1 row with the kernel, 4.53 ms with XLA (bf16 4.72).
-# The kernel stays selectable (`linear_backend="gpu"`) until it is tuned on a GPU.
-GPU_AUTO = "xla"
+# NOTE: measured 2026-11-26 on an H200 (BENCHMARKS.md "The dequantizing matmul tuned"): with its
+# blocks tuned (`gpu_linear.TUNED`: K split across programs, one-row products as f32 FMAs), the
+# Pallas dequantizing matmul beats XLA's products at every Llama-3-8B projection, 1 and 32 rows;
+# the 8B decode step: int4 4.60 ms at 1 row (XLA's products 6.21), 8.06 at 32 rows (18.55);
+# int8 4.42 (4.51) and 6.15 (9.11). Steps of more rows than `gpu_linear.MAX_ROWS` run XLA's.
+GPU_AUTO = "gpu"
 
 
 @functools.cache

@@ -217,8 +217,17 @@ def main() -> None:
     p.add_argument("--scheduling", default="async", help="async, sync (comma-separated)")
     p.add_argument("--cprofile", default=None, help="path prefix: a host cProfile per case")
     p.add_argument("--hf", action="store_true", help="also HF transformers on the same config")
+    p.add_argument(
+        "--linear-tuning", default=None, help="bench_linear_gpu.py --tuned-out FILE: GPU kernel blocks"
+    )
     args = p.parse_args()
     import jax
+
+    if args.linear_tuning:
+        from pallas_kernels.linear import gpu as gpu_linear
+
+        with open(args.linear_tuning) as f:
+            gpu_linear.load_tuned(json.load(f))
 
     batches = [int(b) for b in args.batch.split(",")]
     path = model_dir(args.model, args.layers)

@@ -2,8 +2,8 @@
 
 XLA's own int8 / int4 products materialize a float copy of the weight (or, at one row, a
 weight-sized f32 partial product) before the GEMM in the deviceless compile; the linear backend
-`gpu` runs the Pallas dequantizing matmul (`pallas_kernels.linear.gpu`), which reads the codes in
-their bits (`auto` picks XLA on a GPU, where the kernel ran slower on an H200: `layers.GPU_AUTO`).
+`gpu` (`auto`'s choice on a GPU: `layers.GPU_AUTO`) runs the Pallas dequantizing matmul
+(`pallas_kernels.linear.gpu`), which reads the codes in their bits.
 `jaxinfer.aot.intermediates.weight_sized` finds such intermediates in the optimized HLO.
 One 1-token int4 step (2 layers, 8B's projection shapes, a small vocabulary to keep the compile
 cheap; its embedding and LM head are int8, so both code types run the kernel: the int8 step's
@@ -32,7 +32,7 @@ def test_h100_int4_step_reads_the_codes_in_place():
     with open(LLAMA_8B) as f:
         cfg = {**json.load(f), "num_hidden_layers": 2, "vocab_size": 1024}
     (step,) = aot.compile_step(
-        cfg, "h100", quantization="int4", attention_backend="auto", linear_backend="gpu", **BUDGET
+        cfg, "h100", quantization="int4", attention_backend="auto", linear_backend="auto", **BUDGET
     )
     assert step.report.linear_backend == "gpu"
     text = step.compiled.as_text()

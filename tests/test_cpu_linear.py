@@ -550,7 +550,7 @@ def test_lanes_name_the_build():
 def test_resolve_linear_backend():
     assert layers.resolve_linear_backend(None, "cpu") == "cpu"  # the kernel builds here
     assert layers.resolve_linear_backend("auto", "cpu") == "cpu"
-    assert layers.resolve_linear_backend("auto", "gpu") == "xla"  # layers.GPU_AUTO
+    assert layers.resolve_linear_backend("auto", "gpu") == "gpu"  # layers.GPU_AUTO
     assert layers.resolve_linear_backend(None, "tpu") == "xla"
     assert layers.resolve_linear_backend("xla", "cpu") == "xla"
     with pytest.raises(ValueError, match="CPU platform only"):

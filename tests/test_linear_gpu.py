@@ -3,9 +3,11 @@
 Interpret mode on the CPU: int8 (grouped f32 scales) and int4 (uint4 codes, f16 scales and
 offsets) weights, through `layers.dense` in the fused layouts the model hands it (qkv
 [E, Hkv, G+2, D], gate_up [E, 2, F]), equal to `layers._xla_dense` (f32: 1e-5; bf16: within
-bf16's eps: the
-f32 product of the bf16 inputs rounded once). Deviceless: the kernel compiles through Pallas Triton for an H100 at Llama-3-8B's
-projection shapes (skipped without the CUDA plugin).
+bf16's eps: the f32 product of the bf16 inputs rounded once); every launch form (`Blocks`: K
+splits, unrolled tiles, the one-row "fma" form) likewise. The launch configuration's choice
+(`blocks`: the measured `TUNED` table by nearest row class, else `default_blocks`). Deviceless:
+every configuration the table and the rule ship compiles through Pallas Triton for an H100 at
+Llama-3-8B's and SmolLM2's projection shapes (skipped without the CUDA plugin).
 """
 
 import numpy as np
@@ -50,9 +52,9 @@ def test_interpreted_kernel_equals_xla_dense(fmt):
         np.testing.assert_allclose(y, want, rtol=eps, atol=eps * scale, err_msg=f"{fmt} t={t}")
 
 
-def test_auto_picks_xla_on_gpu_and_the_kernel_on_request():
-    assert layers.resolve_linear_backend("auto", "gpu") == "xla"  # layers.GPU_AUTO: measured
-    assert layers.resolve_linear_backend("gpu", "gpu") == "gpu"
+def test_auto_picks_the_kernel_on_gpu():
+    assert layers.resolve_linear_backend("auto", "gpu") == "gpu"  # layers.GPU_AUTO: measured
+    assert layers.resolve_linear_backend("xla", "gpu") == "xla"
     assert layers.resolve_linear_backend("auto", "tpu") == "xla"
     assert layers.resolve_linear_backend("gpu", "cpu") == "gpu"  # interpreted there
     assert gpu_linear.supported(65, E, 64, GROUPS, jnp.int8)  # prefill rows: XLA's product
@@ -60,18 +62,101 @@ def test_auto_picks_xla_on_gpu_and_the_kernel_on_request():
     assert gpu_linear.supported(1, E, 64, GROUPS, jnp.uint4) is None
 
 
+B = gpu_linear.Blocks
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_kernel_compiles_for_h100_at_8b_shapes(fmt):
+@pytest.mark.parametrize(
+    "t,blocks",
+    [
+        (1, B(64, 2, 64, 2, "fma")),  # K split in 2 runs of 2-tile steps
+        (1, B(32, 4, 128, 1, "fma")),
+        (3, B(32, 2, 64, 2, "dot")),
+        (1, B(64, 1, 32, 4, "dot")),
+        (5, B(32, 4, 128, 1, "dot", 8, 2)),
+    ],
+)
+def test_every_form_equals_xla_dense(fmt, t, blocks):
+    e, n, groups = 512, 96, 4  # 3 column blocks of 32: the last program's columns clamped
+    w = np.random.default_rng(0).standard_normal((e, n)).astype(np.float32)
+    if fmt == "int4":
+        data, scale, offset = qlib.quantize4(w, 0, groups)
+        q = QArray(jnp.asarray(data), jnp.asarray(scale), jnp.asarray(offset))
+    else:
+        data, scale = qlib.quantize(w, "int8", 0, groups)
+        q = QArray(jnp.asarray(data), jnp.asarray(scale))
+    x = jnp.asarray(np.random.default_rng(t).standard_normal((t, e)), jnp.float32)
+    y = gpu_linear.quantized_matmul(x, q.data, q.scale, q.offset, interpret=True, config=blocks)
+    want = np.asarray(layers._xla_dense(x, q))
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_blocks_come_from_the_table_by_nearest_row_class(monkeypatch):
+    tuned = {
+        ("int8", 512, 96, 1): B(32, 2, 64, 2, "fma"),
+        ("int8", 512, 96, 32): B(64, 4, 128, 1, "dot"),
+    }
+    monkeypatch.setattr(gpu_linear, "TUNED", tuned)
+    assert gpu_linear.blocks(1, 512, 96, 4, jnp.int8) == tuned[("int8", 512, 96, 1)]
+    for t in (2, 16, 32, 64):  # "fma" takes one row: the 32-row entry is the nearest that runs
+        assert gpu_linear.blocks(t, 512, 96, 4, jnp.int8) == tuned[("int8", 512, 96, 32)]
+    # another shape, code type or group size: the rule
+    assert gpu_linear.blocks(1, 512, 96, 4, jnp.uint4) == gpu_linear.default_blocks(
+        1, 512, 96, 4, True
+    )
+    rule = gpu_linear.blocks(1, 512, 96, 16, jnp.int8)  # groups of 32: the table's tiles do not fit
+    assert rule == gpu_linear.default_blocks(1, 512, 96, 16, False) and rule.block_k == 32
+    gpu_linear.load_tuned(
+        [{"codes": "uint4", "k": 512, "n": 96, "rows": 16, "blocks": B(32, 1, 64)._asdict()}]
+    )
+    assert gpu_linear.blocks(8, 512, 96, 4, jnp.uint4) == B(32, 1, 64)
+
+
+def test_check_blocks_names_what_does_not_fit():
+    check = gpu_linear.check_blocks
+    assert check(B(128, 8, 64, 2, "fma"), 1, 4096, 6144, 32, jnp.uint4) is None
+    assert "one row" in check(B(128, 8, 64, 2, "fma"), 2, 4096, 6144, 32, jnp.uint4)
+    assert "group size 32" in check(B(128, 8, 64, 2, "dot"), 2, 4096, 6144, 128, jnp.int8)
+    assert "split" in check(B(128, 64, 128, 1, "dot"), 2, 4096, 6144, 32, jnp.int8)
+    assert ">= 32" in check(B(16, 1, 128), 2, 4096, 6144, 32, jnp.uint4)
+    with pytest.raises(ValueError, match="one row"):
+        gpu_linear.quantized_matmul(
+            jnp.zeros((2, 256)), jnp.zeros((256, 64), jnp.int8), jnp.ones((2, 64)),
+            config=B(32, 1, 128, 1, "fma"), interpret=True,
+        )  # fmt: skip
+
+
+def _shipped_configs():
+    """(fmt, t, k, n, Blocks): every `TUNED` entry at its shape, and the rule at SmolLM2's
+    projections (groups of 64: K = 576) and an 8B shape at 8 rows."""
+    out = []
+    for (codes, k, n, rows), b in gpu_linear.TUNED.items():
+        out.append(("int4" if codes == "uint4" else "int8", rows, k, n, b))
+    for fmt in ("int8", "int4"):
+        for k, n, t in (
+            (576, 960, 1),
+            (576, 3072, 1),
+            (1536, 576, 1),
+            (576, 960, 8),
+            (4096, 6144, 8),
+        ):
+            groups = k // (64 if k == 576 else 128)
+            out.append((fmt, t, k, n, gpu_linear.default_blocks(t, k, n, groups, fmt == "int4")))
+    return out
+
+
+def test_every_shipped_configuration_compiles_for_h100():
     from jaxinfer import aot
 
     reason = aot.available("gpu")
     if reason is not None:
         pytest.skip(f"no deviceless gpu compiler: {reason}")
-    codes = jnp.int8 if fmt == "int8" else jnp.uint4
-    scales = jnp.dtype(qlib.SCALE_DTYPE[fmt])
     s = jax.ShapeDtypeStruct
-    for k, n in ((4096, 6144), (14336, 4096)):  # Llama-3-8B's qkv and down projections
-        meta = s((k // 128, n), scales)
-        args = (s((16, k), jnp.bfloat16), s((k, n), codes), meta) + ((meta,) * (fmt == "int4"))
-        text = aot.compile_function(gpu_linear.quantized_matmul, args, "h100").as_text()
-        assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 1, text
+    for fmt, t, k, n, b in _shipped_configs():
+        codes = jnp.int8 if fmt == "int8" else jnp.uint4
+        meta = s((k // (64 if k == 576 else 128), n), jnp.dtype(qlib.SCALE_DTYPE[fmt]))
+        args = (s((t, k), jnp.bfloat16), s((k, n), codes), meta) + ((meta,) * (fmt == "int4"))
+        text = aot.compile_function(
+            gpu_linear.quantized_matmul, args, "h100", static_kwargs={"config": b}
+        ).as_text()
+        assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 1, (fmt, t, k, n, b)

@@ -4,33 +4,40 @@
 x [T, K] (bf16 / f16 / f32) times a weight stored as int8 codes (`jaxinfer.quantization`'s
 int8 layout, scales [G, N]) or uint4 codes (int4: scales and offsets [G, N], value = code *
 scale + offset), G groups of K / G consecutive input channels, -> [T, N] of x's dtype. The
-weight is read from HBM in its stored bits and never written back converted: XLA's own
-formulation materializes a float copy of the weight (or a weight-sized f32 partial product)
-before its GEMM, which on a decode step (weight bytes bound) costs more than the product itself.
+weight is read from HBM in its stored bits and never written back converted.
 
 1. Trace-time views: an int4 weight (`uint4[K, N]`, packed two per byte by XLA along N, the first
    of each pair in the low nibble) is bitcast to `uint8[K, N/2]` (free: the same bytes); int8
    stays `int8[K, N]`.
-2. Grid `(column blocks, token blocks)`: a program owns `block_n` output columns of `block_t`
-   token rows (padded to Triton's 16 by clamping the row index, like `pallas_kernels.lora.gpu`).
-   It walks K in tiles of `block_k` input channels (a divisor of the group size, so one tile
-   has one scale row): loads the code tile, converts it to x's dtype in registers (int4: the low
-   and high nibbles as two tiles, the even and odd output columns), multiplies with x's tile on
-   the tensor cores (f32 accumulate), scales that partial product by the tile's group scales and
-   adds x's tile row sums times the group offsets (int4: `sum_k x_k (u_k s + o) = s (x . u) + o
-   sum_k x_k`).
-3. The f32 sum is stored in x's dtype (int4: even and odd columns by strided stores).
+2. `Blocks` (see `blocks`: the measured `TUNED` table, else a rule) fixes the grid
+   `(column blocks, K splits, token blocks)`: a program owns `block_n` output columns of `block_t`
+   token rows and one of `split` equal runs of K, which it walks in tiles of `block_k` input
+   channels (a divisor of the group size, so a tile has one scale row), `unroll` tiles a loop
+   iteration. Per tile, in registers, one of two forms:
+   - "dot" (any rows, padded to Triton's 16 by clamping the row index): the code tile converted to
+     x's dtype (int4: low and high nibbles as two tiles, the even and odd output columns), a
+     tensor-core product with x's tile (f32 accumulate), scaled by the tile's group scales, plus x's
+     tile row sums times the group offsets (int4: `sum_k x_k (u_k s + o) = s (x . u) + o sum_k x_k`);
+   - "fma" (one row, the decode GEMV): the tile dequantized in f32 (`u s + o`) and multiplied by
+     x's column into a [block_k, W] f32 accumulator, summed over K once at the end: no layout
+     change through shared memory, no tensor-core padding.
+3. One split: the f32 sum is stored in x's dtype (int4: even and odd columns by strided stores).
+   Several: each program stores its f32 partial into `[split * T, N]`, summed over the splits by
+   XLA (a small reduce: split x T x N floats) and cast to x's dtype.
 
 NOTE: for few rows only (`MAX_ROWS`: decode and short chunks). Every token block reads the whole
 weight again, so a prefill of many rows is left to XLA's dequantize + GEMM (compute bound there:
 the converted weight is a small share of its time). `supported()` names what the kernel refuses.
 
-Legend: T token rows, K input channels (contracted), N output channels, G scale groups.
+Legend: T token rows, K input channels (contracted), N output channels, G scale groups, W code
+columns a program reads (block_n, or block_n / 2 bytes of int4 pairs).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,27 +46,127 @@ from jax.experimental.pallas import triton as plgpu
 
 MAX_ROWS = 64  # token rows the kernel takes (one token block: every row block rereads W)
 MAX_BLOCK_K = 128
-MIN_PROGRAMS = 128  # column blocks wanted for a decode GEMV (an H100 has 132 SMs)
+MIN_PROGRAMS = 200  # programs wanted for a decode GEMV: ~1.5 waves of an H100's / H200's 132 SMs
 CODE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint4))
+FORMS = ("dot", "fma")
+
+
+class Blocks(NamedTuple):
+    """One launch configuration (see the module docstring, step 2)."""
+
+    block_n: int = 128  # output columns a program owns (int4: >= 32)
+    split: int = 1  # K runs, one per program, summed by XLA when > 1
+    block_k: int = 128  # input channels a tile (<= the group size; a power of two >= 16)
+    unroll: int = 1  # tiles a loop iteration
+    form: str = "dot"  # "dot" or "fma" (one row only)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Measured best `Blocks` per (code dtype name, K, N, row class), row class 1 (one row) or the
+# padded token block (16, 32, 64): `scripts/bench_linear_gpu.py --tuned-out` on a GPU writes them
+# (`load_tuned` adds such a file). `blocks` takes the entry of the nearest row class that can run
+# the step's rows, else `default_blocks`.
+# NOTE: measured 2026-11-26 on an H200 (jax 0.11.2) at Llama-3-8B's projections, groups of 128
+# (BENCHMARKS.md "The dequantizing matmul tuned"); the comment gives the product's time in the
+# sweep (one jitted call over several weight copies, launch gaps included).
+TUNED: dict[tuple[str, int, int, int], Blocks] = {
+    ("uint4", 4096, 28672, 1): Blocks(128, 1, 64, 2, "fma", 4, 3),  # gate_up 107 us
+    ("uint4", 4096, 28672, 32): Blocks(128, 1, 128, 1, "dot", 4, 4),  # gate_up 144 us
+    ("uint4", 14336, 4096, 1): Blocks(128, 8, 64, 2, "fma", 4, 2),  # down 66 us
+    ("uint4", 14336, 4096, 32): Blocks(128, 8, 128, 1, "dot", 4, 4),  # down 79 us
+    ("uint4", 4096, 6144, 1): Blocks(128, 8, 64, 2, "fma", 4, 3),  # qkv 28 us
+    ("uint4", 4096, 6144, 32): Blocks(256, 16, 128, 1, "dot", 8, 3),  # qkv 55 us
+    ("uint4", 4096, 4096, 1): Blocks(128, 16, 64, 2, "fma", 4, 3),  # o 28 us
+    ("uint4", 4096, 4096, 32): Blocks(128, 8, 128, 1, "dot", 4, 3),  # o 37 us
+    ("uint4", 4096, 128256, 1): Blocks(128, 1, 64, 2, "fma", 4, 4),  # lm_head 335 us
+    ("uint4", 4096, 128256, 32): Blocks(128, 1, 128, 1, "dot", 4, 3),  # lm_head 522 us
+    ("int8", 4096, 28672, 1): Blocks(256, 8, 128, 1, "dot", 4, 3),  # gate_up 123 us
+    ("int8", 4096, 28672, 32): Blocks(128, 1, 128, 1, "dot", 4, 3),  # gate_up 125 us
+    ("int8", 14336, 4096, 1): Blocks(128, 16, 64, 2, "fma", 4, 3),  # down 68 us
+    ("int8", 14336, 4096, 32): Blocks(128, 8, 128, 1, "dot", 4, 3),  # down 73 us
+    ("int8", 4096, 6144, 1): Blocks(128, 8, 64, 2, "fma", 4, 3),  # qkv 31 us
+    ("int8", 4096, 6144, 32): Blocks(128, 8, 128, 1, "dot", 4, 3),  # qkv 42 us
+    ("int8", 4096, 4096, 1): Blocks(128, 16, 128, 1, "dot", 4, 3),  # o 26 us
+    ("int8", 4096, 4096, 32): Blocks(64, 8, 128, 1, "dot", 4, 3),  # o 33 us
+    ("int8", 4096, 128256, 1): Blocks(128, 1, 128, 1, "dot", 4, 3),  # lm_head 317 us
+    ("int8", 4096, 128256, 32): Blocks(256, 1, 128, 1, "dot", 4, 3),  # lm_head 338 us
+}  # fmt: skip
+
+
+def load_tuned(entries: list[dict]) -> None:
+    """Adds `scripts/bench_linear_gpu.py --tuned-out` entries ({"codes", "k", "n", "rows",
+    "blocks"}) to `TUNED`."""
+    for e in entries:
+        TUNED[(e["codes"], e["k"], e["n"], e["rows"])] = Blocks(**e["blocks"])
 
 
 def _pow2_at_least(n: int, lo: int = 16) -> int:
     return max(lo, 1 << max(n - 1, 0).bit_length())
 
 
-def _block_k(k: int, groups: int) -> int:
+def row_class(t: int) -> int:
+    return 1 if t == 1 else _pow2_at_least(t)
+
+
+def max_block_k(k: int, groups: int) -> int:
     """The largest power of two <= MAX_BLOCK_K dividing the group size K / G."""
     g = k // groups
     return min(MAX_BLOCK_K, g & -g)
 
 
-def _block_n(n: int, int4: bool) -> int:
-    """Output columns per program: the largest of 128 .. 16 leaving >= MIN_PROGRAMS programs (int4
-    at least 32: each nibble half is a dot operand of >= 16 columns)."""
-    for b in (128, 64, 32):
-        if -(-n // b) >= MIN_PROGRAMS:
+def default_blocks(t: int, k: int, n: int, groups: int, int4: bool) -> Blocks:
+    """The rule for shapes `TUNED` lacks, read off the H200 sweep (BENCHMARKS.md "The dequantizing
+    matmul tuned"): 128 output columns a program (fewer for narrow weights), K split in halves
+    until >= MIN_PROGRAMS programs (each run >= 4 tiles); one row "fma" over 64-channel tiles two
+    a step, more rows "dot" over 128-channel tiles."""
+    bk = max_block_k(k, groups)
+    lo = 32 if int4 else 16
+    bn = max(lo, min(128, _pow2_at_least(-(-n // 8), lo)))
+    form, unroll = ("fma", 1) if t == 1 else ("dot", 1)
+    if form == "fma":
+        bk = min(bk, 64)
+        unroll = 2 if (k // bk) % 2 == 0 else 1
+    tiles, split = k // bk, 1
+    while (
+        -(-n // bn) * split < MIN_PROGRAMS
+        and tiles % (2 * split * unroll) == 0
+        and tiles // (2 * split) >= 4
+    ):
+        split *= 2
+    return Blocks(block_n=bn, split=split, block_k=bk, unroll=unroll, form=form)
+
+
+def blocks(t: int, k: int, n: int, groups: int, dtype) -> Blocks:
+    """The launch configuration of x [t, k] times codes of `dtype` [k, n] in `groups` groups."""
+    name, rc = jnp.dtype(dtype).name, row_class(t)
+    # The tuned row class nearest to t's (log scale; the smaller on a tie) that can run t rows.
+    tuned = sorted(
+        (abs(math.log2(key[3] / rc)), key[3], b)
+        for key, b in TUNED.items()
+        if key[:3] == (name, k, n)
+    )
+    for _, _, b in tuned:
+        if check_blocks(b, t, k, n, groups, dtype) is None:
             return b
-    return 32 if int4 else 16
+    return default_blocks(t, k, n, groups, jnp.dtype(dtype) == jnp.uint4)
+
+
+def check_blocks(b: Blocks, t: int, k: int, n: int, groups: int, dtype) -> str | None:
+    """None when `b` can run x [t, k] times codes of `dtype` [k, n], else why not."""
+    int4 = jnp.dtype(dtype) == jnp.uint4
+    if b.form not in FORMS:
+        return f"form {b.form!r} is not one of {FORMS}"
+    if b.form == "fma" and t != 1:
+        return f"form 'fma' takes one row, not {t}"
+    if b.block_k > max_block_k(k, groups) or b.block_k < 16 or b.block_k & (b.block_k - 1):
+        return f"block_k {b.block_k} does not divide the group size {k // groups}"
+    if b.block_n & (b.block_n - 1) or b.block_n < (32 if int4 else 16):
+        return f"block_n {b.block_n} is not a power of two >= {32 if int4 else 16}"
+    tiles = k // b.block_k
+    if b.split < 1 or tiles % (b.split * b.unroll):
+        return f"{tiles} K tiles do not split into {b.split} runs of {b.unroll}-tile steps"
+    return None
 
 
 def supported(t: int, k: int, n: int, groups: int, dtype: jnp.dtype) -> str | None:
@@ -72,7 +179,7 @@ def supported(t: int, k: int, n: int, groups: int, dtype: jnp.dtype) -> str | No
         return f"quantized matmul kernel: {t} rows > {MAX_ROWS}"
     if groups < 1 or k % groups:
         return f"quantized matmul kernel: {groups} groups do not split {k} input channels"
-    if _block_k(k, groups) < 16:
+    if max_block_k(k, groups) < 16:
         return f"quantized matmul kernel: group size {k // groups} is not a multiple of 16"
     if dtype == jnp.uint4 and n % 2:
         return f"quantized matmul kernel: int4 needs an even output width, got {n}"
@@ -83,10 +190,9 @@ def _kernel(
     x_ref,  # [T, K]
     q_ref,  # i8[K, N] | u8[K, N/2] (int4 pairs)
     s_ref,  # [G, N] f32 | f16
-    *rest,  # (o_ref [G, N],)? then out_ref [T, N]
+    *rest,  # (o_ref [G, N],)? then out_ref [T, N] (x's dtype) | [split * T, N] f32
+    b: Blocks,
     block_t: int,
-    block_k: int,
-    block_n: int,
     int4: bool,
     dot_dtype: jnp.dtype,
 ):
@@ -94,9 +200,10 @@ def _kernel(
     t, k_dim = x_ref.shape
     n_dim = out_ref.shape[1]
     group = k_dim // s_ref.shape[0]
-    j, i = pl.program_id(0), pl.program_id(1)
-    width = block_n // 2 if int4 else block_n  # code columns a program reads
+    j, sp, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    width = b.block_n // 2 if int4 else b.block_n  # code columns a program reads
     code_cols = n_dim // 2 if int4 else n_dim
+    fma = b.form == "fma"
 
     def span(start, size: int, limit: int):  # indices start.., clamped into range if needed
         idx = start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
@@ -106,31 +213,54 @@ def _kernel(
     cc = span(j * width, width, code_cols)  # i32[W]: code columns
     # The output columns each accumulator holds: int4 even (low nibbles) and odd (high) ones.
     outs = (2 * cc, 2 * cc + 1) if int4 else (cc,)
+    steps = k_dim // b.block_k // b.split // b.unroll
+    first = sp * steps * b.unroll  # the run's first K tile
+    lane = jax.lax.broadcasted_iota(jnp.int32, (b.block_k,), 0)
 
-    def step(kt, accs):
-        ks = kt * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-        g = kt * block_k // group
-        xk = x_ref[rows[:, None], ks[None, :]].astype(dot_dtype)  # [BT, BK]
+    def tile(kt, accs):
+        ks = kt * b.block_k + lane
+        g = kt * b.block_k // group
         codes = q_ref[ks[:, None], cc[None, :]]  # [BK, W]
         if int4:
-            b = codes.astype(jnp.int32)
-            tiles = ((b & 15).astype(xk.dtype), (b >> 4).astype(xk.dtype))
-            xsum = jnp.sum(xk.astype(jnp.float32), axis=1)[:, None]  # [BT, 1]
+            c = codes.astype(jnp.int32)
+            halves = ((c & 15), (c >> 4))
         else:
-            tiles = (codes.astype(xk.dtype),)
+            halves = (codes,)
+        if fma:  # x's column [BK, 1]: row 0 (the only one) of every K index
+            xcol = x_ref[(0 * ks)[:, None], ks[:, None]].astype(jnp.float32)
+            new = []
+            for acc, h, cols in zip(accs, halves, outs):
+                w = h.astype(jnp.float32) * s_ref[g, cols].astype(jnp.float32)[None, :]
+                if int4:
+                    w = w + o_ref[g, cols].astype(jnp.float32)[None, :]
+                new.append(acc + xcol * w)
+            return tuple(new)
+        xk = x_ref[rows[:, None], ks[None, :]].astype(dot_dtype)  # [BT, BK]
+        if int4:
+            xsum = jnp.sum(xk.astype(jnp.float32), axis=1)[:, None]  # [BT, 1]
         new = []
-        for acc, tile, cols in zip(accs, tiles, outs):
-            part = jax.lax.dot(xk, tile, preferred_element_type=jnp.float32)  # [BT, W]
+        for acc, h, cols in zip(accs, halves, outs):
+            part = jax.lax.dot(xk, h.astype(xk.dtype), preferred_element_type=jnp.float32)
             part = part * s_ref[g, cols].astype(jnp.float32)[None, :]
             if int4:
                 part = part + xsum * o_ref[g, cols].astype(jnp.float32)[None, :]
             new.append(acc + part)
         return tuple(new)
 
-    zero = jnp.zeros((block_t, width), jnp.float32)
-    accs = jax.lax.fori_loop(0, k_dim // block_k, step, (zero,) * len(outs))
+    def step(it, accs):
+        for u in range(b.unroll):
+            accs = tile(first + it * b.unroll + u, accs)
+        return accs
+
+    shape = (b.block_k, width) if fma else (block_t, width)
+    accs = jax.lax.fori_loop(0, steps, step, (jnp.zeros(shape, jnp.float32),) * len(outs))
+    split_rows = sp * t + rows  # this run's rows of the [split * T, N] partials
     for acc, cols in zip(accs, outs):
-        out_ref[rows[:, None], cols[None, :]] = acc.astype(out_ref.dtype)
+        if fma:
+            y = jnp.sum(acc, axis=0)  # [W]
+            out_ref[(0 * cols + sp), cols] = y.astype(out_ref.dtype)
+        else:
+            out_ref[split_rows[:, None], cols[None, :]] = acc.astype(out_ref.dtype)
 
 
 def quantized_matmul(
@@ -140,45 +270,53 @@ def quantized_matmul(
     offset: jax.Array | None = None,
     *,
     interpret: bool = False,
+    config: Blocks | None = None,
 ) -> jax.Array:
     """x [T, K] @ the weight `data` [K, N] (int8 or uint4 codes) with `scale` [G, N] (and `offset`
-    [G, N] for uint4) -> [T, N] in x's dtype; see the module docstring."""
+    [G, N] for uint4) -> [T, N] in x's dtype; see the module docstring. `config`: the launch
+    configuration (default: `blocks`)."""
     t, k_dim = x.shape
     n_dim = data.shape[1]
     groups = scale.shape[0]
     reason = supported(t, k_dim, n_dim, groups, data.dtype)
     if reason is not None:
         raise ValueError(reason)
+    b = config or blocks(t, k_dim, n_dim, groups, data.dtype)
+    reason = check_blocks(b, t, k_dim, n_dim, groups, data.dtype)
+    if reason is not None:
+        raise ValueError(f"quantized matmul kernel: {reason}")
     int4 = jnp.dtype(data.dtype) == jnp.uint4
     if int4 != (offset is not None):
         raise ValueError("quantized matmul kernel: uint4 codes need offsets, int8 codes none")
     if int4:  # NOTE: the bytes XLA stores; the first of each pair in the low nibble
         data = jax.lax.bitcast_convert_type(data.reshape(k_dim, n_dim // 2, 2), jnp.uint8)
-    block_t = _pow2_at_least(t)
-    block_n = _block_n(n_dim, int4)
-    grid = (pl.cdiv(n_dim, block_n), pl.cdiv(t, block_t))
+    block_t = 1 if b.form == "fma" else _pow2_at_least(t)
+    grid = (pl.cdiv(n_dim, b.block_n), b.split, pl.cdiv(t, block_t))
+    out_dtype = jnp.dtype(x.dtype if b.split == 1 else jnp.float32)
     operands = (x, data, scale) + ((offset,) if int4 else ())
     size = lambda v: v.size * v.dtype.itemsize  # noqa: E731
     cost = pl.CostEstimate(
         flops=2 * t * k_dim * n_dim,
         transcendentals=0,
-        bytes_accessed=sum(size(v) for v in operands) + t * n_dim * x.dtype.itemsize,
+        bytes_accessed=sum(size(v) for v in operands) + b.split * t * n_dim * out_dtype.itemsize,
     )
-    return pl.pallas_call(
+    y = pl.pallas_call(
         functools.partial(
             _kernel,
+            b=b,
             block_t=block_t,
-            block_k=_block_k(k_dim, groups),
-            block_n=block_n,
             int4=int4,
             # NOTE: XLA:CPU runs no bf16 x bf16 -> f32 dot: interpreted, the operands are widened
             # (exactly: their products are exact in f32, summed in f32 as on the tensor cores).
             dot_dtype=jnp.float32 if interpret else x.dtype,
         ),
         grid=grid,
-        out_shape=jax.ShapeDtypeStruct((t, n_dim), x.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        out_shape=jax.ShapeDtypeStruct((b.split * t, n_dim), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages),
         cost_estimate=cost,
         interpret=interpret,
         name="int4_matmul" if int4 else "int8_matmul",
     )(*operands)
+    if b.split == 1:
+        return y
+    return jnp.sum(y.reshape(b.split, t, n_dim), axis=0).astype(x.dtype)
