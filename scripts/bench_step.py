@@ -3,7 +3,8 @@
     python scripts/bench_step.py --model scripts/configs/llama-3-8b --load-format dummy \
         --batch 1,32 --quantization none,int8,int4 [--context 512] [--steps 24] [--layers N]
         [--trace-dir DIR] [--json-out FILE] [--hf] [--attention-backend B]
-        [--scheduling async,sync] [--cprofile PREFIX]
+        [--scheduling async,sync] [--cprofile PREFIX] [--linear-backend xla,gpu]
+        [--linear-tuning FILE]   # bench_linear_gpu.py --tuned-out: the GPU kernel's blocks
 
 1. One `LLM` per `--quantization` (random weights with `--load-format dummy`; `--layers N` keeps
    the first N layers of the config, for a quick look on a CPU), sized for the largest batch.
@@ -218,7 +219,9 @@ def main() -> None:
     p.add_argument("--cprofile", default=None, help="path prefix: a host cProfile per case")
     p.add_argument("--hf", action="store_true", help="also HF transformers on the same config")
     p.add_argument(
-        "--linear-tuning", default=None, help="bench_linear_gpu.py --tuned-out FILE: GPU kernel blocks"
+        "--linear-tuning",
+        default=None,
+        help="bench_linear_gpu.py --tuned-out FILE: GPU kernel blocks",
     )
     args = p.parse_args()
     import jax

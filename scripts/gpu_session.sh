@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --f
 quiet() { grep -v -E "^[WIE]0000|Warning|warn|^  "; }
 echo "== the dequantizing matmul, tuned (left $(left))"
 JAX_PLATFORMS=cuda box ${SWEEP_S:-230} python3 scripts/bench_linear_gpu.py --budget ${STAGE_B_S:-150} \
-  --tuned-out $OUT/tuned.json --json-out $OUT/sweep.json 2>&1 | quiet | grep -v '^{'
+  --tuned-out $OUT/tuned.json --json-out $OUT/sweep.json 2>&1 | grep -v -E "^[WIE]0000|^\{"
 TUNING=$([ -s $OUT/tuned.json ] && echo "--linear-tuning $OUT/tuned.json")
 B="python3 scripts/bench_step.py --model scripts/configs/llama-3-8b --context 512 --steps 16 $TUNING"
 for q in int4 int8; do

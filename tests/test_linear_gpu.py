@@ -160,3 +160,36 @@ def test_every_shipped_configuration_compiles_for_h100():
             gpu_linear.quantized_matmul, args, "h100", static_kwargs={"config": b}
         ).as_text()
         assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 1, (fmt, t, k, n, b)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_codes_become_floats_without_conversion_instructions(fmt, tmp_path):
+    """Integer-to-float conversions issue at a fraction of the FMA rate and bounded the kernel on
+    an H200 (BENCHMARKS.md "The dequantizing matmul tuned"): the PTX of both forms has none (the
+    "fma" form ORs codes into 2**23's mantissa; the "dot" form hands Triton int8 values, which it
+    widens to bf16 with byte permutes)."""
+    import re
+
+    from jaxinfer import aot
+
+    reason = aot.available("gpu")
+    if reason is not None:
+        pytest.skip(f"no deviceless gpu compiler: {reason}")
+    s = jax.ShapeDtypeStruct
+    codes = jnp.int8 if fmt == "int8" else jnp.uint4
+    meta = s((32, 6144), jnp.dtype(qlib.SCALE_DTYPE[fmt]))
+    for t, b in ((1, B(128, 8, 64, 2, "fma")), (32, B(128, 8, 128, 1, "dot"))):
+        out = tmp_path / f"{b.form}"
+        args = (s((t, 4096), jnp.bfloat16), s((4096, 6144), codes), meta) + (
+            (meta,) * (fmt == "int4")
+        )
+        aot.compile_function(
+            gpu_linear.quantized_matmul, args, "h100", static_kwargs={"config": b},
+            compiler_options={"xla_dump_to": str(out)},
+        )  # fmt: skip
+        ptx = [p.read_text() for p in out.glob("*.ptx")]
+        kernel = [p for p in ptx if f"{fmt}_matmul" in p]
+        assert len(kernel) == 1, [p[:200] for p in ptx]
+        assert "mma.sync" in kernel[0] or b.form == "fma"
+        convs = re.findall(r"cvt\.rn\.(?:f32|f16|bf16)\.[us](?:8|16|32)\b", kernel[0])
+        assert convs == [], (b, sorted(set(convs)), len(convs))

@@ -15,12 +15,17 @@ weight is read from HBM in its stored bits and never written back converted.
    channels (a divisor of the group size, so a tile has one scale row), `unroll` tiles a loop
    iteration. Per tile, in registers, one of two forms:
    - "dot" (any rows, padded to Triton's 16 by clamping the row index): the code tile converted to
-     x's dtype (int4: low and high nibbles as two tiles, the even and odd output columns), a
-     tensor-core product with x's tile (f32 accumulate), scaled by the tile's group scales, plus x's
-     tile row sums times the group offsets (int4: `sum_k x_k (u_k s + o) = s (x . u) + o sum_k x_k`);
-   - "fma" (one row, the decode GEMV): the tile dequantized in f32 (`u s + o`) and multiplied by
-     x's column into a [block_k, W] f32 accumulator, summed over K once at the end: no layout
-     change through shared memory, no tensor-core padding.
+     x's dtype (int4: low and high nibbles as two int8 tiles, the even and odd output columns;
+     Triton widens int8 to bf16 with byte permutes), a tensor-core product with x's tile (f32
+     accumulate), scaled by the tile's group scales, plus x's tile row sums times the group
+     offsets (int4: `sum_k x_k (u_k s + o) = s (x . u) + o sum_k x_k`);
+   - "fma" (one row, the decode GEMV): the tile dequantized in f32 (`u s + o`, the codes made
+     floats by `_exact_f32`) and multiplied by x's column into a [block_k, W] f32 accumulator,
+     summed over K once at the end: no layout change through shared memory, no tensor-core
+     padding.
+   Neither form converts an integer to a float with a conversion instruction: those issue at a
+   fraction of the FMA rate and bounded the kernel on an H200 (BENCHMARKS.md "The dequantizing
+   matmul tuned"; `tests/test_linear_gpu.py` reads the compiled PTX).
 3. One split: the f32 sum is stored in x's dtype (int4: even and odd columns by strided stores).
    Several: each program stores its f32 partial into `[split * T, N]`, summed over the splits by
    XLA (a small reduce: split x T x N floats) and cast to x's dtype.
@@ -186,6 +191,20 @@ def supported(t: int, k: int, n: int, groups: int, dtype: jnp.dtype) -> str | No
     return None
 
 
+_MAGIC = 0x4B000000  # the f32 bits of 2**23, whose 23 mantissa bits then count integers
+
+
+def _exact_f32(codes, int4: bool):
+    """int8 codes or int4 nibbles (int32) as exact f32 values without a conversion instruction
+    (conversions issue at a fraction of the FMA rate): the code, made non-negative (int8: plus
+    128), ORed into the mantissa of 2**23, then 2**23 (and the 128) subtracted."""
+    c = codes.astype(jnp.int32)
+    if not int4:
+        c = c + 128
+    f = jax.lax.bitcast_convert_type(c | _MAGIC, jnp.float32)
+    return f - (8388608.0 if int4 else 8388736.0)
+
+
 def _kernel(
     x_ref,  # [T, K]
     q_ref,  # i8[K, N] | u8[K, N/2] (int4 pairs)
@@ -221,16 +240,18 @@ def _kernel(
         ks = kt * b.block_k + lane
         g = kt * b.block_k // group
         codes = q_ref[ks[:, None], cc[None, :]]  # [BK, W]
-        if int4:
+        if int4 and fma:
             c = codes.astype(jnp.int32)
             halves = ((c & 15), (c >> 4))
+        elif int4:  # NOTE: int8 values: Triton converts int8 to bf16 with byte permutes
+            halves = ((codes & 15).astype(jnp.int8), (codes >> 4).astype(jnp.int8))
         else:
             halves = (codes,)
         if fma:  # x's column [BK, 1]: row 0 (the only one) of every K index
             xcol = x_ref[(0 * ks)[:, None], ks[:, None]].astype(jnp.float32)
             new = []
             for acc, h, cols in zip(accs, halves, outs):
-                w = h.astype(jnp.float32) * s_ref[g, cols].astype(jnp.float32)[None, :]
+                w = _exact_f32(h, int4) * s_ref[g, cols].astype(jnp.float32)[None, :]
                 if int4:
                     w = w + o_ref[g, cols].astype(jnp.float32)[None, :]
                 new.append(acc + xcol * w)
