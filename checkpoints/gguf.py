@@ -19,7 +19,8 @@ Flow:
    set: a block-quantized tensor requantized to int8 / fp8 with `groups` scales per row, a chunk
    of rows at a time (`gguf_quants.requantize`; exactly, by folding the block scales, for the
    symmetric formats where a group's block scales allow it); int4 gives (codes, scales, offsets),
-   Q4_0 / Q4_1 exactly in groups of 32 (`gguf_quants.requantize4`, `native_int4_groups`).
+   Q4_0 / Q4_1 exactly and Q4_K to one f16 rounding of its sub-block scales, in groups of 32
+   (`gguf_quants.requantize4`, `native_int4_groups`).
 6. `GGUFCheckpoint.hf_config()` derives a HF `config.json`-style dict from the metadata.
 
 Layout: GGUF lists dimensions fastest first (`ne[0]` is the contiguous one), so the numpy shape is
@@ -45,6 +46,7 @@ from checkpoints.errors import GGUFError
 from checkpoints.gguf_quants import (
     _FLOAT_TYPES,
     _NATIVE4,
+    NATIVE4_GROUP,
     SUPPORTED_TYPES,
     GGMLType,
     dequantize,
@@ -240,11 +242,25 @@ class GGUFCheckpoint:
         return w
 
     def native_int4_groups(self) -> int | None:
-        """32 when every 2-D block-quantized tensor but the (int8) embedding and LM head is Q4_0 /
-        Q4_1 (int4 groups of 32 hold them exactly), else None."""
+        """`NATIVE4_GROUP` (32) when a 2-D tensor other than the (int8) embedding and LM head is
+        Q4_0 / Q4_1 / Q4_K (int4 groups of 32 hold them: exactly, Q4_K to one f16 rounding), else
+        None. The file's other block tensors (a Q4_K_M file's Q6_K ones) then requantize to 4
+        bits in those groups (`requantize4`; `int4_requantized` names them)."""
+        kinds = {e.qtype for e in self._linear_entries().values()}
+        return NATIVE4_GROUP if kinds & set(_NATIVE4) else None
+
+    def int4_requantized(self) -> list[str]:
+        """HF names of the linear tensors an int4 load requantizes (not a native 4-bit type)."""
+        return [n for n, e in self._linear_entries().items() if e.qtype not in _NATIVE4]
+
+    def _linear_entries(self) -> dict[str, _Entry]:
+        """The 2-D block-quantized tensors but the embedding and LM head (int8 under int4)."""
         skip = re.compile(r".*(embed_tokens|lm_head)")
-        kinds = {e.qtype for n, e in self._entries.items() if not skip.match(n)} - _FLOAT_TYPES
-        return 32 if kinds and kinds <= set(_NATIVE4) else None
+        return {
+            n: e
+            for n, e in self._entries.items()
+            if not skip.match(n) and len(e.shape) == 2 and e.qtype not in _FLOAT_TYPES
+        }
 
     def quantized(self, hf_name: str, fmt: str, groups: int = 1) -> tuple[np.ndarray, ...] | None:
         """A 2-D block-quantized tensor requantized to `fmt` ("int8" | "fp8") with `groups` scales

@@ -308,11 +308,25 @@ def _native_q4_1(blocks: np.ndarray) -> tuple[np.ndarray, ...]:  # u8[n_blocks, 
     )
 
 
-# Block formats an int4 layout with groups of 32 holds exactly: (codes u8[n_blocks, 32] in 0..15,
-# scale f32[n_blocks], offset f32[n_blocks]).
+def _native_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, ...]:  # u8[n_blocks, 144]
+    """Q4_K's eight sub-blocks of 32 as groups: scale d * sc, offset -dmin * m (f32, exact)."""
+    n_blocks = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _k4_scales_and_mins(blocks[:, 4:16])
+    q = _low_high_nibbles(blocks[:, 16:144].reshape(n_blocks, 4, 32)).reshape(-1, 32)
+    scale = (d * sc.astype(np.float32)).reshape(-1)
+    return q, scale, -(dmin * mn.astype(np.float32)).reshape(-1)
+
+
+# Block formats an int4 layout with groups of `NATIVE4_GROUP` holds: (codes u8[n_groups, 32] in
+# 0..15, scale f32[n_groups], offset f32[n_groups]); value = code * scale + offset. Q4_0 / Q4_1
+# exactly (their f16 d and m); Q4_K's sub-block products d * sc and dmin * m round to int4's f16
+# scales and offsets (half an f16 ulp each: <= 2**-11 relative).
+NATIVE4_GROUP = 32
 _NATIVE4: dict[GGMLType, Callable[[np.ndarray], tuple[np.ndarray, ...]]] = {
     GGMLType.Q4_0: _native_q4_0,
     GGMLType.Q4_1: _native_q4_1,
+    GGMLType.Q4_K: _native_q4_k,
 }
 
 
@@ -320,13 +334,14 @@ def requantize4(
     by_row: np.ndarray, qtype: GGMLType, cols: int, groups: int, symmetric: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # u8[rows, row_bytes]
     """(codes uint4[rows, cols], scale f16[rows, groups], offset f16[rows, groups]) of a
-    block-quantized 2-D tensor: Q4_0 / Q4_1 with one group per block exactly, others requantized
-    from their dequantized rows a chunk at a time."""
+    block-quantized 2-D tensor: Q4_0 / Q4_1 / Q4_K in groups of 32 as stored (`_NATIVE4`), others
+    requantized from their dequantized rows a chunk at a time."""
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     rows = by_row.shape[0]
-    if qtype in _NATIVE4 and cols // groups == block_size:
+    if qtype in _NATIVE4 and cols // groups == NATIVE4_GROUP:
         codes, d, m = _NATIVE4[qtype](by_row.reshape(-1, block_bytes))
-        # NOTE: f16 d and m (and -8 d, a power-of-two multiple) narrow back to f16 exactly.
+        # NOTE: f16 d and m (and -8 d, a power-of-two multiple) narrow back to f16 exactly;
+        # Q4_K's products round once.
         f16 = qlib.SCALE_DTYPE["int4"]
         return (
             codes.reshape(rows, cols).astype(qlib.STORAGE["int4"]),

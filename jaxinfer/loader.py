@@ -29,6 +29,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Any
@@ -54,6 +55,8 @@ from jaxinfer.model_info import (
 )
 from jaxinfer.models import family_of
 from pallas_kernels import target
+
+log = logging.getLogger(__name__)
 
 DUMMY_SEED = 0
 # A leaf of the layout before the fused QKV weight (`llama.AttentionParams.qkv`).
@@ -245,8 +248,14 @@ def load_from_source(
         quantization = _packed_quantization(path, scheme, quantization)
         handle = PackedView(handle, scheme)
     if kind == "gguf" and quantization in ("int4", "int4-sym") and handle.native_int4_groups():
-        # NOTE: a file of Q4_0 / Q4_1 blocks keeps them exactly in groups of their 32 values.
+        # NOTE: a file of Q4_0 / Q4_1 / Q4_K blocks keeps them in groups of their 32 values.
         quantization = quantization.replace("int4", f"int4-g{handle.native_int4_groups()}")
+        requantized = handle.int4_requantized()
+        if requantized:
+            log.info(
+                "%s: %d tensors of higher-bit GGUF types (e.g. %s) requantize to %s",
+                path, len(requantized), requantized[0], quantization,
+            )  # fmt: skip
     family = family_of(cfg)
     float_specs = family.param_specs(cfg, jdtype)
     specs = family.param_specs(cfg, jdtype, quantization)

@@ -221,7 +221,8 @@ def test_gguf_block_formats_requantize_like_the_library(tmp_path, monkeypatch, q
     """Every GGUF block format -> int8 / fp8 with 1 or 2 scales per row: equal to quantizing the
     library's own dequantization of the same bytes (exactly, or exactly folded for symmetric
     formats, group by group); -> int4: Q4_0 / Q4_1 in groups of 32 equal the library's values,
-    everything else equals `quantize4` of them."""
+    Q4_K's within the f16 rounding of its sub-block scales and mins, everything else equals
+    `quantize4` of them."""
     from tests.test_gguf import _gguf_name, _tiny_hf_weights, _tiny_kv, _write_gguf
 
     hf = _tiny_hf_weights(seed=3)
@@ -251,12 +252,18 @@ def test_gguf_block_formats_requantize_like_the_library(tmp_path, monkeypatch, q
     lib = gguf.quants.dequantize(stored, qtype)
     assert ckpt.quantized("model.norm.weight", "int8") is None  # 1-D: read as float
     assert ckpt.quantized("model.layers.0.self_attn.q_proj.weight", "int8") is None  # stored F32
-    for groups in (1, 2, 8):  # int4: 8 groups of 32 keep Q4_0 / Q4_1 blocks, others requantize
+    for groups in (1, 2, 8):  # int4: 8 groups of 32 keep Q4_0 / Q4_1 / Q4_K, others requantize
         codes, scale, offset = ckpt.quantized(name, "int4", groups)
         assert scale.dtype == offset.dtype == np.float16  # GGUF's own f16 d and m
         back = qlib.dequantize(codes, scale, 1, offset=offset)
         if groups == 8 and qtype in (T.Q4_0, T.Q4_1):
             np.testing.assert_array_equal(back, lib)
+        elif groups == 8 and qtype == T.Q4_K:
+            # half an f16 ulp of the scale (times codes <= 15) and of the offset, per group
+            s32, o32 = (np.abs(x.astype(np.float32)) for x in (scale, offset))
+            bound = 2.0**-11 * (15 * s32 + o32) * 1.001 + 1e-7
+            err = np.abs(back - lib).reshape(64, 8, 32).max(axis=2)
+            assert np.all(err <= bound) and err.max() > 0, (err / bound).max()
         else:
             want = qlib.quantize4(lib, 1, groups)
             np.testing.assert_array_equal(codes.astype(np.int32), want[0].astype(np.int32))
@@ -403,6 +410,62 @@ def test_gguf_q4_blocks_load_exactly_as_int4(tmp_path, monkeypatch):
     assert coarse.layers[0].attn.o.scale.shape[0] == 1
     back = quantization.dequantize(coarse.layers[0].attn.o, 0)
     assert np.abs(np.asarray(back) - np.asarray(floats.layers[0].attn.o)).max() > 0
+
+
+def test_gguf_q4_k_file_keeps_its_sub_blocks_as_int4_groups(tmp_path, monkeypatch):
+    """A Q4_K_M-like llama GGUF (Q4_K and Q4_0 / Q4_1 linear weights, one Q6_K down projection,
+    Q8_0 embedding and LM head) loads "int4" as "int4-g32": Q4_K's sub-blocks of 32 are groups
+    (codes as stored; d * sc and dmin * m rounded once to f16), the Q4 blocks exact, the Q6_K
+    tensor requantized to 4 bits in groups of 32 (named by `int4_requantized`)."""
+    from tests.test_gguf import (
+        _gguf_name,
+        _permute_like_llama_cpp,
+        _tiny_hf_weights,
+        _tiny_kv,
+        _write_gguf,
+    )
+
+    hf = _tiny_hf_weights()
+    rng = np.random.default_rng(5)
+    for i in range(2):  # 256-wide down rows: the K-quants' 256-value blocks
+        p = f"model.layers.{i}.mlp."
+        hf[p + "gate_proj.weight"] = rng.standard_normal((256, 64)).astype(np.float32)
+        hf[p + "up_proj.weight"] = rng.standard_normal((256, 64)).astype(np.float32)
+        hf[p + "down_proj.weight"] = rng.standard_normal((64, 256)).astype(np.float32)
+    kinds = {"layers.0.mlp.down": T.Q4_K, "layers.1.mlp.down": T.Q6_K, "up_proj": T.Q4_1}
+    tensors = {}
+    for name, w in hf.items():
+        qtype = next((t for k, t in kinds.items() if k in name), T.Q4_0)
+        if "embed_tokens" in name or "lm_head" in name:
+            qtype = T.Q8_0
+        elif w.ndim == 1:
+            qtype = T.F32
+        heads = 4 if ".q_proj." in name else 2 if ".k_proj." in name else 0
+        tensors[_gguf_name(name)] = (_permute_like_llama_cpp(w, heads) if heads else w, qtype)
+    quantize = gguf.quants.quantize
+    monkeypatch.setattr(  # K-quant bytes: random blocks (the library cannot quantize to them)
+        gguf.quants, "quantize", lambda a, t: _stored_bytes(a, t) if t in _K_SCALES else quantize(a, t)
+    )  # fmt: skip
+    kv = _tiny_kv("llama", **{"llama.feed_forward_length": 256})
+    path = _write_gguf(tmp_path / "q4k.gguf", "llama", kv, tensors)
+    monkeypatch.setattr(Tokenizer, "from_gguf_metadata", classmethod(lambda cls, *a, **k: None))
+    assert read_gguf(path).int4_requantized() == ["model.layers.1.mlp.down_proj.weight"]
+    floats = _load_params(path, None)
+    quant = _load_params(path, "int4")
+    assert quantization.quantization_of(quant) == "int4-g32"
+    deq = lambda q: np.asarray(quantization.dequantize(q, 0))  # noqa: E731
+    # Q4_K: within half an f16 ulp of each group's scale (times codes <= 15) and offset
+    q4k, want = quant.layers[0].mlp.down, np.asarray(floats.layers[0].mlp.down)
+    s32, o32 = (np.abs(np.asarray(x, np.float32)) for x in (q4k.scale, q4k.offset))  # [8, 64]
+    bound = 2.0**-11 * (15 * s32 + o32) * 1.001 + 1e-7
+    err = np.abs(deq(q4k) - want).reshape(8, 32, 64).max(axis=1)
+    assert np.all(err <= bound) and err.max() > 0
+    # Q6_K: 4-bit codes in groups of 32 of its values, within half a step
+    q6k, want = quant.layers[1].mlp.down, np.asarray(floats.layers[1].mlp.down)
+    step = np.repeat(np.asarray(q6k.scale, np.float32), 32, axis=0)
+    assert np.all(np.abs(deq(q6k) - want) <= 0.5 * step * 1.001 + 1e-6)
+    np.testing.assert_array_equal(deq(quant.layers[0].mlp.gate_up), floats.layers[0].mlp.gate_up)
+    np.testing.assert_array_equal(deq(quant.layers[1].attn.qkv), floats.layers[1].attn.qkv)
 
 
 def _load_params(path, fmt):
