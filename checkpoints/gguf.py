@@ -20,7 +20,8 @@ Flow:
    of rows at a time (`gguf_quants.requantize`; exactly, by folding the block scales, for the
    symmetric formats where a group's block scales allow it); int4 gives (codes, scales, offsets),
    Q4_0 / Q4_1 exactly and Q4_K to one f16 rounding of its sub-block scales, in groups of 32
-   (`gguf_quants.requantize4`, `native_int4_groups`).
+   (`gguf_quants.requantize4`, `native_int4_groups`); a file of symmetric blocks only (Q8_0,
+   Q4_0, Q5_0, Q6_K) loads int8 exactly in groups of its blocks (`native_int8_groups`).
 6. `GGUFCheckpoint.hf_config()` derives a HF `config.json`-style dict from the metadata.
 
 Layout: GGUF lists dimensions fastest first (`ne[0]` is the contiguous one), so the numpy shape is
@@ -48,6 +49,7 @@ from checkpoints.gguf_quants import (
     _NATIVE4,
     NATIVE4_GROUP,
     SUPPORTED_TYPES,
+    SYMMETRIC_BLOCK,
     GGMLType,
     dequantize,
     requantize,
@@ -248,6 +250,16 @@ class GGUFCheckpoint:
         bits in those groups (`requantize4`; `int4_requantized` names them)."""
         kinds = {e.qtype for e in self._linear_entries().values()}
         return NATIVE4_GROUP if kinds & set(_NATIVE4) else None
+
+    def native_int8_groups(self) -> int | None:
+        """The int8 group size holding every 2-D block-quantized tensor exactly, when all are
+        symmetric types (`SYMMETRIC_BLOCK`: Q8_0 / Q4_0 / Q5_0 32, Q6_K 16; the smallest), else
+        None (a type with mins, Q4_1 / Q4_K / Q5_1 / Q5_K, requantizes in any group)."""
+        kinds = {e.qtype for e in self._entries.values()
+                 if len(e.shape) == 2 and e.qtype not in _FLOAT_TYPES}  # fmt: skip
+        if not kinds or not kinds <= set(SYMMETRIC_BLOCK):
+            return None
+        return min(SYMMETRIC_BLOCK[k] for k in kinds)
 
     def int4_requantized(self) -> list[str]:
         """HF names of the linear tensors an int4 load requantizes (not a native 4-bit type)."""

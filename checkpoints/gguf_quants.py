@@ -7,13 +7,15 @@
    library's `gguf.quants` (`_OWN_KERNELS`), the library's for the others (`LIBRARY_TYPES`).
 3. `requantize(by_row, qtype, cols, fmt, groups)` turns a block-quantized tensor into int8 / fp8
    with `groups` scales per row, a chunk of rows at a time (`checkpoints.quantize.requantize_rows`);
-   the symmetric formats (Q4_0, Q5_0, Q8_0: values are block scale x integer, `_SYMMETRIC`) hand
-   over their integers so that groups whose block scales allow it are folded exactly.
+   the symmetric formats (Q4_0, Q5_0, Q8_0 and Q6_K's sub-blocks of 16: values are block scale x
+   integer, `_SYMMETRIC`) hand over their integers so that groups whose block scales allow it are
+   folded exactly (always, for groups of `SYMMETRIC_BLOCK` or fewer values).
 4. `requantize4(by_row, qtype, cols, groups, symmetric)` is the same for int4 (codes, scales,
-   offsets): Q4_0 and Q4_1 with groups of 32 (one per block) are kept exactly as they are stored
+   offsets): Q4_0, Q4_1 and Q4_K with groups of 32 (one per block / sub-block) keep their codes
    (`_NATIVE4`: Q4_0's d * (q - 8) as code q, scale d, offset -8 d; Q4_1's d * q + m as code q,
-   scale d, offset m; f16 d and m are kept as f16 and -8 d is exact), every other type / group size
-   is requantized from its dequantized rows (`quantize.quantize4`, one rounding).
+   scale d, offset m, f16 d and m kept and -8 d exact; Q4_K's d * sc * q - dmin * m as code q,
+   scale d * sc and offset -dmin * m rounded to f16), every other type / group size is
+   requantized from its dequantized rows (`quantize.quantize4`, one rounding).
 
 Layout: a quantized row of `ne[0]` values is packed into blocks of 32 or 256 values
 (`gguf.GGML_QUANT_SIZES` gives the block size and its byte count).
@@ -156,6 +158,12 @@ def _dq_q4_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 144]
 
 
 def _dq_q6_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 210]
+    d, q = _ints_q6_k(blocks)
+    return (d[:, None] * q.astype(np.float32)).reshape(-1, 256)
+
+
+def _ints_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # u8[n_blocks, 210]
+    """Q6_K as symmetric sub-blocks of 16: (d * sc f32[n_blocks * 16], q - 32 i8[.., 16])."""
     n_blocks = blocks.shape[0]
     # Per 128-value half n: 64 ql bytes and 32 qh bytes. Group g (32 values) takes nibble g // 2 of
     # ql bytes 32 * (g % 2) + l, and bits 2g..2g+1 of qh byte l.
@@ -165,9 +173,8 @@ def _dq_q6_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 210]
     qh = (blocks[:, 128:192].reshape(n_blocks, 2, 1, 32) >> shifts) & 0x03  # [n, half, g, l]
     q = (ql.reshape(n_blocks, 2, 4, 32) | (qh << 4)).astype(np.int8) - 32
     scales = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
-    d = _f16(blocks, 208)
-    y = (d * scales)[:, :, None] * q.reshape(n_blocks, 16, 16).astype(np.float32)
-    return y.reshape(n_blocks, 256)
+    # NOTE: f16 d times an int8 scale is exact in f32 (11 + 8 significant bits)
+    return (_f16(blocks, 208) * scales).reshape(-1), q.reshape(-1, 16)
 
 
 def _dq_q8_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 292]
@@ -249,7 +256,10 @@ _SYMMETRIC: dict[GGMLType, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
     GGMLType.Q4_0: _ints_q4_0,
     GGMLType.Q5_0: _ints_q5_0,
     GGMLType.Q8_0: _ints_q8_0,
+    GGMLType.Q6_K: _ints_q6_k,
 }
+# Values each `_SYMMETRIC` scale covers: int8 groups of that many hold the type exactly.
+SYMMETRIC_BLOCK = {GGMLType.Q4_0: 32, GGMLType.Q5_0: 32, GGMLType.Q8_0: 32, GGMLType.Q6_K: 16}
 
 
 def _type_name(ggml_type: int | GGMLType) -> str:
@@ -366,7 +376,7 @@ def requantize(
 ) -> tuple[np.ndarray, np.ndarray]:  # u8[rows, row_bytes]
     """(data [rows, cols], scale f32[rows, groups]) of a block-quantized 2-D tensor requantized to
     `fmt` ("int8" | "fp8"), a chunk of rows at a time, never whole in float32. Groups of symmetric
-    blocks (Q8_0, Q4_0, Q5_0) fold their block scales exactly into int8 where they can
+    blocks (Q8_0, Q4_0, Q5_0, Q6_K's sub-blocks) fold their block scales exactly into int8 where they can
     (`checkpoints.quantize.fold_block_scales`).
     """
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
@@ -380,6 +390,6 @@ def requantize(
         def read_blocks(start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
             d, ints = _SYMMETRIC[qtype](by_row[start:stop].reshape(-1, block_bytes))
             n = stop - start
-            return ints.reshape(n, -1, block_size), d.reshape(n, -1)
+            return ints.reshape(n, -1, ints.shape[-1]), d.reshape(n, -1)
 
     return qlib.requantize_rows(read_rows, by_row.shape[0], fmt, read_blocks, groups)

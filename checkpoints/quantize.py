@@ -226,6 +226,12 @@ def requantize_rows(
         if read_blocks is not None:
             ints, block_scales = read_blocks(start, stop)
             blocks, block_size = ints.shape[1:]
+            if groups % blocks == 0 and block_size % (groups // blocks) == 0:
+                # groups within blocks: each group a block of its own with its block's scale
+                split = groups // blocks
+                blocks, block_size = groups, block_size // split
+                ints = ints.reshape(n, blocks, block_size)
+                block_scales = np.repeat(block_scales, split, axis=1)
             if blocks % groups == 0:  # whole blocks per group: fold each group like a row
                 folded = fold_block_scales(
                     ints.reshape(n * groups, blocks // groups, block_size),
@@ -264,7 +270,7 @@ def fold_block_scales(
       products stay in [-127, 127]; then data * scale equals the blocks bit for bit. The data and
       scale of the other rows are meaningless.
     """
-    if fmt != "int8":
+    if base_format(fmt) != "int8":  # "int8-g32" alike: the group size is the caller's
         return None
     used = np.any(ints != 0, axis=2) & (block_scales != 0)  # blocks of zeros constrain nothing
     base = np.where(used, np.abs(block_scales), np.inf).min(axis=1)  # f32[rows]

@@ -256,6 +256,9 @@ def load_from_source(
                 "%s: %d tensors of higher-bit GGUF types (e.g. %s) requantize to %s",
                 path, len(requantized), requantized[0], quantization,
             )  # fmt: skip
+    if kind == "gguf" and quantization == "int8" and handle.native_int8_groups():
+        # NOTE: symmetric blocks only (Q8_0 / Q4_0 / Q5_0 / Q6_K): int8 in their groups, exactly.
+        quantization = qlib.format_name("int8", handle.native_int8_groups())
     family = family_of(cfg)
     float_specs = family.param_specs(cfg, jdtype)
     specs = family.param_specs(cfg, jdtype, quantization)

@@ -412,11 +412,10 @@ def test_gguf_q4_blocks_load_exactly_as_int4(tmp_path, monkeypatch):
     assert np.abs(np.asarray(back) - np.asarray(floats.layers[0].attn.o)).max() > 0
 
 
-def test_gguf_q4_k_file_keeps_its_sub_blocks_as_int4_groups(tmp_path, monkeypatch):
-    """A Q4_K_M-like llama GGUF (Q4_K and Q4_0 / Q4_1 linear weights, one Q6_K down projection,
-    Q8_0 embedding and LM head) loads "int4" as "int4-g32": Q4_K's sub-blocks of 32 are groups
-    (codes as stored; d * sc and dmin * m rounded once to f16), the Q4 blocks exact, the Q6_K
-    tensor requantized to 4 bits in groups of 32 (named by `int4_requantized`)."""
+def _k_quant_llama(tmp_path, monkeypatch, kinds: dict, default) -> object:
+    """A tiny llama GGUF with 256-wide MLP rows (the K-quants' 256-value blocks): each linear
+    tensor of the type `kinds` maps a name fragment to (else `default`), Q8_0 embedding and LM
+    head, F32 norms; K-quant bytes are random blocks (the library cannot quantize to them)."""
     from tests.test_gguf import (
         _gguf_name,
         _permute_like_llama_cpp,
@@ -427,15 +426,14 @@ def test_gguf_q4_k_file_keeps_its_sub_blocks_as_int4_groups(tmp_path, monkeypatc
 
     hf = _tiny_hf_weights()
     rng = np.random.default_rng(5)
-    for i in range(2):  # 256-wide down rows: the K-quants' 256-value blocks
+    for i in range(2):
         p = f"model.layers.{i}.mlp."
         hf[p + "gate_proj.weight"] = rng.standard_normal((256, 64)).astype(np.float32)
         hf[p + "up_proj.weight"] = rng.standard_normal((256, 64)).astype(np.float32)
         hf[p + "down_proj.weight"] = rng.standard_normal((64, 256)).astype(np.float32)
-    kinds = {"layers.0.mlp.down": T.Q4_K, "layers.1.mlp.down": T.Q6_K, "up_proj": T.Q4_1}
     tensors = {}
     for name, w in hf.items():
-        qtype = next((t for k, t in kinds.items() if k in name), T.Q4_0)
+        qtype = next((t for k, t in kinds.items() if k in name), default)
         if "embed_tokens" in name or "lm_head" in name:
             qtype = T.Q8_0
         elif w.ndim == 1:
@@ -443,13 +441,23 @@ def test_gguf_q4_k_file_keeps_its_sub_blocks_as_int4_groups(tmp_path, monkeypatc
         heads = 4 if ".q_proj." in name else 2 if ".k_proj." in name else 0
         tensors[_gguf_name(name)] = (_permute_like_llama_cpp(w, heads) if heads else w, qtype)
     quantize = gguf.quants.quantize
-    monkeypatch.setattr(  # K-quant bytes: random blocks (the library cannot quantize to them)
+    monkeypatch.setattr(
         gguf.quants, "quantize", lambda a, t: _stored_bytes(a, t) if t in _K_SCALES else quantize(a, t)
     )  # fmt: skip
-    kv = _tiny_kv("llama", **{"llama.feed_forward_length": 256})
-    path = _write_gguf(tmp_path / "q4k.gguf", "llama", kv, tensors)
     monkeypatch.setattr(Tokenizer, "from_gguf_metadata", classmethod(lambda cls, *a, **k: None))
+    kv = _tiny_kv("llama", **{"llama.feed_forward_length": 256})
+    return _write_gguf(tmp_path / "k.gguf", "llama", kv, tensors)
+
+
+def test_gguf_q4_k_file_keeps_its_sub_blocks_as_int4_groups(tmp_path, monkeypatch):
+    """A Q4_K_M-like llama GGUF (Q4_K and Q4_0 / Q4_1 linear weights, one Q6_K down projection,
+    Q8_0 embedding and LM head) loads "int4" as "int4-g32": Q4_K's sub-blocks of 32 are groups
+    (codes as stored; d * sc and dmin * m rounded once to f16), the Q4 blocks exact, the Q6_K
+    tensor requantized to 4 bits in groups of 32 (named by `int4_requantized`)."""
+    kinds = {"layers.0.mlp.down": T.Q4_K, "layers.1.mlp.down": T.Q6_K, "up_proj": T.Q4_1}
+    path = _k_quant_llama(tmp_path, monkeypatch, kinds, T.Q4_0)
     assert read_gguf(path).int4_requantized() == ["model.layers.1.mlp.down_proj.weight"]
+    assert read_gguf(path).native_int8_groups() is None  # Q4_1 / Q4_K have mins
     floats = _load_params(path, None)
     quant = _load_params(path, "int4")
     assert quantization.quantization_of(quant) == "int4-g32"
@@ -466,6 +474,31 @@ def test_gguf_q4_k_file_keeps_its_sub_blocks_as_int4_groups(tmp_path, monkeypatc
     assert np.all(np.abs(deq(q6k) - want) <= 0.5 * step * 1.001 + 1e-6)
     np.testing.assert_array_equal(deq(quant.layers[0].mlp.gate_up), floats.layers[0].mlp.gate_up)
     np.testing.assert_array_equal(deq(quant.layers[1].attn.qkv), floats.layers[1].attn.qkv)
+
+
+def test_gguf_symmetric_blocks_load_exactly_as_int8(tmp_path, monkeypatch):
+    """A GGUF of symmetric blocks only (Q6_K down projections, Q5_0 / Q4_0 / Q8_0 elsewhere)
+    loads "int8" as "int8-g16" (Q6_K's sub-blocks of 16; the 32-value blocks split in two
+    groups of one scale): every quantized leaf dequantizes to the float load bit for bit."""
+    kinds = {"down": T.Q6_K, "up_proj": T.Q5_0, "gate_proj": T.Q4_0}
+    path = _k_quant_llama(tmp_path, monkeypatch, kinds, T.Q8_0)
+    assert read_gguf(path).native_int8_groups() == 16
+    floats = _load_params(path, None)
+    quant = _load_params(path, "int8")
+    assert quantization.quantization_of(quant) == "int8-g16"
+    specs = llama.param_specs(ModelConfig.from_hf(read_gguf(path).hf_config()))
+    leaves = zip(
+        jax.tree.leaves(floats),
+        jax.tree.leaves(quant, is_leaf=quantization.is_quantized),
+        jax.tree.leaves(specs, is_leaf=params_lib.is_spec),
+        strict=True,
+    )
+    for f, q, s in leaves:
+        got = q if s.quant_axis is None else quantization.dequantize(q, s.quant_axis)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(f))
+    coarse = _load_params(path, "int8-g128")  # asked for: Q6_K's 16 sub-block scales fold rarely
+    back = quantization.dequantize(coarse.layers[0].mlp.down, 0)
+    assert np.abs(np.asarray(back) - np.asarray(floats.layers[0].mlp.down)).max() > 0
 
 
 def _load_params(path, fmt):
