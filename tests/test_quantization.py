@@ -388,16 +388,7 @@ def test_gguf_q4_blocks_load_exactly_as_int4(tmp_path, monkeypatch):
     assert quant.layers[0].attn.qkv.data.dtype == jnp.uint4 and quant.embed.data.dtype == jnp.int8
     # f16 scales and offsets (GGUF's own d and m), also the int8 embedding's under int4
     assert quant.layers[0].attn.qkv.offset.dtype == quant.embed.scale.dtype == jnp.float16
-    specs = llama.param_specs(ModelConfig.from_hf(read_gguf(path).hf_config()))
-    leaves = zip(
-        jax.tree.leaves(floats),
-        jax.tree.leaves(quant, is_leaf=quantization.is_quantized),
-        jax.tree.leaves(specs, is_leaf=params_lib.is_spec),
-        strict=True,
-    )
-    for f, q, s in leaves:
-        got = q if s.quant_axis is None else quantization.dequantize(q, s.quant_axis)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(f))
+    _assert_dequantizes_to(quant, floats, path)
     # The bytes are the file's own (Q4_1 / Q8_0 blocks: codes + f16 d (+ f16 m), 4-bit codes two
     # per byte as XLA stores them), plus an f16 offset per Q4_0 block (-8 d: int4 always has one).
     # NOTE: no exact layout without entropy coding goes below the file's bytes: the default
@@ -486,6 +477,14 @@ def test_gguf_symmetric_blocks_load_exactly_as_int8(tmp_path, monkeypatch):
     floats = _load_params(path, None)
     quant = _load_params(path, "int8")
     assert quantization.quantization_of(quant) == "int8-g16"
+    _assert_dequantizes_to(quant, floats, path)
+    coarse = _load_params(path, "int8-g128")  # asked for: Q6_K's 16 sub-block scales fold rarely
+    back = quantization.dequantize(coarse.layers[0].mlp.down, 0)
+    assert np.abs(np.asarray(back) - np.asarray(floats.layers[0].mlp.down)).max() > 0
+
+
+def _assert_dequantizes_to(quant, floats, path) -> None:
+    """Every leaf of the quantized load dequantizes to the float load's, bit for bit."""
     specs = llama.param_specs(ModelConfig.from_hf(read_gguf(path).hf_config()))
     leaves = zip(
         jax.tree.leaves(floats),
@@ -496,9 +495,6 @@ def test_gguf_symmetric_blocks_load_exactly_as_int8(tmp_path, monkeypatch):
     for f, q, s in leaves:
         got = q if s.quant_axis is None else quantization.dequantize(q, s.quant_axis)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(f))
-    coarse = _load_params(path, "int8-g128")  # asked for: Q6_K's 16 sub-block scales fold rarely
-    back = quantization.dequantize(coarse.layers[0].mlp.down, 0)
-    assert np.abs(np.asarray(back) - np.asarray(floats.layers[0].mlp.down)).max() > 0
 
 
 def _load_params(path, fmt):
