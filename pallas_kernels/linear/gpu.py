@@ -74,7 +74,8 @@ class Blocks(NamedTuple):
 # the step's rows, else `default_blocks`.
 # NOTE: measured 2026-11-26 on an H200 (jax 0.11.2) at Llama-3-8B's projections, groups of 128
 # (BENCHMARKS.md "The dequantizing matmul tuned"); the comment gives the product's time in the
-# sweep (one jitted call over several weight copies, launch gaps included).
+# sweep (one jitted call over several weight copies, launch gaps included). The LM head's rows are
+# int8 only: an int4 model keeps its vocabulary-sized weights int8.
 TUNED: dict[tuple[str, int, int, int], Blocks] = {
     ("uint4", 4096, 28672, 1): Blocks(128, 1, 64, 2, "fma", 4, 3),  # gate_up 107 us
     ("uint4", 4096, 28672, 32): Blocks(128, 1, 128, 1, "dot", 4, 4),  # gate_up 144 us
@@ -84,8 +85,6 @@ TUNED: dict[tuple[str, int, int, int], Blocks] = {
     ("uint4", 4096, 6144, 32): Blocks(256, 16, 128, 1, "dot", 8, 3),  # qkv 55 us
     ("uint4", 4096, 4096, 1): Blocks(128, 16, 64, 2, "fma", 4, 3),  # o 28 us
     ("uint4", 4096, 4096, 32): Blocks(128, 8, 128, 1, "dot", 4, 3),  # o 37 us
-    ("uint4", 4096, 128256, 1): Blocks(128, 1, 64, 2, "fma", 4, 4),  # lm_head 335 us
-    ("uint4", 4096, 128256, 32): Blocks(128, 1, 128, 1, "dot", 4, 3),  # lm_head 522 us
     ("int8", 4096, 28672, 1): Blocks(256, 8, 128, 1, "dot", 4, 3),  # gate_up 123 us
     ("int8", 4096, 28672, 32): Blocks(128, 1, 128, 1, "dot", 4, 3),  # gate_up 125 us
     ("int8", 14336, 4096, 1): Blocks(128, 16, 64, 2, "fma", 4, 3),  # down 68 us
