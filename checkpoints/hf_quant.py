@@ -1,14 +1,15 @@
 """GPTQ and AWQ checkpoints (`quantization_config.quant_method` "gptq" / "awq"): their packed
-4-bit linear weights repacked once at load into the int4 layout (`checkpoints.quantize`), never
-through float32.
+4-bit linear weights repacked once at load into the int4 layout (`checkpoints.quantize`), 8-bit
+GPTQ ones into int8, never through float32.
 
 1. `packed_scheme(config)` reads the HF config's `quantization_config`: None without one; a
-   `PackedScheme` for 4-bit GPTQ (checkpoint_format "gptq" or "gptq_v2") and 4-bit AWQ "gemm";
-   anything else raises `CheckpointError` naming the method / field it refuses.
+   `PackedScheme` for 4- and 8-bit GPTQ (checkpoint_format "gptq" or "gptq_v2") and 4-bit AWQ
+   "gemm"; anything else raises `CheckpointError` naming the method / field it refuses.
 2. `PackedView(ckpt, scheme)` shows the checkpoint under plain names: the tensors `X.qweight`,
-   `X.qzeros`, `X.scales` (and GPTQ's `X.g_idx`) of a packed linear are listed once, as
    `X.weight`; `quantized(name, fmt, groups)` returns that weight as (codes uint4[out, in], scale
-   f16[out, G], offset f16[out, G]) in HF's [out, in] layout (`None` for every other tensor,
+   f16[out, G], offset f16[out, G]) in HF's [out, in] layout, 8-bit as (codes int8[out, in] =
+   code - zero, scale f32[out, G]: exact, refused by name where a zero point leaves a code
+   outside int8's range) (`None` for every other tensor,
    which `tensor` reads as stored); `tensor(name)` of a packed weight refuses (it would mean a
    float copy).
 3. Layouts (K = in_features, N = out_features, g = group_size, value = (code - zero) * scale;
@@ -16,8 +17,9 @@ through float32.
    exactly, the offset is rounded to f16 (a 4-bit zero times an 11-bit scale needs up to 15
    significant bits, f16 holds 11: each value moves by at most 2^-11 * zero * scale <= scale /
    128, 1/128 of a quantization step, against the 1/2 step of the 4-bit rounding itself):
-   - GPTQ: qweight i32[K / 8, N], input row k's code in bits 4 (k % 8) .. of qweight[k // 8, n];
-     qzeros i32[K / g, N / 8], column n's zero in bits 4 (n % 8) .. of qzeros[., n // 8], stored
+   - GPTQ (b bits, f = 32 / b fields a word): qweight i32[K / f, N], input row k's code in bits
+     b (k % f) .. of qweight[k // f, n]; qzeros i32[K / g, N / f], column n's zero in bits
+     b (n % f) .. of qzeros[., n // f], stored
      minus one by checkpoint_format "gptq" (v1), as is by "gptq_v2"; scales f16[K / g, N]; g_idx
      i32[K], each input row's group: with desc_act (act-order) rows of one group need not be
      consecutive, which our contiguous groups can hold only when g_idx is k // g anyway (checked;
@@ -46,6 +48,12 @@ class PackedScheme:
     method: str  # "gptq" | "awq"
     group_size: int  # input channels per scale group (-1 in the config: all K)
     zero_offset: int  # added to the stored zeros (GPTQ v1: 1)
+    bits: int = 4  # 4 (int4) or 8 (GPTQ only: int8)
+
+    @property
+    def fmt(self) -> str:
+        """The base format its linears load as."""
+        return "int8" if self.bits == 8 else "int4"
 
 
 def packed_scheme(config: dict[str, Any]) -> PackedScheme | None:
@@ -60,8 +68,11 @@ def packed_scheme(config: dict[str, Any]) -> PackedScheme | None:
             "and 'awq', 4-bit)"
         )
     bits = qc.get("bits", qc.get("w_bit"))
-    if bits != 4:
-        raise CheckpointError(f"quantization_config.bits={bits!r} ({method}): only 4 is supported")
+    if bits not in ((4, 8) if method == "gptq" else (4,)):
+        supported = "4 and 8" if method == "gptq" else "only 4"
+        raise CheckpointError(
+            f"quantization_config.bits={bits!r} ({method}): {supported} supported"
+        )
     group = int(qc.get("group_size", qc.get("q_group_size", 128)))
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
@@ -77,17 +88,19 @@ def packed_scheme(config: dict[str, Any]) -> PackedScheme | None:
         raise CheckpointError(
             f"quantization_config.checkpoint_format={fmt!r} (gptq): only 'gptq' and 'gptq_v2'"
         )
-    return PackedScheme("gptq", group, 1 if fmt == "gptq" else 0)
+    return PackedScheme("gptq", group, 1 if fmt == "gptq" else 0, bits)
 
 
-def _nibbles(words: np.ndarray, axis: int) -> np.ndarray:
-    """u8 codes of i32 `words`, each word's 8 nibbles (lowest first) spread along `axis`."""
-    shifts = np.arange(0, 32, 4, dtype=np.uint32)
+def _nibbles(words: np.ndarray, axis: int, bits: int = 4) -> np.ndarray:
+    """u8 codes of i32 `words`, each word's 32 / `bits` fields (lowest first) along `axis`."""
+    per = 32 // bits
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
     w = np.asarray(words).astype(np.uint32)
-    parts = (np.expand_dims(w, axis + 1) >> shifts.reshape((8,) + (1,) * (w.ndim - axis - 1))) & 15
+    mask = np.uint32((1 << bits) - 1)
+    parts = np.expand_dims(w, axis + 1) >> shifts.reshape((per,) + (1,) * (w.ndim - axis - 1))
     shape = list(w.shape)
-    shape[axis] *= 8
-    return parts.astype(np.uint8).reshape(shape)
+    shape[axis] *= per
+    return (parts & mask).astype(np.uint8).reshape(shape)
 
 
 class PackedView:
@@ -115,7 +128,7 @@ class PackedView:
         if name.removesuffix(".weight") in self._packed:
             raise CheckpointError(
                 f"{name!r} is a packed {self.scheme.method} weight: it loads with "
-                "quantization='int4' only (no float copy)"
+                f"quantization={self.scheme.fmt!r} only (no float copy)"
             )
         return self.ckpt.tensor(name)
 
@@ -123,14 +136,30 @@ class PackedView:
         base = name.removesuffix(".weight")
         if base not in self._packed:
             return None
-        if qlib.base_format(fmt) != "int4":
-            raise CheckpointError(f"{name!r}: a packed {self.scheme.method} weight loads as int4")
-        codes, scale, offset = self._unpack(base)  # [K, N], [G, N], [G, N]
+        if qlib.base_format(fmt) != self.scheme.fmt:
+            raise CheckpointError(
+                f"{name!r}: a packed {self.scheme.method} weight loads as {self.scheme.fmt}"
+            )
+        codes, scale, zero = self._unpack(base)  # [K, N], f32[G, N], f32[G, N]
         if scale.shape[0] != groups:
             raise CheckpointError(
                 f"{name!r}: {scale.shape[0]} scale groups in the checkpoint, {groups} expected"
             )
-        return codes.T, scale.T, offset.T
+        if self.scheme.bits == 8:  # int8: code - zero as stored, the f16 scale widened exactly
+            size = codes.shape[0] // groups
+            ints = codes.astype(np.int32) - np.repeat(zero, size, axis=0).astype(np.int32)
+            if ints.min(initial=0) < -128 or ints.max(initial=0) > 127:
+                raise CheckpointError(
+                    f"{name!r}: 8-bit {self.scheme.method} zero points leave codes outside int8 "
+                    f"({int(ints.min())}..{int(ints.max())}); only symmetric (zero 128) ones load"
+                )
+            return ints.astype(np.int8).T, scale.T
+        f16 = qlib.SCALE_DTYPE["int4"]
+        return (
+            codes.astype(qlib.STORAGE["int4"]).T,
+            scale.astype(f16).T,
+            (-zero * scale).astype(f16).T,
+        )
 
     def _unpack(self, base: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         get = self.ckpt.tensor
@@ -144,8 +173,8 @@ class PackedView:
 
             codes, zeros = cols(get(base + ".qweight")), cols(get(base + ".qzeros"))
         else:
-            codes = _nibbles(get(base + ".qweight"), 0)  # [K, N]
-            zeros = _nibbles(get(base + ".qzeros"), 1)  # [G, N]
+            codes = _nibbles(get(base + ".qweight"), 0, self.scheme.bits)  # [K, N]
+            zeros = _nibbles(get(base + ".qzeros"), 1, self.scheme.bits)  # [G, N]
             k = codes.shape[0]
             size = k // scale.shape[0]
             if base + ".g_idx" in self.ckpt:
@@ -156,8 +185,7 @@ class PackedView:
                         f"consecutive groups of {size} are not supported yet"
                     )
         zero = zeros[:, : scale.shape[1]].astype(np.float32) + np.float32(self.scheme.zero_offset)
-        f16 = qlib.SCALE_DTYPE["int4"]
-        return codes.astype(qlib.STORAGE["int4"]), scale.astype(f16), (-zero * scale).astype(f16)
+        return codes, scale, zero
 
     def close(self) -> None:
         self.ckpt.close()

@@ -163,18 +163,18 @@ def orbax_quantization(path: str) -> str | None:
 
 
 def _packed_quantization(path: str, scheme: PackedScheme, asked: str | None) -> str:
-    """The int4 format a GPTQ / AWQ checkpoint loads in (its group size); `asked` must be None or
-    int4 of that group size."""
+    """The format a GPTQ / AWQ checkpoint loads in (int4, or int8 for 8-bit GPTQ, of its group
+    size); `asked` must be None or that format."""
     if scheme.group_size not in qlib.GROUP_CHOICES:
         raise CheckpointError(
             f"{path!r}: {scheme.method} group_size={scheme.group_size} is not supported "
             f"(supported: {qlib.GROUP_CHOICES})"
         )
-    fmt = qlib.format_name("int4", scheme.group_size)
-    if asked not in (None, "int4", fmt):
+    fmt = qlib.format_name(scheme.fmt, scheme.group_size)
+    if asked not in (None, scheme.fmt, fmt):
         raise CheckpointError(
-            f"{path!r} is a {scheme.method} checkpoint (4-bit, groups of {scheme.group_size}): "
-            f"it loads as quantization={fmt!r}, not {asked!r}"
+            f"{path!r} is a {scheme.method} checkpoint ({scheme.bits}-bit, groups of "
+            f"{scheme.group_size}): it loads as quantization={fmt!r}, not {asked!r}"
         )
     return fmt
 

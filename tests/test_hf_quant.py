@@ -1,17 +1,17 @@
-"""GPTQ and AWQ checkpoints load as int4 (`checkpoints.hf_quant`).
+"""GPTQ and AWQ checkpoints load as int4, 8-bit GPTQ as int8 (`checkpoints.hf_quant`).
 
-1. A tiny random Llama is quantized to 4 bits per group of 32 (f16 scales, integer zero points)
-   and packed here from the formats' documented layouts (GPTQ v1: qweight packed along the input
-   rows, qzeros minus one along the output columns, g_idx; AWQ GEMM: both packed along the output
-   columns in AWQ's interleaved order); each loads through `load_model` with no quantization
-   asked, as "int4-g32".
+1. A tiny random Llama is quantized to 4 bits per group of 32 (f16 scales, integer zero points;
+   8-bit: symmetric, zero 128) and packed here from the formats' documented layouts (GPTQ v1:
+   qweight packed along the input rows, qzeros minus one along the output columns, g_idx; AWQ
+   GEMM: both packed along the output columns in AWQ's interleaved order); each loads through
+   `load_model` with no quantization asked, as "int4-g32" ("int8-g32").
 2. Every packed linear dequantizes to the packer's (code - zero) * scale up to the f16 rounding
    of its offset -zero * scale (int4 stores scales and offsets as f16: the scale is exact, the
-   offset off by at most 2^-11 of itself, <= 1/128 of a quantization step), and the model's
-   logits equal the float model on its dequantized weights (the embedding is int8 under int4 on
+   offset off by at most 2^-11 of itself, <= 1/128 of a quantization step; int8 exactly), and the
+   model's logits equal the float model on its dequantized weights (the embedding is int8 on
    both sides) within 1e-4.
 3. Anything else in `quantization_config` is refused by name, and so is an act-order g_idx whose
-   groups are not consecutive rows.
+   groups are not consecutive rows and an 8-bit zero point that leaves codes outside int8.
 """
 
 from __future__ import annotations
@@ -36,27 +36,34 @@ GROUP = 32
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _quantize(w_kn: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """codes u8[K, N], zeros u8[G, N], scales f16[G, N]: min/max grid per group of GROUP rows."""
+def _quantize(w_kn: np.ndarray, bits: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """codes u8[K, N], zeros u8[G, N], scales f16[G, N] per group of GROUP rows: 4 bits a min/max
+    grid, 8 bits a symmetric one (zero 128, as GPTQ's sym=True)."""
     k, n = w_kn.shape
     g = w_kn.reshape(k // GROUP, GROUP, n)
-    lo, hi = np.minimum(g.min(1), 0), np.maximum(g.max(1), 0)
-    scale = ((hi - lo) / 15).astype(np.float16)
+    top = (1 << bits) - 1
+    if bits == 8:
+        scale = (np.abs(g).max(1) / 127).astype(np.float16)
+        zero = np.full(scale.shape, 128.0, np.float32)
+    else:
+        lo, hi = np.minimum(g.min(1), 0), np.maximum(g.max(1), 0)
+        scale = ((hi - lo) / top).astype(np.float16)
+        zero = np.clip(np.rint(-lo / scale.astype(np.float32)), 0, top)
     s = scale.astype(np.float32)
-    zero = np.clip(np.rint(-lo / s), 0, 15)
-    codes = np.clip(np.rint(g / s[:, None]) + zero[:, None], 0, 15).reshape(k, n)
+    codes = np.clip(np.rint(g / s[:, None]) + zero[:, None], 0, top).reshape(k, n)
     return codes.astype(np.uint8), zero.astype(np.uint8), scale
 
 
-def _pack(values: np.ndarray, axis: int, order=tuple(range(8))) -> np.ndarray:
-    """i32 words of 8 nibbles along `axis`: slot i of word j holds entry 8 j + order[i]."""
+def _pack(values: np.ndarray, axis: int, order=tuple(range(8)), bits: int = 4) -> np.ndarray:
+    """i32 words of 32 / bits fields along `axis`: slot i of word j holds entry f j + order[i]."""
+    per = 32 // bits
     v = np.moveaxis(values.astype(np.uint32), axis, -1)
-    v = v.reshape(*v.shape[:-1], -1, 8)[..., list(order)]
-    words = (v << (4 * np.arange(8, dtype=np.uint32))).sum(-1, dtype=np.uint32)
+    v = v.reshape(*v.shape[:-1], -1, per)[..., list(order)[:per]]
+    words = (v << (bits * np.arange(per, dtype=np.uint32))).sum(-1, dtype=np.uint32)
     return np.ascontiguousarray(np.moveaxis(words, -1, axis)).view(np.int32)
 
 
-def _write(root, config: dict, sd: dict, method: str, **qc) -> dict[str, np.ndarray]:
+def _write(root, config: dict, sd: dict, method: str, bits: int = 4, **qc) -> dict:
     """The packed checkpoint in `root`; returns the dequantized f32 [out, in] of each linear."""
     tensors, dequantized = {}, {}
     for name, w in sd.items():
@@ -64,21 +71,23 @@ def _write(root, config: dict, sd: dict, method: str, **qc) -> dict[str, np.ndar
         if not any(f".{p}." in name for p in LINEARS):
             tensors[name] = w
             continue
-        codes, zero, scale = _quantize(w.T)
+        codes, zero, scale = _quantize(w.T, bits)
         deq = (codes.reshape(-1, GROUP, codes.shape[1]).astype(np.float32) - zero[:, None]) * (
             scale.astype(np.float32)[:, None]
         )
         dequantized[name] = deq.reshape(codes.shape).T
         if method == "gptq":
-            tensors[base + ".qweight"] = _pack(codes, 0)
-            tensors[base + ".qzeros"] = _pack((zero.astype(np.int32) - 1) & 15, 1)
+            tensors[base + ".qweight"] = _pack(codes, 0, bits=bits)
+            tensors[base + ".qzeros"] = _pack(
+                (zero.astype(np.int32) - 1) & ((1 << bits) - 1), 1, bits=bits
+            )
             tensors[base + ".g_idx"] = (np.arange(codes.shape[0]) // GROUP).astype(np.int32)
         else:
             tensors[base + ".qweight"] = _pack(codes, 1, AWQ_ORDER)
             tensors[base + ".qzeros"] = _pack(zero, 1, AWQ_ORDER)
         tensors[base + ".scales"] = np.ascontiguousarray(scale)
-    bits = {"gptq": {"bits": 4, "desc_act": False}, "awq": {"bits": 4, "version": "gemm"}}
-    qconf = {"quant_method": method, "group_size": GROUP, **bits[method], **qc}
+    extra = {"gptq": {"bits": bits, "desc_act": False}, "awq": {"bits": bits, "version": "gemm"}}
+    qconf = {"quant_method": method, "group_size": GROUP, **extra[method], **qc}
     (root / "config.json").write_text(json.dumps({**config, "quantization_config": qconf}))
     save_file(tensors, str(root / "model.safetensors"))
     return dequantized
@@ -91,20 +100,24 @@ def tiny():
     return config.to_dict(), sd
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_packed_checkpoint_loads_as_int4_and_matches_its_dequantized_weights(
-    tmp_path, tiny, method
+@pytest.mark.parametrize("method,bits", [("gptq", 4), ("awq", 4), ("gptq", 8)])
+def test_packed_checkpoint_loads_quantized_and_matches_its_dequantized_weights(
+    tmp_path, tiny, method, bits
 ):
     config, sd = tiny
-    dequantized = _write(tmp_path, config, sd, method)
+    dequantized = _write(tmp_path, config, sd, method, bits)
+    fmt = "int8-g32" if bits == 8 else "int4-g32"
     loaded = load_model(str(tmp_path), skip_tokenizer_init=True)
-    assert loaded.quantization == "int4-g32"
+    assert loaded.quantization == fmt
     params, cfg = loaded.params, loaded.cfg
-    assert quantization.quantization_of(params) == "int4-g32"
-    specs = llama.param_specs(cfg, quantization="int4-g32")
+    assert quantization.quantization_of(params) == fmt
+    specs = llama.param_specs(cfg, quantization=fmt)
     layer = params.layers[1]
 
     def offset_rounding(leaf) -> np.ndarray:  # the bound on |stored - exact| of each value
+        if bits == 8:  # int8 codes - zero and the f16 scale widened to f32: exact
+            assert leaf.offset is None and leaf.scale.dtype == np.float32
+            return np.zeros(leaf.data.shape)
         assert leaf.scale.dtype == leaf.offset.dtype == np.float16
         offset = np.abs(np.asarray(leaf.offset, np.float32))
         return np.repeat(offset, GROUP, axis=0) * 2.0**-11 + 1e-7
@@ -130,7 +143,8 @@ def test_packed_checkpoint_loads_as_int4_and_matches_its_dequantized_weights(
     "qc,match",
     [
         ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'"),
-        ({"quant_method": "gptq", "bits": 8}, "bits=8"),
+        ({"quant_method": "gptq", "bits": 3}, "bits=3"),
+        ({"quant_method": "awq", "bits": 8, "version": "gemm"}, "bits=8"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version='gemv'"),
         ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "group_size=-1"),
     ],
@@ -153,4 +167,17 @@ def test_act_order_groups_that_are_not_consecutive_are_refused(tmp_path, tiny):
     tensors[name] = np.roll(tensors[name], 1)
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="g_idx.*desc_act"):
+        load_model(str(tmp_path), skip_tokenizer_init=True)
+
+
+def test_asymmetric_8bit_zero_points_are_refused_by_name(tmp_path, tiny):
+    config, sd = tiny
+    _write(tmp_path, config, sd, "gptq", 8)
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.qzeros"
+    tensors[name] = _pack(np.full((4, 64), 9, np.uint8), 1, bits=8)  # zero 10 (v1: stored - 1)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="down_proj.weight.*zero points leave codes outside"):
         load_model(str(tmp_path), skip_tokenizer_init=True)
