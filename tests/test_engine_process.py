@@ -129,6 +129,9 @@ def test_core_process_death_fails_requests_and_shuts_the_front_end_down(tok):
         assert "engine core process exited" in err.value.details()
         # the front end shuts down, to exit non-zero (scripts/serve.py returns exit_code)
         _wait(lambda: st.server.frontend.exit_code == 1)
+        # NOTE: the shutdown that exit code started; a second call waits for it. A request sent
+        # while it stops the gRPC server may be CANCELLED by that stop; after it, UNAVAILABLE.
+        st.call(st.server.shutdown(), timeout=30)
         with pytest.raises(grpc.RpcError) as err:
             c.generate_once([1000, 1002], max_tokens=2)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
