@@ -10,13 +10,16 @@ with several engine-shaping flags at once; every one must decode exactly the mod
    layer weights; the vocabulary-sized ones int8) on `--mesh expert=2,tensor=2`
    (4 devices) and `--skip-tokenizer-init`: tokens equal plain decoding, the spec metrics move,
    the text fields stay empty and a text prompt is refused naming the flag.
-3. `--quantization int4 --linear-backend cpu` on one device: the int4 codes in the CPU kernel's
-   tiles, three concurrent streams decode exactly the model's tokens.
+3. `--quantization int4 --linear-backend cpu` on one device over the successor model packed as a
+   4-bit GPTQ checkpoint (`tests/packed_checkpoints.py`: the loader repacks its qweight / qzeros /
+   scales, groups of 32): the int4 codes in the CPU kernel's tiles, three concurrent streams
+   decode exactly the model's tokens.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import threading
@@ -83,10 +86,18 @@ def ngram(model_dir):
 
 
 @pytest.fixture(scope="module")
-def int4_cpu(model_dir):
+def int4_cpu(model_dir, tmp_path_factory):
+    from safetensors.numpy import load_file
+
+    from tests.packed_checkpoints import write_packed
+
+    gptq = tmp_path_factory.mktemp("gptq") / "succ"
+    shutil.copytree(model_dir, gptq)
+    config = json.loads((gptq / "config.json").read_text())
+    write_packed(gptq, config, load_file(str(model_dir / "model.safetensors")), "gptq", 4)
     srv = ServedProcess(
         [
-            *("--model", str(model_dir), *SIZES),
+            *("--model", str(gptq), *SIZES),
             *("--quantization", "int4", "--linear-backend", "cpu", "--skip-tokenizer-init"),
         ]
     )
@@ -168,9 +179,9 @@ def test_ngram_speculation_with_fp8_kv_and_int4_on_an_expert_tensor_mesh(ngram):
 
 
 def test_int4_on_the_cpu_kernel_decodes_the_models_tokens(int4_cpu):
-    """One device, `--linear-backend cpu`: the core's runner puts the int4 codes in the kernel's
-    tiles (`quantization.tile_for_cpu`) and serves through them (decode rows in the kernel, the
-    prefill's XLA products untiling). NOTE: the successor model's tokens do not depend on its
+    """One device, `--linear-backend cpu`, a 4-bit GPTQ checkpoint: the loader repacks its codes,
+    the core's runner puts them in the kernel's tiles (`quantization.tile_for_cpu`) and serves
+    through them (decode rows in the kernel, the prefill's XLA products untiling). NOTE: the successor model's tokens do not depend on its
     layer products' exact values (a kernel reading the tiles in the wrong order still passed):
     this checks the served path with tiles; their order is checked by test_cpu_linear_tiled."""
     got: dict[int, list[int]] = {}
