@@ -35,6 +35,12 @@
    test file, `file<TAB>CPU s<TAB>wall s<TAB>tests`, user + sys of the process and its reaped
    children (served processes, multihost workers) from the file's first test's setup to its last
    test's teardown, and a `(startup + collection)` line: where a whole run's CPU goes.
+8. `serving.launch.build_core` turns on first-use executable caching for its process (the served
+   engine core's setting, `executable_cache.cache_first_use`); the tests that call it in-process
+   get it turned back off after them (`_first_use_restored`), so a later in-process engine in the
+   same worker shares its programs through JAX's caches as users' processes do (with it left on,
+   a program JAX's persistent cache answered was not stored, and the next engine traced it again:
+   test_engine's second-engine test failed whenever such a test ran before it in its worker).
 """
 
 import importlib.metadata
@@ -129,3 +135,13 @@ def pytest_sessionfinish(session):
         with open(path, "a") as f:
             for name, (cpu, wall, n) in _CPU_REPORT.items():
                 f.write(f"{name}\t{cpu:.1f}\t{wall:.1f}\t{n}\n")
+
+
+@pytest.fixture(autouse=True)
+def _first_use_restored():
+    """Item 8 of the module docstring."""
+    from jaxinfer import executable_cache
+
+    was = executable_cache._first_use
+    yield
+    executable_cache._first_use = was
