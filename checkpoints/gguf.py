@@ -248,30 +248,30 @@ class GGUFCheckpoint:
         Q4_0 / Q4_1 / Q4_K (int4 groups of 32 hold them: exactly, Q4_K to one f16 rounding), else
         None. The file's other block tensors (a Q4_K_M file's Q6_K ones) then requantize to 4
         bits in those groups (`requantize4`; `int4_requantized` names them)."""
-        kinds = {e.qtype for e in self._linear_entries().values()}
+        kinds = {e.qtype for e in self._block_entries(vocab=False).values()}
         return NATIVE4_GROUP if kinds & set(_NATIVE4) else None
 
     def native_int8_groups(self) -> int | None:
         """The int8 group size holding every 2-D block-quantized tensor exactly, when all are
         symmetric types (`SYMMETRIC_BLOCK`: Q8_0 / Q4_0 / Q5_0 32, Q6_K 16; the smallest), else
         None (a type with mins, Q4_1 / Q4_K / Q5_1 / Q5_K, requantizes in any group)."""
-        kinds = {e.qtype for e in self._entries.values()
-                 if len(e.shape) == 2 and e.qtype not in _FLOAT_TYPES}  # fmt: skip
+        kinds = {e.qtype for e in self._block_entries(vocab=True).values()}
         if not kinds or not kinds <= set(SYMMETRIC_BLOCK):
             return None
         return min(SYMMETRIC_BLOCK[k] for k in kinds)
 
     def int4_requantized(self) -> list[str]:
         """HF names of the linear tensors an int4 load requantizes (not a native 4-bit type)."""
-        return [n for n, e in self._linear_entries().items() if e.qtype not in _NATIVE4]
+        return [n for n, e in self._block_entries(vocab=False).items() if e.qtype not in _NATIVE4]
 
-    def _linear_entries(self) -> dict[str, _Entry]:
-        """The 2-D block-quantized tensors but the embedding and LM head (int8 under int4)."""
+    def _block_entries(self, vocab: bool) -> dict[str, _Entry]:
+        """The 2-D block-quantized tensors; without `vocab`, not the embedding and LM head (int8
+        under int4)."""
         skip = re.compile(r".*(embed_tokens|lm_head)")
         return {
             n: e
             for n, e in self._entries.items()
-            if not skip.match(n) and len(e.shape) == 2 and e.qtype not in _FLOAT_TYPES
+            if (vocab or not skip.match(n)) and len(e.shape) == 2 and e.qtype not in _FLOAT_TYPES
         }
 
     def quantized(self, hf_name: str, fmt: str, groups: int = 1) -> tuple[np.ndarray, ...] | None:

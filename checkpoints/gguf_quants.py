@@ -148,13 +148,8 @@ def _dq_q3_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 110]
 
 
 def _dq_q4_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 144]
-    n_blocks = blocks.shape[0]
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    sc, mn = _k4_scales_and_mins(blocks[:, 4:16])
-    # 64-value chunk j uses bytes 32j..32j+31: low nibbles are sub-block 2j, high ones 2j+1.
-    q = _low_high_nibbles(blocks[:, 16:144].reshape(n_blocks, 4, 32)).reshape(n_blocks, 8, 32)
-    y = (d * sc.astype(np.float32))[:, :, None] * q.astype(np.float32)
-    return (y - (dmin * mn.astype(np.float32))[:, :, None]).reshape(n_blocks, 256)
+    q, scale, offset = _native_q4_k(blocks)  # NOTE: x + (-y) is x - y exactly
+    return (scale[:, None] * q.astype(np.float32) + offset[:, None]).reshape(-1, 256)
 
 
 def _dq_q6_k(blocks: np.ndarray) -> np.ndarray:  # u8[n_blocks, 210]
@@ -323,6 +318,7 @@ def _native_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, ...]:  # u8[n_blocks, 
     n_blocks = blocks.shape[0]
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, mn = _k4_scales_and_mins(blocks[:, 4:16])
+    # 64-value chunk j uses bytes 32j..32j+31: low nibbles are sub-block 2j, high ones 2j+1.
     q = _low_high_nibbles(blocks[:, 16:144].reshape(n_blocks, 4, 32)).reshape(-1, 32)
     scale = (d * sc.astype(np.float32)).reshape(-1)
     return q, scale, -(dmin * mn.astype(np.float32)).reshape(-1)
@@ -376,8 +372,8 @@ def requantize(
 ) -> tuple[np.ndarray, np.ndarray]:  # u8[rows, row_bytes]
     """(data [rows, cols], scale f32[rows, groups]) of a block-quantized 2-D tensor requantized to
     `fmt` ("int8" | "fp8"), a chunk of rows at a time, never whole in float32. Groups of symmetric
-    blocks (Q8_0, Q4_0, Q5_0, Q6_K's sub-blocks) fold their block scales exactly into int8 where they can
-    (`checkpoints.quantize.fold_block_scales`).
+    blocks (Q8_0, Q4_0, Q5_0, Q6_K's sub-blocks) fold their block scales exactly into int8 where
+    they can (`checkpoints.quantize.fold_block_scales`).
     """
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
 

@@ -6,6 +6,7 @@ GPTQ ones into int8, never through float32.
    `PackedScheme` for 4- and 8-bit GPTQ (checkpoint_format "gptq" or "gptq_v2") and 4-bit AWQ
    "gemm"; anything else raises `CheckpointError` naming the method / field it refuses.
 2. `PackedView(ckpt, scheme)` shows the checkpoint under plain names: the tensors `X.qweight`,
+   `X.qzeros`, `X.scales` (and GPTQ's `X.g_idx`) of a packed linear are listed once, as
    `X.weight`; `quantized(name, fmt, groups)` returns that weight as (codes uint4[out, in], scale
    f16[out, G], offset f16[out, G]) in HF's [out, in] layout, 8-bit as (codes int8[out, in] =
    code - zero, scale f32[out, G]: exact, refused by name where a zero point leaves a code
@@ -91,7 +92,7 @@ def packed_scheme(config: dict[str, Any]) -> PackedScheme | None:
     return PackedScheme("gptq", group, 1 if fmt == "gptq" else 0, bits)
 
 
-def _nibbles(words: np.ndarray, axis: int, bits: int = 4) -> np.ndarray:
+def _fields(words: np.ndarray, axis: int, bits: int = 4) -> np.ndarray:
     """u8 codes of i32 `words`, each word's 32 / `bits` fields (lowest first) along `axis`."""
     per = 32 // bits
     shifts = np.arange(0, 32, bits, dtype=np.uint32)
@@ -168,13 +169,13 @@ class PackedView:
             order = np.argsort(AWQ_ORDER)  # column c sits in slot order[c]
 
             def cols(words: np.ndarray) -> np.ndarray:
-                raw = _nibbles(words, 1)  # [.., N] in slot order within each 8 columns
+                raw = _fields(words, 1)  # [.., N] in slot order within each 8 columns
                 return raw.reshape(raw.shape[0], -1, 8)[:, :, order].reshape(raw.shape)
 
             codes, zeros = cols(get(base + ".qweight")), cols(get(base + ".qzeros"))
         else:
-            codes = _nibbles(get(base + ".qweight"), 0, self.scheme.bits)  # [K, N]
-            zeros = _nibbles(get(base + ".qzeros"), 1, self.scheme.bits)  # [G, N]
+            codes = _fields(get(base + ".qweight"), 0, self.scheme.bits)  # [K, N]
+            zeros = _fields(get(base + ".qzeros"), 1, self.scheme.bits)  # [G, N]
             k = codes.shape[0]
             size = k // scale.shape[0]
             if base + ".g_idx" in self.ckpt:

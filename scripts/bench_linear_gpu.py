@@ -1,7 +1,7 @@
 """Tune and time the Pallas dequantizing matmul (`pallas_kernels.linear.gpu`) on a GPU.
 
-    JAX_PLATFORMS=cuda python scripts/bench_linear_gpu.py [--fmt int8,int4] [--rows 1,16]
-        [--shapes qkv,o,gate_up,down,lm_head] [--budget 240] [--tuned-out FILE] [--json-out FILE]
+    JAX_PLATFORMS=cuda python scripts/bench_linear_gpu.py [--fmt int4,int8] [--rows 1,32]
+        [--shapes gate_up,down,qkv,o,lm_head] [--budget 240] [--tuned-out FILE] [--json-out FILE]
     python scripts/bench_linear_gpu.py --interpret --small      # a rehearsal on the CPU
 
 Per code format and Llama-3-8B projection shape ([K, N]: qkv 4096 x 6144, o 4096 x 4096, gate_up
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from _timing import median_time
 
-from jaxinfer import layers
+from jaxinfer import layers, quantization
 from jaxinfer.quantization import QArray
 from pallas_kernels.linear import gpu as gpu_linear
 
@@ -73,17 +73,6 @@ def nbytes(w) -> int:
     """Stored bytes (uint4: two codes a byte; jax counts a byte each)."""
     return sum(a.size * jnp.dtype(a.dtype).itemsize * (0.5 if a.dtype == jnp.uint4 else 1)
                for a in jax.tree.leaves(w))  # fmt: skip
-
-
-def dequantized(w: QArray) -> jax.Array:
-    k, n = w.shape
-    v = (
-        w.data.astype(jnp.float32).reshape(k // GROUP, GROUP, n)
-        * w.scale.astype(jnp.float32)[:, None]
-    )
-    if w.offset is not None:
-        v = v + w.offset.astype(jnp.float32)[:, None]
-    return v.reshape(k, n)
 
 
 def kernel_fn(b: gpu_linear.Blocks, interpret: bool):
@@ -136,7 +125,7 @@ class Case:
         self.x = jax.random.normal(jax.random.PRNGKey(t), (t, k), dtype)
         self.want = jnp.dot(
             self.x.astype(jnp.float32),
-            dequantized(weights[0]),
+            quantization.dequantize(weights[0], 0),
             precision=jax.lax.Precision.HIGHEST,
         )
         self.wbytes = nbytes(weights[0])
