@@ -3,7 +3,9 @@
 1. The tile order: element (k, n) lands where `tile_int4` says (a 1 KB tile is one 32-row block's
    64-column strip, rows in order), `untile_int4` inverts it (numpy and jnp alike).
 2. The kernel's integer products on tiled codes give the same bits as on [K, N] codes (several
-   weights a call, 1-8 rows, groups of 32 and 128) and match the exact integer emulation.
+   weights a call, 1-8 rows, groups of 32 and 128) and match the exact integer emulation. On a CPU
+   with AVX-512 VNNI (`int4_path()`), a process forced onto the AVX2 path
+   (`JAXINFER_CPU_INT4_AVX2`) gives the same bits as the VNNI one, tiled and not.
 3. Refusals name the problem: N not a multiple of 64, tiled codes without offsets, in Python and in
    the handler.
 4. `quantization.tile_for_cpu` tiles exactly the int4 weights that fit; `layers.dense` on a tiled
@@ -15,6 +17,11 @@
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +85,60 @@ def test_tiled_products_same_bits_as_rows(t, k, ns, gs):
     for g, w, e in zip(got, want, emulated):
         assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
         np.testing.assert_allclose(g, e, rtol=0, atol=TOL * float(jnp.abs(e).max()))
+
+
+# Run in a child process (the path is chosen once per process): the products of `_path_cases`
+# saved to the .npz named by argv[1], with the path that ran them.
+_PATH_CHILD = """
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+from tests.test_cpu_linear_tiled import _path_cases
+from pallas_kernels.linear import cpu
+np.savez(sys.argv[1], path=cpu.int4_path(), **_path_cases())
+"""
+
+
+def _path_cases() -> dict[str, np.ndarray]:
+    """Integer products of both layouts at 1, 4 and 32 rows: gate_up / qkv-shaped tiled weights, a
+    [K, N] down with groups of 128, and a [K, N] weight with an N % 64 tail."""
+    out = {}
+    for t in (1, 4, 32):
+        rng = np.random.default_rng(t)
+        ws = [_int4_weight(rng, k, n, g) for k, n, g in ((576, 3072, 18), (576, 960, 18))]
+        x = jnp.asarray(rng.standard_normal((t, 576), dtype=np.float32) * 3)
+        kw = dict(
+            scales=tuple(jnp.asarray(s) for _, s, _ in ws),
+            offsets=tuple(jnp.asarray(o) for _, _, o in ws),
+        )
+        tiles = [jnp.asarray(linear_reference.tile_int4(c), jnp.uint4) for c, _, _ in ws]
+        for i, y in enumerate(cpu_linear.linear(x, *tiles, **kw, tiled=True)):
+            out[f"tiled{t}_{i}"] = np.asarray(y)
+        for k, n, g in ((1536, 576, 12), (64, 130, 2)):
+            c, s, o = _int4_weight(rng, k, n, g)
+            xk = jnp.asarray(rng.standard_normal((t, k), dtype=np.float32))
+            (y,) = cpu_linear.linear(
+                xk, jnp.asarray(c, jnp.uint4), scales=(jnp.asarray(s),), offsets=(jnp.asarray(o),)
+            )
+            out[f"rows{t}_{k}x{n}"] = np.asarray(y)
+    return out
+
+
+@pytest.mark.skipif(
+    cpu_linear.available() and cpu_linear.int4_path() != "avx512-vnni",
+    reason="this CPU has no AVX-512 VNNI: the AVX2 path is the only one (tested above)",
+)
+def test_vnni_and_avx2_paths_give_the_same_bits(tmp_path):
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "JAXINFER_CPU_INT4_AVX2": "1", "JAX_PLATFORMS": "cpu"}
+    out = tmp_path / "avx2.npz"
+    subprocess.run([sys.executable, "-c", _PATH_CHILD, str(out), root], env=env, check=True, timeout=300)
+    avx2 = np.load(out)
+    assert str(avx2["path"]) == "avx2"
+    vnni = _path_cases()
+    assert set(vnni) == set(avx2.files) - {"path"}
+    for name, y in vnni.items():
+        assert y.tobytes() == avx2[name].tobytes(), name
 
 
 def test_tiled_products_refuse_what_they_cannot_take():

@@ -18,7 +18,8 @@ intra-op pool.
    (uint4 codes, f16 scales and offsets as stored, groups of a multiple of `QBLOCK`) as integer
    products on x quantized to 15 bits per `QBLOCK` channels (`cpu_kernel_int4.h`), offsets
    included, the codes [K, N] or (`tiled=True`) in the tile order of `reference.tile_int4`, which
-   streams each part of a weight front to back: one scale per output column and group of K / G
+   streams each part of a weight front to back (`int4_path()`: AVX-512 VNNI where the CPU has
+   it, else AVX2; the same bits): one scale per output column and group of K / G
    input rows, G = 1 being one scale per output column; G > 1 needs groups of a multiple of
    `GROUP_MULTIPLE` rows (`groups_fit`). Any shapes, but it pays off only for few rows
    (`MAX_ROWS`; `MAX_ROWS_INT4` for the integer products, `MAX_ROWS_HEAD` for a quantized LM
@@ -67,6 +68,7 @@ __all__ = [
     "available",
     "float_pays",
     "groups_fit",
+    "int4_path",
     "lanes",
     "library",
     "linear",
@@ -101,6 +103,15 @@ def lanes() -> int:
     fn = library().JaxinferCpuLinearLanes
     fn.restype = ctypes.c_int
     return fn()
+
+
+def int4_path() -> str:
+    """Which code int4's integer products run in this process: "avx512-vnni" (vpdpbusd, on CPUs
+    with AVX-512 VNNI + VBMI) or "avx2" (vpmaddubsw; also where the environment sets
+    JAXINFER_CPU_INT4_AVX2, to compare the two). Both give the same bits."""
+    fn = library().JaxinferCpuLinearInt4Vnni
+    fn.restype = ctypes.c_int
+    return "avx512-vnni" if fn() else "avx2"
 
 
 def float_pays() -> bool:

@@ -54,6 +54,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -353,7 +354,7 @@ void NkRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const S* 
   }
 }
 
-#include "cpu_kernel_int4.h"  // QuantizeX, KnU4Int: the `offsets` calls
+#include "cpu_kernel_int4.h"  // QuantizeX, Int4Products: the `offsets` calls
 
 // Part p of every weight: rows [k0, k1) of a kn weight, outputs [n0, n1) of an nk weight.
 void RunPart(const Problem& pb, int p) {
@@ -377,9 +378,9 @@ void RunPart(const Problem& pb, int p) {
       const int64_t k0 = std::min(pb.k_len, p * chunk), k1 = std::min(pb.k_len, k0 + chunk);
       float* y = p == 0 ? wt.y : wt.partial + (p - 1) * pb.t_len * wt.n;
       if (pb.offsets && pb.tiled)
-        KnU4Int<true>(pb, wt, y, k0, k1);
+        Int4Products<true>(pb, wt, y, k0, k1);
       else if (pb.offsets)
-        KnU4Int<false>(pb, wt, y, k0, k1);
+        Int4Products<false>(pb, wt, y, k0, k1);
       else if (wt.u4)
         KnRange(pb.x, pb.t_len, pb.k_len, static_cast<const U4*>(wt.w), wt.scale,
                 pb.k_len / wt.groups, wt.n, y, k0, k1);
@@ -542,6 +543,8 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
 
 // The vector width this build uses (16: AVX-512, 8: AVX2), for cpu.py's `lanes()`.
 extern "C" int JaxinferCpuLinearLanes() { return kLanes; }
+// Whether int4's integer products take the AVX-512 VNNI path (cpu.py's `int4_path()`).
+extern "C" int JaxinferCpuLinearInt4Vnni() { return Int4Vnni() ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCpuLinear, Linear,
                               ffi::Ffi::Bind()

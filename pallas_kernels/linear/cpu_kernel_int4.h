@@ -14,6 +14,8 @@
 // activations to 1/127 of their block's max, and single-stream greedy decoding of the default
 // model then agreed with the f32 reference on 7 of 12 prompts (12 with f32 products); 15 bits
 // round 128x finer (BENCHMARKS.md "int4 decode step").
+// On CPUs with AVX-512 VNNI + VBMI the same sums take vpdpbusd on 64-byte vectors (KnU4IntVnni:
+// four rows' codes of a column gathered into one dword, two x rows per unpacking), same bits.
 // Layout: `quantization="int4"`'s own, uint4 codes [K, N] (two per byte along N), f16 scales and
 // offsets [G, N] read as stored; K and the group size K / G multiples of kQBlock. Or the same codes
 // tiled (`Problem::tiled`, reference.tile_int4): each 32-row block is N / 64 tiles of 1 KB, tile s
@@ -50,6 +52,18 @@ void QuantizeX(const float* x, int64_t t_len, int64_t k_len, int8_t* xh, int8_t*
 
 inline __m256 HalfLoad(const uint16_t* p) {  // 8 f16 as f32 (F16C)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Columns [n0, n1) of a [K, N] block one by one (the last N % 64, which no strip holds).
+void TailColumns(const uint8_t* blk, int64_t row_bytes, const int8_t* xh, const int8_t* xl, const uint16_t* srow,
+                 const uint16_t* orow, float dx, float xs, float* yt, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    int32_t isum = 0;
+    for (int64_t r = 0; r < kQBlock; ++r)
+      isum += ((blk[r * row_bytes + n / 2] >> (4 * (n & 1))) & 0x0f) * (128 * xh[r] + xl[r]);
+    const float base = std::fma(_cvtsh_ss(orow[n]), xs, yt[n]);
+    yt[n] = std::fma(static_cast<float>(isum), _cvtsh_ss(srow[n]) * dx, base);
+  }
 }
 
 // y[t, :] = the rows [k0, k1) (multiples of kQBlock) of an `offsets` weight: per 32-row block b of
@@ -137,16 +151,163 @@ void KnU4Int(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t 
         emit16(n + 32, acc[1], acc[5]);
         emit16(n + 48, acc[3], acc[7]);
       }
-      const float dxs = pb.xd[t * blocks + b], xss = pb.xsum[t * blocks + b];
-      for (int64_t n = n64; n < n_len; ++n) {
-        int32_t isum = 0;
-        for (int64_t r = 0; r < kQBlock; ++r)
-          isum += ((blk[r * row_bytes + n / 2] >> (4 * (n & 1))) & 0x0f) * (128 * xh[r] + xl[r]);
-        const float base = std::fma(_cvtsh_ss(orow[n]), xss, yt[n]);
-        yt[n] = std::fma(static_cast<float>(isum), _cvtsh_ss(srow[n]) * dxs, base);
-      }
+      TailColumns(blk, row_bytes, xh, xl, srow, orow, pb.xd[t * blocks + b], pb.xsum[t * blocks + b], yt,
+                  n64, n_len);
     }
   }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+// The same products with AVX-512 VNNI (vpdpbusd: four u8 x s8 products summed into each 32-bit
+// lane, no 16-bit sums to widen) on 64-byte vectors, for CPUs that have it (Intel since Ice Lake,
+// AMD Zen 4). Four rows of a 64-column strip at a time: their two 64-byte loads (rows r, r + 1
+// and r + 2, r + 3) are split into low nibbles (even columns) and high ones (odd), and vpermt2b
+// gathers each column's four codes into one dword, rows in order, against x's four bytes of those
+// rows broadcast. The integer sums are exact, and the epilogue is the AVX2 path's per element
+// (the same products in the same order), so both give the same bits.
+
+// The constant index vectors of the VNNI path.
+struct VnniIndex {
+  // Byte 4i + j of a gathered vector: row r + j's code of column i (lo: columns 0-15 of the nibble
+  // half, hi: 16-31); bytes 0-31 of a load are its first row, 32-63 its second, and vpermt2b's
+  // indices 64-127 take the second operand (rows r + 2, r + 3).
+  __m512i lo, hi;
+  // Lanes 2i and 2i + 1 of 16 columns: lane i of the even columns' sums, then of the odd ones'.
+  __m512i pair_lo, pair_hi;
+  VnniIndex() {
+    alignas(64) uint8_t lo_bytes[64], hi_bytes[64];
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 4; ++j) {
+        lo_bytes[4 * i + j] = static_cast<uint8_t>(i + 32 * j);
+        hi_bytes[4 * i + j] = static_cast<uint8_t>(i + 16 + 32 * j);
+      }
+    lo = _mm512_load_si512(lo_bytes);
+    hi = _mm512_load_si512(hi_bytes);
+    pair_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    pair_hi = _mm512_add_epi32(pair_lo, _mm512_set1_epi32(8));
+  }
+};
+
+// x rows t0 .. t0 + kRows - 1 against one 32-row block (rows k .. k + 31) of the codes: each
+// 4-row group of a strip is unpacked once for all kRows rows (8 accumulators a row; two rows keep
+// the 32 vector registers enough).
+template <bool kTiled, int kRows>
+void VnniBlockRows(const Problem& pb, const uint8_t* blk, int64_t row_bytes, int64_t n_len,
+                   const uint16_t* srow, const uint16_t* orow, float* y, int64_t k, int64_t t0,
+                   const char* next, const VnniIndex& ix) {
+  const int64_t k_len = pb.k_len, b = k / kQBlock, blocks = k_len / kQBlock, n64 = n_len / 64 * 64;
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const int8_t *xh[kRows], *xl[kRows];
+  for (int i = 0; i < kRows; ++i) {
+    xh[i] = pb.xq + (t0 + i) * k_len + k;
+    xl[i] = pb.xl + (t0 + i) * k_len + k;
+  }
+  for (int64_t n = 0; n < n64; n += 64) {
+    if (next)
+      for (int c = 0; c < 1024; c += 64) _mm_prefetch(next + n * 16 + c, _MM_HINT_T1);
+    const uint8_t* col = blk + n / 2;    // [K, N]: the strip's 32 bytes of each row
+    const uint8_t* tile = blk + n * 16;  // tiled: the strip's 1 KB tile
+    const __m512i z = _mm512_setzero_si512();
+    // Per x row: [even columns 0-15 of the nibble halves, 16-31, odd 0-15, odd 16-31] x xh, then
+    // the same x xl.
+    __m512i h[kRows][4], l[kRows][4];
+    for (int i = 0; i < kRows; ++i)
+      for (int j = 0; j < 4; ++j) h[i][j] = l[i][j] = z;
+    for (int r = 0; r < kQBlock; r += 4) {
+      __m512i p, q;  // rows r, r + 1 and r + 2, r + 3
+      if (kTiled) {
+        p = _mm512_loadu_si512(tile + 32 * r);
+        q = _mm512_loadu_si512(tile + 32 * r + 64);
+      } else {
+        auto two = [&](int64_t row) {
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + row * row_bytes));
+          const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + (row + 1) * row_bytes));
+          return _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1);
+        };
+        p = two(r);
+        q = two(r + 2);
+      }
+      const __m512i pl = _mm512_and_si512(p, low4), ql = _mm512_and_si512(q, low4);
+      const __m512i ph = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+      const __m512i qh = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+      const __m512i u[4] = {_mm512_permutex2var_epi8(pl, ix.lo, ql), _mm512_permutex2var_epi8(pl, ix.hi, ql),
+                            _mm512_permutex2var_epi8(ph, ix.lo, qh), _mm512_permutex2var_epi8(ph, ix.hi, qh)};
+      for (int i = 0; i < kRows; ++i) {
+        int32_t xh4, xl4;
+        std::memcpy(&xh4, xh[i] + r, 4);
+        std::memcpy(&xl4, xl[i] + r, 4);
+        const __m512i vh = _mm512_set1_epi32(xh4), vl = _mm512_set1_epi32(xl4);
+        for (int j = 0; j < 4; ++j) {
+          h[i][j] = _mm512_dpbusd_epi32(h[i][j], u[j], vh);
+          l[i][j] = _mm512_dpbusd_epi32(l[i][j], u[j], vl);
+        }
+      }
+    }
+    for (int i = 0; i < kRows; ++i) {
+      const int64_t t = t0 + i;
+      const __m512 dx = _mm512_set1_ps(pb.xd[t * blocks + b]);
+      const __m512 xs = _mm512_set1_ps(pb.xsum[t * blocks + b]);
+      float* yt = y + t * n_len;
+      auto emit = [&](int64_t c, __m512i v) {  // y[c:c+16], as the AVX2 path's emit
+        const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(srow + c)));
+        const __m512 of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(orow + c)));
+        const __m512 base = _mm512_fmadd_ps(of, xs, _mm512_loadu_ps(yt + c));
+        _mm512_storeu_ps(yt + c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(sc, dx), base));
+      };
+      __m512i sum[4];
+      for (int j = 0; j < 4; ++j) sum[j] = _mm512_add_epi32(_mm512_slli_epi32(h[i][j], 7), l[i][j]);
+      // sum[0]: columns n + 2i (i < 16), sum[2]: n + 2i + 1, sum[1] / sum[3]: the same from n + 32.
+      emit(n, _mm512_permutex2var_epi32(sum[0], ix.pair_lo, sum[2]));
+      emit(n + 16, _mm512_permutex2var_epi32(sum[0], ix.pair_hi, sum[2]));
+      emit(n + 32, _mm512_permutex2var_epi32(sum[1], ix.pair_lo, sum[3]));
+      emit(n + 48, _mm512_permutex2var_epi32(sum[1], ix.pair_hi, sum[3]));
+    }
+  }
+  for (int i = 0; i < kRows; ++i) {
+    const int64_t t = t0 + i;
+    TailColumns(blk, row_bytes, xh[i], xl[i], srow, orow, pb.xd[t * blocks + b], pb.xsum[t * blocks + b],
+                y + t * n_len, n64, n_len);
+  }
+}
+
+template <bool kTiled>
+void KnU4IntVnni(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t k1) {
+  static const VnniIndex ix;
+  const int64_t n_len = wt.n, group = pb.k_len / wt.groups, row_bytes = n_len / 2;
+  const uint8_t* w = static_cast<const uint8_t*>(wt.w);
+  std::memset(y, 0, pb.t_len * n_len * sizeof(float));
+  for (int64_t k = k0; k < k1; k += kQBlock) {
+    const uint16_t* srow = wt.scale16 + k / group * n_len;
+    const uint16_t* orow = wt.offset16 + k / group * n_len;
+    const uint8_t* blk = w + k * row_bytes;
+    // The next block prefetched into L2 while the first rows of x go over this one.
+    const char* next =
+        k + 2 * kQBlock <= k1 ? reinterpret_cast<const char*>(blk + kQBlock * row_bytes) : nullptr;
+    int64_t t = 0;
+    for (; t + 2 <= pb.t_len; t += 2, next = nullptr)
+      VnniBlockRows<kTiled, 2>(pb, blk, row_bytes, n_len, srow, orow, y, k, t, next, ix);
+    if (t < pb.t_len) VnniBlockRows<kTiled, 1>(pb, blk, row_bytes, n_len, srow, orow, y, k, t, next, ix);
+  }
+}
+#endif
+
+// The integer products of one part: the VNNI path where this build has it, unless the environment
+// sets JAXINFER_CPU_INT4_AVX2 (read once; for tests and benchmarks comparing the two paths).
+bool Int4Vnni() {
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+  static const bool vnni = std::getenv("JAXINFER_CPU_INT4_AVX2") == nullptr;
+  return vnni;
+#else
+  return false;
+#endif
+}
+
+template <bool kTiled>
+void Int4Products(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t k1) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+  if (Int4Vnni()) return KnU4IntVnni<kTiled>(pb, wt, y, k0, k1);
+#endif
+  KnU4Int<kTiled>(pb, wt, y, k0, k1);
 }
 
 // The f16 scales or offsets `which` of weight i of an `offsets` call: [G, n] with G dividing K and
