@@ -132,7 +132,9 @@ def test_vnni_and_avx2_paths_give_the_same_bits(tmp_path):
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "JAXINFER_CPU_INT4_AVX2": "1", "JAX_PLATFORMS": "cpu"}
     out = tmp_path / "avx2.npz"
-    subprocess.run([sys.executable, "-c", _PATH_CHILD, str(out), root], env=env, check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-c", _PATH_CHILD, str(out), root], env=env, check=True, timeout=300
+    )
     avx2 = np.load(out)
     assert str(avx2["path"]) == "avx2"
     vnni = _path_cases()
