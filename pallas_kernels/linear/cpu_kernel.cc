@@ -35,8 +35,8 @@
 // or in tiles read front to back (`tiled`): cpu_kernel_int4.h.
 // All arithmetic in f32, in vectors of kLanes lanes: 16 with AVX-512 F/BW/VL, 8 with AVX2 + FMA
 // (whichever the compiler flags of this CPU allow; the few per-ISA helpers below are all that
-// differs). Parts (a few per core, so a helper that joins late still takes its
-// share) are claimed from an atomic counter by the caller and by helpers; the caller returns
+// differs). Parts (one per core: `kPartsPerThread`) are claimed from an atomic counter by the
+// caller and by helpers; the caller returns
 // once every part is done (a helper that starts late finds nothing left and only touches the
 // shared state it co-owns).
 // Helpers: a decode step makes ~120 of these calls a few tens of microseconds apart, and a pool
@@ -166,7 +166,11 @@ inline float ValueAt(const U4* w, int64_t i) { return static_cast<float>((w[i / 
 
 constexpr int kMaxWeights = 8;
 constexpr int kMaxParts = 8;
-constexpr int kPartsPerThread = 4;
+// One part per thread: on the Sapphire Rapids VM (AVX-512 VNNI) 4 per thread made every part a
+// shorter stream and a decode step's int4 products ~10-25% slower (a gate_up-sized call of 120
+// distinct weights: 43-45 us with 1 part a thread, 53-60 with 2, 60-64 with 4; BENCHMARKS.md
+// "int4 on AVX-512 VNNI").
+constexpr int kPartsPerThread = 1;
 constexpr int64_t kLingerNs = 100000;
 // Below this many multiply-adds one thread does the whole call.
 constexpr int64_t kParallelMinWork = 1 << 16;
