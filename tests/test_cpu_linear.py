@@ -246,6 +246,31 @@ def test_transposed_int8_weights_take_f16_scales():
     np.testing.assert_allclose(y, ref, rtol=0, atol=TOL * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("g", [16, 32, 64, 144])
+def test_transposed_int8_rows_same_bits_however_many_share_the_call(g):
+    """A quantized LM head's rows of x are multiplied several at a time (each weight row widened
+    once for all of them): every row's result has the bits of that row alone, for 1-32 rows
+    (blocks of 8 / 4, pairs and a single one), f16 and f32 scales."""
+    rng = np.random.default_rng(g)
+    k = 576 if g != 144 else 288
+    q = jnp.asarray(rng.integers(-127, 128, (300, k)), jnp.int8)
+    x = rng.standard_normal((32, k), dtype=np.float32)
+    for dtype in (np.float16, np.float32):
+        s = jnp.asarray(rng.uniform(1e-3, 2e-2, (300, k // g)).astype(dtype))
+        alone = [
+            np.asarray(
+                cpu_linear.linear(jnp.asarray(x[i : i + 1]), q, transposed=True, scales=(s,))[0]
+            )
+            for i in range(32)
+        ]
+        for t in (2, 3, 5, 8, 11, 17, 32):
+            (y,) = cpu_linear.linear(jnp.asarray(x[:t]), q, transposed=True, scales=(s,))
+            for i in range(t):
+                assert np.asarray(y)[i].tobytes() == alone[i][0].tobytes(), (dtype, t, i)
+        ref = _group_ref(x, np.asarray(q).T, np.asarray(s, np.float32).T)
+        np.testing.assert_allclose(np.concatenate(alone), ref, rtol=0, atol=TOL * np.abs(ref).max())
+
+
 def test_quantized_lm_head_takes_the_kernel_up_to_its_rows():
     """`layers.dense_transposed` on a quantized tied embedding: the kernel for up to
     `MAX_ROWS_HEAD` rows (XLA:CPU's product of a vocabulary-sized head is far slower), XLA's

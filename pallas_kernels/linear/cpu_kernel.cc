@@ -335,6 +335,8 @@ inline float GroupDotAny(const float* a, const int8_t* b, const S* s, int64_t gr
   }
 }
 
+#include "cpu_kernel_rows.h"  // GroupDotRowsAny, kHeadRows: several rows of x per weight row
+
 // y[t, n0:n1] = x[t, :] . W[n, :] for W row-major [N, K]: float (scale null), or int8 with
 // scales [N, G] (f32, or f16 for int4's tied embedding; G > 1: K / G a multiple of kGroupMultiple).
 template <typename T, typename S = float>
@@ -348,8 +350,14 @@ void NkRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const S* 
       _mm_prefetch(ahead + b, _MM_HINT_T1);
     if constexpr (std::is_same_v<T, int8_t>) {
       if (groups > 1) {
-        for (int64_t t = 0; t < t_len; ++t)
-          y[t * n_len + n] = GroupDotAny(x + t * k_len, r, scale + n * groups, groups, k_len / groups);
+        const int64_t g = k_len / groups;
+        const S* sn = scale + n * groups;
+        int64_t t = 0;
+        for (; t + kHeadRows <= t_len; t += kHeadRows)
+          GroupDotRowsAny<kHeadRows>(x + t * k_len, k_len, r, sn, groups, g, y + t * n_len + n, n_len);
+        for (; t + 2 <= t_len; t += 2)
+          GroupDotRowsAny<2>(x + t * k_len, k_len, r, sn, groups, g, y + t * n_len + n, n_len);
+        if (t < t_len) y[t * n_len + n] = GroupDotAny(x + t * k_len, r, sn, groups, g);
         continue;
       }
     }
