@@ -36,9 +36,8 @@
 // All arithmetic in f32, in vectors of kLanes lanes: 16 with AVX-512 F/BW/VL, 8 with AVX2 + FMA
 // (whichever the compiler flags of this CPU allow; the few per-ISA helpers below are all that
 // differs). Parts (one per core: `kPartsPerThread`) are claimed from an atomic counter by the
-// caller and by helpers; the caller returns
-// once every part is done (a helper that starts late finds nothing left and only touches the
-// shared state it co-owns).
+// caller and by helpers; the caller returns once every part is done (a helper that starts late
+// finds nothing left and only touches the shared state it co-owns).
 // Helpers: a decode step makes ~120 of these calls a few tens of microseconds apart, and a pool
 // thread that went to sleep between two of them takes longer to wake (measured on the 2-core VM)
 // than a 1.3 MB product takes to read: a helper that finished its parts therefore lingers,
