@@ -293,48 +293,58 @@ inline float Dot(const float* a, const T* b, int64_t k_len, Mask tail) {
   return Sum(Add(s0, s1));
 }
 
-// a[0:kLanes*V] . b[same] as kLanes lane sums, one multiply-add chain (V = 0: `vecs` vectors,
-// known at run time only). The groups of a row are independent chains, so they overlap.
-template <int V>
-inline Vec GroupSum(const float* a, const int8_t* b, int64_t vecs) {
-  const int64_t v_len = V ? V : vecs;
-  Vec sum = Mul(LoadFull(a), Load(b, kFull));
-  for (int64_t v = 1; v < v_len; ++v)
-    sum = Fmadd(LoadFull(a + kLanes * v), Load(b + kLanes * v, kFull), sum);
-  return sum;
-}
-
-// sum over groups grp of s[grp] * (a[grp*g : (grp+1)*g] . b[same]), g = kLanes * vecs: each
-// group's products summed in registers, then multiply-added with its broadcast scale into one of
-// two running totals (even / odd groups), in a fixed order.
-template <int V, typename S>
-inline float GroupDot(const float* a, const int8_t* b, const S* s, int64_t groups, int64_t vecs) {
-  const int64_t g = kLanes * (V ? V : vecs);
-  Vec even = Zero(), odd = Zero();
+// For each of R rows of x (row r at a + r * k_len, its result stored at y[r * y_stride]): the sum
+// over groups grp of s[grp] * (a_r[grp*g : (grp+1)*g] . b[same]), g = kLanes * vecs (V = 0: `vecs`
+// known at run time only). Each group's products are summed in registers (one multiply-add chain
+// a row), then multiply-added with its broadcast scale into one of two running totals (even / odd
+// groups), in a fixed order. A group's weights are loaded and widened once for all R rows (a
+// batched decode's LM head redid that per row); every row's arithmetic is the same for any R, so
+// a row's result does not depend on how many rows share the call.
+template <int V, int R, typename S>
+inline void GroupDotRows(const float* a, int64_t k_len, const int8_t* b, const S* s, int64_t groups,
+                         int64_t vecs, float* y, int64_t y_stride) {
+  const int64_t v_len = V ? V : vecs, g = kLanes * v_len;
+  Vec even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = Zero();
+  auto group = [&](int64_t grp, Vec* total) {
+    const int8_t* bg = b + grp * g;
+    const float* ag = a + grp * g;
+    Vec sum[R];
+    Vec w = Load(bg, kFull);
+    for (int r = 0; r < R; ++r) sum[r] = Mul(LoadFull(ag + r * k_len), w);
+    for (int64_t v = 1; v < v_len; ++v) {
+      w = Load(bg + kLanes * v, kFull);
+      for (int r = 0; r < R; ++r) sum[r] = Fmadd(LoadFull(ag + r * k_len + kLanes * v), w, sum[r]);
+    }
+    const Vec scale = Set1(ScaleValue(s[grp]));
+    for (int r = 0; r < R; ++r) total[r] = Fmadd(sum[r], scale, total[r]);
+  };
   int64_t grp = 0;
   for (; grp + 2 <= groups; grp += 2) {
-    even = Fmadd(GroupSum<V>(a + grp * g, b + grp * g, vecs), Set1(ScaleValue(s[grp])), even);
-    odd = Fmadd(GroupSum<V>(a + (grp + 1) * g, b + (grp + 1) * g, vecs), Set1(ScaleValue(s[grp + 1])), odd);
+    group(grp, even);
+    group(grp + 1, odd);
   }
-  if (grp < groups) even = Fmadd(GroupSum<V>(a + grp * g, b + grp * g, vecs), Set1(ScaleValue(s[grp])), even);
-  return Sum(Add(even, odd));
+  if (grp < groups) group(grp, even);
+  for (int r = 0; r < R; ++r) y[r * y_stride] = Sum(Add(even[r], odd[r]));
 }
 
-// GroupDot of groups of g = K / G weights (a multiple of kGroupMultiple), the group loop unrolled
-// for the common group sizes (16, 32, 64, 128).
-template <typename S>
-inline float GroupDotAny(const float* a, const int8_t* b, const S* s, int64_t groups, int64_t g) {
+// GroupDotRows of groups of g = K / G weights (a multiple of kGroupMultiple), the group loop
+// unrolled for the common group sizes (16, 32, 64, 128).
+template <int R, typename S>
+inline void GroupDotRowsAny(const float* a, int64_t k_len, const int8_t* b, const S* s, int64_t groups,
+                            int64_t g, float* y, int64_t y_stride) {
   const int64_t vecs = g / kLanes;
   switch (g) {
-    case 16: return GroupDot<16 / kLanes>(a, b, s, groups, vecs);
-    case 32: return GroupDot<32 / kLanes>(a, b, s, groups, vecs);
-    case 64: return GroupDot<64 / kLanes>(a, b, s, groups, vecs);
-    case 128: return GroupDot<128 / kLanes>(a, b, s, groups, vecs);
-    default: return GroupDot<0>(a, b, s, groups, vecs);
+    case 16: return GroupDotRows<16 / kLanes, R>(a, k_len, b, s, groups, vecs, y, y_stride);
+    case 32: return GroupDotRows<32 / kLanes, R>(a, k_len, b, s, groups, vecs, y, y_stride);
+    case 64: return GroupDotRows<64 / kLanes, R>(a, k_len, b, s, groups, vecs, y, y_stride);
+    case 128: return GroupDotRows<128 / kLanes, R>(a, k_len, b, s, groups, vecs, y, y_stride);
+    default: return GroupDotRows<0, R>(a, k_len, b, s, groups, vecs, y, y_stride);
   }
 }
 
-#include "cpu_kernel_rows.h"  // GroupDotRowsAny, kHeadRows: several rows of x per weight row
+// Rows of x a group-scaled int8 row of W multiplies at once (3 vectors a row + 2 in registers).
+constexpr int kHeadRows = kLanes == 16 ? 8 : 4;
 
 // y[t, n0:n1] = x[t, :] . W[n, :] for W row-major [N, K]: float (scale null), or int8 with
 // scales [N, G] (f32, or f16 for int4's tied embedding; G > 1: K / G a multiple of kGroupMultiple).
@@ -356,7 +366,8 @@ void NkRange(const float* x, int64_t t_len, int64_t k_len, const T* w, const S* 
           GroupDotRowsAny<kHeadRows>(x + t * k_len, k_len, r, sn, groups, g, y + t * n_len + n, n_len);
         for (; t + 2 <= t_len; t += 2)
           GroupDotRowsAny<2>(x + t * k_len, k_len, r, sn, groups, g, y + t * n_len + n, n_len);
-        if (t < t_len) y[t * n_len + n] = GroupDotAny(x + t * k_len, r, sn, groups, g);
+        if (t < t_len)
+          GroupDotRowsAny<1>(x + t * k_len, k_len, r, sn, groups, g, y + t * n_len + n, n_len);
         continue;
       }
     }

@@ -158,6 +158,7 @@ void KnU4Int(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t 
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define JAXINFER_INT4_VNNI 1
 // The same products with AVX-512 VNNI (vpdpbusd: four u8 x s8 products summed into each 32-bit
 // lane, no 16-bit sums to widen) on 64-byte vectors, for CPUs that have it (Intel since Ice Lake,
 // AMD Zen 4). Four rows of a 64-column strip at a time: their two 64-byte loads (rows r, r + 1
@@ -294,7 +295,7 @@ void KnU4IntVnni(const Problem& pb, const Weight& wt, float* y, int64_t k0, int6
 // The integer products of one part: the VNNI path where this build has it, unless the environment
 // sets JAXINFER_CPU_INT4_AVX2 (read once; for tests and benchmarks comparing the two paths).
 bool Int4Vnni() {
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#ifdef JAXINFER_INT4_VNNI
   static const bool vnni = std::getenv("JAXINFER_CPU_INT4_AVX2") == nullptr;
   return vnni;
 #else
@@ -304,7 +305,7 @@ bool Int4Vnni() {
 
 template <bool kTiled>
 void Int4Products(const Problem& pb, const Weight& wt, float* y, int64_t k0, int64_t k1) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#ifdef JAXINFER_INT4_VNNI
   if (Int4Vnni()) return KnU4IntVnni<kTiled>(pb, wt, y, k0, k1);
 #endif
   KnU4Int<kTiled>(pb, wt, y, k0, k1);
