@@ -491,13 +491,7 @@ class ModelRunner:
         start, loaded = time.perf_counter(), executable_cache.counts()["loaded"]
         cache = ExecutableCache.open()
         paused = compile_cache.persistent_cache_paused() if cache else contextlib.nullcontext()
-        # NOTE: the pool (listed last) finishes every compile before the tables store any of them
-        with (
-            paused,
-            self._steps.stores_deferred(),
-            self._samplers.stores_deferred(),
-            ThreadPoolExecutor(compile_threads(), thread_name_prefix="compile") as pool,
-        ):
+        with paused, ThreadPoolExecutor(compile_threads(), thread_name_prefix="compile") as pool:
             built: dict[Any, Any] = {}  # plan key -> (future of its program, Lowered | None)
             for key in self._warmup_keys():
                 t_bucket, p_bucket, all_logits, width, decode = key

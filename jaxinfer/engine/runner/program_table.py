@@ -5,8 +5,7 @@
 2. `build(key, args, kwargs, cache, pool)` (warmup) makes the program of one call signature:
    loaded from the executable cache on `pool` (`jaxinfer.executable_cache`: nothing traced;
    XLA loads without the GIL, so loads overlap), else lowered here and compiled on `pool` (then
-   stored in the cache; inside `stores_deferred()` once the block ends); it is kept under `key`,
-   the call's signature as the runner describes
+   stored in the cache); it is kept under `key`, the call's signature as the runner describes
    it (its static arguments on one device). NOTE: a program to store is lowered and compiled by
    the `fresh()` jit: the shared one may hand back, from JAX's in-memory caches, an executable
    read from JAX's persistent cache, which does not serialize whole on XLA:CPU
@@ -31,8 +30,7 @@ nothing donated), so a key that describes a call incompletely cannot run a wrong
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -56,7 +54,6 @@ class ProgramTable:
     ) -> None:
         self.jitted, self.name, self.context = jitted, name, context
         self._fresh, self._own = fresh, None
-        self._deferred: list[tuple[ExecutableCache, str, Any]] | None = None
         self.static_argnums = static_argnums  # positional arguments the jit treats as static
         # NOTE: the leading `fixed` arguments keep their shapes for the runner's life (params,
         # caches, state): left out of the call signatures `jit_cache_size` counts
@@ -136,21 +133,6 @@ class ProgramTable:
         lowered = self._lower(cache, args, kwargs)
         return pool.submit(self._compile, key, lowered, cache, disk_key), lowered
 
-    @contextlib.contextmanager
-    def stores_deferred(self) -> Iterator[None]:
-        """Programs compiled inside the block are written to the executable cache when it ends,
-        one after the other, not while the pool still compiles others: XLA:CPU's serialization of
-        one executable while another thread compiled crashed a test process once (SIGSEGV in
-        `serialize_executable`'s `client.serialize_executable`, the warmup pool's other thread in
-        `backend_compile_and_load`; BENCHMARKS.md "int4 on AVX-512 VNNI")."""
-        self._deferred = []
-        try:
-            yield
-        finally:
-            pending, self._deferred = self._deferred, None
-            for cache, disk_key, compiled in pending:
-                cache.store(disk_key, compiled)
-
     def _lower(self, cache: ExecutableCache | None, args: tuple, kwargs: dict) -> Any:
         """The call lowered by the jit whose compiled program may be stored (step 2's NOTE)."""
         jitted = self.jitted
@@ -175,9 +157,7 @@ class ProgramTable:
         # NOTE: warmup compiles with JAX's persistent cache paused (always fresh); a first use
         # may read it, and such an executable is not stored (module docstring, step 5)
         compiled, fresh = compile_cache.compiled_fresh(lowered.compile)
-        if cache is not None and fresh and self._deferred is not None:
-            self._deferred.append((cache, disk_key, compiled))
-        elif cache is not None and fresh:
+        if cache is not None and fresh:
             cache.store(disk_key, compiled)
         self.programs[key] = compiled
         return compiled
