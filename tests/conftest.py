@@ -32,21 +32,32 @@
    a driver. Deviceless compiles need the CPU platform set this way in any case, and the two
    workers may both load libtpu for them (`ALLOW_MULTIPLE_LIBTPU_LOAD`: no fight over its lock).
 7. Opt-in CPU report (`JAXINFER_TEST_CPU=PATH`): each pytest process appends to PATH one line per
-   test file, `file<TAB>CPU s<TAB>wall s<TAB>tests`, user + sys of the process and its reaped
-   children (served processes, multihost workers) from the file's first test's setup to its last
-   test's teardown, and a `(startup + collection)` line: where a whole run's CPU goes.
+   test file, `file<TAB>CPU s<TAB>wall s<TAB>tests<TAB>mappings`, user + sys of the process and
+   its reaped children (served processes, multihost workers) from the file's first test's setup
+   to its last test's teardown, and the process's memory mappings at its end (item 9), and a
+   `(startup + collection)` line: where a whole run's CPU goes.
 8. `serving.launch.build_core` turns on first-use executable caching for its process (the served
    engine core's setting, `executable_cache.cache_first_use`); the tests that call it in-process
    get it turned back off after them (`_first_use_restored`), so a later in-process engine in the
    same worker shares its programs through JAX's caches as users' processes do (with it left on,
    a program JAX's persistent cache answered was not stored, and the next engine traced it again:
    test_engine's second-engine test failed whenever such a test ran before it in its worker).
+9. A pytest worker's memory mappings are kept below half of `vm.max_map_count` (Linux's default
+   65,530 a process). Every program XLA:CPU compiles and loads maps about three regions of JIT
+   code and data per compiled function, and JAX's caches keep those programs alive, so a worker
+   that runs half of the suite accumulates them: on the 2-vCPU Sapphire Rapids VM a worker reached
+   the limit (65,530 mappings in its core dump) at ~87% of a whole run, and the next compile or
+   executable serialization died (SIGSEGV, or SIGABRT) in `test_warmup_leaves_nothing_to_compile`
+   (BENCHMARKS.md "Suite time"). After a test file whose end finds the worker above that
+   threshold, `jax.clear_caches()` and a garbage collection release the programs no live object
+   holds (two files: 3,090 mappings -> 721); later files reload from JAX's persistent cache.
 """
 
 import importlib.metadata
 import os
 import pathlib
 import resource
+import sys
 import time
 
 import pytest
@@ -108,33 +119,69 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-_CPU_REPORT: dict[str, list[float]] = {}  # file -> [CPU s, wall s, tests]
+_CPU_REPORT: dict[str, list[float]] = {}  # file -> [CPU s, wall s, tests, mappings at its end]
 
 
 def pytest_collection_finish(session):
     if os.environ.get("JAXINFER_TEST_CPU"):
-        _CPU_REPORT["(startup + collection)"] = [_cpu_seconds(), 0.0, 0]
+        _CPU_REPORT["(startup + collection)"] = [_cpu_seconds(), 0.0, 0, _memory_maps()]
+
+
+def _memory_maps() -> int:
+    """This process's memory mappings (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+def _maps_threshold() -> int:
+    """Half of the kernel's per-process mapping limit (item 9)."""
+    try:
+        return int(pathlib.Path("/proc/sys/vm/max_map_count").read_text()) // 2
+    except (OSError, ValueError):
+        return 65530 // 2
+
+
+_MAPS_THRESHOLD = _maps_threshold()
+
+
+def _release_programs_if_many_maps() -> int:
+    """Item 9: the worker's mappings after releasing unreferenced programs when above the
+    threshold."""
+    maps = _memory_maps()
+    if maps > _MAPS_THRESHOLD and "jax" in sys.modules:
+        import gc
+
+        sys.modules["jax"].clear_caches()
+        gc.collect()
+        maps = _memory_maps()
+    return maps
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    if not os.environ.get("JAXINFER_TEST_CPU"):
-        yield
-        return
-    cpu, wall = _cpu_seconds(), time.perf_counter()
+    report = bool(os.environ.get("JAXINFER_TEST_CPU"))
+    cpu, wall = (_cpu_seconds(), time.perf_counter()) if report else (0.0, 0.0)
     yield
-    row = _CPU_REPORT.setdefault(item.path.name, [0.0, 0.0, 0])
+    last_of_file = nextitem is None or nextitem.path != item.path
+    maps = _release_programs_if_many_maps() if last_of_file else 0
+    if not report:
+        return
+    row = _CPU_REPORT.setdefault(item.path.name, [0.0, 0.0, 0, 0])
     row[0] += _cpu_seconds() - cpu
     row[1] += time.perf_counter() - wall
     row[2] += 1
+    row[3] = maps or row[3]
 
 
 def pytest_sessionfinish(session):
     path = os.environ.get("JAXINFER_TEST_CPU")
     if path and _CPU_REPORT:
         with open(path, "a") as f:
-            for name, (cpu, wall, n) in _CPU_REPORT.items():
-                f.write(f"{name}\t{cpu:.1f}\t{wall:.1f}\t{n}\n")
+            for name, (cpu, wall, n, maps) in _CPU_REPORT.items():
+                f.write(f"{name}\t{cpu:.1f}\t{wall:.1f}\t{n}\t{maps}\n")
 
 
 @pytest.fixture(autouse=True)
