@@ -27,8 +27,10 @@ setup: $(STAMP)
 generate: $(STAMP)
 	JAX_PLATFORMS=$(JAX_PLATFORMS) $(PY) scripts/generate.py --chat --prompt "$(PROMPT)"
 
+# NOTE: --max-worker-restart=0: a worker that dies fails the run at once (its test named); with
+# restarts, pytest-xdist 3 under --dist loadfile hung after the replacement worker finished.
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
