@@ -6,11 +6,14 @@ what a step needs, and seeded sampling that does not depend on the batch.
    rows join / advance / leave, and page buckets change no token.
 2. The engine test model (SmolLM2's 49k vocabulary): 64 seeded requests give the same tokens alone,
    batched 64 at once, and joining a batch mid-way (prefill chunks beside decodes).
+3. Warmup leaves nothing to compile, int4 weights (4-bit codes) included, whose programs must
+   also keep JAX's C++ dispatch.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_utils import (
@@ -23,11 +26,14 @@ from engine_utils import (
     run,
     tiny_model,
 )
+from jax._src import stages  # NOTE: `Compiled.call`, the Python path a program may take
 
+from jaxinfer import quantization
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.runner import ModelRunner, default_page_buckets
+from jaxinfer.engine.runner.program_table import ProgramTable
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.models import llama
 from jaxinfer.params import init_random
@@ -307,6 +313,40 @@ def test_warmup_leaves_nothing_to_compile(small, committed) -> None:
             split = [(0, req("c", [5, 6, 7], max_tokens=3)), (1, req("d", [8, 9]))]
             drive(runner, split, split=True)
     assert not [c for c in compiles if "program" in c], compiles
+
+
+def test_int4_programs_warmup_built_run_their_steps_on_the_fast_path(small, monkeypatch) -> None:
+    """int4 codes are uint4 arrays, whose layouts XLA:CPU reports without the sub-byte size the
+    programs were compiled for. Warmup's programs must still run them: no compile on first use
+    (each new shape of a served int4 model compiled for seconds), and through JAX's C++ dispatch
+    (a program whose layout check failed once took the Python path on every later call: half the
+    int4 decode speed)."""
+    cfg, params = small
+    placed = jax.device_put(params, jax.devices()[0])
+    params = quantization.quantize_params(placed, llama.param_specs(cfg), "int4")
+    assert any(x.dtype == jnp.uint4 for x in jax.tree.leaves(params))  # the layers' codes
+    runner = small_runner((cfg, params))
+    runner.warmup()
+    real_call, real_table = stages.Compiled.call, ProgramTable.__call__
+    python_calls, table_calls = [], []
+
+    def slow_path(*args, **kwargs):  # what a program runs where the C++ dispatch declines
+        python_calls.append(1)
+        return real_call(*args, **kwargs)
+
+    def table(self, *args):
+        table_calls.append(self.name)
+        return real_table(self, *args)
+
+    monkeypatch.setattr(stages.Compiled, "call", staticmethod(slow_path))
+    monkeypatch.setattr(ProgramTable, "__call__", table)
+    with compile_events() as compiles:
+        drive(runner, [(0, req("a", [5, 6, 7], max_tokens=12)), (1, req("b", [8, 9] * 10))])
+    assert not [c for c in compiles if "program" in c], compiles
+    assert runner._steps.jit_cache_size() == 0
+    used = {id(p) for t in (runner._steps, runner._samplers) for p in t.programs.values()}
+    assert len(table_calls) >= 12
+    assert len(python_calls) <= len(used) and len(python_calls) < len(table_calls) // 3
 
 
 def test_gpu_attention_marks_pure_decode_steps_and_warms_their_programs(small) -> None:

@@ -25,7 +25,11 @@
    second process with `--no-warmup` traces nothing a first one compiled.
 
 NOTE: a `Compiled` checks every argument's type before it runs (a mismatch raises TypeError,
-nothing donated), so a key that describes a call incompletely cannot run a wrong program.
+nothing donated), so a key that describes a call incompletely cannot run a wrong program. It
+checks their layouts too, and would refuse int4 weights' codes (4-bit arrays report their
+layouts without the sub-byte size XLA compiled for): each program is told of that quirk when
+it is kept (`_keep`), before its first call, so int4 runners run warmup's programs like any
+other (they had fallen back to the jit: a compile on every new shape).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax.experimental.layout import Layout
 
 from jaxinfer import compile_cache
 from jaxinfer.executable_cache import ExecutableCache, program_key
@@ -85,8 +91,8 @@ class ProgramTable:
             except ValueError as e:  # NOTE: the layout check, also before anything ran
                 if "layouts" not in str(e):
                     raise
-                # int4 weights on a mesh: the AOT program wants sub-byte layouts the arrays do
-                # not report; the jit runs them (every call: this key is the jit's from now on)
+                # a layout the arrays lack (beyond the sub-byte quirk `_keep` lifts): the jit
+                # runs them (every call: this key is the jit's from now on)
                 del self.programs[key]
                 self._jit_only.add(key)
         self.jit_signatures.add(self.signature(key, args))
@@ -105,7 +111,7 @@ class ProgramTable:
         disk_key = self.disk_key(args, kwargs)
         if cache.holds(disk_key):
             return self._load(key, args, kwargs, cache, disk_key)
-        return self._compile(key, self._lower(cache, args, kwargs), cache, disk_key)
+        return self._compile(key, args, self._lower(cache, args, kwargs), cache, disk_key)
 
     def disk_key(self, args: tuple, kwargs: dict) -> str:
         """This call's key in the executable cache (`executable_cache.program_key`)."""
@@ -131,7 +137,7 @@ class ProgramTable:
         if cache is not None and cache.holds(disk_key):
             return pool.submit(self._load, key, args, kwargs, cache, disk_key), None
         lowered = self._lower(cache, args, kwargs)
-        return pool.submit(self._compile, key, lowered, cache, disk_key), lowered
+        return pool.submit(self._compile, key, args, lowered, cache, disk_key), lowered
 
     def _lower(self, cache: ExecutableCache | None, args: tuple, kwargs: dict) -> Any:
         """The call lowered by the jit whose compiled program may be stored (step 2's NOTE)."""
@@ -147,20 +153,69 @@ class ProgramTable:
     ) -> Any:
         program = cache.load(disk_key)
         if program is None:  # unusable (logged): compiled again, and stored whole
-            return self._compile(key, self._lower(cache, args, kwargs), cache, disk_key)
-        self.programs[key] = program
-        return program
+            return self._compile(key, args, self._lower(cache, args, kwargs), cache, disk_key)
+        return self._keep(key, program, args)
 
     def _compile(
-        self, key: Any, lowered: Any, cache: ExecutableCache | None, disk_key: str | None
+        self,
+        key: Any,
+        args: tuple,
+        lowered: Any,
+        cache: ExecutableCache | None,
+        disk_key: str | None,
     ) -> Any:
         # NOTE: warmup compiles with JAX's persistent cache paused (always fresh); a first use
         # may read it, and such an executable is not stored (module docstring, step 5)
         compiled, fresh = compile_cache.compiled_fresh(lowered.compile)
         if cache is not None and fresh:
             cache.store(disk_key, compiled)
-        self.programs[key] = compiled
-        return compiled
+        return self._keep(key, compiled, args)
+
+    def _keep(self, key: Any, program: Any, args: tuple) -> Any:
+        """Keeps `program` under `key`, its layout check told of the sub-byte quirk of the
+        arguments it was built for (`_accept_subbyte_layouts`) before its first call. NOTE: a
+        `Compiled` whose first call failed that check never takes JAX's C++ fast path afterwards
+        (every later call ran the Python checks over all ~470 arguments: half the int4 decode
+        speed), hence before, not on refusal."""
+        _accept_subbyte_layouts(program, self.dynamic(args))
+        self.programs[key] = program
+        return program
+
+
+def _accept_subbyte_layouts(program: Any, dynamic: tuple) -> bool:
+    """Lets `program` take the arrays whose layouts it refused when each refusal is the sub-byte
+    quirk: XLA compiles a 4-bit parameter as `sub_byte_element_size_in_bits=4` (packed two per
+    byte), while the 4-bit arrays it is given (the int4 weights' codes) report their layout with
+    0 there though their buffers are the packed ones the program reads (jax 0.10: on XLA:CPU,
+    also placed with the program's own `input_formats`). The jit runs such arrays unchecked; a
+    `Compiled` refuses them (`ValueError`, nothing run). Drops those parameters from the
+    program's layout check and returns True when every refused argument is of that kind (any
+    other mismatch: False, the program unchanged)."""
+    executable = getattr(program, "_executable", None)
+    layouts = getattr(executable, "_xla_in_layouts", None)  # const args first, dead args gone
+    kept = getattr(executable, "_kept_var_idx", None)  # indices: const args, then all args
+    params = getattr(program, "_params", None)
+    if layouts is None or kept is None or params is None:
+        return False  # NOTE: not this jax's executable: the caller falls back to the jit
+    consts = len(params.const_args)
+    position = {index: p for p, index in enumerate(sorted(kept))}
+    accepted = list(layouts)
+    for i, arg in enumerate(jax.tree.leaves(dynamic)):
+        p = position.get(consts + i)
+        if p is None or not isinstance(arg, jax.Array) or not arg.committed:
+            continue  # NOTE: the check skips dead and uncommitted arguments too
+        want, have = layouts[p], arg.format.layout
+        if want is None or have is None or want == have:
+            continue
+        bits = jnp.iinfo(arg.dtype).bits if jnp.issubdtype(arg.dtype, jnp.integer) else 8
+        quirk = bits < 8 and want.sub_byte_element_size_in_bits == bits
+        if not quirk or have != Layout(want.major_to_minor, want.tiling):
+            return False
+        accepted[p] = None
+    if accepted == list(layouts):
+        return False
+    executable._xla_in_layouts = type(layouts)(accepted)
+    return True
 
 
 __all__ = ["ProgramTable"]
