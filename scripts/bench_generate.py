@@ -113,13 +113,9 @@ def read_bandwidth(nbytes: int, runs: int = 9) -> float:
 
 
 def weight_bytes(llm) -> int:
-    import jax
+    from jaxinfer.params import num_bytes
 
-    # NOTE: 4-bit leaves report a byte per value (`nbytes`) but XLA stores two per byte.
-    return sum(
-        x.size // 2 if x.dtype.name in ("int4", "uint4") else x.nbytes
-        for x in jax.tree.leaves(llm.engine.runner.params)
-    )
+    return num_bytes(llm.engine.runner.params)  # NOTE: 4-bit leaves two values a byte
 
 
 def bench_hf(args, prompt_ids, path):

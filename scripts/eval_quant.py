@@ -25,10 +25,10 @@ import platform
 import time
 
 import _path  # noqa: F401
-import jax
 import numpy as np
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.params import num_bytes
 
 PROMPTS = [
     "The capital of France is",
@@ -107,10 +107,7 @@ def main() -> None:
     for fmt in formats:
         start = time.perf_counter()
         llm = LLM(args.model, quantization=None if fmt == "none" else fmt, **common)
-        weight_bytes = sum(  # NOTE: XLA stores 4-bit leaves two values per byte
-            x.size // 2 if x.dtype.name in ("int4", "uint4") else x.nbytes
-            for x in jax.tree.leaves(llm.engine.runner.params)
-        )
+        weight_bytes = num_bytes(llm.engine.runner.params)  # 4-bit leaves: 2 values a byte
         conts, lps, ppl = evaluate(llm, args.tokens, ref_conts)
         if ref_conts is None:
             ref_conts, ref_weight_bytes = conts, weight_bytes

@@ -326,6 +326,9 @@ def test_int4_programs_warmup_built_run_their_steps_on_the_fast_path(small, monk
     params = quantization.quantize_params(placed, llama.param_specs(cfg), "int4")
     assert any(x.dtype == jnp.uint4 for x in jax.tree.leaves(params))  # the layers' codes
     runner = small_runner((cfg, params))
+    leaves = jax.tree.leaves(runner.params)  # held packed: half a byte a code, not `nbytes`' one
+    packed = sum(x.size // 2 if x.dtype == jnp.uint4 else x.nbytes for x in leaves)
+    assert runner.bytes_per_device()["params"] == packed < sum(x.nbytes for x in leaves)
     runner.warmup()
     real_call, real_table = stages.Compiled.call, ProgramTable.__call__
     python_calls, table_calls = [], []

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import re
 from typing import Any
 
 import jax
+
+from jaxinfer import params as params_lib
 
 SPEC_DIR = os.path.dirname(os.path.abspath(__file__))
 H100_SPEC = os.path.join(SPEC_DIR, "h100_sxm.txtpb")
@@ -135,5 +136,5 @@ def bytes_per_device(tree: Any) -> int:
     total = 0
     for x in jax.tree.leaves(tree):
         shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        total += math.prod(shape) * x.dtype.itemsize
+        total += params_lib.array_bytes(shape, x.dtype)
     return total

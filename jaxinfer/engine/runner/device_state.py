@@ -162,7 +162,7 @@ class DeviceState:
 
         def held(tree: Any) -> int:
             return sum(
-                s.data.nbytes
+                params_lib.array_bytes(s.data.shape, s.data.dtype)
                 for x in jax.tree.leaves(tree)
                 for s in x.addressable_shards
                 if s.device == dev
