@@ -7,7 +7,7 @@
 3. A corrupt entry is logged once and compiled again (and the tokens are still the same).
 4. With `cache_first_use` (the served engine core), a runner without warmup stores what its calls
    compile and the next one loads it on first use (nothing traced); an executable JAX read from
-   its own persistent cache is not stored.
+   its own persistent cache is not stored. int4 weights too.
 """
 
 import logging
@@ -19,7 +19,7 @@ import pytest
 from jax._src.dispatch import BACKEND_COMPILE_EVENT, JAXPR_TRACE_EVENT
 from test_runner import SMALL, drive, req, small_runner
 
-from jaxinfer import compile_cache, executable_cache
+from jaxinfer import compile_cache, executable_cache, quantization
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import llama
 from jaxinfer.params import init_random
@@ -159,6 +159,31 @@ def test_first_use_stores_and_the_next_runner_loads(small, first, tmp_path, monk
         stop()
     assert events == []
     assert executable_cache.counts()["loaded"] - before["loaded"] == stored
+
+
+def test_int4_programs_stored_on_first_use_load_and_run(small, tmp_path, monkeypatch) -> None:
+    """int4 weights (uint4 codes, whose layouts the programs' check refused: see
+    `program_table._keep`): a second runner loads the programs the first one stored and runs
+    them, nothing traced or compiled, the same tokens."""
+    cfg, params = small
+    small_int4 = cfg, quantization.quantize_params(params, llama.param_specs(cfg), "int4")
+    monkeypatch.setattr(executable_cache, "_first_use", True)
+    monkeypatch.setattr(compile_cache, "active_dir", lambda: str(tmp_path))
+    before = executable_cache.counts()
+    with compile_cache.persistent_cache_paused():
+        cold = small_runner(small_int4)
+        tokens = run(cold)
+    stored = executable_cache.counts()["stored"] - before["stored"]
+    assert stored >= 2 and cold._steps.jit_cache_size() == 0
+    events, stop = program_events()
+    try:
+        warm = small_runner(small_int4)
+        assert run(warm) == tokens
+    finally:
+        stop()
+    assert events == []
+    assert executable_cache.counts()["loaded"] - before["loaded"] == stored
+    assert warm._steps.jit_cache_size() == 0
 
 
 def test_compiled_fresh_tells_a_persistent_cache_read() -> None:
