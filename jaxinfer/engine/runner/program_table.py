@@ -34,6 +34,7 @@ other (they had fallen back to the jit: a compile on every new shape).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -44,6 +45,8 @@ from jax.experimental.layout import Layout
 
 from jaxinfer import compile_cache
 from jaxinfer.executable_cache import ExecutableCache, program_key
+
+logger = logging.getLogger(__name__)
 
 
 class ProgramTable:
@@ -93,6 +96,12 @@ class ProgramTable:
                     raise
                 # a layout the arrays lack (beyond the sub-byte quirk `_keep` lifts): the jit
                 # runs them (every call: this key is the jit's from now on)
+                logger.warning(
+                    "a %s program refused its arguments' layouts; the jit compiles and runs "
+                    "that shape from now on: %s",
+                    self.name,
+                    " ".join(str(e).split("\n")[:3]),
+                )
                 del self.programs[key]
                 self._jit_only.add(key)
         self.jit_signatures.add(self.signature(key, args))
