@@ -140,50 +140,32 @@ def test_corrupt_entry_is_compiled_again(small, first, in_cache_dir, caplog) -> 
     assert run(again) == tokens
 
 
-def test_first_use_stores_and_the_next_runner_loads(small, first, tmp_path, monkeypatch) -> None:
-    _, tokens = first
+@pytest.mark.parametrize("fmt", [None, "int4"])
+def test_first_use_stores_and_the_next_runner_loads(small, first, tmp_path, monkeypatch, fmt):
+    """int4: the uint4 codes, whose layouts the programs' check refused (`program_table._keep`),
+    run on the loaded programs too (nothing traced, the jit unused)."""
+    cfg, params = small
+    model = cfg, quantization.quantize_params(params, llama.param_specs(cfg), fmt)
     monkeypatch.setattr(executable_cache, "_first_use", True)
     monkeypatch.setattr(compile_cache, "active_dir", lambda: str(tmp_path))
     before = executable_cache.counts()
     with compile_cache.persistent_cache_paused():  # NOTE: XLA compiles them: they are stored
-        cold = small_runner(small)
-        assert run(cold) == tokens
+        cold = small_runner(model)
+        tokens = run(cold)
+    assert fmt is not None or tokens == first[1]
     stored = executable_cache.counts()["stored"] - before["stored"]
     assert stored == len(list((tmp_path / executable_cache.SUBDIR).glob("*.jexe"))) >= 2
     assert cold.compiled_program_count() == stored  # one program per call signature
+    assert cold._steps.jit_cache_size() == 0  # NOTE: a refused program moved there, same count
     events, stop = program_events()
     try:
-        warm = small_runner(small)
+        warm = small_runner(model)
         assert run(warm) == tokens
     finally:
         stop()
     assert events == []
     assert executable_cache.counts()["loaded"] - before["loaded"] == stored
-
-
-def test_int4_programs_stored_on_first_use_load_and_run(small, tmp_path, monkeypatch) -> None:
-    """int4 weights (uint4 codes, whose layouts the programs' check refused: see
-    `program_table._keep`): a second runner loads the programs the first one stored and runs
-    them, nothing traced or compiled, the same tokens."""
-    cfg, params = small
-    small_int4 = cfg, quantization.quantize_params(params, llama.param_specs(cfg), "int4")
-    monkeypatch.setattr(executable_cache, "_first_use", True)
-    monkeypatch.setattr(compile_cache, "active_dir", lambda: str(tmp_path))
-    before = executable_cache.counts()
-    with compile_cache.persistent_cache_paused():
-        cold = small_runner(small_int4)
-        tokens = run(cold)
-    stored = executable_cache.counts()["stored"] - before["stored"]
-    assert stored >= 2 and cold._steps.jit_cache_size() == 0
-    events, stop = program_events()
-    try:
-        warm = small_runner(small_int4)
-        assert run(warm) == tokens
-    finally:
-        stop()
-    assert events == []
-    assert executable_cache.counts()["loaded"] - before["loaded"] == stored
-    assert warm._steps.jit_cache_size() == 0
+    assert warm.compiled_program_count() == stored and warm._steps.jit_cache_size() == 0
 
 
 def test_compiled_fresh_tells_a_persistent_cache_read() -> None:
