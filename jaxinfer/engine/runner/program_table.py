@@ -40,7 +40,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.layout import Layout
 
 from jaxinfer import compile_cache
@@ -216,7 +215,7 @@ def _accept_subbyte_layouts(program: Any, dynamic: tuple) -> bool:
         want, have = layouts[p], arg.format.layout
         if want is None or have is None or want == have:
             continue
-        bits = jnp.iinfo(arg.dtype).bits if jnp.issubdtype(arg.dtype, jnp.integer) else 8
+        bits = jax.dtypes.itemsize_bits(arg.dtype)
         quirk = bits < 8 and want.sub_byte_element_size_in_bits == bits
         if not quirk or have != Layout(want.major_to_minor, want.tiling):
             return False
