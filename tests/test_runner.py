@@ -347,9 +347,9 @@ def test_int4_programs_warmup_built_run_their_steps_on_the_fast_path(small, monk
         drive(runner, [(0, req("a", [5, 6, 7], max_tokens=12)), (1, req("b", [8, 9] * 10))])
     assert not [c for c in compiles if "program" in c], compiles
     assert runner._steps.jit_cache_size() == 0
-    used = {id(p) for t in (runner._steps, runner._samplers) for p in t.programs.values()}
-    assert len(table_calls) >= 12
-    assert len(python_calls) <= len(used) and len(python_calls) < len(table_calls) // 3
+    kept = {id(p) for t in (runner._steps, runner._samplers) for p in t.programs.values()}
+    assert len(table_calls) >= 12  # at most one Python-path call per program, its first
+    assert len(python_calls) <= len(kept) and len(python_calls) < len(table_calls) // 3
 
 
 def test_gpu_attention_marks_pure_decode_steps_and_warms_their_programs(small) -> None:
