@@ -253,9 +253,11 @@ def test_lora_refused_by_name_on_data_and_pipeline_meshes(model_dir):
             )
 
 
-def test_lora_over_int8_base_weights(setup):
-    """`quantization="int8"` base weights: the adapters add to the int8 projections' outputs, so a
-    mixed batch gives what LoRA over the dequantized (f32) base gives."""
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_lora_over_quantized_base_weights(setup, fmt):
+    """`quantization="int8"` / `"int4"` base weights: the adapters add to the quantized
+    projections' outputs, so a mixed batch gives what LoRA over the dequantized (f32) base
+    gives."""
     import jax
 
     from jaxinfer.models import llama
@@ -264,7 +266,7 @@ def test_lora_over_int8_base_weights(setup):
 
     base, cfg, params, paths = setup
     specs = llama.param_specs(cfg)
-    q8 = quantize_params(params, specs, "int8")
+    q8 = quantize_params(params, specs, fmt)
     deq = jax.tree.map(
         lambda s, w: dequantize(w, s.quant_axis) if is_quantized(w) else w,
         specs,
@@ -282,5 +284,5 @@ def test_lora_over_int8_base_weights(setup):
     )
     for sid in seqs:
         assert np.abs(_logprobs(got[sid]) - _logprobs(want[sid])).max() <= TOL, sid
-    # the adapter matters over int8 weights too
+    # the adapter matters over quantized weights too
     assert np.abs(_logprobs(got[0]) - _logprobs(hf_logits(base, seqs[0]))).max() > 50 * TOL
