@@ -8,7 +8,8 @@ channels.
    to the offset's f16 rounding) and GGUF Q4_1's scale + min blocks (offset = min) exactly). A name
    may add options: "int4-g32" (groups of 32 instead of 128), "int4-sym" (a symmetric grid, u - 8
    in [-7, 7]), "int8-g32"; `parse_format` splits them. `check_format(name, field)` rejects
-   anything else naming the field. Under "int4" the linear weights are 4-bit and the embedding
+   anything else naming the field; `check_requested` also lets a load be asked for vLLM's
+   names of a GPTQ / AWQ checkpoint's own format (`CHECKPOINT_METHODS`). Under "int4" the linear weights are 4-bit and the embedding
    (also the tied LM head, contracted over its last axis) is int8 with the same group size: GGUF
    files keep their embedding in 8 bits (Q8_0) and GPTQ / AWQ keep it in 16. `SCALE_DTYPE` is the
    storage of the scales (and offsets) of every leaf of a format: f32 for int8 / fp8, f16 for int4
@@ -104,6 +105,25 @@ def check_format(fmt: str | None, field: str = "quantization") -> str | None:
         raise ValueError(
             f"{field}={fmt!r} is not supported; choose one of {FORMATS} (or None); int8 and int4 "
             f"take a group size suffix -g<n> (n in {GROUP_CHOICES}), int4 also -sym"
+        ) from None
+
+
+# vLLM's `quantization` names for a GPTQ / AWQ checkpoint's own packed format (its "_marlin"
+# variants name GPU kernels for the same format) -> `quantization_config.quant_method`: asking
+# for one loads such a checkpoint as it is (`checkpoints.hf_quant`) and refuses any other.
+CHECKPOINT_METHODS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq"}
+
+
+def check_requested(fmt: str | None, field: str = "quantization") -> str | None:
+    """What a load may be asked for: `check_format`'s names, or one of `CHECKPOINT_METHODS`
+    (else a ValueError naming `field` and both)."""
+    if fmt in CHECKPOINT_METHODS:
+        return fmt
+    try:
+        return check_format(fmt, field)
+    except ValueError as e:
+        raise ValueError(
+            f"{e}; a GPTQ / AWQ checkpoint also loads as {tuple(CHECKPOINT_METHODS)} (vLLM's names)"
         ) from None
 
 

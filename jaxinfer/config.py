@@ -309,9 +309,9 @@ class EngineConfig:
         )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        from checkpoints.quantize import check_format  # NOTE: numpy only, no JAX
+        from checkpoints.quantize import check_requested  # NOTE: numpy only, no JAX
 
-        check_format(self.quantization)
+        check_requested(self.quantization)
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "

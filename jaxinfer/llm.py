@@ -99,9 +99,11 @@ class LLM:
         max_loras, max_lora_rank, max_cpu_loras), `attention_backend` and `linear_backend`; for
         images `limit_mm_per_prompt`, `allowed_local_media_path` (`file://` URLs only under it)
         and `allowed_media_domains` (http(s) hosts; default any), as vLLM.
-        `quantization="int8"` (or "fp8") stores the linear weights and the embedding quantized
-        with group-wise (int8: 128 input channels) or per-output-channel (fp8) scales, applied
-        at load (see `jaxinfer.loader.load_model`);
+        `quantization="int8"` (or "fp8", "int4") stores the linear weights and the embedding
+        quantized with group-wise (int8: 128 input channels) or per-output-channel (fp8) scales,
+        applied at load; a GPTQ / AWQ checkpoint loads in its own packed format, and
+        `quantization="gptq"` / `"awq"` (vLLM's names, also "*_marlin") asks for that and
+        refuses any other checkpoint (see `jaxinfer.loader.load_model`);
         `kv_cache_dtype="fp8"` stores the paged KV cache as float8_e4m3fn. `mesh="tensor=4"`
         (the same string as `serve.py --mesh`) loads the weights straight onto the mesh, sharded by
         the rules; see README "Serving on a mesh".

@@ -92,11 +92,13 @@ def load_model(
         enough.
       dtype: "float32" or "bfloat16"; None is `default_dtype()`.
       mesh: where the params go; None is a one-device mesh.
-      quantization: None, "int8" or "fp8": store the linear weights and the embedding quantized
-        (weight-only, one scale per output channel), quantized on the host as they are read
+      quantization: None, "int8", "fp8" or "int4" (`checkpoints.quantize`): store the linear
+        weights and the embedding quantized (weight-only), quantized on the host as they are read
         (GGUF blocks requantized without a float32 copy of the tensor). An orbax checkpoint
-        saved quantized loads in its own format when this is None. With `load_format="dummy"`
-        the random weights are created quantized.
+        saved quantized, and a GPTQ / AWQ one, loads in its own format when this is None;
+        vLLM's names "gptq" / "awq" (and their "_marlin" variants) ask for that format and
+        refuse any other checkpoint. With `load_format="dummy"` the random weights are created
+        quantized.
       load_format: "auto" reads the source's weights; "dummy" creates random weights of the same
         shapes, dtype and shardings on the devices (step 4 of the module docstring).
       skip_tokenizer_init: load no tokenizer (vLLM's name): token ids in and out, so a checkpoint
@@ -105,7 +107,7 @@ def load_model(
     Returns:
       The config, params (on `mesh`) and tokenizer.
     """
-    quant.check_quantization(quantization)  # a bad value fails before anything is read
+    qlib.check_requested(quantization)  # a bad value fails before anything is read
     check_load_format(load_format)
     path = resolve_model_path(model)
     dtype = _resolve_dtype(dtype)
@@ -164,19 +166,39 @@ def orbax_quantization(path: str) -> str | None:
 
 def _packed_quantization(path: str, scheme: PackedScheme, asked: str | None) -> str:
     """The format a GPTQ / AWQ checkpoint loads in (int4, or int8 for 8-bit GPTQ, of its group
-    size); `asked` must be None or that format."""
+    size); `asked` must be None, that format, or its method (`qlib.CHECKPOINT_METHODS`)."""
     if scheme.group_size not in qlib.GROUP_CHOICES:
         raise CheckpointError(
             f"{path!r}: {scheme.method} group_size={scheme.group_size} is not supported "
             f"(supported: {qlib.GROUP_CHOICES})"
         )
     fmt = qlib.format_name(scheme.fmt, scheme.group_size)
-    if asked not in (None, scheme.fmt, fmt):
+    if asked not in (None, scheme.fmt, fmt) and qlib.CHECKPOINT_METHODS.get(asked) != scheme.method:
         raise CheckpointError(
             f"{path!r} is a {scheme.method} checkpoint ({scheme.bits}-bit, groups of "
-            f"{scheme.group_size}): it loads as quantization={fmt!r}, not {asked!r}"
+            f"{scheme.group_size}): it loads as quantization={fmt!r} (or None, or "
+            f"{scheme.method!r}), not {asked!r}"
         )
     return fmt
+
+
+def _packed_or_asked(
+    path: str, config: dict, asked: str | None
+) -> tuple[PackedScheme | None, str | None]:
+    """(the GPTQ / AWQ scheme of a HF `config`, or None; the format to load): a name of
+    `qlib.CHECKPOINT_METHODS` asks for that scheme's own format and is refused, naming the field,
+    for any other checkpoint (vLLM refuses that mismatch too)."""
+    scheme = packed_scheme(config)
+    if scheme is not None:
+        return scheme, _packed_quantization(path, scheme, asked)
+    method = qlib.CHECKPOINT_METHODS.get(asked)
+    if method is not None:
+        raise CheckpointError(
+            f"quantization={asked!r} loads a {method.upper()} checkpoint, but {path!r} has no "
+            f"quantization_config with quant_method={method!r}: ask for None (its own "
+            f"weights) or a format to quantize to {qlib.FORMATS}"
+        )
+    return None, asked
 
 
 def load_dummy(
@@ -188,10 +210,13 @@ def load_dummy(
     skip_tokenizer_init: bool = False,
 ) -> LoadedModel:
     """Step 4 of the module docstring: the source's config and tokenizer, random weights (stored
-    quantized when `quantization` is given)."""
-    quant.check_quantization(quantization)
+    quantized when `quantization` is given; "gptq" / "awq": in the format of the config's
+    `quantization_config`)."""
+    qlib.check_requested(quantization)
     dtype = _resolve_dtype(dtype)
     hf_config, tokenizer = dummy_source(path, skip_tokenizer_init)
+    if quantization in qlib.CHECKPOINT_METHODS:
+        quantization = _packed_or_asked(path, hf_config, quantization)[1]
     cfg = ModelConfig.from_hf(hf_config)
     specs = family_of(cfg).param_specs(cfg, params_lib.DTYPES[dtype], quantization)
     if mesh is None:
@@ -230,12 +255,16 @@ def load_from_source(
     skip_tokenizer_init: bool = False,
 ) -> LoadedModel:
     """Step 3 of the module docstring, for a source `open_source(path)` has opened."""
-    quant.check_quantization(quantization)
+    qlib.check_requested(quantization)
     dtype = _resolve_dtype(dtype)
     jdtype = params_lib.DTYPES[dtype]
     hf_config = source_hf_config(path, kind, handle)
     cfg = ModelConfig.from_hf(hf_config)
     tokenizer = None if skip_tokenizer_init else load_tokenizer(kind, handle, path)
+    # GPTQ / AWQ: its packed linears kept as int4 (checkpoints.hf_quant)
+    scheme, quantization = _packed_or_asked(
+        path, handle.config if kind == "hf" else {}, quantization
+    )
     saved = orbax_quantization(path) if kind == "orbax" else None
     if saved and quantization and saved != quantization:
         raise CheckpointError(
@@ -243,9 +272,7 @@ def load_from_source(
             f"quantization={quantization!r} (convert the float source instead)"
         )
     quantization = quantization or saved
-    scheme = packed_scheme(handle.config) if kind == "hf" else None
-    if scheme is not None:  # GPTQ / AWQ: its packed linears kept as int4 (checkpoints.hf_quant)
-        quantization = _packed_quantization(path, scheme, quantization)
+    if scheme is not None:
         handle = PackedView(handle, scheme)
     if kind == "gguf" and quantization in ("int4", "int4-sym") and handle.native_int4_groups():
         # NOTE: a file of Q4_0 / Q4_1 / Q4_K blocks keeps them in groups of their 32 values.

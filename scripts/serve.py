@@ -101,12 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quantization",
-        choices=["int8", "fp8", "int4"],
+        choices=["int8", "fp8", "int4", "gptq", "awq", "gptq_marlin", "awq_marlin"],
         default=None,
         help="weight-only quantization of the linear weights and the embedding (int8: "
         "a scale per output channel and 128 input channels; fp8: per output "
         "channel; int4: 4-bit layers, scale + offset per 128 input channels, GGUF Q4_0/Q4_1 "
-        "kept exactly), applied at load",
+        "kept exactly), applied at load; gptq / awq (vLLM's names, also *_marlin): a GPTQ / "
+        "AWQ checkpoint in its own packed format (the default for one), any other refused",
     )
     p.add_argument(
         "--skip-tokenizer-init",
@@ -457,6 +458,8 @@ def summary(frontend, grpc_server, http, args, load_s: float, ready_s: float) ->
         if args.engine_in_process or args.num_processes > 1
         else "engine core in its own process"
     )
+    # the format the core loaded (a GPTQ / AWQ checkpoint's own without --quantization)
+    quantization = core.quantization if core is not None else args.quantization
     http_line = "off (--http-port)"
     if http is not None:
         http_line = f"http://{http.host}:{http.port}/v1 (OpenAI API, model id {http.model_name!r})"
@@ -471,7 +474,7 @@ def summary(frontend, grpc_server, http, args, load_s: float, ready_s: float) ->
         f"jaxinfer server ready in {ready_s:.1f}s (front end {load_s:.1f}s, engine load + warmup "
         f"{ready_s - load_s:.1f}s, {frontend.compiled_programs} programs, {cache}; {where})",
         f"  model     {info.name} ({info.architecture}, {cfg.num_params() / 1e6:.1f}M params, "
-        f"{info.dtype}{f', {args.quantization} weights' if args.quantization else ''}"
+        f"{info.dtype}{f', {quantization} weights' if quantization else ''}"
         f"{', FAKE RUNNER' if args.fake_runner else ''}"
         f"{', DUMMY WEIGHTS' if args.load_format == 'dummy' and not args.fake_runner else ''})",
         f"  devices   {core.devices if core is not None else '?'}; mesh {mesh}; "

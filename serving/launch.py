@@ -38,7 +38,8 @@ class EngineArgs:
     fake_step_delay: float = 0.0
     fake_poison_token: int | None = None  # testing: a prompt holding it makes the step raise
     load_format: str = "auto"  # "dummy": random weights from the config
-    quantization: str | None = None  # "int8" | "fp8": weight-only, applied at load
+    # "int8" | "fp8" | "int4" (applied at load) | "gptq" | "awq" (the checkpoint's own format)
+    quantization: str | None = None
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in and out
     # None: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/jaxinfer/xla; "": off (jaxinfer.compile_cache)
     compilation_cache_dir: str | None = None

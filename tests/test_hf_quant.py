@@ -11,6 +11,9 @@
    both sides) within 1e-4.
 3. Anything else in `quantization_config` is refused by name, and so is an act-order g_idx whose
    groups are not consecutive rows and an 8-bit zero point that leaves codes outside int8.
+4. vLLM's `quantization` names of these formats ("gptq", "awq", their "_marlin" variants) load
+   such a checkpoint as it is (random weights in its format with `load_format="dummy"`) and are
+   refused, naming the field, for a checkpoint of the other method or none.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from safetensors.numpy import save_file
 from checkpoints.errors import CheckpointError
 from jaxinfer import params as params_lib
 from jaxinfer import quantization
+from jaxinfer.config import EngineConfig
 from jaxinfer.loader import load_model
 from jaxinfer.models import llama
 from tests.model_utils import make_hf_model, rel_err
@@ -120,3 +124,43 @@ def test_asymmetric_8bit_zero_points_are_refused_by_name(tmp_path, tiny):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="down_proj.weight.*zero points leave codes outside"):
         load_model(str(tmp_path), skip_tokenizer_init=True)
+
+
+@pytest.mark.parametrize(
+    "method,asked",
+    [("gptq", "gptq"), ("gptq", "gptq_marlin"), ("awq", "awq"), ("awq", "awq_marlin")],
+)
+def test_vllm_method_names_load_their_checkpoint_as_it_is(tmp_path, tiny, method, asked):
+    config, sd = tiny
+    write_packed(tmp_path, config, sd, method)
+    EngineConfig(quantization=asked)  # the engine's own check takes vLLM's name too
+    asked_for = load_model(str(tmp_path), quantization=asked, skip_tokenizer_init=True)
+    assert asked_for.quantization == "int4-g32"
+    own = load_model(str(tmp_path), skip_tokenizer_init=True)
+    for got, want in zip(jax.tree.leaves(asked_for.params), jax.tree.leaves(own.params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    dummy = load_model(
+        str(tmp_path), quantization=asked, load_format="dummy", skip_tokenizer_init=True
+    )
+    assert quantization.quantization_of(dummy.params) == dummy.quantization == "int4-g32"
+
+
+def test_vllm_method_names_refuse_other_checkpoints_by_name(tmp_path, tiny):
+    config, sd = tiny
+    (tmp_path / "gptq").mkdir()
+    write_packed(tmp_path / "gptq", config, sd, "gptq")
+    with pytest.raises(CheckpointError, match="is a gptq checkpoint .* or 'gptq'\\), not 'awq'"):
+        load_model(str(tmp_path / "gptq"), quantization="awq", skip_tokenizer_init=True)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(config))
+    save_file(dict(sd), str(plain / "model.safetensors"))
+    for load_format, asked in (("auto", "gptq_marlin"), ("dummy", "awq")):
+        with pytest.raises(
+            CheckpointError, match=f"quantization='{asked}' loads a .* no quantization_config"
+        ):
+            load_model(
+                str(plain), quantization=asked, load_format=load_format, skip_tokenizer_init=True
+            )
+    with pytest.raises(ValueError, match="quantization='awq4' is not supported.*'awq_marlin'"):
+        EngineConfig(quantization="awq4")

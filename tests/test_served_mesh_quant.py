@@ -10,10 +10,11 @@ with several engine-shaping flags at once; every one must decode exactly the mod
    layer weights; the vocabulary-sized ones int8) on `--mesh expert=2,tensor=2`
    (4 devices) and `--skip-tokenizer-init`: tokens equal plain decoding, the spec metrics move,
    the text fields stay empty and a text prompt is refused naming the flag.
-3. `--quantization int4 --linear-backend cpu` on one device over the successor model packed as a
-   4-bit GPTQ checkpoint (`tests/packed_checkpoints.py`: the loader repacks its qweight / qzeros /
-   scales, groups of 32): the int4 codes in the CPU kernel's tiles, three concurrent streams
-   decode exactly the model's tokens.
+3. `--quantization gptq --linear-backend cpu` (vLLM's name for the checkpoint's own format) on one
+   device over the successor model packed as a 4-bit GPTQ checkpoint
+   (`tests/packed_checkpoints.py`: the loader repacks its qweight / qzeros / scales, groups of
+   32): the start-up line names the loaded format (int4-g32), the int4 codes in the CPU kernel's
+   tiles, three concurrent streams decode exactly the model's tokens.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def int4_cpu(model_dir, tmp_path_factory):
     srv = ServedProcess(
         [
             *("--model", str(gptq), *SIZES),
-            *("--quantization", "int4", "--linear-backend", "cpu", "--skip-tokenizer-init"),
+            *("--quantization", "gptq", "--linear-backend", "cpu", "--skip-tokenizer-init"),
         ]
     )
     yield srv
@@ -195,3 +196,4 @@ def test_int4_on_the_cpu_kernel_decodes_the_models_tokens(int4_cpu):
     for t in threads:
         t.join(300)
     assert got == {last: successors(last, 10, V) for last in (5000, 6000, 7000)}
+    assert "float32, int4-g32 weights" in "".join(int4_cpu.log)  # what loaded, not the flag
