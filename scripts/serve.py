@@ -64,6 +64,16 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
+def quantization_flag(text: str) -> str:
+    """--quantization: a format name (`int4-g32`, `int4-sym`, ...) or vLLM's GPTQ / AWQ names."""
+    from checkpoints.quantize import check_requested  # NOTE: numpy only, no JAX
+
+    try:
+        return check_requested(text, "--quantization")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxinfer.model_info import LOAD_FORMATS
     from jaxinfer.vision.media import DEFAULT_MAX_BYTES
@@ -101,12 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quantization",
-        choices=["int8", "fp8", "int4", "gptq", "awq", "gptq_marlin", "awq_marlin"],
+        type=quantization_flag,
         default=None,
         help="weight-only quantization of the linear weights and the embedding (int8: "
         "a scale per output channel and 128 input channels; fp8: per output "
         "channel; int4: 4-bit layers, scale + offset per 128 input channels, GGUF Q4_0/Q4_1 "
-        "kept exactly), applied at load; gptq / awq (vLLM's names, also *_marlin): a GPTQ / "
+        "kept exactly; int8-g<n> / int4-g<n> other group sizes, int4-sym a symmetric grid), "
+        "applied at load; gptq / awq (vLLM's names, also gptq_marlin / awq_marlin): a GPTQ / "
         "AWQ checkpoint in its own packed format (the default for one), any other refused",
     )
     p.add_argument(

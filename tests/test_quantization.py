@@ -916,7 +916,7 @@ def test_quantized_engine_greedy_tokens_match_float():
     assert got == want  # whole sequences
 
 
-def test_serve_flags_reach_the_core_and_dummy_weights_quantize(tmp_path):
+def test_serve_flags_reach_the_core_and_dummy_weights_quantize(tmp_path, capsys):
     """`serve.py --quantization int8 --kv-cache-dtype fp8` travels in `EngineArgs` (plain data,
     picklable for the engine-core process) and builds a core with int8 leaves and an fp8 cache;
     `load_format="dummy"` creates the int8 leaves directly (random grid values, positive scales)."""
@@ -970,6 +970,9 @@ def test_serve_flags_reach_the_core_and_dummy_weights_quantize(tmp_path):
     assert np.all(np.asarray(down.scale) > 0)
     with pytest.raises(SystemExit):
         serve.build_parser().parse_args(["--quantization", "int3"])
+    assert "--quantization='int3' is not supported" in capsys.readouterr().err
+    for name in ("int4-g32", "int4-sym", "int8-g64", "gptq_marlin", "awq"):  # as the Python API
+        assert serve.build_parser().parse_args(["--quantization", name]).quantization == name
 
 
 def test_scale_groups_that_do_not_split_over_the_mesh_are_named(monkeypatch):
