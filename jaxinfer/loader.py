@@ -20,8 +20,8 @@
    each device receives only its slices.
 4. `load_format="dummy"` (vLLM's name) reads only the source's config (a `config.json`, or a GGUF
    file's metadata) and tokenizer (`Tokenizer.placeholder` when the directory has none), and
-   fills the params tree with random weights of the declared shapes and dtype (int8 / fp8 leaves
-   with `quantization=`)
+   fills the params tree with random weights of the declared shapes and dtype (int8 / fp8 / int4
+   leaves with `quantization=`, or in a GPTQ / AWQ config's own format as step 3 loads it)
    (`params.init_on_device`: jitted programs, sharded on the mesh, nothing on the host); the init
    scale (std 0.02, unit norms) keeps logits finite. For benchmarking any architecture without
    its weights.
@@ -210,13 +210,12 @@ def load_dummy(
     skip_tokenizer_init: bool = False,
 ) -> LoadedModel:
     """Step 4 of the module docstring: the source's config and tokenizer, random weights (stored
-    quantized when `quantization` is given; "gptq" / "awq": in the format of the config's
-    `quantization_config`)."""
+    quantized when `quantization` is given, and in a GPTQ / AWQ config's own format, as step 3
+    loads its weights)."""
     qlib.check_requested(quantization)
     dtype = _resolve_dtype(dtype)
     hf_config, tokenizer = dummy_source(path, skip_tokenizer_init)
-    if quantization in qlib.CHECKPOINT_METHODS:
-        quantization = _packed_or_asked(path, hf_config, quantization)[1]
+    quantization = _packed_or_asked(path, hf_config, quantization)[1]
     cfg = ModelConfig.from_hf(hf_config)
     specs = family_of(cfg).param_specs(cfg, params_lib.DTYPES[dtype], quantization)
     if mesh is None:

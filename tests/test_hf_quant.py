@@ -12,7 +12,8 @@
 3. Anything else in `quantization_config` is refused by name, and so is an act-order g_idx whose
    groups are not consecutive rows and an 8-bit zero point that leaves codes outside int8.
 4. vLLM's `quantization` names of these formats ("gptq", "awq", their "_marlin" variants) load
-   such a checkpoint as it is (random weights in its format with `load_format="dummy"`) and are
+   such a checkpoint as it is (random weights in its format with `load_format="dummy"`, asked
+   for or not) and are
    refused, naming the field, for a checkpoint of the other method or none.
 """
 
@@ -139,10 +140,11 @@ def test_vllm_method_names_load_their_checkpoint_as_it_is(tmp_path, tiny, method
     own = load_model(str(tmp_path), skip_tokenizer_init=True)
     for got, want in zip(jax.tree.leaves(asked_for.params), jax.tree.leaves(own.params)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    dummy = load_model(
-        str(tmp_path), quantization=asked, load_format="dummy", skip_tokenizer_init=True
-    )
-    assert quantization.quantization_of(dummy.params) == dummy.quantization == "int4-g32"
+    for ask in (asked, None):  # random weights in the checkpoint's format, asked or not
+        dummy = load_model(
+            str(tmp_path), quantization=ask, load_format="dummy", skip_tokenizer_init=True
+        )
+        assert quantization.quantization_of(dummy.params) == dummy.quantization == "int4-g32"
 
 
 def test_vllm_method_names_refuse_other_checkpoints_by_name(tmp_path, tiny):
