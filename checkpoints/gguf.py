@@ -260,6 +260,20 @@ class GGUFCheckpoint:
             return None
         return min(SYMMETRIC_BLOCK[k] for k in kinds)
 
+    def has_blocks(self) -> bool:
+        """Whether any 2-D tensor is block-quantized (not stored as floats)."""
+        return bool(self._block_entries(vocab=True))
+
+    def native_int4_share(self) -> float:
+        """The share of the block-quantized values outside the embedding and LM head that are
+        Q4_0 / Q4_1 / Q4_K (0 without any): whether the file is a 4-bit one (a Q4_K_M file's
+        Q6_K tensors are a minority) or an 8-bit one with a few 4-bit tensors."""
+        sizes = {
+            n: (math.prod(e.shape), e.qtype) for n, e in self._block_entries(vocab=False).items()
+        }
+        total = sum(size for size, _ in sizes.values())
+        return sum(size for size, q in sizes.values() if q in _NATIVE4) / total if total else 0.0
+
     def int4_requantized(self) -> list[str]:
         """HF names of the linear tensors an int4 load requantizes (not a native 4-bit type)."""
         return [n for n, e in self._block_entries(vocab=False).items() if e.qtype not in _NATIVE4]

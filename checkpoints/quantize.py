@@ -9,7 +9,7 @@ channels.
    may add options: "int4-g32" (groups of 32 instead of 128), "int4-sym" (a symmetric grid, u - 8
    in [-7, 7]), "int8-g32"; `parse_format` splits them. `check_format(name, field)` rejects
    anything else naming the field; `check_requested` also lets a load be asked for vLLM's
-   names of a GPTQ / AWQ checkpoint's own format (`CHECKPOINT_METHODS`). Under "int4" the linear weights are 4-bit and the embedding
+   names of a GPTQ / AWQ checkpoint's or a GGUF file's own format (`CHECKPOINT_METHODS`). Under "int4" the linear weights are 4-bit and the embedding
    (also the tied LM head, contracted over its last axis) is int8 with the same group size: GGUF
    files keep their embedding in 8 bits (Q8_0) and GPTQ / AWQ keep it in 16. `SCALE_DTYPE` is the
    storage of the scales (and offsets) of every leaf of a format: f32 for int8 / fp8, f16 for int4
@@ -108,10 +108,17 @@ def check_format(fmt: str | None, field: str = "quantization") -> str | None:
         ) from None
 
 
-# vLLM's `quantization` names for a GPTQ / AWQ checkpoint's own packed format (its "_marlin"
-# variants name GPU kernels for the same format) -> `quantization_config.quant_method`: asking
-# for one loads such a checkpoint as it is (`checkpoints.hf_quant`) and refuses any other.
-CHECKPOINT_METHODS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq"}
+# vLLM's `quantization` names for a checkpoint's own format -> the kind of checkpoint: a GPTQ /
+# AWQ one's `quantization_config.quant_method` (the "_marlin" variants name GPU kernels for the
+# same format; `checkpoints.hf_quant`), or "gguf" (a GGUF file in its own bits). Asking for one
+# loads such a checkpoint as it is and refuses any other (`jaxinfer.loader`).
+CHECKPOINT_METHODS = {
+    "awq": "awq",
+    "awq_marlin": "awq",
+    "gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "gguf": "gguf",
+}
 
 
 def check_requested(fmt: str | None, field: str = "quantization") -> str | None:

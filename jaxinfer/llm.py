@@ -103,7 +103,8 @@ class LLM:
         quantized with group-wise (int8: 128 input channels) or per-output-channel (fp8) scales,
         applied at load; a GPTQ / AWQ checkpoint loads in its own packed format, and
         `quantization="gptq"` / `"awq"` (vLLM's names, also "*_marlin") asks for that and
-        refuses any other checkpoint (see `jaxinfer.loader.load_model`);
+        refuses any other checkpoint, `"gguf"` keeps a GGUF file in its own bits (see
+        `jaxinfer.loader.load_model`);
         `kv_cache_dtype="fp8"` stores the paged KV cache as float8_e4m3fn. `mesh="tensor=4"`
         (the same string as `serve.py --mesh`) loads the weights straight onto the mesh, sharded by
         the rules; see README "Serving on a mesh".

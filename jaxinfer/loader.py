@@ -97,7 +97,8 @@ def load_model(
         (GGUF blocks requantized without a float32 copy of the tensor). An orbax checkpoint
         saved quantized, and a GPTQ / AWQ one, loads in its own format when this is None;
         vLLM's names "gptq" / "awq" (and their "_marlin" variants) ask for that format and
-        refuse any other checkpoint. With `load_format="dummy"` the random weights are created
+        refuse any other checkpoint, and "gguf" loads a GGUF file in its own bits (int4 or
+        int8 in its blocks' groups, `_gguf_own_format`). With `load_format="dummy"` the random weights are created
         quantized.
       load_format: "auto" reads the source's weights; "dummy" creates random weights of the same
         shapes, dtype and shardings on the devices (step 4 of the module docstring).
@@ -192,13 +193,28 @@ def _packed_or_asked(
     if scheme is not None:
         return scheme, _packed_quantization(path, scheme, asked)
     method = qlib.CHECKPOINT_METHODS.get(asked)
-    if method is not None:
+    if method not in (None, "gguf"):  # "gguf": `_gguf_own_format`
         raise CheckpointError(
             f"quantization={asked!r} loads a {method.upper()} checkpoint, but {path!r} has no "
             f"quantization_config with quant_method={method!r}: ask for None (its own "
             f"weights) or a format to quantize to {qlib.FORMATS}"
         )
     return None, asked
+
+
+def _gguf_own_format(path: str, kind: str, handle: Any) -> str | None:
+    """quantization="gguf" (vLLM's name): a GGUF file in its own bits, "int4" when most of its
+    layers' values are Q4_0 / Q4_1 / Q4_K blocks (groups of 32, in `load_from_source`; a Q4_K_M
+    file's Q6_K tensors requantize), else "int8" when it holds block-quantized tensors (exactly
+    where they are all symmetric), else None (a float file)."""
+    if kind != "gguf":
+        raise CheckpointError(
+            f"quantization='gguf' loads a GGUF file in its own bits, but {path!r} is not one "
+            f"({kind} source)"
+        )
+    if handle.native_int4_groups() and handle.native_int4_share() >= 0.5:
+        return "int4"
+    return "int8" if handle.has_blocks() else None
 
 
 def load_dummy(
@@ -216,6 +232,9 @@ def load_dummy(
     dtype = _resolve_dtype(dtype)
     hf_config, tokenizer = dummy_source(path, skip_tokenizer_init)
     quantization = _packed_or_asked(path, hf_config, quantization)[1]
+    if quantization == "gguf":
+        kind, handle = open_source(path) if os.path.isfile(path) else ("hf", None)
+        quantization = _gguf_own_format(path, kind, handle)
     cfg = ModelConfig.from_hf(hf_config)
     specs = family_of(cfg).param_specs(cfg, params_lib.DTYPES[dtype], quantization)
     if mesh is None:
@@ -273,6 +292,8 @@ def load_from_source(
     quantization = quantization or saved
     if scheme is not None:
         handle = PackedView(handle, scheme)
+    if quantization == "gguf":
+        quantization = _gguf_own_format(path, kind, handle)
     if kind == "gguf" and quantization in ("int4", "int4-sym") and handle.native_int4_groups():
         # NOTE: a file of Q4_0 / Q4_1 / Q4_K blocks keeps them in groups of their 32 values.
         quantization = quantization.replace("int4", f"int4-g{handle.native_int4_groups()}")

@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         "channel; int4: 4-bit layers, scale + offset per 128 input channels, GGUF Q4_0/Q4_1 "
         "kept exactly; int8-g<n> / int4-g<n> other group sizes, int4-sym a symmetric grid), "
         "applied at load; gptq / awq (vLLM's names, also gptq_marlin / awq_marlin): a GPTQ / "
-        "AWQ checkpoint in its own packed format (the default for one), any other refused",
+        "AWQ checkpoint in its own packed format (the default for one), any other refused; "
+        "gguf: a GGUF file in its own bits (int4 for Q4 blocks, else int8)",
     )
     p.add_argument(
         "--skip-tokenizer-init",

@@ -9,6 +9,7 @@ the same float32 operations in the same order (f16 scales widened to f32, then `
 """
 
 import importlib.metadata
+import json
 import math
 from pathlib import Path
 
@@ -541,6 +542,29 @@ def test_yarn_rope_scaling_keys(tmp_path):
 def tiny_llama(tmp_path) -> Path:
     tensors = {_gguf_name(n): (w, T.F32) for n, w in _tiny_hf_weights().items()}
     return _write_gguf(tmp_path / "tiny.gguf", "llama", _tiny_kv("llama"), tensors)
+
+
+def test_gguf_name_keeps_a_float_file_float_and_refuses_other_sources(tiny_llama, tmp_path):
+    """quantization="gguf" (vLLM's name; its own bits: `test_quantization`'s GGUF loads) on a
+    float GGUF loads floats, real weights or dummy; on any other source it is refused by name."""
+    from safetensors.numpy import save_file
+
+    from jaxinfer.loader import load_model
+
+    for load_format in ("auto", "dummy"):
+        got = load_model(
+            str(tiny_llama), quantization="gguf", load_format=load_format, skip_tokenizer_init=True
+        )
+        assert got.quantization is None, load_format
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(read_gguf(tiny_llama).hf_config()))
+    save_file(_tiny_hf_weights(), str(hf / "model.safetensors"))
+    for load_format in ("auto", "dummy"):
+        with pytest.raises(CheckpointError, match="quantization='gguf' loads a GGUF file.*not one"):
+            load_model(
+                str(hf), quantization="gguf", load_format=load_format, skip_tokenizer_init=True
+            )
 
 
 def test_missing_file_and_directory(tmp_path):

