@@ -9,7 +9,8 @@ channels.
    may add options: "int4-g32" (groups of 32 instead of 128), "int4-sym" (a symmetric grid, u - 8
    in [-7, 7]), "int8-g32"; `parse_format` splits them. `check_format(name, field)` rejects
    anything else naming the field; `check_requested` also lets a load be asked for vLLM's
-   names of a GPTQ / AWQ checkpoint's or a GGUF file's own format (`CHECKPOINT_METHODS`). Under "int4" the linear weights are 4-bit and the embedding
+   names of a GPTQ / AWQ checkpoint's or a GGUF file's own format (`CHECKPOINT_METHODS`).
+   Under "int4" the linear weights are 4-bit and the embedding
    (also the tied LM head, contracted over its last axis) is int8 with the same group size: GGUF
    files keep their embedding in 8 bits (Q8_0) and GPTQ / AWQ keep it in 16. `SCALE_DTYPE` is the
    storage of the scales (and offsets) of every leaf of a format: f32 for int8 / fp8, f16 for int4
@@ -130,7 +131,8 @@ def check_requested(fmt: str | None, field: str = "quantization") -> str | None:
         return check_format(fmt, field)
     except ValueError as e:
         raise ValueError(
-            f"{e}; a GPTQ / AWQ checkpoint also loads as {tuple(CHECKPOINT_METHODS)} (vLLM's names)"
+            f"{e}; a GPTQ / AWQ checkpoint or a GGUF file loads in its own format as "
+            f"{tuple(CHECKPOINT_METHODS)} (vLLM's names)"
         ) from None
 
 

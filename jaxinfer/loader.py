@@ -21,7 +21,8 @@
 4. `load_format="dummy"` (vLLM's name) reads only the source's config (a `config.json`, or a GGUF
    file's metadata) and tokenizer (`Tokenizer.placeholder` when the directory has none), and
    fills the params tree with random weights of the declared shapes and dtype (int8 / fp8 / int4
-   leaves with `quantization=`, or in a GPTQ / AWQ config's own format as step 3 loads it)
+   leaves with `quantization=`, in the format and groups step 3 would load, a GPTQ / AWQ
+   config's own without it)
    (`params.init_on_device`: jitted programs, sharded on the mesh, nothing on the host); the init
    scale (std 0.02, unit norms) keeps logits finite. For benchmarking any architecture without
    its weights.
@@ -98,8 +99,8 @@ def load_model(
         saved quantized, and a GPTQ / AWQ one, loads in its own format when this is None;
         vLLM's names "gptq" / "awq" (and their "_marlin" variants) ask for that format and
         refuse any other checkpoint, and "gguf" loads a GGUF file in its own bits (int4 or
-        int8 in its blocks' groups, `_gguf_own_format`). With `load_format="dummy"` the random weights are created
-        quantized.
+        int8 in its blocks' groups, `_gguf_format`). With `load_format="dummy"` the random
+        weights are created quantized, in the groups the real load would take.
       load_format: "auto" reads the source's weights; "dummy" creates random weights of the same
         shapes, dtype and shardings on the devices (step 4 of the module docstring).
       skip_tokenizer_init: load no tokenizer (vLLM's name): token ids in and out, so a checkpoint
@@ -193,7 +194,7 @@ def _packed_or_asked(
     if scheme is not None:
         return scheme, _packed_quantization(path, scheme, asked)
     method = qlib.CHECKPOINT_METHODS.get(asked)
-    if method not in (None, "gguf"):  # "gguf": `_gguf_own_format`
+    if method not in (None, "gguf"):  # "gguf": `_gguf_format`
         raise CheckpointError(
             f"quantization={asked!r} loads a {method.upper()} checkpoint, but {path!r} has no "
             f"quantization_config with quant_method={method!r}: ask for None (its own "
@@ -202,19 +203,34 @@ def _packed_or_asked(
     return None, asked
 
 
-def _gguf_own_format(path: str, kind: str, handle: Any) -> str | None:
-    """quantization="gguf" (vLLM's name): a GGUF file in its own bits, "int4" when most of its
-    layers' values are Q4_0 / Q4_1 / Q4_K blocks (groups of 32, in `load_from_source`; a Q4_K_M
-    file's Q6_K tensors requantize), else "int8" when it holds block-quantized tensors (exactly
-    where they are all symmetric), else None (a float file)."""
-    if kind != "gguf":
+def _gguf_format(path: str, kind: str, handle: Any, asked: str | None) -> str | None:
+    """The format a GGUF file loads `asked` in. "gguf" (vLLM's name): its own bits, "int4" when
+    most of its layers' values are Q4_0 / Q4_1 / Q4_K blocks (a Q4_K_M file's Q6_K tensors
+    requantize), else "int8" when it holds block-quantized tensors, else None (a float file);
+    refused for any other source. Then "int4" / "int4-sym" of a file with Q4 blocks keeps them in
+    groups of their 32 values, and "int8" of a file of symmetric blocks only (Q8_0 / Q4_0 / Q5_0 /
+    Q6_K) takes their groups, exactly."""
+    if asked == "gguf" and kind != "gguf":
         raise CheckpointError(
             f"quantization='gguf' loads a GGUF file in its own bits, but {path!r} is not one "
             f"({kind} source)"
         )
-    if handle.native_int4_groups() and handle.native_int4_share() >= 0.5:
-        return "int4"
-    return "int8" if handle.has_blocks() else None
+    if kind != "gguf":
+        return asked
+    if asked == "gguf":
+        four = handle.native_int4_groups() and handle.native_int4_share() >= 0.5
+        asked = "int4" if four else "int8" if handle.has_blocks() else None
+    if asked in ("int4", "int4-sym") and handle.native_int4_groups():
+        asked = asked.replace("int4", f"int4-g{handle.native_int4_groups()}")
+        requantized = handle.int4_requantized()
+        if requantized:
+            log.info(
+                "%s: %d tensors of higher-bit GGUF types (e.g. %s) requantize to %s",
+                path, len(requantized), requantized[0], asked,
+            )  # fmt: skip
+    if asked == "int8" and handle.native_int8_groups():
+        asked = qlib.format_name("int8", handle.native_int8_groups())
+    return asked
 
 
 def load_dummy(
@@ -232,9 +248,9 @@ def load_dummy(
     dtype = _resolve_dtype(dtype)
     hf_config, tokenizer = dummy_source(path, skip_tokenizer_init)
     quantization = _packed_or_asked(path, hf_config, quantization)[1]
-    if quantization == "gguf":
+    if quantization is not None:  # a GGUF file's random weights in the groups its own would get
         kind, handle = open_source(path) if os.path.isfile(path) else ("hf", None)
-        quantization = _gguf_own_format(path, kind, handle)
+        quantization = _gguf_format(path, kind, handle, quantization)
     cfg = ModelConfig.from_hf(hf_config)
     specs = family_of(cfg).param_specs(cfg, params_lib.DTYPES[dtype], quantization)
     if mesh is None:
@@ -292,20 +308,7 @@ def load_from_source(
     quantization = quantization or saved
     if scheme is not None:
         handle = PackedView(handle, scheme)
-    if quantization == "gguf":
-        quantization = _gguf_own_format(path, kind, handle)
-    if kind == "gguf" and quantization in ("int4", "int4-sym") and handle.native_int4_groups():
-        # NOTE: a file of Q4_0 / Q4_1 / Q4_K blocks keeps them in groups of their 32 values.
-        quantization = quantization.replace("int4", f"int4-g{handle.native_int4_groups()}")
-        requantized = handle.int4_requantized()
-        if requantized:
-            log.info(
-                "%s: %d tensors of higher-bit GGUF types (e.g. %s) requantize to %s",
-                path, len(requantized), requantized[0], quantization,
-            )  # fmt: skip
-    if kind == "gguf" and quantization == "int8" and handle.native_int8_groups():
-        # NOTE: symmetric blocks only (Q8_0 / Q4_0 / Q5_0 / Q6_K): int8 in their groups, exactly.
-        quantization = qlib.format_name("int8", handle.native_int8_groups())
+    quantization = _gguf_format(path, kind, handle, quantization)
     family = family_of(cfg)
     float_specs = family.param_specs(cfg, jdtype)
     specs = family.param_specs(cfg, jdtype, quantization)

@@ -388,6 +388,9 @@ def test_gguf_q4_blocks_load_exactly_as_int4(tmp_path, monkeypatch):
     own = _load_params(path, "gguf")  # vLLM's name for the file's own bits: the same load
     for got, want in zip(jax.tree.leaves(own), jax.tree.leaves(quant), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for asked in ("int4", "gguf"):  # random weights in the groups the real load takes
+        dummy = load_model(str(path), quantization=asked, load_format="dummy")
+        assert quantization.quantization_of(dummy.params) == dummy.quantization == "int4-g32"
     assert quant.layers[0].attn.qkv.data.dtype == jnp.uint4 and quant.embed.data.dtype == jnp.int8
     # f16 scales and offsets (GGUF's own d and m), also the int8 embedding's under int4
     assert quant.layers[0].attn.qkv.offset.dtype == quant.embed.scale.dtype == jnp.float16
