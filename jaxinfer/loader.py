@@ -196,9 +196,9 @@ def _packed_or_asked(
     method = qlib.CHECKPOINT_METHODS.get(asked)
     if method not in (None, "gguf"):  # "gguf": `_gguf_format`
         raise CheckpointError(
-            f"quantization={asked!r} loads a {method.upper()} checkpoint, but {path!r} has no "
-            f"quantization_config with quant_method={method!r}: ask for None (its own "
-            f"weights) or a format to quantize to {qlib.FORMATS}"
+            f"quantization={asked!r} loads a checkpoint quantized by {method.upper()}, but "
+            f"{path!r} has no quantization_config with quant_method={method!r}: ask for None "
+            f"(its own weights) or a format to quantize to {qlib.FORMATS}"
         )
     return None, asked
 
