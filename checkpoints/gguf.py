@@ -268,11 +268,10 @@ class GGUFCheckpoint:
         """The share of the block-quantized values outside the embedding and LM head that are
         Q4_0 / Q4_1 / Q4_K (0 without any): whether the file is a 4-bit one (a Q4_K_M file's
         Q6_K tensors are a minority) or an 8-bit one with a few 4-bit tensors."""
-        sizes = {
-            n: (math.prod(e.shape), e.qtype) for n, e in self._block_entries(vocab=False).items()
-        }
-        total = sum(size for size, _ in sizes.values())
-        return sum(size for size, q in sizes.values() if q in _NATIVE4) / total if total else 0.0
+        entries = self._block_entries(vocab=False).values()
+        total = sum(math.prod(e.shape) for e in entries)
+        four = sum(math.prod(e.shape) for e in entries if e.qtype in _NATIVE4)
+        return four / total if total else 0.0
 
     def int4_requantized(self) -> list[str]:
         """HF names of the linear tensors an int4 load requantizes (not a native 4-bit type)."""

@@ -218,7 +218,7 @@ def _gguf_format(path: str, kind: str, handle: Any, asked: str | None) -> str | 
     if kind != "gguf":
         return asked
     if asked == "gguf":
-        four = handle.native_int4_groups() and handle.native_int4_share() >= 0.5
+        four = handle.native_int4_share() >= 0.5  # NOTE: so native_int4_groups() is 32
         asked = "int4" if four else "int8" if handle.has_blocks() else None
     if asked in ("int4", "int4-sym") and handle.native_int4_groups():
         asked = asked.replace("int4", f"int4-g{handle.native_int4_groups()}")
