@@ -71,6 +71,8 @@ B = gpu_linear.Blocks
     [
         (1, B(64, 2, 64, 2, "fma")),  # K split in 2 runs of 2-tile steps
         (1, B(32, 4, 128, 1, "fma")),
+        (1, B(64, 2, 32, 4, "fma")),  # a group's 4 tiles summed, then scaled
+        (1, B(32, 1, 16, 16, "fma")),  # two groups' windows a loop step
         (3, B(32, 2, 64, 2, "dot")),
         (1, B(64, 1, 32, 4, "dot")),
         (5, B(32, 4, 128, 1, "dot", 8, 2)),
@@ -86,9 +88,13 @@ def test_every_form_equals_xla_dense(fmt, t, blocks):
         data, scale = qlib.quantize(w, "int8", 0, groups)
         q = QArray(jnp.asarray(data), jnp.asarray(scale))
     x = jnp.asarray(np.random.default_rng(t).standard_normal((t, e)), jnp.float32)
-    y = gpu_linear.quantized_matmul(x, q.data, q.scale, q.offset, interpret=True, config=blocks)
     want = np.asarray(layers._xla_dense(x, q))
-    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    metas = [(q.scale, q.offset)]
+    if fmt == "int4":  # f32 scales and offsets too: loaded a column at a time, not as f16 pairs
+        metas.append((q.scale.astype(jnp.float32), q.offset.astype(jnp.float32)))
+    for scale, offset in metas:
+        y = gpu_linear.quantized_matmul(x, q.data, scale, offset, interpret=True, config=blocks)
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_blocks_come_from_the_table_by_nearest_row_class(monkeypatch):
@@ -119,6 +125,9 @@ def test_check_blocks_names_what_does_not_fit():
     assert "group size 32" in check(B(128, 8, 64, 2, "dot"), 2, 4096, 6144, 128, jnp.int8)
     assert "split" in check(B(128, 64, 128, 1, "dot"), 2, 4096, 6144, 32, jnp.int8)
     assert ">= 32" in check(B(16, 1, 128), 2, 4096, 6144, 32, jnp.uint4)
+    # "fma" scales a group's tiles at once: a loop step of 3 tiles of 2-tile groups cannot
+    assert "align" in check(B(128, 1, 64, 3, "fma"), 1, 768, 6144, 6, jnp.uint4)
+    assert check(B(128, 1, 64, 3, "dot"), 1, 768, 6144, 6, jnp.uint4) is None
     with pytest.raises(ValueError, match="one row"):
         gpu_linear.quantized_matmul(
             jnp.zeros((2, 256)), jnp.zeros((256, 64), jnp.int8), jnp.ones((2, 64)),
@@ -193,3 +202,105 @@ def test_codes_become_floats_without_conversion_instructions(fmt, tmp_path):
         assert "mma.sync" in kernel[0] or b.form == "fma"
         convs = re.findall(r"cvt\.rn\.(?:f32|f16|bf16)\.[us](?:8|16|32)\b", kernel[0])
         assert convs == [], (b, sorted(set(convs)), len(convs))
+
+
+def _run_ptx(asm: str, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Runs one of the kernel's inline PTX blocks on uint32 arrays (the bits of each operand):
+    the instructions `_ASM` uses, as the PTX ISA defines them (`fma.rn.f32` one rounding: the
+    f32 product is exact in f64)."""
+    regs = {f"${i}": v.astype(np.uint32) for i, v in operands.items()}
+    f32 = lambda v: v.view(np.float32)  # noqa: E731
+    bits = lambda v: np.asarray(v, np.float32).view(np.uint32)  # noqa: E731
+
+    def val(tok):
+        if tok in regs:
+            return regs[tok]
+        if tok.startswith("0f"):
+            return np.uint32(int(tok[2:], 16))
+        return np.uint32(int(tok, 0))
+
+    body = asm.strip().removeprefix("{").removesuffix("}")
+    for stmt in filter(None, (st.strip() for st in body.split(";"))):
+        op, _, rest = stmt.partition(" ")
+        args = [a.strip() for a in rest.split(",")]
+        if op == ".reg":
+            continue
+        d, src = args[0], [val(a) for a in args[1:]]
+        if op == "mov.b32":
+            out = np.broadcast_to(src[0], next(iter(regs.values())).shape).copy()
+        elif op == "and.b32":
+            out = src[0] & src[1]
+        elif op == "xor.b32":
+            out = src[0] ^ src[1]
+        elif op == "shr.u32":
+            out = src[0] >> src[1]
+        elif op == "prmt.b32":  # result byte i: byte (sel >> 4i) & 7 of {b, a}
+            a, b, sel = src[0], src[1], int(src[2])
+            pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [
+                (b >> (8 * i)) & 0xFF for i in range(4)
+            ]
+            out = sum(pool[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+        elif op == "sub.f32":
+            out = bits(f32(src[0]) - f32(np.asarray(src[1], np.uint32)))
+        elif op == "fma.rn.f32":
+            wide = f32(src[0]).astype(np.float64) * f32(src[1]) + f32(src[2])
+            out = bits(wide.astype(np.float32))
+        else:
+            raise AssertionError(f"instruction {op} is not emulated")
+        regs[d] = np.asarray(out, np.uint32)
+    return {int(k[1:]): v for k, v in regs.items() if k.startswith("$")}
+
+
+@pytest.mark.parametrize("kind", ["lo", "hi", "int8"])
+def test_inline_ptx_adds_x_times_each_code(kind):
+    """The PTX the "fma" form runs on a GPU (interpreted, the CPU runs its jnp twin): for 4
+    packed code bytes (Triton puts element j in byte j), $j = $(9+j) + $(5+j) * code j, exactly
+    (one rounding), for every byte value."""
+    rng = np.random.default_rng(3)
+    n = 4096
+    codes = rng.integers(0, 256, (n, 4), dtype=np.uint32)
+    packed = codes[:, 0] | codes[:, 1] << 8 | codes[:, 2] << 16 | codes[:, 3] << 24
+    x = rng.standard_normal((4, n)).astype(np.float32)
+    acc = (rng.standard_normal((4, n)) * 10).astype(np.float32)
+    ops = {4: packed} | {5 + j: x[j].view(np.uint32) for j in range(4)}
+    ops |= {9 + j: acc[j].view(np.uint32) for j in range(4)}
+    out = _run_ptx(gpu_linear._ASM[kind], ops)
+    value = {"lo": codes & 15, "hi": codes >> 4, "int8": codes.astype(np.uint8).view(np.int8)}
+    for j in range(4):
+        c = value[kind][:, j].astype(np.float64)
+        want = (acc[j].astype(np.float64) + x[j].astype(np.float64) * c).astype(np.float32)
+        np.testing.assert_array_equal(out[j].view(np.float32), want)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_fma_form_spends_few_instructions_a_code(fmt, tmp_path):
+    """The one-row form's PTX (deviceless H100 compile): one `prmt` and one subtraction a code
+    (its inline blocks), every product an FMA (no `mul.rn.f32`), and int4's f16 scales and
+    offsets converted once per column and group a thread holds, not per code. The old body spent
+    9.3 (int4) / 7.6 (int8) SASS instructions a code, this one 4-5.3 (BENCHMARKS.md "The one-row
+    dequantizing matmul in fewer instructions")."""
+    import re
+
+    from jaxinfer import aot
+
+    reason = aot.available("gpu")
+    if reason is not None:
+        pytest.skip(f"no deviceless gpu compiler: {reason}")
+    s = jax.ShapeDtypeStruct
+    codes = jnp.int8 if fmt == "int8" else jnp.uint4
+    meta = s((32, 6144), jnp.dtype(qlib.SCALE_DTYPE[fmt]))
+    b = B(128, 8, 64, 2, "fma", 4, 3)
+    args = (s((1, 4096), jnp.bfloat16), s((4096, 6144), codes), meta) + ((meta,) * (fmt == "int4"))
+    aot.compile_function(
+        gpu_linear.quantized_matmul, args, "h100", static_kwargs={"config": b},
+        compiler_options={"xla_dump_to": str(tmp_path)},
+    )  # fmt: skip
+    [ptx] = [p.read_text() for p in tmp_path.glob("*.ptx") if f"{fmt}_matmul" in p.read_text()]
+    count = lambda op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))  # noqa: E731
+    # a loop step's codes per thread: 2 tiles of 64 rows x 64 bytes over 128 threads
+    per_thread = b.unroll * b.block_k * (b.block_n // (2 if fmt == "int4" else 1)) // 128
+    per_thread *= 2 if fmt == "int4" else 1
+    assert count("prmt.b32") == per_thread and count("sub.f32") == per_thread
+    assert count("mul.rn.f32") == 0 and count("fma.rn.f32") >= per_thread
+    if fmt == "int4":
+        assert 0 < count("cvt.f32.f16") <= per_thread // 2, count("cvt.f32.f16")

@@ -19,10 +19,13 @@ weight is read from HBM in its stored bits and never written back converted.
      Triton widens int8 to bf16 with byte permutes), a tensor-core product with x's tile (f32
      accumulate), scaled by the tile's group scales, plus x's tile row sums times the group
      offsets (int4: `sum_k x_k (u_k s + o) = s (x . u) + o sum_k x_k`);
-   - "fma" (one row, the decode GEMV): the tile dequantized in f32 (`u s + o`, the codes made
-     floats by `_exact_f32`) and multiplied by x's column into a [block_k, W] f32 accumulator,
-     summed over K once at the end: no layout change through shared memory, no tensor-core
-     padding.
+   - "fma" (one row, the decode GEMV): x's column times the codes as exact floats added into a
+     [block_k, W] f32 sum (`_code_fma`: on a GPU one inline PTX block per 4 codes, a `prmt`, a
+     subtraction and an `fma` a code), a group's tiles at a time (`fma_window`); then that
+     group's scales (and int4's offsets times the window's x sums) applied once per element
+     into a second [block_k, W] accumulator, summed over K at the end: no layout change through
+     shared memory, no tensor-core padding, no per-code scale arithmetic. int4's f16 scales and
+     offsets are read as u32 pairs (an even and an odd column: one vectorizable load).
    Neither form converts an integer to a float with a conversion instruction: those issue at a
    fraction of the FMA rate and bounded the kernel on an H200 (BENCHMARKS.md "The dequantizing
    matmul tuned"; `tests/test_linear_gpu.py` reads the compiled PTX).
@@ -75,7 +78,9 @@ class Blocks(NamedTuple):
 # NOTE: measured 2026-11-26 on an H200 (jax 0.11.2) at Llama-3-8B's projections, groups of 128
 # (BENCHMARKS.md "The dequantizing matmul tuned"); the comment gives the product's time in the
 # sweep (one jitted call over several weight copies, launch gaps included). The LM head's rows are
-# int8 only: an int4 model keeps its vocabulary-sized weights int8.
+# int8 only: an int4 model keeps its vocabulary-sized weights int8. The "fma" rows were timed with
+# that form's earlier body (9.3 / 7.6 SASS instructions a code, now 5.3 / 4.3 at these blocks):
+# re-sweep on a GPU (`scripts/gpu_session.sh`).
 TUNED: dict[tuple[str, int, int, int], Blocks] = {
     ("uint4", 4096, 28672, 1): Blocks(128, 1, 64, 2, "fma", 4, 3),  # gate_up 107 us
     ("uint4", 4096, 28672, 32): Blocks(128, 1, 128, 1, "dot", 4, 4),  # gate_up 144 us
@@ -122,15 +127,19 @@ def max_block_k(k: int, groups: int) -> int:
 def default_blocks(t: int, k: int, n: int, groups: int, int4: bool) -> Blocks:
     """The rule for shapes `TUNED` lacks, read off the H200 sweep (BENCHMARKS.md "The dequantizing
     matmul tuned"): 128 output columns a program (fewer for narrow weights), K split in halves
-    until >= MIN_PROGRAMS programs (each run >= 4 tiles); one row "fma" over 64-channel tiles two
-    a step, more rows "dot" over 128-channel tiles."""
+    until >= MIN_PROGRAMS programs (each run >= 4 tiles); more rows "dot" over 128-channel tiles;
+    one row "fma" over tiles of 4096 / block_n channels (its code sums and scaled sums are two
+    [block_k, W] accumulators), up to 4 a step within a group: at 128 columns 32-channel tiles
+    four a step compile to 4.8 SASS instructions a code against 5.3 for 64-channel tiles two a
+    step (BENCHMARKS.md "The one-row dequantizing matmul in fewer instructions"; not timed)."""
     bk = max_block_k(k, groups)
     lo = 32 if int4 else 16
     bn = max(lo, min(128, _pow2_at_least(-(-n // 8), lo)))
     form, unroll = ("fma", 1) if t == 1 else ("dot", 1)
     if form == "fma":
-        bk = min(bk, 64)
-        unroll = 2 if (k // bk) % 2 == 0 else 1
+        bk = max(16, min(bk, 4096 // bn))
+        per = (k // groups) // bk
+        unroll = next(u for u in (4, 2, 1) if (k // bk) % u == 0 and max(per, u) % min(per, u) == 0)
     tiles, split = k // bk, 1
     while (
         -(-n // bn) * split < MIN_PROGRAMS
@@ -170,7 +179,16 @@ def check_blocks(b: Blocks, t: int, k: int, n: int, groups: int, dtype) -> str |
     tiles = k // b.block_k
     if b.split < 1 or tiles % (b.split * b.unroll):
         return f"{tiles} K tiles do not split into {b.split} runs of {b.unroll}-tile steps"
+    per = (k // groups) // b.block_k
+    if b.form == "fma" and max(per, b.unroll) % min(per, b.unroll):
+        return f"form 'fma': {b.unroll} tiles a step do not align with {per}-tile groups"
     return None
+
+
+def fma_window(b: Blocks, k: int, groups: int) -> int:
+    """Tiles the "fma" form sums before it applies their group's scales: a group's tiles, at
+    most a loop step's (`check_blocks` makes the one divide the other)."""
+    return min(b.unroll, (k // groups) // b.block_k)
 
 
 def supported(t: int, k: int, n: int, groups: int, dtype: jnp.dtype) -> str | None:
@@ -192,27 +210,87 @@ def supported(t: int, k: int, n: int, groups: int, dtype: jnp.dtype) -> str | No
 
 _MAGIC = 0x4B000000  # the f32 bits of 2**23, whose 23 mantissa bits then count integers
 
+# One PTX block per 4 codes of one accumulator (Triton packs 4 bytes of a thread's elements
+# into one register, element j in byte j; JAX lowers one result an asm, so int4's low and high
+# nibbles take one block each): each code's byte (the nibble; int8: plus 128) is placed by one
+# `prmt` under 2**23's exponent byte, 2**23 (+ 128) is subtracted (exact), and one `fma` adds x
+# times the code to its running sum: 3.25-3.5 instructions a code.
+_CODES = {  # how a block gets its 4 codes into c, one a byte
+    "lo": "and.b32 c, $4, 0x0F0F0F0F;",
+    "hi": "shr.u32 c, $4, 4; and.b32 c, c, 0x0F0F0F0F;",
+    "int8": "xor.b32 c, $4, 0x80808080;",
+}
 
-def _exact_f32(codes, int4: bool):
-    """int8 codes or int4 nibbles (int32) as exact f32 values without a conversion instruction
-    (conversions issue at a fraction of the FMA rate): the code, made non-negative (int8: plus
-    128), ORed into the mantissa of 2**23, then 2**23 (and the 128) subtracted."""
+
+def _asm_block(codes: str, magic: int) -> str:
+    """Operands: $0-$3 the new sums, $4 the 4 packed codes, $5-$8 x, $9-$12 the sums."""
+    each = " ".join(
+        f"prmt.b32 f, c, m, 0x765{j}; sub.f32 u, f, 0f{magic:08X}; "
+        f"fma.rn.f32 ${j}, ${5 + j}, u, ${9 + j};"
+        for j in range(4)
+    )
+    return f"{{ .reg .b32 c, f, m; .reg .f32 u; mov.b32 m, 0x{_MAGIC:08X}; {codes} {each} }}"
+
+
+_ASM = {kind: _asm_block(c, _MAGIC + 128 * (kind == "int8")) for kind, c in _CODES.items()}
+
+
+def _code_fma(codes, xcol, sums, int4: bool, asm: bool):
+    """`sums` (int4: the even and odd output columns' [BK, W] f32 sums, int8: one) plus x's
+    column [BK, 1] times the codes [BK, W] (uint8 int4 pairs, the first in the low nibble, or
+    int8) as exact floats, with no integer-to-float conversion instruction (those issue at a
+    fraction of the FMA rate and bounded the kernel on an H200). On a GPU one inline PTX block
+    per 4 codes (`_ASM`); interpreted (the CPU) the same arithmetic in jnp: the code ORed into
+    2**23's mantissa, 2**23 subtracted."""
+    shape = codes.shape
+    kinds = ("lo", "hi") if int4 else ("int8",)
+    if sums is None:
+        sums = (jnp.zeros(shape, jnp.float32),) * len(kinds)
+    x = jnp.broadcast_to(xcol, shape)
+    if asm:
+        out = [jax.ShapeDtypeStruct(shape, jnp.float32)]
+        return tuple(
+            plgpu.elementwise_inline_asm(
+                _ASM[kind], args=[codes, x, acc], constraints="=r,=r,=r,=r," + ",".join(["r"] * 9),
+                pack=4, result_shape_dtypes=out,
+            )[0]
+            for kind, acc in zip(kinds, sums)
+        )  # fmt: skip
     c = codes.astype(jnp.int32)
-    if not int4:
-        c = c + 128
-    f = jax.lax.bitcast_convert_type(c | _MAGIC, jnp.float32)
-    return f - (8388608.0 if int4 else 8388736.0)
+    halves = ((c & 15), (c >> 4) & 15) if int4 else ((c + 128),)
+    new = []
+    for acc, h in zip(sums, halves):
+        f = jax.lax.bitcast_convert_type(h | _MAGIC, jnp.float32)
+        new.append(acc + x * (f - (8388608.0 if int4 else 8388736.0)))
+    return tuple(new)
+
+
+def _fma(a, b, c, asm: bool):
+    """a * b + c in f32, one rounding on a GPU (XLA's Triton emits separate `mul.rn` /
+    `add.rn`, which ptxas may not contract)."""
+    if not asm:
+        return a * b + c
+    [y] = plgpu.elementwise_inline_asm(
+        "fma.rn.f32 $0, $1, $2, $3;",
+        args=[a, b, c],
+        constraints="=r,r,r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+    )
+    return y
 
 
 def _kernel(
     x_ref,  # [T, K]
     q_ref,  # i8[K, N] | u8[K, N/2] (int4 pairs)
-    s_ref,  # [G, N] f32 | f16
-    *rest,  # (o_ref [G, N],)? then out_ref [T, N] (x's dtype) | [split * T, N] f32
+    s_ref,  # [G, N] f32 | f16, or u32[G, N/2]: int4's f16 pairs (paired)
+    *rest,  # (o_ref, as s_ref)? then out_ref [T, N] (x's dtype) | [split * T, N] f32
     b: Blocks,
     block_t: int,
     int4: bool,
+    paired: bool,
     dot_dtype: jnp.dtype,
+    interpret: bool,
 ):
     o_ref, out_ref = rest if int4 else (None, rest[0])
     t, k_dim = x_ref.shape
@@ -222,6 +300,15 @@ def _kernel(
     width = b.block_n // 2 if int4 else b.block_n  # code columns a program reads
     code_cols = n_dim // 2 if int4 else n_dim
     fma = b.form == "fma"
+
+    def meta(ref, g):  # group g's scales (offsets) of the accumulators' columns, f32 [W] each
+        if not paired:
+            return tuple(ref[g, cols].astype(jnp.float32) for cols in outs)
+        pair = ref[g, cc]  # u32 [W]: one load for an even and an odd column
+        return tuple(
+            jax.lax.bitcast_convert_type(h.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+            for h in (pair & 0xFFFF, pair >> 16)
+        )
 
     def span(start, size: int, limit: int):  # indices start.., clamped into range if needed
         idx = start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
@@ -234,42 +321,60 @@ def _kernel(
     steps = k_dim // b.block_k // b.split // b.unroll
     first = sp * steps * b.unroll  # the run's first K tile
     lane = jax.lax.broadcasted_iota(jnp.int32, (b.block_k,), 0)
+    asm = not interpret
 
-    def tile(kt, accs):
+    def codes_at(kt):
         ks = kt * b.block_k + lane
+        return ks, q_ref[ks[:, None], cc[None, :]]  # [BK, W]
+
+    def tile(kt, accs):  # the "dot" form: one tensor-core product a tile
+        ks, codes = codes_at(kt)
         g = kt * b.block_k // group
-        codes = q_ref[ks[:, None], cc[None, :]]  # [BK, W]
-        if int4 and fma:
-            c = codes.astype(jnp.int32)
-            halves = ((c & 15), (c >> 4))
-        elif int4:  # NOTE: int8 values: Triton converts int8 to bf16 with byte permutes
+        if int4:  # NOTE: int8 values: Triton converts int8 to bf16 with byte permutes
             halves = ((codes & 15).astype(jnp.int8), (codes >> 4).astype(jnp.int8))
         else:
             halves = (codes,)
-        if fma:  # x's column [BK, 1]: row 0 (the only one) of every K index
-            xcol = x_ref[(0 * ks)[:, None], ks[:, None]].astype(jnp.float32)
-            new = []
-            for acc, h, cols in zip(accs, halves, outs):
-                w = _exact_f32(h, int4) * s_ref[g, cols].astype(jnp.float32)[None, :]
-                if int4:
-                    w = w + o_ref[g, cols].astype(jnp.float32)[None, :]
-                new.append(acc + xcol * w)
-            return tuple(new)
         xk = x_ref[rows[:, None], ks[None, :]].astype(dot_dtype)  # [BT, BK]
         if int4:
             xsum = jnp.sum(xk.astype(jnp.float32), axis=1)[:, None]  # [BT, 1]
         new = []
-        for acc, h, cols in zip(accs, halves, outs):
+        offsets = meta(o_ref, g) if int4 else (None,)
+        for acc, h, scale, off in zip(accs, halves, meta(s_ref, g), offsets):
             part = jax.lax.dot(xk, h.astype(xk.dtype), preferred_element_type=jnp.float32)
-            part = part * s_ref[g, cols].astype(jnp.float32)[None, :]
+            part = part * scale[None, :]
             if int4:
-                part = part + xsum * o_ref[g, cols].astype(jnp.float32)[None, :]
+                part = part + xsum * off[None, :]
             new.append(acc + part)
         return tuple(new)
 
+    def window(kt0, accs):  # the "fma" form: `per` tiles of one group, then their scales
+        g = kt0 * b.block_k // group
+        sums, xg = None, None
+        for u in range(per):
+            ks, codes = codes_at(kt0 + u)
+            xcol = x_ref[(0 * ks)[:, None], ks[:, None]].astype(jnp.float32)  # [BK, 1]
+            sums = _code_fma(codes, xcol, sums, int4, asm)
+            xg = xcol if xg is None else xg + xcol
+        new = []
+        offsets = meta(o_ref, g) if int4 else (None,)
+        for acc, part, scale, off in zip(accs, sums, meta(s_ref, g), offsets):
+            acc = _fma(part, jnp.broadcast_to(scale[None, :], part.shape), acc, asm)
+            if int4:  # sum_k x_k o = (the window's x sum per lane) o, summed over lanes later
+                wide = jnp.broadcast_to(off[None, :], part.shape)
+                acc = _fma(jnp.broadcast_to(xg, part.shape), wide, acc, asm)
+            new.append(acc)
+        return tuple(new)
+
+    per = fma_window(b, k_dim, s_ref.shape[0]) if fma else 1
+
     def step(it, accs):
+        kt = first + it * b.unroll
+        if fma:
+            for u in range(0, b.unroll, per):
+                accs = window(kt + u, accs)
+            return accs
         for u in range(b.unroll):
-            accs = tile(first + it * b.unroll + u, accs)
+            accs = tile(kt + u, accs)
         return accs
 
     shape = (b.block_k, width) if fma else (block_t, width)
@@ -310,6 +415,14 @@ def quantized_matmul(
         raise ValueError("quantized matmul kernel: uint4 codes need offsets, int8 codes none")
     if int4:  # NOTE: the bytes XLA stores; the first of each pair in the low nibble
         data = jax.lax.bitcast_convert_type(data.reshape(k_dim, n_dim // 2, 2), jnp.uint8)
+    # int4's 16-bit scales and offsets as u32 pairs (an even and an odd column, the codes' byte
+    # pairs): one load for both, and loads that vectorize (per column they are 2 elements apart).
+    paired = int4 and scale.dtype.itemsize == 2 and offset.dtype.itemsize == 2
+    if paired:
+        pairs = lambda v: jax.lax.bitcast_convert_type(  # noqa: E731
+            v.reshape(groups, n_dim // 2, 2), jnp.uint32
+        )
+        scale, offset = pairs(scale), pairs(offset)
     block_t = 1 if b.form == "fma" else _pow2_at_least(t)
     grid = (pl.cdiv(n_dim, b.block_n), b.split, pl.cdiv(t, block_t))
     out_dtype = jnp.dtype(x.dtype if b.split == 1 else jnp.float32)
@@ -326,9 +439,11 @@ def quantized_matmul(
             b=b,
             block_t=block_t,
             int4=int4,
+            paired=paired,
             # NOTE: XLA:CPU runs no bf16 x bf16 -> f32 dot: interpreted, the operands are widened
             # (exactly: their products are exact in f32, summed in f32 as on the tensor cores).
             dot_dtype=jnp.float32 if interpret else x.dtype,
+            interpret=interpret,
         ),
         grid=grid,
         out_shape=jax.ShapeDtypeStruct((b.split * t, n_dim), out_dtype),
