@@ -208,61 +208,58 @@ def supported(t: int, k: int, n: int, groups: int, dtype: jnp.dtype) -> str | No
     return None
 
 
-_MAGIC = 0x4B000000  # the f32 bits of 2**23, whose 23 mantissa bits then count integers
+# The "fma" form's codes as floats with no arithmetic: a code's byte alone in the low byte of a
+# 32-bit word is the f32 denormal code * 2**-149 (exact), and an `fma` with a denormal operand
+# runs at full rate on NVIDIA GPUs (IEEE: no flush without `.ftz`). x is scaled by 2**X_SHIFT
+# so that x' * code * 2**-149 = x * code * 2**-SUM_SHIFT lands in the normal range (|x| up to
+# 2**64, products down to 2**-41 keep every bit); the sums stay scaled by 2**-SUM_SHIFT until
+# the program's output, scaled back once (powers of two: exact).
+X_SHIFT = 64
+SUM_SHIFT = 149 - X_SHIFT
 
-# One PTX block per 4 codes of one accumulator (Triton packs 4 bytes of a thread's elements
-# into one register, element j in byte j; JAX lowers one result an asm, so int4's low and high
-# nibbles take one block each): each code's byte (the nibble; int8: plus 128) is placed by one
-# `prmt` under 2**23's exponent byte, 2**23 (+ 128) is subtracted (exact), and one `fma` adds x
-# times the code to its running sum: 3.25-3.5 instructions a code.
-_CODES = {  # how a block gets its 4 codes into c, one a byte
+# One PTX block per 4 codes of one sum (Triton packs 4 bytes of a thread's elements into one
+# register, element j in byte j; JAX lowers one result an asm, so int4's low and high nibbles
+# take one block each): the 4 codes made one a byte (the nibble; int8: plus 128), then per code
+# a `prmt` that keeps its byte alone and an `fma` that adds x' times it: 2.25-2.4 instructions
+# a code.
+_CODES = {
     "lo": "and.b32 c, $4, 0x0F0F0F0F;",
     "hi": "shr.u32 c, $4, 4; and.b32 c, c, 0x0F0F0F0F;",
     "int8": "xor.b32 c, $4, 0x80808080;",
 }
 
 
-def _asm_block(codes: str, magic: int) -> str:
-    """Operands: $0-$3 the new sums, $4 the 4 packed codes, $5-$8 x, $9-$12 the sums."""
+def _asm_block(codes: str) -> str:
+    """Operands: $0-$3 the new sums, $4 the 4 packed codes, $5-$8 x', $9-$12 the sums."""
     each = " ".join(
-        f"prmt.b32 f, c, m, 0x765{j}; sub.f32 u, f, 0f{magic:08X}; "
-        f"fma.rn.f32 ${j}, ${5 + j}, u, ${9 + j};"
-        for j in range(4)
+        f"prmt.b32 f, c, z, 0x444{j}; fma.rn.f32 ${j}, ${5 + j}, f, ${9 + j};" for j in range(4)
     )
-    return f"{{ .reg .b32 c, f, m; .reg .f32 u; mov.b32 m, 0x{_MAGIC:08X}; {codes} {each} }}"
+    return f"{{ .reg .b32 c, f, z; mov.b32 z, 0; {codes} {each} }}"
 
 
-_ASM = {kind: _asm_block(c, _MAGIC + 128 * (kind == "int8")) for kind, c in _CODES.items()}
+_ASM = {kind: _asm_block(c) for kind, c in _CODES.items()}
 
 
-def _code_fma(codes, xcol, sums, int4: bool, asm: bool):
+def _code_fma(codes, xs, sums, int4: bool, asm: bool):
     """`sums` (int4: the even and odd output columns' [BK, W] f32 sums, int8: one) plus x's
-    column [BK, 1] times the codes [BK, W] (uint8 int4 pairs, the first in the low nibble, or
-    int8) as exact floats, with no integer-to-float conversion instruction (those issue at a
-    fraction of the FMA rate and bounded the kernel on an H200). On a GPU one inline PTX block
-    per 4 codes (`_ASM`); interpreted (the CPU) the same arithmetic in jnp: the code ORed into
-    2**23's mantissa, 2**23 subtracted."""
+    column times the codes [BK, W] (uint8 int4 pairs, the first in the low nibble, or int8 plus
+    128), all scaled by 2**-SUM_SHIFT; `xs` is x's column [BK, 1] scaled by 2**X_SHIFT on a GPU
+    (one inline PTX block per 4 codes, `_ASM`: the codes are denormals), by 2**-SUM_SHIFT
+    interpreted (XLA:CPU flushes denormals: there the codes are converted)."""
     shape = codes.shape
-    kinds = ("lo", "hi") if int4 else ("int8",)
-    if sums is None:
-        sums = (jnp.zeros(shape, jnp.float32),) * len(kinds)
-    x = jnp.broadcast_to(xcol, shape)
+    x = jnp.broadcast_to(xs, shape)
     if asm:
         out = [jax.ShapeDtypeStruct(shape, jnp.float32)]
         return tuple(
             plgpu.elementwise_inline_asm(
-                _ASM[kind], args=[codes, x, acc], constraints="=r,=r,=r,=r," + ",".join(["r"] * 9),
-                pack=4, result_shape_dtypes=out,
+                _ASM[kind], args=[codes, x, jnp.broadcast_to(acc, shape)],
+                constraints="=r,=r,=r,=r," + ",".join(["r"] * 9), pack=4, result_shape_dtypes=out,
             )[0]
-            for kind, acc in zip(kinds, sums)
+            for kind, acc in zip(("lo", "hi") if int4 else ("int8",), sums)
         )  # fmt: skip
     c = codes.astype(jnp.int32)
     halves = ((c & 15), (c >> 4) & 15) if int4 else ((c + 128),)
-    new = []
-    for acc, h in zip(sums, halves):
-        f = jax.lax.bitcast_convert_type(h | _MAGIC, jnp.float32)
-        new.append(acc + x * (f - (8388608.0 if int4 else 8388736.0)))
-    return tuple(new)
+    return tuple(acc + x * h.astype(jnp.float32) for acc, h in zip(sums, halves))
 
 
 def _fma(a, b, c, asm: bool):
@@ -348,13 +345,16 @@ def _kernel(
         return tuple(new)
 
     def window(kt0, accs):  # the "fma" form: `per` tiles of one group, then their scales
+        # Sums scaled by 2**-SUM_SHIFT (see `_code_fma`), as is xg, the window's x sum per lane.
         g = kt0 * b.block_k // group
-        sums, xg = None, None
-        for u in range(per):
-            ks, codes = codes_at(kt0 + u)
-            xcol = x_ref[(0 * ks)[:, None], ks[:, None]].astype(jnp.float32)  # [BK, 1]
-            sums = _code_fma(codes, xcol, sums, int4, asm)
-            xg = xcol if xg is None else xg + xcol
+        tiles = [codes_at(kt0 + u) for u in range(per)]
+        xcols = [x_ref[(0 * ks)[:, None], ks[:, None]].astype(jnp.float32) for ks, _ in tiles]
+        xg = functools.reduce(jnp.add, xcols) * 2.0**-SUM_SHIFT  # [BK, 1]
+        # int8 codes come as code + 128: their sums start at -128 x's window sum
+        sums = (0.0 * xg,) * 2 if int4 else (-128.0 * xg,)
+        for (_, codes), xcol in zip(tiles, xcols):
+            xs = xcol * 2.0 ** (X_SHIFT if asm else -SUM_SHIFT)
+            sums = _code_fma(codes, xs, sums, int4, asm)
         new = []
         offsets = meta(o_ref, g) if int4 else (None,)
         for acc, part, scale, off in zip(accs, sums, meta(s_ref, g), offsets):
@@ -382,7 +382,7 @@ def _kernel(
     split_rows = sp * t + rows  # this run's rows of the [split * T, N] partials
     for acc, cols in zip(accs, outs):
         if fma:
-            y = jnp.sum(acc, axis=0)  # [W]
+            y = jnp.sum(acc, axis=0) * 2.0**SUM_SHIFT  # [W]
             out_ref[(0 * cols + sp), cols] = y.astype(out_ref.dtype)
         else:
             out_ref[split_rows[:, None], cols[None, :]] = acc.astype(out_ref.dtype)
