@@ -308,3 +308,31 @@ def test_fma_form_spends_few_instructions_a_code(fmt, tmp_path):
     assert count("mul.rn.f32") < per_thread // 2 and count("fma.rn.f32") >= per_thread
     if fmt == "int4":
         assert 0 < count("cvt.f32.f16") <= per_thread // 2, count("cvt.f32.f16")
+
+
+def test_sass_script_counts_each_loop_and_the_codes_a_thread_takes():
+    """`scripts/kernel_sass.py` (the instruction counts above, from nvdisasm's text): a loop is
+    the instructions from a label to a branch back to it; predicated and modified opcodes count
+    under their name."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, "scripts")
+    try:
+        sass = importlib.import_module("kernel_sass")
+    finally:
+        sys.path.remove("scripts")
+    text = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   PRMT R4, R2, 0x4440, RZ ;
+        /*0020*/                   FFMA R5, R3, R4, R5 ;
+        /*0030*/                   FFMA.FTZ R6, R3, R4, R6 ;
+        /*0040*/              @!P0 BRA `(.L_x_0) ;
+        /*0050*/                   BRA `(.L_x_1) ;
+.L_x_1:
+        /*0060*/                   EXIT ;
+"""
+    [loop] = sass.loops(text)
+    assert loop == {"PRMT": 1, "FFMA": 2, "BRA": 1}
+    assert sass.codes_per_thread(B(128, 8, 64, 2, "fma", 4, 3)) == 128

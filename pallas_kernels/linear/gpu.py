@@ -20,8 +20,9 @@ weight is read from HBM in its stored bits and never written back converted.
      accumulate), scaled by the tile's group scales, plus x's tile row sums times the group
      offsets (int4: `sum_k x_k (u_k s + o) = s (x . u) + o sum_k x_k`);
    - "fma" (one row, the decode GEMV): x's column times the codes as exact floats added into a
-     [block_k, W] f32 sum (`_code_fma`: on a GPU one inline PTX block per 4 codes, a `prmt`, a
-     subtraction and an `fma` a code), a group's tiles at a time (`fma_window`); then that
+     [block_k, W] f32 sum (`_code_fma`: on a GPU one inline PTX block per 4 codes, a `prmt`
+     that makes the code an f32 denormal and an `fma` a code, x and the sums scaled by powers
+     of two to keep the products normal), a group's tiles at a time (`fma_window`); then that
      group's scales (and int4's offsets times the window's x sums) applied once per element
      into a second [block_k, W] accumulator, summed over K at the end: no layout change through
      shared memory, no tensor-core padding, no per-code scale arithmetic. int4's f16 scales and
@@ -130,7 +131,7 @@ def default_blocks(t: int, k: int, n: int, groups: int, int4: bool) -> Blocks:
     until >= MIN_PROGRAMS programs (each run >= 4 tiles); more rows "dot" over 128-channel tiles;
     one row "fma" over tiles of 4096 / block_n channels (its code sums and scaled sums are two
     [block_k, W] accumulators), up to 4 a step within a group: at 128 columns 32-channel tiles
-    four a step compile to 4.8 SASS instructions a code against 5.3 for 64-channel tiles two a
+    four a step compile to 3.8 SASS instructions a code against 4.3 for 64-channel tiles two a
     step (BENCHMARKS.md "The one-row dequantizing matmul in fewer instructions"; not timed)."""
     bk = max_block_k(k, groups)
     lo = 32 if int4 else 16
@@ -220,7 +221,7 @@ SUM_SHIFT = 149 - X_SHIFT
 # One PTX block per 4 codes of one sum (Triton packs 4 bytes of a thread's elements into one
 # register, element j in byte j; JAX lowers one result an asm, so int4's low and high nibbles
 # take one block each): the 4 codes made one a byte (the nibble; int8: plus 128), then per code
-# a `prmt` that keeps its byte alone and an `fma` that adds x' times it: 2.25-2.4 instructions
+# a `prmt` that keeps its byte alone and an `fma` that adds x' times it: 2.25-2.5 instructions
 # a code.
 _CODES = {
     "lo": "and.b32 c, $4, 0x0F0F0F0F;",
