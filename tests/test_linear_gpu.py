@@ -202,6 +202,8 @@ def test_codes_become_floats_without_conversion_instructions(fmt, tmp_path):
         assert "mma.sync" in kernel[0] or b.form == "fma"
         convs = re.findall(r"cvt\.rn\.(?:f32|f16|bf16)\.[us](?:8|16|32)\b", kernel[0])
         assert convs == [], (b, sorted(set(convs)), len(convs))
+        if fmt == "int4":  # the nibbles split 4 bytes a register (`_NIBBLES`, `_ASM`)
+            assert "0x0F0F0F0F" in kernel[0], b
 
 
 def _run_ptx(asm: str, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
@@ -240,8 +242,6 @@ def _run_ptx(asm: str, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]
                 (b >> (8 * i)) & 0xFF for i in range(4)
             ]
             out = sum(pool[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
-        elif op == "sub.f32":
-            out = bits(f32(src[0]) - f32(np.asarray(src[1], np.uint32)))
         elif op == "fma.rn.f32":
             wide = f32(src[0]).astype(np.float64) * f32(src[1]) + f32(src[2])
             out = bits(wide.astype(np.float32))
@@ -273,6 +273,16 @@ def test_inline_ptx_adds_x_times_each_code(kind):
         c = value[kind][:, j].astype(np.float64)
         exact = acc[j].astype(np.float64) + x[j].astype(np.float64) * c * 2.0**-gpu_linear.SUM_SHIFT
         np.testing.assert_array_equal(out[j].view(np.float32), exact.astype(np.float32))
+
+
+def test_inline_ptx_splits_nibbles_four_bytes_at_a_time():
+    """The "dot" form's int4 nibbles on a GPU (`_NIBBLES`): the low and the high nibble of each
+    of the 4 packed bytes, in its byte."""
+    packed = np.random.default_rng(5).integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+    b = packed.view(np.uint8).reshape(-1, 4)
+    for asm, want in zip(gpu_linear._NIBBLES, (b & 15, b >> 4)):
+        out = _run_ptx(asm, {1: packed})[0]
+        np.testing.assert_array_equal(out.view(np.uint8).reshape(-1, 4), want)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

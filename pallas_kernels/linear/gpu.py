@@ -263,6 +263,28 @@ def _code_fma(codes, xs, sums, int4: bool, asm: bool):
     return tuple(acc + x * h.astype(jnp.float32) for acc, h in zip(sums, halves))
 
 
+# int4 pairs' low and high nibbles, 4 bytes a register: one `and` (`shr` + `and`) per 4 codes,
+# where Triton extracts, masks and repacks each byte.
+_NIBBLES = (
+    "and.b32 $0, $1, 0x0F0F0F0F;",
+    "{ .reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
+)
+
+
+def _nibbles(codes, asm: bool):
+    """uint8 int4 pairs [BK, W] -> their low and high nibbles as int8 (the even and odd output
+    columns' codes)."""
+    if not asm:
+        return (codes & 15).astype(jnp.int8), (codes >> 4).astype(jnp.int8)
+    out = [jax.ShapeDtypeStruct(codes.shape, jnp.int8)]
+    return tuple(
+        plgpu.elementwise_inline_asm(
+            a, args=[codes], constraints="=r,r", pack=4, result_shape_dtypes=out
+        )[0]
+        for a in _NIBBLES
+    )
+
+
 def _fma(a, b, c, asm: bool):
     """a * b + c in f32, one rounding on a GPU (XLA's Triton emits separate `mul.rn` /
     `add.rn`, which ptxas may not contract)."""
@@ -329,7 +351,7 @@ def _kernel(
         ks, codes = codes_at(kt)
         g = kt * b.block_k // group
         if int4:  # NOTE: int8 values: Triton converts int8 to bf16 with byte permutes
-            halves = ((codes & 15).astype(jnp.int8), (codes >> 4).astype(jnp.int8))
+            halves = _nibbles(codes, asm)
         else:
             halves = (codes,)
         xk = x_ref[rows[:, None], ks[None, :]].astype(dot_dtype)  # [BT, BK]
@@ -339,10 +361,11 @@ def _kernel(
         offsets = meta(o_ref, g) if int4 else (None,)
         for acc, h, scale, off in zip(accs, halves, meta(s_ref, g), offsets):
             part = jax.lax.dot(xk, h.astype(xk.dtype), preferred_element_type=jnp.float32)
-            part = part * scale[None, :]
-            if int4:
-                part = part + xsum * off[None, :]
-            new.append(acc + part)
+            shape = part.shape
+            if int4:  # acc + xsum * off first, then + part * scale: two FMAs an element
+                wide = jnp.broadcast_to(off[None, :], shape)
+                acc = _fma(jnp.broadcast_to(xsum, shape), wide, acc, asm)
+            new.append(_fma(part, jnp.broadcast_to(scale[None, :], shape), acc, asm))
         return tuple(new)
 
     def window(kt0, accs):  # the "fma" form: `per` tiles of one group, then their scales
