@@ -171,14 +171,9 @@ def test_every_shipped_configuration_compiles_for_h100():
         assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 1, (fmt, t, k, n, b)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_codes_become_floats_without_conversion_instructions(fmt, tmp_path):
-    """Integer-to-float conversions issue at a fraction of the FMA rate and bounded the kernel on
-    an H200 (BENCHMARKS.md "The dequantizing matmul tuned"): the PTX of both forms has none (the
-    "fma" form ORs codes into 2**23's mantissa; the "dot" form hands Triton int8 values, which it
-    widens to bf16 with byte permutes)."""
-    import re
-
+def _kernel_ptx(fmt: str, t: int, b, where) -> str:
+    """The PTX of the kernel for x [t, 4096] times [4096, 6144] codes of `fmt` in groups of 128
+    with blocks `b`, from the deviceless H100 compile (skips without the CUDA plugin)."""
     from jaxinfer import aot
 
     reason = aot.available("gpu")
@@ -187,23 +182,31 @@ def test_codes_become_floats_without_conversion_instructions(fmt, tmp_path):
     s = jax.ShapeDtypeStruct
     codes = jnp.int8 if fmt == "int8" else jnp.uint4
     meta = s((32, 6144), jnp.dtype(qlib.SCALE_DTYPE[fmt]))
+    args = (s((t, 4096), jnp.bfloat16), s((4096, 6144), codes), meta) + ((meta,) * (fmt == "int4"))
+    aot.compile_function(
+        gpu_linear.quantized_matmul, args, "h100", static_kwargs={"config": b},
+        compiler_options={"xla_dump_to": str(where)},
+    )  # fmt: skip
+    kernel = [p.read_text() for p in where.glob("*.ptx") if f"{fmt}_matmul" in p.read_text()]
+    assert len(kernel) == 1, len(kernel)
+    return kernel[0]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_codes_become_floats_without_conversion_instructions(fmt, tmp_path):
+    """Integer-to-float conversions issue at a fraction of the FMA rate and bounded the kernel on
+    an H200 (BENCHMARKS.md "The dequantizing matmul tuned"): the PTX of both forms has none (the
+    "fma" form makes each code an f32 denormal with a `prmt`; the "dot" form hands Triton int8
+    values, which it widens to bf16 with byte permutes)."""
+    import re
+
     for t, b in ((1, B(128, 8, 64, 2, "fma")), (32, B(128, 8, 128, 1, "dot"))):
-        out = tmp_path / f"{b.form}"
-        args = (s((t, 4096), jnp.bfloat16), s((4096, 6144), codes), meta) + (
-            (meta,) * (fmt == "int4")
-        )
-        aot.compile_function(
-            gpu_linear.quantized_matmul, args, "h100", static_kwargs={"config": b},
-            compiler_options={"xla_dump_to": str(out)},
-        )  # fmt: skip
-        ptx = [p.read_text() for p in out.glob("*.ptx")]
-        kernel = [p for p in ptx if f"{fmt}_matmul" in p]
-        assert len(kernel) == 1, [p[:200] for p in ptx]
-        assert "mma.sync" in kernel[0] or b.form == "fma"
-        convs = re.findall(r"cvt\.rn\.(?:f32|f16|bf16)\.[us](?:8|16|32)\b", kernel[0])
+        kernel = _kernel_ptx(fmt, t, b, tmp_path / b.form)
+        assert "mma.sync" in kernel or b.form == "fma"
+        convs = re.findall(r"cvt\.rn\.(?:f32|f16|bf16)\.[us](?:8|16|32)\b", kernel)
         assert convs == [], (b, sorted(set(convs)), len(convs))
         if fmt == "int4":  # the nibbles split 4 bytes a register (`_NIBBLES`, `_ASM`)
-            assert "0x0F0F0F0F" in kernel[0], b
+            assert "0x0F0F0F0F" in kernel, b
 
 
 def _run_ptx(asm: str, operands: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
@@ -294,21 +297,8 @@ def test_fma_form_spends_few_instructions_a_code(fmt, tmp_path):
     (BENCHMARKS.md "The one-row dequantizing matmul in fewer instructions")."""
     import re
 
-    from jaxinfer import aot
-
-    reason = aot.available("gpu")
-    if reason is not None:
-        pytest.skip(f"no deviceless gpu compiler: {reason}")
-    s = jax.ShapeDtypeStruct
-    codes = jnp.int8 if fmt == "int8" else jnp.uint4
-    meta = s((32, 6144), jnp.dtype(qlib.SCALE_DTYPE[fmt]))
     b = B(128, 8, 64, 2, "fma", 4, 3)
-    args = (s((1, 4096), jnp.bfloat16), s((4096, 6144), codes), meta) + ((meta,) * (fmt == "int4"))
-    aot.compile_function(
-        gpu_linear.quantized_matmul, args, "h100", static_kwargs={"config": b},
-        compiler_options={"xla_dump_to": str(tmp_path)},
-    )  # fmt: skip
-    [ptx] = [p.read_text() for p in tmp_path.glob("*.ptx") if f"{fmt}_matmul" in p.read_text()]
+    ptx = _kernel_ptx(fmt, 1, b, tmp_path)
     count = lambda op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))  # noqa: E731
     # a loop step's codes per thread: 2 tiles of 64 rows x 64 bytes over 128 threads
     per_thread = b.unroll * b.block_k * (b.block_n // (2 if fmt == "int4" else 1)) // 128
