@@ -1,4 +1,7 @@
 # One call on a lent GPU (the `device` tool), most important first, each part time-boxed:
+#   0. the kernels against XLA / the reference on the GPU (scripts/gpu_check.py at 1 and 64
+#      sequences, <= 60 s): the dequantizing matmul's inline PTX (codes as f32 denormals) first
+#      runs here;
 #   1. the Pallas dequantizing matmul tuned at Llama-3-8B's projection shapes, int4 and int8, 1 and
 #      32 rows, against XLA's product and a bf16 dot (scripts/bench_linear_gpu.py; writes the best
 #      blocks to $OUT/tuned.json);
@@ -16,6 +19,9 @@ left() { echo $((${BUDGET:-560} - ($(date +%s) - T0))); }
 box() { local t=$(($1 < $(left) - 5 ? $1 : $(left) - 5)); shift; timeout $t "$@"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
 quiet() { grep -v -E "^[WIE]0000|Warning|warn|^  "; }
+echo "== the kernels against XLA / the reference (left $(left))"
+JAX_PLATFORMS=cuda box ${CHECK_S:-60} python3 scripts/gpu_check.py --runs 5 --seqs 1,64 \
+  --json-out $OUT/check.json 2>&1 | quiet
 echo "== the dequantizing matmul, tuned (left $(left))"
 JAX_PLATFORMS=cuda box ${SWEEP_S:-230} python3 scripts/bench_linear_gpu.py --budget ${STAGE_B_S:-150} \
   --tuned-out $OUT/tuned.json --json-out $OUT/sweep.json 2>&1 | grep -v -E "^[WIE]0000|^\{"
