@@ -80,7 +80,7 @@ class Blocks(NamedTuple):
 # (BENCHMARKS.md "The dequantizing matmul tuned"); the comment gives the product's time in the
 # sweep (one jitted call over several weight copies, launch gaps included). The LM head's rows are
 # int8 only: an int4 model keeps its vocabulary-sized weights int8. The "fma" rows were timed with
-# that form's earlier body (9.3 / 7.6 SASS instructions a code, now 5.3 / 4.3 at these blocks):
+# that form's earlier body (9.3 / 7.6 SASS instructions a code, now 4.3 / 3.4 at these blocks):
 # re-sweep on a GPU (`scripts/gpu_session.sh`).
 TUNED: dict[tuple[str, int, int, int], Blocks] = {
     ("uint4", 4096, 28672, 1): Blocks(128, 1, 64, 2, "fma", 4, 3),  # gate_up 107 us
@@ -375,7 +375,7 @@ def _kernel(
         xcols = [x_ref[(0 * ks)[:, None], ks[:, None]].astype(jnp.float32) for ks, _ in tiles]
         xg = functools.reduce(jnp.add, xcols) * 2.0**-SUM_SHIFT  # [BK, 1]
         # int8 codes come as code + 128: their sums start at -128 x's window sum
-        sums = (0.0 * xg,) * 2 if int4 else (-128.0 * xg,)
+        sums = (jnp.zeros_like(xg),) * 2 if int4 else (-128.0 * xg,)
         for (_, codes), xcol in zip(tiles, xcols):
             xs = xcol * 2.0 ** (X_SHIFT if asm else -SUM_SHIFT)
             sums = _code_fma(codes, xs, sums, int4, asm)
@@ -439,9 +439,9 @@ def quantized_matmul(
         raise ValueError("quantized matmul kernel: uint4 codes need offsets, int8 codes none")
     if int4:  # NOTE: the bytes XLA stores; the first of each pair in the low nibble
         data = jax.lax.bitcast_convert_type(data.reshape(k_dim, n_dim // 2, 2), jnp.uint8)
-    # int4's 16-bit scales and offsets as u32 pairs (an even and an odd column, the codes' byte
+    # int4's f16 scales and offsets as u32 pairs (an even and an odd column, the codes' byte
     # pairs): one load for both, and loads that vectorize (per column they are 2 elements apart).
-    paired = int4 and scale.dtype.itemsize == 2 and offset.dtype.itemsize == 2
+    paired = int4 and scale.dtype == offset.dtype == jnp.float16
     if paired:
         pairs = lambda v: jax.lax.bitcast_convert_type(  # noqa: E731
             v.reshape(groups, n_dim // 2, 2), jnp.uint32
