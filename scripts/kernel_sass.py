@@ -52,11 +52,6 @@ def loops(sass: str) -> list[collections.Counter]:
     return out
 
 
-def codes_per_thread(b: gpu.Blocks) -> int:
-    """Codes one thread takes a loop step of the "fma" form (int4 or int8: block_n a tile row)."""
-    return b.unroll * b.block_k * b.block_n // (32 * b.num_warps)
-
-
 def _ptxas() -> pathlib.Path:
     import nvidia.cuda_nvcc  # the deviceless plugin's assembler (`.[aot]`)
 
@@ -99,7 +94,7 @@ def main() -> None:
         info = [x.split(":", 1)[-1].strip() for x in r.stderr.splitlines() if "Used" in x]
         sass = subprocess.run([a.nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
     print(f"{a.fmt} [{a.k}, {a.n}] x {a.rows} rows, {a.groups} groups: {b}; {'; '.join(info)}")
-    per = codes_per_thread(b) if b.form == "fma" else None
+    per = gpu.codes_per_thread(b) if b.form == "fma" else None
     for c in loops(sass):
         total = sum(c.values())
         rate = f", {total / per:.2f} a code ({per} codes a thread a step)" if per else ""

@@ -300,9 +300,8 @@ def test_fma_form_spends_few_instructions_a_code(fmt, tmp_path):
     b = B(128, 8, 64, 2, "fma", 4, 3)
     ptx = _kernel_ptx(fmt, 1, b, tmp_path)
     count = lambda op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))  # noqa: E731
-    # a loop step's codes per thread: 2 tiles of 64 rows x 64 bytes over 128 threads
-    per_thread = b.unroll * b.block_k * (b.block_n // (2 if fmt == "int4" else 1)) // 128
-    per_thread *= 2 if fmt == "int4" else 1
+    per_thread = gpu_linear.codes_per_thread(b)  # 2 tiles of 64 rows x 128 codes, 128 threads
+    assert per_thread == 128
     assert count("prmt.b32") == per_thread and count("sub.f32") == 0
     # products are FMAs; the few multiplies scale x (a row, not a code)
     assert count("mul.rn.f32") < per_thread // 2 and count("fma.rn.f32") >= per_thread
@@ -310,10 +309,10 @@ def test_fma_form_spends_few_instructions_a_code(fmt, tmp_path):
         assert 0 < count("cvt.f32.f16") <= per_thread // 2, count("cvt.f32.f16")
 
 
-def test_sass_script_counts_each_loop_and_the_codes_a_thread_takes():
+def test_sass_script_counts_each_loop():
     """`scripts/kernel_sass.py` (the instruction counts above, from nvdisasm's text): a loop is
     the instructions from a label to a branch back to it; predicated and modified opcodes count
-    under their name."""
+    under their name. (Its codes a thread: `gpu.codes_per_thread`, checked above.)"""
     import importlib
     import sys
 
@@ -335,4 +334,3 @@ def test_sass_script_counts_each_loop_and_the_codes_a_thread_takes():
 """
     [loop] = sass.loops(text)
     assert loop == {"PRMT": 1, "FFMA": 2, "BRA": 1}
-    assert sass.codes_per_thread(B(128, 8, 64, 2, "fma", 4, 3)) == 128

@@ -186,6 +186,12 @@ def check_blocks(b: Blocks, t: int, k: int, n: int, groups: int, dtype) -> str |
     return None
 
 
+def codes_per_thread(b: Blocks) -> int:
+    """Codes one thread takes a loop step of the "fma" form: `block_n` codes a tile row (int4:
+    block_n / 2 bytes of pairs), block_k rows a tile, `unroll` tiles, over the program's threads."""
+    return b.unroll * b.block_k * b.block_n // (32 * b.num_warps)
+
+
 def fma_window(b: Blocks, k: int, groups: int) -> int:
     """Tiles the "fma" form sums before it applies their group's scales: a group's tiles, at
     most a loop step's (`check_blocks` makes the one divide the other)."""
