@@ -10,7 +10,10 @@
    Prefill = time from adding the request to the engine step that returns its first token (the
    whole prompt in one step); decode = median time between the steps that return the following
    tokens (with async scheduling a step returns the token of the step launched before it).
-   Each run is one request; medians over runs.
+   Each run is one request; medians over runs. `host ms/tok`: CPU time of the engine's own
+   thread (scheduling, input building, the program call, output processing: `time.thread_time`)
+   per decode token; on a CPU device it shares the cores with the step, so each of those
+   milliseconds costs about one of decode (BENCHMARKS.md "Host time in the CPU decode step").
 2. HF transformers (when installed), same weights (the GGUF dequantized to f32), same prompt:
    one forward over the prompt, then greedy steps with its KV cache, torch threads = cores.
 3. llama.cpp, when `--llama-cpp` names a llama.cpp build directory (`bin/llama-bench`; built by
@@ -74,19 +77,21 @@ def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str]], peers=
     vocab = llms[0].model.cfg.vocab_size
     prompt_ids = [t % vocab for t in prompt_ids]  # any architecture (--load-format dummy)
     sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
-    times = [([], []) for _ in configs]  # (prefill, decode) seconds per run
+    times = [([], [], []) for _ in configs]  # (prefill, decode, host CPU a token) seconds per run
     for run in range(args.runs + 1):  # run 0 compiles
-        for llm, (prefill, decode) in zip(llms, times):
+        for llm, (prefill, decode, host) in zip(llms, times):
             eng = llm.engine
             start = time.perf_counter()
             eng.add_request(prompt_ids, sp, request_id=f"bench-{run}")
-            stamps = []  # when each step that returned a token ended
+            stamps, cpu = [], []  # when each step that returned a token ended: wall, thread CPU
             while eng.has_unfinished():
                 if any(d.new_token_ids for d in eng.step()):
                     stamps.append(time.perf_counter())
+                    cpu.append(time.thread_time())
             if run:
                 prefill.append(stamps[0] - start)
                 decode.append(statistics.median(np.diff(stamps)))
+                host.append((cpu[-1] - cpu[0]) / max(1, len(cpu) - 1))
         for peer in peers:
             peer()
     return [
@@ -95,8 +100,9 @@ def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str]], peers=
             1 / statistics.median(decode),
             weight_bytes(llm),
             f"{quant}, {llm.engine.runner.linear_backend}, {scheduling}",
+            1e3 * statistics.median(host),
         )
-        for llm, (prefill, decode), (quant, _, scheduling) in zip(llms, times, configs)
+        for llm, (prefill, decode, host), (quant, _, scheduling) in zip(llms, times, configs)
     ]
 
 
@@ -293,9 +299,15 @@ def main() -> None:
     probe = 2 * nbytes if jax.default_backend() == "cpu" else min(2 * nbytes, 4 << 30)
     bandwidth = read_bandwidth(probe)
     roofline = bandwidth / nbytes
-    print(f"{'':34s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'weight MB':>10s}")
+    print(
+        f"{'':34s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'weight MB':>10s} "
+        f"{'host ms/tok':>12s}"
+    )
     for r in runs:
-        print(f"{'jaxinfer (' + r[3] + ')':34s} {r[0]:14.1f} {r[1]:13.1f} {r[2] / 1e6:10.0f}")
+        print(
+            f"{'jaxinfer (' + r[3] + ')':34s} {r[0]:14.1f} {r[1]:13.1f} {r[2] / 1e6:10.0f} "
+            f"{r[4]:12.2f}"
+        )
     if hf:
         print(f"{'hf-transformers':34s} {hf[0]:14.1f} {hf[1]:13.1f}")
     for lcpp in lcpps:
@@ -320,6 +332,7 @@ def main() -> None:
                         "prefill_tok_s": round(r[0], 1),
                         "decode_tok_s": round(r[1], 1),
                         "weight_bytes": r[2],
+                        "host_cpu_ms_per_token": round(r[4], 2),
                     }
                     for r in runs
                 },

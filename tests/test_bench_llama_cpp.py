@@ -4,6 +4,8 @@
    one repetition of a prefill and a decode test, the threads asked for, JSON out.
 2. A fake `llama-bench` (a script printing what the real one prints with `-o json`) stands in for
    a build: each call is one round; the row is the median of the rounds after the warm-up one.
+3. jaxinfer's rows carry the engine thread's CPU time per decode token (`host ms/tok`), not its
+   wall time: a fake engine that spends 4 ms of CPU and sleeps 6 ms a step reads ~4.
 """
 
 import importlib
@@ -68,3 +70,47 @@ def test_parse_llama_bench_needs_both_tests(bench):
     assert bench.parse_llama_bench(json.dumps(rows))["decode_tok_s"] == 140.0
     with pytest.raises(ValueError, match="no prefill and decode tests"):
         bench.parse_llama_bench(json.dumps(rows[:1]))
+
+
+class _FakeEngine:
+    """Returns a token every step after the first; each step spends `cpu` s on this thread's CPU
+    and `idle` s asleep (as a step waiting for the device does)."""
+
+    def __init__(self, tokens: int, cpu: float, idle: float):
+        self.tokens, self.cpu, self.idle = tokens, cpu, idle
+        self.left = 0
+        self.runner = SimpleNamespace(params={}, linear_backend="cpu")
+
+    def add_request(self, prompt_ids, sp, request_id):
+        self.left = self.tokens
+
+    def has_unfinished(self):
+        return self.left > 0
+
+    def step(self):
+        import time
+
+        end = time.thread_time() + self.cpu
+        while time.thread_time() < end:
+            pass
+        time.sleep(self.idle)
+        self.left -= 1
+        return [SimpleNamespace(new_token_ids=[1])]
+
+
+def test_host_ms_per_token_counts_the_engine_threads_cpu_not_its_waits(bench, monkeypatch):
+    engine = _FakeEngine(tokens=12, cpu=0.004, idle=0.006)
+    fake = SimpleNamespace(
+        engine=engine, model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=100))
+    )
+    monkeypatch.setattr(bench, "LLM", lambda *a, **k: fake)
+    monkeypatch.setattr(bench, "weight_bytes", lambda llm: 1)
+    args = SimpleNamespace(
+        prompt_len=8, decode_tokens=12, runs=2, model=None, dtype=None, load_format="dummy"
+    )
+    ((prefill, decode, nbytes, name, host_ms),) = bench.bench_jaxinfer(
+        args, list(range(8)), [("int4", "cpu", "async")]
+    )
+    assert name == "int4, cpu, async" and nbytes == 1
+    assert 3.5 <= host_ms <= 6.0  # the 4 ms of CPU a token, not the 10 ms of wall
+    assert decode <= 105  # a token every ~10 ms of wall (tok/s)
