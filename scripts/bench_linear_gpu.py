@@ -95,9 +95,9 @@ def candidates(t: int, k: int, n: int, fmt: str) -> list[gpu_linear.Blocks]:
     out = []
     for form in forms:
         for bn in (64, 128, 256):
-            # "fma" keeps two [block_k, W] f32 accumulators (code sums, scaled sums): <= 4096
-            # floats each (32 a thread at 4 warps), the K tile's bytes made up by unrolling.
-            fk = min(bk, max(16, 4096 // bn)) if form == "fma" else bk
+            # "fma": its accumulators bound block_k (`FMA_TILE_FLOATS`), the K tile's bytes made
+            # up by unrolling
+            fk = min(bk, max(16, gpu_linear.FMA_TILE_FLOATS // bn)) if form == "fma" else bk
             for split in (1, 2, 4, 8, 16):
                 b = gpu_linear.Blocks(bn, split, fk, unroll=bk // fk, form=form)
                 progs = -(-n // bn) * split

@@ -55,6 +55,9 @@ from jax.experimental.pallas import triton as plgpu
 
 MAX_ROWS = 64  # token rows the kernel takes (one token block: every row block rereads W)
 MAX_BLOCK_K = 128
+# "fma" form: floats of each of its two [block_k, block_n] f32 accumulators (code sums, scaled
+# sums) at most: 32 a thread at 4 warps; block_k = FMA_TILE_FLOATS // block_n (>= 16)
+FMA_TILE_FLOATS = 4096
 MIN_PROGRAMS = 200  # programs wanted for a decode GEMV: ~1.5 waves of an H100's / H200's 132 SMs
 CODE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint4))
 FORMS = ("dot", "fma")
@@ -138,7 +141,7 @@ def default_blocks(t: int, k: int, n: int, groups: int, int4: bool) -> Blocks:
     bn = max(lo, min(128, _pow2_at_least(-(-n // 8), lo)))
     form, unroll = ("fma", 1) if t == 1 else ("dot", 1)
     if form == "fma":
-        bk = max(16, min(bk, 4096 // bn))
+        bk = max(16, min(bk, FMA_TILE_FLOATS // bn))
         per = (k // groups) // bk
         unroll = next(u for u in (4, 2, 1) if (k // bk) % u == 0 and max(per, u) % min(per, u) == 0)
     tiles, split = k // bk, 1
