@@ -52,6 +52,25 @@ def loops(sass: str) -> list[collections.Counter]:
     return out
 
 
+def kernel_ptx(fmt: str, rows: int, k: int, n: int, groups: int, b, where: pathlib.Path) -> str:
+    """The PTX of the kernel for x bf16[rows, k] times [k, n] codes of `fmt` ("int4" / "int8")
+    in `groups` scale groups with blocks `b`, from the deviceless H100 compile (XLA's dump goes
+    to `where`; needs `aot.available("gpu")`)."""
+    s = jax.ShapeDtypeStruct
+    int4 = fmt == "int4"
+    meta = s((groups, n), jnp.float16 if int4 else jnp.float32)
+    codes = s((k, n), jnp.uint4 if int4 else jnp.int8)
+    args = (s((rows, k), jnp.bfloat16), codes, meta) + ((meta,) * int4)
+    aot.compile_function(
+        gpu.quantized_matmul, args, "h100", static_kwargs={"config": b},
+        compiler_options={"xla_dump_to": str(where)},
+    )  # fmt: skip
+    kernel = [q.read_text() for q in where.glob("*.ptx") if f"{fmt}_matmul" in q.read_text()]
+    if len(kernel) != 1:
+        raise RuntimeError(f"{len(kernel)} PTX files of the {fmt} kernel in {where}, not one")
+    return kernel[0]
+
+
 def _ptxas() -> pathlib.Path:
     import nvidia.cuda_nvcc  # the deviceless plugin's assembler (`.[aot]`)
 
@@ -78,15 +97,9 @@ def main() -> None:
         b = gpu.Blocks(*map(int, f[:4]), f[4], *map(int, f[5:]))
     else:
         b = gpu.blocks(a.rows, a.k, a.n, a.groups, codes)
-    s = jax.ShapeDtypeStruct
-    meta = s((a.groups, a.n), jnp.float16 if int4 else jnp.float32)
-    args = (s((a.rows, a.k), jnp.bfloat16), s((a.k, a.n), codes), meta) + ((meta,) * int4)
     with tempfile.TemporaryDirectory() as tmp:
-        aot.compile_function(
-            gpu.quantized_matmul, args, "h100", static_kwargs={"config": b},
-            compiler_options={"xla_dump_to": tmp},
-        )  # fmt: skip
-        [ptx] = [q for q in pathlib.Path(tmp).glob("*.ptx") if f"{a.fmt}_matmul" in q.read_text()]
+        ptx = pathlib.Path(tmp) / "kernel.ptx"
+        ptx.write_text(kernel_ptx(a.fmt, a.rows, a.k, a.n, a.groups, b, pathlib.Path(tmp)))
         cubin = pathlib.Path(tmp) / "k.cubin"
         r = subprocess.run(
             [_ptxas(), "-arch=sm_90a", "-v", "-o", cubin, ptx], capture_output=True, text=True

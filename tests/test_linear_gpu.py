@@ -171,6 +171,18 @@ def test_every_shipped_configuration_compiles_for_h100():
         assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 1, (fmt, t, k, n, b)
 
 
+def _sass_script():
+    """`scripts/kernel_sass.py` as a module."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, "scripts")
+    try:
+        return importlib.import_module("kernel_sass")
+    finally:
+        sys.path.remove("scripts")
+
+
 def _kernel_ptx(fmt: str, t: int, b, where) -> str:
     """The PTX of the kernel for x [t, 4096] times [4096, 6144] codes of `fmt` in groups of 128
     with blocks `b`, from the deviceless H100 compile (skips without the CUDA plugin)."""
@@ -179,17 +191,8 @@ def _kernel_ptx(fmt: str, t: int, b, where) -> str:
     reason = aot.available("gpu")
     if reason is not None:
         pytest.skip(f"no deviceless gpu compiler: {reason}")
-    s = jax.ShapeDtypeStruct
-    codes = jnp.int8 if fmt == "int8" else jnp.uint4
-    meta = s((32, 6144), jnp.dtype(qlib.SCALE_DTYPE[fmt]))
-    args = (s((t, 4096), jnp.bfloat16), s((4096, 6144), codes), meta) + ((meta,) * (fmt == "int4"))
-    aot.compile_function(
-        gpu_linear.quantized_matmul, args, "h100", static_kwargs={"config": b},
-        compiler_options={"xla_dump_to": str(where)},
-    )  # fmt: skip
-    kernel = [p.read_text() for p in where.glob("*.ptx") if f"{fmt}_matmul" in p.read_text()]
-    assert len(kernel) == 1, len(kernel)
-    return kernel[0]
+    where.mkdir(parents=True, exist_ok=True)
+    return _sass_script().kernel_ptx(fmt, t, 4096, 6144, 32, b, where)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -313,14 +316,7 @@ def test_sass_script_counts_each_loop():
     """`scripts/kernel_sass.py` (the instruction counts above, from nvdisasm's text): a loop is
     the instructions from a label to a branch back to it; predicated and modified opcodes count
     under their name. (Its codes a thread: `gpu.codes_per_thread`, checked above.)"""
-    import importlib
-    import sys
-
-    sys.path.insert(0, "scripts")
-    try:
-        sass = importlib.import_module("kernel_sass")
-    finally:
-        sys.path.remove("scripts")
+    sass = _sass_script()
     text = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;
 .L_x_0:
