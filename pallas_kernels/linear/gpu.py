@@ -59,6 +59,10 @@ MAX_BLOCK_K = 128
 # sums) at most: 32 a thread at 4 warps; block_k = FMA_TILE_FLOATS // block_n (>= 16)
 FMA_TILE_FLOATS = 4096
 MIN_PROGRAMS = 200  # programs wanted for a decode GEMV: ~1.5 waves of an H100's / H200's 132 SMs
+# "fma" form: K split further while the programs stay <= FMA_PROGRAMS and each run keeps
+# >= FMA_RUN_TILES tiles (the 2026-11-27 H200 sweep's best one-row splits: 256-1,002 programs)
+FMA_PROGRAMS = 1024
+FMA_RUN_TILES = 32
 CODE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint4))
 FORMS = ("dot", "fma")
 
@@ -79,31 +83,30 @@ class Blocks(NamedTuple):
 # padded token block (16, 32, 64): `scripts/bench_linear_gpu.py --tuned-out` on a GPU writes them
 # (`load_tuned` adds such a file). `blocks` takes the entry of the nearest row class that can run
 # the step's rows, else `default_blocks`.
-# NOTE: measured 2026-11-26 on an H200 (jax 0.11.2) at Llama-3-8B's projections, groups of 128
-# (BENCHMARKS.md "The dequantizing matmul tuned"); the comment gives the product's time in the
-# sweep (one jitted call over several weight copies, launch gaps included). The LM head's rows are
-# int8 only: an int4 model keeps its vocabulary-sized weights int8. The "fma" rows were timed with
-# that form's earlier body (9.3 / 7.6 SASS instructions a code, now 4.3 / 3.4 at these blocks):
-# re-sweep on a GPU (`scripts/gpu_session.sh`).
+# NOTE: measured 2026-11-27 on an H200 (jax 0.11.2) at Llama-3-8B's projections, groups of 128
+# (BENCHMARKS.md "The one-row dequantizing matmul timed"), with the "fma" form's inline-PTX body;
+# the comment gives the product's time in the sweep (one jitted call over several weight copies,
+# launch gaps included). The LM head's rows are int8 only: an int4 model keeps its
+# vocabulary-sized weights int8.
 TUNED: dict[tuple[str, int, int, int], Blocks] = {
-    ("uint4", 4096, 28672, 1): Blocks(128, 1, 64, 2, "fma", 4, 3),  # gate_up 107 us
-    ("uint4", 4096, 28672, 32): Blocks(128, 1, 128, 1, "dot", 4, 4),  # gate_up 144 us
-    ("uint4", 14336, 4096, 1): Blocks(128, 8, 64, 2, "fma", 4, 2),  # down 66 us
-    ("uint4", 14336, 4096, 32): Blocks(128, 8, 128, 1, "dot", 4, 4),  # down 79 us
-    ("uint4", 4096, 6144, 1): Blocks(128, 8, 64, 2, "fma", 4, 3),  # qkv 28 us
-    ("uint4", 4096, 6144, 32): Blocks(256, 16, 128, 1, "dot", 8, 3),  # qkv 55 us
-    ("uint4", 4096, 4096, 1): Blocks(128, 16, 64, 2, "fma", 4, 3),  # o 28 us
-    ("uint4", 4096, 4096, 32): Blocks(128, 8, 128, 1, "dot", 4, 3),  # o 37 us
-    ("int8", 4096, 28672, 1): Blocks(256, 8, 128, 1, "dot", 4, 3),  # gate_up 123 us
-    ("int8", 4096, 28672, 32): Blocks(128, 1, 128, 1, "dot", 4, 3),  # gate_up 125 us
-    ("int8", 14336, 4096, 1): Blocks(128, 16, 64, 2, "fma", 4, 3),  # down 68 us
-    ("int8", 14336, 4096, 32): Blocks(128, 8, 128, 1, "dot", 4, 3),  # down 73 us
-    ("int8", 4096, 6144, 1): Blocks(128, 8, 64, 2, "fma", 4, 3),  # qkv 31 us
-    ("int8", 4096, 6144, 32): Blocks(128, 8, 128, 1, "dot", 4, 3),  # qkv 42 us
-    ("int8", 4096, 4096, 1): Blocks(128, 16, 128, 1, "dot", 4, 3),  # o 26 us
-    ("int8", 4096, 4096, 32): Blocks(64, 8, 128, 1, "dot", 4, 3),  # o 33 us
-    ("int8", 4096, 128256, 1): Blocks(128, 1, 128, 1, "dot", 4, 3),  # lm_head 317 us
-    ("int8", 4096, 128256, 32): Blocks(256, 1, 128, 1, "dot", 4, 3),  # lm_head 338 us
+    ("uint4", 4096, 28672, 1): Blocks(256, 8, 16, 8, "fma", 4, 4),  # gate_up 51 us
+    ("uint4", 4096, 28672, 32): Blocks(256, 2, 128, 1, "dot", 4, 3),  # gate_up 117 us
+    ("uint4", 14336, 4096, 1): Blocks(256, 16, 16, 8, "fma", 4, 3),  # down 38 us
+    ("uint4", 14336, 4096, 32): Blocks(256, 16, 128, 1, "dot", 4, 4),  # down 71 us
+    ("uint4", 4096, 6144, 1): Blocks(256, 8, 16, 16, "fma", 4, 3),  # qkv 27 us
+    ("uint4", 4096, 6144, 32): Blocks(256, 8, 128, 1, "dot", 4, 2),  # qkv 48 us
+    ("uint4", 4096, 4096, 1): Blocks(256, 16, 16, 8, "fma", 8, 4),  # o 24 us
+    ("uint4", 4096, 4096, 32): Blocks(128, 8, 128, 2, "dot", 4, 3),  # o 34 us
+    ("int8", 4096, 28672, 1): Blocks(256, 8, 16, 16, "fma", 4, 3),  # gate_up 72 us
+    ("int8", 4096, 28672, 32): Blocks(128, 1, 128, 1, "dot", 4, 4),  # gate_up 106 us
+    ("int8", 14336, 4096, 1): Blocks(256, 16, 16, 8, "fma", 8, 4),  # down 48 us
+    ("int8", 14336, 4096, 32): Blocks(128, 8, 128, 1, "dot", 4, 4),  # down 66 us
+    ("int8", 4096, 6144, 1): Blocks(128, 8, 32, 4, "fma", 4, 3),  # qkv 31 us
+    ("int8", 4096, 6144, 32): Blocks(128, 8, 128, 1, "dot", 4, 3),  # qkv 38 us
+    ("int8", 4096, 4096, 1): Blocks(128, 8, 32, 4, "fma", 4, 3),  # o 21 us
+    ("int8", 4096, 4096, 32): Blocks(128, 8, 128, 1, "dot", 4, 3),  # o 36 us
+    ("int8", 4096, 128256, 1): Blocks(256, 1, 16, 8, "fma", 4, 3),  # lm_head 225 us
+    ("int8", 4096, 128256, 32): Blocks(256, 1, 128, 1, "dot", 4, 3),  # lm_head 331 us
 }  # fmt: skip
 
 
@@ -129,29 +132,38 @@ def max_block_k(k: int, groups: int) -> int:
 
 
 def default_blocks(t: int, k: int, n: int, groups: int, int4: bool) -> Blocks:
-    """The rule for shapes `TUNED` lacks, read off the H200 sweep (BENCHMARKS.md "The dequantizing
-    matmul tuned"): 128 output columns a program (fewer for narrow weights), K split in halves
-    until >= MIN_PROGRAMS programs (each run >= 4 tiles); more rows "dot" over 128-channel tiles;
-    one row "fma" over tiles of 4096 / block_n channels (its code sums and scaled sums are two
-    [block_k, W] accumulators), up to 4 a step within a group: at 128 columns 32-channel tiles
-    four a step compile to 3.8 SASS instructions a code against 4.3 for 64-channel tiles two a
-    step (BENCHMARKS.md "The one-row dequantizing matmul in fewer instructions"; not timed)."""
+    """The rule for shapes `TUNED` lacks, read off the H200 sweeps (BENCHMARKS.md "The
+    dequantizing matmul tuned", "The one-row dequantizing matmul timed"). More rows: "dot" over
+    128-channel tiles, 128 output columns a program (fewer for narrow weights), K split in halves
+    until >= MIN_PROGRAMS programs (each run >= 4 tiles). One row: "fma" with 256 columns a program
+    over tiles of FMA_TILE_FLOATS / 256 = 16 channels (its code sums and scaled sums are two
+    [block_k, W] accumulators), up to 8 tiles a loop step within a group, K split as for "dot" and
+    then further while the programs stay <= FMA_PROGRAMS and each run keeps >= FMA_RUN_TILES
+    tiles: 256 / 16 / 8 won 8 of the 10 one-row cases of the 2026-11-27 sweep, and these splits
+    are its best in 4 of the 5 int4 ones (qkv's is 16 against its best 8: 33 vs 29 us)."""
+    fma = t == 1
     bk = max_block_k(k, groups)
     lo = 32 if int4 else 16
-    bn = max(lo, min(128, _pow2_at_least(-(-n // 8), lo)))
-    form, unroll = ("fma", 1) if t == 1 else ("dot", 1)
-    if form == "fma":
+    bn = max(lo, min(256 if fma else 128, _pow2_at_least(-(-n // 8), lo)))
+    unroll = 1
+    if fma:
         bk = max(16, min(bk, FMA_TILE_FLOATS // bn))
         per = (k // groups) // bk
-        unroll = next(u for u in (4, 2, 1) if (k // bk) % u == 0 and max(per, u) % min(per, u) == 0)
+        unroll = next(
+            u for u in (8, 4, 2, 1) if (k // bk) % u == 0 and max(per, u) % min(per, u) == 0
+        )
     tiles, split = k // bk, 1
-    while (
-        -(-n // bn) * split < MIN_PROGRAMS
-        and tiles % (2 * split * unroll) == 0
-        and tiles // (2 * split) >= 4
-    ):
+
+    def more(split: int) -> bool:
+        if tiles % (2 * split * unroll):
+            return False
+        programs, run = -(-n // bn) * split, tiles // (2 * split)
+        few = programs < MIN_PROGRAMS and run >= 4
+        return few or (fma and 2 * programs <= FMA_PROGRAMS and run >= FMA_RUN_TILES)
+
+    while more(split):
         split *= 2
-    return Blocks(block_n=bn, split=split, block_k=bk, unroll=unroll, form=form)
+    return Blocks(block_n=bn, split=split, block_k=bk, unroll=unroll, form="fma" if fma else "dot")
 
 
 def blocks(t: int, k: int, n: int, groups: int, dtype) -> Blocks:
