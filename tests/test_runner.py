@@ -352,6 +352,28 @@ def test_int4_programs_warmup_built_run_their_steps_on_the_fast_path(small, monk
     assert len(python_calls) <= len(kept) and len(python_calls) < len(table_calls) // 3
 
 
+def test_warmed_programs_run_directly_with_the_same_tokens(small, monkeypatch) -> None:
+    """After its first checked call, a warmed program runs through its loaded executable
+    (`direct_call`: no per-argument checks); the tokens equal the checked calls' ones."""
+    from jaxinfer.engine.runner import direct_call
+
+    runner = small_runner(small)
+    runner.warmup()
+    ran, real = [], direct_call.DirectCall.__call__
+
+    def counted(self, args):
+        out = real(self, args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(direct_call.DirectCall, "__call__", counted)
+    reqs = [(0, req("a", [5, 6, 7], max_tokens=12)), (1, req("b", [8, 9] * 10))]
+    direct = drive(runner, reqs)
+    assert sum(ran) >= 8, ran
+    monkeypatch.setattr(direct_call, "ENABLED", False)
+    assert drive(runner, reqs_again(reqs)) == direct
+
+
 def test_gpu_attention_marks_pure_decode_steps_and_warms_their_programs(small) -> None:
     """With the `gpu` attention backend (interpreted here) a step whose every sequence decodes one
     token is marked `decode_only` (the kernel's decode-only path, a program of its own per

@@ -12,7 +12,10 @@
    (`compile_cache.persistent_cache_paused`).
 3. `table(key, args, kwargs)` runs the program kept under `key` on the call's dynamic
    arguments, or the jitted function (which traces and compiles a shape warmup did not build,
-   also where an argument the key does not describe differs from warmup's).
+   also where an argument the key does not describe differs from warmup's). After a program's
+   first (checked) call, calls of the same argument shapes run it through its loaded
+   executable (`direct_call.DirectCall`: ~0.3-0.6 ms less host time a decode step); so do the
+   keys the jit ran more than once (their `Compiled` taken from the jit's caches, `_repeated`).
 4. `jit_cache_size()` counts the programs this table's calls took from the jitted function: one
    per call signature (the key, and the type, shape, dtype and sharding of every argument after
    the `fixed` leading ones). NOTE: not the jit's own `_cache_size()`: runners with the same
@@ -43,6 +46,8 @@ import jax
 from jax.experimental.layout import Layout
 
 from jaxinfer import compile_cache
+from jaxinfer.engine.runner import direct_call
+from jaxinfer.engine.runner.direct_call import DirectCall
 from jaxinfer.executable_cache import ExecutableCache, program_key
 
 logger = logging.getLogger(__name__)
@@ -69,7 +74,15 @@ class ProgramTable:
         self.programs: dict[Any, Any] = {}
         self.jit_signatures: set[tuple] = set()
         self.first_use: ExecutableCache | None = None  # see the module docstring, step 5
-        self._jit_only: set[Any] = set()  # keys whose program refused its arguments' layouts
+        # keys the jit runs: their program refused its arguments' layouts or types (a key the
+        # jit ran), or no direct call is possible for a key the jit ran
+        self._jit_only: set[Any] = set()
+        # key -> its program's `DirectCall` after a first checked call (False: not possible)
+        self._direct: dict[Any, DirectCall | bool] = {}
+        # keys the jit ran, and the `Compiled` of those it ran twice (`_repeated`): not counted
+        # as programs (`__len__`, `jit_cache_size` count them as the jit's)
+        self._jit_ran: set[Any] = set()
+        self._repeats: dict[Any, Any] = {}
 
     def __len__(self) -> int:
         return len(self.programs)
@@ -85,11 +98,28 @@ class ProgramTable:
         program = self.programs.get(key)
         if program is None and self.first_use is not None and key not in self._jit_only:
             program = self._first_use(key, args, kwargs, self.first_use)
+        if program is None:
+            program = self._repeated(key, args, kwargs)
         if program is not None:
+            dynamic = self.dynamic(args)
+            direct = self._direct.get(key)
+            if direct:  # NOTE: None when the arguments differ from its first call's
+                out = direct(dynamic)
+                if out is not None:
+                    return out
+            elif direct is None:  # made before the first checked call, used after it
+                made = DirectCall.of(program, dynamic)
             try:
-                return program(*self.dynamic(args))
+                out = program(*dynamic)
+                if direct is None:
+                    self._direct[key] = made or False
+                return out
             except TypeError:  # NOTE: raised by the argument check, before anything ran
-                pass  # e.g. a wider suppress-ids table than warmup's: the jit builds that one
+                # e.g. a wider suppress-ids table than warmup's: the jit builds that one (a key
+                # the jit ran: the jit's from now on, no check and refusal before every call)
+                if self._repeats.pop(key, None) is not None:
+                    self._direct.pop(key, None)
+                    self._jit_only.add(key)
             except ValueError as e:  # NOTE: the layout check, also before anything ran
                 if "layouts" not in str(e):
                     raise
@@ -101,10 +131,32 @@ class ProgramTable:
                     self.name,
                     " ".join(str(e).split("\n")[:3]),
                 )
-                del self.programs[key]
+                self.programs.pop(key, None)
+                self._repeats.pop(key, None)
+                self._direct.pop(key, None)
                 self._jit_only.add(key)
         self.jit_signatures.add(self.signature(key, args))
         return self.jitted(*args, **kwargs)
+
+    def _repeated(self, key: Any, args: tuple, kwargs: dict) -> Any:
+        """The program of a key the jit ran before (step 3): from the jit's second call of it,
+        its `Compiled` (the jit's own executable: lowering and compiling again hit JAX's
+        in-memory caches, ~5 ms once), so that its calls can run directly. None: the jit runs
+        it (a first call, or no direct call possible)."""
+        program = self._repeats.get(key)
+        if program is not None or key in self._jit_only or not direct_call.enabled():
+            return program
+        if key not in self._jit_ran:
+            self._jit_ran.add(key)
+            return None
+        dynamic = self.dynamic(args)
+        program = self.jitted.lower(*args, **kwargs).compile()
+        _accept_subbyte_layouts(program, dynamic)
+        if DirectCall.of(program, dynamic) is None:
+            self._jit_only.add(key)  # NOTE: no gain over the jit's own call
+            return None
+        self._repeats[key] = program
+        return program
 
     def signature(self, key: Any, args: tuple) -> tuple:
         """What picks this call's program in the jit beyond the fixed arguments (step 4)."""
@@ -186,6 +238,7 @@ class ProgramTable:
         (every later call ran the Python checks over all ~470 arguments: half the int4 decode
         speed), hence before, not on refusal."""
         _accept_subbyte_layouts(program, self.dynamic(args))
+        self._direct.pop(key, None)
         self.programs[key] = program
         return program
 
