@@ -1,8 +1,10 @@
 """Warmed programs called directly vs through `Compiled`'s checks, alternated in one process.
 
     python scripts/bench_direct_call.py [--quantization int4] [--rounds 6] [--tokens 128]
+                                        [--no-warmup]
 
-One `LLM` of the default model (float32 activations, one sequence slot, warmed up); each round
+One `LLM` of the default model (float32 activations, one sequence slot, warmed up; with
+`--no-warmup` its jit runs each shape first, as an offline `LLM` does); each round
 generates `--tokens` greedy tokens twice, once per path (`runner.direct_call.ENABLED`), in
 alternating order, and checks both give the same tokens. Prints the median decode tok/s and the
 engine thread's CPU time per token (`time.thread_time`) of each path, and the difference.
@@ -29,10 +31,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--model", default=None, help="a checkpoint (default: the embedded model)")
+    p.add_argument("--no-warmup", action="store_true", help="the jit's programs (offline LLM)")
     args = p.parse_args()
     quant = None if args.quantization == "none" else args.quantization
     llm = LLM(args.model, dtype="float32", quantization=quant, max_num_seqs=1)
-    llm.engine.warmup()
+    if not args.no_warmup:
+        llm.engine.warmup()
     sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     want = llm.generate([PROMPT], sp)[0].outputs[0].token_ids
     runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}

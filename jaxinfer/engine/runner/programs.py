@@ -15,9 +15,12 @@ travel (`pack`: one buffer per dtype, `unpack_buffers` by static slices inside t
    mesh, target device) in the process, so the jit of a second runner with the same options finds
    the first one's traces, lowerings and compiled programs in JAX's in-memory caches (keyed by
    the function object; a new `functools.partial` per runner re-traced, re-lowered and read the
-   persistent cache again: ~1.7 s of CPU per tiny engine). Each runner keeps its own `jax.jit`
-   object, but the caches behind it are shared with the others, so a runner counts the programs
-   its own calls used by call signature (`ProgramTable.jit_cache_size`), not `_cache_size()`.
+   persistent cache again: ~1.7 s of CPU per tiny engine). On one device the runners share the
+   `jax.jit` object too (`_jit`): a `ProgramTable` lowers a shape its jit ran twice (to call it
+   directly, `direct_call`), which traces nothing on the jit object that ran it but traced again
+   on another runner's own jit of the same function. The caches behind a jit are shared, so a
+   runner counts the programs its own calls used by call signature
+   (`ProgramTable.jit_cache_size`), not `_cache_size()`.
 """
 
 from __future__ import annotations
@@ -306,16 +309,16 @@ def step_jit(
     fed-back ids) left with the `carried` shardings it came in with. `shared`: over the process's
     one function object for these options (`bound`), else its own (programs compiled afresh)."""
     if mesh is None:  # inputs packed into one buffer per dtype (see pack)
-        return jax.jit(
+        return _jit(
             bound(
                 packed_step_program,
                 shared,
                 attention_backend=attention_backend,
                 linear_backend=linear_backend,
             ),
+            shared,
             static_argnames=("cfg", "all_logits", "layout"),
             donate_argnames=("kv_caches", "state"),
-            compiler_options=compiler_options(),
         )
     # NOTE: with the partitioner's choice instead, the first call's outputs would give the
     # second call other input shardings (a recompile of every program warmup built, on the first
@@ -358,8 +361,27 @@ def sampler_context(num_sample_rows: int) -> str:
 
 def sampler_jit(num_sample_rows: int, shared: bool = True) -> Any:
     """The jitted sampler of split steps (packed inputs, one device); `shared` as `step_jit`."""
-    return jax.jit(
+    return _jit(
         bound(packed_sample_program, shared, num_sample_rows=num_sample_rows),
+        shared,
         static_argnames=("layout",),
-        compiler_options=compiler_options(),
     )
+
+
+_JITS: dict[tuple, Any] = {}
+
+
+def _jit(fn: Any, shared: bool, **options: Any) -> Any:
+    """`jax.jit(fn, compiler_options=compiler_options(), **options)`: one jit object per `bound`
+    function and options where `shared` (step 4)."""
+    options["compiler_options"] = compiler_options()
+    if not shared:
+        return jax.jit(fn, **options)
+    key = (
+        fn,
+        repr([(k, sorted(v.items()) if isinstance(v, dict) else v) for k, v in options.items()]),
+    )
+    jitted = _JITS.get(key)
+    if jitted is None:
+        jitted = _JITS[key] = jax.jit(fn, **options)
+    return jitted
