@@ -121,3 +121,23 @@ def test_a_key_the_jit_ran_twice_runs_directly_after(monkeypatch):
     out, cache = t("k", (weights, cache, x), {})
     np.testing.assert_allclose(np.asarray(out["y"]), want_y, rtol=1e-5, atol=1e-6)
     assert "k" not in t._repeats and "k" in t._jit_only and t.jit_cache_size() == 2
+
+
+def test_a_direct_call_shows_in_a_profile(tmp_path):
+    """A trace (`jax.profiler`) still names the program's host call on the direct path."""
+    import glob
+    import gzip
+    import json
+
+    f = jax.jit(lambda a, b: a * 2 + b)
+    t = ProgramTable(f, "step", "test")
+    x = jnp.ones(4)
+    t._keep("k", f.lower(x, x).compile(), (x, x))
+    t("k", (x, x), {})
+    assert isinstance(t._direct["k"], DirectCall)
+    with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+        t("k", (x, x), {}).block_until_ready()
+    (path,) = glob.glob(str(tmp_path / "**" / "*.trace.json.gz"), recursive=True)
+    with gzip.open(path) as fh:
+        names = {e.get("name") for e in json.load(fh)["traceEvents"]}
+    assert "direct jit(<lambda>)" in names
