@@ -15,6 +15,7 @@ jax = pytest.importorskip("jax")
 
 from jaxinfer import aot  # noqa: E402
 from jaxinfer.aot import report  # noqa: E402
+from tests.script_utils import script  # noqa: E402
 
 # 2 layers, head_dim 128 (the TPU lane width), KV heads replicated on 4 tensor shards.
 SMALL = {
@@ -161,13 +162,7 @@ def test_a_model_too_big_for_the_hbm_is_refused_before_compiling(monkeypatch):
 
 
 def test_report_script_prints_a_table_and_refuses_with_status_2(h100, capsys):
-    import sys
-
-    sys.path.insert(0, "scripts")
-    try:
-        import aot_report
-    finally:
-        sys.path.remove("scripts")
+    aot_report = script("aot_report")
     text = aot_report.table([aot_report.row(h100)])
     assert "| h100 | 1 device | 1 | 1 |" in text
     _needs("tpu")

@@ -8,23 +8,19 @@
    wall time: a fake engine that spends 4 ms of CPU and sleeps 6 ms a step reads ~4.
 """
 
-import importlib
 import json
 import os
 import stat
-import sys
 from types import SimpleNamespace
 
 import pytest
 
+from tests.script_utils import script
+
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, "scripts")
-    try:
-        return importlib.import_module("bench_generate")
-    finally:
-        sys.path.remove("scripts")
+    return script("bench_generate")
 
 
 def _rows(prefill: float, decode: float) -> list[dict]:

@@ -10,6 +10,7 @@ import pytest
 
 from serving.reasoning import REASONING_PARSERS, answer_grammar
 from serving.tool_parsers import TOOL_PARSERS, JsonArrayToolParser
+from tests.script_utils import script
 
 WEATHER = {"city": "Paris", "days": 2}
 
@@ -200,15 +201,9 @@ def test_auto_keeps_special_tokens_where_the_call_marker_is_one():
 
 def test_serve_refuses_auto_tool_choice_without_a_parser(monkeypatch, capsys):
     import logging
-    import os
-    import sys
 
     monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-    try:
-        import serve
-    finally:
-        sys.path.pop(0)
+    serve = script("serve")
     assert serve.main(["--enable-auto-tool-choice", "--fake-runner"]) == 2  # before any start
     assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
 

@@ -26,6 +26,7 @@ from checkpoints.errors import CheckpointError
 from jaxinfer import sharding as shd
 from jaxinfer.loader import load_model
 from jaxinfer.model_info import LOAD_FORMATS
+from tests.script_utils import script
 
 
 @pytest.fixture(scope="module")
@@ -112,14 +113,7 @@ def test_dummy_bf16_generates_with_finite_logprobs(checkpoint):
 
 
 def test_serve_builds_a_dummy_engine(checkpoint):
-    import importlib
-    import sys
-
-    sys.path.insert(0, "scripts")
-    try:
-        serve = importlib.import_module("serve")
-    finally:
-        sys.path.remove("scripts")
+    serve = script("serve")
     args = serve.build_parser().parse_args(
         [
             "--model",

@@ -20,6 +20,7 @@ from checkpoints import quantize as qlib  # noqa: E402
 from jaxinfer import layers  # noqa: E402
 from jaxinfer.quantization import QArray  # noqa: E402
 from pallas_kernels.linear import gpu as gpu_linear  # noqa: E402
+from tests.script_utils import script  # noqa: E402
 
 E, GROUPS = 256, 2  # 2 groups of 128 input channels (the int8 / int4 group size)
 SHAPES = {"qkv": (2, 4, 16), "gate_up": (2, 48)}  # [Hkv, G+2, D], [2, F] after E
@@ -173,14 +174,7 @@ def test_every_shipped_configuration_compiles_for_h100():
 
 def _sass_script():
     """`scripts/kernel_sass.py` as a module."""
-    import importlib
-    import sys
-
-    sys.path.insert(0, "scripts")
-    try:
-        return importlib.import_module("kernel_sass")
-    finally:
-        sys.path.remove("scripts")
+    return script("kernel_sass")
 
 
 def _kernel_ptx(fmt: str, t: int, b, where) -> str:

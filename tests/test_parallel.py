@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +34,7 @@ from jaxinfer.models import llama
 from jaxinfer.step import StepInputs, build_step_arrays
 from tests.engine_utils import assert_same_greedy, greedy, load_vocab, run
 from tests.model_utils import rel_err
+from tests.script_utils import script
 
 PAGE_SIZE, NUM_PAGES = 4, 32
 
@@ -464,11 +463,7 @@ def test_llm_and_serve_load_a_checkpoint_onto_the_mesh(tmp_path):
     from jaxinfer.llm import LLM
     from jaxinfer.sampling_params import SamplingParams
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-    try:
-        import serve
-    finally:
-        sys.path.pop(0)
+    serve = script("serve")
 
     path = str(_save_hf_dir(tmp_path))
     options = dict(

@@ -54,6 +54,7 @@ from jaxinfer.quantization import QArray
 from jaxinfer.tokenizer import Tokenizer
 from pallas_kernels.linear import cpu as cpu_linear
 from tests.model_utils import PagedStepper, hf_config_dict, rel_err
+from tests.script_utils import script
 
 T = gguf.GGMLQuantizationType
 # Max logit error relative to the logit scale, quantized vs float, on the tiny random families at
@@ -930,19 +931,13 @@ def test_serve_flags_reach_the_core_and_dummy_weights_quantize(tmp_path, capsys)
     """`serve.py --quantization int8 --kv-cache-dtype fp8` travels in `EngineArgs` (plain data,
     picklable for the engine-core process) and builds a core with int8 leaves and an fp8 cache;
     `load_format="dummy"` creates the int8 leaves directly (random grid values, positive scales)."""
-    import importlib
     import json
     import pickle
-    import sys
 
     from pallas_kernels.ragged_paged_attention.reference import Fp8KVCache
 
     (tmp_path / "config.json").write_text(json.dumps(hf_config_dict("smollm2")))
-    sys.path.insert(0, "scripts")
-    try:
-        serve = importlib.import_module("serve")
-    finally:
-        sys.path.remove("scripts")
+    serve = script("serve")
     args = serve.build_parser().parse_args(
         [
             "--model",

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import ast
 import re
-import sys
 from pathlib import Path
+
+from tests.script_utils import script
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -248,11 +249,7 @@ def test_every_named_test_exists_and_is_served():
 
 
 def test_every_serve_flag_has_a_readme_row():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import serve
-    finally:
-        sys.path.pop(0)
+    serve = script("serve")
     flags = {
         o
         for a in serve.build_parser()._actions  # noqa: SLF001 - argparse has no public list

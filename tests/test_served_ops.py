@@ -30,6 +30,8 @@ import urllib.request
 import pytest
 from served_utils import serve_tiny
 
+from tests.script_utils import script
+
 pytestmark = pytest.mark.slow  # a server subprocess: imports JAX, compiles on first use
 
 zmq = pytest.importorskip("zmq")
@@ -201,14 +203,8 @@ def test_vllm_metrics_named_typed_and_counted(served):
 
 
 def test_leaderworkerset_env_names_the_multihost_flags():
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    try:
-        import serve
-    finally:
-        sys.path.pop(0)
+    serve = script("serve")
     lws = {"LWS_LEADER_ADDRESS": "llm-0.llm", "LWS_GROUP_SIZE": "4", "LWS_WORKER_INDEX": "2"}
     args = serve.build_parser().parse_args([])
     serve.lws_defaults(args, lws)
