@@ -36,20 +36,29 @@ def table():
     return t, weights, cache, rng
 
 
+def _counted(monkeypatch) -> list:
+    """Grows by one per direct call tried."""
+    used, real = [], DirectCall.__call__
+    monkeypatch.setattr(DirectCall, "__call__", lambda self, a: used.append(1) or real(self, a))
+    return used
+
+
+def _checked_step(t, weights, cache, x):
+    """One call of table `t` checked against numpy, the cache donated; returns the new cache."""
+    want_y, want_sum, want_cache = _want(weights, cache, x)
+    out, new_cache = t("k", (weights, cache, x), {})
+    np.testing.assert_allclose(np.asarray(out["y"]), want_y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(out["sum"]), want_sum, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(new_cache), want_cache, rtol=1e-5, atol=1e-6)
+    assert cache.is_deleted()  # donated, on either path
+    return new_cache
+
+
 def test_same_results_as_the_checked_call_with_the_cache_donated(table, monkeypatch):
     t, weights, cache, rng = table
-    used = []
-    real = DirectCall.__call__
-    monkeypatch.setattr(DirectCall, "__call__", lambda self, a: used.append(1) or real(self, a))
+    used = _counted(monkeypatch)
     for _ in range(4):
-        x = rng.standard_normal(4).astype(np.float32)
-        want_y, want_sum, want_cache = _want(weights, cache, x)
-        out, new_cache = t("k", (weights, cache, x), {})
-        np.testing.assert_allclose(np.asarray(out["y"]), want_y, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(float(out["sum"]), want_sum, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(np.asarray(new_cache), want_cache, rtol=1e-5, atol=1e-6)
-        assert cache.is_deleted()  # donated, on either path
-        cache = new_cache
+        cache = _checked_step(t, weights, cache, rng.standard_normal(4).astype(np.float32))
     assert isinstance(t._direct["k"], DirectCall) and len(used) == 3  # all calls but the first
     # new weights (another object): read again, not the first call's leaves
     weights = {"w": weights["w"] * 2, "b": [weights["b"][0] - 5]}
@@ -101,18 +110,10 @@ def test_a_key_the_jit_ran_twice_runs_directly_after(monkeypatch):
     t = ProgramTable(jitted, "step", "test")
     rng = np.random.default_rng(1)
     weights = {"w": jnp.asarray(rng.standard_normal((6, 4)), jnp.float32), "b": [jnp.zeros(6)]}
-    cache = jnp.zeros(3)
-    used = []
-    real = DirectCall.__call__
-    monkeypatch.setattr(DirectCall, "__call__", lambda self, a: used.append(1) or real(self, a))
+    cache = jnp.asarray(rng.standard_normal(3), jnp.float32)
+    used = _counted(monkeypatch)
     for i in range(4):
-        x = rng.standard_normal(4).astype(np.float32)
-        want_y, _, want_cache = _want(weights, cache, x)
-        out, new = t("k", (weights, cache, x), {})
-        np.testing.assert_allclose(np.asarray(out["y"]), want_y, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(np.asarray(new), want_cache, rtol=1e-5, atol=1e-6)
-        assert cache.is_deleted()
-        cache = new
+        cache = _checked_step(t, weights, cache, rng.standard_normal(4).astype(np.float32))
         assert ("k" in t._repeats) == (i >= 1) and len(used) == max(0, i - 1)
     assert len(t) == 0 and t.jit_cache_size() == 1
     # another type under the same key: refused by the checked call, the jit's key from then on
