@@ -100,6 +100,10 @@ def test_programs_it_cannot_run_keep_the_checked_call():
     assert DirectCall.of(plain.lower(x, 2.0).compile(), (x, 2.0)) is None  # a Python scalar
     assert DirectCall.of(plain.lower(x, x).compile(), (x, x)) is not None
     assert DirectCall.of(object(), (x,)) is None  # not a `Compiled` of this jax
+    wide = np.ones(3)  # float64, which the checked call converts (x64 off): not moved as it is
+    assert DirectCall.of(plain.lower(x, wide).compile(), (x, wide)) is None
+    direct = DirectCall.of(plain.lower(x, x).compile(), (x, x))
+    assert direct((x, 2.0)) is None  # a scalar where the first call had an array
 
 
 def test_a_key_the_jit_ran_twice_runs_directly_after(monkeypatch):

@@ -84,17 +84,24 @@ class DirectCall:
                 or jax.tree.structure((args, {})) != params.in_tree
             ):
                 return None
+            # NOTE: the compiled types: a numpy leaf the checked call converts (float64 under
+            # x64 off) is not moved as it is; such a program keeps the checked call
+            compiled = iter(jax.tree.leaves(program.in_avals))
             specs = []
             for arg in args:
                 leaves, treedef = jax.tree.flatten(arg)
                 spec = []
                 for x in leaves:
-                    if not isinstance(x, jax.Array | np.ndarray):
-                        return None  # NOTE: Python scalars: the checked call
+                    aval = next(compiled)
+                    if not isinstance(x, jax.Array | np.ndarray) or (x.shape, x.dtype) != (
+                        aval.shape,
+                        aval.dtype,
+                    ):
+                        return None  # NOTE: Python scalars too: the checked call
                     spec.append((x.shape, x.dtype, isinstance(x, np.ndarray)))
                 specs.append((treedef, tuple(spec)))
             return cls(program, executable, executable._local_devices[0], specs)
-        except AttributeError:
+        except (AttributeError, StopIteration):
             return None
 
     def __call__(self, args: tuple) -> Any:
@@ -110,14 +117,14 @@ class DirectCall:
             if tree != treedef:
                 return None
             for j, (x, (shape, dtype, host)) in enumerate(zip(leaves, spec, strict=True)):
-                if x.shape != shape or x.dtype != dtype:
+                if (
+                    not isinstance(x, np.ndarray if host else jax.Array)
+                    or x.shape != shape
+                    or x.dtype != dtype
+                ):
                     return None
                 if host:
-                    if not isinstance(x, np.ndarray):
-                        return None
                     leaves[j] = self._put(x)
-                elif not isinstance(x, jax.Array):
-                    return None
             if i == 0:
                 self._first = (arg, leaves)
             flat += leaves
