@@ -164,6 +164,24 @@ def test_no_profile_endpoints_without_trace_dir(srv):
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
+def test_the_engine_core_preloads_jemalloc_where_the_machine_has_it(srv):
+    """`jaxinfer.engine.allocator`: the spawned core process maps jemalloc when the machine has
+    it (the front end does not, and its own environment is as it was), else neither does."""
+    from jaxinfer.engine import allocator
+
+    with open(f"/proc/{_core_pid(srv)}/maps") as f:
+        core_maps = f.read()
+    with open(f"/proc/{srv.proc.pid}/maps") as f:
+        front_maps = f.read()
+    log = "".join(srv.log)
+    assert "libjemalloc" not in front_maps
+    if allocator.jemalloc() is None:
+        assert "libjemalloc" not in core_maps and "LD_PRELOAD" not in log
+    else:
+        assert "libjemalloc" in core_maps, core_maps[-2000:]
+        assert f"LD_PRELOAD={allocator.jemalloc()}" in log
+
+
 def _core_pid(srv: ServedProcess) -> int:
     """The engine core's pid (logged by the launcher), checked to be serve.py's child."""
     m = re.search(r"engine core process (\d+) started", "".join(srv.log))

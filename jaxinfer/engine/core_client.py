@@ -7,6 +7,7 @@ step each way). Imports no JAX: the front-end process never loads it.
 2. `ProcessCoreClient.start(on_message)` spawns the engine-core process (the only one that
    touches the devices; its entry is `core_loop.core_process_main`), binds two ipc sockets, and
    runs a receiver thread that hands each message, decoded into its type, to the front end.
+   The process preloads jemalloc where the machine has it (`jaxinfer.engine.allocator`).
    `send(msg)` encodes and sends one. Either side's death is detected: the receiver reports
    `Broken(exited=True)` within 0.2 s of the process exiting unasked (the front end then exits);
    the core process exits within 0.1 s of its parent's death (`core_loop.core_process_main`).
@@ -26,6 +27,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from jaxinfer.engine import allocator
 from jaxinfer.engine.types import Broken, Message, Shutdown, decode_message, encode
 
 if TYPE_CHECKING:
@@ -34,6 +36,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 OnMessage = Callable[[Message], None]
+_ENVIRON_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]):
+    """`os.environ` with `extra` set while a child process starts, then as it was."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @dataclasses.dataclass
@@ -90,8 +108,14 @@ class ProcessCoreClient:
             name="jaxinfer-engine-core",
             daemon=True,
         )
-        self.process.start()
-        logger.info("engine core process %d started", self.process.pid)
+        extra = allocator.core_env()  # NOTE: the spawned process inherits the environment
+        with _ENVIRON_LOCK, _environ(extra):
+            self.process.start()
+        logger.info(
+            "engine core process %d started%s",
+            self.process.pid,
+            f" ({allocator.ENV}: LD_PRELOAD={extra['LD_PRELOAD']})" if extra else "",
+        )
         self._thread = threading.Thread(
             target=self._receive, args=(on_message,), name="engine-core-receiver", daemon=True
         )
