@@ -279,6 +279,12 @@ class EngineConfig:
     # on the device), so host work overlaps device work; one speculative decode step is wasted
     # per request that stops on EOS / a stop token. Multi-host runs step synchronously.
     async_scheduling: bool = True
+    # Multi-step scheduling (vLLM's former `--num-scheduler-steps`): while every running request
+    # is a plain decode (no logprobs, token masks or images) and nobody waits, one program runs
+    # up to this many decode steps, each feeding its sampled ids to the next on the device, so
+    # the host's per-step cost is paid once for all (`jaxinfer.engine.multi_step`). The tokens are
+    # those of single steps. One device, no speculative decoding; 1: off.
+    num_scheduler_steps: int = 1
     # Speculative decoding (`jaxinfer.spec_decode.SpeculativeConfig`; a dict or JSON string is
     # parsed): e.g. {"method": "ngram", "num_speculative_tokens": 4}. None: off.
     speculative_config: Any = None
@@ -325,9 +331,20 @@ class EngineConfig:
                     f"max_num_batched_tokens={self.max_num_batched_tokens}"
                 )
             object.__setattr__(self, "token_buckets", buckets)
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_loras"):
+        names = ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_loras")
+        for name in (*names, "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_scheduler_steps > 1 and self.speculative_config is not None:
+            raise ValueError(
+                f"num_scheduler_steps={self.num_scheduler_steps} does not combine with "
+                f"speculative_config (one step a program while speculating)"
+            )
+        if self.num_scheduler_steps > 1 and math.prod(parse_mesh(self.mesh).values()) > 1:
+            raise ValueError(
+                f"num_scheduler_steps={self.num_scheduler_steps} needs one device "
+                f"(mesh {self.mesh!r})"
+            )
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             raise ValueError(
                 "long_prefill_token_threshold must be >= 1 (or None for no cap), "

@@ -95,7 +95,8 @@ class LLM:
         None uses `$JAX_COMPILATION_CACHE_DIR`, else `~/.cache/jaxinfer/xla`; "" turns it off.
       **engine_options: `EngineConfig` fields (page_size, num_pages, kv_cache_memory,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, mesh,
-        long_prefill_token_threshold, max_num_encoder_input_tokens, quantization, enable_lora,
+        long_prefill_token_threshold, max_num_encoder_input_tokens, num_scheduler_steps,
+        quantization, enable_lora,
         max_loras, max_lora_rank, max_cpu_loras), `attention_backend` and `linear_backend`; for
         images `limit_mm_per_prompt`, `allowed_local_media_path` (`file://` URLs only under it)
         and `allowed_media_domains` (http(s) hosts; default any), as vLLM.

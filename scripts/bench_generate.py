@@ -2,14 +2,16 @@
 
     python scripts/bench_generate.py [--model PATH] [--prompt-len 128] [--decode-tokens 64] [--runs 5]
                                      [--linear-backend cpu,xla] [--scheduling async,sync]
+                                     [--num-scheduler-steps 1,8]
                                      [--quantization none,int8,int4] [--llama-cpp BUILD_DIR]
                                      [--load-format dummy]
 
-1. jaxinfer: an `LLM` with one sequence slot (one per `--quantization`, `--linear-backend` and
-   `--scheduling`, their requests taking turns); a warm-up request compiles the programs first.
-   Prefill = time from adding the request to the engine step that returns its first token (the
-   whole prompt in one step); decode = median time between the steps that return the following
-   tokens (with async scheduling a step returns the token of the step launched before it).
+1. jaxinfer: an `LLM` with one sequence slot (one per `--quantization`, `--linear-backend`,
+   `--scheduling` and `--num-scheduler-steps`, their requests taking turns); a warm-up request
+   compiles the programs first. Prefill = time from adding the request to the engine step that
+   returns its first token (the whole prompt in one step); decode = median time between the steps
+   that return the following tokens, per token they return (with async scheduling a step returns
+   the tokens of the step launched before it; a multi-step program returns several).
    Each run is one request; medians over runs. `host ms/tok`: CPU time of the engine's own
    thread (scheduling, input building, the program call, output processing: `time.thread_time`)
    per decode token; on a CPU device it shares the cores with the step, so each of those
@@ -49,8 +51,9 @@ from _timing import median_time
 from jaxinfer import LLM, SamplingParams
 
 
-def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str]], peers=()):
-    """One engine per (quantization, linear backend, scheduling); their runs interleave, so a slow
+def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str, int]], peers=()):
+    """One engine per (quantization, linear backend, scheduling, steps a program); their runs
+    interleave, so a slow
     phase of a noisy machine hits every configuration alike. Each of `peers` (a callable) runs once
     per round after the engines' requests, round 0 (the compiling one) included."""
     max_len = args.prompt_len + args.decode_tokens + 16
@@ -70,9 +73,10 @@ def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str]], peers=
             max_num_batched_tokens=max(args.prompt_len, 16),
             linear_backend=backend,
             async_scheduling=scheduling == "async",
+            num_scheduler_steps=steps,
             quantization=None if quant == "none" else quant,
         )
-        for quant, backend, scheduling in configs
+        for quant, backend, scheduling, steps in configs
     ]
     vocab = llms[0].model.cfg.vocab_size
     prompt_ids = [t % vocab for t in prompt_ids]  # any architecture (--load-format dummy)
@@ -83,15 +87,18 @@ def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str]], peers=
             eng = llm.engine
             start = time.perf_counter()
             eng.add_request(prompt_ids, sp, request_id=f"bench-{run}")
-            stamps, cpu = [], []  # when each step that returned a token ended: wall, thread CPU
+            # when each step that returned tokens ended (wall, thread CPU) and how many it returned
+            stamps, cpu, counts = [], [], []
             while eng.has_unfinished():
-                if any(d.new_token_ids for d in eng.step()):
+                n = sum(len(d.new_token_ids) for d in eng.step())
+                if n:
                     stamps.append(time.perf_counter())
                     cpu.append(time.thread_time())
+                    counts.append(n)
             if run:
                 prefill.append(stamps[0] - start)
-                decode.append(statistics.median(np.diff(stamps)))
-                host.append((cpu[-1] - cpu[0]) / max(1, len(cpu) - 1))
+                decode.append(statistics.median(np.diff(stamps) / counts[1:]))
+                host.append((cpu[-1] - cpu[0]) / max(1, sum(counts[1:])))
         for peer in peers:
             peer()
     return [
@@ -99,10 +106,11 @@ def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str]], peers=
             args.prompt_len / statistics.median(prefill),
             1 / statistics.median(decode),
             weight_bytes(llm),
-            f"{quant}, {llm.engine.runner.linear_backend}, {scheduling}",
+            f"{quant}, {llm.engine.runner.linear_backend}, {scheduling}"
+            + (f", {steps} steps" if steps > 1 else ""),
             1e3 * statistics.median(host),
         )
-        for llm, (prefill, decode, host), (quant, _, scheduling) in zip(llms, times, configs)
+        for llm, (prefill, decode, host), (quant, _, scheduling, steps) in zip(llms, times, configs)
     ]
 
 
@@ -241,6 +249,12 @@ def main() -> None:
         help="engine scheduling, comma-separated: async, sync (one jaxinfer row each)",
     )
     p.add_argument(
+        "--num-scheduler-steps",
+        default="1",
+        help="decode steps one program may run (EngineConfig.num_scheduler_steps), "
+        "comma-separated (one jaxinfer row each)",
+    )
+    p.add_argument(
         "--quantization",
         default="none",
         help="weight quantization(s), comma-separated: none, int8, fp8, int4 (one jaxinfer "
@@ -274,10 +288,11 @@ def main() -> None:
         args,
         prompt_ids,
         [
-            (q, b, m)
+            (q, b, m, int(n))
             for q in args.quantization.split(",")
             for b in args.linear_backend.split(",")
             for m in args.scheduling.split(",")
+            for n in args.num_scheduler_steps.split(",")
         ],
         peers=llama_cpp,
     )

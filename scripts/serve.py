@@ -167,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
         "step is launched first, its decode tokens fed on the device)",
     )
     e.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=1,
+        help="decode steps one program may run while every running request is a plain "
+        "decode and nobody waits (multi-step scheduling; one device, no speculative "
+        "decoding; default 1: off)",
+    )
+    e.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         default=None,
@@ -420,6 +428,7 @@ def engine_args(args: argparse.Namespace):
         token_buckets=args.token_buckets,
         enable_prefix_caching=not args.no_prefix_caching,
         async_scheduling=not args.no_async_scheduling,
+        num_scheduler_steps=args.num_scheduler_steps,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
         speculative_config=spec.to_dict() if spec else None,
@@ -531,6 +540,7 @@ ENGINE_FLAGS = (
     "long_prefill_token_threshold",
     "max_num_encoder_input_tokens",
     "no_async_scheduling",
+    "num_scheduler_steps",
     "speculative_config",
 )
 

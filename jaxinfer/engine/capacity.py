@@ -50,11 +50,13 @@ def log_capacity(core: EngineCore, data: int, shards: int, gain: float) -> None:
         replicated,
     )
     logger.info(
-        "scheduling %s; prefix caching %s; long_prefill_token_threshold %s; speculative %s",
+        "scheduling %s; prefix caching %s; long_prefill_token_threshold %s; speculative %s; "
+        "num_scheduler_steps %d",
         "async" if c.async_scheduling else "sync",
         "on" if c.enable_prefix_caching else "off",
         c.long_prefill_token_threshold,
         getattr(c.speculative_config, "method", "off"),
+        c.num_scheduler_steps,
     )
     if getattr(core.runner, "images", None) is not None:
         logger.info(

@@ -185,6 +185,7 @@ class EngineCore:
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             spec_max_requests=spec_seqs,
             lora_slots=LoRASlots(config.max_loras) if config.enable_lora else None,
+            num_scheduler_steps=config.num_scheduler_steps,
         )
         if runner is None:
             runner = ModelRunner(
@@ -205,6 +206,13 @@ class EngineCore:
                 kv_cache_dtype=config.kv_cache_dtype,
                 lora=lora_options(config),
                 vision=vision,
+                num_scheduler_steps=config.num_scheduler_steps,
+            )
+        steps = getattr(runner, "num_scheduler_steps", 1)
+        if config.num_scheduler_steps > 1 and steps != config.num_scheduler_steps:
+            raise ValueError(
+                f"num_scheduler_steps={config.num_scheduler_steps}: this runner "
+                f"({type(runner).__name__}) runs {steps} step(s) a program"
             )
         self.runner: Runner = runner
         self._in_flight: Launched | None = None  # async scheduling: the step still running
@@ -426,7 +434,7 @@ class EngineCore:
         split = split and constrained and not sched.num_spec_tokens
         if not self.async_scheduling or sched.num_spec_tokens or (constrained and not split):
             try:
-                with self._failing(sched.scheduled):
+                with self._failing(sched):
                     if split:
                         launched = self.runner.launch(sched, defer_sampling=True)
                         self._fill_bitmask(sched)  # NOTE: overlaps the forward on the device
@@ -442,7 +450,7 @@ class EngineCore:
             return ready + self._outputs(self.scheduler.update(sched, out), out)
         previous, self._in_flight = self._in_flight, None
         try:
-            with self._failing(sched.scheduled):
+            with self._failing(sched):
                 self._in_flight = (
                     self.runner.launch(sched, defer_sampling=True)
                     if split
@@ -475,7 +483,7 @@ class EngineCore:
         # NOTE: if the step before fails, this one (which took its tokens) is lost with it.
         landed = [] if previous is None else self._finish_launched(previous)
         try:
-            with self._failing(launched.sched.scheduled):
+            with self._failing(launched.sched):
                 self._fill_bitmask(launched.sched)
                 self.runner.sample(launched)
         except Exception:
@@ -510,25 +518,27 @@ class EngineCore:
         """Waits for a launched step and applies it (a failure also loses the step after it,
         which ran on its outputs)."""
         after, self._in_flight = self._in_flight, None
-        with self._failing(launched.sched.scheduled + (after.sched.scheduled if after else [])):
+        with self._failing(launched.sched, *([after.sched] if after else [])):
             out = self.runner.collect(launched)
         self._in_flight = after
         return self._outputs(self.scheduler.update(launched.sched, out), out)
 
     @contextlib.contextmanager
-    def _failing(self, scheduled: list[Any]) -> Iterator[None]:
-        """On an exception: these requests are lost (the caller aborts them), and pages they were
-        to write leave the prefix cache (a failed step may not have written K/V others would
-        reuse)."""
+    def _failing(self, *scheds: Any) -> Iterator[None]:
+        """On an exception: the requests of these steps are lost (the caller aborts them), and
+        pages they were to write leave the prefix cache (a failed step may not have written K/V
+        others would reuse)."""
         try:
             yield
         except Exception:
+            scheduled = [s for sched in scheds for s in sched.scheduled]
             self.scheduler.forget_pages(scheduled)
             self.failed_request_ids = list(dict.fromkeys(s.request.request_id for s in scheduled))
             marks = self.failed_marks
-            for s in scheduled:
-                end = s.start_pos + len(s.token_ids) - s.num_spec_tokens
-                marks[s.request.request_id] = max(marks.get(s.request.request_id, 0), end)
+            for sched in scheds:
+                for s in sched.scheduled:  # a multi-step step computes num_steps - 1 more
+                    end = s.start_pos + len(s.token_ids) - s.num_spec_tokens + sched.num_steps - 1
+                    marks[s.request.request_id] = max(marks.get(s.request.request_id, 0), end)
             raise
 
     def _outputs(self, updates: list[RequestUpdate], out: RunnerOutput) -> list[TokenOutput]:

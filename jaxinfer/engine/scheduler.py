@@ -57,6 +57,10 @@ catching up to `num_tokens`, and one loop decides how many of its tokens to comp
 9. Fault isolation (`jaxinfer.engine.isolation`): `preempt_all` preempts every running request
    (reported in the next `SchedulerOutput.preempted`, so the runner drops their rows) and `only`,
    when set, admits only the waiting requests it names (the others wait their turn).
+10. Multi-step scheduling (`jaxinfer.engine.multi_step`, `num_scheduler_steps` N > 1): when
+   every running request is a plain decode and nobody waits, each gets pages and N pending
+   tokens for N steps that one program runs (`SchedulerOutput.num_steps`); `update` appends
+   their N ids under the stop rules.
 
 NOTE: `add_request` (`Request.prepare`) rejects a request whose K/V could never fit in the whole
 cache, so the oldest running request can always make progress and preemption cannot livelock.
@@ -70,7 +74,7 @@ import itertools
 import time
 from collections.abc import Iterator, Sequence
 
-from jaxinfer.engine import spec
+from jaxinfer.engine import multi_step, spec
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import FINISH_REASONS, PENDING_TOKEN, Request, RequestStatus
 from jaxinfer.engine.types import (
@@ -103,10 +107,12 @@ class Scheduler:
         spec_max_requests: int = 0,
         lora_slots: LoRASlots | None = None,
         max_num_encoder_input_tokens: int | None = None,
+        num_scheduler_steps: int = 1,
     ):
         """`num_speculative_tokens` K > 0 turns speculative decoding on: each decode verifies up
         to K stored drafts while at most `spec_max_requests` requests are running or waiting
-        (see the module docstring, step 7)."""
+        (see the module docstring, step 7). `num_scheduler_steps` N > 1: steps of decodes alone
+        run up to N steps in one program (step 10)."""
         threshold = long_prefill_token_threshold
         for name, v in (
             ("max_num_seqs", max_num_seqs),
@@ -114,6 +120,7 @@ class Scheduler:
             ("max_model_len", max_model_len),
             ("long_prefill_token_threshold", 1 if threshold is None else threshold),
             ("max_num_encoder_input_tokens", max_num_encoder_input_tokens or 1),
+            ("num_scheduler_steps", num_scheduler_steps),
         ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -147,6 +154,12 @@ class Scheduler:
                 f"speculation needs num_speculative_tokens={num_speculative_tokens} >= 0 "
                 f"and spec_max_requests={spec_max_requests} >= 1"
             )
+        if num_speculative_tokens and num_scheduler_steps > 1:
+            raise ValueError(
+                f"num_scheduler_steps={num_scheduler_steps} does not combine with speculative "
+                f"decoding (num_speculative_tokens={num_speculative_tokens})"
+            )
+        self.num_scheduler_steps = num_scheduler_steps
         self.num_speculative_tokens = num_speculative_tokens
         self.spec_max_requests = spec_max_requests
         self.spec_stats = SpecStats()
@@ -248,6 +261,7 @@ class Scheduler:
         one_replica = len(self.allocators) == 1
         caching = [a.enable_prefix_caching for a in self.allocators]
         steady = not speculate  # drafts never ride on a steady decode
+        burst = multi_step.num_steps(self)  # steps of this schedule's program (step 10)
         i = 0
         while i < len(running):
             req = running[i]
@@ -272,9 +286,11 @@ class Scheduler:
             if steady and start + 1 == total and start >= num_prompt:
                 # a steady decode: its one token is the last output (or the pending one), in
                 # its last page or in a new one (a page crossing, every page_size steps) if free
-                if total <= len(pages) * page_size:
+                # (multi-step: the tokens of all `burst` steps)
+                end = total + burst - 1
+                if end <= len(pages) * page_size:
                     new = ()
-                elif (need := _cdiv(total, page_size) - len(pages)) <= self.allocators[
+                elif (need := _cdiv(end, page_size) - len(pages)) <= self.allocators[
                     r
                 ].num_free_pages:
                     new = self.allocators[r].allocate(need)
@@ -296,8 +312,8 @@ class Scheduler:
                         ),
                     )
                 )
-                req.num_computed_tokens = total
-                req.num_pending_tokens = pending + 1
+                req.num_computed_tokens = end
+                req.num_pending_tokens = pending + burst
                 if caching[r] and known >= (len(req.page_hashes) + 1) * page_size:
                     self.allocators[r].register_full_pages(
                         req.known_tokens, pages, known, req.page_hashes, req.cache_root
@@ -372,6 +388,8 @@ class Scheduler:
         if self._preempted_ids:
             preempted, self._preempted_ids = self._preempted_ids + preempted, []
         used = sum(self.max_num_batched_tokens - b for b in budgets)
+        if burst > 1 and chunks:  # NOTE: `multi_step.num_steps` admitted only decodes
+            raise RuntimeError(f"a {burst}-step schedule holds prefill chunks")
         return SchedulerOutput(
             scheduled=decodes + chunks,
             num_batched_tokens=used,
@@ -379,6 +397,7 @@ class Scheduler:
             finished=finished,
             lora_loads=self.lora_slots.take_loads() if self.lora_slots else [],
             lora_removes=self.lora_slots.take_removes() if self.lora_slots else [],
+            num_steps=burst if decodes else 1,
         )
 
     def _admissible(self, req: Request, only: set[str] | None) -> bool:
@@ -409,6 +428,8 @@ class Scheduler:
 
     def update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestUpdate]:
         """Apply one step's runner output. Requests aborted/finished since `schedule` are skipped."""
+        if sched.num_steps > 1:
+            return multi_step.update(sched, out, self.allocators, self._finish)
         updates: list[RequestUpdate] = []
         sampled, running = out.sampled_token_ids, RequestStatus.RUNNING
         caching = [a.enable_prefix_caching for a in self.allocators]

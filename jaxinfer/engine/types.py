@@ -251,6 +251,11 @@ class SchedulerOutput:
     lora_loads: list[tuple[int, LoRARequest]] = dataclasses.field(default_factory=list)
     # lora_int_ids unloaded since the last schedule: the runner drops their host copies
     lora_removes: list[int] = dataclasses.field(default_factory=list)
+    # Multi-step scheduling (`EngineConfig.num_scheduler_steps`): every scheduled request is a
+    # decode and one program runs this many steps of them, each feeding the ids it sampled to the
+    # next; each request holds pages for its tokens of all of them and gets that many ids back
+    # (`RunnerOutput.step_token_ids`).
+    num_steps: int = 1
 
     @property
     def num_decodes(self) -> int:
@@ -273,6 +278,9 @@ class RunnerOutput:
     # (a prefix of its proposals), and their logprobs when asked (one per accepted token).
     accepted_draft_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     draft_logprobs: dict[str, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
+    # Multi-step steps (`SchedulerOutput.num_steps` > 1): request id -> the id each of the
+    # program's steps sampled, in order (`sampled_token_ids` holds the last).
+    step_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 class RequestUpdate(NamedTuple):

@@ -29,6 +29,8 @@ from jaxinfer.engine.runner.input_batch import InputBatch
 from jaxinfer.engine.runner.outputs import unpack_results
 from jaxinfer.engine.runner.program_table import ProgramTable
 from jaxinfer.engine.runner.programs import (
+    burst_context,
+    burst_jit,
     pack,
     sampler_context,
     sampler_jit,
@@ -75,6 +77,7 @@ class ModelRunner:
         abstract: bool = False,
         lora: tuple[int, int, int | None] | None = None,
         vision: Any = None,
+        num_scheduler_steps: int = 1,
     ) -> None:
         """`num_pages` and `max_num_seqs` are totals over the data replicas (each gets 1/data);
         `page_buckets` are the widths of `page_indices` (default `default_page_buckets`);
@@ -84,7 +87,9 @@ class ModelRunner:
         `params` are `jax.ShapeDtypeStruct`s placed on a target's devices (`jaxinfer.aot`), and
         the runner only lowers its programs (`lower`), e.g. for a device this machine lacks.
         `lora` (max_loras, max_lora_rank, max_cpu_loras) turns multi-LoRA on (`jaxinfer.lora`).
-        `vision` (a `jaxinfer.vision.encoder.ImageEncoder`) lets requests carry images."""
+        `vision` (a `jaxinfer.vision.encoder.ImageEncoder`) lets requests carry images.
+        `num_scheduler_steps` > 1: pure-decode steps may run that many steps in one program
+        (`SchedulerOutput.num_steps`; one device, no speculative decoding)."""
         par = shd.Parallel.from_mesh(mesh)
         self.mesh = None if par.is_single else mesh  # NOTE: one device keeps the plain program
         self.data = par.data
@@ -97,6 +102,11 @@ class ModelRunner:
             raise ValueError(
                 f"speculative decoding needs one data replica and no pipeline "
                 f"stages (mesh data={self.data}, pipeline={self.microbatches})"
+            )
+        if num_scheduler_steps > 1 and (not par.is_single or num_speculative_tokens):
+            raise ValueError(
+                f"num_scheduler_steps={num_scheduler_steps} needs one device and no speculative "
+                f"decoding (mesh {mesh!r}, num_speculative_tokens={num_speculative_tokens})"
             )
         if vision is not None and (self.data > 1 or self.microbatches > 1):
             raise ValueError("images need one data replica and no pipeline stages")
@@ -179,7 +189,22 @@ class ModelRunner:
             fresh=lambda: sampler_jit(rows, shared=False),
         )
         self._sample_jit = self._samplers.jitted
+        # Multi-step programs (`burst_program`), one per pure-decode bucket, keyed as the steps
+        self.num_scheduler_steps = num_scheduler_steps
+        self._bursts: ProgramTable | None = None
+        if num_scheduler_steps > 1:
+            options = (self.attention_backend, self.linear_backend, num_scheduler_steps, page_size)
+            self._bursts = ProgramTable(
+                burst_jit(*options),
+                "burst",
+                burst_context(*options),
+                (1,),
+                fixed=4,
+                fresh=lambda: burst_jit(*options, shared=False),
+            )
         self._steps.first_use = self._samplers.first_use = executable_cache.first_use_cache()
+        if self._bursts is not None:
+            self._bursts.first_use = self._steps.first_use
         self.num_compiled = 0
         # (token bucket, page bucket, logits, verify rows)
         self._compiled: set[tuple[int, int, bool, int]] = set()
@@ -294,20 +319,23 @@ class ModelRunner:
         prepared = self.prepare(sched)
         if prepared is None:
             return None
+        if not defer_sampling:
+            results = self._results(prepared)
+            self._note_compiled(prepared)
+            return Launched(sched, results, prepared.plan)
         inputs = prepared.inputs
-        if defer_sampling:
-            if not self.split_sampling or prepared.spec_width:
-                raise RuntimeError("defer_sampling needs one device and no speculative tokens")
-            # NOTE: the step program's own sampler then runs on padding rows (greedy, nothing
-            # else: ~15 ms of a ~300 ms 64-row decode step on XLA:CPU), so no program is compiled
-            # for it; skipping the sampler under a lax.cond instead measured every fused step
-            # ~1.4x slower (416 vs 288 ms, separate runs at load 6-7: BENCHMARKS.md).
-            inputs = {**inputs, "meta": self.inputs.padding_meta(len(inputs["extras"].seq_rows))}
-        out, prompt, row_logits = self._call(inputs, prepared.all_logits)
+        if not self.split_sampling or prepared.spec_width or prepared.num_steps > 1:
+            raise RuntimeError(
+                "defer_sampling needs one device, one step and no speculative tokens"
+            )
+        # NOTE: the step program's own sampler then runs on padding rows (greedy, nothing
+        # else: ~15 ms of a ~300 ms 64-row decode step on XLA:CPU), so no program is compiled
+        # for it; skipping the sampler under a lax.cond instead measured every fused step
+        # ~1.4x slower (416 vs 288 ms, separate runs at load 6-7: BENCHMARKS.md).
+        inputs = {**inputs, "meta": self.inputs.padding_meta(len(inputs["extras"].seq_rows))}
+        _, prompt, row_logits = self._call(inputs, prepared.all_logits)
         self._note_compiled(prepared)
-        if defer_sampling:
-            return Launched(sched, None, prepared.plan, deferred=(row_logits, prompt, prepared))
-        return Launched(sched, self._wanted(prepared, (out, prompt)), prepared.plan)
+        return Launched(sched, None, prepared.plan, deferred=(row_logits, prompt, prepared))
 
     def sample(self, launched: Launched) -> None:
         """Launches the sampler of a step launched with `defer_sampling`, under the bitmask rows
@@ -351,10 +379,17 @@ class ModelRunner:
     def run(self, prepared: Prepared) -> tuple[Any, Any, Any]:
         """Device half: one transfer in, the jitted step, one transfer out of what the step needs:
         (sampled ids, sampler output or None, prompt logprobs or None) as numpy."""
-        out, prompt, _ = self._call(prepared.inputs, prepared.all_logits)
-        results = self._wanted(prepared, (out, prompt))
+        results = self._results(prepared)
         self._note_compiled(prepared)
         return multihost.device_get(results)  # NOTE: results may span other processes
+
+    def _results(self, prepared: Prepared) -> tuple[Any, Any, Any]:
+        """Runs the step's program: the device arrays the host will read (`_wanted`); a
+        multi-step program's are the ids of each of its steps (i32[steps, R]) alone."""
+        if prepared.num_steps > 1:
+            return self._call(prepared.inputs, False, prepared.num_steps), None, None
+        out, prompt, _ = self._call(prepared.inputs, prepared.all_logits)
+        return self._wanted(prepared, (out, prompt))
 
     @staticmethod
     def _wanted(prepared: Prepared, results: tuple[Any, Any]) -> tuple[Any, Any, Any]:
@@ -366,6 +401,8 @@ class ModelRunner:
         key = (prepared.bucket, prepared.page_bucket, prepared.all_logits, prepared.spec_width)
         if prepared.inputs["step"].decode_only:  # its own program (`StepInputs.decode_only`)
             key = (*key, True)
+        if prepared.num_steps > 1:  # the bucket's multi-step program
+            key = (*key, "burst")
         if key not in self._compiled:
             self._compiled.add(key)
             self.num_compiled = len(self._compiled) + len(self._compiled_samplers)
@@ -373,7 +410,7 @@ class ModelRunner:
     def compiled_program_count(self) -> int:
         """Programs warmup built plus those in the step and sampler functions' own jit caches
         (a call of a shape warmup did not build, or a recompile, grows it)."""
-        tables = (self._steps, self._samplers)
+        tables = (self._steps, self._samplers, *([self._bursts] if self._bursts else []))
         return sum(len(t) + t.jit_cache_size() for t in tables)
 
     def _call_key(self, args: tuple, kwargs: dict) -> Any:
@@ -384,8 +421,9 @@ class ModelRunner:
         leaves, tree = jax.tree.flatten(args[5:])
         return kwargs["all_logits"], tree, tuple(x.shape for x in leaves)
 
-    def _args(self, inputs: dict, all_logits: bool) -> tuple[tuple, dict]:
-        """The step program's arguments for host `inputs`, moved to the device in one transfer."""
+    def _args(self, inputs: dict, all_logits: bool, num_steps: int = 1) -> tuple[tuple, dict]:
+        """The step program's arguments for host `inputs`, moved to the device in one transfer
+        (with `num_steps` > 1 the multi-step program's: the count travels in the buffers)."""
         head = (
             self.device_state.params,
             self.cfg,
@@ -399,12 +437,13 @@ class ModelRunner:
             # NOTE: numpy buffers go straight to the jitted call, whose C++ path moves them to
             # the device faster than a separate `jax.device_put` (~0.3 ms less per step).
             # (the bitmask is its own argument; a None leaf packs nothing)
-            buffers, layout = pack(
-                {
-                    "step": inputs["step"],
-                    "extras": extras if bitmask is None else extras.replace(token_bitmask=None),
-                }
-            )
+            host = {
+                "step": inputs["step"],
+                "extras": extras if bitmask is None else extras.replace(token_bitmask=None),
+            }
+            if num_steps > 1:
+                host["num_steps"] = np.array([num_steps], np.int32)
+            buffers, layout = pack(host)
             rows = len(extras.seq_rows)
             if bitmask is None:
                 bitmask = self._all_allowed.get(rows)
@@ -445,16 +484,18 @@ class ModelRunner:
         self._device_metas[key] = (meta, dev)
         return dev
 
-    def _call(self, inputs: dict, all_logits: bool) -> tuple[Any, Any, Any]:
+    def _call(self, inputs: dict, all_logits: bool, num_steps: int = 1) -> Any:
         """Runs the step program on host `inputs` (device results: sampler output, prompt
-        logprobs, the sampled rows' logits)."""
-        args, kwargs = self._args(inputs, all_logits)
+        logprobs, the sampled rows' logits), or with `num_steps` > 1 the multi-step program
+        (the ids each step sampled)."""
+        args, kwargs = self._args(inputs, all_logits, num_steps)
+        table = self._steps if num_steps == 1 else self._bursts
         (
             results,
             self.device_state.kv_caches,
             self.device_state.state,
             self.device_state.prev_tokens,
-        ) = self._steps(self._call_key(args, kwargs), args, kwargs)
+        ) = table(self._call_key(args, kwargs), args, kwargs)
         return results
 
     def lower(
@@ -503,6 +544,13 @@ class ModelRunner:
                 self._note_compiled(
                     Prepared(inputs, all_logits, t_bucket, p_bucket, False, spec_width=width)
                 )
+                if self._burst_bucket(key):
+                    args, kwargs = self._args(inputs, False, self.num_scheduler_steps)
+                    call_key = self._call_key(args, kwargs)
+                    built[(*key, "burst")] = self._bursts.build(call_key, args, kwargs, cache, pool)
+                    self._note_compiled(
+                        Prepared(inputs, False, t_bucket, p_bucket, False, num_steps=2)
+                    )
             if structured and self.split_sampling:
                 for t_bucket in self.token_buckets:
                     inputs = self.inputs.idle_inputs(t_bucket, False, self.page_buckets[0])
@@ -546,6 +594,21 @@ class ModelRunner:
                 and self.data * self.microbatches == 1
             ):
                 yield t_bucket, p_bucket, False, 0, True
+
+    def _burst_bucket(self, key: tuple[int, int, bool, int, bool]) -> bool:
+        """Whether warmup's plan `key` is the program a pure-decode step of its bucket runs, so
+        the bucket gets a multi-step program too (`num_scheduler_steps` > 1)."""
+        t_bucket, _, all_logits, width, decode = key
+        most = self.buckets.token_bucket(
+            min(self.buckets.seqs_per_replica, self.buckets.token_buckets[-1])
+        )
+        return (
+            self._bursts is not None
+            and not all_logits
+            and not width
+            and t_bucket <= most
+            and decode == (self.inputs.decode_only and t_bucket > 1)
+        )
 
     def _sampler_args(self, inputs: dict, logits: Any) -> tuple[tuple, tuple]:
         """The sampler program's arguments (and packed layout) for a split step over host

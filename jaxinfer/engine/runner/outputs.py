@@ -3,7 +3,9 @@
 1. Sampled ids of the rows that sample (`UnpackPlan.sample_slots`).
 2. Speculative rows: the longest prefix of the proposals equal to the verify rows' samples
    (`spec_decode.rejection.accept`) becomes `accepted_draft_ids`, the next sample the sampled id.
-3. Logprobs of the rows that asked (the accepted proposals' too), prompt logprobs of the token
+3. Multi-step programs (`UnpackPlan.num_steps` > 1): every step's id of each row, in order
+   (`RunnerOutput.step_token_ids`), the last one as its sampled id.
+4. Logprobs of the rows that asked (the accepted proposals' too), prompt logprobs of the token
    rows of requests that asked for them.
 """
 
@@ -20,11 +22,18 @@ from jaxinfer.spec_decode import rejection
 
 def unpack_results(
     plan: UnpackPlan,
-    token_ids: np.ndarray,  # i32[R] sampled ids of every result row (verify rows after S)
+    # i32[R] sampled ids of every result row (verify rows after S); multi-step: i32[steps, R]
+    token_ids: np.ndarray,
     out: Any,  # the sampler's output as numpy (logprob arrays), or None when no row asked
     prompt: Any,  # (chosen, top ids, top logprobs) of every token row, or None
 ) -> RunnerOutput:
     """A step's fetched results as plain Python, per request (see the module docstring)."""
+    if plan.num_steps > 1:
+        steps = token_ids[: plan.num_steps, plan.sample_slots].T.tolist()
+        return RunnerOutput(
+            sampled_token_ids={rid: ids[-1] for rid, ids in zip(plan.sample_ids, steps)},
+            step_token_ids=dict(zip(plan.sample_ids, steps)),
+        )
     sampled = dict(zip(plan.sample_ids, token_ids[plan.sample_slots].tolist()))
     accepted, draft_lps, final_row = {}, {}, {}
     for rid, slot, lo, drafts in plan.spec:

@@ -155,6 +155,76 @@ def step_program(
     return (out, prompt, row_logits), kv_caches, state, next_tokens
 
 
+def burst_program(
+    params,
+    cfg: ModelConfig,
+    kv_caches,
+    state: PenaltyState,
+    prev_tokens: jax.Array,
+    step: StepInputs,
+    extras: BatchExtras,
+    meta: SamplingMetadata,
+    num_steps: jax.Array,  # i32[1] how many steps to run, 1..max_steps
+    *,
+    max_steps: int,
+    page_size: int,
+    **backends,
+):
+    """`num_steps` decode steps of a pure-decode batch in one program (multi-step scheduling,
+    `EngineConfig.num_scheduler_steps`): the first is `step_program` on the host's inputs; each
+    next one feeds every sequence the id it just sampled, one position further on (`advance`),
+    with the same sampling rows, so each token is the one a step of its own would sample (the
+    penalty state counts it, its random counter is its position). Returns the sampled ids of
+    every step i32[max_steps, R] (rows past `num_steps` zero), the caches, the state and the
+    last step's ids (the next program's `prev_tokens`)."""
+    (out, _, _), kv_caches, state, prev_tokens = step_program(
+        params, cfg, kv_caches, state, prev_tokens, step, extras, meta, all_logits=False, **backends
+    )
+    real = step.slot_mapping >= 0  # bool[T]: every real token is its sequence's one token
+    fed = extras.replace(
+        feed_rows=jnp.where(real, extras.token_seq, -1),
+        token_is_output=real,
+        reset_rows=jnp.zeros_like(extras.reset_rows),
+    )
+    tokens = jnp.zeros((max_steps, prev_tokens.shape[0]), jnp.int32).at[0].set(prev_tokens)
+
+    def body(i, carry):
+        kv_caches, state, prev_tokens, step, tokens = carry
+        step = advance(step, extras.token_seq, page_size)
+        (_, _, _), kv_caches, state, prev_tokens = step_program(
+            params,
+            cfg,
+            kv_caches,
+            state,
+            prev_tokens,
+            step,
+            fed,
+            meta,
+            all_logits=False,
+            **backends,
+        )
+        return kv_caches, state, prev_tokens, step, tokens.at[i].set(prev_tokens)
+
+    with jax.named_scope("burst"):
+        kv_caches, state, prev_tokens, _, tokens = jax.lax.fori_loop(
+            1, num_steps[0], body, (kv_caches, state, prev_tokens, step, tokens)
+        )
+    return tokens, kv_caches, state, prev_tokens
+
+
+def advance(step: StepInputs, token_seq: jax.Array, page_size: int) -> StepInputs:
+    """A pure-decode step's inputs one token further on: each real token (slot >= 0) moves to
+    the next position of its sequence (its K/V slot from the sequence's page table), each live
+    sequence's `kv_lens` grows by one; padding stays padding."""
+    real = step.slot_mapping >= 0
+    positions = step.positions + real
+    seqs = jnp.minimum(token_seq, step.page_indices.shape[0] - 1)
+    page = step.page_indices[seqs, positions // page_size]
+    slots = jnp.where(real, page * page_size + positions % page_size, -1)
+    live = jnp.arange(step.kv_lens.shape[0]) < step.num_seqs[0]
+    return step.replace(positions=positions, slot_mapping=slots, kv_lens=step.kv_lens + live)
+
+
 def sample_program(
     state: PenaltyState, row_logits: jax.Array, inputs: dict, *, num_sample_rows: int
 ) -> tuple[SamplerOutput, jax.Array]:
@@ -238,6 +308,38 @@ def packed_step_program(
         meta,
         all_logits=all_logits,
         **backends,
+    )
+
+
+def packed_burst_program(
+    params,
+    cfg: ModelConfig,
+    kv_caches,
+    state: PenaltyState,
+    prev_tokens,
+    buffers,
+    token_bitmask,
+    meta: SamplingMetadata,
+    *,
+    layout: tuple,
+    all_logits: bool,
+    **options,
+):
+    """`burst_program` over packed inputs (the step's, plus `num_steps`)."""
+    del all_logits  # NOTE: a burst never returns prompt logprobs; kept for the step's key
+    inputs = unpack_buffers(buffers, layout)
+    extras = inputs["extras"].replace(token_bitmask=token_bitmask)
+    return burst_program(
+        params,
+        cfg,
+        kv_caches,
+        state,
+        prev_tokens,
+        inputs["step"],
+        extras,
+        meta,
+        inputs["num_steps"],
+        **options,
     )
 
 
@@ -335,6 +437,37 @@ def step_jit(
         donate_argnames=("kv_caches", "state"),
         out_shardings=(None, *carried),
         compiler_options=compiler_options(),
+    )
+
+
+def burst_jit(
+    attention_backend: str, linear_backend: str, max_steps: int, page_size: int, shared: bool = True
+) -> Any:
+    """The jitted multi-step program (`burst_program`) on one device over packed inputs; `shared`
+    as `step_jit`."""
+    return _jit(
+        bound(
+            packed_burst_program,
+            shared,
+            attention_backend=attention_backend,
+            linear_backend=linear_backend,
+            max_steps=max_steps,
+            page_size=page_size,
+        ),
+        shared,
+        static_argnames=("cfg", "all_logits", "layout"),
+        donate_argnames=("kv_caches", "state"),
+    )
+
+
+def burst_context(
+    attention_backend: str, linear_backend: str, max_steps: int, page_size: int
+) -> str:
+    """`burst_jit`'s options, as `step_context`."""
+    return (
+        f"burst_program attention={attention_backend} linear={linear_backend} "
+        f"max_steps={max_steps} page_size={page_size} donate=kv_caches,state "
+        f"static=cfg,all_logits,layout compiler_options={sorted(compiler_options().items())}"
     )
 
 

@@ -48,6 +48,7 @@ class UnpackPlan:
     # (request id, its result row, its first verify row, its proposed tokens) of speculating rows
     spec: list[tuple[str, int, int, list[int]]] = dataclasses.field(default_factory=list)
     num_seq_rows: int = 0  # S: verify row w is result row S + w
+    num_steps: int = 1  # multi-step: the steps whose ids come back (rows of the ids)
 
 
 @dataclasses.dataclass
@@ -61,6 +62,8 @@ class Prepared:
     fetch_logprobs: bool  # some row asked for logprobs: fetch the sampler's logprob arrays too
     plan: UnpackPlan | None = None
     spec_width: int = 0  # W verify rows (speculative steps)
+    # Multi-step (`SchedulerOutput.num_steps` > 1): the pure-decode steps one program runs
+    num_steps: int = 1
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "plan": None}  # NOTE: a multi-host follower runs, never unpacks
@@ -101,7 +104,7 @@ class StepInputBuilder:
         self.batch.release(sched.preempted, finished=False)
         if not sched.scheduled:
             return None
-        prepared = self.build(sched.scheduled)
+        prepared = self.build(sched.scheduled, sched.num_steps)
         if sched.bitmask_rows and sched.token_bitmask is not None:
             extras = prepared.inputs["extras"]
             bitmask = np.full((len(extras.seq_rows), self.bitmask_width), -1, np.int32)
@@ -166,7 +169,9 @@ class StepInputBuilder:
                 group[idx[mb]] = r * self.microbatches + m
         return group
 
-    def build(self, scheduled: list[ScheduledRequest]) -> Prepared:
+    def build(self, scheduled: list[ScheduledRequest], num_steps: int = 1) -> Prepared:
+        """The step's inputs; with `num_steps` > 1 (multi-step, every row a decode) the page
+        tables cover the tokens of all its steps, and the plan expects that many ids a row."""
         # NOTE: no Python loop per request: one C pass (`zip(*scheduled)`) turns the step's
         # ScheduledRequest tuples into a column per field; the checks and gathers that only matter
         # with proposals or prompt logprobs are skipped without them (a decode step has neither)
@@ -206,7 +211,8 @@ class StepInputBuilder:
             order = np.argsort(group, kind="stable")
             n_tok = int(np.bincount(group, weights=q_a).max())
         t_bucket = self.buckets.token_bucket(n_tok)
-        p_bucket = self.buckets.page_bucket(-(-int((starts_a + q_a).max()) // self.page_size))
+        last = int((starts_a + q_a).max()) + num_steps - 1  # tokens in cache after the last step
+        p_bucket = self.buckets.page_bucket(-(-last // self.page_size))
         all_logits = bool(self.batch.wants_prompt_lps.any()) and bool(
             (self.batch.wants_prompt_lps[rows_a] & (starts_a < self.batch.prompt_len[rows_a])).any()
         )
@@ -308,8 +314,19 @@ class StepInputBuilder:
                         req.sampling.prompt_logprobs,
                     )
                 )
+        if num_steps > 1 and (n_spec or all_logits or fetch_logprobs or (q_a != 1).any()):
+            raise RuntimeError(
+                f"a {num_steps}-step program takes only decodes without logprobs or proposals"
+            )
         plan = UnpackPlan(
-            sample_ids, slot[sample_a], logprob_rows, prompt_rows, extras.target_ids, spec, s_rows
+            sample_ids,
+            slot[sample_a],
+            logprob_rows,
+            prompt_rows,
+            extras.target_ids,
+            spec,
+            s_rows,
+            num_steps,
         )
         return Prepared(
             {"step": step, "extras": extras, "meta": meta},
@@ -319,6 +336,7 @@ class StepInputBuilder:
             fetch_logprobs,
             plan,
             spec_width,
+            num_steps,
         )
 
     def arrays(
