@@ -118,6 +118,36 @@ def test_v5e_decode_step_reads_the_cache_in_place(v5e_step):
     assert r.cost["bytes accessed"] <= 2 * (r.weight_bytes + r.kv_cache_bytes), r.cost
 
 
+def _big_copies(compiled) -> list[str]:
+    """Copies in the optimized HLO of an array with a leading dim >= 100 (a cache or a weight)."""
+    lines = compiled.as_text().splitlines()
+    copies = [line.strip()[:160] for line in lines if re.search(r" copy(-start)?\(", line)]
+    return [c for c in copies if re.search(r"\[\d{3,},", c.split("copy")[0])]
+
+
+def test_multi_step_programs_loop_in_one_launch_without_copies():
+    """`num_scheduler_steps` 4 (`programs.burst_program`: the decode steps in one device loop):
+    on an H100 the whole program, its loop included, is still one command buffer (one host
+    launch for all its steps); on a v5e, as on the H100, the loop copies no KV cache or weight
+    (the loop carries the caches in place)."""
+    _needs("gpu")
+    (gpu,) = aot.compile_step(
+        SMALL, "h100", attention_backend="auto", num_scheduler_steps=4, **BUDGET
+    )
+    assert "burst/while" in gpu.compiled.as_text()
+    launches = gpu.report.launches
+    assert set(launches.host_thunks) == {"kCommandBuffer"}, launches.host_thunks
+    assert launches.host_launches == H100_HOST_LAUNCHES
+    assert not _big_copies(gpu.compiled)
+    _needs("tpu")
+    (tpu,) = aot.compile_step(
+        SMOLLM2, "v5e:1x1", attention_backend="auto", num_scheduler_steps=4, **SMOLLM2_BUDGET
+    )
+    # the first step's and the loop body's KV writes and attention kernels, 2 layers each
+    assert "/burst/" in tpu.compiled.as_text() and tpu.report.pallas_calls == 8
+    assert not _big_copies(tpu.compiled)
+
+
 @pytest.mark.parametrize("target", ["h100x2", "v5e:2x2"])
 def test_tensor_parallel_step_all_reduces_twice_per_layer(target):
     shards = 2 if target == "h100x2" else 4

@@ -160,6 +160,7 @@ def compile_step(
     compiler_options: dict[str, Any] | None = None,
     lora: tuple[int, int] | None = None,
     decode_only: bool = False,
+    num_scheduler_steps: int = 1,
 ) -> list[CompiledStep]:
     """Compiles the engine's step program of each token bucket in `tokens` for `target` (see the
     module docstring); raises `DoesNotFit` before compiling when the model exceeds one device's
@@ -167,7 +168,9 @@ def compile_step(
     into a temporary directory otherwise). `lora` (max_loras, max_lora_rank) compiles the programs
     of an engine with enable_lora (every projection with its adapter stacks). `decode_only`
     compiles each bucket's pure-decode program (`StepInputs.decode_only`: every sequence decodes
-    one token), the one a decode step runs with the `gpu` attention backend."""
+    one token), the one a decode step runs with the `gpu` attention backend.
+    `num_scheduler_steps` > 1 compiles each bucket's multi-step program instead (one device:
+    up to that many decode steps in one program, `EngineConfig.num_scheduler_steps`)."""
     from jaxinfer.engine.runner import ModelRunner  # NOTE: the engine's own runner and programs
 
     tgt = get_target(target) if isinstance(target, str) else target
@@ -213,6 +216,7 @@ def compile_step(
             kv_cache_dtype=kv_cache_dtype,
             abstract=True,
             lora=None if lora is None else (*lora, None),
+            num_scheduler_steps=num_scheduler_steps,
         )
         state = runner.device_state
         weights, kv = bytes_per_device(state.params), bytes_per_device(state.kv_caches)
@@ -232,6 +236,7 @@ def compile_step(
                     dump_dir,
                     compiler_options or {},
                     decode_only,
+                    num_scheduler_steps,
                 )
             )
     return out
@@ -291,11 +296,24 @@ def _gb(n: int) -> str:
 
 
 def _compile_bucket(
-    runner, tgt, t, all_logits, page_bucket, weights, kv, num_pages, dump_dir, options, decode
+    runner,
+    tgt,
+    t,
+    all_logits,
+    page_bucket,
+    weights,
+    kv,
+    num_pages,
+    dump_dir,
+    options,
+    decode,
+    steps,
 ) -> CompiledStep:
     start = time.perf_counter()
     # NOTE: a one-token step is a decode without the mark (`StepInputs.decode_only`), as it runs
-    lowered = runner.lower(t, all_logits, page_bucket, decode_only=decode and t > 1)
+    lowered = runner.lower(
+        t, all_logits, page_bucket, decode_only=decode and t > 1, num_steps=steps
+    )
     lower_s = time.perf_counter() - start
     dump = None
     if tgt.platform == "gpu" or dump_dir:

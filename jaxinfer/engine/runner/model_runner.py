@@ -505,16 +505,20 @@ class ModelRunner:
         page_bucket: int | None = None,
         spec_width: int = 0,
         decode_only: bool = False,
+        num_steps: int = 1,
     ) -> Any:
         """The bucket's step program, lowered (for HLO inspection, tests and `jaxinfer.aot`, with an
         `abstract` runner); the page bucket defaults to the largest; `decode_only`: the program of
-        the bucket's pure-decode steps (`StepInputs.decode_only`)."""
+        the bucket's pure-decode steps (`StepInputs.decode_only`); `num_steps` > 1: the bucket's
+        multi-step program (`num_scheduler_steps`)."""
         p_bucket = page_bucket or self.pages_per_seq
         args, kwargs = self._args(
             self.inputs.idle_inputs(t_bucket, all_logits, p_bucket, spec_width, decode_only),
             all_logits,
+            num_steps,
         )
-        return self._jit.lower(*args, **kwargs)
+        jitted = self._jit if num_steps == 1 else self._bursts.jitted
+        return jitted.lower(*args, **kwargs)
 
     def warmup(self, *, structured: bool = False) -> int:
         """Compiles every (token bucket, page bucket, logits variant, verify rows) program, and
