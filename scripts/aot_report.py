@@ -95,6 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="each bucket's pure-decode program (every sequence decodes one token; gpu attention)",
     )
     p.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=1,
+        help="N > 1: each bucket's multi-step program (N decode steps in one program, one device)",
+    )
+    p.add_argument(
         "--max-loras", type=int, default=0, help="N > 0: an engine with enable_lora, N slots"
     )
     p.add_argument("--max-lora-rank", type=int, default=16)
@@ -285,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             linear_backend=args.linear_backend,
             all_logits=args.all_logits,
             decode_only=args.decode,
+            num_scheduler_steps=args.num_scheduler_steps,
             lora=(args.max_loras, args.max_lora_rank) if args.max_loras else None,
             dump_dir=args.dump_dir,
         )
