@@ -280,10 +280,11 @@ class EngineConfig:
     # per request that stops on EOS / a stop token. Multi-host runs step synchronously.
     async_scheduling: bool = True
     # Multi-step scheduling (vLLM's former `--num-scheduler-steps`): while every running request
-    # is a plain decode (no logprobs, token masks or images) and nobody waits, one program runs
+    # is a plain decode (no token masks or images) and nobody waits, one program runs
     # up to this many decode steps, each feeding its sampled ids to the next on the device, so
     # the host's per-step cost is paid once for all (`jaxinfer.engine.multi_step`). The tokens are
-    # those of single steps. One device, no speculative decoding; 1: off.
+    # those of single steps. One data replica, no pipeline stages (tensor / expert meshes
+    # work), no speculative decoding; 1: off.
     num_scheduler_steps: int = 1
     # Speculative decoding (`jaxinfer.spec_decode.SpeculativeConfig`; a dict or JSON string is
     # parsed): e.g. {"method": "ngram", "num_speculative_tokens": 4}. None: off.
@@ -340,10 +341,11 @@ class EngineConfig:
                 f"num_scheduler_steps={self.num_scheduler_steps} does not combine with "
                 f"speculative_config (one step a program while speculating)"
             )
-        if self.num_scheduler_steps > 1 and math.prod(parse_mesh(self.mesh).values()) > 1:
+        sizes = parse_mesh(self.mesh)
+        if self.num_scheduler_steps > 1 and (sizes["data"] > 1 or sizes["pipeline"] > 1):
             raise ValueError(
-                f"num_scheduler_steps={self.num_scheduler_steps} needs one device "
-                f"(mesh {self.mesh!r})"
+                f"num_scheduler_steps={self.num_scheduler_steps} needs one data replica and no "
+                f"pipeline stages (mesh {self.mesh!r})"
             )
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             raise ValueError(

@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--num-scheduler-steps",
         type=int,
         default=1,
-        help="N > 1: each bucket's multi-step program (N decode steps in one program, one device)",
+        help="N > 1: each bucket's multi-step program (N decode steps in one program; no data / pipeline axes)",
     )
     p.add_argument(
         "--max-loras", type=int, default=0, help="N > 0: an engine with enable_lora, N slots"

@@ -171,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="decode steps one program may run while every running request is a plain "
-        "decode and nobody waits (multi-step scheduling; one device, no speculative "
-        "decoding; default 1: off)",
+        "decode and nobody waits (multi-step scheduling; no data / pipeline mesh axes, no "
+        "speculative decoding; default 1: off)",
     )
     e.add_argument(
         "--long-prefill-token-threshold",

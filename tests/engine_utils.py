@@ -77,9 +77,17 @@ def load_vocab() -> Tokenizer:
     return tok
 
 
-def tiny_model(tokenizer: Tokenizer, seed: int = 0, num_layers: int = 2) -> LoadedModel:
-    """The engine test model (TINY_LLAMA over `tokenizer`'s vocabulary, `num_layers` layers)."""
-    hf = {**TINY_LLAMA, "vocab_size": tokenizer.vocab_size, "num_hidden_layers": num_layers}
+def tiny_model(
+    tokenizer: Tokenizer, seed: int = 0, num_layers: int = 2, **config: Any
+) -> LoadedModel:
+    """The engine test model (TINY_LLAMA over `tokenizer`'s vocabulary, `num_layers` layers;
+    `config` overrides more of its HF config fields)."""
+    hf = {
+        **TINY_LLAMA,
+        "vocab_size": tokenizer.vocab_size,
+        "num_hidden_layers": num_layers,
+        **config,
+    }
     cfg = ModelConfig.from_hf(hf)
     params = init_random(llama.param_specs(cfg), jax.random.key(seed))
     params = jax.tree.map(lambda x: x * MATRIX_SCALE if x.ndim > 1 else x, params)

@@ -128,8 +128,8 @@ def _big_copies(compiled) -> list[str]:
 def test_multi_step_programs_loop_in_one_launch_without_copies():
     """`num_scheduler_steps` 4 (`programs.burst_program`: the decode steps in one device loop):
     on an H100 the whole program, its loop included, is still one command buffer (one host
-    launch for all its steps); on a v5e, as on the H100, the loop copies no KV cache or weight
-    (the loop carries the caches in place)."""
+    launch for all its steps); on a v5e, as on the H100 and two H100s (`tensor=2`), the loop
+    copies no KV cache or weight (the loop carries the caches in place)."""
     _needs("gpu")
     (gpu,) = aot.compile_step(
         SMALL, "h100", attention_backend="auto", num_scheduler_steps=4, **BUDGET
@@ -139,6 +139,11 @@ def test_multi_step_programs_loop_in_one_launch_without_copies():
     assert set(launches.host_thunks) == {"kCommandBuffer"}, launches.host_thunks
     assert launches.host_launches == H100_HOST_LAUNCHES
     assert not _big_copies(gpu.compiled)
+    # tensor parallel: the loop's steps all-reduce like single steps, no copies either
+    (tp,) = aot.compile_step(
+        SMALL, "h100x2", mesh="tensor=2", attention_backend="auto", num_scheduler_steps=4, **BUDGET
+    )
+    assert tp.report.collectives["all-reduce"]["per_layer"] >= 2 and not _big_copies(tp.compiled)
     _needs("tpu")
     (tpu,) = aot.compile_step(
         SMOLLM2, "v5e:1x1", attention_backend="auto", num_scheduler_steps=4, **SMOLLM2_BUDGET

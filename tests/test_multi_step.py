@@ -5,14 +5,14 @@
 2. Scheduler (no JAX), driven by a fake runner whose "model" is a hash of (request, position) and
    whose fake KV cache stores token ids: a multi-step step gives each decode pages for all its
    tokens and that many pending ones, and its ids are applied under the stop rules (a stop in the
-   middle drops the rest and frees the pages); steps stay plain while a request waits, asks for
-   logprobs or would pass its length limit; a random mix of requests (prefix hits, preemption,
+   middle drops the rest and frees the pages); steps stay plain while a request waits, has a
+   token mask or the free pages cannot hold the burst; a random mix of requests (prefix hits, preemption,
    aborts, stop ids, sync and async scheduling) produces the tokens a plain run does, every
    position reads back its token, every page is free at the end.
 3. Engine on the tiny Llama: greedy, seeded sampling, penalties, min_tokens, stop ids and stop
-   strings give the same tokens and texts with and without multi-step programs, async and sync;
-   requests asking for logprobs take plain steps beside them; preemption and prefix hits leave
-   every page free.
+   strings give the same tokens and texts with and without multi-step programs, async and sync,
+   logprobs the same values for every token; a request with a token mask takes plain steps
+   beside them; preemption and prefix hits leave every page free.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def test_a_stop_inside_a_burst_drops_the_rest_and_frees_the_pages():
     assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
 
 
-def test_steps_stay_plain_while_a_request_waits_asks_for_logprobs_or_pages_run_out():
+def test_steps_stay_plain_while_a_request_waits_has_a_token_mask_or_pages_run_out():
     sched = make_scheduler(4, max_num_seqs=1)
     runner = FakeRunner(sched)
     sched.add_request(make_request("x", [1, 2], eos=(), max_tokens=12))
@@ -201,11 +201,12 @@ def test_steps_stay_plain_while_a_request_waits_asks_for_logprobs_or_pages_run_o
     sched = make_scheduler(4)
     runner = FakeRunner(sched)
     sched.add_request(make_request("x", [1, 2], eos=(), max_tokens=12))
-    sched.add_request(make_request("l", [3], eos=(), max_tokens=12, logprobs=1))
+    sched.add_request(make_request("m", [3], eos=(), max_tokens=12, allowed_token_ids=[5, 6]))
+    sched.add_request(make_request("l", [4], eos=(), max_tokens=12, logprobs=1))
     step(sched, runner)
-    assert step(sched, runner)[0].num_steps == 1  # l asks for logprobs
-    sched.abort("l")
-    assert step(sched, runner)[0].num_steps == 4
+    assert step(sched, runner)[0].num_steps == 1  # m's mask advances per token on the host
+    sched.abort("m")
+    assert step(sched, runner)[0].num_steps == 4  # logprobs come for every step
 
     # 5 usable pages of 4 tokens: two prompts of 5 hold 2 each; a burst of 7 needs a third
     # page for each, one is free
@@ -375,14 +376,14 @@ def test_engine_tokens_and_texts_equal_plain_steps(tiny, plain, multi):
     assert_pages_free(multi)
 
 
-def test_engine_logprob_requests_take_plain_steps_beside_bursts(tiny, plain, multi):
+def test_engine_logprobs_of_every_step_and_masked_requests_on_plain_steps(tiny, plain, multi):
     from engine_utils import assert_pages_free, assert_same_greedy, random_prompt, run
 
     rng = __import__("numpy").random.default_rng(4)
-    prompts = [random_prompt(rng, 6, tiny.cfg.vocab_size) for _ in range(2)]
+    prompts = [random_prompt(rng, 6, tiny.cfg.vocab_size) for _ in range(3)]
     reqs = [
-        ("plain", prompts[0], SamplingParams(temperature=0.0, max_tokens=12)),
-        ("lp", prompts[1], SamplingParams(temperature=0.0, max_tokens=6, logprobs=2)),
+        ("lp", prompts[0], SamplingParams(temperature=0.0, max_tokens=13, logprobs=3)),
+        ("lp2", prompts[1], SamplingParams(temperature=0.9, seed=2, max_tokens=9, logprobs=1)),
     ]
     ref = run(plain, reqs)
     seen, undo = count_bursts(multi)
@@ -390,9 +391,26 @@ def test_engine_logprob_requests_take_plain_steps_beside_bursts(tiny, plain, mul
         got = run(multi, reqs)
     finally:
         undo()
-    assert_same_greedy(got, ref, ["lp"])
-    assert got["plain"][0].token_ids == ref["plain"][0].token_ids
-    # plain steps while "lp" decodes (its prefill and 5 more tokens), bursts after it
+    assert 4 in seen, seen
+    assert_same_greedy(got, ref, ["lp", "lp2"])
+    for rid in ("lp", "lp2"):
+        a, b = got[rid][0].logprobs, ref[rid][0].logprobs
+        assert len(a) == len(got[rid][0].token_ids)
+        assert [set(x.top) for x in a] == [set(x.top) for x in b], rid
+    allowed = sorted(set(ref["lp"][0].token_ids))  # a mask the greedy tokens pass
+    masked = [
+        ("m", prompts[2], SamplingParams(temperature=0.0, max_tokens=6, allowed_token_ids=allowed)),
+        ("free", prompts[0], SamplingParams(temperature=0.0, max_tokens=13)),
+    ]  # fmt: skip
+    ref = run(plain, masked)
+    seen, undo = count_bursts(multi)
+    try:
+        got = run(multi, masked)
+    finally:
+        undo()
+    for rid in ("m", "free"):
+        assert got[rid][0].token_ids == ref[rid][0].token_ids, rid
+    # plain steps while "m" decodes (its prefill and 5 more tokens), bursts after it
     assert seen[:6] == [1] * 6 and 4 in seen, seen
     assert_pages_free(multi)
 
@@ -420,8 +438,35 @@ def test_engine_preemption_and_prefix_hits_under_bursts(tiny, plain, multi):
     assert_pages_free(multi)
 
 
-def test_a_mesh_refuses_bursts_by_name(tiny):
-    from engine_utils import make_engine
+def test_a_tensor_mesh_bursts_the_same_tokens_and_data_axes_are_refused(tiny):
+    """On the 8 virtual CPU devices (`tensor=8`, a tiny Llama of 8 heads) a multi-step engine
+    decodes the tokens of a single-device plain one; `data` axes are refused by name."""
+    from engine_utils import (
+        assert_pages_free,
+        load_vocab,
+        make_engine,
+        random_prompt,
+        run,
+        tiny_model,
+    )
 
-    with pytest.raises(ValueError, match="num_scheduler_steps=2 needs one device"):
-        make_engine(tiny, mesh="tensor=2", num_scheduler_steps=2)
+    with pytest.raises(ValueError, match="num_scheduler_steps=2 needs one data replica"):
+        EngineConfig(mesh="data=2,tensor=4", num_scheduler_steps=2)
+    model = tiny_model(load_vocab(), num_attention_heads=8, num_key_value_heads=8, head_dim=8)
+    rng = __import__("numpy").random.default_rng(6)
+    prompts = [random_prompt(rng, n, model.cfg.vocab_size) for n in (4, 7)]
+    reqs = [
+        ("g", prompts[0], SamplingParams(temperature=0.0, max_tokens=15)),
+        ("s", prompts[1], SamplingParams(temperature=0.8, seed=9, max_tokens=11, logprobs=1)),
+    ]
+    ref = run(make_engine(model, token_buckets=BUCKETS), reqs)
+    mesh = make_engine(model, token_buckets=BUCKETS, mesh="tensor=8", num_scheduler_steps=4)
+    seen, undo = count_bursts(mesh)
+    try:
+        got = run(mesh, reqs)
+    finally:
+        undo()
+    assert 4 in seen, seen
+    for rid in ("g", "s"):
+        assert got[rid][0].token_ids == ref[rid][0].token_ids, rid
+    assert_pages_free(mesh)

@@ -8,8 +8,8 @@ last token + 1), so every answer is known in plain Python:
 2. greedy streams on gRPC and HTTP decode the model's tokens in a quarter of the steps;
 3. stop ids, EOS, `ignore_eos`, `min_tokens`, stop strings and `max_tokens` end a stream on the
    same token as a plain step would, also in the middle of a program's steps;
-4. concurrent streams of different lengths, one of them asking for logprobs (plain steps while it
-   runs), are all exact.
+4. concurrent streams of different lengths are all exact, and one asking for logprobs gets one
+   for every token.
 """
 
 from __future__ import annotations
@@ -61,8 +61,14 @@ def warm_programs(served, client):
 
 
 def tokens(c: GenerateClient, prompt, **kw) -> tuple[list[int], int]:
+    return stream(c, prompt, **kw)[:2]
+
+
+def stream(c: GenerateClient, prompt, **kw) -> tuple[list[int], int, list]:
+    """(token ids, finish reason, logprobs) of one greedy gRPC stream."""
     msgs = list(c.generate(prompt, timeout=300, temperature=0, **kw))
-    return [t for m in msgs for t in m.token_ids], msgs[-1].finish_reason
+    lps = [lp for m in msgs for lp in m.logprobs]
+    return [t for m in msgs for t in m.token_ids], msgs[-1].finish_reason, lps
 
 
 def text(ids: list[int]) -> str:
@@ -109,10 +115,10 @@ def test_stops_end_the_stream_on_the_same_token(client, http):
 
 def test_concurrent_streams_and_a_logprobs_one_are_exact(served, client, warm_programs):
     jobs = [(8000, 7, {}), (9000, 16, {}), (10000, 11, {"logprobs": 1}), (11000, 30, {})]
-    got: dict[int, tuple[list[int], int]] = {}
+    got: dict[int, tuple[list[int], int, list]] = {}
 
     def one(first: int, n: int, kw: dict) -> None:
-        got[first] = tokens(client, [first], max_tokens=n, **kw)
+        got[first] = stream(client, [first], max_tokens=n, **kw)
 
     threads = [threading.Thread(target=one, args=job) for job in jobs]
     for t in threads:
@@ -120,5 +126,8 @@ def test_concurrent_streams_and_a_logprobs_one_are_exact(served, client, warm_pr
     for t in threads:
         t.join(300)
     for first, n, _ in jobs:
-        assert got[first] == (successors(first, n, V), 2), first
+        assert got[first][:2] == (successors(first, n, V), 2), first
+    lps = got[10000][2]
+    assert [lp.token_id for lp in lps] == successors(10000, 11, V)
+    assert all(lp.logprob > -0.01 for lp in lps)  # the successor leads by ~15 logits
     assert served.metric("jaxinfer_compiled_programs") == warm_programs  # nothing compiled

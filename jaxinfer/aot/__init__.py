@@ -169,7 +169,8 @@ def compile_step(
     of an engine with enable_lora (every projection with its adapter stacks). `decode_only`
     compiles each bucket's pure-decode program (`StepInputs.decode_only`: every sequence decodes
     one token), the one a decode step runs with the `gpu` attention backend.
-    `num_scheduler_steps` > 1 compiles each bucket's multi-step program instead (one device:
+    `num_scheduler_steps` > 1 compiles each bucket's multi-step program instead (no data /
+    pipeline axes:
     up to that many decode steps in one program, `EngineConfig.num_scheduler_steps`)."""
     from jaxinfer.engine.runner import ModelRunner  # NOTE: the engine's own runner and programs
 

@@ -10,8 +10,8 @@ for all of them, as vLLM's former multi-step scheduling did.
 1. `num_steps(scheduler)` (called by `Scheduler.schedule` before it visits the running
    requests): N, capped so that no request passes its length limit, when nobody waits or was
    preempted (a burst would hold a new prompt back N steps), every running request is a decode
-   of one known or pending token that may run in a burst (`Request.may_burst`: no logprobs, no
-   token masks, no images), the token budget holds them all and the free pages hold every one's
+   of one known or pending token that may run in a burst (`Request.may_burst`: no token masks, no
+   images), the token budget holds them all and the free pages hold every one's
    N tokens; else 1 (a plain step). The schedule then gives each decode pages for its N tokens
    and N pending tokens (`SchedulerOutput.num_steps`).
 2. `update(sched, out, allocators, finish)` (`Scheduler.update` of such a step): each request's ids of

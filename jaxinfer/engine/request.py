@@ -185,10 +185,9 @@ class Request:
     @property
     def may_burst(self) -> bool:
         """Whether its decodes may run several steps in one program (`jaxinfer.engine.multi_step`):
-        not with logprobs (one step's alone come back), token masks (the matcher advances per
-        token on the host) or images (M-RoPE positions are placed per step)."""
-        sp = self.sampling
-        return sp.logprobs is None and not sp.masks_tokens and not self.mm_inputs
+        not with token masks (the matcher advances per token on the host) or images (M-RoPE
+        positions are placed per step)."""
+        return not self.sampling.masks_tokens and not self.mm_inputs
 
     @property
     def num_prompt_tokens(self) -> int:

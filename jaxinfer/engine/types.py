@@ -275,7 +275,8 @@ class RunnerOutput:
     # request id -> {prompt position -> logprobs}
     prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = dataclasses.field(default_factory=dict)
     # Speculative steps: request id -> the proposed tokens accepted before its sampled token
-    # (a prefix of its proposals), and their logprobs when asked (one per accepted token).
+    # (a prefix of its proposals), and their logprobs when asked (one per accepted token; in a
+    # multi-step step, those of the ids before the sampled one, `step_token_ids`).
     accepted_draft_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     draft_logprobs: dict[str, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
     # Multi-step steps (`SchedulerOutput.num_steps` > 1): request id -> the id each of the

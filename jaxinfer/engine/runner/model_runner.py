@@ -89,7 +89,7 @@ class ModelRunner:
         `lora` (max_loras, max_lora_rank, max_cpu_loras) turns multi-LoRA on (`jaxinfer.lora`).
         `vision` (a `jaxinfer.vision.encoder.ImageEncoder`) lets requests carry images.
         `num_scheduler_steps` > 1: pure-decode steps may run that many steps in one program
-        (`SchedulerOutput.num_steps`; one device, no speculative decoding)."""
+        (`SchedulerOutput.num_steps`; one data replica, no stages, no speculative decoding)."""
         par = shd.Parallel.from_mesh(mesh)
         self.mesh = None if par.is_single else mesh  # NOTE: one device keeps the plain program
         self.data = par.data
@@ -103,10 +103,11 @@ class ModelRunner:
                 f"speculative decoding needs one data replica and no pipeline "
                 f"stages (mesh data={self.data}, pipeline={self.microbatches})"
             )
-        if num_scheduler_steps > 1 and (not par.is_single or num_speculative_tokens):
+        if num_scheduler_steps > 1 and (par.data > 1 or par.pipeline > 1 or num_speculative_tokens):
             raise ValueError(
-                f"num_scheduler_steps={num_scheduler_steps} needs one device and no speculative "
-                f"decoding (mesh {mesh!r}, num_speculative_tokens={num_speculative_tokens})"
+                f"num_scheduler_steps={num_scheduler_steps} needs one data replica, no pipeline "
+                f"stages and no speculative decoding (data={par.data}, pipeline={par.pipeline}, "
+                f"num_speculative_tokens={num_speculative_tokens})"
             )
         if vision is not None and (self.data > 1 or self.microbatches > 1):
             raise ValueError("images need one data replica and no pipeline stages")
@@ -193,7 +194,14 @@ class ModelRunner:
         self.num_scheduler_steps = num_scheduler_steps
         self._bursts: ProgramTable | None = None
         if num_scheduler_steps > 1:
-            options = (self.attention_backend, self.linear_backend, num_scheduler_steps, page_size)
+            options = (
+                self.attention_backend,
+                self.linear_backend,
+                num_scheduler_steps,
+                page_size,
+                self.mesh,
+                carried,
+            )
             self._bursts = ProgramTable(
                 burst_jit(*options),
                 "burst",
@@ -384,10 +392,11 @@ class ModelRunner:
         return multihost.device_get(results)  # NOTE: results may span other processes
 
     def _results(self, prepared: Prepared) -> tuple[Any, Any, Any]:
-        """Runs the step's program: the device arrays the host will read (`_wanted`); a
-        multi-step program's are the ids of each of its steps (i32[steps, R]) alone."""
+        """Runs the step's program: the device arrays the host will read (`_wanted`; a
+        multi-step program's have a leading axis of its steps)."""
         if prepared.num_steps > 1:
-            return self._call(prepared.inputs, False, prepared.num_steps), None, None
+            outs = self._call(prepared.inputs, False, prepared.num_steps)
+            return outs.token_ids, outs if prepared.fetch_logprobs else None, None
         out, prompt, _ = self._call(prepared.inputs, prepared.all_logits)
         return self._wanted(prepared, (out, prompt))
 
@@ -466,8 +475,11 @@ class ModelRunner:
                     token_bitmask=np.full((len(extras.seq_rows), self.bitmask_width), -1, np.int32)
                 ),
             }
+        if num_steps > 1:
+            inputs = {**inputs, "num_steps": np.array([num_steps], np.int32)}
         dev = self.device_state.put(inputs)
-        return (*head, dev["step"], dev["extras"], dev["meta"]), {"all_logits": all_logits}
+        steps = (dev["num_steps"],) if num_steps > 1 else ()
+        return (*head, dev["step"], dev["extras"], dev["meta"], *steps), {"all_logits": all_logits}
 
     def _meta_on_device(self, meta: SamplingMetadata) -> SamplingMetadata:
         """`meta` moved to the device once: `StepInputBuilder.build` returns the same host object
@@ -487,7 +499,7 @@ class ModelRunner:
     def _call(self, inputs: dict, all_logits: bool, num_steps: int = 1) -> Any:
         """Runs the step program on host `inputs` (device results: sampler output, prompt
         logprobs, the sampled rows' logits), or with `num_steps` > 1 the multi-step program
-        (the ids each step sampled)."""
+        (every step's sampler output, stacked)."""
         args, kwargs = self._args(inputs, all_logits, num_steps)
         table = self._steps if num_steps == 1 else self._bursts
         (

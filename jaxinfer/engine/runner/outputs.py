@@ -4,7 +4,9 @@
 2. Speculative rows: the longest prefix of the proposals equal to the verify rows' samples
    (`spec_decode.rejection.accept`) becomes `accepted_draft_ids`, the next sample the sampled id.
 3. Multi-step programs (`UnpackPlan.num_steps` > 1): every step's id of each row, in order
-   (`RunnerOutput.step_token_ids`), the last one as its sampled id.
+   (`RunnerOutput.step_token_ids`), the last one as its sampled id; the rows asking for
+   logprobs get every step's (the earlier steps' as `draft_logprobs`, as for accepted
+   proposals: the tokens before the sampled one).
 4. Logprobs of the rows that asked (the accepted proposals' too), prompt logprobs of the token
    rows of requests that asked for them.
 """
@@ -22,18 +24,14 @@ from jaxinfer.spec_decode import rejection
 
 def unpack_results(
     plan: UnpackPlan,
-    # i32[R] sampled ids of every result row (verify rows after S); multi-step: i32[steps, R]
+    # i32[R] sampled ids of every result row (verify rows after S); multi-step: i32[steps, S]
     token_ids: np.ndarray,
     out: Any,  # the sampler's output as numpy (logprob arrays), or None when no row asked
     prompt: Any,  # (chosen, top ids, top logprobs) of every token row, or None
 ) -> RunnerOutput:
     """A step's fetched results as plain Python, per request (see the module docstring)."""
     if plan.num_steps > 1:
-        steps = token_ids[: plan.num_steps, plan.sample_slots].T.tolist()
-        return RunnerOutput(
-            sampled_token_ids={rid: ids[-1] for rid, ids in zip(plan.sample_ids, steps)},
-            step_token_ids=dict(zip(plan.sample_ids, steps)),
-        )
+        return _unpack_steps(plan, token_ids, out)
     sampled = dict(zip(plan.sample_ids, token_ids[plan.sample_slots].tolist()))
     accepted, draft_lps, final_row = {}, {}, {}
     for rid, slot, lo, drafts in plan.spec:
@@ -75,4 +73,28 @@ def unpack_results(
         prompt_logprobs=prompt_lps,
         accepted_draft_ids=accepted,
         draft_logprobs=draft_lps,
+    )
+
+
+def _unpack_steps(plan: UnpackPlan, token_ids: np.ndarray, out: Any) -> RunnerOutput:
+    """A multi-step program's results (step 3): `token_ids` i32[steps, S], `out` the stacked
+    sampler outputs (or None when no row asked for logprobs)."""
+    n = plan.num_steps
+    steps = token_ids[:n, plan.sample_slots].T.tolist()
+    logprobs, earlier = {}, {}
+    for rid, i, k in plan.logprob_rows:
+        lps = [
+            TokenLogprobs(
+                int(token_ids[j, i]),
+                float(out.logprobs[j, i]),
+                dict(zip(out.topk_ids[j, i, :k].tolist(), out.topk_logprobs[j, i, :k].tolist())),
+            )
+            for j in range(n)
+        ]
+        earlier[rid], logprobs[rid] = lps[:-1], lps[-1]
+    return RunnerOutput(
+        sampled_token_ids={rid: ids[-1] for rid, ids in zip(plan.sample_ids, steps)},
+        logprobs=logprobs,
+        draft_logprobs=earlier,
+        step_token_ids=dict(zip(plan.sample_ids, steps)),
     )

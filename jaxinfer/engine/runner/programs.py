@@ -168,30 +168,35 @@ def burst_program(
     *,
     max_steps: int,
     page_size: int,
+    all_logits: bool = False,
     **backends,
 ):
     """`num_steps` decode steps of a pure-decode batch in one program (multi-step scheduling,
     `EngineConfig.num_scheduler_steps`): the first is `step_program` on the host's inputs; each
     next one feeds every sequence the id it just sampled, one position further on (`advance`),
     with the same sampling rows, so each token is the one a step of its own would sample (the
-    penalty state counts it, its random counter is its position). Returns the sampled ids of
-    every step i32[max_steps, R] (rows past `num_steps` zero), the caches, the state and the
-    last step's ids (the next program's `prev_tokens`)."""
+    penalty state counts it, its random counter is its position). Returns every step's sampler
+    output stacked (`SamplerOutput` of [max_steps, S, ...] arrays; steps past `num_steps` zero),
+    the caches, the state and the last step's ids (the next program's `prev_tokens`).
+    `all_logits` (part of a step call's key) must be False: a burst returns no prompt logprobs.
+    On a mesh (`backends["mesh"]`) the inputs are the placed trees of one replica, no stages."""
+    if all_logits:
+        raise ValueError("a multi-step program computes no prompt logprobs")
     (out, _, _), kv_caches, state, prev_tokens = step_program(
         params, cfg, kv_caches, state, prev_tokens, step, extras, meta, all_logits=False, **backends
     )
+    outs = jax.tree.map(lambda x: jnp.zeros((max_steps, *x.shape), x.dtype).at[0].set(x), out)
     real = step.slot_mapping >= 0  # bool[T]: every real token is its sequence's one token
     fed = extras.replace(
         feed_rows=jnp.where(real, extras.token_seq, -1),
         token_is_output=real,
         reset_rows=jnp.zeros_like(extras.reset_rows),
     )
-    tokens = jnp.zeros((max_steps, prev_tokens.shape[0]), jnp.int32).at[0].set(prev_tokens)
 
     def body(i, carry):
-        kv_caches, state, prev_tokens, step, tokens = carry
+        kv_caches, state, prev_tokens, step, outs = carry
         step = advance(step, extras.token_seq, page_size)
-        (_, _, _), kv_caches, state, prev_tokens = step_program(
+        (out, _, _), kv_caches, state, prev_tokens = step_program(
             params,
             cfg,
             kv_caches,
@@ -203,13 +208,14 @@ def burst_program(
             all_logits=False,
             **backends,
         )
-        return kv_caches, state, prev_tokens, step, tokens.at[i].set(prev_tokens)
+        outs = jax.tree.map(lambda acc, x: acc.at[i].set(x), outs, out)
+        return kv_caches, state, prev_tokens, step, outs
 
     with jax.named_scope("burst"):
-        kv_caches, state, prev_tokens, _, tokens = jax.lax.fori_loop(
-            1, num_steps[0], body, (kv_caches, state, prev_tokens, step, tokens)
+        kv_caches, state, prev_tokens, _, outs = jax.lax.fori_loop(
+            1, num_steps[0], body, (kv_caches, state, prev_tokens, step, outs)
         )
-    return tokens, kv_caches, state, prev_tokens
+    return outs, kv_caches, state, prev_tokens
 
 
 def advance(step: StepInputs, token_seq: jax.Array, page_size: int) -> StepInputs:
@@ -326,7 +332,6 @@ def packed_burst_program(
     **options,
 ):
     """`burst_program` over packed inputs (the step's, plus `num_steps`)."""
-    del all_logits  # NOTE: a burst never returns prompt logprobs; kept for the step's key
     inputs = unpack_buffers(buffers, layout)
     extras = inputs["extras"].replace(token_bitmask=token_bitmask)
     return burst_program(
@@ -339,6 +344,7 @@ def packed_burst_program(
         extras,
         meta,
         inputs["num_steps"],
+        all_logits=all_logits,
         **options,
     )
 
@@ -441,33 +447,54 @@ def step_jit(
 
 
 def burst_jit(
-    attention_backend: str, linear_backend: str, max_steps: int, page_size: int, shared: bool = True
+    attention_backend: str,
+    linear_backend: str,
+    max_steps: int,
+    page_size: int,
+    mesh: Any = None,
+    carried: Any = None,
+    shared: bool = True,
 ) -> Any:
-    """The jitted multi-step program (`burst_program`) on one device over packed inputs; `shared`
-    as `step_jit`."""
-    return _jit(
-        bound(
-            packed_burst_program,
+    """The jitted multi-step program (`burst_program`): on one device over packed inputs, on a
+    mesh (one replica, no stages) over the placed input tree with what a step carries left with
+    its `carried` shardings, as `step_jit`; `shared` as there."""
+    options = dict(
+        attention_backend=attention_backend,
+        linear_backend=linear_backend,
+        max_steps=max_steps,
+        page_size=page_size,
+    )
+    if mesh is None:
+        return _jit(
+            bound(packed_burst_program, shared, **options),
             shared,
-            attention_backend=attention_backend,
-            linear_backend=linear_backend,
-            max_steps=max_steps,
-            page_size=page_size,
-        ),
-        shared,
-        static_argnames=("cfg", "all_logits", "layout"),
+            static_argnames=("cfg", "all_logits", "layout"),
+            donate_argnames=("kv_caches", "state"),
+        )
+    return jax.jit(
+        bound(burst_program, shared, mesh=mesh, **options),
+        static_argnames=("cfg", "all_logits"),
         donate_argnames=("kv_caches", "state"),
+        out_shardings=(None, *carried),
+        compiler_options=compiler_options(),
     )
 
 
 def burst_context(
-    attention_backend: str, linear_backend: str, max_steps: int, page_size: int
+    attention_backend: str,
+    linear_backend: str,
+    max_steps: int,
+    page_size: int,
+    mesh: Any = None,
+    carried: Any = None,
 ) -> str:
     """`burst_jit`'s options, as `step_context`."""
+    devices = None if mesh is None else mesh.device_ids.tolist()
     return (
         f"burst_program attention={attention_backend} linear={linear_backend} "
-        f"max_steps={max_steps} page_size={page_size} donate=kv_caches,state "
-        f"static=cfg,all_logits,layout compiler_options={sorted(compiler_options().items())}"
+        f"max_steps={max_steps} page_size={page_size} mesh={mesh!r} devices={devices} "
+        f"out_shardings={carried!r} donate=kv_caches,state static=cfg,all_logits,layout "
+        f"compiler_options={sorted(compiler_options().items())}"
     )
 
 

@@ -314,9 +314,10 @@ class StepInputBuilder:
                         req.sampling.prompt_logprobs,
                     )
                 )
-        if num_steps > 1 and (n_spec or all_logits or fetch_logprobs or (q_a != 1).any()):
+        if num_steps > 1 and (n_spec or all_logits or (q_a != 1).any()):
             raise RuntimeError(
-                f"a {num_steps}-step program takes only decodes without logprobs or proposals"
+                f"a {num_steps}-step program takes only decodes without prompt logprobs or "
+                f"proposals"
             )
         plan = UnpackPlan(
             sample_ids,
