@@ -8,7 +8,9 @@
 #      1 and 32 rows, against XLA's product and a bf16 dot (scripts/bench_linear_gpu.py; writes
 #      the best blocks to $OUT/tuned.json, which the later stages then use);
 #   steps: Llama-3-8B's decode step through the engine with int4, then int8, weights: XLA's
-#      products vs the kernel, 1 and 32 rows, one process per format (~210 s each; QUANTS picks).
+#      products vs the kernel, 1 and 32 rows, one process per format (~210 s each; QUANTS picks);
+#   multistep: Llama-3-8B (random bf16 / int4 weights) single-stream decode through `LLM` with
+#      num_scheduler_steps 1 and 8 interleaved (scripts/bench_generate.py, ~150 s).
 # The three default stages take ~630 s: with BUDGET=575 the int8 steps are cut short.
 # Results under $OUT; BENCHMARKS.md has them.
 #   run: BUDGET=575 bash scripts/gpu_session.sh 2>&1 | tee $OUT/log.txt   (carry .whl: gguf)
@@ -47,6 +49,12 @@ for stage in ${STAGES:-check trace steps}; do
       JAX_PLATFORMS=cuda box ${STEP_S:-210} $(step) --batch 1,32 --quantization $q \
         --linear-backend xla,gpu --json-out $OUT/step_$q.json 2>&1 | quiet
     done ;;
+  multistep)
+    echo "== single-stream decode, 1 vs 8 steps a program (left $(left))"
+    JAX_PLATFORMS=cuda box ${MULTI_S:-150} python3 scripts/bench_generate.py \
+      --model scripts/configs/llama-3-8b --load-format dummy --dtype bfloat16 \
+      --quantization int4,none --num-scheduler-steps 1,8 --prompt-len 128 --decode-tokens 128 \
+      --runs 3 --no-hf 2>&1 | quiet | tee $OUT/multistep.txt ;;
   *) echo "unknown stage $stage" ;;
   esac
 done
