@@ -69,11 +69,11 @@ def test_parse_llama_bench_needs_both_tests(bench):
 
 
 class _FakeEngine:
-    """Returns a token every step after the first; each step spends `cpu` s on this thread's CPU
-    and `idle` s asleep (as a step waiting for the device does)."""
+    """Returns `per_step` tokens every step (a multi-step program's several); each step spends
+    `cpu` s on this thread's CPU and `idle` s asleep (as a step waiting for the device does)."""
 
-    def __init__(self, tokens: int, cpu: float, idle: float):
-        self.tokens, self.cpu, self.idle = tokens, cpu, idle
+    def __init__(self, tokens: int, cpu: float, idle: float, per_step: int = 1):
+        self.tokens, self.cpu, self.idle, self.per_step = tokens, cpu, idle, per_step
         self.left = 0
         self.runner = SimpleNamespace(params={}, linear_backend="cpu")
 
@@ -90,8 +90,9 @@ class _FakeEngine:
         while time.thread_time() < end:
             pass
         time.sleep(self.idle)
-        self.left -= 1
-        return [SimpleNamespace(new_token_ids=[1])]
+        n = min(self.per_step, self.left)
+        self.left -= n
+        return [SimpleNamespace(new_token_ids=[1] * n)]
 
 
 def test_host_ms_per_token_counts_the_engine_threads_cpu_not_its_waits(bench, monkeypatch):
@@ -105,8 +106,15 @@ def test_host_ms_per_token_counts_the_engine_threads_cpu_not_its_waits(bench, mo
         prompt_len=8, decode_tokens=12, runs=2, model=None, dtype=None, load_format="dummy"
     )
     ((prefill, decode, nbytes, name, host_ms),) = bench.bench_jaxinfer(
-        args, list(range(8)), [("int4", "cpu", "async")]
+        args, list(range(8)), [("int4", "cpu", "async", 1)]
     )
     assert name == "int4, cpu, async" and nbytes == 1
     assert 3.5 <= host_ms <= 6.0  # the 4 ms of CPU a token, not the 10 ms of wall
     assert decode <= 105  # a token every ~10 ms of wall (tok/s)
+    # a step returning 4 tokens (num_scheduler_steps): both per token, not per step
+    engine.per_step = 4
+    ((_, decode, _, name, host_ms),) = bench.bench_jaxinfer(
+        args, list(range(8)), [("int4", "cpu", "async", 4)]
+    )
+    assert name == "int4, cpu, async, 4 steps"
+    assert 0.8 <= host_ms <= 1.6 and 250 <= decode <= 420, (host_ms, decode)

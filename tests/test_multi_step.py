@@ -17,10 +17,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
-import zlib
+from collections.abc import Iterator
 
 import pytest
+from scheduler_utils import make_request, random_specs, reference_outputs, token_at
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.page_allocator import PageAllocator
@@ -29,31 +31,12 @@ from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.types import RunnerOutput, SchedulerOutput
 from jaxinfer.sampling_params import SamplingParams
 
-VOCAB = 40
-
-
-def token_at(request_id: str, position: int) -> int:
-    return zlib.crc32(f"{request_id}/{position}".encode()) % VOCAB
-
 
 def make_scheduler(steps: int, num_pages: int = 64, **kw) -> Scheduler:
     page_size = kw.pop("page_size", 4)
     alloc = PageAllocator(num_pages, page_size, enable_prefix_caching=kw.pop("caching", True))
     options = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=40)
     return Scheduler(alloc, num_scheduler_steps=steps, **{**options, **kw})
-
-
-_arrival = iter(range(10**6))
-
-
-def make_request(rid: str, prompt: list[int], eos=(0,), **sampling) -> Request:
-    return Request(
-        rid,
-        list(prompt),
-        SamplingParams(**sampling),
-        eos_token_ids=eos,
-        arrival_time=float(next(_arrival)),
-    )
 
 
 class FakeRunner:
@@ -108,20 +91,6 @@ class FakeRunner:
                 if steps > 1:
                     step_ids[rid] = ids
         return RunnerOutput(sampled_token_ids=sampled, step_token_ids=step_ids)
-
-
-def reference_outputs(req: Request, max_model_len: int) -> list[int]:
-    """What `req` generates with the fake runner: the stop rules applied by hand."""
-    sp, out = req.sampling, []
-    while True:
-        tok = token_at(req.request_id, req.num_prompt_tokens + len(out))
-        out.append(tok)
-        if len(out) >= sp.min_tokens and (
-            tok in (sp.stop_token_ids or ()) or (not sp.ignore_eos and tok in req.eos_token_ids)
-        ):
-            return out
-        if len(out) >= sp.max_tokens or req.num_prompt_tokens + len(out) >= max_model_len:
-            return out
 
 
 # ---- 1. config ----
@@ -223,21 +192,7 @@ def test_steps_stay_plain_while_a_request_waits_has_a_token_mask_or_pages_run_ou
 @pytest.mark.parametrize("seed", range(4))
 def test_random_mix_matches_plain_outputs(seed: int, lookahead: bool) -> None:
     rng = random.Random(seed)
-    shared = [rng.randrange(1, VOCAB) for _ in range(12)]
-    specs = []
-    for i in range(16):
-        prompt = shared[: rng.randrange(13)] + [
-            rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 10))
-        ]
-        max_tokens = rng.randint(1, 20)
-        sampling = dict(
-            max_tokens=max_tokens,
-            min_tokens=rng.randint(0, max_tokens),
-            ignore_eos=rng.random() < 0.2,
-            stop_token_ids=rng.sample(range(VOCAB), 2) if rng.random() < 0.5 else None,
-        )
-        eos = tuple(rng.sample(range(VOCAB), 2))
-        specs.append((f"s{seed}r{i}", prompt, eos, sampling))
+    specs = random_specs(rng, f"s{seed}", 16, max_tokens=20)
     aborts = {rid: rng.randint(0, 30) for rid, *_ in rng.sample(specs, 3)}
 
     def run(steps: int, num_pages: int, max_num_seqs: int, budget: int) -> dict:
@@ -246,7 +201,7 @@ def test_random_mix_matches_plain_outputs(seed: int, lookahead: bool) -> None:
             max_num_batched_tokens=budget,
         )  # fmt: skip
         runner = FakeRunner(sched)
-        reqs = {rid: make_request(rid, p, eos, **sp) for rid, p, eos, sp in specs}
+        reqs = {rid: make_request(rid, p, eos, prio, **sp) for rid, p, eos, prio, sp in specs}
         pending = list(reqs.values())
         n = bursts = preemptions = 0
         in_flight = None  # async scheduling: the step whose update waits for the next schedule
@@ -321,8 +276,9 @@ def multi(tiny, request):
     )
 
 
-def count_bursts(engine) -> tuple[list[int], object]:
-    """Records each schedule's `num_steps` (the list) until the returned undo is called."""
+@contextlib.contextmanager
+def counting_steps(engine) -> Iterator[list[int]]:
+    """Each schedule's `num_steps` while the block runs (the list it yields)."""
     sched, seen = engine.scheduler, []
     original = sched.schedule
 
@@ -332,7 +288,10 @@ def count_bursts(engine) -> tuple[list[int], object]:
         return out
 
     sched.schedule = schedule
-    return seen, lambda: delattr(sched, "schedule")
+    try:
+        yield seen
+    finally:
+        del sched.schedule  # the instance attribute shadowed the method
 
 
 def test_engine_tokens_and_texts_equal_plain_steps(tiny, plain, multi):
@@ -361,12 +320,9 @@ def test_engine_tokens_and_texts_equal_plain_steps(tiny, plain, multi):
         ),
     ]
     ref.update(run(plain, stops))
-    seen, undo = count_bursts(multi)
-    try:
+    with counting_steps(multi) as seen:
         got = run(multi, reqs)
         got.update(run(multi, stops))
-    finally:
-        undo()
     assert max(seen) == 4, seen
     for rid in ref:
         a, b = got[rid][0], ref[rid][0]
@@ -386,11 +342,8 @@ def test_engine_logprobs_of_every_step_and_masked_requests_on_plain_steps(tiny, 
         ("lp2", prompts[1], SamplingParams(temperature=0.9, seed=2, max_tokens=9, logprobs=1)),
     ]
     ref = run(plain, reqs)
-    seen, undo = count_bursts(multi)
-    try:
+    with counting_steps(multi) as seen:
         got = run(multi, reqs)
-    finally:
-        undo()
     assert 4 in seen, seen
     assert_same_greedy(got, ref, ["lp", "lp2"])
     for rid in ("lp", "lp2"):
@@ -403,11 +356,8 @@ def test_engine_logprobs_of_every_step_and_masked_requests_on_plain_steps(tiny, 
         ("free", prompts[0], SamplingParams(temperature=0.0, max_tokens=13)),
     ]  # fmt: skip
     ref = run(plain, masked)
-    seen, undo = count_bursts(multi)
-    try:
+    with counting_steps(multi) as seen:
         got = run(multi, masked)
-    finally:
-        undo()
     for rid in ("m", "free"):
         assert got[rid][0].token_ids == ref[rid][0].token_ids, rid
     # plain steps while "m" decodes (its prefill and 5 more tokens), bursts after it
@@ -461,11 +411,8 @@ def test_a_tensor_mesh_bursts_the_same_tokens_and_data_axes_are_refused(tiny):
     ]
     ref = run(make_engine(model, token_buckets=BUCKETS), reqs)
     mesh = make_engine(model, token_buckets=BUCKETS, mesh="tensor=8", num_scheduler_steps=4)
-    seen, undo = count_bursts(mesh)
-    try:
+    with counting_steps(mesh) as seen:
         got = run(mesh, reqs)
-    finally:
-        undo()
     assert 4 in seen, seen
     for rid in ("g", "s"):
         assert got[rid][0].token_ids == ref[rid][0].token_ids, rid

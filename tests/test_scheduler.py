@@ -12,40 +12,18 @@ the real runner does on the device.
 
 from __future__ import annotations
 
-import itertools
 import random
 import subprocess
 import sys
-import zlib
 
 import pytest
+from scheduler_utils import EOS, make_request, random_specs, reference_outputs, token_at
 
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import PENDING_TOKEN, Request, RequestStatus
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.types import RunnerOutput, SchedulerOutput
 from jaxinfer.sampling_params import SamplingParams
-
-VOCAB = 40
-EOS = 0
-_arrival = itertools.count()
-
-
-def token_at(request_id: str, position: int) -> int:
-    return zlib.crc32(f"{request_id}/{position}".encode()) % VOCAB
-
-
-def make_request(
-    rid: str, prompt: list[int], eos: tuple[int, ...] = (EOS,), priority: int = 0, **sampling
-) -> Request:
-    return Request(
-        rid,
-        list(prompt),
-        SamplingParams(**sampling),
-        eos_token_ids=eos,
-        arrival_time=float(next(_arrival)),
-        priority=priority,
-    )
 
 
 def make_scheduler(
@@ -157,20 +135,6 @@ def run_to_end(
         assert len(outs) < max_steps, "no progress"
     assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
     return outs
-
-
-def reference_outputs(req: Request, max_model_len: int) -> list[int]:
-    """What `req` must generate with the fake runner: the stop rules applied by hand."""
-    sp, out = req.sampling, []
-    while True:
-        tok = token_at(req.request_id, req.num_prompt_tokens + len(out))
-        out.append(tok)
-        if len(out) >= sp.min_tokens and (
-            tok in (sp.stop_token_ids or ()) or (not sp.ignore_eos and tok in req.eos_token_ids)
-        ):
-            return out
-        if len(out) >= sp.max_tokens or req.num_prompt_tokens + len(out) >= max_model_len:
-            return out
 
 
 def test_chunked_prefill_exact_slices_and_page_tables() -> None:
@@ -450,22 +414,7 @@ def test_random_mix_frees_everything_and_matches_unpreempted_outputs(
     seed: int, lookahead: bool
 ) -> None:
     rng = random.Random(seed)
-    shared = [rng.randrange(1, VOCAB) for _ in range(12)]
-    specs = []
-    for i in range(24):
-        prompt = shared[: rng.randrange(13)] + [
-            rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 14))
-        ]
-        max_tokens = rng.randint(1, 12)
-        sampling = dict(
-            max_tokens=max_tokens,
-            min_tokens=rng.randint(0, max_tokens),
-            ignore_eos=rng.random() < 0.2,
-            stop_token_ids=rng.sample(range(VOCAB), 2) if rng.random() < 0.5 else None,
-            prompt_logprobs=1 if rng.random() < 0.1 else None,
-        )
-        eos = tuple(rng.sample(range(VOCAB), 3))
-        specs.append((f"s{seed}r{i}", prompt, eos, rng.randint(0, 1), sampling))
+    specs = random_specs(rng, f"s{seed}", 24, max_tokens=12)
     aborts = {rid: rng.randint(0, 30) for rid, *_ in rng.sample(specs, 4)}
     stop_strings = {rid: rng.randint(0, 30) for rid, *_ in rng.sample(specs, 3)}
 

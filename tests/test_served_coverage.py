@@ -38,6 +38,11 @@ TOOLS = "test_served_tools.py::"
 MOE = "test_served_moe.py::test_deepseek_moe_on_an_expert_mesh_decodes_transformers_tokens"
 FIELDS = "test_served_requests.py::"
 PRIORITY = E + "test_priority_reorders_under_contention_and_max_queue_refuses"
+MULTI_STEP = (
+    "test_served_multi_step.py::test_greedy_streams_take_a_quarter_of_the_steps",
+    "test_served_multi_step.py::test_stops_end_the_stream_on_the_same_token",
+    "test_served_multi_step.py::test_concurrent_streams_and_a_logprobs_one_are_exact",
+)
 
 COVERAGE: dict[str, tuple[str, ...]] = {
     # serve.py flags
@@ -71,6 +76,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "`--no-prefix-caching`": (FLAGS, E + "test_no_prefix_caching_caches_nothing"),
     "`--no-async-scheduling`": (FLAGS,),
     "`--speculative-config`": (INT8_DRAFT, NGRAM),
+    "`--num-scheduler-steps`": MULTI_STEP,
     "`--max-queue`": (PRIORITY,),
     "`--max-request-bytes`": (
         "test_served_lifeline.py::test_content_length_over_the_cap_is_413_before_the_body_is_sent",
@@ -138,6 +144,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     "linear backend `cpu` (default on CPU)": (GREEDY, INT4_CPU),
     "`skip_tokenizer_init=True` (`LLM`, `load_model`; `serve.py --skip-tokenizer-init`)": (NGRAM,),
     "async scheduling (default on one process)": (GREEDY,),
+    "multi-step scheduling (`num_scheduler_steps`, `--num-scheduler-steps`)": MULTI_STEP,
     "gRPC `Generate` service, health, reflection, Prometheus metrics": (
         F + "test_service_health_reflection_and_metrics",
         "test_served_ops.py::test_vllm_metrics_named_typed_and_counted",

@@ -222,25 +222,11 @@ def compile_step(
         state = runner.device_state
         weights, kv = bytes_per_device(state.params), bytes_per_device(state.kv_caches)
         _check_fits(cfg, tgt, weights, kv, bytes_per_device(state.state), num_pages, mesh)
-        out = []
-        for t in tokens:
-            out.append(
-                _compile_bucket(
-                    runner,
-                    tgt,
-                    t,
-                    all_logits,
-                    page_bucket,
-                    weights,
-                    kv,
-                    num_pages,
-                    dump_dir,
-                    compiler_options or {},
-                    decode_only,
-                    num_scheduler_steps,
-                )
-            )
-    return out
+        common = (all_logits, page_bucket, weights, kv, num_pages, dump_dir, compiler_options or {})
+        return [
+            _compile_bucket(runner, tgt, t, *common, decode_only, num_scheduler_steps)
+            for t in tokens
+        ]
 
 
 @contextlib.contextmanager

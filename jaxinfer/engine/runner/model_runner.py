@@ -169,26 +169,15 @@ class ModelRunner:
         carried = None if self.mesh is None else self.device_state.carried()
         backends = (self.attention_backend, self.linear_backend, self.mesh, carried)
         # The step programs warmup built, by `_call_key` (cfg: the static positional argument)
-        self._steps = ProgramTable(
-            step_jit(*backends),
-            "step",
-            step_context(*backends),
-            (1,),
-            fixed=4,
-            fresh=lambda: step_jit(*backends, shared=False),
+        self._steps = ProgramTable.of(
+            step_jit, step_context, "step", backends, static_argnums=(1,), fixed=4
         )
         self._jit = self._steps.jitted
         # Steps sampling structured-output rows run the step program up to the rows' logits,
         # then this one (see `sample`); single device only (on a mesh they sample in the step).
         self.split_sampling = self.mesh is None
         rows = self.num_sample_rows
-        self._samplers = ProgramTable(
-            sampler_jit(rows),
-            "sampler",
-            sampler_context(rows),
-            fixed=1,
-            fresh=lambda: sampler_jit(rows, shared=False),
-        )
+        self._samplers = ProgramTable.of(sampler_jit, sampler_context, "sampler", (rows,), fixed=1)
         self._sample_jit = self._samplers.jitted
         # Multi-step programs (`burst_program`), one per pure-decode bucket, keyed as the steps
         self.num_scheduler_steps = num_scheduler_steps
@@ -202,13 +191,8 @@ class ModelRunner:
                 self.mesh,
                 carried,
             )
-            self._bursts = ProgramTable(
-                burst_jit(*options),
-                "burst",
-                burst_context(*options),
-                (1,),
-                fixed=4,
-                fresh=lambda: burst_jit(*options, shared=False),
+            self._bursts = ProgramTable.of(
+                burst_jit, burst_context, "burst", options, static_argnums=(1,), fixed=4
             )
         self._steps.first_use = self._samplers.first_use = executable_cache.first_use_cache()
         if self._bursts is not None:

@@ -84,6 +84,21 @@ class ProgramTable:
         self._jit_ran: set[Any] = set()
         self._repeats: dict[Any, Any] = {}
 
+    @classmethod
+    def of(
+        cls, jit: Callable[..., Any], context: Callable[..., str], name: str, options: tuple, **kw
+    ) -> ProgramTable:
+        """The table of `jit(*options)` (a step / sampler / multi-step jit of `programs`), its
+        executable-cache context `context(*options)` and fresh jits `jit(*options, shared=False)`;
+        `kw`: `static_argnums`, `fixed`."""
+        return cls(
+            jit(*options),
+            name,
+            context(*options),
+            fresh=lambda: jit(*options, shared=False),
+            **kw,
+        )
+
     def __len__(self) -> int:
         return len(self.programs)
 

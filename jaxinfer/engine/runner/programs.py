@@ -172,30 +172,34 @@ def burst_program(
     **backends,
 ):
     """`num_steps` decode steps of a pure-decode batch in one program (multi-step scheduling,
-    `EngineConfig.num_scheduler_steps`): the first is `step_program` on the host's inputs; each
-    next one feeds every sequence the id it just sampled, one position further on (`advance`),
-    with the same sampling rows, so each token is the one a step of its own would sample (the
-    penalty state counts it, its random counter is its position). Returns every step's sampler
-    output stacked (`SamplerOutput` of [max_steps, S, ...] arrays; steps past `num_steps` zero),
-    the caches, the state and the last step's ids (the next program's `prev_tokens`).
-    `all_logits` (part of a step call's key) must be False: a burst returns no prompt logprobs.
-    On a mesh (`backends["mesh"]`) the inputs are the placed trees of one replica, no stages."""
+    `EngineConfig.num_scheduler_steps`), one `step_program` in a device loop: the first step on
+    the host's inputs; each next one feeds every sequence the id it just sampled, one position
+    further on (`advance`), with the same sampling rows, so each token is the one a step of its
+    own would sample (the penalty state counts it, its random counter is its position). Returns
+    every step's sampler output stacked (`SamplerOutput` of [max_steps, S, ...] arrays; steps
+    past `num_steps` zero), the caches, the state and the last step's ids (the next program's
+    `prev_tokens`). `all_logits` (part of a step call's key) must be False: a burst returns no
+    prompt logprobs. On a mesh (`backends["mesh"]`) the inputs are the placed trees of one
+    replica, no stages."""
     if all_logits:
         raise ValueError("a multi-step program computes no prompt logprobs")
-    (out, _, _), kv_caches, state, prev_tokens = step_program(
-        params, cfg, kv_caches, state, prev_tokens, step, extras, meta, all_logits=False, **backends
+    rows = step.kv_lens.size  # S sampled rows, one a sequence
+    outs = SamplerOutput(
+        token_ids=jnp.zeros((max_steps, rows), jnp.int32),
+        logprobs=jnp.zeros((max_steps, rows), jnp.float32),
+        topk_ids=jnp.zeros((max_steps, rows, MAX_LOGPROBS), jnp.int32),
+        topk_logprobs=jnp.zeros((max_steps, rows, MAX_LOGPROBS), jnp.float32),
     )
-    outs = jax.tree.map(lambda x: jnp.zeros((max_steps, *x.shape), x.dtype).at[0].set(x), out)
     real = step.slot_mapping >= 0  # bool[T]: every real token is its sequence's one token
-    fed = extras.replace(
-        feed_rows=jnp.where(real, extras.token_seq, -1),
-        token_is_output=real,
-        reset_rows=jnp.zeros_like(extras.reset_rows),
-    )
 
     def body(i, carry):
         kv_caches, state, prev_tokens, step, outs = carry
-        step = advance(step, extras.token_seq, page_size)
+        first = i == 0  # the host's extras; then every real token is the id just sampled
+        fed = extras.replace(
+            feed_rows=jnp.where(first, extras.feed_rows, jnp.where(real, extras.token_seq, -1)),
+            token_is_output=jnp.where(first, extras.token_is_output, real),
+            reset_rows=extras.reset_rows & first,
+        )
         (out, _, _), kv_caches, state, prev_tokens = step_program(
             params,
             cfg,
@@ -209,11 +213,11 @@ def burst_program(
             **backends,
         )
         outs = jax.tree.map(lambda acc, x: acc.at[i].set(x), outs, out)
-        return kv_caches, state, prev_tokens, step, outs
+        return kv_caches, state, prev_tokens, advance(step, extras.token_seq, page_size), outs
 
     with jax.named_scope("burst"):
         kv_caches, state, prev_tokens, _, outs = jax.lax.fori_loop(
-            1, num_steps[0], body, (kv_caches, state, prev_tokens, step, outs)
+            0, num_steps[0], body, (kv_caches, state, prev_tokens, step, outs)
         )
     return outs, kv_caches, state, prev_tokens
 
@@ -301,15 +305,15 @@ def packed_step_program(
     all_logits: bool,
     **backends,
 ):
-    inputs = unpack_buffers(buffers, layout)
-    extras = inputs["extras"].replace(token_bitmask=token_bitmask)
+    inputs = _unpacked(buffers, token_bitmask, layout)
+    step, extras = inputs["step"], inputs["extras"]
     return step_program(
         params,
         cfg,
         kv_caches,
         state,
         prev_tokens,
-        inputs["step"],
+        step,
         extras,
         meta,
         all_logits=all_logits,
@@ -332,21 +336,28 @@ def packed_burst_program(
     **options,
 ):
     """`burst_program` over packed inputs (the step's, plus `num_steps`)."""
-    inputs = unpack_buffers(buffers, layout)
-    extras = inputs["extras"].replace(token_bitmask=token_bitmask)
+    inputs = _unpacked(buffers, token_bitmask, layout)
+    step, extras, num_steps = inputs["step"], inputs["extras"], inputs["num_steps"]
     return burst_program(
         params,
         cfg,
         kv_caches,
         state,
         prev_tokens,
-        inputs["step"],
+        step,
         extras,
         meta,
-        inputs["num_steps"],
+        num_steps,
         all_logits=all_logits,
         **options,
     )
+
+
+def _unpacked(buffers, token_bitmask, layout: tuple) -> dict:
+    """The host inputs of packed `buffers`, the bitmask (passed apart) put back in the extras."""
+    inputs = unpack_buffers(buffers, layout)
+    inputs["extras"] = inputs["extras"].replace(token_bitmask=token_bitmask)
+    return inputs
 
 
 def packed_sample_program(
