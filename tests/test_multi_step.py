@@ -9,8 +9,9 @@
    token mask or the free pages cannot hold the burst; a random mix of requests (prefix hits, preemption,
    aborts, stop ids, sync and async scheduling) produces the tokens a plain run does, every
    position reads back its token, every page is free at the end.
-3. Engine on the tiny Llama: greedy, seeded sampling, penalties, min_tokens, stop ids and stop
-   strings give the same tokens and texts with and without multi-step programs, async and sync,
+3. Engine on the tiny Llama: greedy, seeded sampling (n = 2 too), penalties, min_tokens, stop
+   ids and stop strings give the same tokens and texts with and without multi-step programs,
+   async and sync,
    logprobs the same values for every token; a request with a token mask takes plain steps
    beside them; preemption and prefix hits leave every page free.
 """
@@ -299,11 +300,12 @@ def test_engine_tokens_and_texts_equal_plain_steps(tiny, plain, multi):
 
     rng = __import__("numpy").random.default_rng(3)
     vocab = tiny.cfg.vocab_size
-    prompts = [random_prompt(rng, n, vocab) for n in (5, 9, 3)]
+    prompts = [random_prompt(rng, n, vocab) for n in (5, 9, 3, 6)]
     sps = [
         SamplingParams(temperature=0.0, max_tokens=19),
         SamplingParams(temperature=0.8, seed=11, max_tokens=14, repetition_penalty=1.3),
         SamplingParams(temperature=1.0, top_k=20, seed=5, max_tokens=11, min_tokens=6),
+        SamplingParams(temperature=0.9, seed=8, max_tokens=10, n=2, frequency_penalty=0.5),
     ]
     reqs = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))]
     ref = run(plain, reqs)
@@ -325,9 +327,9 @@ def test_engine_tokens_and_texts_equal_plain_steps(tiny, plain, multi):
         got.update(run(multi, stops))
     assert max(seen) == 4, seen
     for rid in ref:
-        a, b = got[rid][0], ref[rid][0]
-        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), rid
-        assert a.usage == b.usage
+        for a, b in zip(got[rid], ref[rid], strict=True):  # n = 2: both samples
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+            assert a.usage == b.usage, rid
     assert ref["s0"][0].finish_reason == ref["s1"][0].finish_reason == "stop"
     assert_pages_free(multi)
 
