@@ -1,19 +1,19 @@
 """Multi-step scheduling (`num_scheduler_steps`): config checks, scheduler rules, exactness.
 
 1. Config: a bad `num_scheduler_steps` is named; it does not combine with speculative decoding
-   or a mesh (refused by name).
+   or a data / pipeline mesh axis (refused by name).
 2. Scheduler (no JAX), driven by a fake runner whose "model" is a hash of (request, position) and
    whose fake KV cache stores token ids: a multi-step step gives each decode pages for all its
    tokens and that many pending ones, and its ids are applied under the stop rules (a stop in the
    middle drops the rest and frees the pages); steps stay plain while a request waits, has a
-   token mask or the free pages cannot hold the burst; a random mix of requests (prefix hits, preemption,
-   aborts, stop ids, sync and async scheduling) produces the tokens a plain run does, every
-   position reads back its token, every page is free at the end.
+   token mask or the free pages cannot hold the burst; a random mix of requests (prefix hits,
+   preemption, aborts, stop ids, sync and async scheduling) produces the tokens a plain run
+   does, every position reads back its token, every page is free at the end.
 3. Engine on the tiny Llama: greedy, seeded sampling (n = 2 too), penalties, min_tokens, stop
    ids and stop strings give the same tokens and texts with and without multi-step programs,
-   async and sync,
-   logprobs the same values for every token; a request with a token mask takes plain steps
-   beside them; preemption and prefix hits leave every page free.
+   async and sync, and logprobs the same values for every token; a request with a token mask
+   takes plain steps beside them; preemption and prefix hits leave every page free; a
+   `tensor=8` mesh decodes the single device's tokens.
 """
 
 from __future__ import annotations
