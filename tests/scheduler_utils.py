@@ -4,7 +4,8 @@
 on (request, position), so a run with preemption, prefix hits or several steps a program must
 produce the same tokens as one without (`reference_outputs` applies the stop rules by hand).
 `random_specs` draws a mix of requests (shared prefixes, min_tokens, ignore_eos, stop ids, prompt
-logprobs, priorities) for the randomized scheduler tests.
+logprobs, priorities) for the randomized scheduler tests, and `drive` runs such a mix as the
+engine core does (sync, or async: each update after the next schedule).
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from __future__ import annotations
 import itertools
 import random
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 from jaxinfer.engine.request import Request
+from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.sampling_params import SamplingParams
 
 VOCAB = 40
@@ -73,3 +77,49 @@ def random_specs(
         eos = tuple(rng.sample(range(VOCAB), 3))
         specs.append((f"{prefix}r{i}", prompt, eos, rng.randint(0, 1), sampling))
     return specs
+
+
+def drive(
+    sched: Scheduler,
+    runner: Any,  # .execute(SchedulerOutput) -> RunnerOutput
+    reqs: dict[str, Request],
+    *,
+    arrivals: Callable[[int], int],
+    lookahead: bool,
+    aborts: dict[str, int],
+    stop_strings: dict[str, int] | None = None,
+    check: Callable[[Scheduler], None] = lambda s: s.allocator.check_invariants(),
+) -> dict[str, int]:
+    """Adds `arrivals(step)` of `reqs` (in order) before each schedule, aborts / finishes by a
+    stop string the requests named at their step, updates synchronously or (`lookahead`) after
+    the next schedule, `check`s the scheduler after each step, until everything finished; every
+    page is free at the end. Returns the counts of preemptions and multi-step steps."""
+    pending = list(reqs.values())
+    steps = preemptions = bursts = 0
+    in_flight = None  # async scheduling: the step whose update waits for the next schedule
+    while pending or sched.has_unfinished() or in_flight:
+        for _ in range(arrivals(steps)):
+            if pending:
+                sched.add_request(pending.pop(0))
+        out = sched.schedule()
+        preemptions += len(out.preempted)
+        bursts += out.num_steps > 1
+        result = runner.execute(out)
+        for rid, at in aborts.items():
+            if at == steps:
+                sched.abort(rid)
+        if lookahead:
+            if in_flight:
+                sched.update(*in_flight)
+            in_flight = (out, result) if out.scheduled else None
+        else:
+            sched.update(out, result)
+        for rid, at in (stop_strings or {}).items():
+            if at == steps:
+                sched.finish(rid, "stop", "STOP")
+        check(sched)
+        steps += 1
+        assert steps < 3000
+    assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
+    sched.allocator.check_invariants()
+    return {"preemptions": preemptions, "bursts": bursts}

@@ -23,7 +23,7 @@ import random
 from collections.abc import Iterator
 
 import pytest
-from scheduler_utils import make_request, random_specs, reference_outputs, token_at
+from scheduler_utils import drive, make_request, random_specs, reference_outputs, token_at
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.page_allocator import PageAllocator
@@ -201,33 +201,16 @@ def test_random_mix_matches_plain_outputs(seed: int, lookahead: bool) -> None:
             steps, num_pages=num_pages, page_size=3, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
         )  # fmt: skip
-        runner = FakeRunner(sched)
         reqs = {rid: make_request(rid, p, eos, prio, **sp) for rid, p, eos, prio, sp in specs}
-        pending = list(reqs.values())
-        n = bursts = preemptions = 0
-        in_flight = None  # async scheduling: the step whose update waits for the next schedule
-        while pending or sched.has_unfinished() or in_flight:
-            for _ in range(rng.randint(0, 2) if n % 7 else 0):  # idle spells let bursts run
-                if pending:
-                    sched.add_request(pending.pop(0))
-            out = sched.schedule()
-            bursts += out.num_steps > 1
-            preemptions += len(out.preempted)
-            result = runner.execute(out)
-            for rid, at in aborts.items():
-                if at == n:
-                    sched.abort(rid)
-            if lookahead:
-                if in_flight:
-                    sched.update(*in_flight)
-                in_flight = (out, result) if out.scheduled else None
-            else:
-                sched.update(out, result)
-            sched.allocator.check_invariants()
-            n += 1
-            assert n < 3000
-        assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
-        return {"reqs": reqs, "bursts": bursts, "preemptions": preemptions}
+        counts = drive(
+            sched,
+            FakeRunner(sched),
+            reqs,
+            arrivals=lambda n: rng.randint(0, 2) if n % 7 else 0,  # idle spells let bursts run
+            lookahead=lookahead,
+            aborts=aborts,
+        )
+        return {"reqs": reqs, **counts}
 
     plain = run(1, num_pages=200, max_num_seqs=16, budget=64)
     roomy = run(4, num_pages=200, max_num_seqs=16, budget=64)

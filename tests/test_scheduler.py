@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from scheduler_utils import EOS, make_request, random_specs, reference_outputs, token_at
+from scheduler_utils import EOS, drive, make_request, random_specs, reference_outputs, token_at
 
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import PENDING_TOKEN, Request, RequestStatus
@@ -427,36 +427,18 @@ def test_random_mix_frees_everything_and_matches_unpreempted_outputs(
             max_model_len=40,
             threshold=threshold,
         )
-        runner = FakeRunner(sched)
         reqs = {rid: make_request(rid, p, eos, prio, **sp) for rid, p, eos, prio, sp in specs}
-        pending = list(reqs.values())
-        steps = preemptions = 0
-        in_flight = None  # async scheduling: the step whose update waits for the next schedule
-        while pending or sched.has_unfinished() or in_flight:
-            for _ in range(rng.randint(0, 3)):
-                if pending:
-                    sched.add_request(pending.pop(0))
-            out = sched.schedule()
-            preemptions += len(out.preempted)
-            result = runner.execute(out)
-            for rid, at in aborts.items():
-                if at == steps:
-                    sched.abort(rid)
-            if lookahead:
-                if in_flight:
-                    sched.update(*in_flight)
-                in_flight = (out, result) if out.scheduled else None
-            else:
-                sched.update(out, result)
-            for rid, at in stop_strings.items():
-                if at == steps:
-                    sched.finish(rid, "stop", "STOP")
-            check_pages(sched)
-            steps += 1
-            assert steps < 3000
-        assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
-        sched.allocator.check_invariants()
-        return {"reqs": reqs, "preemptions": preemptions}
+        counts = drive(
+            sched,
+            FakeRunner(sched),
+            reqs,
+            arrivals=lambda _: rng.randint(0, 3),
+            lookahead=lookahead,
+            aborts=aborts,
+            stop_strings=stop_strings,
+            check=check_pages,
+        )
+        return {"reqs": reqs, **counts}
 
     roomy = run(num_pages=200, max_num_seqs=16, budget=64, threshold=None)
     tight = run(num_pages=16, max_num_seqs=6, budget=7, threshold=4)

@@ -6,9 +6,10 @@ travel (`pack`: one buffer per dtype, `unpack_buffers` by static slices inside t
    KV cache and `PenaltyState` donated; it returns (sampler output, prompt logprobs, the sampled
    rows' logits), the caches, the state and the sampled ids padded to a fixed `[R]` (the next
    program's `prev_tokens`).
-2. `sample_program` is the sampler of a step launched with `defer_sampling`.
-3. `step_jit` / `sampler_jit` are their jitted forms on one device (packed inputs) or a mesh,
-   compiled with `compiler_options()` for the target platform: on a GPU every conditional and
+2. `sample_program` is the sampler of a step launched with `defer_sampling`; `burst_program`
+   runs several pure-decode steps in one device loop (multi-step scheduling, `advance`).
+3. `step_jit` / `sampler_jit` / `burst_jit` are their jitted forms on one device (packed
+   inputs) or a mesh, compiled with `compiler_options()` for the target platform: on a GPU every conditional and
    loop of the step runs inside XLA's command buffer (a CUDA graph), so one launch runs the step,
    and no Triton GEMM splits K (its reduction would be a launch before each Pallas consumer).
 4. `bound(fn, ...)` is the function a step/sampler jit wraps: one object per (function, backends,
@@ -427,34 +428,8 @@ def step_jit(
     the placed input tree, with what a step carries to the next (KV cache, penalty state,
     fed-back ids) left with the `carried` shardings it came in with. `shared`: over the process's
     one function object for these options (`bound`), else its own (programs compiled afresh)."""
-    if mesh is None:  # inputs packed into one buffer per dtype (see pack)
-        return _jit(
-            bound(
-                packed_step_program,
-                shared,
-                attention_backend=attention_backend,
-                linear_backend=linear_backend,
-            ),
-            shared,
-            static_argnames=("cfg", "all_logits", "layout"),
-            donate_argnames=("kv_caches", "state"),
-        )
-    # NOTE: with the partitioner's choice instead, the first call's outputs would give the
-    # second call other input shardings (a recompile of every program warmup built, on the first
-    # real request).
-    return jax.jit(
-        bound(
-            step_program,
-            shared,
-            attention_backend=attention_backend,
-            linear_backend=linear_backend,
-            mesh=mesh,
-        ),
-        static_argnames=("cfg", "all_logits"),
-        donate_argnames=("kv_caches", "state"),
-        out_shardings=(None, *carried),
-        compiler_options=compiler_options(),
-    )
+    options = dict(attention_backend=attention_backend, linear_backend=linear_backend)
+    return _program_jit(packed_step_program, step_program, options, mesh, carried, shared)
 
 
 def burst_jit(
@@ -466,24 +441,35 @@ def burst_jit(
     carried: Any = None,
     shared: bool = True,
 ) -> Any:
-    """The jitted multi-step program (`burst_program`): on one device over packed inputs, on a
-    mesh (one replica, no stages) over the placed input tree with what a step carries left with
-    its `carried` shardings, as `step_jit`; `shared` as there."""
+    """The jitted multi-step program (`burst_program`), as `step_jit` (on a mesh: one replica,
+    no stages)."""
     options = dict(
         attention_backend=attention_backend,
         linear_backend=linear_backend,
         max_steps=max_steps,
         page_size=page_size,
     )
+    return _program_jit(packed_burst_program, burst_program, options, mesh, carried, shared)
+
+
+def _program_jit(
+    packed: Any, program: Any, options: dict, mesh: Any, carried: Any, shared: bool
+) -> Any:
+    """`packed(**options)` jitted on one device (inputs packed into one buffer per dtype, see
+    `pack`), or `program(mesh=mesh, **options)` over placed trees on a mesh; KV caches and
+    penalty state donated."""
     if mesh is None:
         return _jit(
-            bound(packed_burst_program, shared, **options),
+            bound(packed, shared, **options),
             shared,
             static_argnames=("cfg", "all_logits", "layout"),
             donate_argnames=("kv_caches", "state"),
         )
+    # NOTE: with the partitioner's choice instead, the first call's outputs would give the
+    # second call other input shardings (a recompile of every program warmup built, on the first
+    # real request).
     return jax.jit(
-        bound(burst_program, shared, mesh=mesh, **options),
+        bound(program, shared, mesh=mesh, **options),
         static_argnames=("cfg", "all_logits"),
         donate_argnames=("kv_caches", "state"),
         out_shardings=(None, *carried),
