@@ -32,7 +32,7 @@ from jaxinfer import quantization
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import Request
-from jaxinfer.engine.runner import ModelRunner, default_page_buckets
+from jaxinfer.engine.runner import ModelRunner, default_page_buckets, warmup
 from jaxinfer.engine.runner.program_table import ProgramTable
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.models import llama
@@ -381,7 +381,7 @@ def test_gpu_attention_marks_pure_decode_steps_and_warms_their_programs(small) -
     is marked (no extra programs)."""
     assert not small_runner(small).inputs.decode_only
     runner = small_runner(small, attention_backend="gpu")
-    keys = list(runner._warmup_keys())
+    keys = list(warmup.plan(runner))
     assert (16, runner.page_buckets[0], False, 0, True) in keys
     assert len(keys) == 3 * len(runner.page_buckets)  # each page bucket: 2 logits variants + decode
     marks = []

@@ -63,8 +63,9 @@ position past the prompt is an output token), so a preempted request that recomp
 rebuilds its counts exactly.
 
 Rooms: `input_batch` (the persistent per-row host arrays), `step_inputs` (the numpy step-input
-builder, steps 1-3), `buckets` (step 2's sizes and the warmup plan), `programs` (the jitted step
-and sampler, step 4's packing), `device_state` (params, KV caches, penalty rows on one device / a
+builder, steps 1-3), `buckets` (step 2's sizes and the warmup plan), `programs` (the jitted step,
+multi-step program and sampler, step 4's packing), `program_table` (their compiled programs by
+call key), `warmup` (every program built before the first request), `device_state` (params, KV caches, penalty rows on one device / a
 mesh / pipeline stages; with `abstract=True` only their shapes and shardings on a target's
 devices, for `jaxinfer.aot`, which compiles `ModelRunner.lower`'s programs for hardware this
 machine lacks), `outputs` (step 5), `model_runner` (`ModelRunner`, composing them). The

@@ -86,6 +86,12 @@ class Buckets:
                 w *= 2
             self.spec_widths = tuple(widths)
 
+    @property
+    def decode_bucket(self) -> int:
+        """The token bucket of a step in which every sequence of a replica decodes one token
+        (the largest bucket a pure-decode step takes)."""
+        return self.token_bucket(min(self.seqs_per_replica, self.token_buckets[-1]))
+
     def seq_bucket(self, num_tokens: int) -> int:
         return min(num_tokens, self.seqs_per_replica)
 

@@ -6,19 +6,14 @@ See `jaxinfer.engine.runner` for the flow of a step.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
-import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxinfer import attention, compile_cache, executable_cache, layers, quantization
+from jaxinfer import attention, executable_cache, layers, quantization
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
 from jaxinfer.config import ModelConfig
@@ -38,8 +33,8 @@ from jaxinfer.engine.runner.programs import (
     step_jit,
 )
 from jaxinfer.engine.runner.step_inputs import Prepared, StepInputBuilder, UnpackPlan
+from jaxinfer.engine.runner.warmup import build as build_programs
 from jaxinfer.engine.types import Launched, RunnerOutput, SchedulerOutput
-from jaxinfer.executable_cache import ExecutableCache
 from jaxinfer.lora import device as lora_device
 from jaxinfer.lora.manager import LoRAManager
 from jaxinfer.params import DTYPES
@@ -517,117 +512,6 @@ class ModelRunner:
         return jitted.lower(*args, **kwargs)
 
     def warmup(self, *, structured: bool = False) -> int:
-        """Compiles every (token bucket, page bucket, logits variant, verify rows) program, and
-        with `structured` (and `split_sampling`) the sampler program of each sequence bucket that
-        steps sampling structured-output rows run (`sample`); returns how many were built.
-
-        NOTE: nothing runs. A program in the executable cache (`jaxinfer.executable_cache`,
-        under the compilation cache directory) is loaded as it is on `compile_threads()`
-        threads: nothing traced. Any other is lowered here (tracing holds the GIL), compiled on
-        those threads (XLA compiles without it) and stored in the executable cache (JAX's
-        persistent cache is paused meanwhile: `compile_cache.persistent_cache_paused`). The
-        calls then run these `Compiled` programs themselves (`ProgramTable`), so the first step
-        of a bucket compiles nothing (BENCHMARKS.md "Restarts").
-        """
-        start, loaded = time.perf_counter(), executable_cache.counts()["loaded"]
-        cache = ExecutableCache.open()
-        paused = compile_cache.persistent_cache_paused() if cache else contextlib.nullcontext()
-        with paused, ThreadPoolExecutor(compile_threads(), thread_name_prefix="compile") as pool:
-            built: dict[Any, Any] = {}  # plan key -> (future of its program, Lowered | None)
-            for key in self._warmup_keys():
-                t_bucket, p_bucket, all_logits, width, decode = key
-                inputs = self.inputs.idle_inputs(t_bucket, all_logits, p_bucket, width, decode)
-                args, kwargs = self._args(inputs, all_logits)
-                built[key] = self._steps.build(
-                    self._call_key(args, kwargs), args, kwargs, cache, pool
-                )
-                self._note_compiled(
-                    Prepared(inputs, all_logits, t_bucket, p_bucket, False, spec_width=width)
-                )
-                if self._burst_bucket(key):
-                    args, kwargs = self._args(inputs, False, self.num_scheduler_steps)
-                    call_key = self._call_key(args, kwargs)
-                    built[(*key, "burst")] = self._bursts.build(call_key, args, kwargs, cache, pool)
-                    self._note_compiled(
-                        Prepared(inputs, False, t_bucket, p_bucket, False, num_steps=2)
-                    )
-            if structured and self.split_sampling:
-                for t_bucket in self.token_buckets:
-                    inputs = self.inputs.idle_inputs(t_bucket, False, self.page_buckets[0])
-                    rows = inputs["extras"].seq_rows.shape[0]
-                    if rows not in self._compiled_samplers:
-                        job, lowered = built[(t_bucket, self.page_buckets[0], False, 0, False)]
-                        step = lowered or job.result()
-                        row_logits = step.out_info[0][2]  # (results, ...): its sampled rows' logits
-                        args, layout = self._sampler_args(inputs, row_logits)
-                        sampler = self._samplers.build(
-                            layout, args, {"layout": layout}, cache, pool
-                        )
-                        built[("sampler", rows)] = sampler
-                        self._compiled_samplers.add(rows)
-            self.num_compiled = len(self._compiled) + len(self._compiled_samplers)
-            for job, _ in built.values():
-                job.result()
-        logger.info(
-            "warmup built %d programs in %.1fs (%d loaded from the executable cache %s)",
-            self.num_compiled,
-            time.perf_counter() - start,
-            executable_cache.counts()["loaded"] - loaded,
-            cache.path if cache else "(off)",
-        )
-        return self.num_compiled
-
-    def _warmup_keys(self) -> Iterator[tuple[int, int, bool, int, bool]]:
-        """`buckets.warmup_plan()` plus, where the builder marks pure-decode steps (the `gpu`
-        attention backend), the pure-decode program of each bucket that can hold one (two tokens
-        up to the bucket of one per sequence; a one-token step is always a decode)."""
-        largest = self.buckets.token_buckets[-1]
-        most = self.buckets.token_bucket(min(self.buckets.seqs_per_replica, largest))
-        for key in self.buckets.warmup_plan():
-            yield (*key, False)
-            t_bucket, p_bucket, all_logits, width = key
-            if (
-                self.inputs.decode_only
-                and not all_logits
-                and not width
-                and 1 < t_bucket <= most
-                and self.data * self.microbatches == 1
-            ):
-                yield t_bucket, p_bucket, False, 0, True
-
-    def _burst_bucket(self, key: tuple[int, int, bool, int, bool]) -> bool:
-        """Whether warmup's plan `key` is the program a pure-decode step of its bucket runs, so
-        the bucket gets a multi-step program too (`num_scheduler_steps` > 1)."""
-        t_bucket, _, all_logits, width, decode = key
-        most = self.buckets.token_bucket(
-            min(self.buckets.seqs_per_replica, self.buckets.token_buckets[-1])
-        )
-        return (
-            self._bursts is not None
-            and not all_logits
-            and not width
-            and t_bucket <= most
-            and decode == (self.inputs.decode_only and t_bucket > 1)
-        )
-
-    def _sampler_args(self, inputs: dict, logits: Any) -> tuple[tuple, tuple]:
-        """The sampler program's arguments (and packed layout) for a split step over host
-        `inputs` (`_call_sampler`'s call), with the step program's row logits (`logits`: shape
-        and dtype) as an abstract committed array."""
-        rows = inputs["extras"].seq_rows.shape[0]
-        state = self.device_state.state
-        sharding = jax.tree.leaves(state)[0].sharding
-        row_logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=sharding)
-        host = {
-            "meta": inputs["meta"],
-            "seq_rows": inputs["extras"].seq_rows,
-            "positions": inputs["step"].kv_lens.reshape(-1),
-            "token_bitmask": np.full((rows, self.bitmask_width), -1, np.int32),
-        }
-        buffers, layout = pack(host)
-        return (state, row_logits, buffers), layout
-
-
-def compile_threads() -> int:
-    """Threads that compile warmup's programs: the CPU cores (at most 8)."""
-    return max(1, min(8, os.cpu_count() or 1))
+        """Compiles every program this runner's steps can take before the first request
+        (`runner.warmup.build`); returns how many were built."""
+        return build_programs(self, structured=structured)
