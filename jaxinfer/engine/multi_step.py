@@ -90,16 +90,10 @@ def update(
                 f"(one a step of the program)"
             )
         req.num_pending_tokens -= steps
-        new: list[int] = []
-        finished = False
-        for token in ids:
-            req.output_token_ids.append(token)
-            new.append(token)
-            reason = req.stop_reason_of(token)
-            if reason is not None:
-                finish(req, *reason)
-                finished = True
-                break
+        new, reason = req.append_outputs(ids)
+        finished = reason is not None
+        if finished:
+            finish(req, *reason)
         alloc = allocators[s.replica]
         done = s.start_pos + steps  # tokens whose K/V the program wrote: all known now
         if (

@@ -144,6 +144,16 @@ class Request:
                 f"{sp.max_tokens} needs {pages} KV-cache pages, the cache has {num_usable_pages}"
             )
 
+    def append_outputs(self, tokens: list[int]) -> tuple[list[int], tuple[str, int | None] | None]:
+        """Appends `tokens` to the outputs one by one under the stop rules until one stops the
+        request: (the tokens appended, the stopping one's `stop_reason_of`, or None)."""
+        for n, token in enumerate(tokens, 1):
+            self.output_token_ids.append(token)
+            reason = self.stop_reason_of(token)
+            if reason is not None:
+                return tokens[:n], reason
+        return list(tokens), None
+
     def stop_reason_of(self, token: int) -> tuple[str, int | None] | None:
         """The stop rules, once `token` is appended: (finish reason, stop id) or None (also when
         `min_tokens` holds a stop back). Stop ids / EOS first, then the length limit."""

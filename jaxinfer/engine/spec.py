@@ -123,14 +123,10 @@ def accept(
     stats.num_draft_tokens += s.num_spec_tokens
     stats.num_accepted_tokens += len(accepted)
     req.num_pending_tokens -= 1
-    new: list[int] = []
-    for tok in accepted + [token]:
-        req.output_token_ids.append(tok)
-        new.append(tok)
-        reason = req.stop_reason_of(tok)
-        if reason is not None:
-            finish(req, *reason)
-            return RequestUpdate(req, new, True)
+    new, reason = req.append_outputs(accepted + [token])
+    if reason is not None:
+        finish(req, *reason)
+        return RequestUpdate(req, new, True)
     done = req.num_computed_tokens  # verified tokens only reach the prefix cache
     if (
         accepted

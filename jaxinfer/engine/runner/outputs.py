@@ -42,11 +42,7 @@ def unpack_results(
         final_row[rid] = (lo + a if a < k else slot, lo)
 
     def token_lps(i: int, k: int) -> TokenLogprobs:
-        return TokenLogprobs(
-            int(token_ids[i]),
-            float(out.logprobs[i]),
-            dict(zip(out.topk_ids[i, :k].tolist(), out.topk_logprobs[i, :k].tolist())),
-        )
+        return _logprobs(token_ids[i], out.logprobs[i], out.topk_ids[i], out.topk_logprobs[i], k)
 
     logprobs, prompt_lps = {}, {}
     for rid, i, k in plan.logprob_rows:
@@ -61,11 +57,7 @@ def unpack_results(
             pos = start + (t - lo) + 1  # the prompt position this row predicts
             if pos >= num_prompt:
                 break
-            entries[pos] = TokenLogprobs(
-                int(plan.target_ids[t]),
-                float(chosen[t]),
-                dict(zip(top_ids[t, :k].tolist(), top_lps[t, :k].tolist())),
-            )
+            entries[pos] = _logprobs(plan.target_ids[t], chosen[t], top_ids[t], top_lps[t], k)
         prompt_lps[rid] = entries
     return RunnerOutput(
         sampled_token_ids=sampled,
@@ -84,10 +76,8 @@ def _unpack_steps(plan: UnpackPlan, token_ids: np.ndarray, out: Any) -> RunnerOu
     logprobs, earlier = {}, {}
     for rid, i, k in plan.logprob_rows:
         lps = [
-            TokenLogprobs(
-                int(token_ids[j, i]),
-                float(out.logprobs[j, i]),
-                dict(zip(out.topk_ids[j, i, :k].tolist(), out.topk_logprobs[j, i, :k].tolist())),
+            _logprobs(
+                token_ids[j, i], out.logprobs[j, i], out.topk_ids[j, i], out.topk_logprobs[j, i], k
             )
             for j in range(n)
         ]
@@ -97,4 +87,13 @@ def _unpack_steps(plan: UnpackPlan, token_ids: np.ndarray, out: Any) -> RunnerOu
         logprobs=logprobs,
         draft_logprobs=earlier,
         step_token_ids=dict(zip(plan.sample_ids, steps)),
+    )
+
+
+def _logprobs(
+    token: Any, logprob: Any, top_ids: np.ndarray, top_lps: np.ndarray, k: int
+) -> TokenLogprobs:
+    """One token's `TokenLogprobs`: its id and logprob, and the first `k` of the top ids."""
+    return TokenLogprobs(
+        int(token), float(logprob), dict(zip(top_ids[:k].tolist(), top_lps[:k].tolist()))
     )
