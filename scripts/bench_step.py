@@ -5,6 +5,7 @@
         [--trace-dir DIR] [--json-out FILE] [--hf] [--attention-backend B]
         [--scheduling async,sync] [--cprofile PREFIX] [--linear-backend xla,gpu]
         [--linear-tuning FILE]   # bench_linear_gpu.py --tuned-out: the GPU kernel's blocks
+        [--decode-programs-per-core N]   # the GPU attention's split-K target (0: no split)
 
 1. One `LLM` per `--quantization` (random weights with `--load-format dummy`; `--layers N` keeps
    the first N layers of the config, for a quick look on a CPU), sized for the largest batch.
@@ -223,8 +224,17 @@ def main() -> None:
         default=None,
         help="bench_linear_gpu.py --tuned-out FILE: GPU kernel blocks",
     )
+    p.add_argument(
+        "--decode-programs-per-core",
+        default=None,
+        help="comma-separated: the GPU decode attention's split-K programs per SM, one engine "
+        "each (block_sizes.DECODE_PROGRAMS_PER_CORE; 0: one program a sequence and KV head, "
+        "no merge launch)",
+    )
     args = p.parse_args()
     import jax
+
+    from pallas_kernels.ragged_paged_attention import block_sizes
 
     if args.linear_tuning:
         from pallas_kernels.linear import gpu as gpu_linear
@@ -236,13 +246,18 @@ def main() -> None:
     path = model_dir(args.model, args.layers)
     bandwidth = copy_bandwidth(2 << 30 if jax.default_backend() != "cpu" else 256 << 20)
     rows = []
+    per_core = args.decode_programs_per_core
     cases = [
-        (q, lin, m)
+        (q, lin, m, n)
         for q in args.quantization.split(",")
         for lin in args.linear_backend.split(",")
         for m in args.scheduling.split(",")
+        for n in (per_core.split(",") if per_core else [block_sizes.DECODE_PROGRAMS_PER_CORE])
     ]
-    for quant, linear, sched in cases:
+    for quant, linear, sched, programs in cases:
+        if per_core:  # read while tracing: JAX's trace caches are shared by equal engines
+            block_sizes.DECODE_PROGRAMS_PER_CORE = int(programs)
+            jax.clear_caches()
         t0 = time.perf_counter()
         chunk = max(512, args.context)
         max_len = args.context + decode_tokens(max(batches), args.context, args.steps, chunk)
@@ -271,6 +286,7 @@ def main() -> None:
             run_batch(llm, b, args.context, 4, f"warm-{quant}", vocab)  # compiles
             warm_s = time.perf_counter() - t0
             tag = quant if linear == "auto" else f"{quant}-{linear}"
+            tag += f"-p{programs}" if per_core else ""
             trace = os.path.join(args.trace_dir, f"{tag}-b{b}") if args.trace_dir else None
             step, prof = run_batch(llm, b, args.context, args.steps, f"run-{quant}", vocab, trace)
             if args.cprofile:
@@ -281,6 +297,7 @@ def main() -> None:
                 "quantization": quant,
                 "linear_backend": linear,
                 "scheduling": sched,
+                "decode_programs_per_core": int(programs),
                 "batch": b,
                 "ms_per_step": round(1e3 * step, 3),
                 "tok_s": round(b / step, 1),
@@ -302,6 +319,7 @@ def main() -> None:
     for r in rows:
         ev = r.get("profile", {}).get("events_per_step")
         case = f"{r['quantization']} {r['linear_backend']} {r['scheduling']} b{r['batch']}"
+        case += f" p{r['decode_programs_per_core']}" if per_core else ""
         print(
             f"{case:>20s} {r['ms_per_step']:9.2f} "
             f"{r['tok_s']:9.1f} {r['roofline_ms']:12.2f} {ev if ev is not None else '-':>12}"

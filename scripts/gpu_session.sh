@@ -10,7 +10,11 @@
 #   steps: Llama-3-8B's decode step through the engine with int4, then int8, weights: XLA's
 #      products vs the kernel, 1 and 32 rows, one process per format (~210 s each; QUANTS picks);
 #   multistep: Llama-3-8B (random bf16 / int4 weights) single-stream decode through `LLM` with
-#      num_scheduler_steps 1 and 8 interleaved (scripts/bench_generate.py, ~150 s).
+#      num_scheduler_steps 1 and 8 interleaved (scripts/bench_generate.py, ~150 s);
+#   knobs: the int4 one-row step with JAXINFER_DIRECT_CALL=0 / 1 alternating (two each), then the
+#      bf16 step at 1 and 32 rows with --xla_gpu_experimental_force_split_k=1 / 0 (~330 s);
+#   attn: the int4 step at 1 and 8 rows, 512 and 4,096 tokens of context, with the decode
+#      attention's split-K (4 programs an SM, the default) and without (0: no merge launch), ~220 s.
 # The three default stages take ~630 s: with BUDGET=575 the int8 steps are cut short.
 # Results under $OUT; BENCHMARKS.md has them.
 #   run: BUDGET=575 bash scripts/gpu_session.sh 2>&1 | tee $OUT/log.txt   (carry .whl: gguf)
@@ -55,6 +59,24 @@ for stage in ${STAGES:-check trace steps}; do
       --model scripts/configs/llama-3-8b --load-format dummy --dtype bfloat16 \
       --quantization int4,none --num-scheduler-steps 1,8 --prompt-len 128 --decode-tokens 128 \
       --runs 3 --no-hf 2>&1 | quiet | tee $OUT/multistep.txt ;;
+  knobs)
+    for dc in 0 1 0 1; do
+      echo "== int4 one-row step, JAXINFER_DIRECT_CALL=$dc (left $(left))"
+      JAXINFER_DIRECT_CALL=$dc JAX_PLATFORMS=cuda box 70 $(step) --batch 1 --quantization int4 \
+        2>&1 | quiet | grep -v '^{"bench"'
+    done
+    for sk in 1 0; do
+      echo "== bf16 step, force_split_k=$sk (left $(left))"
+      XLA_FLAGS=--xla_gpu_experimental_force_split_k=$sk JAX_PLATFORMS=cuda box 85 $(step) \
+        --batch 1,32 --quantization none 2>&1 | quiet | grep -v '^{"bench"'
+    done ;;
+  attn)
+    for ctx in 512 4096; do
+      echo "== int4 step, decode attention split-K 4 / 0 programs an SM, context $ctx (left $(left))"
+      JAX_PLATFORMS=cuda box ${ATTN_S:-110} $(step | sed "s/--context 512/--context $ctx/") \
+        --batch 1,8 --quantization int4 --decode-programs-per-core 4,0 \
+        --json-out $OUT/attn_$ctx.json 2>&1 | quiet | grep -v '^{"bench"'
+    done ;;
   *) echo "unknown stage $stage" ;;
   esac
 done
