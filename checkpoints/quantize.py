@@ -122,17 +122,24 @@ CHECKPOINT_METHODS = {
 }
 
 
+# A load asked for FLOAT gets float weights of its dtype from a source stored in bits it can
+# widen (a GGUF file's blocks dequantized); None is the source's own format, as in vLLM: a GGUF
+# file in its own bits ("gguf"), a GPTQ / AWQ checkpoint packed, a float checkpoint as floats.
+FLOAT = "none"
+
+
 def check_requested(fmt: str | None, field: str = "quantization") -> str | None:
-    """What a load may be asked for: `check_format`'s names, or one of `CHECKPOINT_METHODS`
-    (else a ValueError naming `field` and both)."""
-    if fmt in CHECKPOINT_METHODS:
+    """What a load may be asked for: `check_format`'s names, one of `CHECKPOINT_METHODS`, or
+    FLOAT (else a ValueError naming `field` and all three)."""
+    if fmt in CHECKPOINT_METHODS or fmt == FLOAT:
         return fmt
     try:
         return check_format(fmt, field)
     except ValueError as e:
         raise ValueError(
             f"{e}; a GPTQ / AWQ checkpoint or a GGUF file loads in its own format as "
-            f"{tuple(CHECKPOINT_METHODS)} (vLLM's names)"
+            f"{tuple(CHECKPOINT_METHODS)} (vLLM's names), and {FLOAT!r} loads a GGUF file's "
+            f"blocks as floats"
         ) from None
 
 

@@ -35,6 +35,7 @@ from typing import Any
 from checkpoints.errors import CheckpointError
 from checkpoints.orbax_io import save_params
 from checkpoints.orbax_layout import PARAMS_DIR
+from checkpoints.quantize import FLOAT
 from checkpoints.quantize import check_format as check_quantization
 from jaxinfer import params as params_lib
 from jaxinfer import sharding as shd
@@ -86,8 +87,11 @@ def _gguf_tokenizer_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
 def _write_checkpoint(
     out: Path, src_path: str, kind: str, handle: Any, dtype: str, quantization: str | None
 ) -> None:
+    # NOTE: a GGUF file loads in its own bits by default (int4 among them), which orbax cannot
+    # store: without `quantization` its blocks are dequantized (step 2)
+    asked = quantization or (FLOAT if kind == "gguf" else None)
     model = load_from_source(
-        src_path, kind, handle, dtype=dtype, mesh=shd.make_mesh(None), quantization=quantization
+        src_path, kind, handle, dtype=dtype, mesh=shd.make_mesh(None), quantization=asked
     )
     info = {
         "source": os.path.abspath(src_path),

@@ -104,7 +104,8 @@ class LLM:
         quantized with group-wise (int8: 128 input channels) or per-output-channel (fp8) scales,
         applied at load; a GPTQ / AWQ checkpoint loads in its own packed format, and
         `quantization="gptq"` / `"awq"` (vLLM's names, also "*_marlin") asks for that and
-        refuses any other checkpoint, `"gguf"` keeps a GGUF file in its own bits (see
+        refuses any other checkpoint, a GGUF file loads in its own bits (vLLM's `"gguf"`,
+        also the default for one) and `"none"` dequantizes it to floats (see
         `jaxinfer.loader.load_model`);
         `kv_cache_dtype="fp8"` stores the paged KV cache as float8_e4m3fn. `mesh="tensor=4"`
         (the same string as `serve.py --mesh`) loads the weights straight onto the mesh, sharded by

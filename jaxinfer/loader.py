@@ -95,11 +95,12 @@ def load_model(
       mesh: where the params go; None is a one-device mesh.
       quantization: None, "int8", "fp8" or "int4" (`checkpoints.quantize`): store the linear
         weights and the embedding quantized (weight-only), quantized on the host as they are read
-        (GGUF blocks requantized without a float32 copy of the tensor). An orbax checkpoint
-        saved quantized, and a GPTQ / AWQ one, loads in its own format when this is None;
-        vLLM's names "gptq" / "awq" (and their "_marlin" variants) ask for that format and
-        refuse any other checkpoint, and "gguf" loads a GGUF file in its own bits (int4 or
-        int8 in its blocks' groups, `_gguf_format`). With `load_format="dummy"` the random
+        (GGUF blocks requantized without a float32 copy of the tensor). None loads the source's
+        own format, as vLLM: an orbax checkpoint saved quantized, a GPTQ / AWQ one packed, a
+        GGUF file in its own bits (int4 or int8 in its blocks' groups, `_gguf_format`), a float
+        checkpoint as floats; vLLM's names "gptq" / "awq" (and their "_marlin" variants) and
+        "gguf" ask for that format and refuse any other checkpoint; "none" (`qlib.FLOAT`) loads
+        a GGUF file's blocks dequantized to `dtype`. With `load_format="dummy"` the random
         weights are created quantized, in the groups the real load would take.
       load_format: "auto" reads the source's weights; "dummy" creates random weights of the same
         shapes, dtype and shardings on the devices (step 4 of the module docstring).
@@ -204,9 +205,10 @@ def _packed_or_asked(
 
 
 def _gguf_format(path: str, kind: str, handle: Any, asked: str | None) -> str | None:
-    """The format a GGUF file loads `asked` in. "gguf" (vLLM's name): its own bits, "int4" when
-    most of its layers' values are Q4_0 / Q4_1 / Q4_K blocks (a Q4_K_M file's Q6_K tensors
-    requantize), else "int8" when it holds block-quantized tensors, else None (a float file);
+    """The format a source loads `asked` in (`qlib.FLOAT`: None, float weights). A GGUF file
+    asked for None loads as "gguf" (vLLM's default for one): its own bits, "int4" when most of
+    its layers' values are Q4_0 / Q4_1 / Q4_K blocks (a Q4_K_M file's Q6_K tensors requantize),
+    else "int8" when it holds block-quantized tensors, else None (a float file); "gguf" is
     refused for any other source. Then "int4" / "int4-sym" of a file with Q4 blocks keeps them in
     groups of their 32 values, and "int8" of a file of symmetric blocks only (Q8_0 / Q4_0 / Q5_0 /
     Q6_K) takes their groups, exactly."""
@@ -215,9 +217,11 @@ def _gguf_format(path: str, kind: str, handle: Any, asked: str | None) -> str | 
             f"quantization='gguf' loads a GGUF file in its own bits, but {path!r} is not one "
             f"({kind} source)"
         )
+    if asked == qlib.FLOAT:
+        return None
     if kind != "gguf":
         return asked
-    if asked == "gguf":
+    if asked is None or asked == "gguf":
         four = handle.native_int4_share() >= 0.5  # NOTE: so native_int4_groups() is 32
         asked = "int4" if four else "int8" if handle.has_blocks() else None
     if asked in ("int4", "int4-sym") and handle.native_int4_groups():
@@ -248,9 +252,9 @@ def load_dummy(
     dtype = _resolve_dtype(dtype)
     hf_config, tokenizer = dummy_source(path, skip_tokenizer_init)
     quantization = _packed_or_asked(path, hf_config, quantization)[1]
-    if quantization is not None:  # a GGUF file's random weights in the groups its own would get
-        kind, handle = open_source(path) if os.path.isfile(path) else ("hf", None)
-        quantization = _gguf_format(path, kind, handle, quantization)
+    # a GGUF file's random weights in the groups its own would get
+    kind, handle = open_source(path) if os.path.isfile(path) else ("hf", None)
+    quantization = _gguf_format(path, kind, handle, quantization)
     cfg = ModelConfig.from_hf(hf_config)
     specs = family_of(cfg).param_specs(cfg, params_lib.DTYPES[dtype], quantization)
     if mesh is None:

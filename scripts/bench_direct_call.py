@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="a checkpoint (default: the embedded model)")
     p.add_argument("--no-warmup", action="store_true", help="the jit's programs (offline LLM)")
     args = p.parse_args()
-    quant = None if args.quantization == "none" else args.quantization
+    quant = args.quantization
     llm = LLM(args.model, dtype="float32", quantization=quant, max_num_seqs=1)
     if not args.no_warmup:
         llm.engine.warmup()

@@ -74,7 +74,7 @@ def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str, int]], p
             linear_backend=backend,
             async_scheduling=scheduling == "async",
             num_scheduler_steps=steps,
-            quantization=None if quant == "none" else quant,
+            quantization=quant,
         )
         for quant, backend, scheduling, steps in configs
     ]

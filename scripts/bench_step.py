@@ -267,7 +267,7 @@ def main() -> None:
             dtype=args.dtype,
             load_format=args.load_format,
             skip_tokenizer_init=True,
-            quantization=None if quant == "none" else quant,
+            quantization=quant,
             max_model_len=max_len,
             page_size=16,
             num_pages=num_pages,

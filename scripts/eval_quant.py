@@ -106,7 +106,7 @@ def main() -> None:
     ref_conts = ref_lps = None
     for fmt in formats:
         start = time.perf_counter()
-        llm = LLM(args.model, quantization=None if fmt == "none" else fmt, **common)
+        llm = LLM(args.model, quantization=fmt, **common)
         weight_bytes = num_bytes(llm.engine.runner.params)  # 4-bit leaves: 2 values a byte
         conts, lps, ppl = evaluate(llm, args.tokens, ref_conts)
         if ref_conts is None:

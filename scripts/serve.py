@@ -65,7 +65,8 @@ def parse_bytes(text: str) -> int:
 
 
 def quantization_flag(text: str) -> str:
-    """--quantization: a format name (`int4-g32`, `int4-sym`, ...) or vLLM's GPTQ / AWQ names."""
+    """--quantization: a format name (`int4-g32`, `int4-sym`, ...), vLLM's GPTQ / AWQ / GGUF
+    names, or "none" (float weights)."""
     from checkpoints.quantize import check_requested  # NOTE: numpy only, no JAX
 
     try:
@@ -119,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
         "kept exactly; int8-g<n> / int4-g<n> other group sizes, int4-sym a symmetric grid), "
         "applied at load; gptq / awq (vLLM's names, also gptq_marlin / awq_marlin): a GPTQ / "
         "AWQ checkpoint in its own packed format (the default for one), any other refused; "
-        "gguf: a GGUF file in its own bits (int4 for Q4 blocks, else int8)",
+        "gguf: a GGUF file in its own bits (int4 for Q4 blocks, else int8; the default for "
+        "one, as vLLM); none: float weights (a GGUF file's blocks dequantized to --dtype)",
     )
     p.add_argument(
         "--skip-tokenizer-init",
@@ -479,8 +481,10 @@ def summary(frontend, grpc_server, http, args, load_s: float, ready_s: float) ->
         if args.engine_in_process or args.num_processes > 1
         else "engine core in its own process"
     )
-    # the format the core loaded (a GPTQ / AWQ checkpoint's own without --quantization)
+    # the format the core loaded (a GPTQ / AWQ checkpoint's or a GGUF file's own without
+    # --quantization; None: floats)
     quantization = core.quantization if core is not None else args.quantization
+    quantization = None if quantization == "none" else quantization
     http_line = "off (--http-port)"
     if http is not None:
         http_line = f"http://{http.host}:{http.port}/v1 (OpenAI API, model id {http.model_name!r})"

