@@ -10,7 +10,8 @@
    device shapes (KV cache, penalty rows, page-table width, sequence buckets), so they all share
    one set of compiled programs and differ only in host-side policy (token budget, prefix cache).
 4. `compile_events()` lists the programs XLA compiles while a block runs (how a test sees a
-   program built again after warmup).
+   program built again after warmup); `counting_steps(engine)` the steps each schedule asked
+   for (multi-step scheduling's bursts).
 5. `run` / `collect` fold engine deltas into one `Completion` per (request, sample);
    `ScheduleLog` records what each step scheduled; `assert_pages_free` checks the allocator;
    `drain` aborts leftovers so one failing test does not poison a shared engine.
@@ -286,6 +287,24 @@ def assert_same_greedy(
 
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def counting_steps(engine) -> Iterator[list[int]]:
+    """Each schedule's `num_steps` while the block runs (the list it yields)."""
+    sched, seen = engine.scheduler, []
+    original = sched.schedule
+
+    def schedule():
+        out = original()
+        seen.append(out.num_steps)
+        return out
+
+    sched.schedule = schedule
+    try:
+        yield seen
+    finally:
+        del sched.schedule  # the instance attribute shadowed the method
 
 
 @contextlib.contextmanager

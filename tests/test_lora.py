@@ -197,6 +197,45 @@ def test_llm_generate_with_lora_requests(setup, model_dir):
         llm.generate([prompt], sp, lora_request=LoRARequest("bad", 3, paths["b16"] + "/missing"))
 
 
+def test_adapter_rows_burst_the_samples_of_single_steps(setup, model_dir):
+    """Multi-step scheduling (`num_scheduler_steps=4`) with a8, b16 and the base in one batch:
+    programs of 4 decode steps run, each token keeps its row's adapter slot in every step of one,
+    and each sample's logprobs match HF + PEFT as single steps' do."""
+    from engine_utils import counting_steps
+
+    from jaxinfer import LLM, LoRARequest, SamplingParams
+
+    base, _, _, paths = setup
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+        page_size=4,
+        num_pages=64,
+        max_model_len=24,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        num_scheduler_steps=4,
+    )
+    names = ["a8", "b16", None]
+    requests = [LoRARequest("a8", 1, paths["a8"]), LoRARequest("b16", 2, paths["b16"]), None]
+    prompts = [_tokens(6, 11 + i) for i in range(3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+    with counting_steps(llm.engine) as seen:
+        outs = llm.generate(prompts, sp, lora_request=requests)
+    assert max(seen) == 4, seen
+    for out, prompt, name in zip(outs, prompts, names):
+        ids = out.token_ids
+        assert len(ids) == 10, name
+        full = prompt + ids
+        ref = hf_logits(base, full) if name is None else peft_logits(base, paths[name], full)
+        got = np.array([lp[t] for lp, t in zip(out.logprobs, ids)])
+        assert np.abs(got - _chosen_logprobs(ref, len(prompt), ids)).max() <= TOL, name
+
+
 @pytest.mark.parametrize(
     "spec,backend", [("tensor=2", None), ("expert=2,tensor=2", None), ("tensor=2", "gpu")]
 )

@@ -18,11 +18,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import random
-from collections.abc import Iterator
 
 import pytest
+from engine_utils import counting_steps
 from scheduler_utils import drive, make_request, random_specs, reference_outputs, token_at
 
 from jaxinfer.config import EngineConfig
@@ -258,24 +257,6 @@ def multi(tiny, request):
         num_scheduler_steps=4,
         async_scheduling=request.param == "async",
     )
-
-
-@contextlib.contextmanager
-def counting_steps(engine) -> Iterator[list[int]]:
-    """Each schedule's `num_steps` while the block runs (the list it yields)."""
-    sched, seen = engine.scheduler, []
-    original = sched.schedule
-
-    def schedule():
-        out = original()
-        seen.append(out.num_steps)
-        return out
-
-    sched.schedule = schedule
-    try:
-        yield seen
-    finally:
-        del sched.schedule  # the instance attribute shadowed the method
 
 
 def test_engine_tokens_and_texts_equal_plain_steps(tiny, plain, multi):
