@@ -433,21 +433,33 @@ class EngineCore:
         constrained = self._constrained(sched)
         split = split and constrained and not sched.num_spec_tokens
         if not self.async_scheduling or sched.num_spec_tokens or (constrained and not split):
-            try:
-                with self._failing(sched):
-                    if split:
-                        launched = self.runner.launch(sched, defer_sampling=True)
-                        self._fill_bitmask(sched)  # NOTE: overlaps the forward on the device
-                        self.runner.sample(launched)
-                        out = self.runner.collect(launched)
-                    else:
-                        if constrained:
-                            self._fill_bitmask(sched)
-                        out = self.runner.execute(sched)
-            except Exception:
-                self._ready = ready
-                raise
-            return ready + self._outputs(self.scheduler.update(sched, out), out)
+            return self._step_now(sched, ready, split, constrained)
+        return self._step_ahead(sched, ready, split)
+
+    def _step_now(
+        self, sched: Any, ready: list[TokenOutput], split: bool, constrained: bool
+    ) -> list[TokenOutput]:
+        """`sched` run to its end before `step` returns (synchronous scheduling, speculation,
+        structured output the runner cannot split), after the outputs already `ready`."""
+        try:
+            with self._failing(sched):
+                if split:
+                    launched = self.runner.launch(sched, defer_sampling=True)
+                    self._fill_bitmask(sched)  # NOTE: overlaps the forward on the device
+                    self.runner.sample(launched)
+                    out = self.runner.collect(launched)
+                else:
+                    if constrained:
+                        self._fill_bitmask(sched)
+                    out = self.runner.execute(sched)
+        except Exception:
+            self._ready = ready
+            raise
+        return ready + self._outputs(self.scheduler.update(sched, out), out)
+
+    def _step_ahead(self, sched: Any, ready: list[TokenOutput], split: bool) -> list[TokenOutput]:
+        """Async scheduling: launches `sched`, then lands the step launched before it (`split`:
+        `sched`'s forward only; its sampler follows once the masks are filled)."""
         previous, self._in_flight = self._in_flight, None
         try:
             with self._failing(sched):

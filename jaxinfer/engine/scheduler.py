@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -92,6 +93,17 @@ _new_tuple = tuple.__new__  # `_new_tuple(RequestUpdate, (...))`: skips NamedTup
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclasses.dataclass(slots=True)
+class _Plan:
+    """What one `schedule` builds up: decodes first, then prefill chunks (step 4), the ids it
+    preempted, and the encoder tokens left to this step's images."""
+
+    decodes: list[ScheduledRequest]
+    chunks: list[ScheduledRequest]
+    preempted: list[str]
+    enc_left: int
 
 
 class Scheduler:
@@ -245,14 +257,39 @@ class Scheduler:
         return True
 
     def schedule(self) -> SchedulerOutput:
+        """The next step (module docstring, steps 1-4, 10): the running requests' tokens, then
+        (unless that preempted someone) the waiting requests admitted."""
         budgets = [self.max_num_batched_tokens] * len(self.allocators)  # tokens per replica
-        decodes: list[ScheduledRequest] = []  # NOTE: decodes first, then prefill chunks
-        chunks: list[ScheduledRequest] = []
-        preempted: list[str] = []
+        burst = multi_step.num_steps(self)  # steps of this schedule's program (step 10)
+        plan = _Plan([], [], [], self.max_num_encoder_input_tokens)
+        self._schedule_running(budgets, burst, plan)
+        if not plan.preempted:
+            self._admit(budgets, plan)
+        finished, self._finished_ids = self._finished_ids, []
+        preempted = plan.preempted
+        if self._preempted_ids:
+            preempted, self._preempted_ids = self._preempted_ids + preempted, []
+        used = sum(self.max_num_batched_tokens - b for b in budgets)
+        if burst > 1 and plan.chunks:  # NOTE: `multi_step.num_steps` admitted only decodes
+            raise RuntimeError(f"a {burst}-step schedule holds prefill chunks")
+        return SchedulerOutput(
+            scheduled=plan.decodes + plan.chunks,
+            num_batched_tokens=used,
+            preempted=preempted,
+            finished=finished,
+            lora_loads=self.lora_slots.take_loads() if self.lora_slots else [],
+            lora_removes=self.lora_slots.take_removes() if self.lora_slots else [],
+            num_steps=burst if plan.decodes else 1,
+        )
+
+    def _schedule_running(self, budgets: list[int], burst: int, plan: _Plan) -> None:
+        """Step 2: each running request's next tokens within its replica's budget (`burst`
+        steps' worth for a steady decode), preempting from the back when pages run out."""
+        decodes, chunks, preempted = plan.decodes, plan.chunks, plan.preempted
         stopped: set[int] = set()
         page_size, max_chunk = self.allocator.page_size, self._max_chunk
         running, replica_of = self._running, self._replica
-        speculate, enc_left = self.speculating(), self.max_num_encoder_input_tokens
+        speculate = self.speculating()
 
         # NOTE: the hot loop of a decode-heavy server (one pass per running request per step):
         # Request's properties are inlined here, and a steady decode (one token past the prompt,
@@ -261,7 +298,6 @@ class Scheduler:
         one_replica = len(self.allocators) == 1
         caching = [a.enable_prefix_caching for a in self.allocators]
         steady = not speculate  # drafts never ride on a steady decode
-        burst = multi_step.num_steps(self)  # steps of this schedule's program (step 10)
         i = 0
         while i < len(running):
             req = running[i]
@@ -322,11 +358,11 @@ class Scheduler:
                 i += 1
                 continue
             n = min(total - start, budget, max_chunk)
-            n, enc = fit_images(req.mm_inputs, start, n, enc_left)  # an image in one chunk
+            n, enc = fit_images(req.mm_inputs, start, n, plan.enc_left)  # an image in one chunk
             if not n:
                 i += 1
                 continue
-            enc_left -= enc
+            plan.enc_left -= enc
             # drafts that fit the budget the requests after it leave, and free pages
             left = budget - (len(running) - i - 1)
             drafts = spec.fit(req, n, left, self, self.allocators[r]) if speculate else []
@@ -346,8 +382,11 @@ class Scheduler:
             budgets[r] = budget - n - len(drafts)
             i += 1
 
-        only = self.only
-        while not preempted and (self._preempted or self._waiting):
+    def _admit(self, budgets: list[int], plan: _Plan) -> None:
+        """Step 3: waiting requests (preempted ones first) join while budgets and pages allow;
+        the first that does not fit stops admission."""
+        page_size, only = self.allocator.page_size, self.only
+        while self._preempted or self._waiting:
             r = self._least_loaded(budgets)
             if r is None:
                 break
@@ -363,7 +402,7 @@ class Scheduler:
                 cached = alloc.match_prefix(req.all_token_ids, req.page_hashes, req.cache_root)
             start = len(cached) * page_size
             n = min(req.num_tokens - start, budgets[r], self._max_chunk)
-            n, enc = fit_images(req.mm_inputs, start, n, enc_left)
+            n, enc = fit_images(req.mm_inputs, start, n, plan.enc_left)
             need = _cdiv(start + n, page_size) - len(cached)
             if need > alloc.num_free_pages or not n:
                 alloc.free(cached)
@@ -380,25 +419,9 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self._replica[req.request_id] = r
             bisect.insort(self._running, req, key=self._key)
-            self._schedule_tokens(req, r, n, need, decodes, chunks, True)
+            self._schedule_tokens(req, r, n, need, plan.decodes, plan.chunks, True)
             budgets[r] -= n
-            enc_left -= enc
-
-        finished, self._finished_ids = self._finished_ids, []
-        if self._preempted_ids:
-            preempted, self._preempted_ids = self._preempted_ids + preempted, []
-        used = sum(self.max_num_batched_tokens - b for b in budgets)
-        if burst > 1 and chunks:  # NOTE: `multi_step.num_steps` admitted only decodes
-            raise RuntimeError(f"a {burst}-step schedule holds prefill chunks")
-        return SchedulerOutput(
-            scheduled=decodes + chunks,
-            num_batched_tokens=used,
-            preempted=preempted,
-            finished=finished,
-            lora_loads=self.lora_slots.take_loads() if self.lora_slots else [],
-            lora_removes=self.lora_slots.take_removes() if self.lora_slots else [],
-            num_steps=burst if decodes else 1,
-        )
+            plan.enc_left -= enc
 
     def _admissible(self, req: Request, only: set[str] | None) -> bool:
         """Whether a queued request may be admitted now; pins its adapter's slot if it has one."""
