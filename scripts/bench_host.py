@@ -76,7 +76,25 @@ class HostOnlyRunner(ModelRunner):
             # (only a step with structured-output rows reads them)
             return (out, prompt, None), args[2], args[3], next_tokens
 
+        # NOTE: the runner calls its step programs through `self._steps` (a `ProgramTable`: the
+        # programs warmup built, else the jit's, run through their executables), never through
+        # `self._jit` alone: the table itself is replaced
         self._jit = fake
+        self._steps = _FakeTable(self._steps, fake)
+
+
+class _FakeTable:
+    """A runner's `ProgramTable` whose calls all go to `fake` (its other attributes: the
+    table's)."""
+
+    def __init__(self, table, fake) -> None:
+        self._table, self._fake = table, fake
+
+    def __call__(self, key, args: tuple, kwargs: dict):
+        return self._fake(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._table, name)
 
 
 def make_engine(args, model: LoadedModel, max_num_seqs: int, max_len: int) -> LLMEngine:
