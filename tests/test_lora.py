@@ -218,6 +218,7 @@ def test_adapter_rows_burst_the_samples_of_single_steps(setup, model_dir):
         max_model_len=24,
         max_num_seqs=4,
         max_num_batched_tokens=8,
+        token_buckets=(8,),  # NOTE: one step program (and its 4-step one): prompts in one chunk
         num_scheduler_steps=4,
     )
     names = ["a8", "b16", None]
