@@ -154,27 +154,39 @@ def model_dir(setup, tmp_path_factory):
     return str(path)
 
 
+def _lora_llm(model_dir: str, **options):
+    """An `LLM` over the tiny base with multi-LoRA on (rank <= 16, pages of 4 tokens)."""
+    from jaxinfer import LLM
+
+    common = dict(dtype="float32", skip_tokenizer_init=True, enable_lora=True, max_lora_rank=16)
+    return LLM(model_dir, **common, page_size=4, num_pages=64, max_num_seqs=4, **options)
+
+
+def _assert_samples_match_peft(setup, outs, prompts, names) -> None:
+    """Each output's sampled logprobs are HF's (name None) or HF + PEFT's with that adapter."""
+    base, paths = setup[0], setup[3]
+    for out, prompt, name in zip(outs, prompts, names, strict=True):
+        ids = out.token_ids
+        full = prompt + ids
+        ref = hf_logits(base, full) if name is None else peft_logits(base, paths[name], full)
+        got = np.array([lp[t] for lp, t in zip(out.logprobs, ids)])
+        assert np.abs(got - _chosen_logprobs(ref, len(prompt), ids)).max() <= TOL, name
+
+
 def test_llm_generate_with_lora_requests(setup, model_dir):
     """`LLM(enable_lora=True, max_loras=1)`: one prompt under a8, b16, the base and a8 again in one
     `generate`: b16 waits for a8's slot (never fails), the shared prompt's cached pages are not
     shared across adapters, each sample's logprobs match HF + PEFT; adapters add no programs."""
     from engine_utils import compile_events
 
-    from jaxinfer import LLM, LoRARequest, SamplingParams
+    from jaxinfer import LoRARequest, SamplingParams
 
-    base, _, _, paths = setup
-    llm = LLM(
+    paths = setup[3]
+    llm = _lora_llm(
         model_dir,
-        dtype="float32",
-        skip_tokenizer_init=True,
-        enable_lora=True,
         max_loras=1,
-        max_lora_rank=16,
         max_cpu_loras=2,
-        page_size=4,
-        num_pages=64,
         max_model_len=16,
-        max_num_seqs=4,
         # NOTE: token buckets 1 and 2 only (6 programs): prompts prefill in chunks, 2 rows a step
         max_num_batched_tokens=2,
     )
@@ -187,12 +199,7 @@ def test_llm_generate_with_lora_requests(setup, model_dir):
     with compile_events() as compiles:
         outs = llm.generate([prompt] * 4, sp, lora_request=[a8, b16, None, a8])
     assert not [c for c in compiles if "program" in c], compiles
-    for out, name in zip(outs, ["a8", "b16", None, "a8"]):
-        ids = out.token_ids
-        full = prompt + ids
-        ref = hf_logits(base, full) if name is None else peft_logits(base, paths[name], full)
-        got = np.array([lp[t] for lp, t in zip(out.logprobs, ids)])
-        assert np.abs(got - _chosen_logprobs(ref, len(prompt), ids)).max() <= TOL, name
+    _assert_samples_match_peft(setup, outs, [prompt] * 4, ["a8", "b16", None, "a8"])
     with pytest.raises(ValueError, match="adapter_config.json"):
         llm.generate([prompt], sp, lora_request=LoRARequest("bad", 3, paths["b16"] + "/missing"))
 
@@ -203,20 +210,13 @@ def test_adapter_rows_burst_the_samples_of_single_steps(setup, model_dir):
     and each sample's logprobs match HF + PEFT as single steps' do."""
     from engine_utils import counting_steps
 
-    from jaxinfer import LLM, LoRARequest, SamplingParams
+    from jaxinfer import LoRARequest, SamplingParams
 
-    base, _, _, paths = setup
-    llm = LLM(
+    paths = setup[3]
+    llm = _lora_llm(
         model_dir,
-        dtype="float32",
-        skip_tokenizer_init=True,
-        enable_lora=True,
         max_loras=2,
-        max_lora_rank=16,
-        page_size=4,
-        num_pages=64,
         max_model_len=24,
-        max_num_seqs=4,
         max_num_batched_tokens=8,
         token_buckets=(8,),  # NOTE: one step program (and its 4-step one): prompts in one chunk
         num_scheduler_steps=4,
@@ -228,13 +228,8 @@ def test_adapter_rows_burst_the_samples_of_single_steps(setup, model_dir):
     with counting_steps(llm.engine) as seen:
         outs = llm.generate(prompts, sp, lora_request=requests)
     assert max(seen) == 4, seen
-    for out, prompt, name in zip(outs, prompts, names):
-        ids = out.token_ids
-        assert len(ids) == 10, name
-        full = prompt + ids
-        ref = hf_logits(base, full) if name is None else peft_logits(base, paths[name], full)
-        got = np.array([lp[t] for lp, t in zip(out.logprobs, ids)])
-        assert np.abs(got - _chosen_logprobs(ref, len(prompt), ids)).max() <= TOL, name
+    assert [len(out.token_ids) for out in outs] == [10] * 3
+    _assert_samples_match_peft(setup, outs, prompts, names)
 
 
 @pytest.mark.parametrize(
