@@ -166,3 +166,23 @@ def test_vllm_method_names_refuse_other_checkpoints_by_name(tmp_path, tiny):
             )
     with pytest.raises(ValueError, match="quantization='awq4' is not supported.*'awq_marlin'"):
         EngineConfig(quantization="awq4")
+
+
+def test_none_asks_for_floats_and_a_packed_checkpoint_refuses_it(tmp_path, tiny):
+    """`quantization="none"` (float weights; a GGUF file's blocks dequantized) loads a float
+    checkpoint as floats and is refused, naming it, by a checkpoint that only loads packed."""
+    config, sd = tiny
+    write_packed(tmp_path, config, sd, "gptq")
+    EngineConfig(quantization="none")
+    with pytest.raises(CheckpointError, match="is a gptq checkpoint .* not 'none'"):
+        load_model(str(tmp_path), quantization="none", skip_tokenizer_init=True)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(config))
+    save_file(dict(sd), str(plain / "model.safetensors"))
+    for load_format in ("auto", "dummy"):
+        floats = load_model(
+            str(plain), quantization="none", load_format=load_format, skip_tokenizer_init=True
+        )
+        assert floats.quantization is None
+        assert quantization.quantization_of(floats.params) is None

@@ -386,10 +386,13 @@ def test_gguf_q4_blocks_load_exactly_as_int4(tmp_path, monkeypatch):
     floats = _load_params(path, "none")
     quant = _load_params(path, "int4")
     assert quantization.quantization_of(quant) == "int4-g32"
-    own = _load_params(path, "gguf")  # vLLM's name for the file's own bits: the same load
-    for got, want in zip(jax.tree.leaves(own), jax.tree.leaves(quant), strict=True):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    for asked in ("int4", "gguf"):  # random weights in the groups the real load takes
+    # vLLM's name for the file's own bits, and what a GGUF file loads as when nothing is asked
+    for asked in ("gguf", None):
+        own = _load_params(path, asked)
+        for got, want in zip(jax.tree.leaves(own), jax.tree.leaves(quant), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert quantization.quantization_of(floats) is None
+    for asked in ("int4", "gguf", None):  # random weights in the groups the real load takes
         dummy = load_model(str(path), quantization=asked, load_format="dummy")
         assert quantization.quantization_of(dummy.params) == dummy.quantization == "int4-g32"
     assert quant.layers[0].attn.qkv.data.dtype == jnp.uint4 and quant.embed.data.dtype == jnp.int8
@@ -976,7 +979,7 @@ def test_serve_flags_reach_the_core_and_dummy_weights_quantize(tmp_path, capsys)
     with pytest.raises(SystemExit):
         serve.build_parser().parse_args(["--quantization", "int3"])
     assert "--quantization='int3' is not supported" in capsys.readouterr().err
-    for name in ("int4-g32", "int4-sym", "int8-g64", "gptq_marlin", "awq", "gguf"):  # as the API
+    for name in ("int4-g32", "int4-sym", "int8-g64", "gptq_marlin", "awq", "gguf", "none"):
         assert serve.build_parser().parse_args(["--quantization", name]).quantization == name
 
 
