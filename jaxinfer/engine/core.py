@@ -20,8 +20,8 @@ This is the half of the engine that a serving front end runs in its own process
    A step sampling structured-output rows stays asynchronous: its forward is launched, the step
    before lands (advancing the grammars' matchers), the masks are filled while the device runs
    the forward, then the sampler (`ModelRunner.launch(defer_sampling=True)` / `sample`).
-3. The step's `RequestUpdate`s become `TokenOutput`s (new ids, logprobs, finish reason, usage
-   counters): plain data (`jaxinfer.engine.types`).
+3. The step's `RequestUpdate`s become `TokenOutput`s (`jaxinfer.engine.token_outputs`: new ids,
+   logprobs, finish reason, usage counters): plain data (`jaxinfer.engine.types`).
 4. A failing step raises after naming the requests it lost in `failed_request_ids` (and in
    `failed_marks` how far each was to compute); the pages they were to write leave the prefix cache.
    `LLMEngine` fails exactly those; the core loop isolates the culprit instead
@@ -47,6 +47,7 @@ from jaxinfer import compile_cache, structured
 from jaxinfer import sharding as shd
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine import spec as spec_decoding
+from jaxinfer.engine import token_outputs
 from jaxinfer.engine.capacity import log_capacity
 from jaxinfer.engine.limits import EngineLimits, check_prompt
 from jaxinfer.engine.page_allocator import PageAllocator
@@ -70,8 +71,6 @@ from jaxinfer.spec_decode.proposer import make_proposer
 from jaxinfer.token_masks import TokenMasks
 
 logger = logging.getLogger(__name__)
-
-_new_tuple = tuple.__new__  # `_new_tuple(TokenOutput, (...))`: skips NamedTuple's Python __new__
 
 
 def default_kv_cache_memory() -> int:
@@ -554,66 +553,9 @@ class EngineCore:
             raise
 
     def _outputs(self, updates: list[RequestUpdate], out: RunnerOutput) -> list[TokenOutput]:
-        outputs = []
-        so = self.structured
-        for req in self._aborted:
-            if so is not None:
-                so.remove(req.request_id)
-            if self._requests.pop(req.request_id, None) is not None:
-                outputs.append(
-                    TokenOutput(
-                        req.request_id,
-                        [],
-                        finished=True,
-                        finish_reason="abort",
-                        num_prompt_tokens=req.num_prompt_tokens,
-                        num_output_tokens=req.num_output_tokens,
-                        num_cached_tokens=req.num_cached_tokens,
-                    )
-                )
-        self._aborted = []
-        # NOTE: each prefill chunk brings prompt logprobs (only the last samples): report them all
-        prompt_lps = {rid: lps for rid, lps in out.prompt_logprobs.items() if rid in self._requests}
-        live, logprobs = self._requests, out.logprobs
-        if so is not None and not so.active:
-            so = None  # no matcher to advance: keep the hot loop as it was
-        generated = 0
-        for req, new_ids, done in updates:  # NOTE: a hot loop (one pass per sampled request)
-            rid = req.request_id
-            if rid not in live:
-                continue  # finished outside (a stop string) while this step ran
-            generated += len(new_ids)
-            if so is not None and so.has(rid):
-                if done:
-                    so.remove(rid)
-                else:
-                    so.advance(rid, list(new_ids))
-            lps = None
-            if logprobs and rid in logprobs:  # accepted proposals' first, cut where a stop cut
-                lps = (out.draft_logprobs.get(rid, []) + [logprobs[rid]])[: len(new_ids)]
-            outputs.append(
-                _new_tuple(
-                    TokenOutput,
-                    (
-                        rid,
-                        new_ids,
-                        lps,
-                        prompt_lps.pop(rid, None) if prompt_lps else None,
-                        done,
-                        req.finish_reason if done else None,
-                        req.stop_reason if done else None,
-                        len(req.prompt_token_ids),
-                        len(req.output_token_ids),
-                        req.num_cached_tokens,
-                        req.scheduled_time - req.arrival_time
-                        if done and req.scheduled_time is not None
-                        else None,
-                    ),
-                )
-            )
-            if done:
-                del live[rid]
+        aborted, self._aborted = self._aborted, []
+        outputs, generated = token_outputs.build(
+            updates, out, aborted, self._requests, self.structured
+        )
         self.num_generated += generated
-        for rid, lps in prompt_lps.items():  # a prefill chunk that did not sample yet
-            outputs.append(TokenOutput(rid, [], prompt_logprobs=lps))
         return outputs

@@ -47,8 +47,8 @@ catching up to `num_tokens`, and one loop decides how many of its tokens to comp
    `spec_max_requests` (`disable_by_batch_size`); requests with penalties never do (their token
    counts are built from the computed tokens). No page holding an unverified token is ever
    offered to the prefix cache.
-8. `update` registers pages a pending token filled, appends sampled tokens and applies the stop
-   rules (`Request.stop_reason_of`: stop_token_ids / EOS, then max_tokens, then max_model_len).
+8. `update` (`jaxinfer.engine.step_update`) registers pages a pending token filled, appends
+   sampled tokens and applies the stop rules (`Request.stop_reason_of`: stop_token_ids / EOS, then max_tokens, then max_model_len).
    Finished requests free their pages at once and are reported in the next
    `SchedulerOutput.finished`. A request finished, aborted or preempted while a step holding it
    was still in flight is skipped by that step's `update` (its speculative K/V write lands in
@@ -75,7 +75,7 @@ import itertools
 import time
 from collections.abc import Iterator, Sequence
 
-from jaxinfer.engine import multi_step, spec
+from jaxinfer.engine import multi_step, spec, step_update
 from jaxinfer.engine.page_allocator import PageAllocator
 from jaxinfer.engine.request import FINISH_REASONS, PENDING_TOKEN, Request, RequestStatus
 from jaxinfer.engine.types import (
@@ -450,82 +450,11 @@ class Scheduler:
         return min(open_, key=lambda r: (load[r], -self.allocators[r].num_free_pages, r))
 
     def update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestUpdate]:
-        """Apply one step's runner output. Requests aborted/finished since `schedule` are skipped."""
+        """Apply one step's runner output (step 8: `step_update.apply`; a multi-step one's:
+        `multi_step.update`). Requests aborted/finished since `schedule` are skipped."""
         if sched.num_steps > 1:
             return multi_step.update(sched, out, self.allocators, self._finish)
-        updates: list[RequestUpdate] = []
-        sampled, running = out.sampled_token_ids, RequestStatus.RUNNING
-        caching = [a.enable_prefix_caching for a in self.allocators]
-        page_size = self.allocator.page_size
-        # NOTE: a hot loop: Request's properties are inlined, each ScheduledRequest is unpacked
-        for s in sched.scheduled:
-            req, token_ids, start, _, sample, replica, _, _, num_spec = s
-            if req.status is not running:
-                continue
-            if num_spec or not sample:
-                self._update_one(s, sampled, out, updates)
-                continue
-            # A sampling chunk without proposals (every row of a decode-heavy step).
-            outputs = req.output_token_ids
-            computed = start + len(token_ids)
-            if computed > len(req.prompt_token_ids) + len(outputs) or req.num_pending_tokens < 1:
-                self._out_of_order(s)
-            if caching[replica] and computed >= (len(req.page_hashes) + 1) * page_size:
-                # a page completed by a pending token
-                self.allocators[replica].register_full_pages(
-                    req.known_tokens, req.page_ids, computed, req.page_hashes, req.cache_root
-                )
-            try:
-                token = sampled[req.request_id]
-            except KeyError:
-                raise KeyError(f"runner returned no sampled token for {req.request_id!r}") from None
-            req.num_pending_tokens -= 1
-            outputs.append(token)
-            if len(outputs) >= req.length_limit or token in req.stop_token_set:
-                reason = req.stop_reason_of(token)  # None: min_tokens holds a stop back
-                if reason is not None:
-                    self._finish(req, *reason)
-                    updates.append(RequestUpdate(req, [token], True))
-                    continue
-            updates.append(_new_tuple(RequestUpdate, (req, [token], False)))
-        return updates
-
-    @staticmethod
-    def _out_of_order(s: ScheduledRequest) -> None:
-        req = s.request
-        raise RuntimeError(
-            f"request {req.request_id!r}: update for tokens up to "
-            f"{s.start_pos + len(s.token_ids) - s.num_spec_tokens} with {req.num_known_tokens} "
-            f"known and {req.num_pending_tokens} pending (update applied twice or out of order?)"
-        )
-
-    def _update_one(
-        self,
-        s: ScheduledRequest,
-        sampled: dict[str, int],
-        out: RunnerOutput,
-        updates: list[RequestUpdate],
-    ) -> None:
-        """`update` of a chunk that does not sample, or of a decode with drafts."""
-        req = s.request
-        # every one of these tokens is known now (drafts are not the request's)
-        computed = s.start_pos + len(s.token_ids) - s.num_spec_tokens
-        if computed > req.num_known_tokens or (s.sample and req.num_pending_tokens < 1):
-            self._out_of_order(s)
-        alloc = self.allocators[s.replica]
-        if alloc.enable_prefix_caching and computed >= (len(req.page_hashes) + 1) * alloc.page_size:
-            # a page completed by a pending token
-            alloc.register_full_pages(
-                req.known_tokens, req.page_ids, computed, req.page_hashes, req.cache_root
-            )
-        if s.sample:
-            try:
-                token = sampled[req.request_id]
-            except KeyError:
-                raise KeyError(f"runner returned no sampled token for {req.request_id!r}") from None
-            updates.append(
-                spec.accept(s, out, token, computed, alloc, self.spec_stats, self._finish)
-            )
+        return step_update.apply(sched, out, self.allocators, self.spec_stats, self._finish)
 
     def _key(self, req: Request) -> tuple[int, float, int]:
         return self._order[req.request_id]
