@@ -84,11 +84,10 @@ from jaxinfer.engine.types import (
     ScheduledRequest,
     SchedulerOutput,
     SpecStats,
+    new_tuple,
 )
 from jaxinfer.lora.slots import LoRASlots
 from jaxinfer.vision.inputs import check_image_budget, fit_images
-
-_new_tuple = tuple.__new__  # `_new_tuple(RequestUpdate, (...))`: skips NamedTuple's Python __new__
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -333,7 +332,7 @@ class Scheduler:
                     pages.extend(new)
             if new is not None:
                 decodes.append(
-                    _new_tuple(
+                    new_tuple(
                         ScheduledRequest,
                         (
                             req,

@@ -23,9 +23,8 @@ from jaxinfer.engine.types import (
     ScheduledRequest,
     SchedulerOutput,
     SpecStats,
+    new_tuple,
 )
-
-_new_tuple = tuple.__new__  # `_new_tuple(RequestUpdate, (...))`: skips NamedTuple's Python __new__
 
 
 def apply(
@@ -70,7 +69,7 @@ def apply(
                 finish(req, *reason)
                 updates.append(RequestUpdate(req, [token], True))
                 continue
-        updates.append(_new_tuple(RequestUpdate, (req, [token], False)))
+        updates.append(new_tuple(RequestUpdate, (req, [token], False)))
     return updates
 
 

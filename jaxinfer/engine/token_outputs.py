@@ -18,9 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxinfer.engine.request import Request
-from jaxinfer.engine.types import RequestUpdate, RunnerOutput, TokenOutput
-
-_new_tuple = tuple.__new__  # `_new_tuple(TokenOutput, (...))`: skips NamedTuple's Python __new__
+from jaxinfer.engine.types import RequestUpdate, RunnerOutput, TokenOutput, new_tuple
 
 
 def build(
@@ -68,7 +66,7 @@ def build(
         if logprobs and rid in logprobs:  # accepted proposals' first, cut where a stop cut
             lps = (out.draft_logprobs.get(rid, []) + [logprobs[rid]])[: len(new_ids)]
         outputs.append(
-            _new_tuple(
+            new_tuple(
                 TokenOutput,
                 (
                     rid,

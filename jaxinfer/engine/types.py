@@ -34,7 +34,9 @@ from jaxinfer.vision.inputs import ImageInput
 if TYPE_CHECKING:
     from jaxinfer.engine.request import Request
 
-_new_tuple = tuple.__new__  # `_new_tuple(TokenOutput, (...))`: skips NamedTuple's Python __new__
+# `new_tuple(TokenOutput, (...))`: a NamedTuple made in one C call, without its Python __new__
+# (the hot loops of the scheduler, `step_update` and `token_outputs`)
+new_tuple = tuple.__new__
 
 
 @dataclasses.dataclass
@@ -124,7 +126,7 @@ class TokenLogprobs:
 
 class TokenOutput(NamedTuple):
     """What one step added to one child request (a tuple: built once per request per step, with
-    `_new_tuple` in the hot loop, and sent as a list)."""
+    `new_tuple` in the hot loop, and sent as a list)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -205,7 +207,7 @@ class ScheduledRequest(NamedTuple):
     between steps and patches them from these diffs.
 
     NOTE: a tuple (immutable): the scheduler's hot loop builds one per running request per step
-    with `_new_tuple` (one C call), and the runner reads a whole step's fields column by column
+    with `new_tuple` (one C call), and the runner reads a whole step's fields column by column
     with one `zip(*scheduled)`.
     """
 
@@ -285,7 +287,7 @@ class RunnerOutput:
 
 
 class RequestUpdate(NamedTuple):
-    """One request's tokens from one step (a tuple: the hot loops build it with `_new_tuple`,
+    """One request's tokens from one step (a tuple: the hot loops build it with `new_tuple`,
     one C call, and unpack it)."""
 
     request: Request
