@@ -14,8 +14,8 @@ for all of them, as vLLM's former multi-step scheduling did.
    images), the token budget holds them all and the free pages hold every one's
    N tokens; else 1 (a plain step). The schedule then gives each decode pages for its N tokens
    and N pending tokens (`SchedulerOutput.num_steps`).
-2. `update(sched, out, allocators, finish)` (`Scheduler.update` of such a step): each request's ids of
-   the N steps are appended in order under the stop rules; a request that stops drops the ids
+2. `update(sched, out, allocators, finish)` (`Scheduler.update` of such a step): each request's
+   ids of the N steps are appended in order under the stop rules; a request that stops drops the ids
    after its stop (their K/V lands in pages it frees), and pages the known tokens filled enter
    the prefix cache.
 

@@ -48,7 +48,8 @@ catching up to `num_tokens`, and one loop decides how many of its tokens to comp
    counts are built from the computed tokens). No page holding an unverified token is ever
    offered to the prefix cache.
 8. `update` (`jaxinfer.engine.step_update`) registers pages a pending token filled, appends
-   sampled tokens and applies the stop rules (`Request.stop_reason_of`: stop_token_ids / EOS, then max_tokens, then max_model_len).
+   sampled tokens and applies the stop rules (`Request.stop_reason_of`: stop_token_ids / EOS,
+   then max_tokens, then max_model_len).
    Finished requests free their pages at once and are reported in the next
    `SchedulerOutput.finished`. A request finished, aborted or preempted while a step holding it
    was still in flight is skipped by that step's `update` (its speculative K/V write lands in
