@@ -241,7 +241,8 @@ def dense(
     times the offsets (see `_xla_dense`). With backend "cpu" a step of
     at most `cpu_linear.MAX_ROWS` float32 rows (`MAX_ROWS_INT4` for int4's integer products) runs
     every weight in one call of the compiled kernel
-    (int8 / int4 weights; float32 ones where `cpu_linear.float_pays()`); with backend "gpu" an int8 / int4 weight and at
+    (int8 / int4 weights; float32 ones where `cpu_linear.float_pays()`), and more rows times int4's
+    own layout take XLA's dot on the weight the kernel dequantized (`_dequantized_dense`); with backend "gpu" an int8 / int4 weight and at
     most `gpu_linear.MAX_ROWS` rows run the Pallas dequantizing matmul (the weight read in its
     stored bits: no converted copy in HBM); anything else is XLA's dot (same contraction as
     `einsum("te,e...->t...")`). On a TPU target, fewer than `TPU_MIN_ROWS` rows times a quantized
@@ -271,7 +272,26 @@ def dense(
         else:
             outs = cpu_linear.linear(x, *(w.reshape(w.shape[0], -1) for w in weights))
         return tuple(y.reshape(x.shape[0], *w.shape[1:]) for y, w in zip(outs, weights))
+    if backend == "cpu" and x.ndim == 2 and x.dtype == jnp.float32 and _int4_products(x, weights):
+        return tuple(_dequantized_dense(x, w) for w in weights)
     return tuple(_xla_dense(x, w) for w in weights)
+
+
+def _dequantized_dense(x: jax.Array, w: QArray) -> jax.Array:
+    """x [T, E] times int4's own layout for more rows than the kernel's products take (prefill):
+    the kernel writes the weight out as f32 (`cpu_linear.dequantize`, untiling tiled codes on the
+    way; XLA's conversion of uint4 codes took as long as the product itself: BENCHMARKS.md "int4
+    prefill"), and XLA's dot takes it as a float weight. The conversion reads x (unused) so that
+    each layer's copy is made when that layer runs, as `_tie` does for XLA's."""
+    groups = w.scale.shape[0]
+    weight = cpu_linear.dequantize(
+        x,
+        w.data.reshape(w.shape[0], -1),
+        w.scale.reshape(groups, -1),
+        w.offset.reshape(groups, -1),
+        tiled=w.tiled,
+    )
+    return jnp.dot(x, weight).reshape(x.shape[0], *w.shape[1:])
 
 
 # NOTE: XLA:TPU turns a quantized product of fewer token rows than a sublane tile (8) into a

@@ -1,7 +1,7 @@
 """Compiles the C++ kernels for XLA:CPU on first use and registers them as FFI custom calls.
 
 1. `CppKernel(source, symbol, target)` names one `.cc` file, the handler symbol it exports and the
-   custom-call target JAX code emits.
+   custom-call target JAX code emits (`more`: further (symbol, target) pairs of the same file).
 2. `library()` compiles the file with the machine's C++ compiler (`$CXX`, else `c++`/`g++`/
    `clang++`) against jaxlib's FFI headers (`jax.ffi.include_dir()`) into a cache directory
    (`$JAXINFER_KERNEL_CACHE`, default `~/.cache/jaxinfer/kernels`), under a name keyed by the
@@ -67,6 +67,7 @@ class CppKernel:
     source: Path  # the .cc file
     symbol: str  # the handler it exports (XLA_FFI_DEFINE_HANDLER_SYMBOL)
     target: str  # the custom-call name JAX code emits
+    more: tuple[tuple[str, str], ...] = ()  # further handlers of the file: (symbol, target)
 
     def _build(self, cxx: str) -> Path:
         include = Path(jax.ffi.include_dir())
@@ -110,9 +111,10 @@ class CppKernel:
     def library(self) -> ctypes.CDLL:
         """Builds (once per machine and source) and registers the kernel; raises RuntimeError if it cannot."""
         lib = ctypes.cdll.LoadLibrary(str(self._build(_compiler())))
-        jax.ffi.register_ffi_target(
-            self.target, jax.ffi.pycapsule(getattr(lib, self.symbol)), platform="cpu"
-        )
+        for symbol, target in ((self.symbol, self.target), *self.more):
+            jax.ffi.register_ffi_target(
+                target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
+            )
         return lib
 
     @functools.cache  # noqa: B019

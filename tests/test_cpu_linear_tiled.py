@@ -9,8 +9,10 @@
 3. Refusals name the problem: N not a multiple of 64, tiled codes without offsets, in Python and in
    the handler.
 4. `quantization.tile_for_cpu` tiles exactly the int4 weights that fit; `layers.dense` on a tiled
-   weight: the kernel with `tiled = true` up to `MAX_ROWS_INT4` rows (same bits as untiled), XLA's
-   path beyond (prefill chunks) on the untiled codes (same values).
+   weight: the kernel with `tiled = true` up to `MAX_ROWS_INT4` rows (same bits as untiled), beyond
+   (prefill chunks) XLA's dot on the weight `cpu.dequantize` wrote out (the same bits as XLA's
+   whole path). `cpu.dequantize` itself: the bits of `reference.dequantize_offsets` (and so of
+   XLA's dequantization), tiled or not, any N even, weights split over parts; refusals.
 5. An `LLM` with `linear_backend="cpu"` runs on tiled int4 params and keeps one copy of the weights
    (its model's params are the runner's). test_cpu_linear's engine test gives the greedy tokens of
    `"xla"` with the runner's int4 params tiled.
@@ -201,13 +203,68 @@ def test_tile_for_cpu_tiles_what_fits_and_dense_reads_it():
         "tiled = true"
         in jax.jit(lambda x, w: layers.dense(x, w, backend="cpu")).lower(x, t).as_text()
     )
-    x = jnp.asarray(rng.standard_normal((cpu_linear.MAX_ROWS_INT4 + 1, 64)), jnp.float32)  # XLA's
+    # prefill rows: XLA's dot on the weight the kernel dequantized (untiling it), the values of
+    # XLA's own dequantization
+    x = jnp.asarray(rng.standard_normal((cpu_linear.MAX_ROWS_INT4 + 1, 64)), jnp.float32)
     text = jax.jit(lambda x, w: layers.dense(x, w, backend="cpu")).lower(x, t).as_text()
-    assert cpu_linear.KERNEL.target not in text
+    assert cpu_linear.KERNEL.target not in text and cpu_linear.DEQUANTIZE_TARGET in text
     (got,), (want,) = layers.dense(x, t, backend="cpu"), layers.dense(x, w, backend="xla")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     (got,), (want,) = layers.dense(x, t, w, backend="cpu")[:1], layers.dense(x, w, backend="xla")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize(
+    "k, n, g, tiled",
+    [
+        (64, 128, 2, True),
+        (64, 128, 2, False),
+        (64, 130, 2, False),  # N % 64 columns one by one
+        (1536, 576, 48, True),  # SmolLM2's down: split into parts
+        (576, 3072, 18, True),  # its gate_up
+        (576, 960, 1, False),  # one group
+    ],
+)
+def test_dequantize_gives_the_references_bits(k, n, g, tiled):
+    rng = np.random.default_rng(k + n + g)
+    c, s, o = _int4_weight(rng, k, n, g)
+    codes, scales, offsets = jnp.asarray(c, jnp.uint4), jnp.asarray(s), jnp.asarray(o)
+    want = np.asarray(linear_reference.dequantize_offsets(codes, scales, offsets))
+    # the formula the model's XLA path uses (`checkpoints.quantize.dequantize`)
+    np.testing.assert_array_equal(
+        want, np.asarray(quantization.dequantize(QArray(codes, scales, offsets), 0))
+    )
+    stored = linear_reference.tile_int4(codes) if tiled else codes
+    x = jnp.ones((3, k), jnp.float32)
+    got = np.asarray(cpu_linear.dequantize(x, stored, scales, offsets, tiled=tiled))
+    assert got.tobytes() == want.tobytes()
+
+
+def test_dequantize_refuses_what_it_cannot_take():
+    rng = np.random.default_rng(3)
+    c, s, o = _int4_weight(rng, 64, 96, 2)
+    x, q, s, o = (
+        jnp.ones((2, 64), jnp.float32),
+        jnp.asarray(c, jnp.uint4),
+        jnp.asarray(s),
+        jnp.asarray(o),
+    )
+    with pytest.raises(ValueError, match=r"tiled codes of shape \(64, 96\): N must be a multiple"):
+        cpu_linear.dequantize(x, q, s, o, tiled=True)
+    with pytest.raises(ValueError, match="scales"):
+        cpu_linear.dequantize(x, q, s.astype(jnp.float32), o)
+    cpu_linear.library()  # the handler's own checks (a caller that skips `dequantize`'s)
+    call = jax.ffi.ffi_call(
+        cpu_linear.DEQUANTIZE_TARGET, jax.ShapeDtypeStruct((64, 96), jnp.float32)
+    )
+    with pytest.raises(Exception, match="tiled codes need N a multiple of 64, got 96"):
+        jax.block_until_ready(call(x, q, s, o, tiled=True))
+    with pytest.raises(Exception, match="uint4 codes"):
+        jax.block_until_ready(call(x, q.astype(jnp.uint8), s, o, tiled=False))
+    with pytest.raises(Exception, match="offsets 0 must be f16"):
+        jax.block_until_ready(call(x, q, s, o.astype(jnp.float32), tiled=False))
+    with pytest.raises(Exception, match="offsets must have the scales' shape"):
+        jax.block_until_ready(call(x, q, s, o[:1], tiled=False))
 
 
 @pytest.mark.slow

@@ -66,6 +66,7 @@ __all__ = [
     "QBLOCK",
     "TILE_N",
     "available",
+    "dequantize",
     "float_pays",
     "groups_fit",
     "int4_path",
@@ -78,8 +79,12 @@ __all__ = [
 ]
 
 KERNEL = CppKernel(
-    Path(__file__).with_name("cpu_kernel.cc"), "JaxinferCpuLinear", "jaxinfer_cpu_linear"
+    Path(__file__).with_name("cpu_kernel.cc"),
+    "JaxinferCpuLinear",
+    "jaxinfer_cpu_linear",
+    more=(("JaxinferCpuDequantize", "jaxinfer_cpu_dequantize"),),
 )
+DEQUANTIZE_TARGET = "jaxinfer_cpu_dequantize"
 library, unavailable_reason, available = KERNEL.library, KERNEL.unavailable_reason, KERNEL.available
 # Token rows up to which the kernel beats XLA:CPU's dot on the model's shapes (BENCHMARKS.md,
 # scripts/bench_linear.py: 1 row 1.4x, 2 rows 1.9x, 8 rows 1.4x; at 16 rows XLA is faster).
@@ -199,3 +204,24 @@ def _linear_offsets(x, weights, scales, offsets, tiled) -> tuple[jax.Array, ...]
     call = jax.ffi.ffi_call(KERNEL.target, outs)
     args = (*weights, *scales, *offsets)
     return tuple(call(x, *args, transposed=False, int8=True, offsets=True, tiled=tiled))
+
+
+@functools.partial(jax.jit, static_argnames=("tiled",))
+def dequantize(
+    x: jax.Array, codes: jax.Array, scales: jax.Array, offsets: jax.Array, tiled: bool = False
+) -> jax.Array:
+    """int4's own layout as f32 [K, N]: `codes * scales + offsets` per group (uint4 codes [K, N],
+    in `reference.tile_int4`'s order when `tiled`; f16 scales and offsets [G, N], `offsets_fit`),
+    the same values as `reference.dequantize_offsets` (a product, then a sum). For products of more
+    rows than the kernel's (prefill), which XLA's dot then takes as a float weight: XLA:CPU's own
+    conversion of uint4 codes (untiled first) ran at ~1 ns a code. x f32[T, K] is not read; it
+    ties the conversion to the layer that uses it (`jaxinfer.layers._tie`)."""
+    check_offsets(x, (codes,), (scales,), (offsets,))
+    if tiled and not tiles_fit(*codes.shape):
+        raise ValueError(
+            f"tiled codes of shape {codes.shape}: N must be a multiple of {TILE_N} "
+            f"and K of {QBLOCK}"
+        )
+    library()
+    out = jax.ShapeDtypeStruct(codes.shape, jnp.float32)
+    return jax.ffi.ffi_call(DEQUANTIZE_TARGET, out)(x, codes, scales, offsets, tiled=tiled)

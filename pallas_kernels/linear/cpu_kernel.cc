@@ -201,6 +201,7 @@ struct Problem {
   bool int8;  // every weight of the call is int8 or int4 (with scales), or every one is float
   bool offsets;  // every weight is int4 codes with f16 scales and offsets: integer products
   bool tiled;    // offsets calls: the codes in tiles (cpu_kernel_int4.h), N a multiple of 64
+  bool dequant;  // `Dequantize` calls: each weight's rows written out as f32 (`Weight::y` [K, n])
   int num_weights;
   Weight weights[kMaxWeights];
   int parts;
@@ -398,6 +399,13 @@ void RunPart(const Problem& pb, int p) {
       const int64_t align = pb.offsets ? kQBlock : 8;  // parts start at multiples of this
       const int64_t chunk = (pb.k_len + align * pb.parts - 1) / (align * pb.parts) * align;
       const int64_t k0 = std::min(pb.k_len, p * chunk), k1 = std::min(pb.k_len, k0 + chunk);
+      if (pb.dequant) {
+        if (pb.tiled)
+          DequantInt4<true>(pb, wt, k0, k1);
+        else
+          DequantInt4<false>(pb, wt, k0, k1);
+        continue;
+      }
       float* y = p == 0 ? wt.y : wt.partial + (p - 1) * pb.t_len * wt.n;
       if (pb.offsets && pb.tiled)
         Int4Products<true>(pb, wt, y, k0, k1);
@@ -515,9 +523,6 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
     const int64_t chunk = (pb.k_len + kQBlock * parts - 1) / (kQBlock * parts) * kQBlock;
     parts = (pb.k_len + chunk - 1) / chunk;
   }
-  // NOTE: the parts (and so the sums' order) do not depend on whether helpers take some of them.
-  const bool helpers = parts > 1 && UseHelpers(work);
-  const auto start = std::chrono::steady_clock::now();
   pb.parts = static_cast<int>(parts);
   if (offsets) {
     sh->xq.resize(2 * pb.t_len * pb.k_len);
@@ -536,17 +541,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
       s += (parts - 1) * pb.t_len * pb.weights[i].n;
     }
   }
-  bool warm = false;
-  if (helpers) {
-    const uint64_t generation = Post(sh);
-    // NOTE: a helper about to stop lingering may miss this call: the caller then does its parts.
-    const int lingering = Box().lingering.load();
-    warm = lingering > 0;
-    const int64_t wanted = std::min(threads, parts) - 1 - lingering;
-    for (int64_t i = 0; i < wanted; ++i) pool.Schedule([sh, generation] { Help(sh, generation); });
-  }
-  RunParts(*sh);
-  while (sh->done.load(std::memory_order_acquire) < pb.parts) _mm_pause();
+  RunAll(pool, sh, threads, work);
 
   if (!transposed)
     for (int i = 0; i < pb.num_weights; ++i) {
@@ -557,7 +552,48 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
         for (int64_t j = 0; j < size; ++j) wt.y[j] += src[j];
       }
     }
-  if (parts > 1) Record(work, helpers, warm, std::chrono::steady_clock::now() - start);
+  return ffi::Error::Success();
+}
+
+// int4's own layout (uint4 codes [K, N], tiled or not, f16 scales and offsets [G, N]) dequantized
+// to f32 [K, N] (`DequantInt4`), the rows in parts of whole 32-row blocks like a product's. `x`
+// [T, K] is not read: it ties the conversion to the layer that uses it, so that XLA:CPU makes each
+// layer's copy when that layer runs (see `jaxinfer.layers._tie`).
+ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes, ffi::AnyBuffer scales,
+                      ffi::AnyBuffer offsets, ffi::Result<ffi::Buffer<ffi::F32>> out, bool tiled) {
+  const auto cd = codes.dimensions();
+  const auto od = out->dimensions();
+  if (codes.element_type() != ffi::DataType::U4 || cd.size() != 2 || od.size() != 2 || od[0] != cd[0] ||
+      od[1] != cd[1] || cd[1] % 2 || cd[0] % kQBlock || x.dimensions().size() != 2 || x.dimensions()[1] != cd[0])
+    return ffi::Error::InvalidArgument(
+        "cpu_dequantize: uint4 codes [K, N] (K a multiple of " + std::to_string(kQBlock) +
+        ", N even), an f32 output of their shape and x [T, K]");
+  const int64_t k = cd[0], n = cd[1];
+  if (tiled && n % 64)
+    return ffi::Error::InvalidArgument("cpu_dequantize: tiled codes need N a multiple of 64, got " + std::to_string(n));
+  if (auto e = CheckHalves(scales, "scales", 0, k, n); e.failure()) return e;
+  if (auto e = CheckHalves(offsets, "offsets", 0, k, n); e.failure()) return e;
+  if (offsets.dimensions()[0] != scales.dimensions()[0])
+    return ffi::Error::InvalidArgument("cpu_dequantize: offsets must have the scales' shape");
+  auto sh = std::make_shared<Shared>();
+  Problem& pb = sh->pb;
+  pb.x = x.typed_data();
+  pb.t_len = 1;
+  pb.k_len = k;
+  pb.offsets = pb.int8 = pb.dequant = true;
+  pb.tiled = tiled;
+  pb.num_weights = 1;
+  pb.weights[0] = {codes.untyped_data(), nullptr, scales.dimensions()[0], out->typed_data(), n, nullptr, true,
+                   static_cast<const uint16_t*>(scales.untyped_data()),
+                   static_cast<const uint16_t*>(offsets.untyped_data())};
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t blocks = k / kQBlock;
+  int64_t parts = k * n < kParallelMinWork ? 1 : std::min<int64_t>({kPartsPerThread * threads, kMaxParts, blocks});
+  const int64_t chunk = (blocks + parts - 1) / parts * kQBlock;
+  pb.parts = static_cast<int>((k + chunk - 1) / chunk);
+  // NOTE: size classes of their own (helpers or not is measured per class of work, and a code
+  // written out costs other than a multiply-add): a product's work stays below 2^36.
+  RunAll(pool, sh, threads, (k * n) << 20);
   return ffi::Error::Success();
 }
 
@@ -567,6 +603,16 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingA
 extern "C" int JaxinferCpuLinearLanes() { return kLanes; }
 // Whether int4's integer products take the AVX-512 VNNI path (cpu.py's `int4_path()`).
 extern "C" int JaxinferCpuLinearInt4Vnni() { return Int4Vnni() ? 1 : 0; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCpuDequantize, Dequantize,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("tiled"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCpuLinear, Linear,
                               ffi::Ffi::Bind()

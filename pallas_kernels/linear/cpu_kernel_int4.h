@@ -339,3 +339,50 @@ ffi::Error OffsetsWeight(ffi::RemainingArgs& args, int64_t nw, int64_t i, int64_
          static_cast<const uint16_t*>(o->untyped_data())};
   return ffi::Error::Success();
 }
+
+// Rows [k0, k1) (multiples of kQBlock) of an `offsets` weight dequantized into `wt.y` as f32 [K, N]
+// in row-major order: out[k, n] = q[k, n] * s[k / group, n] + o[k / group, n] (a product, then a
+// sum: XLA's dequantization, rounded the same way), for the products of many rows (prefill), which
+// XLA's dot then takes as a float32 weight (`Dequantize`). XLA's own conversion of the uint4
+// codes (untiling them first for a CPU runner) ran at ~1 ns a code: as long as the f32 product
+// itself at 128 rows (BENCHMARKS.md "int4 prefill").
+template <bool kTiled>
+void DequantInt4(const Problem& pb, const Weight& wt, int64_t k0, int64_t k1) {
+  const int64_t n_len = wt.n, group = pb.k_len / wt.groups, row_bytes = n_len / 2, n64 = n_len / 64 * 64;
+  const uint8_t* w = static_cast<const uint8_t*>(wt.w);
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  for (int64_t k = k0; k < k1; k += kQBlock) {
+    const uint16_t* srow = wt.scale16 + k / group * n_len;
+    const uint16_t* orow = wt.offset16 + k / group * n_len;
+    const uint8_t* blk = w + k * row_bytes;
+    float* out = wt.y + k * n_len;
+    for (int64_t n = 0; n < n64; n += 64) {
+      __m256 s[8], o[8];
+      for (int v = 0; v < 8; ++v) s[v] = HalfLoad(srow + n + 8 * v), o[v] = HalfLoad(orow + n + 8 * v);
+      const uint8_t* col = blk + n / 2;    // [K, N]: the strip's 32 bytes of each row
+      const uint8_t* tile = blk + n * 16;  // tiled: the strip's 1 KB tile
+      for (int64_t r = 0; r < kQBlock; ++r) {
+        const uint8_t* src = kTiled ? tile + 32 * r : col + r * row_bytes;
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        // Byte i holds columns 2i (low nibble) and 2i + 1: interleaved back, a = columns 0-15 |
+        // 32-47, b = 16-31 | 48-63 (per 128-bit lane).
+        const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
+        const __m128i q[4] = {_mm256_castsi256_si128(a), _mm256_castsi256_si128(b), _mm256_extracti128_si256(a, 1),
+                              _mm256_extracti128_si256(b, 1)};
+        float* dst = out + r * n_len + n;
+        for (int j = 0; j < 4; ++j) {  // columns 16 j .. 16 j + 15
+          const __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[j]));
+          const __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q[j], 8)));
+          _mm256_storeu_ps(dst + 16 * j, _mm256_add_ps(_mm256_mul_ps(c0, s[2 * j]), o[2 * j]));
+          _mm256_storeu_ps(dst + 16 * j + 8, _mm256_add_ps(_mm256_mul_ps(c1, s[2 * j + 1]), o[2 * j + 1]));
+        }
+      }
+    }
+    for (int64_t r = 0; r < kQBlock; ++r)  // the last N % 64 columns ([K, N] codes only)
+      for (int64_t n = n64; n < n_len; ++n) {
+        const int code = (blk[r * row_bytes + n / 2] >> (4 * (n & 1))) & 0x0f;
+        out[r * n_len + n] = static_cast<float>(code) * _cvtsh_ss(srow[n]) + _cvtsh_ss(orow[n]);
+      }
+  }
+}

@@ -118,3 +118,25 @@ void Record(int64_t work, bool helpers, bool warm, std::chrono::steady_clock::du
   const float old = avg.load(std::memory_order_relaxed);
   avg.store(old == 0.0f ? v : old + kCostWeight * (v - old), std::memory_order_relaxed);
 }
+
+// Runs the parts of `sh` (its Problem set up, `pb.parts` of them) on the caller and, where
+// `UseHelpers` measured that they pay, on lingering or newly scheduled pool helpers; returns once
+// every part is done. The parts (and so a product's sums and their order) do not depend on
+// whether helpers take some of them.
+void RunAll(ffi::ThreadPool& pool, const std::shared_ptr<Shared>& sh, int64_t threads, int64_t work) {
+  const int64_t parts = sh->pb.parts;
+  const bool helpers = parts > 1 && UseHelpers(work);
+  const auto start = std::chrono::steady_clock::now();
+  bool warm = false;
+  if (helpers) {
+    const uint64_t generation = Post(sh);
+    // NOTE: a helper about to stop lingering may miss this call: the caller then does its parts.
+    const int lingering = Box().lingering.load();
+    warm = lingering > 0;
+    const int64_t wanted = std::min(threads, parts) - 1 - lingering;
+    for (int64_t i = 0; i < wanted; ++i) pool.Schedule([sh, generation] { Help(sh, generation); });
+  }
+  RunParts(*sh);
+  while (sh->done.load(std::memory_order_acquire) < parts) _mm_pause();
+  if (parts > 1) Record(work, helpers, warm, std::chrono::steady_clock::now() - start);
+}

@@ -182,6 +182,18 @@ def linear_offsets(
     return tuple(outs)
 
 
+def dequantize_offsets(
+    codes: jax.Array,  # uint4 [K, N] (row-major, not tiled)
+    scales: jax.Array,  # f16[G, N]
+    offsets: jax.Array,  # f16[G, N]
+) -> jax.Array:  # f32[K, N]
+    """int4's own layout as f32 values, as `cpu.dequantize`: codes[k, n] * scale[k // g, n] +
+    offset[k // g, n], g = K // G (a product, then a sum)."""
+    group = codes.shape[0] // scales.shape[0]
+    s = jnp.repeat(scales.astype(jnp.float32), group, axis=0)
+    return codes.astype(jnp.float32) * s + jnp.repeat(offsets.astype(jnp.float32), group, axis=0)
+
+
 def offsets_fit(k: int, groups: int) -> bool:
     """Whether int4 codes contracted over K = `k` with `groups` groups of f16 scales and offsets
     take the CPU kernel's integer products (`cpu.linear(..., offsets=)`): K and K / G multiples of
