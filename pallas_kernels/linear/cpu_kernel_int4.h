@@ -26,27 +26,52 @@
 
 // x [T, K] quantized per block of kQBlock channels to 15 bits, held as two int8 parts: xq16 =
 // round(x * kXMax / max|x|) (0 for an all-zero block) = 128 * xh + xl with xh in [-127, 127] and xl
-// in [-64, 63]; xd = max|x| / kXMax, xsum = the block's float sum (summed in order).
+// in [-64, 63]; xd = max|x| / kXMax, xsum = the block's float sum (its four 8-lane vectors added
+// pairwise, then across lanes). Vectorized: the scalar loop (its sum one long chain of adds) took
+// ~30% of a 576-channel call's own time before its parts ran (~0.2 ms of the default model's
+// 6-8 ms int4 decode step: BENCHMARKS.md "int4 prefill").
 constexpr float kXMax = 127.0f * 128.0f;
+inline float HMax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline float HSum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+// Four vectors of 8 int32 (elements 0-7, 8-15, 16-23, 24-31), each in int8 range, as 32 int8 in order.
+inline __m256i Narrow32(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+  return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+static_assert(kQBlock == 32, "QuantizeX takes a block as four 8-lane vectors");
 void QuantizeX(const float* x, int64_t t_len, int64_t k_len, int8_t* xh, int8_t* xl, float* xd,
                float* xsum) {
   const int64_t blocks = k_len / kQBlock;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i half = _mm256_set1_epi32(64);
   for (int64_t t = 0; t < t_len; ++t)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t at = t * k_len + b * kQBlock;
-      float amax = 0.0f, sum = 0.0f;
-      for (int64_t i = 0; i < kQBlock; ++i) {
-        amax = std::max(amax, std::fabs(x[at + i]));
-        sum += x[at + i];
+      __m256 v[4];
+      for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(x + at + 8 * j);
+      const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      const float amax = HMax8(m);
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? kXMax / amax : 0.0f);
+      __m256i h[4], l[4];
+      for (int j = 0; j < 4; ++j) {  // |q| <= 16256; xh = floor((q + 64) / 128), xl = q - 128 xh
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i q = _mm256_cvtps_epi32(r);
+        h[j] = _mm256_srai_epi32(_mm256_add_epi32(q, half), 7);
+        l[j] = _mm256_sub_epi32(q, _mm256_slli_epi32(h[j], 7));
       }
-      const float inv = amax > 0.0f ? kXMax / amax : 0.0f;
-      for (int64_t i = 0; i < kQBlock; ++i) {
-        const int q = static_cast<int>(std::nearbyint(x[at + i] * inv));  // |q| <= 16256
-        xh[at + i] = static_cast<int8_t>((q + 64) >> 7);  // floor((q + 64) / 128)
-        xl[at + i] = static_cast<int8_t>(q - 128 * ((q + 64) >> 7));
-      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xh + at), Narrow32(h[0], h[1], h[2], h[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xl + at), Narrow32(l[0], l[1], l[2], l[3]));
       xd[t * blocks + b] = amax / kXMax;
-      xsum[t * blocks + b] = sum;
+      xsum[t * blocks + b] = HSum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
     }
 }
 
