@@ -238,11 +238,11 @@ def dense(
     A weight may be a `QArray` (int8 / fp8 / int4 data with scales [G, ...]: one per output channel
     and group of E // G input channels; int4 also offsets [G, ...]): the product runs on the stored
     values, each group's scales applied to that group's share of the product, plus x's group sums
-    times the offsets (see `_xla_dense`). With backend "cpu" a step of
-    at most `cpu_linear.MAX_ROWS` float32 rows (`MAX_ROWS_INT4` for int4's integer products) runs
-    every weight in one call of the compiled kernel
-    (int8 / int4 weights; float32 ones where `cpu_linear.float_pays()`), and more rows times int4's
-    own layout take XLA's dot on the weight the kernel dequantized (`_dequantized_dense`); with backend "gpu" an int8 / int4 weight and at
+    times the offsets (see `_xla_dense`). With backend "cpu" a step of at most
+    `cpu_linear.MAX_ROWS` float32 rows (`MAX_ROWS_INT4` for int4's integer products) runs every
+    weight in one call of the compiled kernel (int8 / int4 weights; float32 ones where
+    `cpu_linear.float_pays()`), and more rows times int4's own layout take XLA's dot on the weight
+    the kernel dequantized (`_dequantized_dense`); with backend "gpu" an int8 / int4 weight and at
     most `gpu_linear.MAX_ROWS` rows run the Pallas dequantizing matmul (the weight read in its
     stored bits: no converted copy in HBM); anything else is XLA's dot (same contraction as
     `einsum("te,e...->t...")`). On a TPU target, fewer than `TPU_MIN_ROWS` rows times a quantized

@@ -32,7 +32,9 @@ specs (format names and their options: `checkpoints.quantize`).
 5. A CPU runner (`linear_backend="cpu"`, one device) puts int4 codes in the CPU kernel's tiles
    (`tile_for_cpu`, `QArray.tiled`, static): same shape and dtype, the elements of each 32-row
    block's 64-column strip contiguous, so the decode products read each weight as one stream;
-   anything else that reads the codes takes `codes(q)` (XLA's prefill products untile them).
+   the kernel also writes them out untiled as f32 for steps of more rows (prefill:
+   `layers._dequantized_dense`); anything else that reads the codes takes `codes(q)` (XLA's
+   products of a bfloat16 model untile them).
 """
 
 from __future__ import annotations
