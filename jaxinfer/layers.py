@@ -239,7 +239,7 @@ def dense(
     and group of E // G input channels; int4 also offsets [G, ...]): the product runs on the stored
     values, each group's scales applied to that group's share of the product, plus x's group sums
     times the offsets (see `_xla_dense`). With backend "cpu" a step of at most
-    `cpu_linear.MAX_ROWS` float32 rows (`max_rows_int4()` for int4's integer products) runs every
+    `cpu_linear.MAX_ROWS` float32 rows (`MAX_ROWS_INT4` for int4's integer products) runs every
     weight in one call of the compiled kernel (int8 / int4 weights; float32 ones where
     `cpu_linear.float_pays()`), and more rows times int4's own layout take XLA's dot on the weight
     the kernel dequantized (`_dequantized_dense`); with backend "gpu" an int8 / int4 weight and at
@@ -466,7 +466,7 @@ def _kernel_fits(x: jax.Array, weights: tuple[jax.Array | QArray, ...], axis: in
     if axis == 1 and all(isinstance(w, QArray) for w in weights):
         rows = cpu_linear.MAX_ROWS_HEAD  # a quantized tied LM head: XLA's product is far slower
     elif axis == 0 and _int4_products(x, weights):
-        rows = cpu_linear.max_rows_int4()
+        rows = cpu_linear.MAX_ROWS_INT4
     if not (
         x.shape[0] <= rows and x.dtype == jnp.float32 and len(weights) <= cpu_linear.MAX_WEIGHTS
     ):

@@ -9,7 +9,7 @@
 3. Refusals name the problem: N not a multiple of 64, tiled codes without offsets, in Python and in
    the handler.
 4. `quantization.tile_for_cpu` tiles exactly the int4 weights that fit; `layers.dense` on a tiled
-   weight: the kernel with `tiled = true` up to `max_rows_int4()` rows (same bits as untiled), beyond
+   weight: the kernel with `tiled = true` up to `MAX_ROWS_INT4` rows (same bits as untiled), beyond
    (prefill chunks) XLA's dot on the weight `cpu.dequantize` wrote out (the same bits as XLA's
    whole path). `cpu.dequantize` itself: the bits of `reference.dequantize_offsets` (and so of
    XLA's dequantization), tiled or not, any N even, weights split over parts; refusals.
@@ -198,14 +198,14 @@ def test_tile_for_cpu_tiles_what_fits_and_dense_reads_it():
         (got,), (want,) = layers.dense(x, t, backend="cpu"), layers.dense(x, w, backend="cpu")
         assert got.shape == (rows, 2, 64)
         assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
-    x = jnp.asarray(rng.standard_normal((cpu_linear.max_rows_int4(), 64)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((cpu_linear.MAX_ROWS_INT4, 64)), jnp.float32)
     assert (
         "tiled = true"
         in jax.jit(lambda x, w: layers.dense(x, w, backend="cpu")).lower(x, t).as_text()
     )
     # prefill rows: XLA's dot on the weight the kernel dequantized (untiling it), the values of
     # XLA's own dequantization
-    x = jnp.asarray(rng.standard_normal((cpu_linear.max_rows_int4() + 1, 64)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((cpu_linear.MAX_ROWS_INT4 + 1, 64)), jnp.float32)
     text = jax.jit(lambda x, w: layers.dense(x, w, backend="cpu")).lower(x, t).as_text()
     assert cpu_linear.KERNEL.target not in text and cpu_linear.DEQUANTIZE_TARGET in text
     (got,), (want,) = layers.dense(x, t, backend="cpu"), layers.dense(x, w, backend="xla")

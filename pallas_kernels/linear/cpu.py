@@ -22,7 +22,7 @@ intra-op pool.
    it, else AVX2; the same bits): one scale per output column and group of K / G
    input rows, G = 1 being one scale per output column; G > 1 needs groups of a multiple of
    `GROUP_MULTIPLE` rows (`groups_fit`). Any shapes, but it pays off only for few rows
-   (`MAX_ROWS`; `max_rows_int4()` for the integer products, `MAX_ROWS_HEAD` for a quantized LM
+   (`MAX_ROWS`; `MAX_ROWS_INT4` for the integer products, `MAX_ROWS_HEAD` for a quantized LM
    head): `jaxinfer.layers.dense` picks it for those and XLA's dot otherwise. `reference.linear`
    is the same product in pure JAX (the oracle) and holds the checks both share
    (`reference.check_inputs`, `offsets_fit`, `tiles_fit`); this file adds the kernel's own (group
@@ -73,7 +73,6 @@ __all__ = [
     "lanes",
     "library",
     "linear",
-    "max_rows_int4",
     "offsets_fit",
     "tiles_fit",
     "unavailable_reason",
@@ -90,13 +89,10 @@ library, unavailable_reason, available = KERNEL.library, KERNEL.unavailable_reas
 # Token rows up to which the kernel beats XLA:CPU's dot on the model's shapes (BENCHMARKS.md,
 # scripts/bench_linear.py: 1 row 1.4x, 2 rows 1.9x, 8 rows 1.4x; at 16 rows XLA is faster).
 MAX_ROWS = 8
-# The same for int4's integer products (`offsets=`), per `int4_path()`, against XLA's dot on the
-# weight `dequantize` writes out (what `jaxinfer.layers.dense` runs beyond): a chain of SmolLM2's
-# layer products on the Sapphire Rapids VM, the VNNI path 29-31 vs 42-45 ms at 40-48 rows, even at
-# 56-64; its AVX2 path 10.5 vs 21.3 ms at 8 rows, even at 16, 28 vs 24 at 20, 46 vs 27 at 24
-# (BENCHMARKS.md "int4 prefill"; on AVX2-only CPUs XLA's dot is narrower too: not re-measured on
-# one, where 32 was the limit against XLA's slower dequantizing dot).
-MAX_ROWS_INT4 = {"avx512-vnni": 48, "avx2": 16}
+# The same for int4's integer products (`offsets=`): XLA:CPU's dequantizing dot of 9-16 rows took
+# 4x the kernel's time on SmolLM2's shapes, the two are even at 32 rows and XLA is 3x faster at 128
+# (BENCHMARKS.md "int4 decode step, tiled").
+MAX_ROWS_INT4 = 32
 # The same for a quantized tied embedding as LM head (int8 `[V, E]`, `transposed=True`): XLA:CPU's
 # product of SmolLM2's [49152, 576] Q8_0 head took 107-172 ms at 1-16 rows (per-group products
 # or a dequantized copy), the kernel 2.8 ms at 1 row, 17 at 8, 41 at 16, 93 at 32 (BENCHMARKS.md
@@ -121,12 +117,6 @@ def int4_path() -> str:
     fn = library().JaxinferCpuLinearInt4Vnni
     fn.restype = ctypes.c_int
     return "avx512-vnni" if fn() else "avx2"
-
-
-def max_rows_int4() -> int:
-    """Token rows up to which int4's integer products take the kernel on this CPU
-    (`MAX_ROWS_INT4` of its `int4_path()`); builds it first."""
-    return MAX_ROWS_INT4[int4_path()]
 
 
 def float_pays() -> bool:
