@@ -2,7 +2,9 @@
 
 One `scripts/serve.py` with no `--model` (what `make serve` runs, with `--no-warmup` and small
 budgets): a greedy completion and a chat answer name Paris on gRPC and over HTTP with the
-official `openai` client, so the checkpoint, its tokenizer and its chat template all work served.
+official `openai` client, so the checkpoint, its tokenizer and its chat template all work served;
+so does a completion whose prompt is one prefill step of more rows than the CPU kernel's int4
+products take (int4's prefill path: the weights written out as f32 for XLA's dot).
 With no `--quantization` a GGUF file serves in its own Q4_1 / Q8_0 bits, as vLLM serves one
 (loaded as int4-g32: the start-up line says so); a second server with `--quantization none`
 dequantizes the blocks to float32 and answers the same.
@@ -13,12 +15,22 @@ from __future__ import annotations
 import pytest
 from served_utils import ServedProcess
 
+from pallas_kernels.linear.cpu import MAX_ROWS_INT4
 from serving.client import GenerateClient
 from serving.testing import default_tokenizer
 
 pytestmark = pytest.mark.slow  # a server subprocess over the 135M model
 
 openai = pytest.importorskip("openai")
+
+_CAPITALS = [
+    ("Berlin", "Germany"),
+    ("Rome", "Italy"),
+    ("Madrid", "Spain"),
+    ("Lisbon", "Portugal"),
+    ("Vienna", "Austria"),
+    ("Warsaw", "Poland"),
+]
 
 
 @pytest.fixture(scope="module", params=[(), ("--quantization", "none")], ids=["gguf", "float"])
@@ -44,6 +56,13 @@ def test_default_model_answers_on_both_protocols(served):
         )
         assert "Paris" in "".join(m.text for m in msgs)
         assert c.model_info().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+        # a prompt of more rows than the kernel's int4 products take (one prefill step of 33-64
+        # tokens): int4's prefill products on the weights the kernel writes out as f32
+        long = " ".join(f"{city} is the capital of {land}." for city, land in _CAPITALS)
+        long += " The capital of France is"
+        assert MAX_ROWS_INT4 < len(default_tokenizer().encode(long)) <= 64
+        msgs = list(c.generate(long, timeout=300, max_tokens=4, temperature=0))
+        assert "Paris" in "".join(m.text for m in msgs)
     client = openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=300)
     r = client.chat.completions.create(
         model=client.models.list().data[0].id,
