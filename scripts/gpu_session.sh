@@ -11,8 +11,8 @@
 #      products vs the kernel, 1 and 32 rows, one process per format (~210 s each; QUANTS picks);
 #   multistep: Llama-3-8B (random bf16 / int4 weights) single-stream decode through `LLM` with
 #      num_scheduler_steps 1 and 8 interleaved (scripts/bench_generate.py, ~150 s);
-#   knobs: the int4 one-row step with JAXINFER_DIRECT_CALL=0 / 1 alternating (two each), then the
-#      bf16 step at 1 and 32 rows with --xla_gpu_experimental_force_split_k=1 / 0 (~330 s);
+#   knobs: the bf16 step at 1 and 32 rows with --xla_gpu_experimental_force_split_k=0 / 1
+#      alternating, two each (~330 s; 0 first: the three sessions before ran 1 first, once each);
 #   attn: the int4 step at 1 and 8 rows, 512 and 4,096 tokens of context, with the decode
 #      attention's split-K (4 programs an SM, the default) and without (0: no merge launch), ~220 s.
 # The three default stages take ~630 s: with BUDGET=575 the int8 steps are cut short.
@@ -60,12 +60,7 @@ for stage in ${STAGES:-check trace steps}; do
       --quantization int4,none --num-scheduler-steps 1,8 --prompt-len 128 --decode-tokens 128 \
       --runs 3 --no-hf 2>&1 | quiet | tee $OUT/multistep.txt ;;
   knobs)
-    for dc in 0 1 0 1; do
-      echo "== int4 one-row step, JAXINFER_DIRECT_CALL=$dc (left $(left))"
-      JAXINFER_DIRECT_CALL=$dc JAX_PLATFORMS=cuda box 70 $(step) --batch 1 --quantization int4 \
-        2>&1 | quiet | grep -v '^{"bench"'
-    done
-    for sk in 1 0; do
+    for sk in 0 1 0 1; do
       echo "== bf16 step, force_split_k=$sk (left $(left))"
       XLA_FLAGS=--xla_gpu_experimental_force_split_k=$sk JAX_PLATFORMS=cuda box 85 $(step) \
         --batch 1,32 --quantization none 2>&1 | quiet | grep -v '^{"bench"'
