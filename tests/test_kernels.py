@@ -677,6 +677,67 @@ def test_cpu_kernel_odd_head_dim_and_mixed_dtypes():
     np.testing.assert_allclose(out, ref, rtol=0, atol=tol(jnp.float32) * np.abs(ref).max())
 
 
+# Long sequences for the CPU kernel's key chunks (256 keys; a chunk doubles past 64 of them):
+# a decode over 5 chunks, a 3-token speculative check over 3, one just past a chunk boundary, a
+# 12-token prefill tile (not cut: more than 8 tokens).
+LONG = Shape(page_size=16, pages_per_seq=72, num_pages=200, num_tokens=32, max_seqs=4)
+LONG_LENS = ([1, 3, 1, 12], [1100, 600, 257, 700])
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernel runs on a CPU platform")
+@pytest.mark.parametrize(
+    "feature",
+    [
+        {},
+        dict(sliding_window=300),  # the window's first key inside a later chunk
+        dict(soft_cap=2.0, sinks=jnp.linspace(-1.0, 2.0, LONG.num_q_heads)),  # sinks: once
+    ],
+    ids=["plain", "window", "softcap_sinks"],
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cpu_kernel_key_chunks_match_reference(feature, dtype):
+    """Decodes over keys in several chunks, merged after the threads are done: the reference's
+    softmax over all keys, and every sequence's rows the same bits alone as in the batch (the cut
+    depends on the sequence, not on the batch or on how items are spread over threads)."""
+    args = make_batch(LONG, *LONG_LENS, seed=21, dtype=dtype)
+    assert_matches_reference("cpu", args, blocks=None, **feature)
+    kw = dict(sm_scale=0.125, **feature)
+    together = np.asarray(KERNELS["cpu"](*args, **kw), np.float32)
+    q, cache, lens, table, cu, _ = args
+    start = 0
+    for s, q_len in enumerate(LONG_LENS[0]):
+        # sequence s alone: its page-table row first, its tokens at the front
+        alone_q = jnp.zeros_like(q).at[:q_len].set(q[start : start + q_len])
+        alone = KERNELS["cpu"](
+            alone_q,
+            cache,
+            lens.at[0].set(lens[s]),
+            table.at[0].set(table[s]),
+            jnp.asarray([0] + [q_len] * LONG.max_seqs, jnp.int32),
+            jnp.asarray([1], jnp.int32),
+            **kw,
+        )
+        np.testing.assert_array_equal(
+            np.asarray(alone, np.float32)[:q_len], together[start : start + q_len]
+        )
+        start += q_len
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernel runs on a CPU platform")
+def test_cpu_kernel_chunks_grow_for_long_sequences():
+    """Past 64 chunks of 256 keys a sequence's chunk doubles (at most 64 a decode): 17,000 keys."""
+    shape = Shape(
+        num_q_heads=2,
+        num_kv_heads=1,
+        page_size=64,
+        pages_per_seq=272,
+        num_pages=280,
+        num_tokens=8,
+        max_seqs=2,
+    )
+    assert_matches_reference("cpu", make_batch(shape, [1, 2], [17000, 300], seed=5), blocks=None)
+
+
 def test_gpu_rejects_non_power_of_two_head_dim():
     shape = Shape(head_dim=48)
     with pytest.raises(ValueError, match="power-of-two head_dim"):

@@ -9,8 +9,11 @@
 // read, so unused (NaN) slots never enter; page ids outside [0, P) read as zeros like the
 // reference's gather with mode="fill". Padding tokens get zeros.
 //
-// Work: one item per (sequence, tile of up to kTileTokens query tokens), all KV heads (per head
-// when there are few items). Items are claimed
+// Work: one item per (sequence, tile of up to kTileTokens query tokens), all KV heads. A tile of
+// at most kChunkTokens tokens (a decode) whose keys span several chunks of kChunkKeys becomes one
+// item per chunk, each keeping its rows' running max, sum and unnormalized output; the caller
+// merges them once all items are done (one sequence decoding over a long context is then read by
+// every thread, not by one). With few items they are split by KV head too. Items are claimed
 // from an atomic counter by the calling thread and by helpers scheduled on XLA's intra-op thread
 // pool; the caller returns once every item is done (a helper that starts late finds none left).
 // Per item, keys go in blocks of kKeyBlock read in place from the cache (bf16 converted to f32
@@ -44,7 +47,12 @@ constexpr int kTileTokens = 16;
 constexpr int kKeyBlock = 64;
 // Below this many (query row x key) pairs one thread does the whole call: handing work to the pool
 // costs more than it saves.
-constexpr int64_t kParallelMinWork = 16384;
+constexpr int64_t kParallelMinWork = 2048;
+// An item whose keys span more than one chunk of this many (chunks aligned at multiples of it) is
+// cut into one item per chunk, merged by log-sum-exp after all are done: a sequence decoding alone
+// is then read by every thread, not one thread a KV head. The cut depends only on the sequence's
+// own lengths (not on the batch or the threads), so its results do too.
+constexpr int64_t kChunkKeys = 256;
 
 inline float Bf16ToF32(uint16_t x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -118,6 +126,7 @@ struct Problem {
   const int32_t* page_indices;
   const int32_t* cu_q_lens;
   const float* sinks;  // nullptr when the model has none
+  float* partials;      // chunked items' rows (Item::part)
   const int32_t* bounds;  // [T] each token's last visible key position; nullptr: its own position
   int64_t num_pages, page_size, num_kv_heads, group, head_dim, pages_per_seq;
   float sm_scale, soft_cap;  // soft_cap <= 0: none
@@ -126,6 +135,12 @@ struct Problem {
 
 struct Item {
   int32_t seq, h0, h1, t0, t1;  // tokens [t0, t1) of sequence `seq`, KV heads [h0, h1)
+  // Keys [k0, k1) only, and its rows' running max, sum and unnormalized output written to
+  // `partials + part` (m, l, then head_dim values a row) for the merge; part < 0: the whole key
+  // range, the output written directly. `first`: the chunk that holds the sinks' term.
+  int32_t k0 = 0, k1 = std::numeric_limits<int32_t>::max();
+  int64_t part = -1;
+  bool first = true;
 };
 
 #ifdef __AVX512F__
@@ -183,10 +198,48 @@ inline void AccumulatePV(float* acc, float alpha, const float* p, const float* c
 }
 #endif
 
+// The largest of s[lo..hi): a running max is a chain of dependent instructions (the compiler
+// keeps it scalar, NaN ordering being what it is), ~a quarter of a decode's attention time.
+inline float BlockMax(const float* s, int64_t lo, int64_t hi) {
+#ifdef __AVX512F__
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = lo;
+  for (; j + 16 <= hi; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+  if (j < hi) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (hi - j)) - 1);
+    m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, s + j));
+  }
+  return _mm512_reduce_max_ps(m);
+#else
+  float m[8];
+  for (float& x : m) x = -std::numeric_limits<float>::infinity();
+  int64_t j = lo;
+  for (; j + 8 <= hi; j += 8)
+    for (int i = 0; i < 8; ++i) m[i] = std::max(m[i], s[j + i]);
+  for (; j < hi; ++j) m[0] = std::max(m[0], s[j]);
+  for (int i = 1; i < 8; ++i) m[0] = std::max(m[0], m[i]);
+  return m[0];
+#endif
+}
+
 // Per-thread scratch, grown on demand.
 struct Scratch {
   std::vector<float> q, kv, s, acc, m, l, zeros;
 };
+
+// The keys [begin, end) some token of item `it` may see (window and causal / image bounds),
+// before any chunk cut.
+void KeyRange(const Problem& pb, const Item& it, int64_t* begin, int64_t* end) {
+  const int64_t q_len = pb.cu_q_lens[it.seq + 1] - pb.cu_q_lens[it.seq];
+  const int64_t kv_len = pb.kv_lens[it.seq];
+  const int64_t first_pos = kv_len - q_len + (it.t0 - pb.cu_q_lens[it.seq]);
+  int64_t last_pos = first_pos + (it.t1 - it.t0) - 1;
+  if (pb.bounds)  // an image token sees up to its image's end (never past the sequence)
+    for (int64_t t = it.t0; t < it.t1; ++t)
+      last_pos = std::max<int64_t>(last_pos, std::min<int64_t>(pb.bounds[t], kv_len - 1));
+  *begin = pb.window > 0 ? std::max<int64_t>(0, first_pos - pb.window + 1) : 0;
+  *end = last_pos + 1;  // causal: no token of the tile sees past its last bound
+}
 
 // kD > 0: head_dim known at compile time (the common sizes; loops over it unroll); 0: pb.head_dim.
 // Rows are (KV head, token, group member): row hh * rows_h + i * g + j is query head
@@ -222,17 +275,15 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
         const int64_t head = (it.h0 + hh) * g + j, r = hh * rows_h + i * g + j;
         const int64_t src = ((it.t0 + i) * hq + head) * d;
         for (int64_t x = 0; x < d; ++x) qs[r * d + x] = Load(q, src + x) * pb.sm_scale;
-        sc.m[r] = pb.sinks ? pb.sinks[head] : -std::numeric_limits<float>::infinity();
-        sc.l[r] = pb.sinks ? 1.0f : 0.0f;
+        const bool sink = pb.sinks && it.first;
+        sc.m[r] = sink ? pb.sinks[head] : -std::numeric_limits<float>::infinity();
+        sc.l[r] = sink ? 1.0f : 0.0f;
       }
 
-  int64_t last_pos = first_pos + ntok - 1;
-  if (pb.bounds)  // an image token sees up to its image's end (never past the sequence)
-    for (int64_t i = 0; i < ntok; ++i)
-      last_pos = std::max<int64_t>(last_pos, std::min<int64_t>(pb.bounds[it.t0 + i], kv_len - 1));
-  int64_t k_begin = 0;
-  if (pb.window > 0) k_begin = std::max<int64_t>(0, first_pos - pb.window + 1);
-  const int64_t k_end = last_pos + 1;  // causal: no token of the tile sees past its last bound
+  int64_t k_begin, k_end;
+  KeyRange(pb, it, &k_begin, &k_end);
+  k_begin = std::max<int64_t>(k_begin, it.k0);
+  k_end = std::min<int64_t>(k_end, it.k1);
   const int64_t page_row = static_cast<int64_t>(it.seq) * pb.pages_per_seq;
   const int64_t slot_stride = 2 * hkv * d;
 
@@ -302,8 +353,7 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
           const float inv = 1.0f / pb.soft_cap;
           for (int64_t j = lo; j < hi; ++j) s[j] = pb.soft_cap * std::tanh(s[j] * inv);
         }
-        float m_blk = -std::numeric_limits<float>::infinity();
-        for (int64_t j = lo; j < hi; ++j) m_blk = std::max(m_blk, s[j]);
+        const float m_blk = BlockMax(s, lo, hi);
         const float m_old = sc.m[r];
         const float m_new = std::max(m_old, m_blk);
         const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m_old - m_new);
@@ -335,6 +385,15 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
     }
   }
 
+  if (it.part >= 0) {  // a chunk: its rows' state for the merge
+    float* dst = pb.partials + it.part;
+    for (int64_t r = 0; r < rows; ++r, dst += d + 2) {
+      dst[0] = sc.m[r];
+      dst[1] = sc.l[r];
+      std::memcpy(dst + 2, acc + r * d, d * sizeof(float));
+    }
+    return;
+  }
   for (int64_t hh = 0; hh < nh; ++hh)
     for (int64_t i = 0; i < ntok; ++i)
       for (int64_t j = 0; j < g; ++j) {
@@ -364,9 +423,88 @@ void RunItems(const Problem& pb, const Item* items, int64_t n, std::atomic<int64
 struct Shared {
   Problem pb;
   std::vector<Item> items;
+  std::vector<float> partials;
+  std::vector<Item> merges;  // each cut item: the whole item, `part` its first chunk, k1 its count
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
+
+// Items of at most kChunkTokens tokens (decodes, speculative checks) whose keys span several
+// chunks become one item per chunk; the chunk is kChunkKeys, or larger for a long sequence so
+// that an item has at most kMaxChunks (both from the sequence's own lengths).
+constexpr int64_t kChunkTokens = 8;
+// Fewer items than this (after the cut) are split by KV head as well.
+constexpr int64_t kFewItems = 8;
+constexpr int64_t kMaxChunks = 64;
+
+void CutIntoChunks(Shared& sh) {
+  const Problem& pb = sh.pb;
+  std::vector<Item> out;
+  int64_t floats = 0;
+  for (const Item& it : sh.items) {
+    int64_t begin, end;
+    KeyRange(pb, it, &begin, &end);
+    int64_t chunk = kChunkKeys;
+    const int64_t kv_len = pb.kv_lens[it.seq];
+    while (kv_len > chunk * kMaxChunks) chunk *= 2;
+    const int64_t c0 = begin / chunk, c1 = end > begin ? (end - 1) / chunk + 1 : c0;
+    if (it.t1 - it.t0 > kChunkTokens || c1 - c0 < 2) {
+      out.push_back(it);
+      continue;
+    }
+    const int64_t rows = (it.h1 - it.h0) * (it.t1 - it.t0) * pb.group;
+    Item merge = it;
+    merge.part = floats;
+    merge.k1 = static_cast<int32_t>(c1 - c0);
+    sh.merges.push_back(merge);
+    for (int64_t c = c0; c < c1; ++c) {
+      Item part = it;
+      part.k0 = static_cast<int32_t>(c * chunk);
+      part.k1 = static_cast<int32_t>((c + 1) * chunk);
+      part.part = floats;
+      part.first = c == c0;
+      floats += rows * (pb.head_dim + 2);
+      out.push_back(part);
+    }
+  }
+  sh.items.swap(out);
+  sh.partials.resize(floats);
+  sh.pb.partials = sh.partials.data();
+}
+
+// Each cut item's output from its chunks' rows: the running maxima rescaled to the largest.
+template <typename QT>
+void Merge(const Shared& sh) {
+  const Problem& pb = sh.pb;
+  const int64_t d = pb.head_dim, g = pb.group, hq = pb.num_kv_heads * g;
+  QT* out = static_cast<QT*>(pb.out);
+  for (const Item& it : sh.merges) {
+    const int64_t ntok = it.t1 - it.t0, rows_h = ntok * g, rows = (it.h1 - it.h0) * rows_h;
+    const int64_t stride = rows * (d + 2);
+    const float* base = pb.partials + it.part;
+    std::vector<float> acc(d);
+    for (int64_t hh = 0; hh < it.h1 - it.h0; ++hh)
+      for (int64_t i = 0; i < ntok; ++i)
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t r = hh * rows_h + i * g + j;
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t c = 0; c < it.k1; ++c) m = std::max(m, base[c * stride + r * (d + 2)]);
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          float l = 0.0f;
+          if (m != -std::numeric_limits<float>::infinity())
+            for (int64_t c = 0; c < it.k1; ++c) {
+              const float* row = base + c * stride + r * (d + 2);
+              if (row[0] == -std::numeric_limits<float>::infinity()) continue;
+              const float w = std::exp(row[0] - m);
+              l += w * row[1];
+              for (int64_t x = 0; x < d; ++x) acc[x] += w * row[2 + x];
+            }
+          const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+          const int64_t dst = ((it.t0 + i) * hq + (it.h0 + hh) * g + j) * d;
+          for (int64_t x = 0; x < d; ++x) Store(out, dst + x, acc[x] * inv);
+        }
+  }
+}
 
 template <typename QT, typename CT>
 void Run(ffi::ThreadPool& pool, std::shared_ptr<Shared> sh, int64_t work) {
@@ -377,6 +515,7 @@ void Run(ffi::ThreadPool& pool, std::shared_ptr<Shared> sh, int64_t work) {
     pool.Schedule([sh, n] { RunItems<QT, CT>(sh->pb, sh->items.data(), n, sh->next, sh->done); });
   RunItems<QT, CT>(sh->pb, sh->items.data(), n, sh->next, sh->done);
   while (sh->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  Merge<QT>(*sh);
 }
 
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer cache,
@@ -442,12 +581,20 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
       work += keys * (t1 - t0) * hq;
     }
   }
+  CutIntoChunks(*sh);
   // An item covers every KV head (each slot's heads are contiguous in the cache); with too few
   // items to keep the pool busy (one sequence decoding), split them by head instead.
-  if (static_cast<int64_t>(sh->items.size()) < 4 && pb.num_kv_heads > 1) {
+  if (static_cast<int64_t>(sh->items.size()) < kFewItems && pb.num_kv_heads > 1) {
     std::vector<Item> split;
     for (const Item& it : sh->items)
-      for (int32_t h = 0; h < pb.num_kv_heads; ++h) split.push_back({it.seq, h, h + 1, it.t0, it.t1});
+      for (int32_t h = 0; h < pb.num_kv_heads; ++h) {
+        Item one = it;
+        one.h0 = h;
+        one.h1 = h + 1;
+        // A chunk's rows are head-major: this head's come after the earlier heads' rows.
+        if (it.part >= 0) one.part += h * (it.t1 - it.t0) * pb.group * (pb.head_dim + 2);
+        split.push_back(one);
+      }
     sh->items.swap(split);
   }
   // Padding tokens (after the last live sequence's tokens) produce zeros.
