@@ -47,12 +47,17 @@ constexpr int kTileTokens = 16;
 constexpr int kKeyBlock = 64;
 // Below this many (query row x key) pairs one thread does the whole call: handing work to the pool
 // costs more than it saves.
-constexpr int64_t kParallelMinWork = 2048;
-// An item whose keys span more than one chunk of this many (chunks aligned at multiples of it) is
-// cut into one item per chunk, merged by log-sum-exp after all are done: a sequence decoding alone
-// is then read by every thread, not one thread a KV head. The cut depends only on the sequence's
-// own lengths (not on the batch or the threads), so its results do too.
+constexpr int64_t kParallelMinWork = 8192;
+// An item of at most kChunkTokens tokens (decodes, speculative checks) whose keys span more than
+// one chunk of kChunkKeys (chunks aligned at multiples of it; doubled until a sequence has at most
+// kMaxChunks) is cut into one item per chunk, merged by log-sum-exp after all are done: a sequence
+// decoding alone is then read by every thread, not one thread a KV head. The cut depends only on
+// the sequence's own lengths (not on the batch or the threads), so its results do too.
+constexpr int64_t kChunkTokens = 8;
 constexpr int64_t kChunkKeys = 256;
+constexpr int64_t kMaxChunks = 64;
+// Fewer items than this (after the cut) are split by KV head as well.
+constexpr int64_t kFewItems = 8;
 
 inline float Bf16ToF32(uint16_t x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -420,23 +425,23 @@ void RunItems(const Problem& pb, const Item* items, int64_t n, std::atomic<int64
 }
 
 // Shared with helpers, which may start after the call returned: they then only touch `next`.
+// An item cut into `chunks` chunk items: `whole.part` is the first chunk's rows in `partials`, the
+// others follow it.
+struct Cut {
+  Item whole;
+  int64_t chunks;
+};
+
 struct Shared {
   Problem pb;
   std::vector<Item> items;
   std::vector<float> partials;
-  std::vector<Item> merges;  // each cut item: the whole item, `part` its first chunk, k1 its count
+  std::vector<Cut> cuts;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
 
-// Items of at most kChunkTokens tokens (decodes, speculative checks) whose keys span several
-// chunks become one item per chunk; the chunk is kChunkKeys, or larger for a long sequence so
-// that an item has at most kMaxChunks (both from the sequence's own lengths).
-constexpr int64_t kChunkTokens = 8;
-// Fewer items than this (after the cut) are split by KV head as well.
-constexpr int64_t kFewItems = 8;
-constexpr int64_t kMaxChunks = 64;
-
+// The cut of kChunkKeys above: each chunk item's rows get room in `partials`.
 void CutIntoChunks(Shared& sh) {
   const Problem& pb = sh.pb;
   std::vector<Item> out;
@@ -453,10 +458,9 @@ void CutIntoChunks(Shared& sh) {
       continue;
     }
     const int64_t rows = (it.h1 - it.h0) * (it.t1 - it.t0) * pb.group;
-    Item merge = it;
-    merge.part = floats;
-    merge.k1 = static_cast<int32_t>(c1 - c0);
-    sh.merges.push_back(merge);
+    Cut cut{it, c1 - c0};
+    cut.whole.part = floats;
+    sh.cuts.push_back(cut);
     for (int64_t c = c0; c < c1; ++c) {
       Item part = it;
       part.k0 = static_cast<int32_t>(c * chunk);
@@ -478,7 +482,8 @@ void Merge(const Shared& sh) {
   const Problem& pb = sh.pb;
   const int64_t d = pb.head_dim, g = pb.group, hq = pb.num_kv_heads * g;
   QT* out = static_cast<QT*>(pb.out);
-  for (const Item& it : sh.merges) {
+  for (const Cut& cut : sh.cuts) {
+    const Item& it = cut.whole;
     const int64_t ntok = it.t1 - it.t0, rows_h = ntok * g, rows = (it.h1 - it.h0) * rows_h;
     const int64_t stride = rows * (d + 2);
     const float* base = pb.partials + it.part;
@@ -488,11 +493,11 @@ void Merge(const Shared& sh) {
         for (int64_t j = 0; j < g; ++j) {
           const int64_t r = hh * rows_h + i * g + j;
           float m = -std::numeric_limits<float>::infinity();
-          for (int64_t c = 0; c < it.k1; ++c) m = std::max(m, base[c * stride + r * (d + 2)]);
+          for (int64_t c = 0; c < cut.chunks; ++c) m = std::max(m, base[c * stride + r * (d + 2)]);
           std::fill(acc.begin(), acc.end(), 0.0f);
           float l = 0.0f;
           if (m != -std::numeric_limits<float>::infinity())
-            for (int64_t c = 0; c < it.k1; ++c) {
+            for (int64_t c = 0; c < cut.chunks; ++c) {
               const float* row = base + c * stride + r * (d + 2);
               if (row[0] == -std::numeric_limits<float>::infinity()) continue;
               const float w = std::exp(row[0] - m);
