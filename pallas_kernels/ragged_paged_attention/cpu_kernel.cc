@@ -246,6 +246,18 @@ void KeyRange(const Problem& pb, const Item& it, int64_t* begin, int64_t* end) {
   *end = last_pos + 1;  // causal: no token of the tile sees past its last bound
 }
 
+// Row r of item `it` (rows ordered as in RunItem below) divided by its softmax sum `l` into the
+// output; a row that saw no key (l = 0) gets zeros.
+template <typename QT>
+void StoreRow(const Problem& pb, const Item& it, int64_t r, const float* acc, float l) {
+  const int64_t d = pb.head_dim, g = pb.group, rows_h = (it.t1 - it.t0) * g;
+  const int64_t hh = r / rows_h, i = r % rows_h / g, j = r % g;
+  const int64_t dst = ((it.t0 + i) * pb.num_kv_heads * g + (it.h0 + hh) * g + j) * d;
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  QT* out = static_cast<QT*>(pb.out);
+  for (int64_t x = 0; x < d; ++x) Store(out, dst + x, acc[x] * inv);
+}
+
 // kD > 0: head_dim known at compile time (the common sizes; loops over it unroll); 0: pb.head_dim.
 // Rows are (KV head, token, group member): row hh * rows_h + i * g + j is query head
 // (h0 + hh) * g + j of token t0 + i.
@@ -260,7 +272,6 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
   const int64_t hq = hkv * g;
   const QT* q = static_cast<const QT*>(pb.q);
   const CT* cache = static_cast<const CT*>(pb.cache);
-  QT* out = static_cast<QT*>(pb.out);
 
   sc.q.resize(rows * d);
   sc.s.resize(rows_h * kKeyBlock);
@@ -399,14 +410,7 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
     }
     return;
   }
-  for (int64_t hh = 0; hh < nh; ++hh)
-    for (int64_t i = 0; i < ntok; ++i)
-      for (int64_t j = 0; j < g; ++j) {
-        const int64_t r = hh * rows_h + i * g + j;
-        const float inv = sc.l[r] > 0.0f ? 1.0f / sc.l[r] : 0.0f;
-        const int64_t dst = ((it.t0 + i) * hq + (it.h0 + hh) * g + j) * d;
-        for (int64_t x = 0; x < d; ++x) Store(out, dst + x, acc[r * d + x] * inv);
-      }
+  for (int64_t r = 0; r < rows; ++r) StoreRow<QT>(pb, it, r, acc + r * d, sc.l[r]);
 }
 
 template <typename QT, typename CT>
@@ -424,7 +428,6 @@ void RunItems(const Problem& pb, const Item* items, int64_t n, std::atomic<int64
   }
 }
 
-// Shared with helpers, which may start after the call returned: they then only touch `next`.
 // An item cut into `chunks` chunk items: `whole.part` is the first chunk's rows in `partials`, the
 // others follow it.
 struct Cut {
@@ -432,6 +435,7 @@ struct Cut {
   int64_t chunks;
 };
 
+// Shared with helpers, which may start after the call returned: they then only touch `next`.
 struct Shared {
   Problem pb;
   std::vector<Item> items;
@@ -480,34 +484,27 @@ void CutIntoChunks(Shared& sh) {
 template <typename QT>
 void Merge(const Shared& sh) {
   const Problem& pb = sh.pb;
-  const int64_t d = pb.head_dim, g = pb.group, hq = pb.num_kv_heads * g;
-  QT* out = static_cast<QT*>(pb.out);
+  const int64_t d = pb.head_dim;
+  std::vector<float> acc(d);
   for (const Cut& cut : sh.cuts) {
     const Item& it = cut.whole;
-    const int64_t ntok = it.t1 - it.t0, rows_h = ntok * g, rows = (it.h1 - it.h0) * rows_h;
-    const int64_t stride = rows * (d + 2);
+    const int64_t rows = (it.h1 - it.h0) * (it.t1 - it.t0) * pb.group, stride = rows * (d + 2);
     const float* base = pb.partials + it.part;
-    std::vector<float> acc(d);
-    for (int64_t hh = 0; hh < it.h1 - it.h0; ++hh)
-      for (int64_t i = 0; i < ntok; ++i)
-        for (int64_t j = 0; j < g; ++j) {
-          const int64_t r = hh * rows_h + i * g + j;
-          float m = -std::numeric_limits<float>::infinity();
-          for (int64_t c = 0; c < cut.chunks; ++c) m = std::max(m, base[c * stride + r * (d + 2)]);
-          std::fill(acc.begin(), acc.end(), 0.0f);
-          float l = 0.0f;
-          if (m != -std::numeric_limits<float>::infinity())
-            for (int64_t c = 0; c < cut.chunks; ++c) {
-              const float* row = base + c * stride + r * (d + 2);
-              if (row[0] == -std::numeric_limits<float>::infinity()) continue;
-              const float w = std::exp(row[0] - m);
-              l += w * row[1];
-              for (int64_t x = 0; x < d; ++x) acc[x] += w * row[2 + x];
-            }
-          const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-          const int64_t dst = ((it.t0 + i) * hq + (it.h0 + hh) * g + j) * d;
-          for (int64_t x = 0; x < d; ++x) Store(out, dst + x, acc[x] * inv);
+    for (int64_t r = 0; r < rows; ++r) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < cut.chunks; ++c) m = std::max(m, base[c * stride + r * (d + 2)]);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      float l = 0.0f;
+      if (m != -std::numeric_limits<float>::infinity())
+        for (int64_t c = 0; c < cut.chunks; ++c) {
+          const float* row = base + c * stride + r * (d + 2);
+          if (row[0] == -std::numeric_limits<float>::infinity()) continue;
+          const float w = std::exp(row[0] - m);
+          l += w * row[1];
+          for (int64_t x = 0; x < d; ++x) acc[x] += w * row[2 + x];
         }
+      StoreRow<QT>(pb, it, r, acc.data(), l);
+    }
   }
 }
 
