@@ -10,7 +10,7 @@ GPTQ ones into int8, never through float32.
    `X.weight`; `quantized(name, fmt, groups)` returns that weight as (codes uint4[out, in], scale
    f16[out, G], offset f16[out, G]) in HF's [out, in] layout, 8-bit as (codes int8[out, in] =
    code - zero, scale f32[out, G]: exact, refused by name where a zero point leaves a code
-   outside int8's range) (`None` for every other tensor,
+   outside int8's range); act-order ones as `Permuted(those parts, perm)` (`None` for every other tensor,
    which `tensor` reads as stored); `tensor(name)` of a packed weight refuses (it would mean a
    float copy).
 3. Layouts (K = in_features, N = out_features, g = group_size, value = (code - zero) * scale;
@@ -22,9 +22,12 @@ GPTQ ones into int8, never through float32.
      b (k % f) .. of qweight[k // f, n]; qzeros i32[K / g, N / f], column n's zero in bits
      b (n % f) .. of qzeros[., n // f], stored
      minus one by checkpoint_format "gptq" (v1), as is by "gptq_v2"; scales f16[K / g, N]; g_idx
-     i32[K], each input row's group: with desc_act (act-order) rows of one group need not be
-     consecutive, which our contiguous groups can hold only when g_idx is k // g anyway (checked;
-     any other g_idx is refused by name).
+     i32[K], each input row's group: k // g, except under desc_act (act-order), where the rows of
+     a group are wherever GPTQ's column order put them. Those load with the rows sorted by group
+     (a stable argsort of g_idx: then consecutive groups of g rows, checked) and the permutation
+     returned beside the parts (`quantize.Permuted`; the format gains "-act", the weight a
+     `QArray.perm` through which the model gathers x). g_idx not k // g without desc_act, or
+     groups of other than g rows, are refused by name.
    - AWQ (GEMM): qweight i32[K, N / 8] and qzeros i32[K / g, N / 8]: 8 columns per int32, column
      8 j + AWQ_ORDER[i] in bits 4 i of word j; scales f16[K / g, N].
 """
@@ -50,6 +53,7 @@ class PackedScheme:
     group_size: int  # input channels per scale group (-1 in the config: all K)
     zero_offset: int  # added to the stored zeros (GPTQ v1: 1)
     bits: int = 4  # 4 (int4) or 8 (GPTQ only: int8)
+    act_order: bool = False  # GPTQ desc_act: input rows in groups by g_idx, loaded permuted
 
     @property
     def fmt(self) -> str:
@@ -89,7 +93,8 @@ def packed_scheme(config: dict[str, Any]) -> PackedScheme | None:
         raise CheckpointError(
             f"quantization_config.checkpoint_format={fmt!r} (gptq): only 'gptq' and 'gptq_v2'"
         )
-    return PackedScheme("gptq", group, 1 if fmt == "gptq" else 0, bits)
+    act = bool(qc.get("desc_act", False))
+    return PackedScheme("gptq", group, 1 if fmt == "gptq" else 0, bits, act)
 
 
 def _fields(words: np.ndarray, axis: int, bits: int = 4) -> np.ndarray:
@@ -141,7 +146,7 @@ class PackedView:
             raise CheckpointError(
                 f"{name!r}: a packed {self.scheme.method} weight loads as {self.scheme.fmt}"
             )
-        codes, scale, zero = self._unpack(base)  # [K, N], f32[G, N], f32[G, N]
+        codes, scale, zero, perm = self._unpack(base)  # [K, N], f32[G, N], f32[G, N], i32[K]
         if scale.shape[0] != groups:
             raise CheckpointError(
                 f"{name!r}: {scale.shape[0]} scale groups in the checkpoint, {groups} expected"
@@ -154,17 +159,26 @@ class PackedView:
                     f"{name!r}: 8-bit {self.scheme.method} zero points leave codes outside int8 "
                     f"({int(ints.min())}..{int(ints.max())}); only symmetric (zero 128) ones load"
                 )
-            return ints.astype(np.int8).T, scale.T
+            return self._with_perm((ints.astype(np.int8).T, scale.T), perm)
         f16 = qlib.SCALE_DTYPE["int4"]
-        return (
+        parts = (
             codes.astype(qlib.STORAGE["int4"]).T,
             scale.astype(f16).T,
             (-zero * scale).astype(f16).T,
         )
+        return self._with_perm(parts, perm)
 
-    def _unpack(self, base: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _with_perm(self, parts: tuple, perm: np.ndarray | None) -> Any:
+        """`parts` as they are, or with act-order their input rows' permutation (`Permuted`)."""
+        if not self.scheme.act_order:
+            return parts
+        k = parts[0].shape[1]
+        return qlib.Permuted(parts, np.arange(k, dtype=np.int32) if perm is None else perm)
+
+    def _unpack(self, base: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         get = self.ckpt.tensor
         scale = np.asarray(get(base + ".scales"), np.float32)  # [G, N]
+        perm = None
         if self.scheme.method == "awq":
             order = np.argsort(AWQ_ORDER)  # column c sits in slot order[c]
 
@@ -176,17 +190,32 @@ class PackedView:
         else:
             codes = _fields(get(base + ".qweight"), 0, self.scheme.bits)  # [K, N]
             zeros = _fields(get(base + ".qzeros"), 1, self.scheme.bits)  # [G, N]
-            k = codes.shape[0]
-            size = k // scale.shape[0]
             if base + ".g_idx" in self.ckpt:
-                g_idx = np.asarray(get(base + ".g_idx"))
-                if not np.array_equal(g_idx, np.arange(k) // size):
-                    raise CheckpointError(
-                        f"{base}.g_idx: act-order groups (desc_act=True) whose rows are not "
-                        f"consecutive groups of {size} are not supported yet"
-                    )
+                perm = self._act_order(base, np.asarray(get(base + ".g_idx")), scale.shape[0])
+                codes = codes if perm is None else codes[perm]
         zero = zeros[:, : scale.shape[1]].astype(np.float32) + np.float32(self.scheme.zero_offset)
-        return codes, scale, zero
+        return codes, scale, zero, perm
+
+    def _act_order(self, base: str, g_idx: np.ndarray, groups: int) -> np.ndarray | None:
+        """The permutation that sorts a GPTQ weight's input rows into consecutive groups by its
+        `g_idx` (None: they are already); refused by name when `desc_act` is false or a group
+        does not hold exactly K / G rows."""
+        k = g_idx.shape[0]
+        size = k // groups
+        if np.array_equal(g_idx, np.arange(k) // size):
+            return None
+        if not self.scheme.act_order:
+            raise CheckpointError(
+                f"{base}.g_idx: groups that are not consecutive rows, but the config's "
+                "quantization_config.desc_act is false"
+            )
+        perm = np.argsort(g_idx, kind="stable").astype(np.int32)
+        if not np.array_equal(g_idx[perm], np.arange(k) // size):
+            raise CheckpointError(
+                f"{base}.g_idx: act-order groups of other than {size} rows each (desc_act=True "
+                "loads groups of group_size rows, permuted)"
+            )
+        return perm
 
     def close(self) -> None:
         self.ckpt.close()

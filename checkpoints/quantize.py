@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -74,24 +74,44 @@ ROW_CHUNK = 256
 
 
 def parse_format(fmt: str) -> tuple[str, int | None, bool]:
-    """(base format, input channels per group, symmetric) of a format name such as "int4-g32"."""
+    """(base format, input channels per group, symmetric) of a format name such as "int4-g32".
+    "-act" (int8 / int4, `act_order`) is accepted here and read by `act_order`."""
     base, *opts = fmt.split("-")
     if base not in FORMATS:
         raise ValueError(fmt)
-    size, symmetric = GROUP_SIZE[base], base != "int4"
+    size, symmetric, act = GROUP_SIZE[base], base != "int4", False
     for opt in opts:
         if opt == "sym" and base == "int4" and not symmetric:
             symmetric = True
         elif opt[:1] == "g" and opt[1:].isdigit() and int(opt[1:]) in GROUP_CHOICES and size:
             size = int(opt[1:])
+        elif opt == "act" and size and not act:
+            act = True
         else:
             raise ValueError(fmt)
     return base, size, symmetric
 
 
-def format_name(base: str, size: int | None) -> str:
-    """The name `parse_format` reads back as (base, size)."""
-    return base if size == GROUP_SIZE[base] else f"{base}-g{size}"
+def act_order(fmt: str | None) -> bool:
+    """Whether format `fmt` names act-order weights ("-act": GPTQ's `desc_act`): each linear weight
+    stores its input rows sorted by scale group, with the permutation it reads x through
+    (`jaxinfer.quantization.QArray.perm`). A checkpoint's own layout only: nothing quantizes to it."""
+    return fmt is not None and "act" in fmt.split("-")[1:]
+
+
+class Permuted(NamedTuple):
+    """A source's quantized weight in act-order (`act_order`): `parts` (data [out, in], scale
+    [out, G][, offset]) with the input rows sorted by group, and `perm` i32[in], the input channel
+    of each stored row."""
+
+    parts: tuple
+    perm: np.ndarray
+
+
+def format_name(base: str, size: int | None, act: bool = False) -> str:
+    """The name `parse_format` and `act_order` read back as (base, size) and `act`."""
+    name = base if size == GROUP_SIZE[base] else f"{base}-g{size}"
+    return name + "-act" if act else name
 
 
 def check_format(fmt: str | None, field: str = "quantization") -> str | None:
@@ -105,7 +125,8 @@ def check_format(fmt: str | None, field: str = "quantization") -> str | None:
     except (ValueError, AttributeError):
         raise ValueError(
             f"{field}={fmt!r} is not supported; choose one of {FORMATS} (or None); int8 and int4 "
-            f"take a group size suffix -g<n> (n in {GROUP_CHOICES}), int4 also -sym"
+            f"take a group size suffix -g<n> (n in {GROUP_CHOICES}), int4 also -sym (-act names "
+            "an act-order GPTQ checkpoint's own layout)"
         ) from None
 
 

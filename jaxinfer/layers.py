@@ -246,8 +246,16 @@ def dense(
     most `gpu_linear.MAX_ROWS` rows run the Pallas dequantizing matmul (the weight read in its
     stored bits: no converted copy in HBM); anything else is XLA's dot (same contraction as
     `einsum("te,e...->t...")`). On a TPU target, fewer than `TPU_MIN_ROWS` rows times a quantized
-    weight run padded to that many (see `_tpu_pad`).
+    weight run padded to that many (see `_tpu_pad`). An act-order weight (`QArray.perm`, GPTQ's
+    desc_act) takes x's channels through its permutation first, one product per such weight.
     """
+    if any(isinstance(w, QArray) and w.perm is not None for w in weights):
+        return tuple(
+            dense(x, w, backend=backend)[0]
+            if not isinstance(w, QArray) or w.perm is None
+            else dense(jnp.take(x, w.perm, axis=-1), w.replace(perm=None), backend=backend)[0]
+            for w in weights
+        )
     pad = _tpu_pad(x, weights)
     if pad:
         ys = dense(jnp.pad(x, ((0, pad), (0, 0))), *weights, backend=backend)

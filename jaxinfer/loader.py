@@ -175,7 +175,7 @@ def _packed_quantization(path: str, scheme: PackedScheme, asked: str | None) -> 
             f"{path!r}: {scheme.method} group_size={scheme.group_size} is not supported "
             f"(supported: {qlib.GROUP_CHOICES})"
         )
-    fmt = qlib.format_name(scheme.fmt, scheme.group_size)
+    fmt = qlib.format_name(scheme.fmt, scheme.group_size, scheme.act_order)
     if asked not in (None, scheme.fmt, fmt) and qlib.CHECKPOINT_METHODS.get(asked) != scheme.method:
         raise CheckpointError(
             f"{path!r} is a {scheme.method} checkpoint ({scheme.bits}-bit, groups of "
@@ -202,6 +202,16 @@ def _packed_or_asked(
             f"(its own weights) or a format to quantize to {qlib.FORMATS}"
         )
     return None, asked
+
+
+def _check_act_order(path: str, fmt: str | None, own: bool) -> None:
+    """An "-act" format names an act-order GPTQ checkpoint's own layout (`own`: the source is one,
+    or an orbax copy saved so); asked for anything else it is refused by name."""
+    if qlib.act_order(fmt) and not own:
+        raise CheckpointError(
+            f"quantization={fmt!r}: -act is the layout of an act-order GPTQ checkpoint "
+            f"(quantization_config.desc_act=True), which {path!r} is not; drop -act"
+        )
 
 
 def _gguf_format(path: str, kind: str, handle: Any, asked: str | None) -> str | None:
@@ -251,7 +261,8 @@ def load_dummy(
     qlib.check_requested(quantization)
     dtype = _resolve_dtype(dtype)
     hf_config, tokenizer = dummy_source(path, skip_tokenizer_init)
-    quantization = _packed_or_asked(path, hf_config, quantization)[1]
+    scheme, quantization = _packed_or_asked(path, hf_config, quantization)
+    _check_act_order(path, quantization, scheme is not None)
     # a GGUF file's random weights in the groups its own would get
     kind, handle = open_source(path) if os.path.isfile(path) else ("hf", None)
     quantization = _gguf_format(path, kind, handle, quantization)
@@ -310,6 +321,7 @@ def load_from_source(
             f"quantization={quantization!r} (convert the float source instead)"
         )
     quantization = quantization or saved
+    _check_act_order(path, quantization, scheme is not None or saved == quantization)
     if scheme is not None:
         handle = PackedView(handle, scheme)
     quantization = _gguf_format(path, kind, handle, quantization)

@@ -30,7 +30,9 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: Any
     logical_axes: tuple[str | None, ...]
-    init: str = "normal"  # "normal" (std = scale) | "ones" | "zeros" | "constant" (= scale)
+    # "normal" (std = scale) | "ones" | "zeros" | "constant" (= scale) | "iota" (0, 1, ... of a 1-D
+    # integer leaf: an act-order weight's identity permutation)
+    init: str = "normal"
     scale: float = 0.02
     # The contraction axis of a weight that `quantization=` may store quantized (one scale per
     # output channel, see `jaxinfer.quantization`); None for weights kept in the model dtype.
@@ -81,6 +83,8 @@ def _init_leaf(s: ParamSpec, key: jax.Array) -> jax.Array:
         return jnp.zeros(s.shape, s.dtype)
     if s.init == "constant":
         return jnp.full(s.shape, s.scale, s.dtype)
+    if s.init == "iota":
+        return jnp.arange(s.shape[0], dtype=s.dtype)
     x = s.scale * jax.random.normal(key, s.shape, jnp.float32)
     if jnp.issubdtype(s.dtype, jnp.integer):  # quantized data: the int8 grid, int4 codes 0..15
         info = jnp.iinfo(s.dtype)

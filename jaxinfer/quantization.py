@@ -13,8 +13,10 @@ specs (format names and their options: `checkpoints.quantize`).
    from the specs (abstract tree, shardings, shard_map specs, orbax restore targets, random init)
    follows: the scale is sharded like the weight (a G = 1 axis replicated). "int4" adds `offset`
    (f16 like its scales, the scale's shape and axes; value = code * scale + offset) to the linear
-   weights, whose
-   `data` is `uint4` (XLA packs it two per byte on CPU, GPU and TPU: measured, `jnp.int4` /
+   weights. "-act" formats (an act-order GPTQ checkpoint's own layout, `qlib.act_order`) add
+   `perm` (i32[K], laid out like the input channels) to each linear weight: its rows are stored
+   sorted by scale group, row i reading x's channel perm[i]. int4's linear weights' `data` is
+   `uint4` (XLA packs it two per byte on CPU, GPU and TPU: measured, `jnp.int4` /
    `uint4` arrays take K * N / 2 bytes on XLA:CPU, and its dequantizing dot ran 1.6x faster than
    unpacking uint8 pairs by hand); the embedding (contracted over its last axis) is int8 there. Norms, biases and the
    MoE router (`quant_axis=None`) stay in the model dtype.
@@ -61,12 +63,17 @@ STORAGE = {fmt: jnp.dtype(dt) for fmt, dt in qlib.STORAGE.items()}
 class QArray:
     """A weight stored quantized: `data` (the weight's shape) times `scale` (the weight's shape with
     its contraction axis cut to G groups), each group's scale broadcast over its input channels,
-    plus `offset` (int4: same shape as the scale; None otherwise). `tiled` (static): int4 codes
-    whose [K, N] view holds its elements in the CPU kernel's tile order (`tile_for_cpu`)."""
+    plus `offset` (int4: same shape as the scale; None otherwise); `perm` (act-order: the input
+    channel of each stored row). `tiled` (static): int4 codes whose [K, N] view holds its elements
+    in the CPU kernel's tile order (`tile_for_cpu`)."""
 
     data: Any  # i8 | f8e4m3fn | u4[weight shape]; as a spec it keeps the weight's quant_axis
     scale: Any  # f32 | f16 (int4)[weight shape with the contraction axis of size G]
     offset: Any = None  # f16[like scale] for uint4 codes, else None
+    # i32[K]: act-order weights ("-act" formats, GPTQ's desc_act) store their input rows sorted by
+    # scale group; stored row i multiplies x's channel perm[i] (`jaxinfer.layers.dense` gathers x
+    # through it). None otherwise.
+    perm: Any = None
     tiled: bool = struct.field(pytree_node=False, default=False)
 
     @property
@@ -121,11 +128,19 @@ def quantized_spec(spec: ParamSpec, fmt: str) -> QArray:
     )
     scale_dtype = jnp.dtype(qlib.SCALE_DTYPE[qlib.base_format(fmt)])
     scale = ParamSpec(shape, scale_dtype, axes, "constant", spec.scale / data_std)
+    perm = None
+    linear = a == 0 and "vocab" not in spec.logical_axes
+    if qlib.act_order(fmt) and base == qlib.base_format(fmt) and linear and groups > 1:
+        # NOTE: laid out like the input channels it permutes (a linear weight's axis 0)
+        perm = ParamSpec((spec.shape[0],), jnp.int32, (spec.logical_axes[0],), "iota")
     if base != "int4":
-        return QArray(data=data, scale=scale)
+        return QArray(data=data, scale=scale, perm=perm)
     mid = -qlib.INT4_MID * spec.scale / data_std
     return QArray(
-        data=data, scale=scale, offset=ParamSpec(shape, scale_dtype, axes, "constant", mid)
+        data=data,
+        scale=scale,
+        offset=ParamSpec(shape, scale_dtype, axes, "constant", mid),
+        perm=perm,
     )
 
 
@@ -152,11 +167,14 @@ def quantization_of(params: Any) -> str | None:
     int8 name their group size when it is not the default (see `group_size_of`)."""
     leaves = [q for q in jax.tree.leaves(params, is_leaf=is_quantized) if is_quantized(q)]
     found = {jnp.dtype(q.data.dtype) for q in leaves}
+    act = any(q.perm is not None for q in leaves)
     if STORAGE["int4"] in found and found <= {STORAGE["int4"], STORAGE["int8"]}:
-        return qlib.format_name("int4", group_size_of(leaves, "int4"))
+        return qlib.format_name("int4", group_size_of(leaves, "int4"), act)
     for fmt, dtype in STORAGE.items():
         if found == {dtype}:
-            return qlib.format_name(fmt, group_size_of(leaves, fmt)) if fmt == "int8" else fmt
+            if fmt == "int8":
+                return qlib.format_name(fmt, group_size_of(leaves, fmt), act)
+            return fmt
     if found:
         raise ValueError(f"params mix quantized formats {sorted(map(str, found))}")
     return None
@@ -186,6 +204,16 @@ def check_group_splits(specs: Any, mesh: jax.sharding.Mesh, rules: dict | None =
     for path, q in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_quantized)[0]:
         if not is_quantized(q):
             continue
+        if q.perm is not None:
+            axes = shd.logical_to_spec(q.perm.logical_axes, rules)[0]
+            names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            if math.prod(sizes.get(a, 1) for a in names) > 1:
+                raise ValueError(
+                    f"quantization: act-order weight {jax.tree_util.keystr(path)} has its input "
+                    f"channels split over mesh axes {names}: its permutation of them mixes the "
+                    "shards (GPTQ desc_act); serve it on a mesh that does not split them (one "
+                    "device, or data / pipeline axes), or use a checkpoint without act-order"
+                )
         for n, axes in zip(q.scale.shape, shd.logical_to_spec(q.scale.logical_axes, rules)):
             names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
             shards = math.prod(sizes.get(a, 1) for a in names)
@@ -204,6 +232,11 @@ def quantize_params(params: Any, specs: Any, fmt: str | None) -> Any:
     check_quantization(fmt)
     if fmt is None:
         return params
+    if qlib.act_order(fmt):
+        raise ValueError(
+            f"quantization={fmt!r}: -act is an act-order GPTQ checkpoint's own layout; float "
+            "weights quantize without it"
+        )
     target = quantize_specs(specs, fmt)
 
     def one(spec: ParamSpec, w: Any) -> Any:
@@ -247,9 +280,12 @@ _quantize_jit = jax.jit(_quantize_impl, static_argnames=("fmt", "axis", "groups"
 
 
 def dequantize(q: QArray, axis: int, dtype: Any = jnp.float32) -> jax.Array:
-    """`data * scale (+ offset)` as `dtype` (tests and the reference paths; the model never
-    calls it)."""
-    return qlib.dequantize(codes(q), q.scale, axis, xp=jnp, offset=q.offset).astype(dtype)
+    """`data * scale (+ offset)` as `dtype`, act-order rows put back in input-channel order (tests
+    and the reference paths; the model never calls it)."""
+    w = qlib.dequantize(codes(q), q.scale, axis, xp=jnp, offset=q.offset).astype(dtype)
+    if q.perm is None:
+        return w
+    return jnp.take(w, jnp.argsort(q.perm), axis=axis)
 
 
 def codes(q: QArray) -> Any:

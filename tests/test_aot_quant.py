@@ -25,14 +25,17 @@ LLAMA_8B = "scripts/configs/llama-3-8b/config.json"
 BUDGET = dict(tokens=(1,), max_num_seqs=4, max_model_len=256, num_pages=32, page_size=16)
 
 
-def test_h100_int4_step_reads_the_codes_in_place():
+@pytest.mark.parametrize("fmt", ["int4", "int4-act"])
+def test_h100_int4_step_reads_the_codes_in_place(fmt):
+    """int4, and a GPTQ act-order checkpoint's layout ("-act": x gathered through each weight's
+    permutation before its product, an XLA fusion beside the same Pallas calls)."""
     reason = aot.available("gpu")
     if reason is not None:
         pytest.skip(f"no deviceless gpu compiler: {reason}")
     with open(LLAMA_8B) as f:
         cfg = {**json.load(f), "num_hidden_layers": 2, "vocab_size": 1024}
     (step,) = aot.compile_step(
-        cfg, "h100", quantization="int4", attention_backend="auto", linear_backend="auto", **BUDGET
+        cfg, "h100", quantization=fmt, attention_backend="auto", linear_backend="auto", **BUDGET
     )
     assert step.report.linear_backend == "gpu"
     text = step.compiled.as_text()

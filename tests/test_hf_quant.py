@@ -9,8 +9,13 @@
    offset off by at most 2^-11 of itself, <= 1/128 of a quantization step; int8 exactly), and the
    model's logits equal the float model on its dequantized weights (the embedding is int8 on
    both sides) within 1e-4.
-3. Anything else in `quantization_config` is refused by name, and so is an act-order g_idx whose
-   groups are not consecutive rows and an 8-bit zero point that leaves codes outside int8.
+3. Anything else in `quantization_config` is refused by name, and so is a g_idx whose groups are
+   not consecutive rows under desc_act=False, and an 8-bit zero point that leaves codes outside
+   int8. GPTQ's act-order (desc_act=True, `write_packed(act_order=True)`: each input's channels
+   quantized in a random order) loads as "-act": each linear's rows sorted into its groups and
+   x gathered through the permutation (`QArray.perm`), the same logits as the dequantized
+   weights on XLA's products and the CPU kernel's; unequal groups, fused linears with different
+   g_idx and a mesh splitting a permuted weight's input channels are refused by name.
 4. vLLM's `quantization` names of these formats ("gptq", "awq", their "_marlin" variants) load
    such a checkpoint as it is (random weights in its format with `load_format="dummy"`, asked
    for or not) and are
@@ -29,9 +34,10 @@ from safetensors.numpy import save_file
 from checkpoints.errors import CheckpointError
 from jaxinfer import params as params_lib
 from jaxinfer import quantization
-from jaxinfer.config import EngineConfig
+from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.loader import load_model
 from jaxinfer.models import llama
+from pallas_kernels.linear import cpu as cpu_linear
 from tests.model_utils import make_hf_model, rel_err
 from tests.packed_checkpoints import GROUP, pack, write_packed
 from tests.test_quantization import _dequantized, _run
@@ -44,13 +50,22 @@ def tiny():
     return config.to_dict(), sd
 
 
-@pytest.mark.parametrize("method,bits", [("gptq", 4), ("awq", 4), ("gptq", 8)])
+@pytest.mark.parametrize(
+    "method,bits,act",
+    [
+        ("gptq", 4, False),
+        ("awq", 4, False),
+        ("gptq", 8, False),
+        ("gptq", 4, True),
+        ("gptq", 8, True),
+    ],
+)
 def test_packed_checkpoint_loads_quantized_and_matches_its_dequantized_weights(
-    tmp_path, tiny, method, bits
+    tmp_path, tiny, method, bits, act
 ):
     config, sd = tiny
-    dequantized = write_packed(tmp_path, config, sd, method, bits)
-    fmt = "int8-g32" if bits == 8 else "int4-g32"
+    dequantized = write_packed(tmp_path, config, sd, method, bits, act_order=act)
+    fmt = ("int8-g32" if bits == 8 else "int4-g32") + ("-act" if act else "")
     loaded = load_model(str(tmp_path), skip_tokenizer_init=True)
     assert loaded.quantization == fmt
     params, cfg = loaded.params, loaded.cfg
@@ -59,12 +74,14 @@ def test_packed_checkpoint_loads_quantized_and_matches_its_dequantized_weights(
     layer = params.layers[1]
 
     def offset_rounding(leaf) -> np.ndarray:  # the bound on |stored - exact| of each value
+        assert (leaf.perm is not None) == act
         if bits == 8:  # int8 codes - zero and the f16 scale widened to f32: exact
             assert leaf.offset is None and leaf.scale.dtype == np.float32
             return np.zeros(leaf.data.shape)
         assert leaf.scale.dtype == leaf.offset.dtype == np.float16
         offset = np.abs(np.asarray(leaf.offset, np.float32))
-        return np.repeat(offset, GROUP, axis=0) * 2.0**-11 + 1e-7
+        bound = np.repeat(offset, GROUP, axis=0) * 2.0**-11 + 1e-7  # stored rows
+        return bound if leaf.perm is None else bound[np.argsort(np.asarray(leaf.perm))]
 
     for leaf, name in ((layer.attn.o, "o_proj"), (layer.mlp.down, "down_proj")):
         want = dequantized[
@@ -78,9 +95,11 @@ def test_packed_checkpoint_loads_quantized_and_matches_its_dequantized_weights(
     assert jax.tree.structure(params) == jax.tree.structure(
         jax.tree.map(lambda s: 0, specs, is_leaf=params_lib.is_spec)
     )
-    got = _run(params, cfg)
     want = _run(_dequantized(cfg, params), cfg)
-    assert max(rel_err(g, w) for g, w in zip(got, want)) <= 1e-4
+    assert max(rel_err(g, w) for g, w in zip(_run(params, cfg), want)) <= 1e-4
+    if act and cpu_linear.available():  # the compiled kernel's products (int4: on 15-bit x)
+        got = _run(params, cfg, linear_backend="cpu")
+        assert max(rel_err(g, w) for g, w in zip(got, want)) <= (2e-3 if bits == 4 else 1e-4)
 
 
 @pytest.mark.parametrize(
@@ -112,6 +131,67 @@ def test_act_order_groups_that_are_not_consecutive_are_refused(tmp_path, tiny):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="g_idx.*desc_act"):
         load_model(str(tmp_path), skip_tokenizer_init=True)
+
+
+def _edit_tensors(root, edit) -> None:
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(root / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(root / "model.safetensors"))
+
+
+def test_act_order_refusals_name_the_tensor_or_the_mesh(tmp_path, tiny):
+    """Act-order loads need groups of exactly group_size rows, one g_idx for the linears fused
+    into one weight (they read the same input), and a mesh that does not split the input channels
+    of a weight it permutes (o_proj / down_proj under tensor parallelism)."""
+    from jaxinfer import sharding as shd
+
+    config, sd = tiny
+    root = tmp_path / "a"
+    root.mkdir()
+    write_packed(root, config, sd, "gptq", act_order=True)
+    name = "model.layers.0.self_attn.k_proj.g_idx"
+
+    def uneven(t):  # one row moved to another group: 31 and 33 rows
+        t[name] = t[name].copy()
+        t[name][np.argmax(t[name] == 0)] = 1
+
+    _edit_tensors(root, uneven)
+    with pytest.raises(CheckpointError, match="k_proj.g_idx: act-order groups of other than 32"):
+        load_model(str(root), skip_tokenizer_init=True)
+    write_packed(root, config, sd, "gptq", act_order=True)
+
+    def other_order(t):  # k_proj's rows in another (valid) act order than q_proj's
+        k = t[name].shape[0]
+        t[name] = (np.arange(k) // GROUP).astype(np.int32)
+
+    _edit_tensors(root, other_order)
+    with pytest.raises(ValueError, match="k_proj.*act-order permutation.*differs"):
+        load_model(str(root), skip_tokenizer_init=True)
+    write_packed(root, config, sd, "gptq", act_order=True)
+    with pytest.raises(ValueError, match=r"weight .layers\[0\].attn.o has .*axes \('tensor',\)"):
+        load_model(str(root), skip_tokenizer_init=True, mesh=shd.make_mesh("data=4,tensor=2"))
+    loaded = load_model(str(root), skip_tokenizer_init=True, mesh=shd.make_mesh("data=8"))
+    assert loaded.quantization == "int4-g32-act"
+
+
+def test_act_order_is_a_checkpoints_layout_only(tmp_path, tiny):
+    """Nothing quantizes float weights to an "-act" format (it names GPTQ's stored order), and a
+    source that is no act-order GPTQ checkpoint refuses it by name."""
+    (tmp_path / "config.json").write_text(json.dumps(tiny[0]))
+    save_file(tiny[1], str(tmp_path / "model.safetensors"))
+    cfg = ModelConfig.from_hf(tiny[0])
+    specs = llama.param_specs(cfg)
+    params = params_lib.init_random(specs, jax.random.key(0))
+    with pytest.raises(ValueError, match="-act is an act-order GPTQ checkpoint's own layout"):
+        quantization.quantize_params(params, specs, "int4-g32-act")
+    with pytest.raises(CheckpointError, match="quantization='int4-g32-act': -act is the layout"):
+        load_model(str(tmp_path), quantization="int4-g32-act", skip_tokenizer_init=True)
+    act = quantization.quantize_specs(specs, "int4-g32-act")
+    assert act.layers[0].attn.qkv.perm.shape == (cfg.hidden_size,)
+    assert act.embed.perm is None  # the vocabulary-sized weights keep their order
+    assert quantization.quantization_of(act) == "int4-g32-act"
 
 
 def test_asymmetric_8bit_zero_points_are_refused_by_name(tmp_path, tiny):

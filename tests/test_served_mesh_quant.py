@@ -11,10 +11,11 @@ with several engine-shaping flags at once; every one must decode exactly the mod
    (4 devices) and `--skip-tokenizer-init`: tokens equal plain decoding, the spec metrics move,
    the text fields stay empty and a text prompt is refused naming the flag.
 3. `--quantization gptq --linear-backend cpu` (vLLM's name for the checkpoint's own format) on one
-   device over the successor model packed as a 4-bit GPTQ checkpoint
-   (`tests/packed_checkpoints.py`: the loader repacks its qweight / qzeros / scales, groups of
-   32): the start-up line names the loaded format (int4-g32), the int4 codes in the CPU kernel's
-   tiles, three concurrent streams decode exactly the model's tokens.
+   device over the successor model packed as a 4-bit act-order GPTQ checkpoint
+   (`tests/packed_checkpoints.py`, desc_act=True: the loader repacks its qweight / qzeros /
+   scales, groups of 32, rows sorted by g_idx): the start-up line names the loaded format
+   (int4-g32-act), the int4 codes in the CPU kernel's tiles, x gathered through each weight's
+   permutation, three concurrent streams decode exactly the model's tokens.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def int4_cpu(model_dir, tmp_path_factory):
     gptq = tmp_path_factory.mktemp("gptq") / "succ"
     shutil.copytree(model_dir, gptq)
     config = json.loads((gptq / "config.json").read_text())
-    write_packed(gptq, config, load_file(str(model_dir / "model.safetensors")), "gptq", 4)
+    sd = load_file(str(model_dir / "model.safetensors"))
+    write_packed(gptq, config, sd, "gptq", 4, act_order=True)
     srv = ServedProcess(
         [
             *("--model", str(gptq), *SIZES),
@@ -180,7 +182,8 @@ def test_ngram_speculation_with_fp8_kv_and_int4_on_an_expert_tensor_mesh(ngram):
 
 
 def test_int4_on_the_cpu_kernel_decodes_the_models_tokens(int4_cpu):
-    """One device, `--linear-backend cpu`, a 4-bit GPTQ checkpoint: the loader repacks its codes,
+    """One device, `--linear-backend cpu`, a 4-bit act-order GPTQ checkpoint: the loader repacks
+    its codes in group order,
     the core's runner puts them in the kernel's tiles (`quantization.tile_for_cpu`) and serves
     through them (decode rows in the kernel, the prefill's XLA products untiling). NOTE: the successor model's tokens do not depend on its
     layer products' exact values (a kernel reading the tiles in the wrong order still passed):
@@ -196,4 +199,4 @@ def test_int4_on_the_cpu_kernel_decodes_the_models_tokens(int4_cpu):
     for t in threads:
         t.join(300)
     assert got == {last: successors(last, 10, V) for last in (5000, 6000, 7000)}
-    assert "float32, int4-g32 weights" in "".join(int4_cpu.log)  # what loaded, not the flag
+    assert "float32, int4-g32-act weights" in "".join(int4_cpu.log)  # what loaded, not the flag

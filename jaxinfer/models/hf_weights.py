@@ -143,6 +143,7 @@ def fill_params(
         tuple, Any
     ] = {}  # path -> host buffer (a QArray of two when quantized) being filled
     parts_left: dict[tuple, int] = {}  # path -> slots not yet filled
+    perms: dict[tuple, np.ndarray] = {}  # path -> the act-order permutation of its first slot
     for path, _, *slot in (e for es in entries.values() for e in es):
         if slot:
             parts_left[path] = parts_left.get(path, 0) + 1
@@ -188,7 +189,19 @@ def fill_params(
                     path, jax.tree.map(lambda s: np.empty(s.shape, s.dtype), spec, is_leaf=is_spec)
                 )
                 # NOTE: slots index axes other than the contraction
-                jax.tree.map(lambda b, v, i=index: b.__setitem__(i, v), buf, value)
+                jax.tree.map(
+                    lambda b, v, i=index: b.__setitem__(i, v),
+                    buf.replace(perm=None),
+                    value.replace(perm=None),
+                )
+                if value.perm is not None:  # one input order for every slot (they share x)
+                    first = perms.setdefault(path, value.perm)
+                    if not np.array_equal(first, value.perm):
+                        raise ValueError(
+                            f"tensor {name!r}: its act-order permutation (g_idx) differs from "
+                            "that of the tensors fused with it, which read the same input"
+                        )
+                    buf.perm[:] = value.perm
             else:
                 buf = fused.setdefault(path, np.empty(spec.shape, spec.dtype))
                 buf[index] = value
@@ -242,6 +255,9 @@ def _quantized_part(
     ):
         asked = quantization if spec.offset is not None and quantization else fmt
         native = get_quantized(name, asked, groups)
+    perm = None
+    if isinstance(native, qlib.Permuted):  # act-order: the input rows' order rides beside
+        native, perm = native.parts, np.asarray(native.perm, np.int32)
     if native is not None:
         native = tuple(map(transform, native))
     else:
@@ -267,4 +283,8 @@ def _quantized_part(
     # NOTE: a source's f32 scales narrow to the leaf's f16 under int4 (GGUF Q8_0's folded scales,
     # block scales of f16 values, exactly).
     rest = [np.asarray(x, spec.scale.dtype) for x in native[1:]]
-    return QArray(np.asarray(data, spec.data.dtype), *rest)
+    if spec.perm is None and perm is not None:
+        raise ValueError(f"tensor {name!r}: an act-order weight, but {fmt} has none")
+    if spec.perm is not None and perm is None:  # not act-order in the source: identity
+        perm = np.arange(spec.perm.shape[0], dtype=np.int32)
+    return QArray(np.asarray(data, spec.data.dtype), *rest).replace(perm=perm)
