@@ -7,7 +7,8 @@ Layout written to `dst`, which `jaxinfer.loader.load_model(dst)` and `LLM(dst)` 
     dst/tokenizer.json, ...   HF sources: the tokenizer files the source dir has (`TOKENIZER_FILES`)
     dst/gguf_tokenizer.json   GGUF sources: the `tokenizer.*` metadata plus `general.architecture`
     dst/jaxinfer.json         {"source": absolute path, "source_kind": "hf" | "gguf", "dtype": ...,
-                               "quantization": None | "int8" | "fp8"}
+                               "quantization": the format that loaded: None | "int8[-g<n>][-act]"
+                               | "fp8"}
 
 Flow:
 1. `dst` must be missing or an empty directory; a non-empty one is replaced only with
@@ -93,11 +94,16 @@ def _write_checkpoint(
     model = load_from_source(
         src_path, kind, handle, dtype=dtype, mesh=shd.make_mesh(None), quantization=asked
     )
+    if model.quantization and model.quantization.startswith("int4"):
+        raise ValueError(
+            f"{src_path!r} loads as {model.quantization} (a 4-bit checkpoint in its own bits), "
+            "which orbax cannot store (tensorstore has no 4-bit type): serve the source itself"
+        )
     info = {
         "source": os.path.abspath(src_path),
         "source_kind": kind,
         "dtype": dtype,
-        "quantization": quantization,
+        "quantization": model.quantization,
     }
     extra: dict[str, str] = {
         CONFIG_FILE: json.dumps(model.hf_config, indent=2) + "\n",

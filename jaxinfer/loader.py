@@ -135,7 +135,8 @@ def load_model(
 
 
 def orbax_quantization(path: str) -> str | None:
-    """The format an orbax checkpoint was saved in: None (float) or "int8" / "fp8". A quantized
+    """The format an orbax checkpoint was saved in: None (float), "int8" with its group size and
+    act-order as saved ("int8-g32", "int8-g32-act"), or "fp8". A quantized
     one whose scales lack the contraction axis (converted before group-wise scales) is refused,
     and so is one converted before the fused QKV weight (a clear error, not a leaf mismatch)."""
     from checkpoints.orbax_io import saved_leaves  # NOTE: orbax imports in ~1 s: only here
@@ -164,6 +165,15 @@ def orbax_quantization(path: str) -> str | None:
                 f"checkpoint converted before 2026-11-24 holds one scale per output channel "
                 f"without the contraction axis (now scale groups): convert its float source again"
             )
+    if fmt == "int8":  # its group size (and act-order) as saved: e.g. "int8-g32-act" of a GPTQ
+        grouped = [
+            quant.QArray(jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct(*scale))
+            for name, (shape, dtype) in leaves.items()
+            if name.endswith(".data")
+            and (scale := leaves.get(name.removesuffix(".data") + ".scale")) is not None
+        ]
+        act = any(name.endswith(".perm") for name in leaves)
+        fmt = qlib.format_name(fmt, quant.group_size_of(grouped, fmt), act)
     return fmt
 
 

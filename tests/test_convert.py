@@ -168,6 +168,40 @@ def test_quantized_conversion_loads_back_quantized(
         load_model(dst, dtype="float32")
 
 
+def test_grouped_and_packed_conversions_load_back_in_their_format(
+    tiny: dict[str, Any], tmp_path: Path
+) -> None:
+    """The saved format keeps its group size and act-order (read back from the saved shapes and
+    leaves): an "int8-g32" conversion, and an 8-bit act-order GPTQ checkpoint ("int8-g32-act"),
+    restore as they loaded from their sources, bit for bit; a 4-bit GPTQ one, which loads as
+    int4, is refused naming why (orbax stores no 4-bit type)."""
+    from safetensors.numpy import load_file
+
+    from tests.packed_checkpoints import write_packed
+
+    dst = Path(convert(tiny["single"], tmp_path / "g32", quantization="int8-g32"))
+    restored = load_model(dst, dtype="float32")
+    from_hf = load_model(tiny["single"], dtype="float32", quantization="int8-g32")
+    assert restored.quantization == from_hf.quantization == "int8-g32"
+    _assert_params_equal(restored.params, from_hf.params)
+
+    sd = load_file(str(tiny["single"] / "model.safetensors"))
+    config = json.loads((tiny["single"] / "config.json").read_text())
+    for bits in (8, 4):
+        src = tmp_path / f"gptq{bits}"
+        shutil.copytree(tiny["single"], src)
+        write_packed(src, config, sd, "gptq", bits, act_order=True)
+        if bits == 4:
+            with pytest.raises(ValueError, match="loads as int4-g32-act.*no 4-bit type"):
+                convert(src, tmp_path / "gptq4.orbax")
+            continue
+        dst = Path(convert(src, tmp_path / "gptq8.orbax"))
+        assert json.loads((dst / "jaxinfer.json").read_text())["quantization"] == "int8-g32-act"
+        restored, source = load_model(dst, dtype="float32"), load_model(src, dtype="float32")
+        assert restored.quantization == source.quantization == "int8-g32-act"
+        _assert_params_equal(restored.params, source.params)
+
+
 def test_bfloat16_conversion_is_cast_once(tiny: dict[str, Any], tmp_path: Path) -> None:
     dst = Path(convert(tiny["single"], tmp_path / "bf16", dtype="bfloat16"))
     assert json.loads((dst / "jaxinfer.json").read_text())["dtype"] == "bfloat16"
