@@ -249,6 +249,8 @@ def dense(
     weight run padded to that many (see `_tpu_pad`). An act-order weight (`QArray.perm`, GPTQ's
     desc_act) takes x's channels through its permutation first, one product per such weight.
     """
+    if backend == "gpu":  # the Pallas kernel reads x through an act-order weight's perm itself
+        return tuple(_gpu_dense(x, w) for w in weights)
     if any(isinstance(w, QArray) and w.perm is not None for w in weights):
         return tuple(
             dense(x, w, backend=backend)[0]
@@ -260,8 +262,6 @@ def dense(
     if pad:
         ys = dense(jnp.pad(x, ((0, pad), (0, 0))), *weights, backend=backend)
         return tuple(y[: x.shape[0]] for y in ys)
-    if backend == "gpu":
-        return tuple(_gpu_dense(x, w) for w in weights)
     if backend == "cpu" and _kernel_fits(x, weights, axis=0):
         if _int4_products(x, weights):
             if len({w.tiled for w in weights}) > 1:  # one call per layout
@@ -325,19 +325,33 @@ def _per_group_products(x: jax.Array, e: int, groups: int) -> bool:
     return x.shape[0] * groups * 2 <= e
 
 
+def _gpu_refuses(x: jax.Array, w: QArray) -> bool:
+    """Whether the Pallas kernel does not take x [T, E] times `w` (`gpu_linear.supported`)."""
+    data = quantization.codes(w)
+    n = data.size // data.shape[0]
+    return gpu_linear.supported(x.shape[0], x.shape[1], n, w.scale.shape[0], data.dtype) is not None
+
+
 def _gpu_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
     """The Pallas kernel where it takes x times the quantized `w` (fused layouts such as qkv
     [E, Hkv, G+2, D] and gate_up [E, 2, F] seen as [E, N]), else `_xla_dense`."""
+    if isinstance(w, QArray) and w.perm is not None and (x.ndim != 2 or _gpu_refuses(x, w)):
+        return _xla_dense(jnp.take(x, w.perm, axis=-1), w.replace(perm=None))
     if not isinstance(w, QArray) or x.ndim != 2:
         return _xla_dense(x, w)
     t, e = x.shape
     groups = w.scale.shape[0]
     data = quantization.codes(w).reshape(e, -1)
-    if gpu_linear.supported(t, e, data.shape[1], groups, data.dtype) is not None:
+    if _gpu_refuses(x, w):
         return _xla_dense(x, w)
     offset = None if w.offset is None else w.offset.reshape(groups, -1)
     y = gpu_linear.quantized_matmul(
-        x, data, w.scale.reshape(groups, -1), offset, interpret=bool(interpret_mode("gpu"))
+        x,
+        data,
+        w.scale.reshape(groups, -1),
+        offset,
+        perm=w.perm,
+        interpret=bool(interpret_mode("gpu")),
     )
     return y.reshape(t, *w.shape[1:])
 

@@ -25,26 +25,29 @@ LLAMA_8B = "scripts/configs/llama-3-8b/config.json"
 BUDGET = dict(tokens=(1,), max_num_seqs=4, max_model_len=256, num_pages=32, page_size=16)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int4-act"])
-def test_h100_int4_step_reads_the_codes_in_place(fmt):
-    """int4, and a GPTQ act-order checkpoint's layout ("-act": x gathered through each weight's
-    permutation before its product, an XLA fusion beside the same Pallas calls)."""
+def test_h100_int4_step_reads_the_codes_in_place():
+    """int4, and a GPTQ act-order checkpoint's layout ("-act"): its kernels read x through each
+    weight's permutation, so its step launches exactly the plain step's kernels."""
     reason = aot.available("gpu")
     if reason is not None:
         pytest.skip(f"no deviceless gpu compiler: {reason}")
     with open(LLAMA_8B) as f:
         cfg = {**json.load(f), "num_hidden_layers": 2, "vocab_size": 1024}
-    (step,) = aot.compile_step(
-        cfg, "h100", quantization=fmt, attention_backend="auto", linear_backend="auto", **BUDGET
-    )
-    assert step.report.linear_backend == "gpu"
-    text = step.compiled.as_text()
-    assert intermediates.weight_sized(text) == []
-    # one Triton call per projection (qkv, o, gate_up, down) and the one-token step's decode-only
-    # attention (its kernel, RoPE and KV write inside, and its split-K merge) per layer, the
-    # add + RMSNorm kernels (layer 0's MLP norm; layer 1's two: layer 0's attention norm has no
-    # residual to add) and the LM head
-    assert step.report.pallas_calls == 2 * (4 + 2) + 3 + 1, step.report.custom_calls
+    kernels = {}
+    for fmt in ("int4", "int4-act"):
+        (step,) = aot.compile_step(
+            cfg, "h100", quantization=fmt, attention_backend="auto", linear_backend="auto", **BUDGET
+        )
+        assert step.report.linear_backend == "gpu"
+        text = step.compiled.as_text()
+        assert intermediates.weight_sized(text) == [], fmt
+        # one Triton call per projection (qkv, o, gate_up, down) and the one-token step's
+        # decode-only attention (its kernel, RoPE and KV write inside, and its split-K merge) per
+        # layer, the add + RMSNorm kernels (layer 0's MLP norm; layer 1's two: layer 0's
+        # attention norm has no residual to add) and the LM head
+        assert step.report.pallas_calls == 2 * (4 + 2) + 3 + 1, (fmt, step.report.custom_calls)
+        kernels[fmt] = step.report.launches.kernels
+    assert kernels["int4-act"] == kernels["int4"], kernels
 
 
 # SmolLM2-sized weights in the model's fused layouts: qkv [E, Hkv, G+2, D], gate_up [E, 2, F],

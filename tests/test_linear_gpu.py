@@ -53,6 +53,24 @@ def test_interpreted_kernel_equals_xla_dense(fmt):
         np.testing.assert_allclose(y, want, rtol=eps, atol=eps * scale, err_msg=f"{fmt} t={t}")
 
 
+def test_act_order_weights_read_x_through_their_permutation():
+    """`layers.dense` on the gpu backend hands an act-order weight's `perm` to the kernel (no
+    gathered copy of x); XLA's path (backend "xla", and rows the kernel refuses) gathers first.
+    Both equal the product of the gathered x with the weight's stored rows."""
+    rng = np.random.default_rng(3)
+    for fmt in ("int8", "int4"):
+        w = _weight(fmt, SHAPES["gate_up"], 5)
+        w = w.replace(perm=jnp.asarray(rng.permutation(E), jnp.int32))
+        for t in (1, 7, 65):  # 65 rows: XLA's product (the kernel takes <= 64)
+            x = jnp.asarray(rng.standard_normal((t, E)), jnp.float32)
+            want = layers._xla_dense(jnp.take(x, w.perm, axis=1), w.replace(perm=None))
+            for backend in ("gpu", "xla"):
+                (y,) = layers.dense(x, w, backend=backend)
+                np.testing.assert_allclose(
+                    y, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()), err_msg=backend
+                )
+
+
 def test_auto_picks_the_kernel_on_gpu():
     assert layers.resolve_linear_backend("auto", "gpu") == "gpu"  # layers.GPU_AUTO: measured
     assert layers.resolve_linear_backend("xla", "gpu") == "xla"
@@ -96,6 +114,13 @@ def test_every_form_equals_xla_dense(fmt, t, blocks):
     for scale, offset in metas:
         y = gpu_linear.quantized_matmul(x, q.data, scale, offset, interpret=True, config=blocks)
         np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # act-order (GPTQ desc_act): code row k reads x's channel perm[k], gathered in the kernel
+    perm = jnp.asarray(np.random.default_rng(1).permutation(e), jnp.int32)
+    want = np.asarray(layers._xla_dense(jnp.take(x, perm, axis=1), q))
+    y = gpu_linear.quantized_matmul(
+        x, q.data, q.scale, q.offset, perm=perm, interpret=True, config=blocks
+    )
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_blocks_come_from_the_table_by_nearest_row_class(monkeypatch):

@@ -30,6 +30,8 @@ weight is read from HBM in its stored bits and never written back converted.
    Neither form converts an integer to a float with a conversion instruction: those issue at a
    fraction of the FMA rate and bounded the kernel on an H200 (BENCHMARKS.md "The dequantizing
    matmul tuned"; `tests/test_linear_gpu.py` reads the compiled PTX).
+   An act-order weight (`perm=`, GPTQ's desc_act: code row k multiplies x's channel perm[k])
+   loads each tile's x through the tile's perm entries: no gathered copy of x, no extra launch.
 3. One split: the f32 sum is stored in x's dtype (int4: even and odd columns by strided stores).
    Several: each program stores its f32 partial into `[split * T, N]`, summed over the splits by
    XLA (a small reduce: split x T x N floats) and cast to x's dtype.
@@ -325,15 +327,18 @@ def _kernel(
     x_ref,  # [T, K]
     q_ref,  # i8[K, N] | u8[K, N/2] (int4 pairs)
     s_ref,  # [G, N] f32 | f16, or u32[G, N/2]: int4's f16 pairs (paired)
-    *rest,  # (o_ref, as s_ref)? then out_ref [T, N] (x's dtype) | [split * T, N] f32
+    *rest,  # (o_ref, as s_ref)? (perm_ref, i32[K])? then out_ref [T, N] (x's dtype) | [split * T, N] f32
     b: Blocks,
     block_t: int,
     int4: bool,
     paired: bool,
+    permuted: bool,
     dot_dtype: jnp.dtype,
     interpret: bool,
 ):
-    o_ref, out_ref = rest if int4 else (None, rest[0])
+    o_ref = rest[0] if int4 else None
+    perm_ref = rest[int(int4)] if permuted else None
+    out_ref = rest[-1]
     t, k_dim = x_ref.shape
     n_dim = out_ref.shape[1]
     group = k_dim // s_ref.shape[0]
@@ -368,6 +373,9 @@ def _kernel(
         ks = kt * b.block_k + lane
         return ks, q_ref[ks[:, None], cc[None, :]]  # [BK, W]
 
+    def x_channels(ks):  # the channels of x that code rows ks read (act-order: through perm)
+        return perm_ref[ks] if permuted else ks
+
     def tile(kt, accs):  # the "dot" form: one tensor-core product a tile
         ks, codes = codes_at(kt)
         g = kt * b.block_k // group
@@ -375,7 +383,7 @@ def _kernel(
             halves = _nibbles(codes, asm)
         else:
             halves = (codes,)
-        xk = x_ref[rows[:, None], ks[None, :]].astype(dot_dtype)  # [BT, BK]
+        xk = x_ref[rows[:, None], x_channels(ks)[None, :]].astype(dot_dtype)  # [BT, BK]
         if int4:
             xsum = jnp.sum(xk.astype(jnp.float32), axis=1)[:, None]  # [BT, 1]
         new = []
@@ -393,7 +401,9 @@ def _kernel(
         # Sums scaled by 2**-SUM_SHIFT (see `_code_fma`), as is xg, the window's x sum per lane.
         g = kt0 * b.block_k // group
         tiles = [codes_at(kt0 + u) for u in range(per)]
-        xcols = [x_ref[(0 * ks)[:, None], ks[:, None]].astype(jnp.float32) for ks, _ in tiles]
+        xcols = [
+            x_ref[(0 * ks)[:, None], x_channels(ks)[:, None]].astype(jnp.float32) for ks, _ in tiles
+        ]
         xg = functools.reduce(jnp.add, xcols) * 2.0**-SUM_SHIFT  # [BK, 1]
         # int8 codes come as code + 128: their sums start at -128 x's window sum
         sums = (jnp.zeros_like(xg),) * 2 if int4 else (-128.0 * xg,)
@@ -439,12 +449,15 @@ def quantized_matmul(
     scale: jax.Array,
     offset: jax.Array | None = None,
     *,
+    perm: jax.Array | None = None,
     interpret: bool = False,
     config: Blocks | None = None,
 ) -> jax.Array:
     """x [T, K] @ the weight `data` [K, N] (int8 or uint4 codes) with `scale` [G, N] (and `offset`
-    [G, N] for uint4) -> [T, N] in x's dtype; see the module docstring. `config`: the launch
-    configuration (default: `blocks`)."""
+    [G, N] for uint4) -> [T, N] in x's dtype; see the module docstring. `perm` (i32[K], an
+    act-order weight's `QArray.perm`): code row k multiplies x's channel perm[k], read through it
+    in the kernel (no gathered copy of x). `config`: the launch configuration (default:
+    `blocks`)."""
     t, k_dim = x.shape
     n_dim = data.shape[1]
     groups = scale.shape[0]
@@ -471,7 +484,10 @@ def quantized_matmul(
     block_t = 1 if b.form == "fma" else _pow2_at_least(t)
     grid = (pl.cdiv(n_dim, b.block_n), b.split, pl.cdiv(t, block_t))
     out_dtype = jnp.dtype(x.dtype if b.split == 1 else jnp.float32)
+    if perm is not None and perm.shape != (k_dim,):
+        raise ValueError(f"quantized matmul kernel: perm must be i32[{k_dim}], got {perm.shape}")
     operands = (x, data, scale) + ((offset,) if int4 else ())
+    operands += () if perm is None else (perm.astype(jnp.int32),)
     size = lambda v: v.size * v.dtype.itemsize  # noqa: E731
     cost = pl.CostEstimate(
         flops=2 * t * k_dim * n_dim,
@@ -485,6 +501,7 @@ def quantized_matmul(
             block_t=block_t,
             int4=int4,
             paired=paired,
+            permuted=perm is not None,
             # NOTE: XLA:CPU runs no bf16 x bf16 -> f32 dot: interpreted, the operands are widened
             # (exactly: their products are exact in f32, summed in f32 as on the tensor cores).
             dot_dtype=jnp.float32 if interpret else x.dtype,
