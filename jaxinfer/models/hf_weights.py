@@ -283,8 +283,10 @@ def _quantized_part(
     # NOTE: a source's f32 scales narrow to the leaf's f16 under int4 (GGUF Q8_0's folded scales,
     # block scales of f16 values, exactly).
     rest = [np.asarray(x, spec.scale.dtype) for x in native[1:]]
-    if spec.perm is None and perm is not None:
-        raise ValueError(f"tensor {name!r}: an act-order weight, but {fmt} has none")
+    if spec.perm is None and perm is not None:  # one scale group (or none): order is moot
+        if not np.array_equal(perm, np.arange(perm.shape[0])):
+            raise ValueError(f"tensor {name!r}: an act-order weight, but {fmt} has none")
+        perm = None
     if spec.perm is not None and perm is None:  # not act-order in the source: identity
         perm = np.arange(spec.perm.shape[0], dtype=np.int32)
     return QArray(np.asarray(data, spec.data.dtype), *rest).replace(perm=perm)
