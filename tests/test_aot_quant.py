@@ -9,7 +9,9 @@ One 1-token int4 step (2 layers, 8B's projection shapes, a small vocabulary to k
 cheap; its embedding and LM head are int8, so both code types run the kernel: the int8 step's
 verdict is the same, measured by the BENCHMARKS.md command, left out of the suite for its time);
 skipped without the CUDA plugin. BENCHMARKS.md ("int4 / int8 on a GPU target")
-has the before/after numbers.
+has the before/after numbers. GPTQ act-order ("-act") weights: the H100 step launches the plain
+step's kernels (the Pallas matmul reads x through the permutation) and the v5e one-row products
+(x gathered by XLA first) keep the codes in place too.
 """
 
 import json
@@ -72,10 +74,12 @@ def _abstract_weight(fmt: str, shape: tuple[int, ...], axis: int):
             jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct(scale_shape, jnp.float32)
         )
     s = jax.ShapeDtypeStruct(scale_shape, jnp.float16)
-    return QArray(jax.ShapeDtypeStruct(shape, jnp.uint4), s, s)
+    # "int4-act": a GPTQ act-order weight, x gathered through its permutation first
+    perm = jax.ShapeDtypeStruct((shape[0],), jnp.int32) if fmt.endswith("-act") else None
+    return QArray(jax.ShapeDtypeStruct(shape, jnp.uint4), s, s, perm)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-act"])
 def test_v5e_one_row_products_read_the_codes_in_place(fmt):
     """XLA:TPU converted whole weights to f32 in HBM for 1-row products (BENCHMARKS.md, issue 35
     "TPU v5e"); `layers.dense` pads such rows to `TPU_MIN_ROWS` and keeps fused layouts unflattened."""
