@@ -247,7 +247,8 @@ def dense(
     stored bits: no converted copy in HBM); anything else is XLA's dot (same contraction as
     `einsum("te,e...->t...")`). On a TPU target, fewer than `TPU_MIN_ROWS` rows times a quantized
     weight run padded to that many (see `_tpu_pad`). An act-order weight (`QArray.perm`, GPTQ's
-    desc_act) takes x's channels through its permutation first, one product per such weight.
+    desc_act) reads x's channels through its permutation, one product per such weight: the GPU
+    kernel loads x through it, XLA's and the CPU kernel's paths take x gathered first.
     """
     if backend == "gpu":  # the Pallas kernel reads x through an act-order weight's perm itself
         return tuple(_gpu_dense(x, w) for w in weights)

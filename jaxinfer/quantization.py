@@ -205,8 +205,7 @@ def check_group_splits(specs: Any, mesh: jax.sharding.Mesh, rules: dict | None =
         if not is_quantized(q):
             continue
         if q.perm is not None:
-            axes = shd.logical_to_spec(q.perm.logical_axes, rules)[0]
-            names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            names = _axis_names(shd.logical_to_spec(q.perm.logical_axes, rules)[0])
             if math.prod(sizes.get(a, 1) for a in names) > 1:
                 raise ValueError(
                     f"quantization: act-order weight {jax.tree_util.keystr(path)} has its input "
@@ -215,7 +214,7 @@ def check_group_splits(specs: Any, mesh: jax.sharding.Mesh, rules: dict | None =
                     "device, or data / pipeline axes), or use a checkpoint without act-order"
                 )
         for n, axes in zip(q.scale.shape, shd.logical_to_spec(q.scale.logical_axes, rules)):
-            names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            names = _axis_names(axes)
             shards = math.prod(sizes.get(a, 1) for a in names)
             if n % shards:
                 raise ValueError(
@@ -224,6 +223,11 @@ def check_group_splits(specs: Any, mesh: jax.sharding.Mesh, rules: dict | None =
                     f"{shards}; use a mesh whose size there divides {n} (int8 and int4 keep one "
                     f"scale per {qlib.GROUP_SIZE['int8']} input channels, or per -g<n>)"
                 )
+
+
+def _axis_names(axes: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def quantize_params(params: Any, specs: Any, fmt: str | None) -> Any:
