@@ -336,15 +336,13 @@ def _gpu_refuses(x: jax.Array, w: QArray) -> bool:
 def _gpu_dense(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
     """The Pallas kernel where it takes x times the quantized `w` (fused layouts such as qkv
     [E, Hkv, G+2, D] and gate_up [E, 2, F] seen as [E, N]), else `_xla_dense`."""
-    if isinstance(w, QArray) and w.perm is not None and (x.ndim != 2 or _gpu_refuses(x, w)):
-        return _xla_dense(jnp.take(x, w.perm, axis=-1), w.replace(perm=None))
-    if not isinstance(w, QArray) or x.ndim != 2:
+    if not isinstance(w, QArray) or x.ndim != 2 or _gpu_refuses(x, w):
+        if isinstance(w, QArray) and w.perm is not None:  # XLA's product on the gathered x
+            x, w = jnp.take(x, w.perm, axis=-1), w.replace(perm=None)
         return _xla_dense(x, w)
     t, e = x.shape
     groups = w.scale.shape[0]
     data = quantization.codes(w).reshape(e, -1)
-    if _gpu_refuses(x, w):
-        return _xla_dense(x, w)
     offset = None if w.offset is None else w.offset.reshape(groups, -1)
     y = gpu_linear.quantized_matmul(
         x,
