@@ -1,7 +1,7 @@
 """Single-stream prefill and decode speed of the default model, with HF transformers as the peer.
 
     python scripts/bench_generate.py [--model PATH] [--prompt-len 128] [--decode-tokens 64] [--runs 5]
-                                     [--linear-backend cpu,xla] [--scheduling async,sync]
+                                     [--rounds 1] [--linear-backend cpu,xla] [--scheduling async,sync]
                                      [--num-scheduler-steps 1,8]
                                      [--quantization none,int8,int4] [--llama-cpp BUILD_DIR]
                                      [--load-format dummy]
@@ -22,12 +22,18 @@
    the user, nothing of llama.cpp is part of this repository) and the model is a GGUF file: its own
    benchmark on the **same file** (the default model's Q4_1 blocks as they are, not a requantized
    copy), `llama-bench -m GGUF -p PROMPT_LEN -n DECODE_TOKENS -r 1 -t THREADS -o json` once per
-   round, between jaxinfer's requests (so a slow phase of a loaded machine hits both alike); the
-   row is the median of the rounds' tokens/s (`--llama-cpp-threads 2,1`: a row per thread count;
+   run, between jaxinfer's requests (so a slow phase of a loaded machine hits both alike); the
+   row is the median of the runs' tokens/s (`--llama-cpp-threads 2,1`: a row per thread count;
    default: every core).
 4. The weight-read roofline of this machine, measured in the same run: a jitted XLA reduction
    streams a buffer twice the size of the weights (so no cache holds it) and the decode roofline is
    that read bandwidth divided by the weights' bytes (every decode step reads every weight once).
+5. `--rounds R` (default 1) runs R rounds of `--runs` runs each, every row's requests still taking
+   turns run by run (the engines are built and compiled once): each round's decode medians and
+   the ratios of every jaxinfer row to the first one and to each llama.cpp row, then each ratio's
+   median over the rounds (a ratio measured within one round, so the machine's slow and quick
+   minutes divide out; BENCHMARKS.md's alternated rounds). The table's rows stay medians over all
+   runs.
 `--load-format dummy` benchmarks any architecture from its `config.json` (+ tokenizer) with random
 weights made on the device; the HF and llama.cpp peers are skipped then (they lack those weights).
 Prints a table (tokens/s) and one JSON line for BENCHMARKS.md.
@@ -82,7 +88,8 @@ def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str, int]], p
     prompt_ids = [t % vocab for t in prompt_ids]  # any architecture (--load-format dummy)
     sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
     times = [([], [], []) for _ in configs]  # (prefill, decode, host CPU a token) seconds per run
-    for run in range(args.runs + 1):  # run 0 compiles
+    rounds = getattr(args, "rounds", 1)
+    for run in range(args.runs * rounds + 1):  # run 0 compiles
         for llm, (prefill, decode, host) in zip(llms, times):
             eng = llm.engine
             start = time.perf_counter()
@@ -109,9 +116,25 @@ def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str, int]], p
             f"{quant}, {llm.engine.runner.linear_backend}, {scheduling}"
             + (f", {steps} steps" if steps > 1 else ""),
             1e3 * statistics.median(host),
+            per_round(decode, args.runs, lambda seconds: 1 / statistics.median(seconds)),
         )
         for llm, (prefill, decode, host), (quant, _, scheduling, steps) in zip(llms, times, configs)
     ]
+
+
+def per_round(values: list, runs: int | None, reduce) -> list[float]:
+    """`reduce` of each round's `runs` consecutive values (one round of all when `runs` is None)."""
+    runs = runs or len(values)
+    return [reduce(values[i : i + runs]) for i in range(0, len(values), runs)]
+
+
+def round_ratios(rows: list[tuple[str, list[float]]], peers: list[tuple[str, list[float]]]):
+    """{"A / B": per-round ratios} for every jaxinfer row A after the first over the first (B),
+    and every jaxinfer row over each llama.cpp row."""
+    pairs = [(a, rows[0]) for a in rows[1:]] + [(a, b) for a in rows for b in peers]
+    return {
+        f"{a} / {b}": [x / y for x, y in zip(xs, ys, strict=True)] for (a, xs), (b, ys) in pairs
+    }
 
 
 def read_bandwidth(nbytes: int, runs: int = 9) -> float:
@@ -206,6 +229,7 @@ class LlamaCpp:
             build, gguf, args.prompt_len, args.decode_tokens, threads
         )
         self.runs: list[dict] = []
+        self.per_round_runs = getattr(args, "runs", None)
 
     def __call__(self) -> None:
         out = subprocess.run(self.command, check=True, capture_output=True, text=True).stdout
@@ -218,6 +242,11 @@ class LlamaCpp:
             "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
             "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
             "command": " ".join(self.command).replace(" -r 1 ", f" -r 1 (x{len(runs)}) "),
+            "per_round_decode_tok_s": per_round(
+                [r["decode_tok_s"] for r in runs],
+                self.per_round_runs,
+                statistics.median,
+            ),
         }
 
 
@@ -236,6 +265,13 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of --runs runs each: per-round decode medians and ratios (every jaxinfer "
+        "row over the first, and over each llama.cpp row), then each ratio's median",
+    )
     p.add_argument("--no-hf", action="store_true")
     p.add_argument(
         "--linear-backend",
@@ -274,6 +310,8 @@ def main() -> None:
         "default: every core)",
     )
     args = p.parse_args()
+    if args.runs < 1 or args.rounds < 1:
+        p.error(f"--runs {args.runs} and --rounds {args.rounds}: both must be at least 1")
     from jaxinfer.default_model import default_model_path
 
     path = args.model or default_model_path()
@@ -332,6 +370,20 @@ def main() -> None:
         f"{'roofline':34s} {'':14s} {roofline:13.1f}  ({nbytes / 1e6:.0f} MB of weights "
         f"at the measured {bandwidth / 1e9:.1f} GB/s read bandwidth)"
     )
+    rows = [(r[3], r[5]) for r in runs]
+    peers = [(f"llama.cpp t={lcpp['threads']}", lcpp["per_round_decode_tok_s"]) for lcpp in lcpps]
+    ratios = round_ratios(rows, peers)
+    if args.rounds > 1:
+        print(f"decode tok/s and ratios per round ({args.rounds} rounds of {args.runs} runs):")
+        for i in range(args.rounds):
+            cells = [f"{name} {xs[i]:.1f}" for name, xs in rows + peers]
+            cells += [f"{name} {xs[i]:.2f}" for name, xs in ratios.items()]
+            print(f"  round {i + 1}: " + ", ".join(cells))
+        for name, xs in ratios.items():
+            print(
+                f"  {name}: median {statistics.median(xs):.2f} over {len(xs)} rounds "
+                f"(min {min(xs):.2f}, max {max(xs):.2f})"
+            )
     print(
         json.dumps(
             {
@@ -342,12 +394,14 @@ def main() -> None:
                 "prompt_len": args.prompt_len,
                 "decode_tokens": args.decode_tokens,
                 "runs": args.runs,
+                "rounds": args.rounds,
                 "jaxinfer": {
                     r[3]: {
                         "prefill_tok_s": round(r[0], 1),
                         "decode_tok_s": round(r[1], 1),
                         "weight_bytes": r[2],
                         "host_cpu_ms_per_token": round(r[4], 2),
+                        "per_round_decode_tok_s": [round(x, 1) for x in r[5]],
                     }
                     for r in runs
                 },
@@ -357,9 +411,19 @@ def main() -> None:
                         **lcpp,
                         "prefill_tok_s": round(lcpp["prefill_tok_s"], 1),
                         "decode_tok_s": round(lcpp["decode_tok_s"], 1),
+                        "per_round_decode_tok_s": [
+                            round(x, 1) for x in lcpp["per_round_decode_tok_s"]
+                        ],
                     }
                     for lcpp in lcpps
                 ],
+                "ratios": {
+                    name: {
+                        "per_round": [round(x, 3) for x in xs],
+                        "median": round(statistics.median(xs), 3),
+                    }
+                    for name, xs in ratios.items()
+                },
                 "roofline": {
                     "weight_bytes": nbytes,
                     "read_gb_s": round(bandwidth / 1e9, 1),
