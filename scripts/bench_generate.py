@@ -61,7 +61,7 @@ def bench_jaxinfer(args, prompt_ids, configs: list[tuple[str, str, str, int]], p
     """One engine per (quantization, linear backend, scheduling, steps a program); their runs
     interleave, so a slow
     phase of a noisy machine hits every configuration alike. Each of `peers` (a callable) runs once
-    per round after the engines' requests, round 0 (the compiling one) included."""
+    per run after the engines' requests, run 0 (the compiling one) included."""
     max_len = args.prompt_len + args.decode_tokens + 16
     # NOTE: pages for the one sequence slot, not most of the device's memory (the default): the
     # read-bandwidth probe allocates its own buffer afterwards. No prefix caching: every run
@@ -222,7 +222,7 @@ def parse_llama_bench(stdout: str) -> dict:
 
 class LlamaCpp:
     """llama.cpp's benchmark on the GGUF file, one `llama-bench` run per call (a `bench_jaxinfer`
-    peer); `result()` is the median over the calls after the first (a warm-up, like round 0)."""
+    peer); `result()` is the median over the calls after the first (a warm-up, like run 0)."""
 
     def __init__(self, build: str, gguf: str, args, threads: int):
         self.command = llama_bench_command(
@@ -301,7 +301,7 @@ def main() -> None:
         metavar="BUILD_DIR",
         default=None,
         help="also run llama.cpp's llama-bench from this build directory on the same GGUF file, "
-        "one run per round between jaxinfer's (GGUF models only)",
+        "one run per jaxinfer run, between them (GGUF models only)",
     )
     p.add_argument(
         "--llama-cpp-threads",

@@ -3,7 +3,7 @@
 1. The command runs `BUILD_DIR/bin/llama-bench` on the GGUF file as given (no requantized copy),
    one repetition of a prefill and a decode test, the threads asked for, JSON out.
 2. A fake `llama-bench` (a script printing what the real one prints with `-o json`) stands in for
-   a build: each call is one round; the row is the median of the rounds after the warm-up one.
+   a build: each call is one run; the row is the median of the runs after the warm-up one.
 3. jaxinfer's rows carry the engine thread's CPU time per decode token (`host ms/tok`), not its
    wall time: a fake engine that spends 4 ms of CPU and sleeps 6 ms a step reads ~4.
 4. `--rounds`: each round's decode medians (jaxinfer's and llama.cpp's) and the ratios within a
@@ -35,32 +35,32 @@ def _rows(prefill: float, decode: float) -> list[dict]:
     ]
 
 
-def test_llama_bench_runs_the_same_file_once_per_round(bench, tmp_path):
+def test_llama_bench_runs_the_same_file_once_per_run(bench, tmp_path):
     gguf = "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
     (tmp_path / "bin").mkdir()
     fake = tmp_path / "bin" / "llama-bench"
-    # each call prints the next round's numbers (a counter file) and logs its arguments
+    # each call prints the next run's numbers (a counter file) and logs its arguments
     fake.write_text(
         "#!/bin/sh\n"
         f'echo "$@" >> {tmp_path}/calls\n'
         f"n=$(wc -l < {tmp_path}/calls)\n"
-        f"cat {tmp_path}/round_$n.json\n"
+        f"cat {tmp_path}/run_$n.json\n"
     )
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
-    rounds = [(500.0, 10.0), (300.0, 140.0), (320.0, 100.0), (310.0, 120.0)]  # round 0 warms up
-    for i, (p, d) in enumerate(rounds, 1):
-        (tmp_path / f"round_{i}.json").write_text(json.dumps(_rows(p, d)))
+    runs = [(500.0, 10.0), (300.0, 140.0), (320.0, 100.0), (310.0, 120.0)]  # run 0 warms up
+    for i, (p, d) in enumerate(runs, 1):
+        (tmp_path / f"run_{i}.json").write_text(json.dumps(_rows(p, d)))
     args = SimpleNamespace(prompt_len=128, decode_tokens=64)
     peer = bench.LlamaCpp(str(tmp_path), gguf, args, threads=2)
     assert peer.command == [
         os.path.join(str(tmp_path), "bin", "llama-bench"),
         *("-m", gguf, "-p", "128", "-n", "64", "-r", "1", "-t", "2", "-o", "json"),
     ]
-    for _ in rounds:
+    for _ in runs:
         peer()
     assert (tmp_path / "calls").read_text().splitlines()[0] == " ".join(peer.command[1:])
     got = peer.result()
-    assert got["prefill_tok_s"] == 310.0 and got["decode_tok_s"] == 120.0  # medians of rounds 1-3
+    assert got["prefill_tok_s"] == 310.0 and got["decode_tok_s"] == 120.0  # medians of runs 1-3
     assert got["model_type"] == "llama ?B Q4_1" and got["threads"] == 2
     assert "(x3)" in got["command"]
     assert got["per_round_decode_tok_s"] == [120.0]  # one round of the three runs
