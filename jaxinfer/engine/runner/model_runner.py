@@ -21,7 +21,7 @@ from jaxinfer.engine import multihost
 from jaxinfer.engine.runner.buckets import Buckets
 from jaxinfer.engine.runner.device_state import DeviceState
 from jaxinfer.engine.runner.input_batch import InputBatch
-from jaxinfer.engine.runner.outputs import unpack_results
+from jaxinfer.engine.runner.outputs import fetch_results, unpack_results
 from jaxinfer.engine.runner.program_table import ProgramTable
 from jaxinfer.engine.runner.programs import (
     burst_context,
@@ -361,7 +361,7 @@ class ModelRunner:
 
     def collect(self, launched: Launched) -> RunnerOutput:
         """Waits for a launched step and unpacks its results."""
-        return self.unpack(launched.plan, *jax.device_get(launched.results))
+        return self.unpack(launched.plan, *fetch_results(launched.results))
 
     def run(self, prepared: Prepared) -> tuple[Any, Any, Any]:
         """Device half: one transfer in, the jitted step, one transfer out of what the step needs:

@@ -40,7 +40,7 @@ class UnpackPlan:
     """Where a step's results go (host only: followers of a multi-host leader never see it)."""
 
     sample_ids: list[str]  # requests that sample, in the order of sample_slots
-    sample_slots: np.ndarray  # i32[n] their result rows
+    sample_slots: list[int]  # their result rows
     logprob_rows: list[tuple[str, int, int]]  # (request id, result row, k) asking for logprobs
     # (request id, token rows lo, hi, start position, prompt length, k) asking for prompt logprobs
     prompt_rows: list[tuple[str, int, int, int, int, int]]
@@ -137,7 +137,7 @@ class StepInputBuilder:
         """Structured output: each constrained row's allowed tokens into its result row."""
         if not sched.bitmask_rows or sched.token_bitmask is None:
             return
-        for rid, slot in zip(plan.sample_ids, plan.sample_slots.tolist()):
+        for rid, slot in zip(plan.sample_ids, plan.sample_slots):
             k = sched.bitmask_rows.get(rid)
             if k is not None:
                 bitmask[slot] = sched.token_bitmask[k]
@@ -321,7 +321,7 @@ class StepInputBuilder:
             )
         plan = UnpackPlan(
             sample_ids,
-            slot[sample_a],
+            slot[sample_a].tolist(),
             logprob_rows,
             prompt_rows,
             extras.target_ids,
