@@ -29,7 +29,7 @@ def fetch_results(results: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
 
     NOTE: on a small CPU host this runs beside the next step, whose weight stream keeps the
     caches cold: there every numpy or jax call costs tens of microseconds, and the decode step's
-    fetch and unpack went from ~300 to ~70 us of the engine thread's CPU with one of each
+    fetch and unpack went from ~300 to ~80 us of the engine thread's CPU with one of each
     (BENCHMARKS.md "The engine thread's host work, call by call")."""
     token_ids, out, prompt = results
     if out is None and prompt is None:
