@@ -253,6 +253,23 @@ def test_fetches_logprobs_only_when_asked_and_reuses_unchanged_metadata(small) -
     assert all(out is not None and out.topk_ids.shape[1] >= 2 for _, out, _ in results)
 
 
+def test_fetch_results_takes_ids_alone_without_the_tree_walk(monkeypatch) -> None:
+    """A step's sampled ids alone come back as one numpy array (no `jax.device_get`: on a small
+    host each jax call beside the running step costs tens of microseconds); with logprob arrays
+    the whole tuple goes through `jax.device_get`, every leaf numpy."""
+    from jaxinfer.engine.runner import outputs
+
+    ids = jnp.array([7, 3], jnp.int32)
+    walked, device_get = [], jax.device_get
+    monkeypatch.setattr(outputs.jax, "device_get", lambda x: walked.append(x) or device_get(x))
+    got, out, prompt = outputs.fetch_results((ids, None, None))
+    assert type(got) is np.ndarray and got.tolist() == [7, 3] and out is None and prompt is None
+    assert walked == []
+    lps = {"logprobs": jnp.zeros((2,), jnp.float32)}
+    got, out, prompt = outputs.fetch_results((ids, lps, None))
+    assert len(walked) == 1 and type(out["logprobs"]) is np.ndarray and got.tolist() == [7, 3]
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(load_vocab())
