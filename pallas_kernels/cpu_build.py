@@ -39,6 +39,9 @@ FLAGS = (
 )
 
 
+SHARED = Path(__file__).resolve().parent  # headers every kernel may include (cpu_helpers.h)
+
+
 def _compiler() -> str:
     for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
         if name and shutil.which(name):
@@ -73,8 +76,9 @@ class CppKernel:
         include = Path(jax.ffi.include_dir())
         headers = sorted((include / "xla" / "ffi" / "api").glob("*.h"))
         key = hashlib.sha256()
-        # NOTE: the headers beside the source are parts of it (cpu_kernel_int4.h).
-        local = sorted(self.source.parent.glob("*.h"))
+        # NOTE: the headers beside the source are parts of it (cpu_kernel_int4.h), and so are
+        # the kernels' shared ones here (cpu_helpers.h, included through -I)
+        local = sorted(self.source.parent.glob("*.h")) + sorted(SHARED.glob("*.h"))
         for part in (
             self.source.read_bytes(),
             *(h.read_bytes() for h in local),
@@ -93,7 +97,7 @@ class CppKernel:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            cmd = [cxx, *FLAGS, f"-I{include}", str(self.source), "-o", str(tmp_out)]
+            cmd = [cxx, *FLAGS, f"-I{include}", f"-I{SHARED}", str(self.source), "-o", str(tmp_out)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 why = (

@@ -22,6 +22,7 @@ platform) and GPU/Triton and TPU/Mosaic (in Pallas interpret mode on CPU).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 
@@ -736,6 +737,36 @@ def test_cpu_kernel_chunks_grow_for_long_sequences():
         max_seqs=2,
     )
     assert_matches_reference("cpu", make_batch(shape, [1, 2], [17000, 300], seed=5), blocks=None)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernel runs on a CPU platform")
+def test_cpu_kernel_small_decode_takes_a_lingering_helper_with_the_same_bits():
+    """A decode too small to wake pool threads (8 rows x 1,000 keys) takes the linear kernel's
+    lingering helper when one is spinning (`cpu_helpers.h`: one mailbox for both libraries), and
+    gives the same bits as on the caller alone."""
+    from pallas_kernels.linear import cpu as linear_cpu
+    from pallas_kernels.ragged_paged_attention import cpu as attention_cpu
+
+    if not linear_cpu.available():
+        pytest.skip(f"no linear kernel here: {linear_cpu.unavailable_reason()}")
+    lib = attention_cpu.library()
+    box, linear_box = lib.JaxinferCpuAttentionHelperBox, linear_cpu.library().JaxinferCpuHelperBox
+    box.restype = linear_box.restype = ctypes.c_void_p
+    assert box() == linear_box()  # the attention library posts to the products' helpers
+    helped, linger = lib.JaxinferCpuAttentionHelped, lib.JaxinferCpuAttentionLinger
+    helped.restype, linger.argtypes = ctypes.c_int64, [ctypes.c_int64]
+    shape = Shape(page_size=16, pages_per_seq=64, num_pages=70, num_tokens=8, max_seqs=2)
+    args = make_batch(shape, [1], [1000], seed=9)
+    call = jax.jit(functools.partial(KERNELS["cpu"], sm_scale=0.125))
+    before = helped()
+    alone = np.asarray(call(*args))
+    assert helped() == before  # nothing lingering: the caller ran every item
+    linger(1_000_000_000)  # a helper spinning for the next second, as after a product
+    for _ in range(50):
+        np.testing.assert_array_equal(np.asarray(call(*args)), alone)
+        if helped() > before:
+            break
+    assert helped() > before
 
 
 def test_gpu_rejects_non_power_of_two_head_dim():

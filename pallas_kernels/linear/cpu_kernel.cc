@@ -41,8 +41,9 @@
 // Helpers: a decode step makes ~120 of these calls a few tens of microseconds apart, and a pool
 // thread that went to sleep between two of them takes longer to wake (measured on the 2-core VM)
 // than a 1.3 MB product takes to read: a helper that finished its parts therefore lingers,
-// spinning up to kLingerNs on a mailbox for the next call's parts, and the caller schedules a
-// new helper on the pool only when none is lingering. Whether a call takes helpers at all is
+// spinning up to kLingerNs on a mailbox for the next call's parts (../cpu_helpers.h: the attention
+// kernel posts its items there too), and the caller schedules a new helper on the pool only when
+// none is lingering. Whether a call takes helpers at all is
 // measured, not assumed (cpu_kernel_threads.h: on a loaded machine a preempted helper stalls the
 // call, and the caller alone is faster).
 
@@ -63,6 +64,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_helpers.h"  // the lingering helpers, shared with the attention kernel
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -170,7 +172,6 @@ constexpr int kMaxParts = 8;
 // distinct weights: 43-45 us with 1 part a thread, 53-60 with 2, 60-64 with 4; BENCHMARKS.md
 // "int4 on AVX-512 VNNI").
 constexpr int kPartsPerThread = 1;
-constexpr int64_t kLingerNs = 100000;
 // Below this many multiply-adds one thread does the whole call.
 constexpr int64_t kParallelMinWork = 1 << 16;
 // A part of a [K, N] weight holds at least this many rows (and a multiple of 8).
@@ -423,7 +424,7 @@ void RunPart(const Problem& pb, int p) {
   }
 }
 
-#include "cpu_kernel_threads.h"  // Shared, RunParts, Post, Help, UseHelpers, Record
+#include "cpu_kernel_threads.h"  // Shared, UseHelpers, Record, RunAll
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
                   ffi::RemainingRets outs, bool transposed, bool int8, bool offsets, bool tiled) {
@@ -603,6 +604,8 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
 extern "C" int JaxinferCpuLinearLanes() { return kLanes; }
 // Whether int4's integer products take the AVX-512 VNNI path (cpu.py's `int4_path()`).
 extern "C" int JaxinferCpuLinearInt4Vnni() { return Int4Vnni() ? 1 : 0; }
+// The lingering helpers' mailbox (../cpu_helpers.h), for the attention kernel's library.
+extern "C" void* JaxinferCpuHelperBox() { return &jaxinfer_cpu::Box(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCpuDequantize, Dequantize,
                               ffi::Ffi::Bind()

@@ -1,5 +1,5 @@
 // Part of cpu_kernel.cc (included by it after RunPart; not a standalone header): the state a call
-// shares with its helpers, the helpers' lingering, and whether a call takes helpers at all.
+// shares with its helpers (their lingering: ../cpu_helpers.h), and whether a call takes helpers.
 //
 // Helpers or not: on a machine whose cores are busy with other work (the shared 2-core VM: load
 // average 5-9), a helper preempted in the middle of its part stalls the caller until the scheduler
@@ -14,70 +14,22 @@
 // cores (the whole decode step ran on one core: BENCHMARKS.md "int4 decode step, tiled").
 
 // Shared with helpers, which may start after the call returned: they then only touch `next`.
-struct Shared {
+// Lingering helpers and their mailbox: ../cpu_helpers.h (shared with the attention kernel).
+struct Shared : jaxinfer_cpu::Job {
   Problem pb;
   std::vector<float> scratch;
   std::vector<int8_t> xq;        // `offsets` calls: x quantized
   std::vector<float> xd, xsum;   // and its block scales and sums
   std::atomic<int> next{0};
   std::atomic<int> done{0};
-};
 
-void RunParts(Shared& sh) {
-  for (int p = sh.next.fetch_add(1); p < sh.pb.parts; p = sh.next.fetch_add(1)) {
-    RunPart(sh.pb, p);
-    sh.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
-// The newest call's parts, for lingering helpers. Never destroyed: a helper may still be
-// lingering when the process exits.
-struct Mailbox {
-  std::mutex mu;
-  std::shared_ptr<Shared> job;
-  std::atomic<uint64_t> generation{0};
-  std::atomic<int> lingering{0};
-};
-
-Mailbox& Box() {
-  static Mailbox* box = new Mailbox;
-  return *box;
-}
-
-uint64_t Post(std::shared_ptr<Shared> sh) {
-  Mailbox& box = Box();
-  std::lock_guard<std::mutex> lock(box.mu);
-  box.job = std::move(sh);
-  return box.generation.fetch_add(1, std::memory_order_release) + 1;
-}
-
-// A pool task: this call's parts, then the parts of every call posted while it lingers.
-void Help(std::shared_ptr<Shared> sh, uint64_t generation) {
-  using Clock = std::chrono::steady_clock;
-  Mailbox& box = Box();
-  RunParts(*sh);
-  sh.reset();
-  box.lingering.fetch_add(1);
-  auto deadline = Clock::now() + std::chrono::nanoseconds(kLingerNs);
-  for (int spins = 0;; ++spins) {
-    if (box.generation.load(std::memory_order_acquire) != generation) {
-      std::shared_ptr<Shared> job;
-      {
-        std::lock_guard<std::mutex> lock(box.mu);
-        job = box.job;
-        generation = box.generation.load(std::memory_order_relaxed);
-      }
-      box.lingering.fetch_sub(1);
-      RunParts(*job);
-      box.lingering.fetch_add(1);
-      deadline = Clock::now() + std::chrono::nanoseconds(kLingerNs);
-      continue;
+  void Run() override {
+    for (int p = next.fetch_add(1); p < pb.parts; p = next.fetch_add(1)) {
+      RunPart(pb, p);
+      done.fetch_add(1, std::memory_order_release);
     }
-    if (spins % 64 == 0 && Clock::now() > deadline) break;
-    _mm_pause();
   }
-  box.lingering.fetch_sub(1);
-}
+};
 
 
 constexpr int kProbeEvery = 32;
@@ -129,14 +81,15 @@ void RunAll(ffi::ThreadPool& pool, const std::shared_ptr<Shared>& sh, int64_t th
   const auto start = std::chrono::steady_clock::now();
   bool warm = false;
   if (helpers) {
-    const uint64_t generation = Post(sh);
+    const uint64_t generation = jaxinfer_cpu::Post(sh);
     // NOTE: a helper about to stop lingering may miss this call: the caller then does its parts.
-    const int lingering = Box().lingering.load();
+    const int lingering = jaxinfer_cpu::Box().lingering.load();
     warm = lingering > 0;
     const int64_t wanted = std::min(threads, parts) - 1 - lingering;
-    for (int64_t i = 0; i < wanted; ++i) pool.Schedule([sh, generation] { Help(sh, generation); });
+    for (int64_t i = 0; i < wanted; ++i)
+      pool.Schedule([sh, generation] { jaxinfer_cpu::Help(sh, generation); });
   }
-  RunParts(*sh);
+  sh->Run();
   while (sh->done.load(std::memory_order_acquire) < parts) _mm_pause();
   if (parts > 1) Record(work, helpers, warm, std::chrono::steady_clock::now() - start);
 }

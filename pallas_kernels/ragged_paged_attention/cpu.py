@@ -6,7 +6,8 @@ straight from the cache, with every core of XLA's intra-op pool.
 
 1. `KERNEL` (`pallas_kernels.cpu_build`) compiles `cpu_kernel.cc` on first use with the machine's
    C++ compiler against jaxlib's FFI headers and registers it as a custom call for the "cpu"
-   platform. `available()` says whether that worked (and `unavailable_reason()` why not).
+   platform. `available()` says whether that worked (and `unavailable_reason()` why not);
+   `library()` also points it at the linear kernel's lingering helpers (`cpu_helpers.h`).
 2. `ragged_paged_attention` has the reference's signature and emits the custom call (a float32
    or bfloat16 cache, or an fp8 `reference.Fp8KVCache`; `causal_bound` as the reference's: an
    image token sees up to its image's end); `blocks` is
@@ -16,6 +17,7 @@ straight from the cache, with every core of XLA's intra-op pool.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from pathlib import Path
 
@@ -25,6 +27,7 @@ import numpy as np
 
 from pallas_kernels import paged_common as pc
 from pallas_kernels.cpu_build import CppKernel
+from pallas_kernels.linear import cpu as linear_cpu
 from pallas_kernels.ragged_paged_attention.reference import Fp8KVCache, check_inputs
 
 KERNEL = CppKernel(
@@ -33,7 +36,22 @@ KERNEL = CppKernel(
     "jaxinfer_ragged_paged_attention_cpu",
 )
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-library, unavailable_reason, available = KERNEL.library, KERNEL.unavailable_reason, KERNEL.available
+unavailable_reason, available = KERNEL.unavailable_reason, KERNEL.available
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The kernel's library (built and registered on first use; RuntimeError if it cannot be),
+    pointed at the linear kernel's lingering helpers where that kernel builds here: a decode's
+    attention then runs on both cores between two products (`cpu_helpers.h`)."""
+    lib = KERNEL.library()
+    if linear_cpu.available():
+        box = linear_cpu.library().JaxinferCpuHelperBox
+        box.restype = ctypes.c_void_p
+        share = lib.JaxinferCpuUseHelperBox
+        share.argtypes = [ctypes.c_void_p]
+        share(box())
+    return lib
 
 
 @functools.partial(

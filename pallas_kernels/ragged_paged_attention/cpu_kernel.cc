@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_helpers.h"  // the linear kernel's lingering helpers
 #include "xla/ffi/api/ffi.h"
 
 #ifdef __AVX512F__
@@ -413,11 +414,13 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
   for (int64_t r = 0; r < rows; ++r) StoreRow<QT>(pb, it, r, acc + r * d, sc.l[r]);
 }
 
+// Returns how many items this thread ran.
 template <typename QT, typename CT>
-void RunItems(const Problem& pb, const Item* items, int64_t n, std::atomic<int64_t>& next,
-              std::atomic<int64_t>& done) {
+int64_t RunItems(const Problem& pb, const Item* items, int64_t n, std::atomic<int64_t>& next,
+                 std::atomic<int64_t>& done) {
   thread_local Scratch scratch;
-  for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+  int64_t ran = 0;
+  for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1), ++ran) {
     switch (pb.head_dim) {
       case 64: RunItem<QT, CT, 64>(pb, items[i], scratch); break;
       case 128: RunItem<QT, CT, 128>(pb, items[i], scratch); break;
@@ -426,6 +429,7 @@ void RunItems(const Problem& pb, const Item* items, int64_t n, std::atomic<int64
     }
     done.fetch_add(1, std::memory_order_release);
   }
+  return ran;
 }
 
 // An item cut into `chunks` chunk items: `whole.part` is the first chunk's rows in `partials`, the
@@ -508,6 +512,26 @@ void Merge(const Shared& sh) {
   }
 }
 
+// Items lingering helpers ran (`JaxinferCpuAttentionHelped`, for tests), and whether calls post
+// to lingering helpers at all (`JaxinferCpuAttentionUseLingering`, for benchmarks alternating both
+// ways in one process).
+std::atomic<int64_t> helped_items{0};
+std::atomic<bool> use_lingering{true};
+
+// A call's items as a job for a lingering helper (../cpu_helpers.h).
+template <typename QT, typename CT>
+struct ItemsJob : jaxinfer_cpu::Job {
+  std::shared_ptr<Shared> sh;
+  explicit ItemsJob(std::shared_ptr<Shared> s) : sh(std::move(s)) {}
+  void Run() override {
+    const int64_t n = static_cast<int64_t>(sh->items.size());
+    helped_items.fetch_add(RunItems<QT, CT>(sh->pb, sh->items.data(), n, sh->next, sh->done));
+  }
+};
+
+// Items run on the caller and: with enough work, on helpers scheduled on the pool; with less (a
+// sequence decoding alone, ~35 us of keys on one core), on a helper the products left lingering,
+// if one is (waking a pool thread for it takes longer than the call on a small VM).
 template <typename QT, typename CT>
 void Run(ffi::ThreadPool& pool, std::shared_ptr<Shared> sh, int64_t work) {
   const int64_t n = static_cast<int64_t>(sh->items.size());
@@ -515,6 +539,9 @@ void Run(ffi::ThreadPool& pool, std::shared_ptr<Shared> sh, int64_t work) {
   if (work >= kParallelMinWork) helpers = std::min<int64_t>(pool.num_threads(), n - 1);
   for (int64_t i = 0; i < helpers; ++i)
     pool.Schedule([sh, n] { RunItems<QT, CT>(sh->pb, sh->items.data(), n, sh->next, sh->done); });
+  if (helpers == 0 && n > 1 && use_lingering.load(std::memory_order_relaxed) &&
+      jaxinfer_cpu::Box().lingering.load(std::memory_order_relaxed) > 0)
+    jaxinfer_cpu::Post(std::make_shared<ItemsJob<QT, CT>>(sh));
   RunItems<QT, CT>(sh->pb, sh->items.data(), n, sh->next, sh->done);
   while (sh->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
   Merge<QT>(*sh);
@@ -615,6 +642,18 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
 }
 
 }  // namespace
+
+// Points this library at the linear kernel's helper mailbox (`JaxinferCpuHelperBox`; cpu.py calls
+// it once, before any call): its lingering helpers then take attention items too.
+extern "C" void JaxinferCpuUseHelperBox(void* box) {
+  if (box != nullptr) jaxinfer_cpu::BoxSlot() = static_cast<jaxinfer_cpu::Mailbox*>(box);
+}
+// Tests: the mailbox this library posts to (the linear kernel's once shared), a helper made to
+// linger `ns` on it, and how many items lingering helpers have run.
+extern "C" void* JaxinferCpuAttentionHelperBox() { return &jaxinfer_cpu::Box(); }
+extern "C" void JaxinferCpuAttentionLinger(int64_t ns) { jaxinfer_cpu::Linger(ns); }
+extern "C" int64_t JaxinferCpuAttentionHelped() { return helped_items.load(); }
+extern "C" void JaxinferCpuAttentionUseLingering(int on) { use_lingering.store(on != 0); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferRaggedPagedAttention, RaggedPagedAttention,
                               ffi::Ffi::Bind()
