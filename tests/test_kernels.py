@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -761,12 +762,15 @@ def test_cpu_kernel_small_decode_takes_a_lingering_helper_with_the_same_bits():
     before = helped()
     alone = np.asarray(call(*args))
     assert helped() == before  # nothing lingering: the caller ran every item
-    linger(1_000_000_000)  # a helper spinning for the next second, as after a product
-    for _ in range(50):
+    # A helper spinning for the next 0.2 s, as after a product (again while none has taken an
+    # item: on a busy machine the spinning thread may wait for a core longer than a few calls)
+    deadline, armed = time.monotonic() + 20.0, 0.0
+    while helped() == before:
+        assert time.monotonic() < deadline, "no lingering helper took an attention item in 20 s"
+        if time.monotonic() > armed + 0.2:
+            linger(200_000_000)
+            armed = time.monotonic()
         np.testing.assert_array_equal(np.asarray(call(*args)), alone)
-        if helped() > before:
-            break
-    assert helped() > before
 
 
 def test_gpu_rejects_non_power_of_two_head_dim():
